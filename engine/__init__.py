@@ -1,0 +1,49 @@
+"""engine — GGUF inference in PyTorch: token ids in, logits and tokens out.
+
+This is the public, stable API that the server, ds4-eval and outside callers use.
+Everything not re-exported here is internal.
+
+    from engine import load_model, SamplingParams
+
+    model = load_model()                       # embedded SmolLM2-135M-Instruct (Q4_1)
+    ids = model.tokenize(model.render_chat([{"role": "user", "content": "Hi"}]), special=True)
+    s = model.new_session()
+    reused = s.sync(ids)                        # prefix reuse + chunked prefill
+    for tok in generate(s, SamplingParams(temperature=0), max_tokens=32):
+        ...
+
+Model (returned by `load_model(path=None, *, ctx=None, device="cpu")`):
+  - `name`, `path`, `config` (ModelConfig), `n_ctx` (session context size),
+    `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`.
+  - `tokenize(text, special=False) -> list[int]`: with `special=True` special-token
+    text such as `<|im_start|>` becomes its single id; never adds BOS by itself
+    (`add_bos` does, for models that want one: `model.add_bos`).
+  - `detokenize(ids) -> str`, `text_stream() -> TextStream` (incremental, UTF-8 safe).
+  - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`.
+  - `new_session() -> Session`.
+  - Memory: `weight_bytes`, `kv_bytes_per_token`, `memory_bytes(n_sessions, ctx)`.
+
+Session:
+  - `tokens` (ids whose KV is cached), `n_past`.
+  - `sync(ids, progress=None, cancel=None) -> int`: make the cache hold exactly `ids`,
+    reusing the longest common prefix; returns the number of reused tokens.
+    `progress(done, total)` is called after each prefill chunk; `cancel()` returning
+    True raises `Cancelled` at the next chunk boundary, leaving the session valid at
+    the last complete chunk.
+  - `logits`: float32 tensor [n_vocab] for the next token (after sync/eval).
+  - `eval(token)`: append one token.  `sample(params) -> int`.  `truncate(n)`.
+  - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
+
+It does not know about HTTP, chat APIs, tool syntaxes or benchmarks.
+"""
+
+from engine.config import ModelConfig, UnsupportedModel
+from engine.model import Model, ModelLoadError, default_model_path, generate, load_model
+from engine.sampling import Sampler, SamplingParams
+from engine.session import Cancelled, Session
+from engine.tokenizer import TextStream
+
+__all__ = [
+    "Cancelled", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
+    "TextStream", "UnsupportedModel", "default_model_path", "generate", "load_model",
+]

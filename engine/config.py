@@ -1,0 +1,89 @@
+"""Model hyper-parameters, derived from GGUF metadata.
+
+`ModelConfig.from_metadata(meta)` validates the architecture and reads the numbers; an
+unsupported architecture raises `UnsupportedModel` naming it and the supported ones.
+It does not look at tensors (shape checks happen where weights are built).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+class UnsupportedModel(Exception):
+    """The GGUF describes an architecture, tensor type or layout the engine cannot run."""
+
+
+# Architecture -> (rope style, q/k/v bias, per-head q/k RMSNorm).
+# "norm" rotates adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM, which the llama converter
+# prepares q/k weights for); "neox" rotates dimension i with i + head_dim/2.
+ARCHITECTURES = {
+    "llama": ("norm", False, False),
+    "qwen2": ("neox", True, False),
+    "qwen3": ("neox", False, True),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_vocab: int
+    n_ctx_train: int
+    rope_base: float
+    rope_dim: int
+    norm_eps: float
+    rope_style: str
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "ModelConfig":
+        arch = meta.get("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModel(
+                f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})"
+            )
+        rope_style, qkv_bias, qk_norm = ARCHITECTURES[arch]
+
+        def get(key: str, default: Any = None) -> Any:
+            value = meta.get(f"{arch}.{key}", default)
+            if value is None:
+                raise UnsupportedModel(f"GGUF metadata lacks {arch}.{key}")
+            return value
+
+        n_embd = int(get("embedding_length"))
+        n_head = int(get("attention.head_count"))
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        tokens = meta.get("tokenizer.ggml.tokens")
+        n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+        return cls(
+            arch=arch,
+            n_layer=int(get("block_count")),
+            n_embd=n_embd,
+            n_ff=int(get("feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=int(get("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            n_vocab=n_vocab,
+            n_ctx_train=int(get("context_length")),
+            rope_base=float(get("rope.freq_base", 10000.0)),
+            rope_dim=int(get("rope.dimension_count", head_dim)),
+            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_style=rope_style,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+        )

