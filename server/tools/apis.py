@@ -1,0 +1,294 @@
+"""Mapping between the three HTTP APIs' tool objects and the package's records. Pure functions over plain dicts.
+
+Input: OpenAI Chat messages (`tool_calls`, `tool` role), Anthropic content blocks (`tool_use`, `tool_result`,
+`thinking`), Responses items (`function_call`, `function_call_output`, `reasoning`) and each API's tool definitions
+become `Message` / `ToolSpec` records. Output: a `ParseResult` becomes an OpenAI message + finish_reason, Anthropic
+content blocks + stop_reason, or Responses output items; streaming events become OpenAI delta objects.
+Shapes that cannot be mapped raise `ToolInputError` (a ValueError whose message is fit for a 400 response). This
+module does not validate sampling fields, count tokens or build whole HTTP responses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Optional
+
+from server.tools.canonical import new_call_id
+from server.tools.records import (
+    ContentDelta, Event, Message, ParseResult, ReasoningDelta, ToolCall, ToolCallArgumentsDelta, ToolCallStart,
+    ToolSpec)
+
+# Call-id prefixes per API: generated calls get `prefix + 24 base-62 characters` from the CSPRNG.
+ID_PREFIX = {"openai": "call_", "anthropic": "toolu_", "responses": "call_"}
+ANTHROPIC_STOP = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}
+
+
+class ToolInputError(ValueError):
+    """A client object that cannot be mapped; `param` names where it was found."""
+
+    def __init__(self, message: str, param: str = ""):
+        super().__init__(message)
+        self.param = param
+
+
+def _need(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise ToolInputError(message, param)
+
+
+def _text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """Text of a string or of a list of text parts (other part types are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    _need(isinstance(content, list), "content must be a string or a list of parts", param)
+    pieces = []
+    for j, part in enumerate(content):
+        _need(isinstance(part, dict) and part.get("type") in kinds and isinstance(part.get("text"), str),
+              f"only text content parts are supported (types {', '.join(kinds)})", f"{param}[{j}]")
+        pieces.append(part["text"])
+    return "".join(pieces)
+
+
+def _arguments(raw: Any, param: str) -> dict:
+    """Arguments from a JSON string (OpenAI, Responses) or an object (Anthropic)."""
+    if isinstance(raw, dict):
+        return raw
+    _need(isinstance(raw, str), "arguments must be a JSON string", param)
+    if not raw.strip():
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError as e:
+        raise ToolInputError(f"arguments are not valid JSON: {e}", param) from None
+    _need(isinstance(value, dict), "arguments must encode a JSON object", param)
+    return value
+
+
+def _spec(name: Any, description: Any, parameters: Any, param: str) -> ToolSpec:
+    _need(isinstance(name, str) and bool(name), "tool name must be a non-empty string", param)
+    _need(description is None or isinstance(description, str), "tool description must be a string", param)
+    _need(parameters is None or isinstance(parameters, dict), "tool parameters must be a JSON schema object", param)
+    return ToolSpec(name, description or "", parameters if parameters is not None else {})
+
+
+# ---- tool definitions -------------------------------------------------------------------------------------------
+
+def tools_from_openai(tools: Optional[list]) -> list[ToolSpec]:
+    specs = []
+    for i, t in enumerate(tools or []):
+        p = f"tools[{i}]"
+        _need(isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict),
+              'each tool must be {"type": "function", "function": {...}}', p)
+        f = t["function"]
+        specs.append(_spec(f.get("name"), f.get("description"), f.get("parameters"), p))
+    return specs
+
+
+def tools_from_anthropic(tools: Optional[list]) -> list[ToolSpec]:
+    specs = []
+    for i, t in enumerate(tools or []):
+        p = f"tools[{i}]"
+        _need(isinstance(t, dict) and t.get("type", "custom") == "custom",
+              "only custom tools (name, description, input_schema) are supported", p)
+        specs.append(_spec(t.get("name"), t.get("description"), t.get("input_schema"), p))
+    return specs
+
+
+def tools_from_responses(tools: Optional[list]) -> list[ToolSpec]:
+    specs = []
+    for i, t in enumerate(tools or []):
+        p = f"tools[{i}]"
+        _need(isinstance(t, dict) and t.get("type") == "function", "only function tools are supported", p)
+        specs.append(_spec(t.get("name"), t.get("description"), t.get("parameters"), p))
+    return specs
+
+
+# ---- conversation input -----------------------------------------------------------------------------------------
+
+def messages_from_openai(messages: list) -> list[Message]:
+    out = []
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        _need(isinstance(m, dict), "each message must be an object", p)
+        role = m.get("role")
+        if role in ("system", "developer"):
+            out.append(Message("system", _text(m.get("content"), p + ".content")))
+        elif role == "user":
+            out.append(Message("user", _text(m.get("content"), p + ".content")))
+        elif role == "assistant":
+            calls = []
+            for j, c in enumerate(m.get("tool_calls") or []):
+                cp = f"{p}.tool_calls[{j}]"
+                _need(isinstance(c, dict) and isinstance(c.get("function"), dict), "tool call must have a function",
+                      cp)
+                f = c["function"]
+                _need(isinstance(f.get("name"), str) and bool(f["name"]), "tool call needs a function name", cp)
+                _need(isinstance(c.get("id", ""), str), "tool call id must be a string", cp)
+                calls.append(ToolCall(c.get("id") or "", f["name"], _arguments(f.get("arguments", "{}"), cp)))
+            reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
+            _need(isinstance(reasoning, str), "reasoning_content must be a string", p)
+            out.append(Message("assistant", _text(m.get("content"), p + ".content"), reasoning, calls))
+        elif role == "tool":
+            _need(isinstance(m.get("tool_call_id"), str), "tool message needs tool_call_id", p)
+            out.append(Message("tool", _text(m.get("content"), p + ".content"), tool_call_id=m["tool_call_id"]))
+        else:
+            raise ToolInputError(f"unknown message role {role!r}", p + ".role")
+    return out
+
+
+def messages_from_anthropic(system: Any, messages: list) -> list[Message]:
+    out = []
+    if system:
+        out.append(Message("system", _text(system, "system")))
+    for i, m in enumerate(messages):
+        p = f"messages[{i}]"
+        _need(isinstance(m, dict) and m.get("role") in ("user", "assistant"), "role must be user or assistant", p)
+        content = m.get("content")
+        blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        _need(isinstance(blocks, list), "content must be a string or a list of blocks", p + ".content")
+        if m["role"] == "user":
+            texts = []
+            for j, b in enumerate(blocks):
+                bp = f"{p}.content[{j}]"
+                _need(isinstance(b, dict), "content block must be an object", bp)
+                if b.get("type") == "tool_result":
+                    _need(isinstance(b.get("tool_use_id"), str), "tool_result needs tool_use_id", bp)
+                    out.append(Message("tool", _text(b.get("content"), bp + ".content"),
+                                       tool_call_id=b["tool_use_id"], is_error=bool(b.get("is_error"))))
+                else:
+                    texts.append(_text([b], bp))
+            if texts:
+                out.append(Message("user", "".join(texts)))
+        else:
+            msg = Message("assistant")
+            for j, b in enumerate(blocks):
+                bp = f"{p}.content[{j}]"
+                _need(isinstance(b, dict), "content block must be an object", bp)
+                kind = b.get("type")
+                if kind == "text":
+                    msg.content += _text([b], bp)
+                elif kind == "thinking":
+                    _need(isinstance(b.get("thinking"), str), "thinking block needs text", bp)
+                    msg.reasoning += b["thinking"]
+                elif kind == "redacted_thinking":
+                    continue
+                elif kind == "tool_use":
+                    _need(isinstance(b.get("id"), str) and isinstance(b.get("name"), str) and bool(b["name"]),
+                          "tool_use needs id and name", bp)
+                    _need(isinstance(b.get("input", {}), dict), "tool_use input must be an object", bp)
+                    msg.tool_calls.append(ToolCall(b["id"], b["name"], b.get("input", {})))
+                else:
+                    raise ToolInputError(f"unsupported assistant content block {kind!r}", bp)
+            out.append(msg)
+    return out
+
+
+def messages_from_responses(instructions: Any, items: Any) -> list[Message]:
+    out: list[Message] = []
+    if instructions:
+        _need(isinstance(instructions, str), "instructions must be a string", "instructions")
+        out.append(Message("system", instructions))
+    if isinstance(items, str):
+        return out + [Message("user", items)]
+    _need(isinstance(items, list), "input must be a string or a list of items", "input")
+    pending_reasoning = ""
+
+    def assistant() -> Message:
+        # Calls and reasoning that follow an assistant message belong to the same turn.
+        nonlocal pending_reasoning
+        if not out or out[-1].role != "assistant":
+            out.append(Message("assistant"))
+        out[-1].reasoning += pending_reasoning
+        pending_reasoning = ""
+        return out[-1]
+
+    text_kinds = ("input_text", "output_text", "text")
+    for i, it in enumerate(items):
+        p = f"input[{i}]"
+        _need(isinstance(it, dict), "each input item must be an object", p)
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            _need(role in ("user", "assistant", "system", "developer"), f"unknown message role {role!r}", p)
+            text = _text(it.get("content"), p + ".content", text_kinds)
+            if role == "assistant":
+                if out and out[-1].role == "assistant" and not out[-1].tool_calls:
+                    out[-1].content += text
+                    out[-1].reasoning += pending_reasoning
+                else:
+                    out.append(Message("assistant", text, pending_reasoning))
+                pending_reasoning = ""
+            else:
+                out.append(Message("system" if role == "developer" else role, text))
+        elif kind == "function_call":
+            _need(isinstance(it.get("call_id"), str) and isinstance(it.get("name"), str) and bool(it["name"]),
+                  "function_call needs call_id and name", p)
+            assistant().tool_calls.append(ToolCall(it["call_id"], it["name"], _arguments(it.get("arguments", ""), p)))
+        elif kind == "function_call_output":
+            _need(isinstance(it.get("call_id"), str), "function_call_output needs call_id", p)
+            out.append(Message("tool", _text(it.get("output"), p + ".output", text_kinds),
+                               tool_call_id=it["call_id"]))
+        elif kind == "reasoning":
+            parts = it.get("content") or it.get("summary") or []
+            _need(isinstance(parts, list), "reasoning content must be a list", p)
+            pending_reasoning += "".join(x.get("text", "") for x in parts if isinstance(x, dict))
+        else:
+            raise ToolInputError(f"unsupported input item type {kind!r}", p)
+    return out
+
+
+# ---- output -----------------------------------------------------------------------------------------------------
+
+def openai_tool_call(call: ToolCall) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+
+
+def openai_message(result: ParseResult) -> tuple[dict, str]:
+    """The Chat Completions `message` object and `finish_reason`."""
+    msg: dict = {"role": "assistant", "content": result.content if (result.content or not result.tool_calls) else None}
+    if result.reasoning:
+        msg["reasoning_content"] = result.reasoning
+    if result.tool_calls:
+        msg["tool_calls"] = [openai_tool_call(c) for c in result.tool_calls]
+    return msg, result.finish_reason
+
+
+def openai_delta(event: Event) -> Optional[dict]:
+    """The `delta` object of a Chat Completions stream chunk for one event (None: the event adds nothing)."""
+    if isinstance(event, ContentDelta):
+        return {"content": event.text}
+    if isinstance(event, ReasoningDelta):
+        return {"reasoning_content": event.text}
+    if isinstance(event, ToolCallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, ToolCallArgumentsDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return None
+
+
+def anthropic_content(result: ParseResult) -> tuple[list[dict], str]:
+    """Anthropic Messages `content` blocks and `stop_reason`."""
+    blocks: list[dict] = []
+    if result.reasoning:
+        blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
+    if result.content:
+        blocks.append({"type": "text", "text": result.content})
+    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in result.tool_calls]
+    return blocks, ANTHROPIC_STOP.get(result.finish_reason, result.finish_reason)
+
+
+def responses_output(result: ParseResult, new_id: Callable[[str], str] = new_call_id) -> list[dict]:
+    """Responses API `output` items: reasoning, then the message, then one function_call per call."""
+    items: list[dict] = []
+    if result.reasoning:
+        items.append({"type": "reasoning", "id": new_id("rs_"), "summary": [],
+                      "content": [{"type": "reasoning_text", "text": result.reasoning}]})
+    if result.content or not result.tool_calls:
+        items.append({"type": "message", "id": new_id("msg_"), "role": "assistant", "status": "completed",
+                      "content": [{"type": "output_text", "text": result.content, "annotations": []}]})
+    items += [{"type": "function_call", "id": new_id("fc_"), "call_id": c.id, "name": c.name,
+               "arguments": c.arguments_json, "status": "completed"} for c in result.tool_calls]
+    return items
