@@ -1,0 +1,9 @@
+"""ds4eval — the `ds4-eval` regression harness (and `ds4-bench` in `ds4eval.bench`).
+
+Pipeline: suite manifest + data dir -> `cases.Case` -> `prompts` -> backend (`backends.engine_backend`
+in-process, or `backends.openai_backend` over HTTP) driven by `runner.Runner` (events + controls)
+-> `extract` -> `grade` -> `trace` block -> `report` / JSON summary. `regrade` re-enters at
+extraction from a trace alone. `cli` only maps flags onto `config.EvalConfig`.
+
+This package imports `engine` only inside the engine backend and never reaches into `server`.
+"""

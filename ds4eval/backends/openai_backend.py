@@ -1,0 +1,181 @@
+"""OpenAI-compatible backend: streams chat completions from any server over HTTP (httpx).
+
+Contract
+- POSTs `{url}/v1/chat/completions` (or `{url}/chat/completions` when the URL already ends in
+  `/v1`) with `stream: true` and `stream_options.include_usage`, a system and a user message,
+  `max_tokens` = the job's budget (capped by `--ctx` minus the prompt estimate when given), the
+  sampling settings, and `seed` when set. With `--nothink` it also sends
+  `chat_template_kwargs: {"enable_thinking": false}`, which vLLM, llama.cpp and ds4-server read.
+- Reasoning deltas (`reasoning_content` or `reasoning`) are recorded inside `<think>...</think>`
+  so the trace and the extractors see the same shape as the engine backend's output.
+- A stream counts as complete only with a finish reason and `[DONE]`; an HTTP error, an error
+  event, broken JSON or a stream that ends early make the case ERROR with the reason.
+  Token counts come from the final usage chunk (one per content chunk until then).
+- Thread-safe: one `httpx.Client` shared by `--concurrency` workers.
+It does not retry failed requests and never reaches into server internals.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+from ds4eval.config import EvalConfig
+from ds4eval.extract import THINK_CLOSE, THINK_OPEN
+from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
+
+
+def completions_url(base: str) -> str:
+    base = base.rstrip("/")
+    if base.endswith("/chat/completions"):
+        return base
+    if base.endswith("/v1"):
+        return base + "/chat/completions"
+    return base + "/v1/chat/completions"
+
+
+class StreamError(Exception):
+    pass
+
+
+class OpenAIBackend:
+    name = "openai"
+
+    def __init__(self, config: EvalConfig, transport: httpx.BaseTransport | None = None):
+        self.config = config
+        self.url = completions_url(config.url or "")
+        self.model_name = config.served_model or "default"
+        self.n_ctx = config.ctx
+        self.max_concurrency = max(1, config.concurrency)
+        headers = {"Accept": "text/event-stream"}
+        if config.api_key:
+            headers["Authorization"] = f"Bearer {config.api_key}"
+        self._client = httpx.Client(
+            headers=headers, transport=transport,
+            timeout=httpx.Timeout(connect=30.0, read=config.request_timeout_s, write=30.0, pool=None))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def request_body(self, job: GenerationJob) -> dict:
+        max_tokens = job.max_tokens
+        if self.n_ctx:
+            # Without the server's tokenizer, assume 3 characters per token: that overestimates
+            # the prompt of typical text, so the request stays within --ctx.
+            est = (len(job.system_prompt) + len(job.question_prompt)) // 3 + 16
+            max_tokens = max(1, min(max_tokens, self.n_ctx - est))
+        body = {
+            "model": self.model_name,
+            "messages": [{"role": "system", "content": job.system_prompt},
+                         {"role": "user", "content": job.question_prompt}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens,
+            "temperature": job.temperature,
+            "top_p": job.top_p,
+        }
+        if job.min_p:
+            body["min_p"] = job.min_p
+        if job.seed is not None:
+            body["seed"] = job.seed
+        if not job.think:
+            body["chat_template_kwargs"] = {"enable_thinking": False}
+        return body
+
+    def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult:
+        res = GenerationResult(thinking=job.think)
+        out: list[str] = []
+        in_think = False
+        saw_think = False
+        chunks = 0
+        finish = None
+        done = False
+        usage = None
+        ctx.prefill(0, 0)
+        started = False
+        try:
+            with self._client.stream("POST", self.url, json=self.request_body(job)) as resp:
+                if resp.status_code >= 400:
+                    resp.read()
+                    raise StreamError(f"HTTP {resp.status_code}: {_error_text(resp.text)}")
+                for line in resp.iter_lines():
+                    why = ctx.checkpoint()
+                    if why:
+                        res.interrupted = why
+                        break
+                    if not line.startswith("data:"):
+                        continue  # SSE comments, event names and keep-alives
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        obj = json.loads(data)
+                    except json.JSONDecodeError:
+                        raise StreamError(f"broken JSON in stream: {data[:80]!r}") from None
+                    if not isinstance(obj, dict):
+                        raise StreamError("stream event is not an object")
+                    if "error" in obj:
+                        raise StreamError(f"server error: {_error_text(json.dumps(obj['error']))}")
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+                    for choice in obj.get("choices") or []:
+                        delta = choice.get("delta") or {}
+                        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+                        content = delta.get("content")
+                        if (reasoning or content) and not started:
+                            started = True
+                            ctx.started(0)
+                        if reasoning:
+                            if not in_think:
+                                in_think = saw_think = True
+                                out.append(THINK_OPEN)
+                                ctx.text(THINK_OPEN, True)
+                            out.append(reasoning)
+                            ctx.text(reasoning, True)
+                        if content:
+                            if in_think:
+                                in_think = False
+                                out.append(THINK_CLOSE)
+                                ctx.text(THINK_CLOSE, True)
+                            out.append(content)
+                            ctx.text(content, False)
+                        if reasoning or content:
+                            chunks += 1
+                            ctx.token()
+                        if choice.get("finish_reason"):
+                            finish = choice["finish_reason"]
+        except StreamError as e:
+            res.error = str(e)
+        except httpx.HTTPError as e:
+            res.error = f"{type(e).__name__}: {e}"
+        if in_think:
+            out.append(THINK_CLOSE)  # keep the block balanced; think_close says it never closed
+        res.output = "".join(out)
+        if usage:
+            res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            res.gen_tokens = int(usage.get("completion_tokens") or 0)
+        else:
+            res.gen_tokens = chunks
+        if saw_think:
+            res.think_close = "unclosed" if in_think else "natural"
+        if not res.error and not res.interrupted:
+            if not done:
+                res.error = "stream ended without [DONE]"
+            elif finish is None:
+                res.error = "stream ended without a finish reason"
+        return res
+
+
+def _error_text(text: str) -> str:
+    text = " ".join(text.split())
+    try:
+        obj = json.loads(text)
+        if isinstance(obj, dict):
+            err = obj.get("error", obj)
+            if isinstance(err, dict) and "message" in err:
+                return str(err["message"])[:300]
+    except json.JSONDecodeError:
+        pass
+    return text[:300]

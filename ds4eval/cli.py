@@ -1,0 +1,292 @@
+"""`ds4-eval` command line: parses flags into an EvalConfig and calls the library.
+
+Modes (at most one): run a suite (default), --list-cases, --validate-cases,
+--self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull.
+Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
+traceback. Files are written atomically. The run itself, grading and formats live in the
+library modules; this module only wires them together.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from ds4eval import cases as cs
+from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
+from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
+
+
+class UsageFailure(Exception):
+    """A problem with the user's input: printed as one line, exit status 2."""
+
+
+# ---------------------------------------------------------------- modes
+
+def cmd_self_test() -> int:
+    failures = selftest.run_self_test()
+    total = len(selftest.SELF_TEST_CASES)
+    for c, v in failures:
+        click.echo(f"FAIL {c.kind} {c.name!r}: output={c.output!r} want picked={c.picked!r} "
+                   f"passed={c.passed} got picked={v.picked!r} passed={v.passed}")
+    click.echo(f"{total - len(failures)}/{total} extractor self-tests passed "
+               f"(kinds: {', '.join(sorted(selftest.covered_kinds()))})")
+    return 1 if failures else 0
+
+
+def grade_lines(text: str, name: str = "input") -> list[dict]:
+    """Grade every JSON line of a --grade-file input; raise UsageFailure on a bad line."""
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageFailure(f"{name}:{n}: invalid JSON: {e.msg}") from None
+        if not isinstance(obj, dict):
+            raise UsageFailure(f"{name}:{n}: not a JSON object")
+        kind, answer, output = obj.get("answer_kind"), obj.get("answer"), obj.get("output")
+        aliases, nchoices = obj.get("aliases", []), obj.get("nchoices", 0)
+        if kind not in cs.ANSWER_KINDS:
+            raise UsageFailure(f"{name}:{n}: answer_kind must be one of {', '.join(cs.ANSWER_KINDS)}")
+        if not isinstance(answer, str) or not isinstance(output, str):
+            raise UsageFailure(f"{name}:{n}: 'answer' and 'output' must be strings")
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise UsageFailure(f"{name}:{n}: 'aliases' must be a list of strings")
+        if kind == "choice" and (not isinstance(nchoices, int) or not 1 <= nchoices <= cs.MAX_CHOICES):
+            raise UsageFailure(f"{name}:{n}: a choice line needs 'nchoices' between 1 and {cs.MAX_CHOICES}")
+        try:
+            grade.parse_key(kind, answer)
+        except ValueError as e:
+            raise UsageFailure(f"{name}:{n}: answer {answer!r}: {e}") from None
+        v = grade.grade_output(kind, answer, output, aliases, nchoices if kind == "choice" else 0)
+        out.append({**obj, "picked": v.picked, "passed": v.passed})
+    return out
+
+
+def cmd_grade_file(path: str) -> int:
+    text = _read(path)
+    for row in grade_lines(text, path):
+        click.echo(json.dumps(row, ensure_ascii=False))
+    return 0
+
+
+def available_cases(data_dir: Path) -> dict[tuple[str, str], cs.Case]:
+    """Every case this installation can see: the sanity suite plus present data files."""
+    found: dict[tuple[str, str], cs.Case] = {}
+    paths = [cs.COMMITTED_SUITE_FILE["sanity"]] + [data_dir / f for f in dict.fromkeys(cs.SUITE_DATA_FILE.values())]
+    for p in paths:
+        if p.is_file():
+            for c in cs.load_file(p).cases:
+                found.setdefault(c.key, c)
+    return found
+
+
+def cmd_regrade(path: str, data_dir: Path) -> int:
+    parsed = _read_trace(path)
+    known = available_cases(data_dir)
+    rep = rg.regrade(parsed.records, lambda s, i: known.get((s, i)))
+    for p in parsed.problems + rep.problems:
+        click.echo(f"warning: {p}", err=True)
+    click.echo(rep.summary_line())
+    for c in rep.changed:
+        click.echo(f"changed: #{c.index} {c.source}/{c.id}: {c.old_status} -> {c.new_status} "
+                   f"(picked {c.old_picked!r} -> {c.new_picked!r}, expected {c.expected!r})")
+    return 0
+
+
+def cmd_list(cfg: EvalConfig) -> int:
+    selected = load_selected(cfg)
+    rows = [[i, c.source, c.id, c.domain, c.answer_kind, c.max_tokens or "", c.title[:50]]
+            for i, c in enumerate(selected, 1)]
+    from tabulate import tabulate
+
+    click.echo(tabulate(rows, headers=["#", "source", "id", "domain", "kind", "max_tokens", "title"]))
+    click.echo(f"{len(selected)} cases in suite {cfg.suite}")
+    return 0
+
+
+def cmd_validate(cfg: EvalConfig) -> int:
+    rep = manifest.validate_all(cs.resolve_data_dir(cfg.data_dir))
+    for line in rep.lines():
+        click.echo(line)
+    click.echo("all cases valid" if rep.ok else "validation FAILED")
+    return 0 if rep.ok else 1
+
+
+def cmd_data_pull(cfg: EvalConfig) -> int:
+    from ds4eval import datapull
+
+    data_dir = cs.resolve_data_dir(cfg.data_dir)
+    try:
+        written = datapull.pull(cfg.data_url, data_dir)
+    except datapull.PullError as e:
+        raise UsageFailure(str(e)) from None
+    for path, n in written:
+        click.echo(f"wrote {path} ({n} cases)")
+    return 0
+
+
+def load_selected(cfg: EvalConfig) -> list[cs.Case]:
+    data_dir = cs.resolve_data_dir(cfg.data_dir)
+    try:
+        suite_cases = cs.load_suite(cfg.suite, data_dir)
+    except (cs.DataMissing, cs.CaseError, ValueError) as e:
+        raise UsageFailure(str(e)) from None
+    selected = cs.select_cases(suite_cases, ids=cfg.case_ids, domains=cfg.domains, sources=cfg.sources)
+    if not selected:
+        raise UsageFailure(f"no case of suite {cfg.suite!r} matches the filters")
+    return selected
+
+
+def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None) -> int:
+    from ds4eval.backends import create_backend
+    from ds4eval.runner import Runner
+
+    try:
+        backend = create_backend(cfg)
+    except Exception as e:  # model loading and connection set-up report one line
+        raise UsageFailure(f"cannot start the {cfg.backend} backend: {type(e).__name__}: {e}") from None
+    # The terminal UI plugs in here as another listener; --plain and non-terminals print lines.
+    listener = report.PlainListener(len(selected))
+    runner = Runner(cfg, selected, backend, [listener], numbers=numbers)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.setdefault("states", runner.run()), daemon=True)
+    worker.start()
+    interrupted = False
+    try:
+        while worker.is_alive():
+            worker.join(0.2)
+    except KeyboardInterrupt:
+        interrupted = True
+        click.echo("stopping at the next token boundary...", err=True)
+        runner.stop()
+        worker.join()
+    states = result.get("states") or runner.snapshot()
+    info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
+            "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                         "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx}}
+    summary = report.build_summary(states, runner.wall_s, info)
+    click.echo(report.render_report(summary))
+    if cfg.summary:
+        manifest.write_atomic(Path(cfg.summary), json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+    if hasattr(backend, "close"):
+        backend.close()
+    return 130 if interrupted else 0
+
+
+def cmd_retry(cfg: EvalConfig) -> int:
+    path = cfg.retry_incomplete
+    parsed = _read_trace(path)
+    todo = rg.incomplete(parsed.records)
+    if not todo:
+        click.echo("nothing to retry: every case in the trace finished PASSED or FAILED")
+        return 0
+    known = available_cases(cs.resolve_data_dir(cfg.data_dir))
+    missing = [f"{s}/{i}" for s, i in todo if (s, i) not in known]
+    if missing:
+        raise UsageFailure(f"cases not found in the data: {', '.join(missing)}")
+    numbers = {}
+    for rec in parsed.records:
+        numbers[(rec.source, rec.id)] = rec.index
+    if cfg.trace is None:
+        cfg.trace = path
+    click.echo(f"retrying {len(todo)} incomplete case(s) from {path}")
+    return run_cases(cfg, [known[k] for k in todo], [numbers[k] for k in todo])
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", newline="") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageFailure(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageFailure(f"{path} is not UTF-8 text") from None
+
+
+def _read_trace(path: str) -> trace.ParsedTrace:
+    parsed = trace.parse_trace(_read(path))
+    if not parsed.records and parsed.problems:
+        raise UsageFailure(f"{path}: not a ds4-eval trace ({parsed.problems[0]})")
+    return parsed
+
+
+def dispatch(cfg: EvalConfig) -> int:
+    cfg.validate()
+    data_dir = cs.resolve_data_dir(cfg.data_dir)
+    if cfg.self_test_extractors:
+        return cmd_self_test()
+    if cfg.grade_file:
+        return cmd_grade_file(cfg.grade_file)
+    if cfg.regrade:
+        return cmd_regrade(cfg.regrade, data_dir)
+    if cfg.validate_cases:
+        return cmd_validate(cfg)
+    if cfg.data_pull:
+        return cmd_data_pull(cfg)
+    if cfg.list_cases:
+        return cmd_list(cfg)
+    if cfg.retry_incomplete:
+        return cmd_retry(cfg)
+    return run_cases(cfg, load_selected(cfg))
+
+
+# ---------------------------------------------------------------- flags
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--suite", default="sanity", show_default=True, type=click.Choice(cs.KNOWN_SUITES))
+@click.option("--case-id", "case_ids", multiple=True, help="Run only this case id (repeatable).")
+@click.option("--domain", "domains", multiple=True, help="Run only this domain (repeatable).")
+@click.option("--source", "sources", multiple=True, help="Run only this source (repeatable).")
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Case data directory.")
+@click.option("--backend", default="engine", show_default=True, type=click.Choice(BACKENDS))
+@click.option("-m", "--model", help="GGUF file for the engine backend (default: embedded model).")
+@click.option("--ctx", type=int, help="Context size.")
+@click.option("--device", default="cpu", show_default=True, help="Engine device.")
+@click.option("--url", help="Server base URL for --backend openai.")
+@click.option("--api-key", envvar="DS4EVAL_API_KEY", help="Bearer token for the server.")
+@click.option("--served-model", help="Model name sent to the server.")
+@click.option("--concurrency", type=int, default=1, show_default=True, help="Cases in flight (server).")
+@click.option("--request-timeout", "request_timeout_s", type=float, default=600.0, show_default=True)
+@click.option("-n", "--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
+              help="Generation budget per case.")
+@click.option("--temp", "temperature", type=float, default=0.0, show_default=True)
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int)
+@click.option("--nothink", is_flag=True, help="Disable thinking mode.")
+@click.option("--plain", is_flag=True, help="Line-per-case output and a final report.")
+@click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Append a trace here.")
+@click.option("--summary", type=click.Path(dir_okay=False), help="Write the JSON summary here.")
+@click.option("--list-cases", is_flag=True)
+@click.option("--validate-cases", is_flag=True)
+@click.option("--self-test-extractors", is_flag=True)
+@click.option("--grade-file", type=click.Path(dir_okay=False))
+@click.option("--regrade", type=click.Path(dir_okay=False))
+@click.option("--retry-incomplete", type=click.Path(dir_okay=False))
+@click.option("--data-pull", is_flag=True, help="Fetch the upstream case tables into the data dir.")
+@click.option("--data-url", default=EvalConfig.data_url, show_default=True,
+              help="Base URL --data-pull fetches from.")
+def main(case_ids, domains, sources, nothink, trace_path, **kw) -> None:
+    """ds4-eval: run evaluation suites, grade outputs, regrade traces."""
+    cfg = EvalConfig(case_ids=tuple(case_ids), domains=tuple(domains), sources=tuple(sources),
+                     think=not nothink, trace=trace_path, **kw)
+    try:
+        code = dispatch(cfg)
+    except (UsageFailure, ConfigError) as e:
+        click.echo(f"ds4-eval: error: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        click.echo(f"ds4-eval: error: {e}", err=True)
+        sys.exit(2)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""EvalConfig: every setting of `ds4-eval`, one field per command-line flag.
+
+Contract: a plain dataclass with defaults and `validate()`, which raises `ConfigError` with a
+one-line message for inconsistent settings. `cli` builds it from flags; library callers (the
+terminal UI, tests) build it directly. It performs no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("engine", "openai")
+DEFAULT_TOKENS = 16000
+# Pinned upstream revision that --data-pull fetches (see ds4eval/datapull.py).
+DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class EvalConfig:
+    # --- what to run
+    suite: str = "sanity"
+    """Suite name: sanity (committed), core, hard or hard-smoke (read from the data dir)."""
+    case_ids: tuple[str, ...] = ()
+    """--case-id: run only these ids (repeatable)."""
+    domains: tuple[str, ...] = ()
+    """--domain: run only these domains (repeatable, case-insensitive)."""
+    sources: tuple[str, ...] = ()
+    """--source: run only these sources (repeatable, case-insensitive)."""
+    data_dir: str | None = None
+    """--data-dir: where core.jsonl / hard.jsonl live (else $DS4EVAL_DATA, else per-user)."""
+
+    # --- backend
+    backend: str = "engine"
+    """engine (in-process) or openai (any OpenAI-compatible HTTP server)."""
+    model: str | None = None
+    """-m/--model: GGUF path for the engine backend (default: the embedded model)."""
+    ctx: int | None = None
+    """--ctx: context size (engine: session size; openai: optional limit used for budgets)."""
+    device: str = "cpu"
+    """--device for the engine backend."""
+    url: str | None = None
+    """--url: base URL of the server (openai backend), e.g. http://127.0.0.1:8000."""
+    api_key: str | None = None
+    """--api-key: bearer token for the server (also read from $DS4EVAL_API_KEY)."""
+    served_model: str | None = None
+    """--served-model: model name sent in requests (openai backend)."""
+    concurrency: int = 1
+    """--concurrency: cases sent at once to a server backend."""
+    request_timeout_s: float = 600.0
+    """--request-timeout: seconds without any stream data before a request fails."""
+
+    # --- generation
+    tokens: int = DEFAULT_TOKENS
+    """-n/--tokens: generation budget per case (also capped by case max_tokens and context)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    think: bool = True
+    """Thinking mode where the model supports it; --nothink turns it off."""
+    think_soft_reserve: int = 1024
+    """When thinking and this many budget tokens are left, nudge the model to conclude."""
+    think_hard_reserve: int = 256
+    """When still thinking with this many left, close the thinking block and ask for the answer."""
+
+    # --- output
+    plain: bool = False
+    """--plain: one line per finished case and a final report (no terminal UI)."""
+    trace: str | None = None
+    """--trace FILE: append one block per finished case."""
+    summary: str | None = None
+    """--summary FILE: write the JSON summary of the run."""
+
+    # --- modes that do not run a suite
+    list_cases: bool = False
+    validate_cases: bool = False
+    self_test_extractors: bool = False
+    grade_file: str | None = None
+    regrade: str | None = None
+    retry_incomplete: str | None = None
+    data_pull: bool = False
+    data_url: str = DEFAULT_DATA_URL
+    """--data-url: base URL that --data-pull fetches the C case tables from."""
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
+        if self.backend == "openai" and not self.url:
+            raise ConfigError("--backend openai needs --url")
+        if self.tokens <= 0:
+            raise ConfigError("--tokens must be positive")
+        if self.ctx is not None and self.ctx <= 0:
+            raise ConfigError("--ctx must be positive")
+        if self.concurrency < 1:
+            raise ConfigError("--concurrency must be at least 1")
+        if self.backend == "engine" and self.concurrency != 1:
+            raise ConfigError("--concurrency applies to server backends; the engine runs one case at a time")
+        if self.temperature < 0:
+            raise ConfigError("--temp must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("--top-p must be in (0, 1]")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError("--min-p must be in [0, 1)")
+        if self.think_hard_reserve < 0 or self.think_soft_reserve < self.think_hard_reserve:
+            raise ConfigError("think reserves must satisfy 0 <= hard <= soft")
+        modes = [self.list_cases, self.validate_cases, self.self_test_extractors, bool(self.grade_file),
+                 bool(self.regrade), bool(self.retry_incomplete), self.data_pull]
+        if sum(modes) > 1:
+            raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
+                              "--grade-file, --regrade, --retry-incomplete, --data-pull")

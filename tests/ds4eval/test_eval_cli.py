@@ -1,0 +1,109 @@
+"""The ds4-eval command line: modes, one-line errors, regrade and retry through the CLI."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ds4eval import cli
+from ds4eval import trace as tr
+
+
+def invoke(*args, env=None):
+    return CliRunner().invoke(cli.main, list(args), env=env or {})
+
+
+def test_self_test_extractors_exit_status(monkeypatch):
+    r = invoke("--self-test-extractors")
+    assert r.exit_code == 0 and "extractor self-tests passed" in r.output
+    from ds4eval import selftest
+
+    bad = selftest.SelfTestCase("wrong on purpose", "integer", "5", "Answer: 6", "6", True)
+    monkeypatch.setattr(selftest, "SELF_TEST_CASES", selftest.SELF_TEST_CASES + (bad,))
+    r = invoke("--self-test-extractors")
+    assert r.exit_code == 1 and "FAIL integer 'wrong on purpose'" in r.output
+
+
+def test_grade_file(tmp_path):
+    rows = [{"answer_kind": "choice", "answer": "C", "nchoices": 4, "output": "Answer: I think it is C"},
+            {"answer_kind": "rational", "answer": "25/2", "aliases": ["12.5"], "output": "Answer: 12.5"},
+            {"answer_kind": "line_set", "answer": "17-20", "output": "Answer: 16", "extra": "kept"}]
+    f = tmp_path / "in.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    r = invoke("--grade-file", str(f))
+    assert r.exit_code == 0, r.output
+    out = [json.loads(line) for line in r.output.splitlines()]
+    assert [(o["picked"], o["passed"]) for o in out] == [("C", True), ("25/2", True), ("16", False)]
+    assert out[2]["extra"] == "kept"
+    f.write_text(json.dumps({"answer_kind": "choice", "answer": "C", "output": "x"}) + "\n")
+    r = invoke("--grade-file", str(f))
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "nchoices" in r.output
+
+
+def test_regrade_example_from_the_spec(tmp_path):
+    path = tmp_path / "t.trace"
+    recs = [tr.TraceRecord(index=i, source="sanity", id=f"c{i}", status=s, expected="4", answer_kind="integer",
+                           model_output="Answer: 4") for i, s in ((1, "PASSED"), (2, "STOPPED"), (3, "STOPPED"))]
+    path.write_text("".join(map(tr.format_record, recs)))
+    r = invoke("--regrade", str(path))
+    assert r.exit_code == 0 and r.output.splitlines()[0] == "passed=1 failed=0 not_graded=2 changed=0"
+    recs[0].model_output = "Answer: 5"
+    path.write_text("".join(map(tr.format_record, recs)))
+    r = invoke("--regrade", str(path))
+    assert "changed=1" in r.output and "changed: #1 sanity/c1: PASSED -> FAILED" in r.output
+
+
+@pytest.mark.parametrize("args, msg", [
+    (["--regrade", "/nonexistent.trace"], "cannot read"),
+    (["--suite", "core", "--data-dir", "/nonexistent"], "needs /nonexistent/core.jsonl"),
+    (["--backend", "openai"], "needs --url"),
+    (["--tokens", "0"], "--tokens must be positive"),
+    (["--list-cases", "--validate-cases"], "at most one"),
+    (["--list-cases", "--case-id", "nope"], "no case"),
+])
+def test_bad_input_is_one_line(args, msg):
+    r = invoke(*args)
+    assert r.exit_code == 2 and msg in r.output and r.output.count("\n") == 1 and "Traceback" not in r.output
+
+
+def test_list_and_validate(data_dir):
+    r = invoke("--list-cases", "--suite", "hard-smoke", "--data-dir", str(data_dir))
+    assert r.exit_code == 0 and "12 cases in suite hard-smoke" in r.output
+    r = invoke("--list-cases", "--domain", "code")
+    assert r.exit_code == 0 and "lines-safe-function" in r.output
+    r = invoke("--validate-cases", env={"DS4EVAL_DATA": str(data_dir)})
+    assert r.exit_code == 0 and "all cases valid" in r.output
+
+
+def test_run_and_retry_incomplete_through_the_cli(tmp_path, monkeypatch):
+    """A full run with a fake engine model: plain lines, report, summary, trace; then a retry."""
+    from eval_fakes import FAKE_API, FakeModel
+
+    from ds4eval.backends import engine_backend
+
+    answers = {"What is 2 + 3?": "Answer: 5", "What is 10 + 20?": "Answer: 30"}
+
+    def script(prompt):
+        return next((a for q, a in answers.items() if q in prompt), "Answer: no idea")
+
+    monkeypatch.setattr(engine_backend.EngineBackend, "load",
+                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_API)))
+    trace_path, summary = tmp_path / "run.trace", tmp_path / "s.json"
+    r = invoke("--plain", "--domain", "arithmetic", "--trace", str(trace_path), "--summary", str(summary))
+    assert r.exit_code == 0, r.output
+    assert "PASSED  sanity/int-add-small" in r.output and "TOTAL" in r.output and "wall time" in r.output
+    s = json.loads(summary.read_text())
+    assert s["totals"]["passed"] == 2 and s["totals"]["cases"] == 6 and s["suite"] == "sanity"
+    # Mark one case as STOPPED in the trace, then retry only that one.
+    parsed = tr.read_trace(trace_path)
+    parsed.records[2].status = "STOPPED"
+    trace_path.write_text("".join(map(tr.format_record, parsed.records)))
+    answers["What is 9 - 4?"] = "Answer: 5"
+    stopped_id = parsed.records[2].id
+    r = invoke("--plain", "--retry-incomplete", str(trace_path))
+    assert r.exit_code == 0, r.output
+    assert "retrying 1 incomplete case(s)" in r.output
+    after = tr.read_trace(trace_path).records
+    assert len(after) == 7 and after[-1].id == stopped_id and after[-1].index == parsed.records[2].index
+    r = invoke("--retry-incomplete", str(trace_path))
+    assert "nothing to retry" in r.output

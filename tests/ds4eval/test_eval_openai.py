@@ -1,0 +1,144 @@
+"""OpenAI backend against a local scripted SSE server (http.server in a thread; no model)."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ds4eval.backends.openai_backend import OpenAIBackend, completions_url
+from ds4eval.cases import parse_case
+from ds4eval.config import EvalConfig
+from ds4eval.runner import Runner, Status
+
+
+def chunk(**delta):
+    return {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+
+
+def finish(reason="stop"):
+    return {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
+
+
+USAGE = {"choices": [], "usage": {"prompt_tokens": 42, "completion_tokens": 7}}
+
+
+class Scripted(BaseHTTPRequestHandler):
+    """Answers each POST with the SSE script chosen by the question text."""
+
+    scripts: dict = {}
+    requests: list = []
+    active = 0
+    max_active = 0
+    lock = threading.Lock()
+
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        with cls.lock:
+            cls.requests.append((self.path, dict(self.headers), body))
+            cls.active += 1
+            cls.max_active = max(cls.max_active, cls.active)
+        try:
+            question = body["messages"][1]["content"]
+            key = next(k for k in cls.scripts if k in question)
+            status, events = cls.scripts[key]
+            if status != 200:
+                data = json.dumps({"error": {"message": "prompt too long"}}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for ev in events:
+                if isinstance(ev, float):
+                    import time
+
+                    time.sleep(ev)
+                    continue
+                line = ev if isinstance(ev, str) else "data: " + json.dumps(ev)
+                self.wfile.write((line + "\n\n").encode())
+                self.wfile.flush()
+        finally:
+            with cls.lock:
+                cls.active -= 1
+
+
+@pytest.fixture
+def server():
+    Scripted.requests, Scripted.max_active = [], 0
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def case(name, answer="4"):
+    return parse_case({"source": "toy", "id": name, "question": f"[{name}] what?", "answer": answer,
+                       "answer_kind": "integer"})
+
+
+def run(url, names, **cfg_kw):
+    cfg = EvalConfig(backend="openai", url=url, served_model="m", api_key="k", **cfg_kw)
+    backend = OpenAIBackend(cfg)
+    runner = Runner(cfg, [case(n) for n in names], backend)
+    states = runner.run()
+    backend.close()
+    return {s.case.id: s for s in states}
+
+
+def test_streaming_reasoning_usage_and_request_body(server):
+    Scripted.scripts = {"[ok]": (200, [": keep-alive", chunk(role="assistant"), chunk(reasoning_content="2+2"),
+                                       chunk(reasoning_content="=4"), chunk(content="Answer: "),
+                                       chunk(content="4"), finish(), USAGE, "data: [DONE]"])}
+    st = run(server, ["ok"], seed=7, temperature=0.5, min_p=0.05, think=False, tokens=99)["ok"]
+    assert st.status is Status.PASSED
+    assert st.output == "<think>2+2=4</think>Answer: 4" and st.think_close == "natural"
+    assert (st.prompt_tokens, st.gen_tokens) == (42, 7)
+    path, headers, body = Scripted.requests[0]
+    assert path == "/v1/chat/completions" and headers["Authorization"] == "Bearer k"
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["max_tokens"] == 99 and body["seed"] == 7 and body["min_p"] == 0.05 and body["model"] == "m"
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["messages"][0]["role"] == "system" and "Answer: N" in body["messages"][1]["content"]
+
+
+@pytest.mark.parametrize("events, status, msg", [
+    ([chunk(content="Answer: 4"), finish()], 200, "without [DONE]"),
+    ([chunk(content="Answer: 4"), "data: [DONE]"], 200, "finish reason"),
+    ([chunk(content="Answer: 4"), "data: {broken", "data: [DONE]"], 200, "broken JSON"),
+    ([{"error": {"message": "overloaded"}}, "data: [DONE]"], 200, "overloaded"),
+    ([], 400, "HTTP 400: prompt too long"),
+])
+def test_incomplete_or_failed_streams_are_errors(server, events, status, msg):
+    Scripted.scripts = {"[bad]": (status, events)}
+    st = run(server, ["bad"])["bad"]
+    assert st.status is Status.ERROR and msg in st.error
+
+
+def test_concurrency_sends_cases_at_once(server):
+    slow = [0.15, chunk(content="Answer: 4"), finish(), "data: [DONE]"]
+    Scripted.scripts = {f"[s{i}]": (200, slow) for i in range(4)}
+    states = run(server, [f"s{i}" for i in range(4)], concurrency=4)
+    assert all(s.status is Status.PASSED for s in states.values())
+    assert Scripted.max_active >= 2
+
+
+def test_connection_refused_is_an_error():
+    states = run("http://127.0.0.1:9", ["x"])
+    assert states["x"].status is Status.ERROR and "Connect" in states["x"].error
+
+
+def test_completions_url():
+    assert completions_url("http://h:1") == "http://h:1/v1/chat/completions"
+    assert completions_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
+    assert completions_url("http://h/x/chat/completions") == "http://h/x/chat/completions"
