@@ -18,13 +18,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The main job: the sanity suite on the embedded model (terminal UI on a terminal, plain lines otherwise).
 run: setup
-	$(VENV)/bin/ds4 -p "Name three primary colors." --tokens 64
+	$(VENV)/bin/ds4-eval --suite sanity
 
 test: setup
 	$(PY) -m pytest -q
 
 test-frontends: setup
+	$(VENV)/bin/ds4-eval --self-test-extractors
 	$(PY) -m pytest -q -m "not model and not gpu and not reference"
 
 clean:

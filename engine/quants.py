@@ -54,7 +54,7 @@ class Int4Groups:
 def _blocks(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
     """View raw bytes as uint8 [rows, blocks_per_row, bytes_per_block]."""
     per_block, nbytes = BLOCK[qtype]
-    if n_cols % per_block:
+    if n_cols <= 0 or n_cols % per_block:
         raise ValueError(f"{qtype.name}: row length {n_cols} is not a multiple of {per_block}")
     raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
     row_bytes = n_cols // per_block * nbytes

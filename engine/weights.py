@@ -7,8 +7,10 @@ the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Li
   groups of 32, which is torch's groupwise int4 weight-only layout with
   zero = min + 8*scale, so nothing is re-quantized; scale/zero are stored in bfloat16 (the
   kernels' requirement) and activations enter the kernel as bfloat16.
-- `DenseLinear`: every other type is dequantized once, to float16 on CPU (its matrix-vector
-  path is the faster one there), bfloat16 on CUDA, or float32 when `fmt == "float32"`.
+- `DenseLinear`: every other type is dequantized once, to bfloat16, or float32 when
+  `fmt == "float32"`.  The output head (whose input is RMS-normalised, so it cannot overflow
+  float16's range) uses float16 on CPU instead: its matrix-vector kernel is about twice as
+  fast there, and the head is the largest single matrix of a small model.
 
 `fmt == "float32"` dequantizes everything to float32: the slow, exact reference path.
 Inputs are [T, in] in any float dtype (converted to the kernel's); outputs are [T, out] in the
@@ -98,10 +100,10 @@ class Int4Linear(Linear):
         return self.packed.nbytes + self.scales_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
 
-def dense_dtype(fmt: str, device: torch.device) -> torch.dtype:
+def dense_dtype(fmt: str, device: torch.device, normalized_input: bool = False) -> torch.dtype:
     if fmt == "float32":
         return torch.float32
-    return torch.bfloat16 if device.type == "cuda" else torch.float16
+    return torch.float16 if normalized_input and device.type == "cpu" else torch.bfloat16
 
 
 def to_float(record: TensorRecord) -> np.ndarray:
@@ -111,7 +113,7 @@ def to_float(record: TensorRecord) -> np.ndarray:
 
 def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device,
                  biases: Sequence[TensorRecord] | None = None,
-                 row_perm: np.ndarray | None = None) -> Linear:
+                 row_perm: np.ndarray | None = None, normalized_input: bool = False) -> Linear:
     """One Linear computing the concatenation of `records` along the output dimension.
 
     `row_perm` (over the concatenated rows) reorders outputs; the rope code uses it to turn
@@ -140,5 +142,6 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     w = np.concatenate([to_float(r).reshape(-1, k) for r in records])
     if row_perm is not None:
         w = w[row_perm]
-    weight = torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dense_dtype(fmt, device))
+    dtype = dense_dtype(fmt, device, normalized_input)
+    weight = torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=dtype)
     return DenseLinear(weight, bias)

@@ -84,9 +84,9 @@ class LlamaModel:
             raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
         # The embedding table doubles as the output head when the model ties them.
         emb = to_float(t["token_embd.weight"])
-        self.embed = torch.from_numpy(emb).to(device=device, dtype=dense_dtype(fmt, device))
+        self.embed = torch.from_numpy(emb).to(device=device, dtype=dense_dtype(fmt, device, normalized_input=True))
         self.out_norm = torch.from_numpy(to_float(t["output_norm.weight"]).reshape(-1)).to(device)
-        self.output: Linear | None = build_linear([t["output.weight"]], fmt, device) if "output.weight" in t else None
+        self.output: Linear | None = build_linear([t["output.weight"]], fmt, device, normalized_input=True) if "output.weight" in t else None
         self._rope_tables(t.get("rope_freqs.weight"))
 
     def _rope_tables(self, freq_factors: TensorRecord | None) -> None:

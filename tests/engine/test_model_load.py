@@ -1,0 +1,86 @@
+"""Loading: clear errors for bad files and unsupported models; memory accounting."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import engine
+from engine import ModelLoadError
+from engine.synthetic import RandomModelSpec, write_random_gguf
+
+
+def test_missing_and_non_gguf_files(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        engine.load_model(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"\x89PNG not a model")
+    with pytest.raises(ModelLoadError, match="not a GGUF"):
+        engine.load_model(bad)
+
+
+def test_truncated_gguf(tiny_gguf, tmp_path):
+    data = open(tiny_gguf("llama", "Q4_1"), "rb").read()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError):
+        engine.load_model(cut)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = write_random_gguf(tmp_path / "m.gguf", RandomModelSpec(arch="llama"))
+    data = bytearray(open(path, "rb").read())
+    i = data.index(b"general.architecture")
+    j = data.index(b"llama", i)
+    data[j: j + 5] = b"mamba"  # same length: the file stays well formed
+    odd = tmp_path / "odd.gguf"
+    odd.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        engine.load_model(odd)
+
+
+def test_bad_context_and_device(tiny_gguf):
+    path = tiny_gguf("llama", "Q4_1")
+    with pytest.raises(ModelLoadError, match="context"):
+        engine.load_model(path, ctx=100_000)
+    with pytest.raises(ModelLoadError):
+        engine.load_model(path, device="nonsense")
+    with pytest.raises(ModelLoadError, match="weights"):
+        engine.load_model(path, weights="int3")
+
+
+def test_memory_accounting(tiny_gguf):
+    m = engine.load_model(tiny_gguf("qwen3", "Q4_0"), ctx=128)
+    cfg = m.config
+    assert m.kv_bytes_per_token == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4
+    assert m.weight_bytes > 0
+    one, four = m.memory_bytes(1, 128), m.memory_bytes(4, 128)
+    assert four - one == 3 * 128 * m.kv_bytes_per_token
+    s = m.new_session()
+    s.sync(list(range(100)))
+    assert s.cache.nbytes <= 128 * m.kv_bytes_per_token
+
+
+def test_default_model_path_prefers_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("DS4_MODEL", str(tmp_path / "x.gguf"))
+    assert engine.default_model_path() == str(tmp_path / "x.gguf")
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+def test_cli_generates_and_reports_speed(tiny_gguf):
+    r = run_cli("-m", tiny_gguf("llama", "Q4_1"), "-p", "hi the", "-n", "5", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert "prefill:" in r.stderr and "tokens/s" in r.stderr
+
+
+def test_cli_bad_model_is_one_line_error(tmp_path):
+    r = run_cli("-m", str(tmp_path / "missing.gguf"), "-p", "hi")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [f"ds4: error: model file not found: {tmp_path / 'missing.gguf'}"]
+    assert "Traceback" not in r.stderr

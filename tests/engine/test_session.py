@@ -1,0 +1,148 @@
+"""Sessions: prefix reuse, chunked prefill, cancellation, truncation, payload round trip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine import Cancelled, SamplingParams, generate
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf):
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"))
+    m.prefill_chunk = 8
+    return m
+
+
+def counting(model):
+    """Wrap the network so tests can see how many positions each sync evaluated."""
+    seen = []
+    inner = model.net.forward
+
+    def forward(tokens, start, cache, logits="last"):
+        seen.append(int(tokens.shape[0]))
+        return inner(tokens, start, cache, logits)
+
+    model.net.forward = forward
+    return seen
+
+
+IDS = list(range(10, 50))
+
+
+def test_extension_prefills_only_the_suffix(model):
+    cold = model.new_session()
+    assert cold.sync(IDS) == 0
+    warm = model.new_session()
+    warm.sync(IDS[:30])
+    seen = counting(model)
+    try:
+        assert warm.sync(IDS) == 30
+    finally:
+        del model.net.forward
+    assert sum(seen) == 10
+    torch.testing.assert_close(warm.logits, cold.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_divergent_prompt_reuses_common_prefix(model):
+    s = model.new_session()
+    s.sync(IDS)
+    other = IDS[:25] + [7, 7, 7]
+    assert s.sync(other) == 25
+    assert s.tokens == other
+    fresh = model.new_session()
+    fresh.sync(other)
+    torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_same_prompt_twice_is_free_and_truncated_prompt_recomputes_frontier(model):
+    s = model.new_session()
+    s.sync(IDS)
+    seen = counting(model)
+    try:
+        assert s.sync(IDS) == len(IDS)
+        assert seen == []
+        assert s.sync(IDS[:20]) == 19  # the frontier token is evaluated again for its logits
+        assert seen == [1]
+    finally:
+        del model.net.forward
+
+
+def test_cancel_mid_prefill_leaves_a_valid_session(model):
+    s = model.new_session()
+    calls = {"n": 0}
+
+    def cancel():
+        calls["n"] += 1
+        return calls["n"] > 2  # let two chunks through
+
+    progress = []
+    with pytest.raises(Cancelled):
+        s.sync(IDS, progress=lambda d, t: progress.append((d, t)), cancel=cancel)
+    assert progress == [(8, 40), (16, 40)]
+    assert s.tokens == IDS[:16]
+    assert s.sync(IDS) == 16
+    fresh = model.new_session()
+    fresh.sync(IDS)
+    torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-3, atol=1e-3)
+
+
+def test_payload_round_trip(model):
+    s = model.new_session()
+    s.sync(IDS)
+    data = s.save_payload()
+    t = model.new_session()
+    t.load_payload(data)
+    assert t.tokens == IDS
+    torch.testing.assert_close(t.logits, s.logits, rtol=1e-4, atol=1e-4)
+    s.eval(5)
+    t.eval(5)
+    torch.testing.assert_close(t.logits, s.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_payload_rejects_garbage_and_truncation(model):
+    s = model.new_session()
+    s.sync(IDS[:5])
+    data = s.save_payload()
+    t = model.new_session()
+    for bad in (b"", b"nonsense" * 10, data[:-4], data[:20]):
+        with pytest.raises(ValueError):
+            t.load_payload(bad)
+    assert t.tokens == []
+
+
+def test_context_overflow_is_an_error(tiny_gguf):
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"), ctx=16)
+    s = m.new_session()
+    with pytest.raises(ValueError, match="context"):
+        s.sync(list(range(17)))
+    s.sync(list(range(16)))
+    with pytest.raises(ValueError, match="context"):
+        s.eval(3)
+
+
+def test_generate_stops_at_eos_and_fixed_length_ignores_it(model):
+    s = model.new_session()
+    s.sync(IDS[:10])
+    eos = next(iter(model.eos_ids))
+    # Make EOS the greedy choice by construction: patch the frontier logits.
+    s._logits = torch.full((model.n_vocab,), -10.0)
+    s._logits[eos] = 10.0
+    assert list(generate(s, SamplingParams(), 5)) == [eos]
+    s.sync(IDS[:10])
+    s._logits = torch.full((model.n_vocab,), -10.0)
+    s._logits[eos] = 10.0
+    s._logits[42] = 9.0
+    out = list(generate(s, SamplingParams(argmax_ignoring_eos=True), 4))
+    assert len(out) == 4 and out[0] == 42 and eos not in out
+
+
+def test_greedy_generation_is_deterministic_and_uses_truncate(model):
+    s = model.new_session()
+    s.sync(IDS[:12])
+    a = list(generate(s, SamplingParams(argmax_ignoring_eos=True), 6))
+    s.truncate(12)
+    s.sync(IDS[:12])
+    b = list(generate(s, SamplingParams(argmax_ignoring_eos=True), 6))
+    assert a == b
