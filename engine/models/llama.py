@@ -116,6 +116,22 @@ class LlamaModel:
         # Spelled out: faster than F.rms_norm's composite on CPU for one row, and identical maths.
         return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.cfg.norm_eps) * w
 
+    def _qkv(self, blk: Block, h: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Projections with rope applied: q [T, H, D], k and v [T, Hkv, D]."""
+        T = h.shape[0]
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
+        qkv = blk.wqkv(h).float()  # [T, (H + 2*Hkv) * D]
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+        if blk.q_norm is None:  # q and k are adjacent: rotate both in one complex multiply
+            qk = torch.view_as_complex(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D // 2, 2)) * rope
+            qk = torch.view_as_real(qk).view(T, H + Hkv, D)
+            return qk[:, :H], qk[:, H:], v
+        q = self._norm(qkv[:, : H * D].view(T, H, D), blk.q_norm)
+        k = self._norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D), blk.k_norm)
+        q = torch.view_as_real(torch.view_as_complex(q.view(T, H, D // 2, 2)) * rope).view(T, H, D)
+        k = torch.view_as_real(torch.view_as_complex(k.view(T, Hkv, D // 2, 2)) * rope).view(T, Hkv, D)
+        return q, k, v
+
     def _attend(self, q: torch.Tensor, li: int, cache: KVCache, start: int, end: int,
                 mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
         """q [T, H, D] against cached positions [0, end) -> [T, H * D]."""
@@ -139,7 +155,6 @@ class LlamaModel:
         T = tokens.shape[0]
         end = start + T
         cache.reserve(end)
-        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         rope = self.rope[start:end].unsqueeze(1)  # [T, 1, D/2]
         mask, causal = None, T > 1 and start == 0
         if T > 1 and start > 0:  # causal with the past visible: row i sees positions <= start + i
@@ -147,16 +162,9 @@ class LlamaModel:
             mask = pos[None, :] <= (start + torch.arange(T, device=self.device))[:, None]
         x = self.embed[tokens].float()  # [T, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
-            qkv = blk.wqkv(self._norm(x, blk.attn_norm)).float()  # [T, (H + 2*Hkv) * D]
-            q = qkv[:, : H * D].view(T, H, D)
-            k = qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D)
-            if blk.q_norm is not None:
-                q = self._norm(q, blk.q_norm)
-                k = self._norm(k, blk.k_norm)
-            q = torch.view_as_real(torch.view_as_complex(q.reshape(T, H, D // 2, 2)) * rope).view(T, H, D)
-            k = torch.view_as_real(torch.view_as_complex(k.reshape(T, Hkv, D // 2, 2)) * rope)
-            cache.k[li, :, start:end] = k.view(T, Hkv, D).transpose(0, 1)
-            cache.v[li, :, start:end] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1)
+            q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
+            cache.k[li, :, start:end] = k.transpose(0, 1)
+            cache.v[li, :, start:end] = v.transpose(0, 1)
             x += blk.wo(self._attend(q, li, cache, start, end, mask, causal))
             gate, up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).split(cfg.n_ff, dim=-1)
             x += blk.w_down(F.silu(gate) * up)
