@@ -48,6 +48,30 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+class Prefill:
+    """The rest of a sync, one chunk per `step()`, so a scheduler can interleave other work."""
+
+    def __init__(self, session: "Session", ids: list[int], reused: int):
+        self.session = session
+        self.ids = ids
+        self.reused = reused
+        self.total = len(ids) - reused if len(session.tokens) < len(ids) else 0
+        self.evaluated = 0
+
+    @property
+    def done(self) -> bool:
+        return self.evaluated >= self.total
+
+    def step(self) -> int:
+        """Evaluate the next chunk; returns how many tokens it held."""
+        start = self.reused + self.evaluated
+        part = self.ids[start: start + self.session.model.prefill_chunk]
+        if part:
+            self.session._run(part)
+            self.evaluated += len(part)
+        return len(part)
+
+
 class Session:
     def __init__(self, model: "Model"):
         self.model = model
@@ -81,29 +105,29 @@ class Session:
         self._logits = self.model.net.forward(tokens, len(self.tokens), self.cache).float().cpu()
         self.tokens.extend(ids)
 
-    def sync(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
-             cancel: Callable[[], bool] | None = None) -> int:
+    def start_prefill(self, ids: list[int]) -> "Prefill":
+        """Truncate to the common prefix with `ids` and return the remaining prefill as steps."""
         ids = list(ids)
         if not ids:
             raise ValueError("sync needs at least one token")
         self._check_fits(len(ids))
         keep = common_prefix(self.tokens, ids)
         if keep == len(ids) and keep == len(self.tokens) and self._logits is not None:
-            return keep
+            return Prefill(self, ids, keep)
         keep = min(keep, len(ids) - 1)  # always evaluate at least the last token for fresh logits
         self.truncate(keep)
-        chunk = self.model.prefill_chunk
-        total = len(ids) - keep
-        done = 0
-        while done < total:
+        return Prefill(self, ids, keep)
+
+    def sync(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
+             cancel: Callable[[], bool] | None = None) -> int:
+        job = self.start_prefill(ids)
+        while not job.done:
             if cancel is not None and cancel():
-                raise Cancelled(f"cancelled after {done} of {total} prefill tokens")
-            part = ids[keep + done: keep + done + chunk]
-            self._run(part)
-            done += len(part)
+                raise Cancelled(f"cancelled after {job.evaluated} of {job.total} prefill tokens")
+            job.step()
             if progress is not None:
-                progress(done, total)
-        return keep
+                progress(job.evaluated, job.total)
+        return job.reused
 
     def eval(self, token: int) -> None:
         self._check_fits(len(self.tokens) + 1)

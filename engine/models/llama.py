@@ -9,6 +9,10 @@ scores are invariant under the same permutation of q and k), so one rope kernel 
 `LlamaModel.forward(tokens, start, cache, logits=...)` evaluates T new tokens at positions
 [start, start+T) against `cache`, writes their keys/values and returns float32 logits for
 the last position ([n_vocab]), for every position ([T, n_vocab]) or nothing.
+`LlamaModel.forward_rows(tokens, caches)` is batched decoding: one new token for each of N
+independent sequences, each at the end of its own cache.  The matmuls (where the weights are
+read) run once for all rows; attention runs row by row against each row's own cache with
+the same code as single-row decoding, so no row's cache is copied or padded.
 Residual stream, norms, rope and attention run in float32; matmuls in the weights' own
 compute dtype (see engine.weights).  It reads no files beyond the given records and knows
 nothing of tokens' text or sessions.
@@ -148,6 +152,29 @@ class LlamaModel:
             attn_mask=mask, is_causal=causal, enable_gqa=True,
         )  # [1, H, T, D]
         return att[0].transpose(0, 1).reshape(T, H * D)
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """tokens [N], caches N distinct caches -> logits [N, n_vocab] (float32)."""
+        cfg = self.cfg
+        pos = [c.n for c in caches]
+        for c in caches:
+            c.reserve(c.n + 1)
+        rope = self.rope[torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
+        x = self.embed[tokens].float()  # [N, n_embd]
+        for li, blk in enumerate(self.blocks):
+            q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
+            rows = []
+            for i, (c, p) in enumerate(zip(caches, pos)):
+                c.k[li, :, p] = k[i]
+                c.v[li, :, p] = v[i]
+                rows.append(self._attend(q[i: i + 1], li, c, p, p + 1, None, False))
+            x += blk.wo(torch.cat(rows))
+            gate, up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).split(cfg.n_ff, dim=-1)
+            x += blk.w_down(F.silu(gate) * up)
+        for c, p in zip(caches, pos):
+            c.n = p + 1
+        return self.head(x).float()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last") -> torch.Tensor | None:

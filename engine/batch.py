@@ -1,0 +1,238 @@
+"""Batched sessions: several resident sessions decoding together.
+
+- `decode_batch(sessions, tokens)` evaluates one token for each of N sessions in one forward
+  pass (`LlamaModel.forward_rows`): the weights are read once for all rows, attention runs per
+  row on each session's own cache.  Each row's result equals decoding it alone up to the
+  matmul kernels' blocking over rows (float32 accumulation in both; the tests bound the
+  difference and check that greedy tokens are identical).
+- `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
+  at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
+  never stalls decoding for more than one chunk) and then one batched decode step for every
+  slot that is generating.  It is single-threaded: callers drive `step()` from the thread
+  that owns the model (the server's worker, a benchmark loop).
+- `check_capacity(model, n_sessions, ctx)` refuses configurations whose memory need (weights
+  + KV + working buffers, from the model's own accounting, with a 10% margin) exceeds what
+  the device has available, with the figures in the message.
+It does not choose slots by rendered text (the server does) nor know about HTTP.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from engine.sampling import Sampler, SamplingParams
+from engine.session import Prefill, Session
+
+if TYPE_CHECKING:
+    from engine.model import Model
+
+
+class CapacityError(Exception):
+    """The requested sessions do not fit in the device's memory."""
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def capacity_need(model: "Model", n_sessions: int, ctx: int) -> int:
+    """Bytes still to allocate for n sessions of ctx tokens (weights are already resident)."""
+    return model.memory_bytes(n_sessions, ctx) - model.weight_bytes
+
+
+def check_capacity(model: "Model", n_sessions: int, ctx: int, margin: float = 0.10) -> None:
+    need = capacity_need(model, n_sessions, ctx)
+    avail = available_bytes(model.device)
+    if need * (1 + margin) > avail:
+        raise CapacityError(
+            f"{n_sessions} sessions of {ctx} tokens need {need / 2**20:.0f} MiB "
+            f"(+{margin:.0%} margin) beyond the {model.weight_bytes / 2**20:.0f} MiB of weights; "
+            f"{avail / 2**20:.0f} MiB is available on {model.device}")
+
+
+def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
+    """Append tokens[i] to sessions[i] for all i in one forward pass and refresh their logits."""
+    if len(sessions) != len(tokens) or len({id(s) for s in sessions}) != len(sessions):
+        raise ValueError("decode_batch needs one token for each of distinct sessions")
+    if len(sessions) == 1:
+        sessions[0].eval(tokens[0])
+        return
+    model = sessions[0].model
+    for s in sessions:
+        s._check_fits(len(s.tokens) + 1)
+    ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=model.device)
+    logits = model.net.forward_rows(ids, [s.cache for s in sessions]).cpu()
+    for s, t, row in zip(sessions, tokens, logits):
+        s.tokens.append(int(t))
+        s._logits = row
+
+
+@dataclass
+class GenRequest:
+    """One generation: prompt ids in, sampled ids out (filled in by the scheduler)."""
+
+    ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    max_tokens: int = 128
+    on_token: Callable[[int], None] | None = None  # called on the scheduler's thread
+    cancel: Callable[[], bool] | None = None
+    slot: int | None = None  # preferred slot; None: the scheduler picks
+    # Results.
+    output: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: str | None = None
+    reused: int = 0
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass
+class _Slot:
+    session: Session
+    request: GenRequest | None = None
+    prefill: Prefill | None = None
+    sampler: Sampler | None = None
+    last_used: float = 0.0
+
+
+class BatchScheduler:
+    def __init__(self, model: "Model", n_slots: int, ctx: int | None = None, check_memory: bool = True):
+        if n_slots < 1:
+            raise ValueError("n_slots must be >= 1")
+        ctx = model.n_ctx if ctx is None else ctx
+        if check_memory:
+            check_capacity(model, n_slots, ctx)
+        self.model = model
+        self.slots = [_Slot(model.new_session()) for _ in range(n_slots)]
+        self.queue: deque[GenRequest] = deque()
+        self._next_prefill = 0
+
+    # --- admission ---
+    def submit(self, req: GenRequest) -> None:
+        req.submitted_at = time.perf_counter()
+        self.queue.append(req)
+        self._admit()
+
+    def pick_slot(self, req: GenRequest) -> int | None:
+        """An idle slot: the preferred one, else the longest cached token prefix, else the LRU."""
+        idle = [i for i, s in enumerate(self.slots) if s.request is None]
+        if not idle:
+            return None
+        if req.slot is not None:
+            return req.slot if req.slot in idle else None
+
+        def score(i: int) -> tuple[int, float]:
+            toks = self.slots[i].session.tokens
+            n = 0
+            for a, b in zip(toks, req.ids):
+                if a != b:
+                    break
+                n += 1
+            return n, -self.slots[i].last_used
+
+        return max(idle, key=score)
+
+    def _admit(self) -> None:
+        waiting = deque()
+        while self.queue:
+            req = self.queue.popleft()
+            i = self.pick_slot(req)
+            if i is None:
+                waiting.append(req)
+                continue
+            slot = self.slots[i]
+            slot.request = req
+            try:
+                slot.prefill = slot.session.start_prefill(req.ids)
+            except ValueError as e:
+                self._finish(slot, "error", str(e))
+                continue
+            req.reused = slot.prefill.reused
+            slot.sampler = Sampler(req.params, self.model.eos_ids)
+        self.queue = waiting
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.queue) or any(s.request is not None for s in self.slots)
+
+    # --- the loop ---
+    def _finish(self, slot: _Slot, reason: str, error: str | None = None) -> None:
+        req = slot.request
+        req.finish, req.error, req.finished_at = reason, error, time.perf_counter()
+        slot.request, slot.prefill, slot.sampler = None, None, None
+        slot.last_used = req.finished_at
+
+    def _prefill_one_chunk(self) -> bool:
+        n = len(self.slots)
+        for k in range(n):
+            i = (self._next_prefill + k) % n
+            slot = self.slots[i]
+            if slot.request is None or slot.prefill is None:
+                continue
+            if slot.request.cancel is not None and slot.request.cancel():
+                self._finish(slot, "cancelled")
+                return True
+            if not slot.prefill.done:
+                slot.prefill.step()
+            if slot.prefill.done:
+                slot.prefill = None
+            self._next_prefill = (i + 1) % n
+            return True
+        return False
+
+    def _decode(self) -> bool:
+        rows, tokens = [], []
+        for slot in self.slots:
+            req = slot.request
+            if req is None or slot.prefill is not None:
+                continue
+            if req.cancel is not None and req.cancel():
+                self._finish(slot, "cancelled")
+                continue
+            token = slot.sampler(slot.session.logits)
+            if req.first_token_at is None:
+                req.first_token_at = time.perf_counter()
+            req.output.append(token)
+            if req.on_token is not None:
+                req.on_token(token)
+            if token in self.model.eos_ids and not req.params.argmax_ignoring_eos:
+                self._finish(slot, "stop")
+            elif len(req.output) >= req.max_tokens or slot.session.n_past >= self.model.n_ctx:
+                self._finish(slot, "length")
+            else:
+                rows.append(slot.session)
+                tokens.append(token)
+        if rows:
+            decode_batch(rows, tokens)
+        return bool(rows)
+
+    def step(self) -> bool:
+        """One prefill chunk (if any) and one batched decode step; False when idle."""
+        self._admit()
+        did = self._prefill_one_chunk()
+        did = self._decode() or did
+        self._admit()
+        return did or self.busy
+
+    def run(self) -> None:
+        while self.step():
+            pass
+
+
+__all__ = ["BatchScheduler", "CapacityError", "GenRequest", "check_capacity", "decode_batch"]

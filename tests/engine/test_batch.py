@@ -1,0 +1,104 @@
+"""Batched decoding and the scheduler on small random models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine import SamplingParams, generate
+from engine.batch import BatchScheduler, CapacityError, GenRequest, check_capacity, decode_batch
+
+GREEDY = SamplingParams(argmax_ignoring_eos=True)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, tiny_gguf):
+    m = engine.load_model(tiny_gguf(request.param, "Q4_1", n_ctx=512))
+    m.prefill_chunk = 16
+    return m
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (5 + 9 * i,), generator=g).tolist() for i in range(n)]
+
+
+def alone(model, ids, n):
+    s = model.new_session()
+    s.sync(ids)
+    return list(generate(s, GREEDY, n))
+
+
+def test_decode_batch_matches_single_rows(model):
+    ps = prompts(5)
+    batch = [model.new_session() for _ in ps]
+    for s, p in zip(batch, ps):
+        s.sync(p)
+    decode_batch(batch, [3, 1, 4, 1, 5])
+    for s, p, t in zip(batch, ps, [3, 1, 4, 1, 5]):
+        one = model.new_session()
+        one.sync(p)
+        one.eval(t)
+        assert s.tokens == p + [t]
+        # Same kernels, other row blocking: equal to float32 accumulation-order noise.
+        torch.testing.assert_close(s.logits, one.logits, rtol=0, atol=1e-3 * float(one.logits.abs().max()))
+
+
+def test_decode_batch_rejects_duplicates(model):
+    s = model.new_session()
+    s.sync([1, 2, 3])
+    with pytest.raises(ValueError):
+        decode_batch([s, s], [1, 2])
+
+
+def test_scheduler_greedy_tokens_equal_serial_runs(model):
+    ps = prompts(6)
+    expected = [alone(model, p, 12) for p in ps]
+    sched = BatchScheduler(model, 4, check_memory=False)
+    reqs = [GenRequest(p, GREEDY, 12) for p in ps]
+    for r in reqs:
+        sched.submit(r)
+    sched.run()
+    assert [r.output for r in reqs] == expected
+    assert all(r.finish == "length" for r in reqs)
+
+
+def test_long_prefill_is_interleaved_with_decoding(model):
+    sched = BatchScheduler(model, 2, check_memory=False)
+    short = GenRequest([5, 6, 7], GREEDY, 40)
+    sched.submit(short)
+    sched.step()
+    sched.step()
+    decoded_before = len(short.output)
+    long = GenRequest(list(range(200)) * 2, GREEDY, 2)  # 400 tokens: 25 chunks of 16
+    sched.submit(long)
+    while long.first_token_at is None:
+        sched.step()
+    # The short request kept decoding one token per step while the long prompt prefilled.
+    assert len(short.output) - decoded_before >= 24
+
+
+def test_cancel_and_stop(model):
+    sched = BatchScheduler(model, 2, check_memory=False)
+    stop_now = {"flag": False}
+    r = GenRequest([1, 2, 3], SamplingParams(temperature=1.0, seed=1), 100, cancel=lambda: stop_now["flag"])
+    seen = []
+    r.on_token = lambda t: (seen.append(t), stop_now.update(flag=len(seen) >= 3))
+    sched.submit(r)
+    sched.run()
+    assert r.finish == "cancelled" and len(r.output) == 3
+    assert not sched.busy
+
+
+def test_too_long_prompt_is_an_error_not_a_crash(model):
+    sched = BatchScheduler(model, 1, check_memory=False)
+    r = GenRequest(list(range(100)) * 6, GREEDY, 4)
+    sched.submit(r)
+    sched.run()
+    assert r.finish == "error" and "context" in r.error
+
+
+def test_capacity_check_reports_figures(model):
+    check_capacity(model, 2, 512)
+    with pytest.raises(CapacityError, match=r"MiB"):
+        check_capacity(model, 10**7, 512)
