@@ -1,0 +1,115 @@
+"""Pieces shared by the three API modules: schema base class, validation, limits, ids.
+
+- `StrictModel`: pydantic base for request schemas. Unknown members are ignored (clients
+  send vendor extras such as `user` or `metadata`); known members are type-checked
+  strictly, so `"0.5"` is not a temperature and `true` is not a token count.
+- `validate_body(schema, obj)`: a validated request or a 400 `ApiError` naming the field.
+- `check_context(...)`: the context-length rule applied before a job is queued.
+- `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`.
+- `new_id(prefix)`: response and item ids from a CSPRNG.
+
+No HTTP, no model calls.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from server.errors import ApiError, from_validation_error
+from server.worker import SamplingSpec
+
+M = TypeVar("M", bound=BaseModel)
+
+# Seeds in this range are accepted and folded into 0..2**63-1 (any RNG can take that);
+# anything wider is almost certainly a client bug.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+# Upper bound for token counts in requests: large enough for any real context, small
+# enough that arithmetic on it stays cheap.
+MAX_TOKENS_LIMIT = 2**31 - 1
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class OpenModel(BaseModel):
+    """For nested objects whose unknown members are passed along (content parts, tools)."""
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+def validate_body(schema: type[M], obj: Any) -> M:
+    if not isinstance(obj, dict):
+        raise ApiError(400, f"request body must be a JSON object, not {type(obj).__name__}")
+    try:
+        return schema.model_validate(obj)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def new_id(prefix: str) -> str:
+    return prefix + secrets.token_hex(12)
+
+
+def context_error(n_prompt: int, n_ctx: int, param: str) -> ApiError:
+    return ApiError(
+        400,
+        f"the prompt has {n_prompt} tokens, which does not fit in the context of "
+        f"{n_ctx} tokens (the prompt must be shorter than the context)",
+        param=param, code="context_length_exceeded",
+        extra={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
+
+
+def check_context(n_prompt: int, n_ctx: int, param: str) -> None:
+    if n_prompt >= n_ctx:
+        raise context_error(n_prompt, n_ctx, param)
+
+
+def resolve_max_tokens(requested: int | None, default: int | None, n_prompt: int, n_ctx: int,
+                       ignore_eos: bool, param: str) -> int:
+    """Tokens to generate: the request's limit (or the default), never past the context."""
+    room = n_ctx - n_prompt
+    limit = requested if requested is not None else (default if default is not None else room)
+    if ignore_eos and limit > room:
+        raise ApiError(400, f"ignore_eos asks for exactly {limit} tokens but only {room} fit "
+                            f"after the {n_prompt}-token prompt (context {n_ctx})", param=param)
+    return min(limit, room)
+
+
+def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int | None,
+                  min_p: float | None, seed: int | None, ignore_eos: bool,
+                  default_temperature: float = 1.0) -> SamplingSpec:
+    if ignore_eos and temperature != 0:
+        raise ApiError(400, "ignore_eos requires temperature to be set explicitly to 0 "
+                            "(it decodes greedily for exactly max_tokens tokens)",
+                       param="ignore_eos")
+    if seed is not None:
+        seed %= 2**63  # non-negative and within a signed 64-bit generator seed
+    return SamplingSpec(
+        temperature=default_temperature if temperature is None else float(temperature),
+        top_k=top_k or 0,
+        top_p=1.0 if top_p is None else float(top_p),
+        min_p=0.0 if min_p is None else float(min_p),
+        seed=seed, ignore_eos=ignore_eos)
+
+
+def text_of_parts(content: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> str:
+    """Join the text of a string or a list of content parts; other part types are a 400."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    pieces = []
+    for i, part in enumerate(content):
+        kind = part.type
+        if kind not in allowed:
+            raise ApiError(400, f"{param}[{i}]: content of type {kind!r} is not supported by this "
+                                f"server (text only)", param=f"{param}[{i}].type")
+        if part.text is None:
+            raise ApiError(400, f"{param}[{i}]: a {kind!r} part needs a 'text' string",
+                           param=f"{param}[{i}].text")
+        pieces.append(part.text)
+    return "".join(pieces)

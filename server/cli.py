@@ -1,0 +1,98 @@
+"""`ds4-server`: parse flags into a `ServerConfig`, load the model, print a banner, serve.
+
+    ds4-server                          # embedded model on http://127.0.0.1:8000
+    ds4-server --model m.gguf --ctx 4096 --host 0.0.0.0 --port 9000 --cors
+
+Bad flags and model loading failures end with a one-line error and exit status 1 or 2;
+no traceback. The server itself lives in `server.app`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from server.config import LOG_LEVELS, ServerConfig
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1024 * 1024):,.1f} MiB"
+
+
+def config_from_flags(**flags: object) -> ServerConfig:
+    try:
+        return ServerConfig(**flags)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def banner(model: object, config: ServerConfig) -> str:
+    n_ctx = model.n_ctx  # type: ignore[attr-defined]
+    weights = int(getattr(model, "weight_bytes", 0))
+    try:
+        total = int(model.memory_bytes(1, n_ctx))  # type: ignore[attr-defined]
+    except Exception:
+        total = weights + int(getattr(model, "kv_bytes_per_token", 0)) * n_ctx
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    lines = [
+        f"ds4-server: model {model.name} ({getattr(model, 'path', '')})",  # type: ignore[attr-defined]
+        f"ds4-server: device {config.device}, context {n_ctx} tokens",
+        f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)})",
+        f"ds4-server: listening on http://{host}:{config.port}"
+        + (" (CORS enabled)" if config.cors else ""),
+    ]
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        lines.append(f"ds4-server: note: bound to {config.host}, reachable from other machines")
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", "-m", default=None, help="GGUF model file (default: the embedded model).")
+@click.option("--ctx", type=int, default=None, help="Context size in tokens (default: the model's).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Bind address; 0.0.0.0 listens on all interfaces.")
+@click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
+@click.option("--cors", is_flag=True, default=False, help="Send Access-Control-Allow-* headers and answer preflights.")
+@click.option("--chdir", type=click.Path(file_okay=False), default=None,
+              help="Resolve relative paths from this directory.")
+@click.option("--device", default="cpu", show_default=True, help="Torch device: cpu, cuda, cuda:1 ...")
+@click.option("--keepalive-sec", type=float, default=5.0, show_default=True,
+              help="Seconds between ': prefill' SSE comments while waiting for the first token.")
+@click.option("--max-body-mb", type=float, default=64.0, show_default=True,
+              help="Largest request body in MiB (larger: HTTP 413).")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+def main(**flags: object) -> None:
+    """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
+    config = config_from_flags(**flags)
+    if config.chdir is not None:
+        try:
+            os.chdir(config.chdir)
+        except OSError as e:
+            raise click.ClickException(f"--chdir {config.chdir}: {e.strerror}") from None
+    logging.basicConfig(level=logging.DEBUG if config.log_level == "trace" else config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from engine import ModelLoadError, load_model
+    from server.app import create_app
+
+    model_path = os.path.abspath(config.model) if config.model else None
+    try:
+        model = load_model(model_path, ctx=config.ctx, device=config.device)
+    except (ModelLoadError, OSError, ValueError) as e:
+        raise click.ClickException(f"cannot load model: {e}") from None
+    click.echo(banner(model, config), err=True)
+    app = create_app(model, config)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                    timeout_graceful_shutdown=5)
+    except OSError as e:  # e.g. port in use, surfaced before serving starts
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

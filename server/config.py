@@ -1,0 +1,52 @@
+"""Configuration of ds4-server: one dataclass, one field per command-line flag.
+
+`ServerConfig` is plain data. `server.cli` fills it from flags; `server.app.create_app`
+and `server.worker.InferenceWorker` read it. It does not load models, bind sockets or
+touch the file system (`--chdir` is applied by the CLI before anything else runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str | None = None
+    """GGUF file to serve; None serves the embedded model."""
+    ctx: int | None = None
+    """Context size in tokens; None uses the model's training context."""
+    host: str = "127.0.0.1"
+    """Bind address. Loopback by default; 0.0.0.0 opens the server to the network."""
+    port: int = 8000
+    """TCP port to listen on."""
+    cors: bool = False
+    """Add Access-Control-Allow-* headers and answer OPTIONS preflights (any origin)."""
+    chdir: str | None = None
+    """Directory that relative paths (such as --model) are resolved from."""
+    device: str = "cpu"
+    """Torch device the engine runs on (cpu, cuda, cuda:1, ...)."""
+    keepalive_sec: float = 5.0
+    """Interval of `: prefill` SSE comments while a streamed request waits for its first token."""
+    max_body_mb: float = 64.0
+    """Largest accepted request body in MiB; larger bodies get 413."""
+    log_level: str = "info"
+    """Logging level for the server and uvicorn."""
+
+    def __post_init__(self) -> None:
+        if self.keepalive_sec <= 0:
+            raise ValueError(f"keepalive_sec must be positive, got {self.keepalive_sec}")
+        if self.max_body_mb <= 0:
+            raise ValueError(f"max_body_mb must be positive, got {self.max_body_mb}")
+        if self.ctx is not None and self.ctx < 16:
+            raise ValueError(f"ctx must be at least 16 tokens, got {self.ctx}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 1024 * 1024)
