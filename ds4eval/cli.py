@@ -2,7 +2,9 @@
 
 Modes (at most one): run a suite (default), --list-cases, --validate-cases,
 --self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull.
-Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
+A run shows the live terminal UI (`ds4eval.tui`) when stdin and stdout are terminals and
+--plain is not given; otherwise it prints one line per finished case. Both end with the same
+report. Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
 traceback. Files are written atomically. The run itself, grading and formats live in the
 library modules; this module only wires them together.
 """
@@ -152,31 +154,43 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
         backend = create_backend(cfg)
     except Exception as e:  # model loading and connection set-up report one line
         raise UsageFailure(f"cannot start the {cfg.backend} backend: {type(e).__name__}: {e}") from None
-    # The terminal UI plugs in here as another listener; --plain and non-terminals print lines.
-    listener = report.PlainListener(len(selected))
-    runner = Runner(cfg, selected, backend, [listener], numbers=numbers)
-    result: dict = {}
-    worker = threading.Thread(target=lambda: result.setdefault("states", runner.run()), daemon=True)
-    worker.start()
-    interrupted = False
-    try:
-        while worker.is_alive():
-            worker.join(0.2)
-    except KeyboardInterrupt:
-        interrupted = True
-        click.echo("stopping at the next token boundary...", err=True)
-        runner.stop()
-        worker.join()
-    states = result.get("states") or runner.snapshot()
+    from ds4eval import tui
+
+    failed = ""
+    if not cfg.plain and tui.terminal_ui_available():
+        # The live terminal UI owns the terminal until the user quits; it restores the terminal
+        # and prints the finished cases' lines before the report below.
+        outcome = tui.run_with_ui(cfg, selected, backend, numbers)
+        states, wall_s, interrupted, failed = outcome.states, outcome.wall_s, outcome.interrupted, outcome.error
+    else:
+        listener = report.PlainListener(len(selected))
+        runner = Runner(cfg, selected, backend, [listener], numbers=numbers)
+        result: dict = {}
+        worker = threading.Thread(target=lambda: result.setdefault("states", runner.run()), daemon=True)
+        worker.start()
+        interrupted = False
+        try:
+            while worker.is_alive():
+                worker.join(0.2)
+        except KeyboardInterrupt:
+            interrupted = True
+            click.echo("stopping at the next token boundary...", err=True)
+            runner.stop()
+            worker.join()
+        states = result.get("states") or runner.snapshot()
+        wall_s = runner.wall_s
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
             "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx}}
-    summary = report.build_summary(states, runner.wall_s, info)
+    summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:
         manifest.write_atomic(Path(cfg.summary), json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     if hasattr(backend, "close"):
         backend.close()
+    if failed:
+        click.echo(f"ds4-eval: error: the run failed: {failed}", err=True)
+        return 1
     return 130 if interrupted else 0
 
 
