@@ -1,9 +1,11 @@
 """Anthropic Messages API (`POST /v1/messages`): schema, translation, responses.
 
 Request side: `MessagesRequest` validates the body (`max_tokens` is required, as in the
-original API); `messages_job` turns the top-level `system`, user/assistant content blocks,
-`tool_use` and `tool_result` blocks into the neutral chat, renders and tokenizes it and
-applies the context-length rule (reported in Anthropic's error shape by the route).
+original API); `messages_job` maps the top-level `system`, user/assistant content blocks,
+`thinking`, `tool_use` and `tool_result` blocks onto the neutral records
+(`server.tools.apis.messages_from_anthropic`), renders them with the model's tool syntax,
+tokenizes and applies the context-length rule (reported in Anthropic's error shape by the
+route).
 
 Response side: `messages_response` builds the `message` object; `messages_stream` emits
 the Anthropic event sequence — `message_start`, `ping`, then per content block
@@ -16,14 +18,16 @@ computed, `cache_read_input_tokens` those reused from the KV cache (their sum is
 prompt length); `cache_creation_input_tokens` is always 0 (no explicit cache writes).
 
 Extensions beyond the Anthropic API: `min_p`, `seed`, `ignore_eos`.
-Accepted without effect: `metadata`, `thinking` (the served model does not think),
-`tool_choice`, `cache_control` markers.
+Generated thinking becomes `thinking` blocks (empty signature), generated calls `tool_use`
+blocks with `stop_reason: "tool_use"`; a streamed call is one `content_block_start` plus one
+`input_json_delta` with its complete input, sent once the call is known to be valid.
+Accepted without effect: `metadata`, `thinking` (whether the model thinks is up to its
+template), `tool_choice`, `cache_control` markers.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
@@ -31,8 +35,9 @@ from pydantic import Field
 from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError, error_body
-from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
-                              ToolCallDelta, new_output_splitter, prompt_ids, render_prompt)
+from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
+                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 from server.sse import KEEPALIVE, sse_event
 from server.worker import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
 
@@ -90,105 +95,33 @@ class MessagesRequest(StrictModel):
 class AnthropicContext:
     model_name: str
     id: str
-    tools: list[dict[str, Any]] | None
     n_prompt: int
-    splitter_model: Any = field(default=None, repr=False)
 
 
-def _block_text(block: ContentBlock | TextBlock, where: str) -> str:
-    if block.text is None:
-        raise ApiError(400, f"{where}: a text block needs a 'text' string", param=where)
-    return block.text
+def render_request(model: Any, req: Any, calling: ToolCalling) -> ChatPrompt:
+    """Prompt of a Messages (or count_tokens) request: system, messages and tools."""
+    dump = [m.model_dump(exclude_none=True) for m in req.messages]
+    system = req.system
+    if isinstance(system, list):
+        system = [b.model_dump(exclude_none=True) for b in system]
+    specs = tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []])
+    return calling.render(model, messages_from_anthropic(system, dump), specs)
 
 
-def _tool_result_text(block: ContentBlock, where: str) -> str:
-    content = block.content
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for j, part in enumerate(content):
-        if part.type != "text":
-            raise ApiError(400, f"{where}.content[{j}]: tool results of type {part.type!r} are not "
-                                "supported (text only)", param=f"{where}.content[{j}].type")
-        parts.append(_block_text(part, f"{where}.content[{j}]"))
-    return "".join(parts)
-
-
-def neutral_messages(req: MessagesRequest) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if req.system is not None:
-        if isinstance(req.system, str):
-            system = req.system
-        else:
-            system = "".join(_block_text(b, f"system[{i}]") for i, b in enumerate(req.system))
-        if system:
-            out.append({"role": "system", "content": system})
-    for i, m in enumerate(req.messages):
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
-            continue
-        if m.role == "assistant":
-            msg: dict[str, Any] = {"role": "assistant", "content": ""}
-            for j, b in enumerate(m.content):
-                where = f"messages[{i}].content[{j}]"
-                if b.type == "text":
-                    msg["content"] += _block_text(b, where)
-                elif b.type in ("thinking", "redacted_thinking"):
-                    msg["reasoning_content"] = msg.get("reasoning_content", "") + (b.thinking or "")
-                elif b.type == "tool_use":
-                    if not b.id or not b.name:
-                        raise ApiError(400, f"{where}: tool_use needs 'id' and 'name'", param=where)
-                    msg.setdefault("tool_calls", []).append(
-                        {"id": b.id, "type": "function",
-                         "function": {"name": b.name,
-                                      "arguments": json.dumps(b.input or {}, ensure_ascii=False)}})
-                else:
-                    raise ApiError(400, f"{where}: assistant content of type {b.type!r} is not supported",
-                                   param=f"{where}.type")
-            out.append(msg)
-            continue
-        text = ""
-        for j, b in enumerate(m.content):
-            where = f"messages[{i}].content[{j}]"
-            if b.type == "text":
-                text += _block_text(b, where)
-            elif b.type == "tool_result":
-                if not b.tool_use_id:
-                    raise ApiError(400, f"{where}: tool_result needs 'tool_use_id'", param=where)
-                if text:
-                    out.append({"role": "user", "content": text})
-                    text = ""
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": _tool_result_text(b, where)})
-            else:
-                raise ApiError(400, f"{where}: content of type {b.type!r} is not supported by this "
-                                    "server (text and tool_result only)", param=f"{where}.type")
-        if text or not out or out[-1]["role"] != "tool":
-            out.append({"role": "user", "content": text})
-    return out
-
-
-def messages_job(model: Any, req: MessagesRequest) -> tuple[GenerationRequest, AnthropicContext]:
-    tools = None
-    if req.tools:
-        tools = [{"type": "function",
-                  "function": {"name": t.name, "description": t.description or "",
-                               "parameters": t.input_schema or {"type": "object", "properties": {}}}}
-                 for t in req.tools]
-    text = render_prompt(model, neutral_messages(req), tools)
-    ids = prompt_ids(model, text)
+def messages_job(model: Any, req: MessagesRequest,
+                 calling: ToolCalling) -> tuple[GenerationRequest, AnthropicContext]:
+    prompt = render_request(model, req, calling)
+    ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)
     max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), model.n_ctx, ignore_eos, "max_tokens")
     gen = GenerationRequest(
-        prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+        prompt_text=prompt.text, prompt_ids=tuple(ids), max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=tuple(s for s in (req.stop_sequences or []) if s))
-    return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), tools=tools,
-                                 n_prompt=len(ids), splitter_model=model)
+        stop=tuple(s for s in (req.stop_sequences or []) if s),
+        new_splitter=lambda: calling.new_splitter(prompt, "anthropic"))
+    return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(ids))
 
 
 # --- responses ------------------------------------------------------------------------
@@ -200,20 +133,14 @@ def usage_json(usage: Usage) -> dict[str, Any]:
             "output_tokens": usage.completion_tokens}
 
 
-def stop_reason(finished: Finished, has_tools: bool) -> str:
-    if finished.finish_reason == "length":
+def stop_reason(finished: Finished, parsed: ParsedOutput) -> str:
+    if parsed.finish_reason == "tool_calls":
+        return "tool_use"
+    if parsed.finish_reason == "length":
         return "max_tokens"
     if finished.stop_sequence is not None:
         return "stop_sequence"
-    return "tool_use" if has_tools else "end_turn"
-
-
-def _tool_input(arguments: str) -> dict[str, Any]:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
+    return "end_turn"
 
 
 def messages_response(ctx: AnthropicContext, parsed: ParsedOutput, finished: Finished) -> dict[str, Any]:
@@ -223,11 +150,11 @@ def messages_response(ctx: AnthropicContext, parsed: ParsedOutput, finished: Fin
     if parsed.content:
         content.append({"type": "text", "text": parsed.content})
     for call in parsed.tool_calls:
-        content.append({"type": "tool_use", "id": call.id, "name": call.name,
-                        "input": _tool_input(call.arguments)})
+        content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments})
     return {"id": ctx.id, "type": "message", "role": "assistant", "model": ctx.model_name,
-            "content": content, "stop_reason": stop_reason(finished, bool(parsed.tool_calls)),
-            "stop_sequence": finished.stop_sequence, "usage": usage_json(finished.usage)}
+            "content": content, "stop_reason": stop_reason(finished, parsed),
+            "stop_sequence": None if parsed.tool_calls else finished.stop_sequence,
+            "usage": usage_json(finished.usage)}
 
 
 def stream_error(message: str, kind: str = "api_error") -> bytes:
@@ -237,10 +164,8 @@ def stream_error(message: str, kind: str = "api_error") -> bytes:
 
 
 async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
-    splitter = new_output_splitter(ctx.splitter_model, ctx.tools)
     index = -1
     open_kind: str | None = None
-    has_tools = False
     started = False
 
     def start_message(n_cached: int) -> list[bytes]:
@@ -271,8 +196,7 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
                                                         "content_block": block}))
         return frames
 
-    def frames_for(out_events: list[OutputEvent]) -> list[bytes]:
-        nonlocal has_tools
+    def frames_for(out_events: list[OutputEvent] | tuple[OutputEvent, ...]) -> list[bytes]:
         frames: list[bytes] = []
         for ev in out_events:
             if isinstance(ev, ContentDelta):
@@ -287,13 +211,12 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
                 frames.append(sse_event("content_block_delta", {
                     "type": "content_block_delta", "index": index,
                     "delta": {"type": "thinking_delta", "thinking": ev.text}}))
-            elif isinstance(ev, ToolCallDelta):
-                has_tools = True
+            elif isinstance(ev, ToolCallEnd):
                 frames += open_block("tool_use", {"type": "tool_use", "id": ev.call.id,
                                                   "name": ev.call.name, "input": {}})
                 frames.append(sse_event("content_block_delta", {
                     "type": "content_block_delta", "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": ev.call.arguments}}))
+                    "delta": {"type": "input_json_delta", "partial_json": ev.call.arguments_json}}))
                 frames += close_block()
         return frames
 
@@ -306,7 +229,7 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
                 for frame in start_message(event.n_cached):
                     yield frame
         elif isinstance(event, TextDelta):
-            for frame in frames_for(splitter.feed(event.text)):
+            for frame in frames_for(event.events):
                 yield frame
         elif isinstance(event, Finished):
             if event.finish_reason == "cancelled":
@@ -316,12 +239,13 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
             if not started:
                 for frame in start_message(event.usage.cached_tokens):
                     yield frame
-            for frame in frames_for(splitter.finish()) + close_block():
+            parsed: ParsedOutput = event.output
+            for frame in frames_for(parsed.events) + close_block():
                 yield frame
             yield sse_event("message_delta", {
                 "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(event, has_tools),
-                          "stop_sequence": event.stop_sequence},
+                "delta": {"stop_reason": stop_reason(event, parsed),
+                          "stop_sequence": None if parsed.tool_calls else event.stop_sequence},
                 "usage": usage_json(event.usage)})
             yield sse_event("message_stop", {"type": "message_stop"})
         elif isinstance(event, Failed):

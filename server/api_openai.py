@@ -15,8 +15,11 @@ A raw completion prompt is tokenized with special-token parsing, so a client may
 already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is used as is.
 Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`.
 
-Accepted but without effect: `reasoning_effort` (the served model has no thinking mode),
-`tool_choice` and `parallel_tool_calls` (tools are rendered through the chat template).
+Tools: definitions and earlier calls are rendered by the model's tool syntax
+(`server.prompting.ToolCalling`); generated calls come back as `tool_calls` with
+`finish_reason: "tool_calls"` (streamed as one complete delta per call, once it is known to
+be valid), thinking as `reasoning_content`.
+Accepted but without effect: `reasoning_effort`, `tool_choice` and `parallel_tool_calls`.
 Rejected with a 400: `n`/`best_of` other than 1, nonzero penalties (the engine has none),
 `response_format` other than text, image or audio content, `suffix`, several prompts.
 
@@ -26,7 +29,7 @@ No HTTP objects here: routes live in `server.app`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
@@ -35,8 +38,9 @@ from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, Str
                             check_context, new_id, resolve_max_tokens, sampling_spec,
                             text_of_parts)
 from server.errors import ApiError, error_body
-from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
-                              ToolCallDelta, new_output_splitter, prompt_ids, render_prompt)
+from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
+                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.tools.apis import messages_from_openai, tools_from_openai
 from server.sse import DONE, KEEPALIVE, sse_data
 from server.worker import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 
@@ -143,9 +147,7 @@ class OpenAIContext:
     created: int
     include_usage: bool
     logprobs: bool
-    tools: list[dict[str, Any]] | None
     echo_text: str = ""
-    splitter_model: Any = field(default=None, repr=False)
 
 
 def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -196,33 +198,37 @@ def neutral_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def chat_job(model: Any, req: ChatCompletionRequest) -> tuple[GenerationRequest, OpenAIContext]:
+def chat_job(model: Any, req: ChatCompletionRequest,
+             calling: ToolCalling) -> tuple[GenerationRequest, OpenAIContext]:
     _common_checks(req)
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
                             "(only 'text')", param="response_format")
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    text = render_prompt(model, neutral_messages(req.messages), tools)
-    ids = prompt_ids(model, text)
+    specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
+    prompt = calling.render(model, messages_from_openai(neutral_messages(req.messages)), specs)
+    ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, None, len(ids), model.n_ctx, ignore_eos,
                                     "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     gen = GenerationRequest(
-        prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+        prompt_text=prompt.text, prompt_ids=tuple(ids), max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
         stop=_stop_list(req.stop),
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        new_splitter=lambda: calling.new_splitter(prompt, "openai"))
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
                         created=int(time.time()),
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        logprobs=bool(req.logprobs), tools=tools, splitter_model=model)
+                        logprobs=bool(req.logprobs))
     return gen, ctx
 
 
-def completion_job(model: Any, req: CompletionRequest) -> tuple[GenerationRequest, OpenAIContext]:
+def completion_job(model: Any, req: CompletionRequest,
+                   calling: ToolCalling | None = None) -> tuple[GenerationRequest, OpenAIContext]:
+    """A raw completion: no chat template, no tool syntax (`calling` is unused)."""
     _common_checks(req)
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, "best_of must be 1 on this server", param="best_of")
@@ -260,8 +266,7 @@ def completion_job(model: Any, req: CompletionRequest) -> tuple[GenerationReques
     ctx = OpenAIContext(kind="completion", model_name=model.name, id=new_id("cmpl-"),
                         created=int(time.time()),
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        logprobs=req.logprobs is not None, tools=None,
-                        echo_text=text if req.echo else "", splitter_model=model)
+                        logprobs=req.logprobs is not None, echo_text=text if req.echo else "")
     return gen, ctx
 
 
@@ -296,15 +301,10 @@ def completion_logprobs_json(entries: list[TokenLogprob], offset0: int) -> dict[
             "text_offset": offsets}
 
 
-def finish_reason(finished: Finished, parsed_has_tools: bool) -> str:
-    if parsed_has_tools and finished.finish_reason == "stop":
-        return "tool_calls"
-    return finished.finish_reason
-
-
-def _tool_call_json(index: int, call: Any) -> dict[str, Any]:
-    return {"index": index, "id": call.id, "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    return out | {"id": call.id, "type": "function",
+                  "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
 def chat_response(ctx: OpenAIContext, parsed: ParsedOutput, finished: Finished,
@@ -315,14 +315,12 @@ def chat_response(ctx: OpenAIContext, parsed: ParsedOutput, finished: Finished,
     if parsed.reasoning:
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-            for c in parsed.tool_calls]
+        message["tool_calls"] = [tool_call_json(c) for c in parsed.tool_calls]
     return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name,
             "system_fingerprint": None,
             "choices": [{"index": 0, "message": message,
                          "logprobs": chat_logprobs_json(logprobs) if ctx.logprobs else None,
-                         "finish_reason": finish_reason(finished, bool(parsed.tool_calls))}],
+                         "finish_reason": parsed.finish_reason}],
             "usage": usage_json(finished.usage)}
 
 
@@ -350,28 +348,12 @@ async def chat_stream(ctx: OpenAIContext, events: AsyncIterator[Event | None]) -
         return sse_data(base | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]} | extra)
 
-    splitter = new_output_splitter(ctx.splitter_model, ctx.tools)
-    n_tool_calls = 0
-
-    def deltas(out_events: list[OutputEvent]) -> list[dict[str, Any]]:
-        nonlocal n_tool_calls
-        out = []
-        for ev in out_events:
-            if isinstance(ev, ContentDelta):
-                out.append({"content": ev.text})
-            elif isinstance(ev, ReasoningDelta):
-                out.append({"reasoning_content": ev.text})
-            elif isinstance(ev, ToolCallDelta):
-                out.append({"tool_calls": [_tool_call_json(n_tool_calls, ev.call)]})
-                n_tool_calls += 1
-        return out
-
     yield chunk({"role": "assistant", "content": ""})
     async for event in events:
         if event is None:
             yield KEEPALIVE
         elif isinstance(event, TextDelta):
-            pieces = deltas(splitter.feed(event.text))
+            pieces = stream_deltas(event.events)
             if ctx.logprobs and event.logprobs:
                 # Logprobs ride on the first chunk of the text their tokens produced.
                 lp = chat_logprobs_json(list(event.logprobs))
@@ -380,18 +362,32 @@ async def chat_stream(ctx: OpenAIContext, events: AsyncIterator[Event | None]) -
             for delta in pieces:
                 yield chunk(delta)
         elif isinstance(event, Finished):
-            for delta in deltas(splitter.finish()):
-                yield chunk(delta)
             if event.finish_reason == "cancelled":
                 yield stream_error("the request was cancelled because the server is shutting down")
                 return
-            yield chunk({}, finish_reason(event, n_tool_calls > 0))
+            parsed: ParsedOutput = event.output
+            for delta in stream_deltas(parsed.events):
+                yield chunk(delta)
+            yield chunk({}, parsed.finish_reason)
             if ctx.include_usage:
                 yield sse_data(base | {"choices": [], "usage": usage_json(event.usage)})
             yield DONE
         elif isinstance(event, Failed):
             yield stream_error(event.message)
             return
+
+
+def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
+    """Chat chunk `delta` objects for splitter events; a call arrives whole, with its index."""
+    out = []
+    for ev in out_events:
+        if isinstance(ev, ContentDelta):
+            out.append({"content": ev.text})
+        elif isinstance(ev, ReasoningDelta):
+            out.append({"reasoning_content": ev.text})
+        elif isinstance(ev, ToolCallEnd):
+            out.append({"tool_calls": [tool_call_json(ev.call, ev.index)]})
+    return out
 
 
 async def completion_stream(ctx: OpenAIContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:

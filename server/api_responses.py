@@ -2,8 +2,9 @@
 
 Request side: `ResponsesRequest` validates the body; `responses_job` turns `instructions`
 and `input` (a string, or items: messages with string or part content, `function_call`
-and `function_call_output` items passed back from earlier turns, `reasoning` items) into
-the neutral chat, renders, tokenizes and applies the context-length rule (param `input`).
+and `function_call_output` items passed back from earlier turns, `reasoning` items) onto
+the neutral records (`server.tools.apis.messages_from_responses`), renders them with the
+model's tool syntax, tokenizes and applies the context-length rule (param `input`).
 
 Response side: `response_object` builds the `response` object (output items `reasoning`,
 `message` with `output_text`, `function_call`); `responses_stream` emits the typed event
@@ -15,14 +16,16 @@ after the stream started.
 
 The server keeps no conversation state: `previous_response_id` is rejected (send the
 earlier output items back in `input` instead), `store` is accepted and ignored. Reasoning
-items passed back are dropped from the prompt (the served model has no thinking mode).
+items passed back belong to the assistant turn that follows them; they reach the prompt
+only through exact replay (chat templates drop earlier reasoning). A response whose output
+holds calls is `completed`, also when a call was repaired at the token limit.
 Extensions: `top_k`, `min_p`, `seed`, `ignore_eos`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pydantic import Field
@@ -30,12 +33,11 @@ from pydantic import Field
 from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError
-from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
-                              ToolCallDelta, new_output_splitter, prompt_ids, render_prompt)
+from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
+                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.tools.apis import messages_from_responses, tools_from_responses
 from server.sse import KEEPALIVE, sse_event
 from server.worker import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
-
-TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 # --- schemas --------------------------------------------------------------------------
 
@@ -91,68 +93,10 @@ class ResponsesContext:
     id: str
     created_at: int
     request_echo: dict[str, Any]
-    tools: list[dict[str, Any]] | None
-    splitter_model: Any = field(default=None, repr=False)
 
 
-def _parts_text(content: str | list[InputPart] | None, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    out = []
-    for j, part in enumerate(content):
-        if part.type not in TEXT_PART_TYPES:
-            raise ApiError(400, f"{where}[{j}]: content of type {part.type!r} is not supported by this "
-                                "server (text only)", param=f"{where}[{j}].type")
-        if part.text is None:
-            raise ApiError(400, f"{where}[{j}]: a {part.type!r} part needs a 'text' string",
-                           param=f"{where}[{j}].text")
-        out.append(part.text)
-    return "".join(out)
-
-
-def neutral_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    if req.instructions:
-        out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        out.append({"role": "user", "content": req.input})
-        return out
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
-        kind = item.type or ("message" if item.role else None)
-        if kind == "message":
-            role = {"developer": "system"}.get(item.role or "", item.role)
-            if role not in ("system", "user", "assistant"):
-                raise ApiError(400, f"{where}.role must be user, assistant, system or developer",
-                               param=f"{where}.role")
-            out.append({"role": role, "content": _parts_text(item.content, f"{where}.content")})
-        elif kind == "function_call":
-            if not item.call_id or not item.name or item.arguments is None:
-                raise ApiError(400, f"{where}: function_call needs call_id, name and arguments",
-                               param=where)
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
-            # Calls that follow an assistant turn belong to that turn (parallel calls).
-            if out and out[-1]["role"] == "assistant":
-                out[-1].setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
-            if not item.call_id:
-                raise ApiError(400, f"{where}: function_call_output needs call_id", param=where)
-            out.append({"role": "tool", "tool_call_id": item.call_id,
-                        "content": _parts_text(item.output, f"{where}.output")})
-        elif kind == "reasoning":
-            continue
-        else:
-            raise ApiError(400, f"{where}: input items of type {kind!r} are not supported",
-                           param=f"{where}.type")
-    return out
-
-
-def responses_job(model: Any, req: ResponsesRequest) -> tuple[GenerationRequest, ResponsesContext]:
+def responses_job(model: Any, req: ResponsesRequest,
+                  calling: ToolCalling) -> tuple[GenerationRequest, ResponsesContext]:
     if req.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: this server stores no responses; "
                             "send the earlier output items back in 'input'", param="previous_response_id")
@@ -160,33 +104,26 @@ def responses_job(model: Any, req: ResponsesRequest) -> tuple[GenerationRequest,
     if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
         raise ApiError(400, f"text.format {fmt.get('type')!r} is not supported (only 'text')",
                        param="text.format")
-    tools = None
-    if req.tools:
-        tools = []
-        for i, t in enumerate(req.tools):
-            if t.type != "function" or not t.name:
-                raise ApiError(400, f"tools[{i}]: only function tools with a name are supported",
-                               param=f"tools[{i}]")
-            tools.append({"type": "function",
-                          "function": {"name": t.name, "description": t.description or "",
-                                       "parameters": t.parameters or {"type": "object", "properties": {}}}})
-    text = render_prompt(model, neutral_messages(req), tools)
-    ids = prompt_ids(model, text)
+    tool_dump = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    specs = tools_from_responses(tool_dump)
+    items = req.input if isinstance(req.input, str) else [it.model_dump(exclude_none=True) for it in req.input]
+    prompt = calling.render(model, messages_from_responses(req.instructions, items), specs)
+    ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "input")
     ignore_eos = bool(req.ignore_eos)
     max_tokens = resolve_max_tokens(req.max_output_tokens, None, len(ids), model.n_ctx, ignore_eos,
                                     "max_output_tokens")
     spec = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
-    gen = GenerationRequest(prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
-                            sampling=spec)
+    gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+                            sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"))
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": spec.temperature, "top_p": spec.top_p,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else []}
+            "tools": tool_dump}
     return gen, ResponsesContext(model_name=model.name, id=new_id("resp_"), created_at=int(time.time()),
-                                 request_echo=echo, tools=tools, splitter_model=model)
+                                 request_echo=echo)
 
 
 # --- responses ------------------------------------------------------------------------
@@ -209,8 +146,8 @@ def _envelope(ctx: ResponsesContext, status: str, output: list[dict[str, Any]],
             "usage": usage_json(usage) if usage is not None else None, **ctx.request_echo}
 
 
-def _status(finished: Finished) -> str:
-    return "incomplete" if finished.finish_reason == "length" else "completed"
+def _status(parsed: ParsedOutput) -> str:
+    return "incomplete" if parsed.finish_reason == "length" else "completed"
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -223,14 +160,14 @@ def reasoning_item(item_id: str, text: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def function_call_item(item_id: str, call: Any, status: str = "completed") -> dict[str, Any]:
+def function_call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
-            "arguments": call.arguments, "status": status}
+            "arguments": call.arguments_json, "status": status}
 
 
 def response_object(ctx: ResponsesContext, parsed: ParsedOutput, finished: Finished) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
-    status = _status(finished)
+    status = _status(parsed)
     if parsed.reasoning:
         output.append(reasoning_item(new_id("rs_"), parsed.reasoning))
     if parsed.content or not parsed.tool_calls:
@@ -250,7 +187,6 @@ def stream_error(message: str) -> bytes:
 async def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
     seq = 0
     output: list[dict[str, Any]] = []
-    splitter = new_output_splitter(ctx.splitter_model, ctx.tools)
     open_item: dict[str, Any] | None = None
     open_text = ""
 
@@ -304,7 +240,7 @@ async def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | 
                          item={"type": "reasoning", "id": open_item["id"], "summary": [], "content": []}))
         return frames
 
-    def frames_for(out_events: list[OutputEvent]) -> list[bytes]:
+    def frames_for(out_events: list[OutputEvent] | tuple[OutputEvent, ...]) -> list[bytes]:
         nonlocal open_text
         frames: list[bytes] = []
         for oe in out_events:
@@ -320,16 +256,16 @@ async def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | 
                 open_text += oe.text
                 frames.append(ev("response.reasoning_text.delta", item_id=open_item["id"],
                                  output_index=len(output), content_index=0, delta=oe.text))
-            elif isinstance(oe, ToolCallDelta):
+            elif isinstance(oe, ToolCallEnd):
                 frames += close_item()
                 idx = len(output)
                 item_id = new_id("fc_")
                 frames.append(ev("response.output_item.added", output_index=idx,
                                  item=function_call_item(item_id, oe.call, "in_progress") | {"arguments": ""}))
                 frames.append(ev("response.function_call_arguments.delta", item_id=item_id,
-                                 output_index=idx, delta=oe.call.arguments))
+                                 output_index=idx, delta=oe.call.arguments_json))
                 frames.append(ev("response.function_call_arguments.done", item_id=item_id,
-                                 output_index=idx, name=oe.call.name, arguments=oe.call.arguments))
+                                 output_index=idx, name=oe.call.name, arguments=oe.call.arguments_json))
                 item = function_call_item(item_id, oe.call)
                 frames.append(ev("response.output_item.done", output_index=idx, item=item))
                 output.append(item)
@@ -341,7 +277,7 @@ async def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | 
         if event is None:
             yield KEEPALIVE
         elif isinstance(event, TextDelta):
-            for frame in frames_for(splitter.feed(event.text)):
+            for frame in frames_for(event.events):
                 yield frame
         elif isinstance(event, Finished):
             if event.finish_reason == "cancelled":
@@ -350,8 +286,9 @@ async def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | 
                 yield ev("response.failed", response=_envelope(
                     ctx, "failed", output, None, {"code": "server_error", "message": message}))
                 return
-            status = _status(event)
-            frames = frames_for(splitter.finish())
+            parsed: ParsedOutput = event.output
+            status = _status(parsed)
+            frames = frames_for(parsed.events)
             if not output and open_item is None:
                 frames += open_message()
             frames += close_item("incomplete" if status == "incomplete" else "completed")

@@ -8,6 +8,11 @@ the app's lifespan. Every inference route follows the same path:
     tokenize off the event loop -> context-length check -> submit job -> stream SSE or
     collect and answer JSON
 
+Chat endpoints render through the app's `ToolCalling` (the model's tool syntax, detected
+or set by `--tool-syntax`, and the exact replay memory; `app.state.tools`), and the
+worker splits their output into content, reasoning and tool calls. Tool objects that
+cannot be mapped (`ToolInputError`) are 400s like any other bad input.
+
 Errors become 4xx responses in the dialect of the endpoint (`server.errors`); unknown
 paths and methods too. Disconnects cancel the job, streaming or not. The OpenAPI document
 (`/openapi.json`) describes each request body with its pydantic schema, even though the
@@ -40,7 +45,8 @@ from server.apibase import StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect, dialect_for_path, error_body
 from server.jsonparse import JsonBodyError, parse_json_body
-from server.prompting import ParsedOutput, new_output_splitter, prompt_ids, render_prompt, split_output
+from server.prompting import ToolCalling, prompt_ids
+from server.tools.apis import ToolInputError
 from server.sse import SSEResponse, job_events, wait_or_disconnect
 from server.worker import (EngineTypes, Event, Failed, Finished, GenerationRequest, InferenceWorker,
                            TextDelta, TokenLogprob)
@@ -100,20 +106,16 @@ class _Endpoint:
     """How one inference API plugs into the shared request path."""
     schema: type[StrictModel]
     dialect: Dialect
-    make_job: Callable[[Any, Any], tuple[GenerationRequest, Any]]
+    make_job: Callable[[Any, Any, ToolCalling], tuple[GenerationRequest, Any]]
     respond: Callable[[Any, Collected], dict[str, Any]]
     stream: Callable[[Any, AsyncIterator[Event | None]], AsyncIterator[bytes]]
     stream_error: Callable[[str], bytes]
 
 
-def _parsed(ctx: Any, text: str) -> ParsedOutput:
-    return split_output(new_output_splitter(ctx.splitter_model, ctx.tools), text)
-
-
 ENDPOINTS: dict[str, _Endpoint] = {
     "/v1/chat/completions": _Endpoint(
         api_openai.ChatCompletionRequest, "openai", api_openai.chat_job,
-        lambda ctx, c: api_openai.chat_response(ctx, _parsed(ctx, c.text), c.finished, c.logprobs),
+        lambda ctx, c: api_openai.chat_response(ctx, c.finished.output, c.finished, c.logprobs),
         api_openai.chat_stream, api_openai.stream_error),
     "/v1/completions": _Endpoint(
         api_openai.CompletionRequest, "openai", api_openai.completion_job,
@@ -121,11 +123,11 @@ ENDPOINTS: dict[str, _Endpoint] = {
         api_openai.completion_stream, api_openai.stream_error),
     "/v1/messages": _Endpoint(
         api_anthropic.MessagesRequest, "anthropic", api_anthropic.messages_job,
-        lambda ctx, c: api_anthropic.messages_response(ctx, _parsed(ctx, c.text), c.finished),
+        lambda ctx, c: api_anthropic.messages_response(ctx, c.finished.output, c.finished),
         api_anthropic.messages_stream, api_anthropic.stream_error),
     "/v1/responses": _Endpoint(
         api_responses.ResponsesRequest, "openai", api_responses.responses_job,
-        lambda ctx, c: api_responses.response_object(ctx, _parsed(ctx, c.text), c.finished),
+        lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished),
         api_responses.responses_stream, api_responses.stream_error),
 }
 
@@ -158,10 +160,21 @@ async def _guarded(body: AsyncIterator[bytes], on_error: Callable[[str], bytes],
         yield on_error("internal error while streaming the response")
 
 
+def _tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
+    """Client tool objects that cannot be mapped become a 400 in the endpoint's dialect."""
+    def call(*args: Any) -> Any:
+        try:
+            return make(*args)
+        except ToolInputError as e:
+            raise ApiError(400, f"{e.param}: {e}" if e.param else str(e), param=e.param or None) from None
+    return call
+
+
 def create_app(model: Any, config: ServerConfig | None = None, *,
                engine_types: EngineTypes | None = None) -> FastAPI:
     config = config or ServerConfig()
     worker = InferenceWorker(model, engine_types)
+    calling = ToolCalling.for_model(model, config.tools)
     started_at = int(time.time())
 
     @asynccontextmanager
@@ -178,6 +191,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     app.state.worker = worker
     app.state.model = model
     app.state.config = config
+    app.state.tools = calling
     if config.cors:
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["*"], max_age=600)
@@ -252,7 +266,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     def add_inference_route(path: str, endpoint: _Endpoint, summary: str) -> None:
         async def route(request: Request) -> Response:
             body = await parse(request, endpoint.schema)
-            gen, ctx = await run_in_threadpool(endpoint.make_job, model, body)
+            gen, ctx = await run_in_threadpool(_tool_input_errors(endpoint.make_job), model, body, calling)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
@@ -285,18 +299,10 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
         body = await parse(request, CountTokensRequest)
 
         def count() -> int:
-            full = api_anthropic.MessagesRequest.model_construct(
-                messages=body.messages, system=body.system, tools=body.tools)
-            tools = None
-            if body.tools:
-                tools = [{"type": "function", "function": {
-                    "name": t.name, "description": t.description or "",
-                    "parameters": t.input_schema or {"type": "object", "properties": {}}}}
-                    for t in body.tools]
-            text = render_prompt(model, api_anthropic.neutral_messages(full), tools)
-            return len(prompt_ids(model, text))
+            prompt = api_anthropic.render_request(model, body, calling)
+            return len(prompt_ids(model, prompt.text))
 
-        return JSONResponse({"input_tokens": await run_in_threadpool(count)})
+        return JSONResponse({"input_tokens": await run_in_threadpool(_tool_input_errors(count))})
 
     def custom_openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -16,15 +16,21 @@ import sys
 import click
 
 from server.config import LOG_LEVELS, ServerConfig
+from server.prompting import model_syntax
+from server.tools import SYNTAXES, ToolsConfig
 
 
 def _mib(n: int) -> str:
     return f"{n / (1024 * 1024):,.1f} MiB"
 
 
+TOOL_FLAGS = ("tool_syntax", "tool_memory_max_ids", "disable_exact_tool_replay")
+
+
 def config_from_flags(**flags: object) -> ServerConfig:
     try:
-        return ServerConfig(**flags)  # type: ignore[arg-type]
+        tools = ToolsConfig(**{k: flags.pop(k) for k in TOOL_FLAGS if k in flags})  # type: ignore[arg-type]
+        return ServerConfig(**flags, tools=tools)  # type: ignore[arg-type]
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -40,6 +46,8 @@ def banner(model: object, config: ServerConfig) -> str:
     lines = [
         f"ds4-server: model {model.name} ({getattr(model, 'path', '')})",  # type: ignore[attr-defined]
         f"ds4-server: device {config.device}, context {n_ctx} tokens",
+        f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
+        + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
         f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)})",
         f"ds4-server: listening on http://{host}:{config.port}"
         + (" (CORS enabled)" if config.cors else ""),
@@ -64,6 +72,12 @@ def banner(model: object, config: ServerConfig) -> str:
 @click.option("--max-body-mb", type=float, default=64.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
+@click.option("--tool-syntax", type=click.Choice(sorted(SYNTAXES)), default=None,
+              help="Tool-call syntax of the model (default: detected from its chat template and name).")
+@click.option("--tool-memory-max-ids", type=int, default=ToolsConfig.tool_memory_max_ids, show_default=True,
+              help="Tool-call ids whose exact generated text is kept for replay.")
+@click.option("--disable-exact-tool-replay", is_flag=True, default=False,
+              help="Re-render earlier tool calls canonically instead of replaying the exact text.")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)

@@ -1,13 +1,17 @@
 """Configuration of ds4-server: one dataclass, one field per command-line flag.
 
 `ServerConfig` is plain data. `server.cli` fills it from flags; `server.app.create_app`
-and `server.worker.InferenceWorker` read it. It does not load models, bind sockets or
+and `server.worker.InferenceWorker` read it. The tool-calling flags (`--tool-syntax`,
+`--tool-memory-max-ids`, `--disable-exact-tool-replay`) live in the embedded
+`server.tools.ToolsConfig` record, one field each. It does not load models, bind sockets or
 touch the file system (`--chdir` is applied by the CLI before anything else runs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from server.tools import ToolsConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -34,6 +38,8 @@ class ServerConfig:
     """Largest accepted request body in MiB; larger bodies get 413."""
     log_level: str = "info"
     """Logging level for the server and uvicorn."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Tool-call syntax (None: detected from the model) and exact replay memory bounds."""
 
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:

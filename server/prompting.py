@@ -1,102 +1,149 @@
 """The two text seams between the APIs and the model: prompt rendering and output splitting.
 
-Every API translates its request into the same neutral chat form — a list of message
-dicts in the shape chat templates expect (`role`, `content` as a string, `tool_calls` on
-assistant turns, `tool_call_id` on tool turns) plus OpenAI-style tool definitions — and
-calls `render_prompt`. Generated text goes the other way through an `OutputSplitter`,
-which turns the raw text stream into content, reasoning and tool-call events that each
-API then renders in its own objects.
+Rendering: every chat API maps its request onto the API-neutral records of `server.tools`
+(`Message`, `ToolSpec`) and calls `ToolCalling.render`. The conversation is rendered by the
+model's tool syntax (tool definitions canonically, before the client's system prompt;
+assistant calls from the exact replay memory when possible; tool results in call order)
+into plain `{"role", "content"}` messages, which the model's own chat template then turns
+into prompt text (without its own tool rendering: the syntax already did that).
 
-Today rendering is the model's own chat template (tools included) and splitting passes
-all text through as content: the embedded model has no thinking mode, and tool-call
-syntaxes are parsed by a dedicated package that plugs in here (a splitter built from
-`server.tools`' streaming parser, a renderer that uses its canonical tool rendering and
-exact-replay memory) without changes to the API modules.
+Splitting: `OutputSplitter` wraps the syntax's streaming `ToolCallParser` for one
+generation. The inference worker feeds it every piece of text as it is produced (so that
+`in_structure` is current before the next token is sampled) and forwards the resulting
+events — `ContentDelta`, `ReasoningDelta`, `ToolCallEnd` (a complete call) — to the API
+layer; `finish(engine_reason)` returns the whole `ParsedOutput`. A turn that made calls is
+remembered, byte for byte, in the replay memory under its call ids.
 
-Pure text in, text or dataclasses out; the model is only asked to render its template.
+`ToolCalling` holds the per-server state (syntax, replay memory and the lock that guards
+it); it is created once per app. Nothing here does I/O besides an info log line per
+rendered chat that involves tools; the model is only asked to render its template.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from server.tools import (ContentDelta, Message, ReasoningDelta, ReplayMemory, Syntax, ToolCall,
+                          ToolCallEnd, ToolCallParser, ToolSpec, ToolsConfig, detect_syntax, get_syntax,
+                          render_conversation)
+from server.tools.apis import ID_PREFIX
 
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str
-    """The arguments as a JSON object text, exactly as the API returns it."""
+log = logging.getLogger("ds4.server.tools")
 
+OutputEvent = ContentDelta | ReasoningDelta | ToolCallEnd
 
-@dataclass(frozen=True)
-class ContentDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ReasoningDelta:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCallDelta:
-    """A complete tool call, emitted once its closing syntax was seen."""
-    index: int
-    call: ToolCall
-
-
-OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta
+__all__ = ["ChatPrompt", "ContentDelta", "OutputEvent", "OutputSplitter", "ParsedOutput", "ReasoningDelta",
+           "ToolCall", "ToolCallEnd", "ToolCalling", "model_syntax", "prompt_ids"]
 
 
 @dataclass
 class ParsedOutput:
+    """A finished generation as the APIs answer it.
+
+    `finish_reason` is the parser's: "tool_calls" when there is at least one call (also for
+    a call repaired at the token limit), else the engine's "stop" or "length". `events` are
+    the events produced by `finish()` itself (the tail a stream still has to send)."""
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
-
-    def apply(self, event: OutputEvent) -> None:
-        if isinstance(event, ContentDelta):
-            self.content += event.text
-        elif isinstance(event, ReasoningDelta):
-            self.reasoning += event.text
-        else:
-            self.tool_calls.append(event.call)
+    finish_reason: str = "stop"
+    raw: str = ""
+    repaired: bool = False
+    malformed: int = 0
+    events: list[OutputEvent] = field(default_factory=list)
 
 
-class OutputSplitter(Protocol):
-    def feed(self, text: str) -> list[OutputEvent]: ...
-    def finish(self) -> list[OutputEvent]: ...
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A rendered chat prompt and what parsing its continuation needs."""
+    text: str
+    tools: tuple[ToolSpec, ...] = ()
+    thinking_prefix: str = ""
+    """The thinking-open text the prompt ends with ("" when the prompt does not open thinking);
+    it belongs to the model's turn, so it is part of the text remembered for replay."""
 
 
-class PlainTextSplitter:
-    """All generated text is visible content (models without thinking or parsed tools)."""
+def model_syntax(model: Any, override: str | None = None) -> Syntax:
+    """The tool syntax of a loaded model: from its chat template, architecture and name."""
+    template = getattr(model, "template", None)
+    source = getattr(getattr(template, "spec", None), "source", "") or ""
+    arch = getattr(getattr(model, "config", None), "arch", "") or ""
+    return get_syntax(detect_syntax(str(getattr(model, "name", "") or ""), str(arch), str(source), override))
+
+
+class OutputSplitter:
+    """Content / reasoning / tool-call events of one generation (a `ToolCallParser` adapter).
+
+    Not thread-safe: one generation, fed from one thread."""
+
+    def __init__(self, calling: "ToolCalling", prompt: ChatPrompt, api: str) -> None:
+        self._calling = calling
+        self._prefix = prompt.thinking_prefix
+        self._parser = ToolCallParser(calling.syntax, tools=prompt.tools, starts_in_thinking=bool(self._prefix),
+                                      id_prefix=ID_PREFIX[api])
+
+    @property
+    def in_structure(self) -> bool:
+        """True inside tool-call syntax outside argument values: the next token is sampled greedily."""
+        return self._parser.in_structure
 
     def feed(self, text: str) -> list[OutputEvent]:
-        return [ContentDelta(text)] if text else []
+        # Start and argument-delta events are redundant: calls are only announced once complete.
+        return [e for e in self._parser.feed(text) if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
 
-    def finish(self) -> list[OutputEvent]:
-        return []
-
-
-def new_output_splitter(model: Any, tools: list[dict[str, Any]] | None) -> OutputSplitter:
-    """Splitter for one response of `model`; `tools` are the definitions the client sent."""
-    return PlainTextSplitter()
-
-
-def split_output(splitter: OutputSplitter, text: str) -> ParsedOutput:
-    """Whole-text form of the splitter, for non-streaming responses."""
-    out = ParsedOutput()
-    for event in splitter.feed(text) + splitter.finish():
-        out.apply(event)
-    return out
+    def finish(self, finish_reason: str) -> ParsedOutput:
+        """Decide what is still open; `finish_reason` is the engine's ("stop" or "length")."""
+        r = self._parser.finish(finish_reason)
+        if r.tool_calls:
+            self._calling.remember([c.id for c in r.tool_calls], self._prefix + r.raw)
+        events = [e for e in r.events if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
+        return ParsedOutput(r.content, r.reasoning, list(r.tool_calls), r.finish_reason, r.raw, r.repaired,
+                            r.malformed, events)
 
 
-def render_prompt(model: Any, messages: list[dict[str, Any]],
-                  tools: list[dict[str, Any]] | None = None, **extra: Any) -> str:
-    """Prompt text for a chat: the model's chat template with a generation prompt."""
-    return model.render_chat(messages, add_generation_prompt=True, tools=tools or None, **extra)
+class ToolCalling:
+    """Per-server tool-calling state: the model's syntax and the exact replay memory.
+
+    `render` and `remember` may be called from any thread (the memory is behind a lock)."""
+
+    def __init__(self, syntax: Syntax | str, memory: ReplayMemory | None = None) -> None:
+        self.syntax = get_syntax(syntax)
+        self.memory = memory if memory is not None else ReplayMemory()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, model: Any, config: ToolsConfig) -> "ToolCalling":
+        return cls(model_syntax(model, config.tool_syntax), config.new_memory())
+
+    def render(self, model: Any, messages: list[Message], tools: list[ToolSpec] | None = None,
+               **extra: Any) -> ChatPrompt:
+        """Prompt text for a chat: the syntax's rendering of tools and calls, then the chat template."""
+        specs = tuple(tools or ())
+        with self._lock:
+            rendered = render_conversation(self.syntax, messages, list(specs), self.memory)
+            stats = self.memory.stats()
+        n_calls = rendered.replayed + rendered.rerendered + rendered.missing
+        if specs or n_calls:
+            log.info("tool calls in history: %d replayed, %d re-rendered, %d missing (syntax %s; memory %d ids, "
+                     "%d bytes; totals %d/%d/%d)", rendered.replayed, rendered.rerendered, rendered.missing,
+                     self.syntax.name, stats["ids"], stats["bytes"], stats["replayed"], stats["rerendered"],
+                     stats["missing"])
+        text = model.render_chat(rendered.messages, add_generation_prompt=True, tools=None, **extra)
+        prefix = ""
+        if self.syntax.prompt_opens_thinking(text):
+            prefix = text[text.rstrip().rfind(self.syntax.think_open):]
+        return ChatPrompt(text, specs, prefix)
+
+    def new_splitter(self, prompt: ChatPrompt, api: str) -> OutputSplitter:
+        """A splitter for the continuation of `prompt`; `api` picks the call-id prefix."""
+        return OutputSplitter(self, prompt, api)
+
+    def remember(self, call_ids: list[str], text: str) -> None:
+        with self._lock:
+            self.memory.remember(call_ids, text)
 
 
 def prompt_ids(model: Any, text: str) -> list[int]:

@@ -10,6 +10,14 @@ submitted as a `Job`. One worker thread takes jobs in FIFO order and, for each:
    end, turn tokens into UTF-8-safe text, hold back possible stop-sequence prefixes,
 3. emits `TextDelta` events and finally one `Finished` (or `Failed`) event.
 
+Output splitting happens here too, when the request brings a splitter factory
+(`GenerationRequest.new_splitter`, see `server.prompting.OutputSplitter`): every emitted
+piece of text is fed to it in this thread, its events ride on the `TextDelta`, and its
+final result on `Finished.output`. That keeps its state current token by token, which
+sampling needs: while `splitter.in_structure` is True (inside tool-call syntax, outside
+argument values) the next token is the argmax, otherwise it is drawn with the request's
+sampling parameters.
+
 Events reach the handler through the `sink` callable given at submission (the route
 wraps `loop.call_soon_threadsafe`), so the worker never touches the event loop.
 
@@ -33,7 +41,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -66,6 +74,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
     """None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely."""
+    new_splitter: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
+    """Builds the output splitter of this generation (None: text only). The object has
+    `feed(text) -> list`, `in_structure` (bool) and `finish(engine_reason) -> output`."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +115,8 @@ class PromptReady:
 class TextDelta:
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    events: tuple[Any, ...] = ()
+    """The splitter's events for `text` (empty without a splitter)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +125,8 @@ class Finished:
     """'stop' (EOS or stop sequence), 'length' (token limit or context end) or 'cancelled'."""
     usage: Usage
     stop_sequence: str | None = None
+    output: Any = None
+    """The splitter's final result (None without a splitter, or when cancelled)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +143,8 @@ class JobStats:
     n_prompt: int = 0
     n_cached: int = 0
     n_generated: int = 0
+    n_greedy: int = 0
+    """Tokens taken by argmax because the splitter was inside tool-call structure."""
     status: str = "queued"
     queued_at: float = 0.0
     started_at: float | None = None
@@ -284,6 +301,8 @@ class InferenceWorker:
         total = stats.finished_at - stats.queued_at
         extra = (f" cancel_latency={stats.cancel_latency_s * 1000:.0f}ms"
                  if stats.cancel_latency_s is not None else "")
+        if stats.n_greedy:
+            extra += f" greedy_in_tool_syntax={stats.n_greedy}"
         log.info("job %d %s: prompt=%d cached=%d generated=%d time=%.2fs%s", stats.job_id,
                  stats.status, stats.n_prompt, stats.n_cached, stats.n_generated, total, extra)
 
@@ -349,6 +368,7 @@ class InferenceWorker:
         budget = max(0, min(req.max_tokens, room))
         stream = model.text_stream()
         stops = StopMatcher(req.stop)
+        splitter = req.new_splitter() if req.new_splitter is not None else None
         finish = "length"
         pending: int | None = None
         n_gen = 0
@@ -359,7 +379,11 @@ class InferenceWorker:
                 # Evaluated lazily so the last sampled token costs no forward pass.
                 session.eval(pending)
             logprob = self._logprob_entry(session, req.top_logprobs) if req.top_logprobs is not None else None
-            token = int(session.sample(params))
+            if splitter is not None and splitter.in_structure and not sp.ignore_eos:
+                token = int(torch.argmax(session.logits))
+                job.stats.n_greedy += 1
+            else:
+                token = int(session.sample(params))
             n_gen += 1
             job.stats.n_generated = n_gen
             if job.stats.first_token_at is None:
@@ -372,7 +396,8 @@ class InferenceWorker:
             if logprob is not None:
                 lps = (logprob(token),)
             if text or lps:
-                job.emit(TextDelta(text, lps))
+                events = tuple(splitter.feed(text)) if splitter is not None and text else ()
+                job.emit(TextDelta(text, lps, events))
             if stops.matched is not None:
                 finish = "stop"
                 break
@@ -383,10 +408,11 @@ class InferenceWorker:
             if stops.matched is not None:
                 finish = "stop"
             if tail:
-                job.emit(TextDelta(tail))
+                job.emit(TextDelta(tail, (), tuple(splitter.feed(tail)) if splitter is not None else ()))
+        output = splitter.finish(finish) if splitter is not None else None
         job.stats.status = "done"
         job.emit(Finished(finish, Usage(len(req.prompt_ids), n_gen, job.stats.n_cached),
-                          stop_sequence=stops.matched))
+                          stop_sequence=stops.matched, output=output))
 
     def _logprob_entry(self, session: Any, k: int) -> Callable[[int], TokenLogprob]:
         """Log-probabilities of the raw next-token distribution, before sampler filters."""

@@ -45,8 +45,10 @@ def _text(content: Any, param: str, kinds: tuple[str, ...] = ("text",)) -> str:
     _need(isinstance(content, list), "content must be a string or a list of parts", param)
     pieces = []
     for j, part in enumerate(content):
-        _need(isinstance(part, dict) and part.get("type") in kinds and isinstance(part.get("text"), str),
-              f"only text content parts are supported (types {', '.join(kinds)})", f"{param}[{j}]")
+        _need(isinstance(part, dict), "each content part must be an object", f"{param}[{j}]")
+        _need(part.get("type") in kinds, f"content of type {part.get('type')!r} is not supported "
+                                         f"(text only: {', '.join(kinds)})", f"{param}[{j}].type")
+        _need(isinstance(part.get("text"), str), "a text part needs a 'text' string", f"{param}[{j}].text")
         pieces.append(part["text"])
     return "".join(pieces)
 
@@ -158,7 +160,10 @@ def messages_from_anthropic(system: Any, messages: list) -> list[Message]:
                     out.append(Message("tool", _text(b.get("content"), bp + ".content"),
                                        tool_call_id=b["tool_use_id"], is_error=bool(b.get("is_error"))))
                 else:
-                    texts.append(_text([b], bp))
+                    _need(b.get("type") == "text", f"content of type {b.get('type')!r} is not supported "
+                                                   "(text and tool_result only)", bp + ".type")
+                    _need(isinstance(b.get("text"), str), "a text block needs a 'text' string", bp + ".text")
+                    texts.append(b["text"])
             if texts:
                 out.append(Message("user", "".join(texts)))
         else:
@@ -168,7 +173,8 @@ def messages_from_anthropic(system: Any, messages: list) -> list[Message]:
                 _need(isinstance(b, dict), "content block must be an object", bp)
                 kind = b.get("type")
                 if kind == "text":
-                    msg.content += _text([b], bp)
+                    _need(isinstance(b.get("text"), str), "a text block needs a 'text' string", bp + ".text")
+                    msg.content += b["text"]
                 elif kind == "thinking":
                     _need(isinstance(b.get("thinking"), str), "thinking block needs text", bp)
                     msg.reasoning += b["thinking"]
@@ -211,7 +217,8 @@ def messages_from_responses(instructions: Any, items: Any) -> list[Message]:
         kind = it.get("type", "message")
         if kind == "message":
             role = it.get("role")
-            _need(role in ("user", "assistant", "system", "developer"), f"unknown message role {role!r}", p)
+            _need(role in ("user", "assistant", "system", "developer"), f"unknown message role {role!r}",
+                  p + ".role")
             text = _text(it.get("content"), p + ".content", text_kinds)
             if role == "assistant":
                 if out and out[-1].role == "assistant" and not out[-1].tool_calls:
@@ -235,7 +242,7 @@ def messages_from_responses(instructions: Any, items: Any) -> list[Message]:
             _need(isinstance(parts, list), "reasoning content must be a list", p)
             pending_reasoning += "".join(x.get("text", "") for x in parts if isinstance(x, dict))
         else:
-            raise ToolInputError(f"unsupported input item type {kind!r}", p)
+            raise ToolInputError(f"unsupported input item type {kind!r}", p + ".type")
     return out
 
 

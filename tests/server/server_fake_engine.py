@@ -7,6 +7,7 @@ temperature 1 practically never deviates) spell out
 `reply(prompt_text)` byte by byte and then put EOS first — so greedy decoding returns the
 scripted reply, and `argmax_ignoring_eos` continues with '.' bytes.
 
+`generation_prefix` imitates templates that open a thinking block in the generation prompt.
 Slowness is controllable (`prefill_delay` per prefill chunk, `decode_delay` per eval) for
 keepalive and cancellation tests. Nothing here loads weights.
 """
@@ -77,12 +78,15 @@ class FakeModel:
     kv_bytes_per_token = 100
 
     def __init__(self, reply: str | Callable[[str], str] = DEFAULT_REPLY, *, n_ctx: int = 1024,
-                 prefill_chunk: int = 64, prefill_delay: float = 0.0, decode_delay: float = 0.0) -> None:
+                 prefill_chunk: int = 64, prefill_delay: float = 0.0, decode_delay: float = 0.0,
+                 generation_prefix: str = "") -> None:
         self.reply = reply if callable(reply) else (lambda _prompt, r=reply: r)
         self.n_ctx = n_ctx
         self.prefill_chunk = prefill_chunk
         self.prefill_delay = prefill_delay
         self.decode_delay = decode_delay
+        self.generation_prefix = generation_prefix
+        """Text the template writes after the assistant header (e.g. "<think>\n" for thinking models)."""
         self.sessions: list[FakeSession] = []
         self.rendered: list[str] = []
 
@@ -132,7 +136,7 @@ class FakeModel:
                 content += f"<tool_call>{call['function']['name']} {call['function']['arguments']}</tool_call>"
             parts.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
         if add_generation_prompt:
-            parts.append("<|im_start|>assistant\n")
+            parts.append("<|im_start|>assistant\n" + self.generation_prefix)
         text = "".join(parts)
         self.rendered.append(text)
         return text

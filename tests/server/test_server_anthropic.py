@@ -85,10 +85,13 @@ def test_tool_use_and_tool_result_blocks_reach_the_prompt(client, fake_model):
                                           "system": [{"type": "text", "text": "sys"}]})
     assert r.status_code == 200, r.text
     prompt = fake_model.rendered[-1]
-    assert "get_weather" in prompt.split("<|im_start|>user")[0]
-    assert "<|im_start|>system\nsys<|im_end|>" in prompt
-    assert 'checking<tool_call>get_weather {"city": "Paris"}</tool_call>' in prompt
-    assert prompt.index("<|im_start|>tool\nsunny") < prompt.index("<|im_start|>user\nthanks")
+    system = prompt.split("<|im_start|>user")[0]
+    # Tool definitions come first, canonically rendered, then the client's system prompt.
+    assert '{"name": "get_weather", "description": "Weather", "parameters": {"type": "object"}}' in system
+    assert system.endswith("</tool_call>\n\nsys<|im_end|>\n")
+    assert ('<|im_start|>assistant\nchecking\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            "\n</tool_call><|im_end|>") in prompt
+    assert prompt.index("<tool_response>\nsunny\n</tool_response>") < prompt.index("<|im_start|>user\nthanks")
 
 
 @pytest.mark.parametrize("body,fragment", [

@@ -7,28 +7,44 @@ import dataclasses
 import pytest
 from click.testing import CliRunner
 
-from server.cli import banner, main
+from server.cli import banner, config_from_flags, main
 from server.config import ServerConfig
+from server.tools import ToolsConfig
 from server_fake_engine import FakeModel
+
+
+def _config_fields() -> set[str]:
+    """Flag-level fields: the server's own plus those of the embedded tools record."""
+    own = {f.name for f in dataclasses.fields(ServerConfig)} - {"tools"}
+    # tool_memory_max_bytes is fixed (512 MiB) and has no flag.
+    return own | {f.name for f in dataclasses.fields(ToolsConfig)} - {"tool_memory_max_bytes"}
 
 
 def test_every_flag_is_one_config_field():
     flag_names = {p.name for p in main.params if p.name != "help"}
-    assert flag_names == {f.name for f in dataclasses.fields(ServerConfig)}
+    assert flag_names == _config_fields()
 
 
 def test_defaults_match_the_specification():
     c = ServerConfig()
     assert c.host == "127.0.0.1" and c.keepalive_sec == 5 and c.max_body_mb == 64 and not c.cors
     assert c.max_body_bytes == 64 * 1024 * 1024
+    assert c.tools == ToolsConfig(tool_syntax=None, tool_memory_max_ids=100_000, disable_exact_tool_replay=False)
     defaults = {p.name: p.default for p in main.params if p.name != "help"}
-    assert ServerConfig(**defaults) == c
+    assert config_from_flags(**defaults) == c
+
+
+def test_tool_flags_fill_the_tools_record():
+    c = config_from_flags(tool_syntax="glm", tool_memory_max_ids=7, disable_exact_tool_replay=True)
+    assert c.tools == ToolsConfig(tool_syntax="glm", tool_memory_max_ids=7, disable_exact_tool_replay=True)
+    assert not c.tools.new_memory().enabled
 
 
 def test_help_lists_the_flags():
     out = CliRunner().invoke(main, ["--help"]).output
     for flag in ("--model", "--ctx", "--host", "--port", "--cors", "--chdir", "--device",
-                 "--keepalive-sec", "--max-body-mb", "--log-level"):
+                 "--keepalive-sec", "--max-body-mb", "--log-level", "--tool-syntax", "--tool-memory-max-ids",
+                 "--disable-exact-tool-replay"):
         assert flag in out
 
 
@@ -39,6 +55,8 @@ def test_help_lists_the_flags():
     (["--ctx", "2"], "ctx must be at least"),
     (["--log-level", "loud"], "loud"),
     (["--port", "abc"], "abc"),
+    (["--tool-syntax", "xml"], "xml"),
+    (["--tool-memory-max-ids", "-1"], "--tool-memory-max-ids must be >= 0"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args, fragment):
     result = CliRunner().invoke(main, args)
@@ -69,4 +87,7 @@ def test_banner_names_model_memory_and_address():
     assert "memory 1.1 MiB" in text          # 1e6 weights + 1024 * 100 KV bytes
     assert "http://127.0.0.1:9123 (CORS enabled)" in text
     assert "reachable from other machines" not in text
+    assert "tool syntax hermes, exact tool replay on (up to 100000 ids)" in text
+    assert "tool syntax dsml, exact tool replay off" in banner(
+        FakeModel(), ServerConfig(tools=ToolsConfig(tool_syntax="dsml", disable_exact_tool_replay=True)))
     assert "reachable from other machines" in banner(FakeModel(), ServerConfig(host="0.0.0.0"))

@@ -232,7 +232,7 @@ def test_prompt_of_exactly_n_ctx_minus_one_is_accepted():
         assert c.post("/v1/completions", json={"prompt": "x" * 64, "max_tokens": 1}).status_code == 400
 
 
-def test_tools_are_rendered_through_the_chat_template(client, fake_model):
+def test_tools_and_calls_are_rendered_by_the_tool_syntax(client, fake_model):
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather",
                                                "parameters": {"type": "object", "properties": {}}}}]
     history = USER + [
@@ -243,9 +243,9 @@ def test_tools_are_rendered_through_the_chat_template(client, fake_model):
                                                   "reasoning_effort": "low", "max_tokens": 1})
     assert r.status_code == 200
     prompt = fake_model.rendered[-1]
-    assert "get_weather" in prompt.split("<|im_start|>user")[0]
-    assert "<tool_call>get_weather {\"c\": 1}</tool_call>" in prompt
-    assert "<|im_start|>tool\nsunny<|im_end|>" in prompt
+    assert '{"type": "function", "function": {"name": "get_weather"' in prompt.split("<|im_start|>user")[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"c": 1}}\n</tool_call>' in prompt
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in prompt
 
 
 def test_developer_role_and_content_parts(client, fake_model):

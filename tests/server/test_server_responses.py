@@ -46,8 +46,8 @@ def test_previous_output_items_are_passed_back(client, fake_model):
                                                       "parameters": {"type": "object"}}]})
     assert r.status_code == 200, r.text
     prompt = fake_model.rendered[-1]
-    assert 'let me check<tool_call>get_weather {"c": 2}</tool_call>' in prompt
-    assert "<|im_start|>tool\nrain<|im_end|>" in prompt
+    assert 'let me check\n<tool_call>\n{"name": "get_weather", "arguments": {"c": 2}}\n</tool_call>' in prompt
+    assert "<tool_response>\nrain\n</tool_response>" in prompt
     assert "<|im_start|>system\nshort answers" in prompt
 
 

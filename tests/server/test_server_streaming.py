@@ -187,14 +187,10 @@ def test_sdks_parse_streams_that_carry_keepalive_comments():
 def test_a_failure_inside_the_stream_writer_ends_with_an_error_event(monkeypatch):
     import server.api_openai as api_openai
 
-    class BrokenSplitter:
-        def feed(self, text):
-            raise RuntimeError("splitter bug")
+    def broken_deltas(events):
+        raise RuntimeError("writer bug")
 
-        def finish(self):
-            return []
-
-    monkeypatch.setattr(api_openai, "new_output_splitter", lambda model, tools: BrokenSplitter())
+    monkeypatch.setattr(api_openai, "stream_deltas", broken_deltas)
     with live_server(fake_app()) as srv:
         body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
         sock = raw_request(srv.port, "POST", "/v1/chat/completions", body)
@@ -203,5 +199,5 @@ def test_a_failure_inside_the_stream_writer_ends_with_an_error_event(monkeypatch
         (stats,) = wait_for_stats(srv.worker, 1)
     assert b" 200 " in data.split(b"\r\n")[0]
     assert b'"type":"server_error"' in data
-    assert b"splitter bug" not in data
+    assert b"writer bug" not in data
     assert stats.status in ("cancelled", "done")
