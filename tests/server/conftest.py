@@ -1,27 +1,14 @@
-"""Fixtures for the server tests: fake-engine apps, in-process clients and a live uvicorn."""
+"""Fixtures for the server tests; the helpers behind them live in server_support.py."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
-import uvicorn
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.config import ServerConfig
-from server.worker import EngineTypes
-from server_fake_engine import FakeCancelled, FakeModel, FakeSamplingParams
-
-FAKE_TYPES = EngineTypes(sampling_params=FakeSamplingParams, cancelled=FakeCancelled)
-
-
-def fake_app(model: FakeModel | None = None, **config: Any):
-    return create_app(model or FakeModel(), ServerConfig(**config), engine_types=FAKE_TYPES)
+from server_fake_engine import FakeModel
+from server_support import fake_app
 
 
 @pytest.fixture
@@ -33,56 +20,3 @@ def fake_model() -> FakeModel:
 def client(fake_model: FakeModel) -> Iterator[TestClient]:
     with TestClient(fake_app(fake_model), raise_server_exceptions=False) as c:
         yield c
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def worker(self):
-        return self.app.state.worker
-
-    def start(self) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-@contextmanager
-def live_server(app: Any) -> Iterator[LiveServer]:
-    srv = LiveServer(app)
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-def raw_request(port: int, method: str, path: str, body: bytes,
-                headers: dict[str, str] | None = None) -> socket.socket:
-    """Send a raw HTTP/1.1 request and return the open socket (response not read)."""
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    head = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", f"Content-Length: {len(body)}",
-            "Content-Type: application/json"]
-    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
-    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
-    return sock

@@ -6,7 +6,7 @@ import anthropic
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import fake_app, live_server
+from server_support import fake_app, live_server
 from server_fake_engine import DEFAULT_REPLY, FakeModel
 
 USER = [{"role": "user", "content": "hi"}]

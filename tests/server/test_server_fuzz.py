@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import fake_app
+from server_support import fake_app
 from server_fake_engine import FakeModel
 
 APP = fake_app(FakeModel(n_ctx=256), max_body_mb=1)

@@ -10,7 +10,7 @@ import anthropic
 import openai
 import pytest
 
-from conftest import live_server, raw_request
+from server_support import live_server, raw_request
 from server.app import create_app
 from server.config import ServerConfig
 from test_server_streaming import read_until
@@ -243,7 +243,7 @@ def test_command_line_server_starts_prints_banner_and_serves(tmp_path):
     import sys
     import urllib.request
 
-    from conftest import free_port
+    from server_support import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(port), "--log-level", "warning"],

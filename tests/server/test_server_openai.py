@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import fake_app
+from server_support import fake_app
 from server_fake_engine import DEFAULT_REPLY, FakeModel
 
 USER = [{"role": "user", "content": "hi"}]

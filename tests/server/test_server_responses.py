@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from conftest import fake_app, live_server
+from server_support import fake_app, live_server
 from server_fake_engine import DEFAULT_REPLY
 from test_server_anthropic import sse_events
 

@@ -12,7 +12,7 @@ import time
 
 import openai
 
-from conftest import fake_app, live_server, raw_request
+from server_support import fake_app, live_server, raw_request
 from server_fake_engine import DEFAULT_REPLY, FakeModel
 
 LONG_USER = [{"role": "user", "content": "x" * 200}]  # ~220 prompt tokens

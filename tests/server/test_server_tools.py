@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from conftest import fake_app
+from server_support import fake_app
 from server.tools import SYNTAXES, ToolCall, ToolCallParser, ToolsConfig, get_syntax
 from server_fake_engine import FakeModel
 

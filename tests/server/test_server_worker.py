@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import time
 
-from conftest import FAKE_TYPES
+from server_support import FAKE_TYPES
 from server.worker import (Failed, Finished, GenerationRequest, InferenceWorker, PrefillProgress,
                            PromptReady, SamplingSpec, TextDelta)
 from server_fake_engine import FakeModel
