@@ -1,0 +1,712 @@
+"""Disk KV cache: prefix checkpoints of engine sessions, kept in one directory.
+
+`KVStore(directory, identity, budget_bytes)` indexes the `*.kv` files of a directory (headers
+only, so a restarted server finds its entries at once) and offers:
+  lookup(rendered_text, longer_than=0) -> Hit | None
+      the entry whose prefix text is the longest byte prefix of `rendered_text`, verified
+      (header, content hash, text) before it is returned; its hit count and last-used time
+      are updated. The caller restores `hit.payload` into a session and tokenizes only
+      `rendered_text[len(hit.prefix_text):]`.
+  store(prefix_text, session_or_payload, reason, replay_trailer=b"") -> Entry | None
+      writes a checkpoint atomically, then evicts other entries until the directory fits
+      the budget (see `server.kvstore_policy`). None when the entry alone would not fit in
+      99% of the budget, or when the write failed (the cache never fails a request).
+  stats() -> KVStoreStats, entries() -> list[Entry]
+The worker does not call these directly but through two functions at the end of this module,
+which apply the save policy of `server.kvstore_policy` (`KVStore.save_policy`):
+  prefill_with_cache(store, model, session, text, ids, user_boundary=..., progress=..., cancel=...)
+      restore the best checkpoint, prefill the rest in stages, store the planned checkpoints
+  save_session(store, model, session, prompt_text, n_prompt, reason, n_common=..., n_saved=...)
+      store the live session (reasons evict and shutdown) when the policy wants it
+Entries are keyed by the SHA-1 of the UTF-8 prefix text: file `<40 hex digits>.kv`. A lookup
+hashes the prompt once, incrementally, at each distinct prefix length in the index, so the
+texts themselves need not be held in memory.
+
+File format, version 1 (all integers little-endian; offsets in bytes):
+     0  8   magic  b"DS4KVDSK"
+     8  2   u16 format version (1)
+    10  1   u8  save reason: 1 cold, 2 continued, 3 evict, 4 shutdown
+    11  1   u8  reserved, 0
+    12  4   u32 header size (184)
+    16 64   model id, UTF-8, NUL-padded (`ModelIdentity.model_id`)
+    80 16   quantization, ASCII, NUL-padded (e.g. "Q4_1")
+    96  4   u32 context size the session was made with
+   100  4   u32 token count of the checkpoint
+   104  4   u32 prefix text length in bytes (T)
+   108  4   u32 reserved, 0
+   112  8   u64 payload length (P)
+   120  8   u64 trailer length (R)
+   128  8   f64 created, Unix seconds
+   136  4   u32 hit count                  \\ the mutable part: rewritten in place on
+   140  4   u32 reserved, 0                 | every restore, so it is not hashed (a torn
+   144  8   f64 last used, Unix seconds    /  update only skews eviction)
+   152 32   SHA-256 of bytes 0..136, then the text, the payload and the trailer
+   184  T   prefix text, UTF-8
+ 184+T  P   session payload (`engine.Session.save_payload()`; its token ids are read
+            from it: b"DS4KV\\0", u16 version 1, ..., u32 n_tokens at offset 20, then
+            i32 ids at offset 24)
+  ...   R   trailer: opaque bytes for tool replay memory, empty when R = 0
+The file size is exactly 184 + T + P + R.
+
+Safety: a file is written as `<name>.tmp.<pid>`, fsynced, renamed over `<name>` and the
+directory fsynced, so a reader sees a whole file or none. Temporary files of processes that
+no longer run are deleted when a store opens. A file whose header does not match the
+running model (model id, quantization, context size), whose version, size or hash is wrong,
+whose name is not the SHA-1 of its text, or whose payload disagrees with its header, is
+deleted and never used. Several processes may read one directory; the index of each is its
+own (one server per directory is the supported setup).
+
+It does not decide when to save (`server.kvstore_policy` does), import the engine (models and
+sessions are used through their methods), or know anything of HTTP.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from server import kvstore_policy as policy
+
+log = logging.getLogger("ds4.server.kvstore")
+
+MAGIC = b"DS4KVDSK"
+VERSION = 1
+SUFFIX = ".kv"
+_FIXED = struct.Struct("<8sHBBI64s16sIIIIQQd")  # bytes 0..136: immutable, hashed
+_MUTABLE = struct.Struct("<IId")  # bytes 136..152: hit count, reserved, last used
+HASH_SIZE = 32
+HEADER_SIZE = _FIXED.size + _MUTABLE.size + HASH_SIZE
+assert _FIXED.size == 136 and HEADER_SIZE == 184
+
+REASON_CODES = {policy.COLD: 1, policy.CONTINUED: 2, policy.EVICT: 3, policy.SHUTDOWN: 4}
+REASON_NAMES = {v: k for k, v in REASON_CODES.items()}
+
+_PAYLOAD_MAGIC = b"DS4KV\0"
+_PAYLOAD_HEAD = struct.Struct("<6sHBxIIII")
+MIB = 1 << 20
+DEFAULT_BUDGET_MB = 4096
+_WRITE_CHUNK = 4 * MIB
+
+
+class EntryError(ValueError):
+    """A cache file that must not be used; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a checkpoint must match to be restored into a session of the running model."""
+    model_id: str
+    quant: str
+    n_ctx: int
+
+
+def model_fingerprint(path: str, name: str = "") -> str:
+    """A model id that changes when the GGUF does: its name and a hash of its size, head and tail.
+
+    Reads at most 2 MiB: the head holds the metadata and tensor table, the tail the last
+    weights, so a re-quantized or fine-tuned file of the same name gets another id.
+    """
+    h = hashlib.sha256()
+    size = os.path.getsize(path)
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(MIB))
+        if size > 2 * MIB:
+            f.seek(size - MIB)
+            h.update(f.read(MIB))
+    label = (name or os.path.basename(path)).encode("utf-8")[:40].decode("utf-8", "ignore")
+    return f"{label}#{h.hexdigest()[:20]}"
+
+
+def identity_of(model: Any) -> ModelIdentity:
+    """The identity of an engine `Model` (name, GGUF contents, quantization, context size)."""
+    return ModelIdentity(model_fingerprint(model.path, model.name), str(model.quant), int(model.n_ctx))
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    """Disk cache settings; each field is one ds4-server flag."""
+    directory: str | None = None  # --kv-disk-dir; None: no disk cache
+    budget_mb: int = DEFAULT_BUDGET_MB  # --kv-cache-budget-mb, in MiB
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.budget_mb * MIB
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One indexed file (header fields; the text and payload stay on disk)."""
+    key: str
+    reason: str
+    n_tokens: int
+    text_len: int
+    file_size: int
+    hits: int
+    created: float
+    last_used: float
+
+    def stats(self) -> policy.EntryStats:
+        return policy.EntryStats(self.key, self.reason, self.n_tokens, self.file_size, self.hits, self.last_used)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A verified checkpoint: restore `payload`, then feed the tokens of the text after `prefix_text`."""
+    key: str
+    prefix_text: str
+    tokens: tuple[int, ...]
+    payload: bytes
+    trailer: bytes
+    reason: str
+    hits: int
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class KVStoreStats:
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    tokens_restored: int = 0
+    writes: int = 0
+    tokens_written: int = 0
+    bytes_written: int = 0
+    evicted: int = 0
+    deleted_bad: int = 0
+    """Files deleted because they were corrupt, truncated, or made by another model or version."""
+    skipped_too_large: int = 0
+    write_errors: int = 0
+
+
+class PayloadSource(Protocol):
+    def save_payload(self) -> bytes: ...
+
+
+# --- pure encoding and decoding ---------------------------------------------------------
+
+def _pad(text: str, size: int, what: str) -> bytes:
+    raw = text.encode("utf-8")
+    if len(raw) > size:
+        raise ValueError(f"{what} {text!r} is longer than {size} bytes")
+    return raw.ljust(size, b"\0")
+
+
+def _unpad(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
+
+
+def payload_tokens(payload: bytes) -> list[int]:
+    """Token ids inside an engine session payload (format version 1)."""
+    if len(payload) < _PAYLOAD_HEAD.size:
+        raise EntryError("payload is truncated")
+    magic, version, _code, _nl, _nkv, _hd, n = _PAYLOAD_HEAD.unpack_from(payload)
+    if magic != _PAYLOAD_MAGIC or version != 1:
+        raise EntryError("payload is not an engine session payload of version 1")
+    if len(payload) < _PAYLOAD_HEAD.size + 4 * n:
+        raise EntryError("payload is shorter than its token list")
+    return list(struct.unpack_from(f"<{n}i", payload, _PAYLOAD_HEAD.size))
+
+
+def encode_entry(identity: ModelIdentity, reason: str, prefix_text: str, payload: bytes,
+                 trailer: bytes, n_tokens: int, created: float, hits: int = 0,
+                 last_used: float | None = None) -> bytes:
+    text = prefix_text.encode("utf-8")
+    fixed = _FIXED.pack(MAGIC, VERSION, REASON_CODES[reason], 0, HEADER_SIZE,
+                        _pad(identity.model_id, 64, "model id"), _pad(identity.quant, 16, "quantization"),
+                        identity.n_ctx, n_tokens, len(text), 0, len(payload), len(trailer), created)
+    mutable = _MUTABLE.pack(hits, 0, created if last_used is None else last_used)
+    digest = hashlib.sha256(fixed)
+    for part in (text, payload, trailer):
+        digest.update(part)
+    return b"".join([fixed, mutable, digest.digest(), text, payload, trailer])
+
+
+@dataclass(frozen=True)
+class Header:
+    reason: str
+    model_id: str
+    quant: str
+    n_ctx: int
+    n_tokens: int
+    text_len: int
+    payload_len: int
+    trailer_len: int
+    created: float
+    hits: int
+    last_used: float
+    digest: bytes
+    fixed: bytes
+
+    @property
+    def file_size(self) -> int:
+        return HEADER_SIZE + self.text_len + self.payload_len + self.trailer_len
+
+
+def decode_header(raw: bytes) -> Header:
+    if len(raw) < HEADER_SIZE:
+        raise EntryError("file is shorter than the header")
+    (magic, version, reason, _r0, hsize, model_id, quant, n_ctx, n_tokens, text_len, _r1,
+     payload_len, trailer_len, created) = _FIXED.unpack_from(raw)
+    if magic != MAGIC:
+        raise EntryError("not a ds4 KV cache file")
+    if version != VERSION or hsize != HEADER_SIZE:
+        raise EntryError(f"format version {version} (this server reads {VERSION})")
+    if reason not in REASON_NAMES:
+        raise EntryError(f"unknown save reason code {reason}")
+    hits, _r2, last_used = _MUTABLE.unpack_from(raw, _FIXED.size)
+    if not (math.isfinite(created) and math.isfinite(last_used)):
+        raise EntryError("timestamps are not finite")
+    return Header(REASON_NAMES[reason], _unpad(model_id), _unpad(quant), n_ctx, n_tokens, text_len,
+                  payload_len, trailer_len, created, hits, last_used,
+                  raw[_FIXED.size + _MUTABLE.size: HEADER_SIZE], raw[:_FIXED.size])
+
+
+def check_compatible(header: Header, identity: ModelIdentity) -> None:
+    if header.model_id != identity.model_id:
+        raise EntryError(f"made by model {header.model_id!r}, not {identity.model_id!r}")
+    if header.quant != identity.quant:
+        raise EntryError(f"quantization {header.quant}, not {identity.quant}")
+    if header.n_ctx != identity.n_ctx:
+        raise EntryError(f"context size {header.n_ctx}, not {identity.n_ctx}")
+
+
+def decode_entry(key: str, raw: bytes, identity: ModelIdentity) -> tuple[Header, str, bytes, bytes, list[int]]:
+    """Verify a whole file; (header, text, payload, trailer, tokens) or EntryError."""
+    header = decode_header(raw)
+    check_compatible(header, identity)
+    if len(raw) != header.file_size:
+        raise EntryError(f"size {len(raw)} bytes, header says {header.file_size}")
+    body = memoryview(raw)[HEADER_SIZE:]
+    digest = hashlib.sha256(header.fixed)
+    digest.update(body)
+    if digest.digest() != header.digest:
+        raise EntryError("content hash mismatch")
+    t_end = header.text_len
+    p_end = t_end + header.payload_len
+    text_bytes = bytes(body[:t_end])
+    if hashlib.sha1(text_bytes).hexdigest() != key:
+        raise EntryError("file name is not the SHA-1 of its prefix text")
+    try:
+        text = text_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        raise EntryError("prefix text is not UTF-8") from None
+    payload = bytes(body[t_end:p_end])
+    tokens = payload_tokens(payload)
+    if len(tokens) != header.n_tokens:
+        raise EntryError(f"payload holds {len(tokens)} tokens, header says {header.n_tokens}")
+    return header, text, payload, bytes(body[p_end:]), tokens
+
+
+def text_key(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view[:_WRITE_CHUNK])
+        view = view[n:]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- the store ----------------------------------------------------------------------------
+
+class KVStore:
+    """An index over one directory of checkpoints of one model. Thread-safe."""
+
+    def __init__(self, directory: str | os.PathLike, identity: ModelIdentity,
+                 budget_bytes: int = DEFAULT_BUDGET_MB * MIB, *, clock: Callable[[], float] = time.time,
+                 save_policy: policy.SavePolicy = policy.DEFAULT_POLICY):
+        self.directory = os.fspath(directory)
+        self.save_policy = save_policy
+        self.identity = identity
+        self.budget_bytes = int(budget_bytes)
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._index: dict[str, Entry] = {}
+        self._restored: str | None = None  # the entry the live session came from: not evicted
+        self._stats = KVStoreStats(budget_bytes=self.budget_bytes)
+        os.makedirs(self.directory, exist_ok=True)
+        self._scan()
+
+    # -- index --
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, key + SUFFIX)
+
+    def _delete(self, key: str, why: str) -> None:
+        log.warning("kv cache: deleting %s%s: %s", key, SUFFIX, why)
+        self._index.pop(key, None)
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass
+        self._stats.deleted_bad += 1
+
+    def _scan(self) -> None:
+        for name in sorted(os.listdir(self.directory)):
+            path = os.path.join(self.directory, name)
+            if ".kv.tmp." in name:
+                pid = name.rsplit(".", 1)[-1]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    try:
+                        os.unlink(path)  # an interrupted write
+                    except OSError:
+                        pass
+                continue
+            key = name[: -len(SUFFIX)]
+            if not name.endswith(SUFFIX) or len(key) != 40 or any(c not in "0123456789abcdef" for c in key):
+                continue
+            try:
+                with open(path, "rb") as f:
+                    raw = f.read(HEADER_SIZE)
+                    size = os.fstat(f.fileno()).st_size
+                header = decode_header(raw)
+                check_compatible(header, self.identity)
+                if size != header.file_size:
+                    raise EntryError(f"size {size} bytes, header says {header.file_size}")
+            except EntryError as e:
+                self._delete(key, str(e))
+                continue
+            except OSError as e:
+                log.warning("kv cache: cannot read %s: %s", path, e)
+                continue
+            self._index[key] = Entry(key, header.reason, header.n_tokens, header.text_len, header.file_size,
+                                     header.hits, header.created, header.last_used)
+
+    def entries(self) -> list[Entry]:
+        with self._lock:
+            return sorted(self._index.values(), key=lambda e: (e.text_len, e.key))
+
+    def stats(self) -> KVStoreStats:
+        with self._lock:
+            s = KVStoreStats(**vars(self._stats))
+            s.entries = len(self._index)
+            s.bytes = sum(e.file_size for e in self._index.values())
+            return s
+
+    # -- lookup --
+
+    def candidates(self, rendered_text: str, longer_than: int = 0) -> list[Entry]:
+        """Indexed entries whose text hash matches a prefix of `rendered_text`, longest first."""
+        data = rendered_text.encode("utf-8")
+        with self._lock:
+            by_len: dict[int, list[Entry]] = {}
+            for e in self._index.values():
+                if e.text_len <= len(data) and e.n_tokens > longer_than:
+                    by_len.setdefault(e.text_len, []).append(e)
+            found: list[Entry] = []
+            h = hashlib.sha1()
+            pos = 0
+            for n in sorted(by_len):
+                h.update(data[pos:n])
+                pos = n
+                key = h.copy().hexdigest()
+                found.extend(e for e in by_len[n] if e.key == key)
+        return found[::-1]
+
+    def lookup(self, rendered_text: str, longer_than: int = 0) -> Hit | None:
+        """The verified entry with the longest text that prefixes `rendered_text`, or None.
+
+        `longer_than`: ignore entries of at most this many tokens (what the live session
+        already reuses). A candidate that fails verification is deleted and the next
+        longest is tried.
+        """
+        with self._lock:
+            self._stats.lookups += 1
+            for entry in self.candidates(rendered_text, longer_than):
+                hit = self._load(entry, rendered_text)
+                if hit is not None:
+                    self._stats.hits += 1
+                    self._stats.tokens_restored += hit.n_tokens
+                    self._restored = entry.key
+                    return hit
+            self._stats.misses += 1
+            return None
+
+    def _load(self, entry: Entry, rendered_text: str) -> Hit | None:
+        path = self._path(entry.key)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            self._index.pop(entry.key, None)
+            return None
+        except OSError as e:
+            log.warning("kv cache: cannot read %s: %s", path, e)
+            return None
+        try:
+            header, text, payload, trailer, tokens = decode_entry(entry.key, raw, self.identity)
+        except EntryError as e:
+            self._delete(entry.key, str(e))
+            return None
+        if not rendered_text.startswith(text):
+            return None  # a SHA-1 collision: the entry is fine, it just is not this prompt's prefix
+        now = self.clock()
+        hits = header.hits + 1
+        self._touch(entry.key, hits, now)
+        self._index[entry.key] = Entry(entry.key, header.reason, header.n_tokens, header.text_len,
+                                       header.file_size, hits, header.created, now)
+        return Hit(entry.key, text, tuple(tokens), payload, trailer, header.reason, hits)
+
+    def _touch(self, key: str, hits: int, now: float) -> None:
+        """Rewrite the mutable header part in place (16 bytes in one write)."""
+        try:
+            fd = os.open(self._path(key), os.O_WRONLY)
+        except OSError:
+            return
+        try:
+            os.pwrite(fd, _MUTABLE.pack(min(hits, 0xFFFFFFFF), 0, now), _FIXED.size)
+        except OSError as e:
+            log.warning("kv cache: cannot update %s%s: %s", key, SUFFIX, e)
+        finally:
+            os.close(fd)
+
+    # -- store --
+
+    def store(self, prefix_text: str, source: bytes | PayloadSource, reason: str,
+              replay_trailer: bytes = b"") -> Entry | None:
+        """Write a checkpoint keyed by `prefix_text`, then evict to fit the budget.
+
+        `source` is a payload or anything with `save_payload()` (an engine Session holding
+        exactly the tokens of `prefix_text`). Returns the new (or already present) entry, or
+        None when it is too large for the budget or the write failed.
+        """
+        if reason not in REASON_CODES:
+            raise ValueError(f"unknown save reason {reason!r} (expected one of {', '.join(REASON_CODES)})")
+        key = text_key(prefix_text)
+        with self._lock:
+            existing = self._index.get(key)
+            if existing is not None and os.path.exists(self._path(key)):
+                return existing
+        payload = source if isinstance(source, (bytes, bytearray)) else source.save_payload()
+        payload = bytes(payload)
+        n_tokens = len(payload_tokens(payload))
+        size = HEADER_SIZE + len(prefix_text.encode("utf-8")) + len(payload) + len(replay_trailer)
+        with self._lock:
+            if not policy.fits_budget(size, self.budget_bytes):
+                self._stats.skipped_too_large += 1
+                log.info("kv cache: not writing a %d-byte entry: the budget is %d bytes", size, self.budget_bytes)
+                return None
+            now = self.clock()
+            data = encode_entry(self.identity, reason, prefix_text, payload, bytes(replay_trailer), n_tokens, now)
+            try:
+                self._write_atomic(self._path(key), data)
+            except OSError as e:
+                self._stats.write_errors += 1
+                log.warning("kv cache: cannot write %s%s: %s", key, SUFFIX, e)
+                return None
+            entry = Entry(key, reason, n_tokens, len(prefix_text.encode("utf-8")), len(data), 0, now, now)
+            self._index[key] = entry
+            self._stats.writes += 1
+            self._stats.tokens_written += n_tokens
+            self._stats.bytes_written += len(data)
+            self._evict(protected={key})
+            return entry
+
+    def _write_atomic(self, path: str, data: bytes) -> None:
+        tmp = f"{path}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync_dir(self.directory)
+
+    def _evict(self, protected: set[str]) -> None:
+        # The restored entry is what the live session was built from; the save that follows a
+        # restore usually extends it, and deleting it then would throw away the shorter
+        # prefix that other conversations share.
+        keep = set(protected)
+        if self._restored is not None:
+            keep.add(self._restored)
+        victims = policy.select_victims((e.stats() for e in self._index.values()), self.budget_bytes,
+                                        self.clock(), keep)
+        for key in victims:
+            self._index.pop(key, None)
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+            self._stats.evicted += 1
+            log.info("kv cache: evicted %s%s", key, SUFFIX)
+
+    def remove(self, key: str) -> None:
+        """Delete one entry (tests, administration)."""
+        with self._lock:
+            self._index.pop(key, None)
+            if self._restored == key:
+                self._restored = None
+            try:
+                os.unlink(self._path(key))
+            except FileNotFoundError:
+                pass
+
+
+# --- session glue: what the inference worker calls ------------------------------------------
+
+def open_store(config: KVStoreConfig, model: Any, *, clock: Callable[[], float] = time.time) -> KVStore | None:
+    """The store for `--kv-disk-dir` / `--kv-cache-budget-mb`, or None when no directory is set."""
+    if config.directory is None:
+        return None
+    if config.budget_mb < 1:
+        raise ValueError(f"--kv-cache-budget-mb must be at least 1, not {config.budget_mb}")
+    return KVStore(config.directory, identity_of(model), config.budget_bytes, clock=clock)
+
+
+@dataclass
+class PrefillOutcome:
+    ids: list[int]
+    """The token ids now in the session: the restored tokens plus the new suffix's tokens."""
+    n_restored: int = 0
+    """Tokens restored from a disk checkpoint (0: no checkpoint used)."""
+    n_reused: int = 0
+    """Tokens not recomputed: restored from disk or kept from the live session."""
+    n_written: int = 0
+    """Tokens written to disk checkpoints during this prefill (usage: cache writes)."""
+    n_on_disk: int = 0
+    """The longest prefix of `ids` known to be on disk (for `evict_save_wanted`)."""
+    saved: list[Entry] | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _text_split(model: Any) -> dict[str, Any]:
+    return dict(detokenize=model.detokenize, prompt_ids=model.prompt_ids,
+                bos_id=model.bos_id if getattr(model, "add_bos", False) else None)
+
+
+def prefill_with_cache(store: KVStore | None, model: Any, session: Any, text: str, ids: list[int], *,
+                       user_boundary: int | None = None,
+                       progress: Callable[[int, int], None] | None = None,
+                       cancel: Callable[[], bool] | None = None) -> PrefillOutcome:
+    """Bring `session` to the prompt `text` (tokenized as `ids`), using and filling the disk cache.
+
+    1. When a checkpoint is longer than what the live session already shares with `ids`, it
+       is restored and the prompt becomes its tokens plus the tokens of the rest of the text.
+    2. The prefill runs in stages, storing a checkpoint at each point of
+       `kvstore_policy.plan_prefill_saves` (cold, continued), then finishes with `sync`.
+    `progress(done, total)` counts over the whole prefill; `cancel` is passed to every
+    `sync`, so `engine.Cancelled` propagates with the session valid. Without a store this
+    is `session.sync(ids)`.
+    """
+    ids = list(ids)
+    out = PrefillOutcome(ids=ids, saved=[])
+    live = _common_prefix(session.tokens, ids)
+    if store is None:
+        out.n_reused = session.sync(ids, progress=progress, cancel=cancel)
+        return out
+    base = live
+    hit = store.lookup(text, longer_than=live)
+    if hit is not None:
+        try:
+            session.load_payload(hit.payload)
+        except ValueError as e:  # the header matched but the engine refuses it: never again
+            log.warning("kv cache: cannot restore %s%s: %s", hit.key, SUFFIX, e)
+            store.remove(hit.key)
+            session.truncate(0)
+            hit = None
+    if hit is not None:
+        ids = list(hit.tokens) + model.tokenize(text[len(hit.prefix_text):], special=True)
+        out.ids, out.n_restored, out.n_on_disk = ids, hit.n_tokens, hit.n_tokens
+        base = hit.n_tokens
+    total = len(ids) - base
+    first_reuse: int | None = None
+
+    def sync_to(n: int) -> None:
+        nonlocal first_reuse
+        offset = max(0, _common_prefix(session.tokens, ids) - base)
+        hook = None if progress is None else (lambda done, _n: progress(offset + done, total))
+        reused = session.sync(ids[:n], progress=hook, cancel=cancel)
+        if first_reuse is None:
+            first_reuse = reused
+
+    split = _text_split(model)
+    for point in policy.plan_prefill_saves(base, len(ids), user_boundary, store.save_policy):
+        found = policy.prefix_text_at(text, ids, point.n_tokens,
+                                      tokenize_suffix=lambda s: model.tokenize(s, special=True), **split)
+        if found is None or found[0] <= max(base, out.n_on_disk):
+            continue
+        cut, prefix = found
+        sync_to(cut)
+        entry = store.store(prefix, session, point.reason)
+        if entry is not None:
+            out.saved.append(entry)
+            out.n_written += entry.n_tokens
+            out.n_on_disk = cut
+    sync_to(len(ids))
+    out.n_reused = int(first_reuse or 0)
+    return out
+
+
+def save_session(store: KVStore | None, model: Any, session: Any, prompt_text: str, n_prompt: int,
+                 reason: str, *, n_common: int = 0, n_saved: int = 0) -> Entry | None:
+    """Store the live session before it is replaced (`evict`) or at exit (`shutdown`).
+
+    The session holds the `n_prompt` tokens of `prompt_text` and then generated tokens; its
+    text is the prompt text plus their decoding. Skipped unless
+    `kvstore_policy.evict_save_wanted(len(session.tokens), n_common, n_saved)`. The session
+    may be truncated by a few tokens to end on a whole character; it is being replaced or
+    dropped anyway.
+    """
+    if store is None or not policy.evict_save_wanted(len(session.tokens), n_common, n_saved, store.save_policy):
+        return None
+    tokens = list(session.tokens)
+    text = prompt_text + model.detokenize(tokens[n_prompt:])
+    found = policy.prefix_text_at(text, tokens, len(tokens), exact=False, **_text_split(model))
+    if found is None:
+        return None
+    cut, prefix = found
+    if cut < len(tokens):
+        session.truncate(cut)
+    return store.store(prefix, session, reason)
