@@ -88,6 +88,8 @@ class GenRequest:
     on_token: Callable[[int], None] | None = None  # called on the scheduler's thread
     cancel: Callable[[], bool] | None = None
     slot: int | None = None  # preferred slot; None: the scheduler picks
+    # Picks each token from the logits instead of a Sampler(params) (e.g. greedy inside tool syntax).
+    choose: Callable[[torch.Tensor], int] | None = None
     # Results.
     output: list[int] = field(default_factory=list)
     finish: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -107,7 +109,7 @@ class _Slot:
     session: Session
     request: GenRequest | None = None
     prefill: Prefill | None = None
-    sampler: Sampler | None = None
+    sampler: Callable[[torch.Tensor], int] | None = None
     last_used: float = 0.0
 
 
@@ -164,7 +166,7 @@ class BatchScheduler:
                 self._finish(slot, "error", str(e))
                 continue
             req.reused = slot.prefill.reused
-            slot.sampler = Sampler(req.params, self.model.eos_ids)
+            slot.sampler = req.choose or Sampler(req.params, self.model.eos_ids)
         self.queue = waiting
 
     @property
