@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 from engine.gguf_file import TensorRecord
-from engine.quants import BLOCK, INT4_GROUPED, dequantize, unpack_int4_groups
+from engine.quants import INT4_GROUPED, dequantize, unpack_int4_groups
 from engine.synthetic import _encode
 from engine.weights import DenseLinear, Int4Linear, build_linear
 
