@@ -1,0 +1,12 @@
+"""ds4-bench: speed benchmarks of the embedded engine (`ds4-bench --help` lists them).
+
+Subcommands, one module each:
+  engine       load time, prefill and decode tokens/s, optionally side by side with
+               llama.cpp (`ds4eval.bench.engine_bench`, runners in `ds4eval.bench.runners`)
+  kvcache      time to first token of a long prompt through ds4-server, cold versus
+               restored from the disk KV cache after a restart (`ds4eval.bench.kvcache`)
+  random-gguf  a GGUF shaped like a real one with random weights, for machines the real
+               weights cannot reach (`ds4eval.bench.random_gguf`)
+Shared output helpers live in `ds4eval.bench.csvfile`; the command line in `ds4eval.bench.cli`.
+This package measures speed only; answer quality is ds4-eval's job.
+"""

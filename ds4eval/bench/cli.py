@@ -1,0 +1,170 @@
+"""`ds4-bench` command line: a click group, one subcommand per benchmark.
+
+  ds4-bench engine [--compare llama.cpp] [--quick] [--csv FILE] ...
+  ds4-bench random-gguf OUT.gguf --like MODEL.gguf [--qtype Q4_1] [--seed N]
+
+Each subcommand only fills its config object and calls the library (engine_bench,
+runners, random_gguf). Errors, including bad flags, are one line on stderr
+("ds4-bench: error: ...") with exit status 2 for bad input and 1 for a failed run; never a
+traceback. Progress goes to stderr, the summary table to stdout, CSV files are written
+atomically.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+
+from ds4eval.bench import engine_bench as eb
+from ds4eval.bench import random_gguf as rg
+from ds4eval.bench.csvfile import write_csv
+
+
+class UsageFailure(Exception):
+    """Bad input from the user: one line, exit status 2."""
+
+
+class RunFailure(Exception):
+    """The run itself failed (a model that does not load, an unwritable file): one line, exit 1."""
+
+
+class OneLineErrors(click.Group):
+    """A click group whose errors, click's own included, are one line without a traceback."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["standalone_mode"] = False
+        try:
+            rv = super().main(*args, **kwargs)
+        except click.exceptions.Abort:
+            click.echo("ds4-bench: interrupted", err=True)
+            sys.exit(130)
+        except click.ClickException as e:
+            click.echo(f"ds4-bench: error: {e.format_message()}", err=True)
+            sys.exit(2)
+        except UsageFailure as e:
+            click.echo(f"ds4-bench: error: {e}", err=True)
+            sys.exit(2)
+        except RunFailure as e:
+            click.echo(f"ds4-bench: error: {e}", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Speed benchmarks of the ds4 engine."""
+
+
+def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        return eb.parse_lengths(value)
+    except eb.BenchConfigError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
+@main.command("engine")
+@click.option("--model", type=click.Path(dir_okay=False), default=None,
+              help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--ctx", type=int, default=None, help="Context size to load with (default: what the longest step needs).")
+@click.option("--device", type=click.Choice(eb.DEVICES), default="cpu", show_default=True)
+@click.option("--weights", type=click.Choice(eb.WEIGHT_FORMATS), default="packed", show_default=True,
+              help="ds4 weight format.")
+@click.option("--repeats", type=int, default=3, show_default=True,
+              help="Repetitions; the summary shows median [min, max].")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+              help="Write one row per measurement (columns: see ds4eval/bench/engine_bench.py).")
+@click.option("--compare", type=click.Choice(eb.COMPARE_ENGINES), default=None,
+              help="Measure llama-cpp-python on the same GGUF too, interleaved, and print ratios.")
+@click.option("--threads", type=int, default=None, help="llama.cpp threads (default: torch.get_num_threads()).")
+@click.option("--prompt-lengths", callback=_lengths, default=None, help="Prefill lengths, e.g. 512,2048.")
+@click.option("--decode-contexts", callback=_lengths, default=None,
+              help="Context lengths to decode after, e.g. 16,2048.")
+@click.option("--decode-tokens", type=int, default=None, help="Tokens per decode measurement (default 128).")
+@click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
+def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int,
+                   csv_path: str | None, compare: str | None, threads: int | None,
+                   prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
+                   decode_tokens: int | None, quick: bool, seed: int) -> int:
+    """Load time, prefill and decode tokens/s, optionally side by side with llama.cpp."""
+    cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, csv=csv_path,
+                               compare=compare, threads=threads, prompt_lengths=prompt_lengths,
+                               decode_contexts=decode_contexts, decode_tokens=decode_tokens, quick=quick, seed=seed)
+    return run_engine(cfg)
+
+
+def run_engine(cfg: eb.EngineBenchConfig) -> int:
+    from engine import ModelLoadError, default_model_path
+
+    from ds4eval.bench.runners import Ds4Runner, LlamaCppMissing, LlamaCppRunner, default_threads
+
+    try:
+        cfg.validate()
+        path = cfg.model if cfg.model is not None else default_model_path()
+        if not os.path.isfile(path):
+            raise UsageFailure(f"model file not found: {path}")
+        if cfg.csv and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.csv))):
+            raise UsageFailure(f"--csv {cfg.csv}: its directory does not exist")
+        runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights)]
+        if cfg.compare == eb.LLAMA_CPP:
+            threads = cfg.threads if cfg.threads is not None else default_threads()
+            runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device))
+    except (eb.BenchConfigError, LlamaCppMissing, ModelLoadError) as e:
+        raise UsageFailure(str(e)) from None
+
+    click.echo(f"{eb.model_label(path)}: {eb.describe_plan(cfg)}; engines {', '.join(r.engine for r in runners)}",
+               err=True)
+    try:
+        measurements = eb.run_engine_bench(cfg, runners, report=lambda m: click.echo(eb.progress_line(m), err=True))
+    except ModelLoadError as e:
+        raise RunFailure(str(e)) from None
+    except (ValueError, RuntimeError) as e:  # e.g. llama.cpp failing to load or decode the same file
+        raise RunFailure(f"{type(e).__name__}: {e}") from None
+
+    engines = eb.engines_of(measurements)
+    rows = eb.summarize(measurements, cfg.compare)
+    click.echo(eb.render_table(rows, engines, cfg.compare))
+    checks = eb.check_bar(rows, cfg.compare)
+    if checks:
+        click.echo()
+        for check in checks:
+            click.echo(check.line())
+    if cfg.csv:
+        try:
+            write_csv(cfg.csv, eb.CSV_COLUMNS, eb.csv_rows(measurements))
+        except OSError as e:
+            raise RunFailure(f"cannot write {cfg.csv}: {e.strerror or e}") from None
+        click.echo(f"wrote {len(measurements)} rows to {cfg.csv}", err=True)
+    return 0
+
+
+@main.command("random-gguf")
+@click.argument("out", type=click.Path(dir_okay=False))
+@click.option("--like", "like", required=True, type=click.Path(dir_okay=False),
+              help="Copy architecture, shapes and tokenizer from this GGUF.")
+@click.option("--qtype", type=click.Choice(rg.WRITABLE_QTYPES), default=None,
+              help="Type of the layer matrices (default: the most common one in --like).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def random_gguf_command(out: str, like: str, qtype: str | None, seed: int) -> int:
+    """Write a GGUF shaped like --like, with random weights (for speed tests only)."""
+    try:
+        spec = rg.write_like(out, like, qtype, seed)
+    except rg.RandomGGUFError as e:
+        raise UsageFailure(str(e)) from None
+    except OSError as e:
+        raise RunFailure(f"cannot write {out}: {e.strerror or e}") from None
+    click.echo(f"wrote {out}: {spec.arch}, {spec.n_layer} layers, n_embd {spec.n_embd}, layer matrices {spec.qtype}, "
+               f"embedding {spec.embed_qtype}, seed {spec.seed}", err=True)
+    return 0
+
+
+from ds4eval.bench.kvcache import kvcache_command  # noqa: E402  (registered after the group exists)
+main.add_command(kvcache_command)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Atomic CSV output for benchmark results.
+
+`write_csv(path, columns, rows)` writes every row (a mapping from column name to value;
+missing keys become empty cells, unknown keys are an error) to a temporary file in the
+target's directory and renames it into place, so a reader never sees a half-written file
+and an interrupted run leaves the previous file untouched.
+It does not choose columns or format numbers; each benchmark documents its own columns.
+"""
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from typing import Iterable, Mapping, Sequence
+
+
+def write_csv(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[Mapping[str, object]]) -> None:
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are meant to be shared
+        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="raise", lineterminator="\n")
+            writer.writeheader()
+            for row in rows:
+                writer.writerow(row)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

@@ -1,0 +1,120 @@
+"""ds4-bench command line on a tiny random GGUF (no real weights): engine, random-gguf, errors."""
+from __future__ import annotations
+
+import csv
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from ds4eval.bench import cli
+from ds4eval.bench import engine_bench as eb
+from engine.synthetic import RandomModelSpec, write_random_gguf
+
+TINY_ARGS = ["--prompt-lengths", "8,24", "--decode-contexts", "4,24", "--decode-tokens", "3"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return write_random_gguf(tmp_path_factory.mktemp("bench") / "tiny.gguf", RandomModelSpec(seed=7))
+
+
+def invoke(args):
+    return CliRunner().invoke(cli.main, args)
+
+
+def error_line(result) -> str:
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("ds4-bench: error: ")
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    return lines[0]
+
+
+def test_engine_on_tiny_model_writes_csv_and_table(tiny, tmp_path):
+    out = tmp_path / "bench.csv"
+    r = invoke(["engine", "--model", tiny, "--repeats", "2", "--csv", str(out), *TINY_ARGS])
+    assert r.exit_code == 0, r.output
+    assert "prefill 24" in r.output and "decode 3 after 4" in r.output and "ds4 load" in r.output
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    # per repetition: load, prefill 8, prefill 24, decode after 4, decode after 24
+    assert len(rows) == 2 * 5
+    assert {r["engine"] for r in rows} == {"ds4"}
+    assert {r["model"] for r in rows} == {"tiny.gguf"}
+    assert {int(r["ctx"]) for r in rows} == {27}
+    assert sorted((r["metric"], r["n_prompt"]) for r in rows if r["repeat"] == "0") == [
+        ("decode", "24"), ("decode", "4"), ("load", "0"), ("prefill", "24"), ("prefill", "8")]
+    for row in rows:
+        assert float(row["seconds"]) > 0
+        if row["metric"] != "load":
+            assert float(row["tokens_per_s"]) > 0
+
+
+def test_compare_without_llama_cpp_is_a_one_line_error(tiny, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
+    out = tmp_path / "never.csv"
+    r = invoke(["engine", "--model", tiny, "--compare", "llama.cpp", "--csv", str(out), *TINY_ARGS])
+    assert r.exit_code == 2
+    line = error_line(r)
+    assert "llama-cpp-python is not installed" in line and "pip install 'ds4eval[llamacpp]'" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--repeats", "0"], "--repeats"),
+    (["--ctx", "10"], "too small"),
+    (["--prompt-lengths", "8,x"], "comma-separated"),
+    (["--device", "tpu"], "tpu"),
+    (["--compare", "vllm"], "vllm"),
+    (["--csv", "/nonexistent-dir/x.csv"], "directory does not exist"),
+])
+def test_bad_flags_are_one_line_errors(tiny, args, words):
+    r = invoke(["engine", "--model", tiny, *TINY_ARGS, *args])
+    assert r.exit_code == 2
+    assert words in error_line(r)
+
+
+def test_missing_model_is_a_one_line_error(tmp_path):
+    r = invoke(["engine", "--model", str(tmp_path / "nope.gguf"), *TINY_ARGS])
+    assert r.exit_code == 2
+    assert "model file not found" in error_line(r)
+
+
+def test_random_gguf_imitates_shapes_and_tokenizer(tiny, tmp_path):
+    from engine import load_model
+
+    out = tmp_path / "like.gguf"
+    r = invoke(["random-gguf", str(out), "--like", tiny, "--qtype", "Q8_0", "--seed", "3"])
+    assert r.exit_code == 0, r.output
+    a, b = load_model(tiny), load_model(str(out))
+    assert a.config == b.config
+    assert a.tokenize("the cat") == b.tokenize("the cat")
+    assert a.quant == "Q4_1" and b.quant == "Q8_0"
+    assert b.metadata["general.file_type"] == 7  # MOSTLY_Q8_0
+    sa, sb = a.new_session(), b.new_session()
+    sa.sync([5, 6, 7])
+    sb.sync([5, 6, 7])
+    assert not (sa.logits == sb.logits).all()  # fresh random weights, not a copy
+
+
+def test_random_gguf_keeps_the_dominant_type_by_default(tiny, tmp_path):
+    from ds4eval.bench.random_gguf import spec_like
+
+    spec = spec_like(tiny, seed=1)
+    assert (spec.qtype, spec.embed_qtype, spec.tied_output) == ("Q4_1", "Q8_0", True)
+    assert spec.tokenizer_from == tiny and spec.seed == 1
+
+
+def test_random_gguf_errors(tiny, tmp_path):
+    r = invoke(["random-gguf", str(tmp_path / "x.gguf"), "--like", str(tmp_path / "missing.gguf")])
+    assert r.exit_code == 2 and "not found" in error_line(r)
+    r = invoke(["random-gguf", str(tmp_path / "x.gguf"), "--like", tiny, "--qtype", "Q4_K"])
+    assert r.exit_code == 2 and "block size" in error_line(r)  # 64 columns cannot hold 256-wide blocks
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def test_every_engine_flag_maps_to_a_config_field():
+    fields = set(eb.EngineBenchConfig.__dataclass_fields__)
+    params = {p.name for p in cli.main.commands["engine"].params}
+    assert params - {"csv_path"} | {"csv"} == fields
