@@ -19,6 +19,7 @@ It does not decide which tensors a model needs (see engine.models).
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -61,6 +62,22 @@ class DenseLinear(Linear):
         return self.weight.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
 
+def _cpu_pack_numpy(q: np.ndarray) -> np.ndarray:
+    """torch's CPU int4 layout, built directly: per 64 output rows, for each column k, 32 bytes
+    whose low nibbles are rows 0..31 and high nibbles rows 32..63 of that block."""
+    n, k = q.shape
+    blocks = q.reshape(n // 64, 2, 32, k)
+    return np.ascontiguousarray((blocks[:, 0] | (blocks[:, 1] << 4)).transpose(0, 2, 1)).reshape(n, k // 2)
+
+
+@functools.cache
+def _cpu_layout_known() -> bool:
+    """Whether _cpu_pack_numpy reproduces this torch build's packing (checked once on a probe)."""
+    probe = np.random.default_rng(0).integers(0, 16, size=(128, 64), dtype=np.uint8)
+    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(probe.astype(np.int32)), 1)
+    return ref.dtype == torch.uint8 and np.array_equal(ref.numpy(), _cpu_pack_numpy(probe))
+
+
 def _cuda_inner_k_tiles(k: int) -> int:
     for tiles in (8, 4, 2):
         if k % (tiles * 16) == 0:
@@ -75,17 +92,17 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = n, k
         self.bias = bias
         self.device = device
-        qi = torch.from_numpy(q.astype(np.int32))
         if device.type == "cuda":
             # The CUDA kernel takes two nibbles per byte, even column in the high nibble.
-            q8 = ((qi[:, ::2] << 4) | qi[:, 1::2]).to(torch.uint8).to(device)
+            q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
             self.packed = torch.ops.aten._convert_weight_to_int4pack(q8, _cuda_inner_k_tiles(k))
+        elif n % 64 == 0 and _cpu_layout_known():
+            self.packed = torch.from_numpy(_cpu_pack_numpy(q))  # same bytes, without int32 copies
         else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(qi, 1)
-        s = torch.from_numpy(scale)
-        z = torch.from_numpy(minimum) + 8.0 * s
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         # [K/G, N, 2]: (scale, zero) per group, the layout both kernels read.
-        self.scales_zeros = torch.stack([s, z], dim=-1).transpose(0, 1).contiguous().to(device, torch.bfloat16)
+        sz = np.stack([scale, minimum + 8.0 * scale], axis=-1).transpose(1, 0, 2)
+        self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
         self._mm = (torch.ops.aten._weight_int4pack_mm if device.type == "cuda"
                     else torch.ops.aten._weight_int4pack_mm_for_cpu)
 
