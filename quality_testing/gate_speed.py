@@ -1,0 +1,206 @@
+"""Speed gate: the working tree's engine against BASE's, measured interleaved in one run.
+
+    python -m quality_testing.gate_speed --base HEAD~1 [--threshold 0.10] [--repeats 5]
+
+1. BASE is resolved to a commit and its tree is extracted into a temporary directory with
+   `git archive` (its own checkout of the ref; the repository, its index and its worktree
+   list are never touched, so an interrupted gate leaves nothing behind).
+2. When that tree has no engine (`engine/__init__.py` exporting `load_model`), there is
+   nothing to compare: the gate says so and passes.
+3. Two workers (quality_testing/speed_worker.py, run by path) load the engine of BASE and
+   of the working tree on the same GGUF; the venv is shared, only the source tree differs.
+   Then, `repeats` times, each is asked to measure once (best of `trials` short trials),
+   alternating which goes first, so that the slow phases of a shared machine fall on both alike.
+4. Per metric (prefill and decode tokens/s) the ratio of medians, working tree / BASE, is
+   printed with every measurement; the gate fails (exit 1) when a ratio is below
+   1 - threshold. Absolute speeds are shown but never judged: on a shared machine only
+   same-run ratios mean anything.
+It does not build anything beyond extracting sources (the engine is pure Python on torch).
+"""
+from __future__ import annotations
+
+import io
+import json
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+import click
+from tabulate import tabulate
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "speed_worker.py"
+METRICS = ("prefill_tps", "decode_tps")
+
+
+class GateError(RuntimeError):
+    """The gate could not run (bad ref, a worker that failed); the message says why."""
+
+
+@dataclass(frozen=True)
+class SpeedGateConfig:
+    """One speed-gate run; each field is one command-line flag."""
+
+    base: str = "HEAD~1"  # git ref to compare against
+    threshold: float = 0.10  # fail when a median ratio is below 1 - threshold
+    repeats: int = 5  # measurements per side, interleaved
+    trials: int = 3  # trials per measurement; the fastest counts (contention only slows)
+    prefill_tokens: int = 128  # prompt length of the prefill measurement
+    decode_context: int = 16  # context before the decode measurement
+    decode_tokens: int = 32  # tokens per decode measurement
+    model: str | None = None  # GGUF; None: the embedded model
+
+
+@dataclass(frozen=True)
+class GateResult:
+    base_sha: str
+    samples: dict[str, list[dict[str, float]]]  # "base" / "work" -> one dict per repetition
+    ratios: dict[str, float]  # metric -> median(work) / median(base)
+    failed: tuple[str, ...]  # metrics below the threshold
+
+
+def _git(*args: str) -> bytes:
+    p = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True)
+    if p.returncode != 0:
+        raise GateError(f"git {' '.join(args)}: {p.stderr.decode(errors='replace').strip()}")
+    return p.stdout
+
+
+def extract_tree(sha: str, dest: Path) -> None:
+    """BASE's files into dest, read from git's object store (no worktree, no index change)."""
+    data = _git("archive", "--format=tar", sha)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def has_engine(root: Path) -> bool:
+    init = root / "engine" / "__init__.py"
+    return init.is_file() and "load_model" in init.read_text(encoding="utf-8", errors="replace")
+
+
+def judge(samples: dict[str, list[dict[str, float]]], threshold: float) -> tuple[dict[str, float], tuple[str, ...]]:
+    """Ratios of medians (working tree / BASE) and the metrics that fall below 1 - threshold. Pure."""
+    ratios = {}
+    for m in METRICS:
+        base = statistics.median(s[m] for s in samples["base"])
+        work = statistics.median(s[m] for s in samples["work"])
+        ratios[m] = work / base
+    return ratios, tuple(m for m in METRICS if ratios[m] < 1.0 - threshold)
+
+
+class Worker:
+    def __init__(self, label: str, root: Path, cfg: SpeedGateConfig, model: str):
+        self.label = label
+        cmd = [sys.executable, str(WORKER), "--root", str(root), "--model", model,
+               "--prefill", str(cfg.prefill_tokens), "--ctx", str(cfg.decode_context), "--decode", str(cfg.decode_tokens),
+               "--trials", str(cfg.trials)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=tempfile.gettempdir())
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            err = (self.proc.stderr.read() if self.proc.stderr else "").strip().splitlines()
+            raise GateError(f"the {self.label} engine's worker stopped: {err[-1] if err else 'no output'}")
+        return json.loads(line)
+
+    def ready(self) -> float:
+        return float(self._read()["load_s"])
+
+    def measure(self) -> dict[str, float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin:
+                self.proc.stdin.close()
+            self.proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def run_gate(cfg: SpeedGateConfig, echo=click.echo) -> GateResult | None:
+    """The measured result, or None when BASE has no engine to compare with."""
+    from engine import default_model_path
+
+    if cfg.repeats < 1 or cfg.trials < 1 or not 0 < cfg.threshold < 1:
+        raise GateError("--repeats and --trials must be >= 1 and --threshold in (0, 1)")
+    try:
+        sha = _git("rev-parse", "--verify", "--quiet", f"{cfg.base}^{{commit}}").decode().strip()
+    except GateError:
+        raise GateError(f"{cfg.base!r} is not a commit of this repository") from None
+    model = cfg.model or default_model_path()
+    with tempfile.TemporaryDirectory(prefix="ds4-gate-speed-") as tmp:
+        base_root = Path(tmp)
+        extract_tree(sha, base_root)
+        if not has_engine(base_root):
+            echo(f"BASE {cfg.base} ({sha[:12]}) has no engine yet: nothing to compare, speed gate passes")
+            return None
+        workers = {"base": Worker("BASE", base_root, cfg, model), "work": Worker("working tree", REPO, cfg, model)}
+        try:
+            for label, w in workers.items():
+                echo(f"{label:<5} engine loaded in {w.ready():.1f} s")
+            samples: dict[str, list[dict[str, float]]] = {"base": [], "work": []}
+            for r in range(cfg.repeats):
+                order = ("base", "work") if r % 2 == 0 else ("work", "base")
+                for label in order:
+                    s = workers[label].measure()
+                    samples[label].append(s)
+                    echo(f"[{r}] {label:<5} prefill {s['prefill_tps']:8.1f} tok/s  decode {s['decode_tps']:7.1f} tok/s")
+        finally:
+            for w in workers.values():
+                w.close()
+    ratios, failed = judge(samples, cfg.threshold)
+    return GateResult(sha, samples, ratios, failed)
+
+
+def render(res: GateResult, cfg: SpeedGateConfig) -> str:
+    rows = []
+    for m in METRICS:
+        b = [s[m] for s in res.samples["base"]]
+        w = [s[m] for s in res.samples["work"]]
+        rows.append([m.replace("_tps", ""), f"{statistics.median(b):.1f}", f"{statistics.median(w):.1f}",
+                     f"{res.ratios[m]:.3f}", "FAIL" if m in res.failed else "ok"])
+    head = (f"speed gate: working tree vs {cfg.base} ({res.base_sha[:12]}), {cfg.repeats} interleaved repetitions, "
+            f"best of {cfg.trials} trials each, fail below {1 - cfg.threshold:.2f}")
+    return head + "\n" + tabulate(rows, headers=["metric", "BASE tok/s", "work tok/s", "ratio", "status"],
+                                  disable_numparse=True)
+
+
+@click.command()
+@click.option("--base", required=True, help="Git ref to compare against (e.g. HEAD~1, main).")
+@click.option("--threshold", type=float, default=0.10, show_default=True,
+              help="Fail when the working tree's median is more than this fraction below BASE's.")
+@click.option("--repeats", type=int, default=5, show_default=True, help="Measurements per side, interleaved.")
+@click.option("--trials", type=int, default=3, show_default=True,
+              help="Trials per measurement; the fastest counts.")
+@click.option("--prefill-tokens", type=int, default=128, show_default=True, help="Prefill measurement length.")
+@click.option("--decode-context", type=int, default=16, show_default=True, help="Context before decoding.")
+@click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens per decode measurement.")
+@click.option("--model", default=None, help="GGUF file (default: the embedded model).")
+def main(base, threshold, repeats, trials, prefill_tokens, decode_context, decode_tokens, model) -> None:
+    """Fail when the working tree's engine is slower than BASE's beyond the threshold."""
+    cfg = SpeedGateConfig(base=base, threshold=threshold, repeats=repeats, trials=trials, prefill_tokens=prefill_tokens,
+                          decode_context=decode_context, decode_tokens=decode_tokens, model=model)
+    t0 = time.perf_counter()
+    try:
+        res = run_gate(cfg)
+    except (GateError, OSError, tarfile.TarError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if res is None:
+        sys.exit(0)
+    click.echo(render(res, cfg))
+    click.echo(f"({time.perf_counter() - t0:.0f} s)")
+    sys.exit(1 if res.failed else 0)
+
+
+if __name__ == "__main__":
+    main()
