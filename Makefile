@@ -1,4 +1,4 @@
-# ds4eval — build, run and test entry points. `make run` and `make test` set up on first use.
+# ds4eval — build, run, test and release-gate entry points. `make run` and `make test` set up on first use.
 PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -6,7 +6,11 @@ STAMP  := $(VENV)/.installed
 DATA   ?= $(abspath ../shared/eval-data)
 export DS4EVAL_DATA ?= $(DATA)
 
-.PHONY: setup run test test-frontends test-model clean
+# Tests that compare against the reference or golden outputs; `make test-quality` runs them.
+QUALITY_TESTS := tests/engine/test_reference_logits.py tests/quality_testing
+SPEED_THRESHOLD ?= 0.10
+
+.PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -22,12 +26,48 @@ setup: $(STAMP)
 run: setup
 	$(VENV)/bin/ds4-eval --suite sanity
 
-test: setup
-	$(PY) -m pytest -q
-
+# Everything that needs no model weights.
 test-frontends: setup
 	$(VENV)/bin/ds4-eval --self-test-extractors
 	$(PY) -m pytest -q -m "not model and not gpu and not reference"
+
+# Unit and model tests (all but the quality set).
+test-unit: setup
+	$(PY) -m pytest -q $(addprefix --ignore=,$(QUALITY_TESTS))
+
+# Frontier-logit comparisons against the reference, golden outputs.
+test-quality: setup
+	$(PY) -m pytest -q $(QUALITY_TESTS)
+	$(PY) -m quality_testing.compare_frontier_logits
+
+# Scorer coverage, and the greedy sanity pass count against the recorded one.
+gate-quality: setup
+	$(PY) -m quality_testing.validate_scores
+	$(PY) -m quality_testing.gate_quality
+
+# Engine speed of the working tree against BASE, interleaved in one run.
+gate-speed: setup
+	@test -n "$(BASE)" || { echo "usage: make gate-speed BASE=<git ref> [SPEED_THRESHOLD=0.10]"; exit 2; }
+	$(PY) -m quality_testing.gate_speed --base "$(BASE)" --threshold $(SPEED_THRESHOLD)
+
+# The release gate.
+gate: test-frontends test-unit test-quality gate-quality
+	@if [ -n "$(BASE)" ]; then $(MAKE) --no-print-directory gate-speed BASE="$(BASE)"; fi
+
+# CI's speed check: against the previous commit when there is one, failing only beyond 25%
+# so that noise on a shared 2-core machine cannot block a landing.
+ci-speed: setup
+	@if git rev-parse -q --verify HEAD~1 >/dev/null 2>&1; then \
+		$(MAKE) --no-print-directory gate-speed BASE=HEAD~1 SPEED_THRESHOLD=0.25; \
+	else echo "gate-speed: no previous commit, skipped"; fi
+
+# The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
+test: setup
+	$(VENV)/bin/ds4-eval --self-test-extractors
+	$(PY) -m pytest -q
+	$(PY) -m quality_testing.compare_frontier_logits
+	$(MAKE) --no-print-directory gate-quality
+	$(MAKE) --no-print-directory ci-speed
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
