@@ -27,9 +27,9 @@ Session:
   - `tokens` (ids whose KV is cached), `n_past`.
   - `sync(ids, progress=None, cancel=None) -> int`: make the cache hold exactly `ids`,
     reusing the longest common prefix; returns the number of reused tokens.
-    `progress(done, total)` is called after each prefill chunk; `cancel()` returning
-    True raises `Cancelled` at the next chunk boundary, leaving the session valid at
-    the last complete chunk.
+    `progress(done, total)` is called after each prefill chunk; `cancel()` is polled
+    between chunks and between layers, and returning True raises `Cancelled`, leaving
+    the session valid at the last complete chunk.
   - `logits`: float32 tensor [n_vocab] for the next token (after sync/eval).
   - `eval(token)`: append one token.  `sample(params) -> int`.  `truncate(n)`.
   - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
@@ -40,7 +40,8 @@ It does not know about HTTP, chat APIs, tool syntaxes or benchmarks.
 from engine.config import ModelConfig, UnsupportedModel
 from engine.model import Model, ModelLoadError, default_model_path, generate, load_model
 from engine.sampling import Sampler, SamplingParams
-from engine.session import Cancelled, Session
+from engine.errors import Cancelled
+from engine.session import Session
 from engine.tokenizer import TextStream
 
 __all__ = [

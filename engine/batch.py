@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Prefill, Session
 
@@ -191,7 +192,11 @@ class BatchScheduler:
                 self._finish(slot, "cancelled")
                 return True
             if not slot.prefill.done:
-                slot.prefill.step()
+                try:
+                    slot.prefill.step(slot.request.cancel)
+                except Cancelled:
+                    self._finish(slot, "cancelled")
+                    return True
             if slot.prefill.done:
                 slot.prefill = None
             self._next_prefill = (i + 1) % n

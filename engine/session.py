@@ -6,8 +6,10 @@ After sync, eval or load_payload, `logits` holds the next-token distribution at 
 When the whole of `ids` is already cached but its frontier logits are not (for example after
 a truncation), the last token is evaluated again, so the reuse count is then len(ids) - 1.
 
-Cancellation is cooperative: `cancel()` is polled before each prefill chunk, and when it
-returns True `Cancelled` is raised with the session valid at the last complete chunk.
+Cancellation is cooperative: `cancel()` is polled before each prefill chunk and between the
+layers of a chunk's forward pass; when it returns True `Cancelled` is raised with the session
+valid at the last complete chunk (keys and values a cancelled chunk wrote lie beyond the
+cache's valid length and are overwritten later), so cancelling takes a fraction of a chunk.
 
 Payload format (`save_payload`, little-endian), for the server's disk cache:
   b"DS4KV\\0" | u16 version=1 | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
@@ -23,14 +25,11 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from engine.model import Model
-
-
-class Cancelled(Exception):
-    """Raised by sync() when its cancel callback asked to stop."""
 
 
 PAYLOAD_MAGIC = b"DS4KV\0"
@@ -62,12 +61,12 @@ class Prefill:
     def done(self) -> bool:
         return self.evaluated >= self.total
 
-    def step(self) -> int:
-        """Evaluate the next chunk; returns how many tokens it held."""
+    def step(self, cancel: Callable[[], bool] | None = None) -> int:
+        """Evaluate the next chunk; returns how many tokens it held.  Raises Cancelled mid-chunk."""
         start = self.reused + self.evaluated
         part = self.ids[start: start + self.session.model.prefill_chunk]
         if part:
-            self.session._run(part)
+            self.session._run(part, cancel)
             self.evaluated += len(part)
         return len(part)
 
@@ -100,9 +99,9 @@ class Session:
         if n > self.model.n_ctx:
             raise ValueError(f"{n} tokens do not fit the context of {self.model.n_ctx}")
 
-    def _run(self, ids: list[int]) -> None:
+    def _run(self, ids: list[int], cancel: Callable[[], bool] | None = None) -> None:
         tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
-        self._logits = self.model.net.forward(tokens, len(self.tokens), self.cache).float().cpu()
+        self._logits = self.model.net.forward(tokens, len(self.tokens), self.cache, cancel=cancel).float().cpu()
         self.tokens.extend(ids)
 
     def start_prefill(self, ids: list[int]) -> "Prefill":
@@ -124,7 +123,7 @@ class Session:
         while not job.done:
             if cancel is not None and cancel():
                 raise Cancelled(f"cancelled after {job.evaluated} of {job.total} prefill tokens")
-            job.step()
+            job.step(cancel)
             if progress is not None:
                 progress(job.evaluated, job.total)
         return job.reused

@@ -19,11 +19,14 @@ nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, UnsupportedModel
+from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kvcache import KVCache
 from engine.weights import Linear, build_linear, dense_dtype, to_float
@@ -177,7 +180,8 @@ class LlamaModel:
         return self.head(x).float()
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last") -> torch.Tensor | None:
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
+                cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:
         cfg = self.cfg
         T = tokens.shape[0]
         end = start + T
@@ -189,6 +193,8 @@ class LlamaModel:
             mask = pos[None, :] <= (start + torch.arange(T, device=self.device))[:, None]
         x = self.embed[tokens].float()  # [T, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
+            if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
+                raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
             q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
             cache.k[li, :, start:end] = k.transpose(0, 1)
             cache.v[li, :, start:end] = v.transpose(0, 1)

@@ -20,9 +20,9 @@ def counting(model):
     seen = []
     inner = model.net.forward
 
-    def forward(tokens, start, cache, logits="last"):
+    def forward(tokens, start, cache, logits="last", **kw):
         seen.append(int(tokens.shape[0]))
-        return inner(tokens, start, cache, logits)
+        return inner(tokens, start, cache, logits, **kw)
 
     model.net.forward = forward
     return seen
@@ -71,15 +71,9 @@ def test_same_prompt_twice_is_free_and_truncated_prompt_recomputes_frontier(mode
 
 def test_cancel_mid_prefill_leaves_a_valid_session(model):
     s = model.new_session()
-    calls = {"n": 0}
-
-    def cancel():
-        calls["n"] += 1
-        return calls["n"] > 2  # let two chunks through
-
     progress = []
-    with pytest.raises(Cancelled):
-        s.sync(IDS, progress=lambda d, t: progress.append((d, t)), cancel=cancel)
+    with pytest.raises(Cancelled):  # asks to stop once two chunks are done
+        s.sync(IDS, progress=lambda d, t: progress.append((d, t)), cancel=lambda: len(progress) >= 2)
     assert progress == [(8, 40), (16, 40)]
     assert s.tokens == IDS[:16]
     assert s.sync(IDS) == 16
@@ -146,3 +140,20 @@ def test_greedy_generation_is_deterministic_and_uses_truncate(model):
     s.sync(IDS[:12])
     b = list(generate(s, SamplingParams(argmax_ignoring_eos=True), 6))
     assert a == b
+
+
+def test_cancel_inside_a_chunk_rolls_back_to_the_last_whole_chunk(model):
+    s = model.new_session()
+    polls = {"n": 0}
+
+    def cancel():
+        polls["n"] += 1
+        return polls["n"] > 5  # passes the first chunk, stops inside the second one's layers
+
+    with pytest.raises(Cancelled):
+        s.sync(IDS, cancel=cancel)
+    assert s.tokens == IDS[:8] and s.cache.n == 8
+    assert s.sync(IDS) == 8
+    fresh = model.new_session()
+    fresh.sync(IDS)
+    torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-3, atol=1e-3)
