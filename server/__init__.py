@@ -10,7 +10,10 @@ Modules, in the order a request meets them:
                JSON / SSE answers in that API's field names and error shape.
 - `apibase`    what the three share: strict schema base, limits, ignore_eos rules, ids.
 - `prompting`  the text seams: chat -> prompt text, generated text -> content/reasoning/tool calls.
-- `worker`     job queue and the single inference thread that owns the engine session.
+- `worker`     job queue and the single inference thread that owns the engine session(s).
+- `batching`   `--batched-session N`: slot routing and the batched loop over the engine's scheduler.
+- `kvstore`, `kvstore_policy`
+               the disk KV cache (`--kv-disk-dir`): checkpoint files, lookup, save policy, eviction.
 - `stops`      stop-sequence matching over streamed text.
 - `sse`        SSE framing, keepalives, disconnect watching.
 - `errors`     client-facing errors in each API's shape.
@@ -18,5 +21,6 @@ Modules, in the order a request meets them:
 
 The server imports `engine` only through the model object handed to `app.create_app` and
 the two engine classes the worker needs (`SamplingParams`, `Cancelled`), so tests run it
-over a fake engine.
+over a fake engine; batched sessions (`batching`) need the real engine's scheduler and are
+tested on tiny random GGUF models.
 """

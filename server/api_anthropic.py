@@ -116,7 +116,8 @@ def messages_job(model: Any, req: MessagesRequest,
     ignore_eos = bool(req.ignore_eos)
     max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), model.n_ctx, ignore_eos, "max_tokens")
     gen = GenerationRequest(
-        prompt_text=prompt.text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+        prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
+        max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
         stop=tuple(s for s in (req.stop_sequences or []) if s),
@@ -127,8 +128,9 @@ def messages_job(model: Any, req: MessagesRequest,
 # --- responses ------------------------------------------------------------------------
 
 def usage_json(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
-            "cache_creation_input_tokens": 0,
+    # Anthropic splits the prompt three ways: read from the cache, written to it, the rest.
+    return {"input_tokens": max(0, usage.prompt_tokens - usage.cached_tokens - usage.cache_written_tokens),
+            "cache_creation_input_tokens": usage.cache_written_tokens,
             "cache_read_input_tokens": usage.cached_tokens,
             "output_tokens": usage.completion_tokens}
 
@@ -168,10 +170,10 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
     open_kind: str | None = None
     started = False
 
-    def start_message(n_cached: int) -> list[bytes]:
+    def start_message(n_cached: int, n_written: int) -> list[bytes]:
         message = {"id": ctx.id, "type": "message", "role": "assistant", "model": ctx.model_name,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": usage_json(Usage(ctx.n_prompt, 0, n_cached))}
+                   "usage": usage_json(Usage(ctx.n_prompt, 0, n_cached, n_written))}
         return [sse_event("message_start", {"type": "message_start", "message": message}),
                 sse_event("ping", {"type": "ping"})]
 
@@ -226,7 +228,7 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
         elif isinstance(event, PromptReady):
             if not started:
                 started = True
-                for frame in start_message(event.n_cached):
+                for frame in start_message(event.n_cached, event.n_written):
                     yield frame
         elif isinstance(event, TextDelta):
             for frame in frames_for(event.events):
@@ -237,7 +239,7 @@ async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | N
                                     "overloaded_error")
                 return
             if not started:
-                for frame in start_message(event.usage.cached_tokens):
+                for frame in start_message(event.usage.cached_tokens, event.usage.cache_written_tokens):
                     yield frame
             parsed: ParsedOutput = event.output
             for frame in frames_for(parsed.events) + close_block():

@@ -213,7 +213,8 @@ def chat_job(model: Any, req: ChatCompletionRequest,
     max_tokens = resolve_max_tokens(requested, None, len(ids), model.n_ctx, ignore_eos,
                                     "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     gen = GenerationRequest(
-        prompt_text=prompt.text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+        prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
+        max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
         stop=_stop_list(req.stop),

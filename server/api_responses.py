@@ -115,8 +115,8 @@ def responses_job(model: Any, req: ResponsesRequest,
                                     "max_output_tokens")
     spec = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
-    gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), max_tokens=max_tokens,
-                            sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"))
+    gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
+                            max_tokens=max_tokens, sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"))
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": spec.temperature, "top_p": spec.top_p,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,

@@ -19,6 +19,11 @@ paths and methods too. Disconnects cancel the job, streaming or not. The OpenAPI
 routes parse bodies themselves (FastAPI's own body parsing would bypass the hardened
 parser).
 
+With `--kv-disk-dir` the app opens the disk KV cache (`server.kvstore.open_store`) for the
+worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the worker keeps
+N resident sessions; the memory they need is checked when the app is created
+(`engine.batch.CapacityError`, with the figures).
+
 It does not load models, bind sockets or print startup banners (`server.cli` does).
 """
 
@@ -45,6 +50,8 @@ from server.apibase import StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect, dialect_for_path, error_body
 from server.jsonparse import JsonBodyError, parse_json_body
+from server.kvstore import open_store
+from server.kvstore_policy import SavePolicy
 from server.prompting import ToolCalling, prompt_ids
 from server.tools.apis import ToolInputError
 from server.sse import SSEResponse, job_events, wait_or_disconnect
@@ -171,9 +178,15 @@ def _tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def create_app(model: Any, config: ServerConfig | None = None, *,
-               engine_types: EngineTypes | None = None) -> FastAPI:
+               engine_types: EngineTypes | None = None, kv_save_policy: SavePolicy | None = None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """The app around `model`. `kv_save_policy` overrides the disk cache's save thresholds and
+    `clock` the batched slots' idle clock (tests with small models and no waiting)."""
     config = config or ServerConfig()
-    worker = InferenceWorker(model, engine_types)
+    kv = open_store(config.kv, model)
+    if kv is not None and kv_save_policy is not None:
+        kv.save_policy = kv_save_policy
+    worker = InferenceWorker(model, engine_types, kv=kv, n_slots=config.batched_session, clock=clock)
     calling = ToolCalling.for_model(model, config.tools)
     started_at = int(time.time())
 
@@ -189,6 +202,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
                   description="OpenAI Chat/Completions, Anthropic Messages and OpenAI Responses "
                               "APIs over the ds4eval engine.")
     app.state.worker = worker
+    app.state.kv = kv
     app.state.model = model
     app.state.config = config
     app.state.tools = calling
@@ -234,7 +248,8 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     @app.get("/health", summary="Liveness and queue state")
     async def health() -> dict[str, Any]:
         return {"status": "ok", "model": model.name, "n_ctx": model.n_ctx,
-                "busy": worker.busy, "queued": worker.queue_depth}
+                "busy": worker.busy, "queued": worker.queue_depth, "batched_sessions": config.batched_session,
+                "kv_cache": (vars(kv.stats()) | {"directory": kv.directory}) if kv is not None else None}
 
     @app.get("/v1/models", summary="The loaded model")
     async def list_models() -> dict[str, Any]:

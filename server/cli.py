@@ -2,6 +2,7 @@
 
     ds4-server                          # embedded model on http://127.0.0.1:8000
     ds4-server --model m.gguf --ctx 4096 --host 0.0.0.0 --port 9000 --cors
+    ds4-server --kv-disk-dir ~/.cache/ds4-kv --batched-session 4
 
 Bad flags and model loading failures end with a one-line error and exit status 1 or 2;
 no traceback. The server itself lives in `server.app`.
@@ -16,6 +17,7 @@ import sys
 import click
 
 from server.config import LOG_LEVELS, ServerConfig
+from server.kvstore import DEFAULT_BUDGET_MB, KVStoreConfig
 from server.prompting import model_syntax
 from server.tools import SYNTAXES, ToolsConfig
 
@@ -25,12 +27,15 @@ def _mib(n: int) -> str:
 
 
 TOOL_FLAGS = ("tool_syntax", "tool_memory_max_ids", "disable_exact_tool_replay")
+KV_FLAGS = {"kv_disk_dir": "directory", "kv_cache_budget_mb": "budget_mb"}  # flag -> KVStoreConfig field
 
 
 def config_from_flags(**flags: object) -> ServerConfig:
     try:
         tools = ToolsConfig(**{k: flags.pop(k) for k in TOOL_FLAGS if k in flags})  # type: ignore[arg-type]
-        return ServerConfig(**flags, tools=tools)  # type: ignore[arg-type]
+        kv = KVStoreConfig(**{field: flags.pop(flag) for flag, field in KV_FLAGS.items()  # type: ignore[arg-type]
+                              if flag in flags})
+        return ServerConfig(**flags, tools=tools, kv=kv)  # type: ignore[arg-type]
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
@@ -39,9 +44,9 @@ def banner(model: object, config: ServerConfig) -> str:
     n_ctx = model.n_ctx  # type: ignore[attr-defined]
     weights = int(getattr(model, "weight_bytes", 0))
     try:
-        total = int(model.memory_bytes(1, n_ctx))  # type: ignore[attr-defined]
+        total = int(model.memory_bytes(config.batched_session, n_ctx))  # type: ignore[attr-defined]
     except Exception:
-        total = weights + int(getattr(model, "kv_bytes_per_token", 0)) * n_ctx
+        total = weights + int(getattr(model, "kv_bytes_per_token", 0)) * n_ctx * config.batched_session
     host = f"[{config.host}]" if ":" in config.host else config.host
     lines = [
         f"ds4-server: model {model.name} ({getattr(model, 'path', '')})",  # type: ignore[attr-defined]
@@ -49,6 +54,8 @@ def banner(model: object, config: ServerConfig) -> str:
         f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
         + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
         f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)})",
+        f"ds4-server: batched sessions {config.batched_session}, disk KV cache "
+        + (f"{config.kv.directory} (budget {config.kv.budget_mb} MiB)" if config.kv.directory else "off"),
         f"ds4-server: listening on http://{host}:{config.port}"
         + (" (CORS enabled)" if config.cors else ""),
     ]
@@ -78,6 +85,12 @@ def banner(model: object, config: ServerConfig) -> str:
               help="Tool-call ids whose exact generated text is kept for replay.")
 @click.option("--disable-exact-tool-replay", is_flag=True, default=False,
               help="Re-render earlier tool calls canonically instead of replaying the exact text.")
+@click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
+              help="Directory of the disk KV cache (prefix checkpoints kept across restarts); off when unset.")
+@click.option("--kv-cache-budget-mb", type=int, default=DEFAULT_BUDGET_MB, show_default=True,
+              help="Size budget of the disk KV cache in MiB; the least useful entries are evicted beyond it.")
+@click.option("--batched-session", type=int, default=1, show_default=True,
+              help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)
@@ -92,6 +105,7 @@ def main(**flags: object) -> None:
     import uvicorn
 
     from engine import ModelLoadError, load_model
+    from engine.batch import CapacityError
     from server.app import create_app
 
     model_path = os.path.abspath(config.model) if config.model else None
@@ -99,8 +113,18 @@ def main(**flags: object) -> None:
         model = load_model(model_path, ctx=config.ctx, device=config.device)
     except (ModelLoadError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
+    if config.kv.directory is not None:
+        try:
+            os.makedirs(config.kv.directory, exist_ok=True)
+        except OSError as e:
+            raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e.strerror}") from None
+    try:
+        app = create_app(model, config)
+    except CapacityError as e:
+        raise click.ClickException(f"--batched-session {config.batched_session}: {e}") from None
+    except OSError as e:
+        raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e}") from None
     click.echo(banner(model, config), err=True)
-    app = create_app(model, config)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                     timeout_graceful_shutdown=5)

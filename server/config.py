@@ -3,14 +3,17 @@
 `ServerConfig` is plain data. `server.cli` fills it from flags; `server.app.create_app`
 and `server.worker.InferenceWorker` read it. The tool-calling flags (`--tool-syntax`,
 `--tool-memory-max-ids`, `--disable-exact-tool-replay`) live in the embedded
-`server.tools.ToolsConfig` record, one field each. It does not load models, bind sockets or
-touch the file system (`--chdir` is applied by the CLI before anything else runs).
+`server.tools.ToolsConfig` record, one field each; the disk KV cache flags (`--kv-disk-dir`,
+`--kv-cache-budget-mb`) in the embedded `server.kvstore.KVStoreConfig` record. It does not
+load models, bind sockets or touch the file system (`--chdir` is applied by the CLI before
+anything else runs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.kvstore import KVStoreConfig
 from server.tools import ToolsConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -40,6 +43,10 @@ class ServerConfig:
     """Logging level for the server and uvicorn."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     """Tool-call syntax (None: detected from the model) and exact replay memory bounds."""
+    kv: KVStoreConfig = field(default_factory=KVStoreConfig)
+    """Disk KV cache directory (None: no disk cache) and its size budget."""
+    batched_session: int = 1
+    """Resident engine sessions decoded together (1: one request at a time, in FIFO order)."""
 
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:
@@ -50,6 +57,10 @@ class ServerConfig:
             raise ValueError(f"ctx must be at least 16 tokens, got {self.ctx}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.kv.budget_mb < 1:
+            raise ValueError(f"kv_cache_budget_mb must be at least 1, got {self.kv.budget_mb}")
+        if self.batched_session < 1:
+            raise ValueError(f"batched_session must be at least 1, got {self.batched_session}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

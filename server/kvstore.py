@@ -621,7 +621,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _text_split(model: Any) -> dict[str, Any]:
+def text_split(model: Any) -> dict[str, Any]:
+    """The model callables `kvstore_policy.prefix_text_at` needs (detokenize, prompt_ids, bos_id)."""
     return dict(detokenize=model.detokenize, prompt_ids=model.prompt_ids,
                 bos_id=model.bos_id if getattr(model, "add_bos", False) else None)
 
@@ -671,7 +672,7 @@ def prefill_with_cache(store: KVStore | None, model: Any, session: Any, text: st
         if first_reuse is None:
             first_reuse = reused
 
-    split = _text_split(model)
+    split = text_split(model)
     for point in policy.plan_prefill_saves(base, len(ids), user_boundary, store.save_policy):
         found = policy.prefix_text_at(text, ids, point.n_tokens,
                                       tokenize_suffix=lambda s: model.tokenize(s, special=True), **split)
@@ -703,7 +704,7 @@ def save_session(store: KVStore | None, model: Any, session: Any, prompt_text: s
         return None
     tokens = list(session.tokens)
     text = prompt_text + model.detokenize(tokens[n_prompt:])
-    found = policy.prefix_text_at(text, tokens, len(tokens), exact=False, **_text_split(model))
+    found = policy.prefix_text_at(text, tokens, len(tokens), exact=False, **text_split(model))
     if found is None:
         return None
     cut, prefix = found

@@ -16,7 +16,9 @@ remembered, byte for byte, in the replay memory under its call ids.
 
 `ToolCalling` holds the per-server state (syntax, replay memory and the lock that guards
 it); it is created once per app. Nothing here does I/O besides an info log line per
-rendered chat that involves tools; the model is only asked to render its template.
+rendered chat that involves tools; the model is only asked to render its template (twice
+per chat: also the turns before the last user message, whose length is the `user_boundary`
+where the disk KV cache takes its checkpoint).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ log = logging.getLogger("ds4.server.tools")
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallEnd
 
 __all__ = ["ChatPrompt", "ContentDelta", "OutputEvent", "OutputSplitter", "ParsedOutput", "ReasoningDelta",
-           "ToolCall", "ToolCallEnd", "ToolCalling", "model_syntax", "prompt_ids"]
+           "ToolCall", "ToolCallEnd", "ToolCalling", "last_user_head", "model_syntax", "prompt_ids"]
 
 
 @dataclass
@@ -64,6 +66,10 @@ class ChatPrompt:
     thinking_prefix: str = ""
     """The thinking-open text the prompt ends with ("" when the prompt does not open thinking);
     it belongs to the model's turn, so it is part of the text remembered for replay."""
+    user_boundary: int | None = None
+    """Character offset where the last user turn starts (the conversation before it, rendered
+    without a generation prompt, is a prefix of `text`); None when there is no earlier turn or
+    the template does not render that way. The disk KV cache checkpoints there."""
 
 
 def model_syntax(model: Any, override: str | None = None) -> Syntax:
@@ -131,11 +137,13 @@ class ToolCalling:
                      "%d bytes; totals %d/%d/%d)", rendered.replayed, rendered.rerendered, rendered.missing,
                      self.syntax.name, stats["ids"], stats["bytes"], stats["replayed"], stats["rerendered"],
                      stats["missing"])
+        head = last_user_head(model, rendered.messages, **extra)
         text = model.render_chat(rendered.messages, add_generation_prompt=True, tools=None, **extra)
         prefix = ""
         if self.syntax.prompt_opens_thinking(text):
             prefix = text[text.rstrip().rfind(self.syntax.think_open):]
-        return ChatPrompt(text, specs, prefix)
+        boundary = len(head) if head and text.startswith(head) else None
+        return ChatPrompt(text, specs, prefix, boundary)
 
     def new_splitter(self, prompt: ChatPrompt, api: str) -> OutputSplitter:
         """A splitter for the continuation of `prompt`; `api` picks the call-id prefix."""
@@ -144,6 +152,22 @@ class ToolCalling:
     def remember(self, call_ids: list[str], text: str) -> None:
         with self._lock:
             self.memory.remember(call_ids, text)
+
+
+def last_user_head(model: Any, messages: list[dict[str, Any]], **extra: Any) -> str | None:
+    """The conversation before the last user message, rendered as a prefix (no generation prompt).
+
+    None when there is no user message or nothing before it. Templates that rewrite earlier
+    turns depending on what follows (e.g. dropping old reasoning) may render a text that does
+    not prefix the full prompt; the caller checks that.
+    """
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=0)
+    if last == 0:
+        return None
+    try:
+        return model.render_chat(messages[:last], add_generation_prompt=False, tools=None, **extra)
+    except Exception:  # a template may insist on a user turn; the boundary is only a hint
+        return None
 
 
 def prompt_ids(model: Any, text: str) -> list[int]:

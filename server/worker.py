@@ -4,8 +4,9 @@ HTTP handlers run concurrently on the event loop; inference does not. Each reque
 turned into a `GenerationRequest` (already rendered and tokenized, API-independent) and
 submitted as a `Job`. One worker thread takes jobs in FIFO order and, for each:
 
-1. syncs the session to the prompt ids (prefix reuse, chunked prefill; the progress hook
-   emits `PrefillProgress`, the cancel hook is checked at every chunk boundary),
+1. brings the session to the prompt ids (prefix reuse, disk cache restore, chunked
+   prefill; the progress hook emits `PrefillProgress`, the cancel hook is checked at every
+   chunk boundary),
 2. decodes token by token: sample, stop on EOS / stop sequence / token limit / context
    end, turn tokens into UTF-8-safe text, hold back possible stop-sequence prefixes,
 3. emits `TextDelta` events and finally one `Finished` (or `Failed`) event.
@@ -26,9 +27,20 @@ job is skipped; a running job stops at the next prefill chunk or decode step and
 worker records how long that took (`JobStats.cancel_latency_s`).
 
 The session is kept between jobs so that a prompt sharing a prefix with the previous one
-(multi-turn chat, agents) reuses its KV cache; `sync` reports the reused count, which the
-APIs publish as cached tokens. The single-session `_acquire_session` is the seam where a
-disk KV cache lookup and batched session slots plug in.
+(multi-turn chat, agents) reuses its KV cache; the reused count is published by the APIs as
+cached tokens.
+
+Disk KV cache (`kv`, a `server.kvstore.KVStore`, or None): before a job replaces the live
+session, the worker stores it (reason evict) when the policy wants it; the prefill goes
+through `server.kvstore.prefill_with_cache`, which restores the longest checkpoint on disk
+and stores cold / continued checkpoints on the way; when the thread receives its stop
+sentinel it stores the live session (reason shutdown) before it returns, so a clean exit
+of the server keeps the last conversation. Cached tokens then count what was restored from
+disk too, and `Usage.cache_written_tokens` the prompt tokens newly covered by a checkpoint.
+All of it runs on the worker thread, the only one that touches sessions.
+
+With `n_slots > 1` the thread runs `server.batching.BatchedLoop` instead of one job at a
+time: several resident sessions decode together (see that module).
 
 It does not parse HTTP, render prompts or know any API's field names.
 """
@@ -46,6 +58,8 @@ from typing import Any, Callable
 
 import torch
 
+from server import kvstore_policy
+from server.kvstore import KVStore, prefill_with_cache, save_session
 from server.stops import StopMatcher
 
 log = logging.getLogger("ds4.server.worker")
@@ -70,6 +84,8 @@ class GenerationRequest:
     prompt_text: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    user_boundary: int | None = None
+    """Character offset in `prompt_text` where the last user turn starts (disk cache checkpoint)."""
     sampling: SamplingSpec = SamplingSpec()
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
@@ -92,6 +108,9 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    """Prompt tokens not recomputed: kept from a resident session or restored from disk."""
+    cache_written_tokens: int = 0
+    """Prompt tokens newly stored in a disk checkpoint by this request."""
 
     @property
     def total_tokens(self) -> int:
@@ -109,6 +128,7 @@ class PromptReady:
     """The prompt is in the KV cache; `n_cached` of its tokens were reused, not recomputed."""
     n_prompt: int
     n_cached: int
+    n_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +162,8 @@ class JobStats:
     job_id: int
     n_prompt: int = 0
     n_cached: int = 0
+    n_written: int = 0
+    """Prompt tokens newly covered by a disk checkpoint."""
     n_generated: int = 0
     n_greedy: int = 0
     """Tokens taken by argmax because the splitter was inside tool-call structure."""
@@ -155,6 +177,11 @@ class JobStats:
     """Time from `Job.cancel()` to the worker abandoning the job (only for running jobs)."""
     longest_prefill_chunk_s: float = 0.0
     """Longest gap between prefill progress reports: the engine's cancel granularity."""
+    slot: int | None = None
+    """The resident session that served the job (batched mode)."""
+
+    def usage(self) -> Usage:
+        return Usage(self.n_prompt, self.n_generated, self.n_cached, self.n_written)
 
 
 class Job:
@@ -202,22 +229,143 @@ class _JobCancelled(Exception):
     pass
 
 
+def sampling_params(types: EngineTypes, sp: SamplingSpec) -> Any:
+    """The engine's sampling parameters for a request (ignore_eos: greedy, EOS masked)."""
+    return types.sampling_params(temperature=0.0 if sp.ignore_eos else sp.temperature,
+                                 top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
+                                 argmax_ignoring_eos=sp.ignore_eos)
+
+
+def decode_budget(model: Any, req: GenerationRequest, n_prompt: int) -> int:
+    return max(0, min(req.max_tokens, model.n_ctx - n_prompt))
+
+
+def common_prefix(a: Any, b: Any) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TokenDecoder:
+    """What happens to each generated token of one job, whoever runs the forward passes.
+
+    `choose(logits, sample)` picks the next token: the argmax while the splitter is inside
+    tool-call structure, else `sample(logits)`; it records the logprob entry when asked for.
+    `accept(token)` turns it into text (UTF-8 safe, stop sequences held back), feeds the
+    splitter and emits a `TextDelta`; it returns False once the generation is over (EOS or
+    a stop sequence). `finish(reason)` flushes and emits `Finished`. Used by the one-session
+    loop below and by the batched loop (`server.batching`), on the worker thread only.
+    """
+
+    def __init__(self, model: Any, job: Job) -> None:
+        req = job.request
+        self.model = model
+        self.job = job
+        self.ignore_eos = req.sampling.ignore_eos
+        self.eos_ids = frozenset(getattr(model, "eos_ids", ()) or {model.eos_id})
+        self.stream = model.text_stream()
+        self.stops = StopMatcher(req.stop)
+        self.splitter = req.new_splitter() if req.new_splitter is not None else None
+        self.top_logprobs = req.top_logprobs
+        self.reason: str | None = None
+        """Set once the generation ended by itself: 'stop' (EOS or stop sequence)."""
+        self._logprob: Callable[[int], TokenLogprob] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def choose(self, logits: torch.Tensor, sample: Callable[[torch.Tensor], int]) -> int:
+        if self.top_logprobs is not None:
+            self._logprob = logprob_entry(self.model, logits, self.top_logprobs)
+        if self.splitter is not None and self.splitter.in_structure and not self.ignore_eos:
+            self.job.stats.n_greedy += 1
+            return int(torch.argmax(logits))
+        return int(sample(logits))
+
+    def accept(self, token: int) -> bool:
+        stats = self.job.stats
+        stats.n_generated += 1
+        if stats.first_token_at is None:
+            stats.first_token_at = time.monotonic()
+        if token in self.eos_ids and not self.ignore_eos:
+            self.reason = "stop"
+            return False
+        text = self.stops.push(self.stream.push(token))
+        lps = (self._logprob(token),) if self._logprob is not None else ()
+        if text or lps:
+            events = tuple(self.splitter.feed(text)) if self.splitter is not None and text else ()
+            self.job.emit(TextDelta(text, lps, events))
+        if self.stops.matched is not None:
+            self.reason = "stop"
+            return False
+        return True
+
+    def finish(self, reason: str) -> None:
+        """Emit the held-back tail and `Finished`; `reason` is 'length' unless the job stopped itself."""
+        finish = self.reason or reason
+        if self.stops.matched is None:
+            tail = self.stops.push(self.stream.flush())
+            tail += self.stops.flush()
+            if self.stops.matched is not None:
+                finish = "stop"
+            if tail:
+                self.job.emit(TextDelta(tail, (), tuple(self.splitter.feed(tail)) if self.splitter is not None else ()))
+        output = self.splitter.finish(finish) if self.splitter is not None else None
+        self.job.stats.status = "done"
+        self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
+
+
+def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], TokenLogprob]:
+    """Log-probabilities of the raw next-token distribution, before sampler filters."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, str, float], ...] = ()
+    if k > 0:
+        values, ids = torch.topk(logp, k)
+        top = tuple((int(i), model.detokenize([int(i)]), float(v))
+                    for v, i in zip(values.tolist(), ids.tolist()))
+
+    def entry(token: int) -> TokenLogprob:
+        return TokenLogprob(token, model.detokenize([token]), float(logp[token]), top)
+    return entry
+
+
+def written_tokens(n_on_disk: int, n_reused: int, n_saved: int) -> int:
+    """Prompt tokens that a prefill newly put on disk (checkpoints overlap: count the frontier)."""
+    return max(0, n_on_disk - n_reused) if n_saved else 0
+
+
 class InferenceWorker:
-    """One thread, one engine session, jobs served first in, first out."""
+    """One thread owns the engine: one session served first in, first out, or a batch of slots."""
 
     def __init__(self, model: Any, engine_types: EngineTypes | None = None, *,
-                 history: int = 256) -> None:
+                 history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.model = model
         self.types = engine_types or default_engine_types()
+        self.kv = kv
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._job_ids = itertools.count(1)
         self._thread: threading.Thread | None = None
         self._session: Any = None
+        # What the live session holds, for the disk cache: the prompt text it was synced to
+        # (None: unknown, e.g. a prefill was interrupted), that prompt's token count, and the
+        # longest prefix of it known to be on disk.
+        self._live_text: str | None = None
+        self._live_n_prompt = 0
+        self._live_on_disk = 0
         self._current: Job | None = None
         self._lock = threading.Lock()
         self.finished: deque[JobStats] = deque(maxlen=history)
         """Stats of the most recent jobs, newest last (for logs, tests and health)."""
         self._finished_cv = threading.Condition()
+        self.batched = None
+        if n_slots > 1:
+            from server.batching import BatchedLoop  # needs the engine's scheduler
+            self.batched = BatchedLoop(self, n_slots, clock=clock)
 
     # lifecycle
 
@@ -227,13 +375,21 @@ class InferenceWorker:
         self._thread = threading.Thread(target=self._run, name="ds4-inference", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, drop queued ones, and join the thread."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Cancel running jobs, drop queued ones, and join the thread.
+
+        The thread stores the live session(s) in the disk cache before it ends, so the
+        default timeout is longer with a cache.
+        """
         if self._thread is None:
             return
+        if timeout is None:
+            timeout = 10.0 if self.kv is None else 120.0
         with self._lock:
             if self._current is not None:
                 self._current.cancel()
+        if self.batched is not None:
+            self.batched.cancel_all()
         while True:
             try:
                 pending = self._queue.get_nowait()
@@ -244,6 +400,8 @@ class InferenceWorker:
                 self._finish_cancelled(pending)
         self._queue.put(None)
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the inference thread did not end within %.0fs", timeout)
         self._thread = None
 
     # submission
@@ -255,10 +413,13 @@ class InferenceWorker:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        n = self._queue.qsize()
+        return n + (self.batched.n_waiting if self.batched is not None else 0)
 
     @property
     def busy(self) -> bool:
+        if self.batched is not None:
+            return self.batched.n_active > 0
         return self._current is not None
 
     def wait_finished(self, job_id: int, timeout: float) -> JobStats | None:
@@ -277,9 +438,13 @@ class InferenceWorker:
     # the thread
 
     def _run(self) -> None:
+        if self.batched is not None:
+            self.batched.run()
+            return
         while True:
             job = self._queue.get()
             if job is None:
+                self._save_live(kvstore_policy.SHUTDOWN)
                 return
             with self._lock:
                 self._current = job
@@ -303,18 +468,37 @@ class InferenceWorker:
                  if stats.cancel_latency_s is not None else "")
         if stats.n_greedy:
             extra += f" greedy_in_tool_syntax={stats.n_greedy}"
+        if stats.n_written:
+            extra += f" written_to_disk={stats.n_written}"
+        if stats.slot is not None:
+            extra += f" slot={stats.slot}"
         log.info("job %d %s: prompt=%d cached=%d generated=%d time=%.2fs%s", stats.job_id,
                  stats.status, stats.n_prompt, stats.n_cached, stats.n_generated, total, extra)
 
     def _finish_cancelled(self, job: Job) -> None:
         job.stats.status = "cancelled"
-        job.emit(Finished("cancelled", Usage(job.stats.n_prompt, job.stats.n_generated,
-                                             job.stats.n_cached)))
+        job.emit(Finished("cancelled", job.stats.usage()))
 
     def _acquire_session(self, job: Job) -> Any:
         if self._session is None:
             self._session = self.model.new_session()
+            self._live_text, self._live_n_prompt, self._live_on_disk = None, 0, 0
         return self._session
+
+    def _save_live(self, reason: str, next_ids: list[int] | None = None) -> None:
+        """Store the live session in the disk cache before it is replaced (evict) or at exit."""
+        if self.kv is None or self._session is None or self._live_text is None:
+            return
+        n_common = common_prefix(self._session.tokens, next_ids) if next_ids is not None else 0
+        try:
+            entry = save_session(self.kv, self.model, self._session, self._live_text, self._live_n_prompt,
+                                 reason, n_common=n_common, n_saved=self._live_on_disk)
+        except Exception:  # the cache never fails a request
+            log.exception("kv cache: cannot save the live session (%s)", reason)
+            return
+        if entry is not None:
+            self._live_on_disk = entry.n_tokens
+            log.info("kv cache: saved the live session (%s, %d tokens)", reason, entry.n_tokens)
 
     def _serve(self, job: Job) -> None:
         if job.is_cancelled():
@@ -334,14 +518,10 @@ class InferenceWorker:
             job.stats.status = "failed"
             # The session may be half-updated; a fresh one is always consistent.
             self._session = None
+            self._live_text, self._live_n_prompt, self._live_on_disk = None, 0, 0
             job.emit(Failed(f"inference failed: {type(e).__name__}"))
 
-    def _generate(self, job: Job) -> None:
-        req = job.request
-        model = self.model
-        session = self._acquire_session(job)
-
-        # 1. prefill
+    def _progress_hook(self, job: Job) -> Callable[[int, int], None]:
         last_report = time.monotonic()
 
         def progress(done: int, total: int) -> None:
@@ -350,79 +530,46 @@ class InferenceWorker:
             job.stats.longest_prefill_chunk_s = max(job.stats.longest_prefill_chunk_s, now - last_report)
             last_report = now
             job.emit(PrefillProgress(done, total))
+        return progress
 
-        reused = session.sync(list(req.prompt_ids), progress=progress, cancel=job.is_cancelled)
-        job.stats.n_cached = int(reused)
+    def _generate(self, job: Job) -> None:
+        req = job.request
+        model = self.model
+        session = self._acquire_session(job)
+        ids = list(req.prompt_ids)
+
+        # 1. prefill: save what the new prompt drops, restore from disk, prefill the rest
+        self._save_live(kvstore_policy.EVICT, ids)
+        kept_on_disk = min(self._live_on_disk, common_prefix(session.tokens, ids))
+        boundary = None
+        if self.kv is not None and req.user_boundary is not None:
+            boundary = kvstore_policy.tokens_at_text_offset(req.prompt_text, req.user_boundary, ids,
+                                                            model.prompt_ids)
+        self._live_text = None  # until the prefill completes, the session matches no text
+        out = prefill_with_cache(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
+                                 progress=self._progress_hook(job), cancel=job.is_cancelled)
+        ids = out.ids
+        self._live_text, self._live_n_prompt = req.prompt_text, len(ids)
+        self._live_on_disk = max(out.n_on_disk, kept_on_disk)
+        job.stats.n_prompt = len(ids)
+        job.stats.n_cached = int(out.n_reused)
+        job.stats.n_written = written_tokens(out.n_on_disk, out.n_reused, len(out.saved or ()))
         if job.is_cancelled():
             raise _JobCancelled
-        job.emit(PromptReady(len(req.prompt_ids), job.stats.n_cached))
+        job.emit(PromptReady(len(ids), job.stats.n_cached, job.stats.n_written))
 
         # 2. decode
-        sp = req.sampling
-        params = self.types.sampling_params(
-            temperature=0.0 if sp.ignore_eos else sp.temperature,
-            top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
-            argmax_ignoring_eos=sp.ignore_eos)
-        eos_ids = frozenset(getattr(model, "eos_ids", ()) or {model.eos_id})
-        room = model.n_ctx - len(req.prompt_ids)
-        budget = max(0, min(req.max_tokens, room))
-        stream = model.text_stream()
-        stops = StopMatcher(req.stop)
-        splitter = req.new_splitter() if req.new_splitter is not None else None
-        finish = "length"
+        params = sampling_params(self.types, req.sampling)
+        decoder = TokenDecoder(model, job)
         pending: int | None = None
-        n_gen = 0
-        for _ in range(budget):
+        for _ in range(decode_budget(model, req, len(ids))):
             if job.is_cancelled():
                 raise _JobCancelled
             if pending is not None:
                 # Evaluated lazily so the last sampled token costs no forward pass.
                 session.eval(pending)
-            logprob = self._logprob_entry(session, req.top_logprobs) if req.top_logprobs is not None else None
-            if splitter is not None and splitter.in_structure and not sp.ignore_eos:
-                token = int(torch.argmax(session.logits))
-                job.stats.n_greedy += 1
-            else:
-                token = int(session.sample(params))
-            n_gen += 1
-            job.stats.n_generated = n_gen
-            if job.stats.first_token_at is None:
-                job.stats.first_token_at = time.monotonic()
-            if token in eos_ids and not sp.ignore_eos:
-                finish = "stop"
-                break
-            text = stops.push(stream.push(token))
-            lps: tuple[TokenLogprob, ...] = ()
-            if logprob is not None:
-                lps = (logprob(token),)
-            if text or lps:
-                events = tuple(splitter.feed(text)) if splitter is not None and text else ()
-                job.emit(TextDelta(text, lps, events))
-            if stops.matched is not None:
-                finish = "stop"
+            token = decoder.choose(session.logits, lambda _logits: session.sample(params))
+            if not decoder.accept(token):
                 break
             pending = token
-        if stops.matched is None:
-            tail = stops.push(stream.flush())
-            tail += stops.flush()
-            if stops.matched is not None:
-                finish = "stop"
-            if tail:
-                job.emit(TextDelta(tail, (), tuple(splitter.feed(tail)) if splitter is not None else ()))
-        output = splitter.finish(finish) if splitter is not None else None
-        job.stats.status = "done"
-        job.emit(Finished(finish, Usage(len(req.prompt_ids), n_gen, job.stats.n_cached),
-                          stop_sequence=stops.matched, output=output))
-
-    def _logprob_entry(self, session: Any, k: int) -> Callable[[int], TokenLogprob]:
-        """Log-probabilities of the raw next-token distribution, before sampler filters."""
-        logp = torch.log_softmax(session.logits.float(), dim=-1)
-        top: tuple[tuple[int, str, float], ...] = ()
-        if k > 0:
-            values, ids = torch.topk(logp, k)
-            top = tuple((int(i), self.model.detokenize([int(i)]), float(v))
-                        for v, i in zip(values.tolist(), ids.tolist()))
-
-        def entry(token: int) -> TokenLogprob:
-            return TokenLogprob(token, self.model.detokenize([token]), float(logp[token]), top)
-        return entry
+        decoder.finish("length")

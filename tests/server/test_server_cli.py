@@ -7,17 +7,20 @@ import dataclasses
 import pytest
 from click.testing import CliRunner
 
-from server.cli import banner, config_from_flags, main
+from server.cli import KV_FLAGS, banner, config_from_flags, main
 from server.config import ServerConfig
+from server.kvstore import KVStoreConfig
 from server.tools import ToolsConfig
 from server_fake_engine import FakeModel
 
 
 def _config_fields() -> set[str]:
     """Flag-level fields: the server's own plus those of the embedded tools record."""
-    own = {f.name for f in dataclasses.fields(ServerConfig)} - {"tools"}
+    own = {f.name for f in dataclasses.fields(ServerConfig)} - {"tools", "kv"}
     # tool_memory_max_bytes is fixed (512 MiB) and has no flag.
-    return own | {f.name for f in dataclasses.fields(ToolsConfig)} - {"tool_memory_max_bytes"}
+    tools = {f.name for f in dataclasses.fields(ToolsConfig)} - {"tool_memory_max_bytes"}
+    assert set(KV_FLAGS.values()) == {f.name for f in dataclasses.fields(KVStoreConfig)}
+    return own | tools | set(KV_FLAGS)
 
 
 def test_every_flag_is_one_config_field():
@@ -32,6 +35,15 @@ def test_defaults_match_the_specification():
     assert c.tools == ToolsConfig(tool_syntax=None, tool_memory_max_ids=100_000, disable_exact_tool_replay=False)
     defaults = {p.name: p.default for p in main.params if p.name != "help"}
     assert config_from_flags(**defaults) == c
+
+
+def test_kv_and_batching_flags_fill_their_fields():
+    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, batched_session=3)
+    assert c.kv == KVStoreConfig(directory="/tmp/kv", budget_mb=12) and c.batched_session == 3
+    assert ServerConfig().kv == KVStoreConfig(directory=None, budget_mb=4096) and ServerConfig().batched_session == 1
+    for flags in ({"kv_cache_budget_mb": 0}, {"batched_session": 0}):
+        result = CliRunner().invoke(main, [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
+        assert result.exit_code == 2 and "must be at least 1" in result.output
 
 
 def test_tool_flags_fill_the_tools_record():

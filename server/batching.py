@@ -1,0 +1,462 @@
+"""Batched sessions for ds4-server (`--batched-session N`): routing and the batched worker loop.
+
+`route(slots, prompt_text, ids, now)` is pure: it picks the resident session (slot) for a
+request, among the slots that serve no request right now (an active request is never
+evicted), in this order:
+  prefix    the slot whose rendered text (prompt plus reply) shares the longest prefix with
+            the request's rendered prompt, when the tokens it lets the request keep are at
+            least `MIN_REUSE_TOKENS` (every prompt of a chat template shares a few header
+            tokens: that alone is not worth displacing a conversation);
+  empty     a slot that holds nothing;
+  idle      the least recently used slot idle for over `IDLE_EVICT_S` (an hour);
+  shortest  the slot with the shortest cache (the least work thrown away).
+The text, not only the token prefix, decides, because a reply as sampled need not be
+tokenized the way the next turn's rendered prompt is; the tokens reused are still the
+common token prefix (that is what the engine keeps).
+
+`BatchedLoop` runs on the inference worker's thread in place of its one-job-at-a-time loop.
+It owns an `engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is
+built: `CapacityError` with the figures) and, per job:
+  1. routes it (requests beyond N wait, first in first out, until a slot is free) and logs
+     the decision (slot, reused tokens, evicted tokens, reason);
+  2. with the disk KV cache: stores the slot's session (reason evict) before it is
+     replaced, when the policy wants it, then restores the longest checkpoint of the
+     prompt from disk into the slot. Both happen on this thread before the job's first
+     `GenRequest` is submitted, and this thread is the only one that runs forward passes,
+     so a slot joins the batch only once its restore has completed: there is no moment
+     when a half-restored session is decoded;
+  3. prefills through the scheduler, in stages that end at the checkpoints the save
+     policy plans (cold / continued): each stage is a `GenRequest` of the prompt up to
+     that point and one throw-away token, after which the slot's session holds exactly
+     the checkpoint's tokens and is stored; the next stage reuses them. The scheduler
+     interleaves these chunks with the other slots' decode steps;
+  4. generates with the request's own `TokenDecoder` (`server.worker`): `GenRequest.choose`
+     picks each token (greedy inside tool-call structure, else the request's sampler) and
+     `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
+     or a cancelled job ends only that request (`GenRequest.cancel`).
+On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
+slot's session (reason shutdown) before it returns.
+
+It does not parse HTTP, render prompts, or decode rows itself (the engine's scheduler does).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from server import kvstore_policy as policy
+from server.kvstore import save_session, text_split
+from server.worker import (Failed, Job, PromptReady, TokenDecoder, common_prefix, decode_budget,
+                           sampling_params, written_tokens)
+
+if TYPE_CHECKING:
+    from server.worker import InferenceWorker
+
+log = logging.getLogger("ds4.server.batching")
+
+IDLE_EVICT_S = 3600.0
+MIN_REUSE_TOKENS = 32
+PREFIX, EMPTY, IDLE, SHORTEST = "prefix", "empty", "idle", "shortest"
+
+
+# --- routing (pure) ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SlotView:
+    """What routing knows of one slot."""
+    text: str
+    """Rendered text the slot's session holds ("" when unknown or empty)."""
+    tokens: Sequence[int]
+    active: bool
+    last_used: float
+
+
+@dataclass(frozen=True)
+class Route:
+    slot: int
+    reused: int
+    """Tokens of the slot's cache that the request keeps."""
+    evicted: int
+    """Tokens of the slot's cache that the request drops."""
+    reason: str
+
+
+def common_text(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def route(slots: Sequence[SlotView], prompt_text: str, ids: Sequence[int], now: float, *,
+          idle_after: float = IDLE_EVICT_S, min_reuse: int = MIN_REUSE_TOKENS) -> Route | None:
+    """The slot for a request (see the module docstring), or None when every slot is active."""
+    free = [i for i, s in enumerate(slots) if not s.active]
+    if not free:
+        return None
+
+    def decision(i: int, reason: str) -> Route:
+        kept = common_prefix(slots[i].tokens, ids)
+        return Route(i, kept, len(slots[i].tokens) - kept, reason)
+
+    shared = {i: (common_text(slots[i].text, prompt_text), common_prefix(slots[i].tokens, ids)) for i in free}
+    reusing = [i for i in free if shared[i][1] >= min_reuse and shared[i][0] > 0]
+    if reusing:
+        return decision(max(reusing, key=lambda i: (shared[i][0], shared[i][1], slots[i].last_used)), PREFIX)
+    empty = [i for i in free if not slots[i].tokens]
+    if empty:
+        return decision(empty[0], EMPTY)
+    idle = [i for i in free if now - slots[i].last_used > idle_after]
+    if idle:
+        return decision(min(idle, key=lambda i: slots[i].last_used), IDLE)
+    return decision(min(free, key=lambda i: (len(slots[i].tokens), slots[i].last_used)), SHORTEST)
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+@dataclass
+class _Stage:
+    """A prefill stage that ends at a checkpoint: ids[:n] then store `prefix` (reason)."""
+    n: int
+    prefix: str
+    reason: str
+
+
+class _Running:
+    """One job in one slot: its stages, its decoder and the GenRequest in the scheduler."""
+
+    def __init__(self, job: Job, slot: int, ids: list[int], stages: list[_Stage], decoder: TokenDecoder,
+                 n_restored: int) -> None:
+        self.job = job
+        self.slot = slot
+        self.ids = ids
+        self.stages = stages
+        self.decoder = decoder
+        self.n_restored = n_restored
+        self.gen: Any = None
+        self.first = True  # the next GenRequest is the job's first (its reuse is the cached count)
+        self.ready = False  # PromptReady sent
+        self.final = False
+        self.error: BaseException | None = None
+        self.n_on_disk = n_restored
+        self.n_saved = 0
+
+
+@dataclass
+class _SlotInfo:
+    prompt_text: str | None = None
+    """The prompt the session was last synced to (None: unknown, e.g. an interrupted prefill)."""
+    n_prompt: int = 0
+    on_disk: int = 0
+    last_used: float = -math.inf
+    running: _Running | None = None
+
+
+class BatchedLoop:
+    """N resident sessions served by the worker's thread through `engine.batch.BatchScheduler`."""
+
+    def __init__(self, worker: "InferenceWorker", n_slots: int, *, clock: Callable[[], float] = time.monotonic,
+                 check_memory: bool = True) -> None:
+        from engine.batch import BatchScheduler
+        from engine.sampling import Sampler
+
+        self.worker = worker
+        self.model = worker.model
+        self.kv = worker.kv
+        self.clock = clock
+        self._sampler_type = Sampler
+        self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory)
+        self.info = [_SlotInfo() for _ in range(n_slots)]
+        self.waiting: deque[Job] = deque()
+        self.routes: deque[tuple[int, Route]] = deque(maxlen=256)
+        """(job id, decision) of recent routing decisions, newest last."""
+        self._lock = threading.Lock()
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.info)
+
+    @property
+    def n_active(self) -> int:
+        return sum(1 for s in self.info if s.running is not None)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self.waiting)
+
+    def session(self, i: int) -> Any:
+        return self.scheduler.slots[i].session
+
+    def cancel_all(self) -> None:
+        """Cancel every running and waiting job (any thread; the loop winds them down)."""
+        with self._lock:
+            jobs = [s.running.job for s in self.info if s.running is not None] + list(self.waiting)
+        for job in jobs:
+            job.cancel()
+
+    # -- the thread --
+
+    def run(self) -> None:
+        stopping = False
+        while True:
+            idle = self.n_active == 0 and not self.waiting and not self.scheduler.busy
+            if stopping and idle:
+                break
+            try:
+                item = self.worker._queue.get(block=idle and not stopping)
+                while True:
+                    if item is None:
+                        stopping = True
+                        self.cancel_all()
+                    else:
+                        with self._lock:
+                            self.waiting.append(item)
+                    item = self.worker._queue.get_nowait()
+            except queue.Empty:
+                pass
+            self._admit_waiting(stopping)
+            if self.scheduler.busy:
+                try:
+                    self.scheduler.step()
+                except Exception as e:  # a failed forward pass: the slots' sessions are suspect
+                    log.exception("batched step failed")
+                    self._fail_all(e)
+                    continue
+            self._collect()
+        for i in range(self.n_slots):
+            self._save_slot(i, policy.SHUTDOWN, None)
+
+    def _admit_waiting(self, stopping: bool) -> None:
+        while self.waiting:
+            job = self.waiting[0]
+            if stopping or job.is_cancelled():
+                with self._lock:
+                    self.waiting.popleft()
+                job.cancel()
+                self.worker._finish_cancelled(job)
+                self.worker._record(job)
+                continue
+            req = job.request
+            views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
+                     for i, s in enumerate(self.info)]
+            decision = route(views, req.prompt_text, req.prompt_ids, self.clock())
+            if decision is None:
+                return
+            with self._lock:
+                self.waiting.popleft()
+            self.routes.append((job.id, decision))
+            log.info("route job %d -> slot %d: reused %d tokens, evicted %d tokens (%s)", job.id,
+                     decision.slot, decision.reused, decision.evicted, decision.reason)
+            try:
+                self._start(job, decision.slot)
+            except Exception as e:
+                log.exception("job %d failed to start", job.id)
+                self._reset_slot(decision.slot)
+                self._fail(job, e)
+
+    def _slot_text(self, i: int) -> str:
+        info = self.info[i]
+        if info.prompt_text is None:
+            return ""
+        return info.prompt_text + self.model.detokenize(list(self.session(i).tokens[info.n_prompt:]))
+
+    def _save_slot(self, i: int, reason: str, next_ids: list[int] | None) -> None:
+        info = self.info[i]
+        if self.kv is None or info.prompt_text is None:
+            return
+        session = self.session(i)
+        n_common = common_prefix(session.tokens, next_ids) if next_ids is not None else 0
+        try:
+            entry = save_session(self.kv, self.model, session, info.prompt_text, info.n_prompt, reason,
+                                 n_common=n_common, n_saved=info.on_disk)
+        except Exception:  # the cache never fails a request
+            log.exception("kv cache: cannot save slot %d (%s)", i, reason)
+            return
+        if entry is not None:
+            info.on_disk = entry.n_tokens
+            log.info("kv cache: saved slot %d (%s, %d tokens)", i, reason, entry.n_tokens)
+
+    def _start(self, job: Job, i: int) -> None:
+        req = job.request
+        model = self.model
+        info = self.info[i]
+        session = self.session(i)
+        ids = list(req.prompt_ids)
+        boundary = None
+        if self.kv is not None and req.user_boundary is not None:
+            boundary = policy.tokens_at_text_offset(req.prompt_text, req.user_boundary, ids, model.prompt_ids)
+        job.stats.started_at = time.monotonic()
+        job.stats.status = "running"
+        job.stats.slot = i
+
+        # 1. the slot's current session goes to disk before it is replaced, then the prompt's
+        #    longest checkpoint comes back from disk (all before the slot joins the batch)
+        self._save_slot(i, policy.EVICT, ids)
+        kept = common_prefix(session.tokens, ids)
+        kept_on_disk = min(info.on_disk, kept)
+        info.prompt_text, info.on_disk = None, 0
+        n_restored = 0
+        if self.kv is not None:
+            hit = self.kv.lookup(req.prompt_text, longer_than=kept)
+            if hit is not None:
+                try:
+                    session.load_payload(hit.payload)
+                    ids = list(hit.tokens) + model.tokenize(req.prompt_text[len(hit.prefix_text):], special=True)
+                    n_restored = hit.n_tokens
+                except ValueError as e:
+                    log.warning("kv cache: cannot restore %s: %s", hit.key, e)
+                    self.kv.remove(hit.key)
+                    session.truncate(0)
+
+        # 2. the checkpoints this prefill should leave on disk
+        stages: list[_Stage] = []
+        if self.kv is not None:
+            base = max(n_restored, common_prefix(session.tokens, ids))
+            for point in policy.plan_prefill_saves(base, len(ids), boundary, self.kv.save_policy):
+                found = policy.prefix_text_at(req.prompt_text, ids, point.n_tokens,
+                                              tokenize_suffix=lambda s: model.tokenize(s, special=True),
+                                              **text_split(model))
+                if found is not None and found[0] > max(base, stages[-1].n if stages else 0):
+                    stages.append(_Stage(found[0], found[1], point.reason))
+
+        run = _Running(job, i, ids, stages, TokenDecoder(model, job), n_restored)
+        run.n_on_disk = max(n_restored, kept_on_disk)
+        job.stats.n_prompt = len(ids)
+        info.running = run
+        self._submit_next(run)
+
+    def _submit_next(self, run: _Running) -> None:
+        from engine.batch import GenRequest
+
+        job = run.job
+
+        def guard(fn: Callable[..., Any]) -> Callable[..., Any]:
+            # An exception inside a callback would abort the whole batched step: keep it to
+            # this job, which then stops at its next cancel check.
+            def call(*args: Any) -> Any:
+                try:
+                    return fn(*args)
+                except Exception as e:
+                    if run.error is None:
+                        run.error = e
+                    return 0
+            return call
+
+        def cancel() -> bool:
+            return job.is_cancelled() or run.error is not None or run.decoder.done
+
+        if run.stages:
+            stage = run.stages[0]
+            run.gen = GenRequest(ids=run.ids[:stage.n], max_tokens=1, choose=lambda _logits: 0,
+                                 cancel=cancel, slot=run.slot)
+        else:
+            req = job.request
+            run.final = True
+            params = sampling_params(self.worker.types, req.sampling)
+            sampler = self._sampler_type(params, self.model.eos_ids)
+            budget = decode_budget(self.model, req, len(run.ids))
+
+            def choose(logits: torch.Tensor) -> int:
+                if not run.ready:
+                    run.ready = True
+                    job.emit(PromptReady(len(run.ids), job.stats.n_cached, job.stats.n_written))
+                if budget == 0:
+                    return 0
+                return run.decoder.choose(logits, sampler)
+
+            def on_token(token: int) -> None:
+                if budget > 0:
+                    run.decoder.accept(token)
+
+            run.gen = GenRequest(ids=list(run.ids), params=params, max_tokens=max(1, budget),
+                                 on_token=guard(on_token), choose=guard(choose), cancel=cancel, slot=run.slot)
+        self.scheduler.submit(run.gen)
+        if run.first and run.gen.slot is not None:
+            run.first = False
+            job.stats.n_cached = max(run.n_restored, int(run.gen.reused))
+
+    def _collect(self) -> None:
+        for i, info in enumerate(self.info):
+            run = info.running
+            if run is None or run.gen is None or not run.gen.done:
+                continue
+            try:
+                self._advance(i, run)
+            except Exception as e:  # e.g. a failing splitter at finish: only this job fails
+                log.exception("job %d failed", run.job.id)
+                self.info[i].running = None
+                self._reset_slot(i)
+                self._fail(run.job, e)
+
+    def _advance(self, i: int, run: _Running) -> None:
+        """A job's GenRequest is done: store its checkpoint and go on, or finish the job."""
+        gen, job = run.gen, run.job
+        if run.error is not None or gen.finish == "error":
+            self._end(i)
+            self._reset_slot(i)
+            self._fail(job, run.error or RuntimeError(gen.error or "engine error"))
+        elif gen.finish == "cancelled" and job.is_cancelled() and not run.decoder.done:
+            # An interrupted prefill leaves tokens that match no known text.
+            self._end(i, keep_text=run.final and run.ready)
+            self.worker._finish_cancelled(job)
+            self.worker._record(job)
+        elif not run.final:
+            stage = run.stages.pop(0)
+            entry = self.kv.store(stage.prefix, self.session(i), stage.reason) if self.kv is not None else None
+            if entry is not None:
+                run.n_saved += 1
+                run.n_on_disk = stage.n
+                job.stats.n_written = written_tokens(run.n_on_disk, job.stats.n_cached, run.n_saved)
+            self._submit_next(run)
+        else:
+            if not run.ready:  # announce the prompt even when no token was chosen
+                job.emit(PromptReady(len(run.ids), job.stats.n_cached, job.stats.n_written))
+            run.decoder.finish("length")
+            self._end(i)
+            self.worker._record(job)
+
+    def _end(self, i: int, keep_text: bool = True) -> None:
+        info = self.info[i]
+        run = info.running
+        info.running = None
+        info.last_used = self.clock()
+        if run is not None and keep_text:
+            info.prompt_text, info.n_prompt, info.on_disk = run.job.request.prompt_text, len(run.ids), run.n_on_disk
+        else:
+            info.prompt_text, info.n_prompt, info.on_disk = None, 0, 0
+
+    def _reset_slot(self, i: int) -> None:
+        """A fresh session for a slot whose state may be half-updated."""
+        self.scheduler.slots[i].session = self.model.new_session()
+        self.info[i] = _SlotInfo(last_used=self.clock())
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        job.stats.status = "failed"
+        job.emit(Failed(f"inference failed: {type(error).__name__}"))
+        self.worker._record(job)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for i, info in enumerate(self.info):
+            if info.running is not None:
+                job = info.running.job
+                info.running = None
+                sched_slot = self.scheduler.slots[i]
+                sched_slot.request = sched_slot.prefill = sched_slot.sampler = None
+                self._reset_slot(i)
+                self._fail(job, error)
+        self.scheduler.queue.clear()

@@ -1,0 +1,317 @@
+"""Batched sessions in ds4-server: routing rules (pure), and the batched worker on tiny random
+GGUF models (concurrency, prefix routing, eviction saves, cancellation, greedy equality)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+
+from server import kvstore as kv
+from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, route
+from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
+from server.worker import Failed, Finished, GenerationRequest, InferenceWorker, PromptReady, SamplingSpec, TextDelta
+
+HOUR = 3600.0
+SMALL = SavePolicy(trim=4, align=16, interval=64, min_tokens=16, min_gain=8)
+GREEDY = SamplingSpec(temperature=0.0)
+
+
+# --- routing (pure) ----------------------------------------------------------------------------
+
+def view(text: str, active: bool = False, last_used: float = 0.0) -> SlotView:
+    return SlotView(text, [ord(c) for c in text], active, last_used)
+
+
+def ids_of(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+CONV = "S" * 40 + "conversation one, turn one"
+
+
+def test_common_text():
+    assert common_text("abcdef", "abcxyz") == 3 and common_text("", "a") == 0 and common_text("ab", "abc") == 2
+
+
+def test_the_slot_with_the_longest_shared_prefix_wins():
+    slots = [view("S" * 40 + "other"), view(CONV), view("")]
+    prompt = CONV + " and the reply, turn two"
+    assert route(slots, prompt, ids_of(prompt), now=10.0) == Route(1, len(CONV), 0, PREFIX)
+    # A slot whose text diverges late still reuses more than one sharing the header only.
+    slots = [view("S" * 40 + "other"), view(CONV + "X" * 10), view("")]
+    assert route(slots, prompt, ids_of(prompt), 10.0) == Route(1, len(CONV), 10, PREFIX)
+
+
+def test_a_short_shared_header_goes_to_an_empty_slot():
+    slots = [view("S" * 10 + "one"), view("")]
+    prompt = "S" * 10 + "two"
+    assert route(slots, prompt, ids_of(prompt), 10.0, min_reuse=32) == Route(1, 0, 0, EMPTY)
+
+
+def test_active_slots_are_never_chosen():
+    slots = [view(CONV, active=True), view("zzz" * 20)]
+    r = route(slots, CONV + "more", ids_of(CONV + "more"), 10.0)
+    assert r.slot == 1 and r.reason == SHORTEST and r.evicted == 60
+    assert route([view(CONV, active=True)], CONV, ids_of(CONV), 10.0) is None
+
+
+def test_least_recently_used_slot_idle_over_an_hour_before_the_shortest():
+    now = 10 * HOUR
+    slots = [view("a" * 100, last_used=now - 2 * HOUR), view("b" * 50, last_used=now - 3 * HOUR),
+             view("c" * 10, last_used=now - 60)]
+    r = route(slots, "new prompt", ids_of("new prompt"), now)
+    assert (r.slot, r.reason, r.evicted) == (1, IDLE, 50)
+    # Within the hour nobody is idle: the shortest cache goes.
+    r = route(slots, "new prompt", ids_of("new prompt"), now - 2.5 * HOUR + 1)
+    assert (r.slot, r.reason) == (2, SHORTEST)
+
+
+# --- the batched worker on a tiny model ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from engine import load_model
+    from engine.synthetic import RandomModelSpec, write_random_gguf
+    return load_model(write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf",
+                                        RandomModelSpec(n_ctx=256, seed=21)))
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chat(model, user: str, system: str = "A system prompt shared by every request of this test. ") -> str:
+    return model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+
+def req(model, text: str, max_tokens: int = 12, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt_text=text, prompt_ids=tuple(model.prompt_ids(text)), max_tokens=max_tokens,
+                             sampling=kw.pop("sampling", SamplingSpec(temperature=0.0, ignore_eos=True)), **kw)
+
+
+def collect(worker: InferenceWorker, requests: list[GenerationRequest], timeout: float = 30.0):
+    """Submit all at once; (job, events) per request once all have finished."""
+    queues = [queue.Queue() for _ in requests]
+    jobs = [worker.submit(r, q.put) for r, q in zip(requests, queues)]
+    out = []
+    for job, q in zip(jobs, queues):
+        events = []
+        while True:
+            ev = q.get(timeout=timeout)
+            events.append(ev)
+            if isinstance(ev, (Finished, Failed)):
+                break
+        out.append((job, events))
+    return out
+
+
+def text_of(events) -> str:
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def started(model, n_slots: int, **kw) -> InferenceWorker:
+    w = InferenceWorker(model, n_slots=n_slots, **kw)
+    w.start()
+    return w
+
+
+def test_requests_in_flight_decode_together_and_match_one_at_a_time(tiny):
+    prompts = [chat(tiny, f"question number {i}, about topic {i * 7}") for i in range(3)]
+    w = started(tiny, 3)
+    try:
+        batched = collect(w, [req(tiny, p, 24) for p in prompts])
+    finally:
+        w.stop()
+    stats = [job.stats for job, _ in batched]
+    assert all(s.status == "done" and s.n_generated == 24 for s in stats)
+    assert sorted(s.slot for s in stats) == [0, 1, 2]
+    # They overlap in time: each started decoding before any other finished.
+    assert max(s.first_token_at for s in stats) < min(s.finished_at for s in stats)
+    w1 = started(tiny, 1)
+    try:
+        serial = collect(w1, [req(tiny, p, 24) for p in prompts])
+    finally:
+        w1.stop()
+    assert [text_of(ev) for _, ev in batched] == [text_of(ev) for _, ev in serial]
+    # One session reuses the shared system prompt of the previous request; separate slots cannot.
+    assert [(ev[-1].usage.prompt_tokens, ev[-1].usage.completion_tokens) for _, ev in batched] == \
+        [(ev[-1].usage.prompt_tokens, ev[-1].usage.completion_tokens) for _, ev in serial]
+
+
+def test_requests_beyond_the_slots_wait_and_reuse_routes_to_the_right_slot(tiny):
+    w = started(tiny, 2)
+    try:
+        first = collect(w, [req(tiny, chat(tiny, "alpha alpha alpha")), req(tiny, chat(tiny, "beta beta beta")),
+                            req(tiny, chat(tiny, "gamma gamma"))])
+        assert all(isinstance(ev[-1], Finished) for _, ev in first)
+        # The third request waited for a slot; with both slots holding a conversation, the one
+        # whose text the new prompt extends is chosen and its cache reused.
+        job_a, ev_a = first[0]
+        routes = dict(w.batched.routes)
+        assert routes[job_a.id].reason == EMPTY and routes[first[2][0].id].reason in (PREFIX, SHORTEST)
+        slot_of_b = first[1][0].stats.slot
+        follow = tiny.render_chat([{"role": "system", "content": "A system prompt shared by every request of "
+                                    "this test. "}, {"role": "user", "content": "beta beta beta"},
+                                   {"role": "assistant", "content": text_of(first[1][1])},
+                                   {"role": "user", "content": "and more"}])
+        (job, events), = collect(w, [req(tiny, follow)])
+        decision = dict(w.batched.routes)[job.id]
+        assert decision.reason == PREFIX and decision.slot == slot_of_b == job.stats.slot
+        assert events[-1].usage.cached_tokens == decision.reused > len(tiny.prompt_ids(chat(tiny, "beta beta beta"))) - 8
+    finally:
+        w.stop()
+
+
+def test_cancelling_one_request_leaves_the_others_running(tiny):
+    w = started(tiny, 2)
+    try:
+        qa, qb = queue.Queue(), queue.Queue()
+        ja = w.submit(req(tiny, chat(tiny, "cancel me"), 200), qa.put)
+        jb = w.submit(req(tiny, chat(tiny, "keep me"), 60), qb.put)
+        while not any(isinstance(qa.get(timeout=10), TextDelta) for _ in range(1)):
+            pass
+        ja.cancel()
+        events_b = []
+        while not events_b or not isinstance(events_b[-1], (Finished, Failed)):
+            events_b.append(qb.get(timeout=30))
+        assert events_b[-1].finish_reason == "length" and events_b[-1].usage.completion_tokens == 60
+        sa = w.wait_finished(ja.id, 10)
+        assert sa.status == "cancelled" and sa.n_generated < 200
+    finally:
+        w.stop()
+
+
+def test_an_evicted_slot_is_saved_to_disk_and_restored_later(tiny, tmp_path):
+    store = kv.KVStore(tmp_path / "kv", kv.identity_of(tiny), 10**8, save_policy=SMALL)
+    clock = Clock()
+    w = started(tiny, 2, kv=store, clock=clock)
+    conv = [chat(tiny, f"conversation {name} " * 4, system=f"System prompt {name}. " * 4) for name in "ABC"]
+    try:
+        collect(w, [req(tiny, conv[0], 6)])
+        clock.t += 10
+        collect(w, [req(tiny, conv[1], 6)])
+        clock.t += 10
+        # Both slots hold a conversation; a third one evicts the shorter (here: equal length,
+        # the least recently used of them) and its session goes to disk first.
+        (job, _), = collect(w, [req(tiny, conv[2], 6)])
+        decision = dict(w.batched.routes)[job.id]
+        assert decision.reason == SHORTEST and decision.evicted > 0
+        evicted = [e for e in store.entries() if e.reason == EVICT]
+        assert len(evicted) == 1 and evicted[0].n_tokens >= decision.evicted - 1
+        # Conversation A comes back: restored from the disk, not recomputed.
+        gone = 0 if decision.slot == 0 else 1
+        (job, events), = collect(w, [req(tiny, conv[gone], 6)])
+        assert events[-1].usage.cached_tokens >= len(tiny.prompt_ids(conv[gone])) - SMALL.trim - 16
+        assert store.stats().hits >= 1
+    finally:
+        w.stop()
+    assert any(e.reason == SHUTDOWN for e in store.entries())
+
+
+def test_capacity_is_checked_with_the_figures(tiny, monkeypatch):
+    from engine import batch
+    from engine.batch import CapacityError
+    monkeypatch.setattr(batch, "available_bytes", lambda device: 1000)
+    with pytest.raises(CapacityError, match="MiB"):
+        InferenceWorker(tiny, n_slots=4)
+
+
+class AlwaysInStructure:
+    """A splitter that claims to be inside tool-call syntax throughout: every token is greedy."""
+
+    in_structure = True
+
+    def feed(self, text: str) -> list:
+        return []
+
+    def finish(self, reason: str) -> str:
+        return f"parsed ({reason})"
+
+
+def test_greedy_in_structure_and_per_request_splitters_in_a_batch(tiny):
+    prompt = chat(tiny, "tool time")
+    hot = SamplingSpec(temperature=5.0, seed=3)
+    w = started(tiny, 2)
+    try:
+        (j1, greedy), (j2, forced), (j3, free) = collect(w, [
+            req(tiny, prompt, 16, sampling=GREEDY),
+            req(tiny, prompt, 16, sampling=hot, new_splitter=AlwaysInStructure),
+            req(tiny, prompt, 16, sampling=hot)])
+    finally:
+        w.stop()
+    tokens = lambda job: job.stats.n_generated  # noqa: E731
+    assert text_of(forced) == text_of(greedy) and j2.stats.n_greedy == tokens(j2) > 0
+    assert forced[-1].output == f"parsed ({forced[-1].finish_reason})"
+    assert j3.stats.n_greedy == 0 and free[-1].output is None
+    assert any(isinstance(e, PromptReady) for e in forced)
+
+
+def test_the_http_server_serves_concurrent_requests_from_its_slots(tiny):
+    import httpx
+
+    from server.app import create_app
+    from server.config import ServerConfig
+    from server_support import live_server
+
+    app = create_app(tiny, ServerConfig(batched_session=2))
+    body = lambda q: {"messages": [{"role": "user", "content": q}], "max_tokens": 20,  # noqa: E731
+                      "temperature": 0, "ignore_eos": True}
+    results: list = [None, None]
+    with live_server(app) as srv:
+        assert httpx.get(srv.base + "/health").json()["batched_sessions"] == 2
+
+        def send(k: int) -> None:
+            results[k] = httpx.post(srv.base + "/v1/chat/completions", json=body(f"question {k}"), timeout=30)
+
+        threads = [threading.Thread(target=send, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        stats = list(srv.worker.finished)
+    assert [r.status_code for r in results] == [200, 200]
+    assert all(r.json()["usage"]["completion_tokens"] == 20 for r in results)
+    assert sorted(s.slot for s in stats) == [0, 1]
+
+
+def test_a_slot_idle_for_over_an_hour_goes_before_the_shortest(tiny):
+    clock = Clock()
+    w = started(tiny, 2, clock=clock)
+    long_conv = chat(tiny, "a long conversation " * 6, system="First system prompt. " * 3)
+    short_conv = chat(tiny, "short", system="Second. ")
+    try:
+        (ja, _), = collect(w, [req(tiny, long_conv, 4)])
+        clock.t += 60
+        (jb, _), = collect(w, [req(tiny, short_conv, 4)])
+        clock.t += 30 * 60
+        (j1, _), = collect(w, [req(tiny, chat(tiny, "new", system="Third. "), 4)])
+        assert dict(w.batched.routes)[j1.id].reason == SHORTEST and j1.stats.slot == jb.stats.slot
+        clock.t += 2 * HOUR
+        (j2, _), = collect(w, [req(tiny, chat(tiny, "newer", system="Fourth. "), 4)])
+        decision = dict(w.batched.routes)[j2.id]
+        assert decision.reason == IDLE and j2.stats.slot == ja.stats.slot
+        assert decision.evicted > len(tiny.prompt_ids(short_conv))  # the long conversation went
+    finally:
+        w.stop()
+
+
+@pytest.mark.model
+def test_embedded_model_batched_greedy_equals_one_at_a_time():
+    from engine import load_model
+    model = load_model(ctx=1024)
+    prompts = [model.render_chat([{"role": "user", "content": q}])
+               for q in ("Name three colors.", "What is two plus two?", "Say hello in French.")]
+    outputs = []
+    for n_slots in (3, 1):
+        w = started(model, n_slots)
+        try:
+            outputs.append([text_of(ev) for _, ev in collect(w, [req(model, p, 24) for p in prompts], 120)])
+        finally:
+            w.stop()
+    assert outputs[0] == outputs[1] and all(outputs[0])
