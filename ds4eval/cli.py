@@ -181,7 +181,8 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
         wall_s = runner.wall_s
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
             "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                         "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx}}
+                         "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx,
+                         "parallel": cfg.parallel}}
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:
@@ -267,6 +268,8 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--api-key", envvar="DS4EVAL_API_KEY", help="Bearer token for the server.")
 @click.option("--served-model", help="Model name sent to the server.")
 @click.option("--concurrency", type=int, default=1, show_default=True, help="Cases in flight (server).")
+@click.option("--parallel", type=int, default=None,
+              help="Engine backend: decode N cases together (batched), each from a fresh session.")
 @click.option("--request-timeout", "request_timeout_s", type=float, default=600.0, show_default=True)
 @click.option("-n", "--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
               help="Generation budget per case.")

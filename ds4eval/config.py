@@ -50,6 +50,9 @@ class EvalConfig:
     """--served-model: model name sent in requests (openai backend)."""
     concurrency: int = 1
     """--concurrency: cases sent at once to a server backend."""
+    parallel: int | None = None
+    """--parallel N: the engine backend decodes N cases together (batched sessions), each from a
+    fresh session; None runs one case at a time, reusing one session across cases."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds without any stream data before a request fails."""
 
@@ -99,6 +102,10 @@ class EvalConfig:
             raise ConfigError("--concurrency must be at least 1")
         if self.backend == "engine" and self.concurrency != 1:
             raise ConfigError("--concurrency applies to server backends; the engine runs one case at a time")
+        if self.parallel is not None and self.parallel < 1:
+            raise ConfigError("--parallel must be at least 1")
+        if self.parallel is not None and self.backend != "engine":
+            raise ConfigError("--parallel applies to the engine backend; servers take --concurrency")
         if self.temperature < 0:
             raise ConfigError("--temp must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -335,7 +335,9 @@ class Runner:
         return states
 
     def _slots(self) -> int:
-        return max(1, min(self.config.concurrency, self.backend.max_concurrency))
+        # --concurrency (server backends) or --parallel (the engine's batched sessions).
+        wanted = max(self.config.concurrency, self.config.parallel or 1)
+        return max(1, min(wanted, self.backend.max_concurrency))
 
     def _worker(self) -> None:
         while True:

@@ -1,20 +1,46 @@
 """Engine backend: runs cases in-process through the `engine` package's public API.
 
 Contract
-- `EngineBackend(model)` wraps any object following the engine API (load_model's result);
-  `EngineBackend.load(config)` loads one. One session is reused across cases so the shared
+- `EngineBackend(model, api=None, parallel=None)` wraps any object following the engine API
+  (load_model's result); `EngineBackend.load(config)` loads one.
+- Serial (parallel None, the default): one session is reused across cases so the shared
   system-prompt prefix is prefilled once.
+- Batched (`--parallel N`, any N >= 1): one engine thread drives an
+  `engine.batch.BatchScheduler` of N slots; the runner's N worker threads each submit their
+  case as `GenRequest`s and get its tokens back through `on_token` into a per-case queue,
+  so N cases decode together in one forward pass per step. Every case starts from a fresh
+  session (its slot is emptied first): with the packed int4 kernels a reused prefix moves the
+  prefill chunk boundaries, which can move logits slightly, so reuse would make a case's
+  trace depend on which case ran before it in the same slot. With fresh sessions
+  `--parallel 4` gives the same greedy traces as `--parallel 1` (batched rows equal single
+  rows up to the matmul kernels' blocking; engine.batch states the tolerance), and a
+  case's output does not depend on the order or the selection of cases.
 - Budget: min(job.max_tokens, n_ctx - prompt tokens), counting injected think-close tokens;
   the session never holds more than n_ctx tokens. A prompt that leaves no room is SKIPPED.
 - Thinking: on when the job asks for it and the model has a single-token `</think>`. If the
   model is still thinking when few budget tokens remain it first gets a nudge to conclude
   (think_close "soft"), then the block is closed for it and the answer requested ("hard").
   The recorded output starts with `<think>` when the prompt opened the block, so extraction
-  sees exactly what the model's reply contains.
+  sees exactly what the model's reply contains. Both paths take the same decisions
+  (`injection_due`, `ThinkText`). Batched, the decision is taken on the engine thread as
+  each token arrives: when an injection is due before the next token, the request ends
+  (cancelled, its last token already evaluated) and the case continues in the same slot
+  with a new request whose ids are the history plus the injected ids, so the slot prefills
+  only the injected ids. The scheduler therefore needs no support for injection; the
+  injected ids are evaluated as one prefill chunk rather than token by token as serially.
+- Pause, stop and switch: the serial loop calls `ctx.checkpoint()` before every token; the
+  batched path calls it from the requests' cancel hook on the engine thread, so a pause
+  holds the whole batch and stop/switch end the request before its next token.
 It does not grade, write traces or talk HTTP.
 """
 
 from __future__ import annotations
+
+import queue
+import threading
+import types
+from dataclasses import dataclass, field
+from typing import Any
 
 from ds4eval import prompts
 from ds4eval.config import EvalConfig
@@ -31,12 +57,201 @@ def model_supports_thinking(model) -> bool:
         return False
 
 
+# ---------------------------------------------------------------- shared decisions (pure)
+
+def injection_due(in_think: bool, close_kind: str, left: int, soft_reserve: int, hard_reserve: int,
+                  n_soft: int, n_hard: int) -> str | None:
+    """Which think-close text to inject before the next token: "hard", "soft" or None.
+
+    `left` is the budget not yet spent; n_soft / n_hard are the token counts of the nudge
+    and of the hard close. An injection that would not fit is not made (the model samples).
+    """
+    if in_think and left <= hard_reserve:
+        return "hard" if n_hard < left else None
+    if in_think and close_kind == "none" and left <= soft_reserve and n_soft + hard_reserve < left:
+        return "soft"
+    return None
+
+
+@dataclass
+class ThinkText:
+    """The reply text so far and whether the model is inside a thinking block."""
+
+    think: bool
+    out: list[str] = field(default_factory=list)
+    in_think: bool = False
+    close_kind: str = "none"
+    tail: str = ""  # last few characters, so a marker split across pieces is still seen
+
+    def emit(self, piece: str) -> bool | None:
+        """Append a piece; returns its 'thinking' flag for display, None for an empty piece."""
+        if not piece:
+            return None
+        was = self.in_think
+        self.out.append(piece)
+        if self.think:
+            window = self.tail + piece
+            if not self.in_think:
+                j = window.rfind(THINK_OPEN)
+                if j >= 0 and THINK_CLOSE not in window[j:]:
+                    self.in_think = True
+            elif THINK_CLOSE in window:
+                self.in_think = False
+                if self.close_kind == "none":
+                    self.close_kind = "natural"
+            self.tail = window[-len(THINK_CLOSE):]
+        return was or self.in_think
+
+
+@dataclass
+class _Plan:
+    """What a case needs before generating: prompt, budget, reserves, injected token counts."""
+
+    ids: list[int]
+    text: str
+    think: bool
+    budget: int
+    soft_reserve: int
+    hard_reserve: int
+    n_soft: int
+    n_hard: int
+
+
+# ---------------------------------------------------------------- batched path
+
+@dataclass
+class _Segment:
+    """One GenRequest of a case; the engine thread owns it until its 'end' message."""
+
+    case: "_BatchedCase"
+    request: Any = None
+    stop: bool = False  # an injection is due: end before the next token
+    interrupt: str | None = None  # "stop" / "switch" from ctx.checkpoint()
+
+
+class _BatchedCase:
+    """Per-case state shared by its worker thread and the engine thread (handed over, never shared)."""
+
+    def __init__(self, plan: _Plan, ctx: CaseContext, model: Any, text: ThinkText):
+        self.plan, self.ctx, self.model, self.text = plan, ctx, model, text
+        self.stream = model.text_stream()
+        self.events: queue.Queue = queue.Queue()
+        self.slot: int | None = None
+        self.used = 0
+        self.sampled = 0
+        self.history = list(plan.ids)
+
+    def due(self) -> str | None:
+        p = self.plan
+        return injection_due(self.text.in_think, self.text.close_kind, p.budget - self.used, p.soft_reserve,
+                             p.hard_reserve, p.n_soft, p.n_hard)
+
+
+class BatchEngine:
+    """One thread driving a BatchScheduler; cases reach it through `submit` and `release`."""
+
+    def __init__(self, api: Any, model: Any, n_slots: int, n_ctx: int):
+        if not hasattr(api, "BatchScheduler"):  # the engine package keeps them in engine.batch
+            import engine.batch
+
+            api = types.SimpleNamespace(BatchScheduler=engine.batch.BatchScheduler,
+                                        GenRequest=engine.batch.GenRequest)
+        self.api, self.model = api, model
+        # Raises engine.CapacityError (with the figures) when n_slots sessions do not fit.
+        self.scheduler = api.BatchScheduler(model, n_slots, ctx=n_ctx)
+        self.owner: list[_BatchedCase | None] = [None] * n_slots
+        self.inbox: queue.Queue = queue.Queue()
+        self.active: list[_Segment] = []
+        self.waiting: list[_Segment] = []
+        self.thread = threading.Thread(target=self._loop, name="ds4eval-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, seg: _Segment) -> None:
+        self.inbox.put(("submit", seg))
+
+    def release(self, case: _BatchedCase) -> None:
+        self.inbox.put(("release", case))
+
+    def close(self) -> None:
+        self.inbox.put(("close", None))
+        self.thread.join(timeout=30)
+
+    # --- engine thread ---
+    def _take(self, msg: tuple[str, Any]) -> bool:
+        """Apply one message; False when it asks the thread to end."""
+        kind, obj = msg
+        if kind == "submit":
+            self.waiting.append(obj)
+        elif kind == "release":
+            self.owner = [None if o is obj else o for o in self.owner]
+        return kind != "close"
+
+    def _loop(self) -> None:
+        while True:
+            # Block only when nothing decodes; otherwise pick up what arrived and step on.
+            try:
+                msgs = [self.inbox.get(block=not self.active)]
+            except queue.Empty:
+                msgs = []
+            while True:
+                try:
+                    msgs.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            if not all(self._take(m) for m in msgs):
+                return
+            self._start_waiting()
+            if not self.active:
+                continue
+            try:
+                self.scheduler.step()
+            except Exception as e:  # an engine failure ends the cases in flight, never the thread
+                for seg in self.active:
+                    seg.case.events.put(("failed", f"{type(e).__name__}: {e}"))
+                self._reset_after_failure()
+                continue
+            still = []
+            for seg in self.active:
+                if seg.request.done:
+                    seg.case.events.put(("end", seg))
+                else:
+                    still.append(seg)
+            self.active = still
+
+    def _reset_after_failure(self) -> None:
+        # The scheduler's state is unknown after a failed step: start again with empty slots.
+        # Cases in flight got "failed" and release their slots as usual.
+        n = len(self.scheduler.slots)
+        self.scheduler = self.api.BatchScheduler(self.model, n, ctx=self.model.n_ctx, check_memory=False)
+        self.active = []
+
+    def _start_waiting(self) -> None:
+        rest = []
+        for seg in self.waiting:
+            case = seg.case
+            if case.slot is None:
+                free = [i for i, o in enumerate(self.owner) if o is None]
+                if not free:
+                    rest.append(seg)
+                    continue
+                case.slot = free[0]
+                self.owner[case.slot] = case
+                # A fresh session: the case's prefill starts at position 0 (see the module docstring).
+                self.scheduler.slots[case.slot].session.truncate(0)
+            seg.request.slot = case.slot
+            self.scheduler.submit(seg.request)
+            self.active.append(seg)
+        self.waiting = rest
+
+
+# ---------------------------------------------------------------- the backend
+
 class EngineBackend:
     name = "engine"
-    max_concurrency = 1
 
-    def __init__(self, model, api=None):
-        """`api` is the module providing SamplingParams and Cancelled (default: `engine`)."""
+    def __init__(self, model, api=None, parallel: int | None = None):
+        """`api` is the module providing SamplingParams and Cancelled (default: `engine`);
+        `parallel` N uses its BatchScheduler, GenRequest and Sampler too."""
         if api is None:
             import engine as api
         self.api = api
@@ -44,13 +259,22 @@ class EngineBackend:
         self.model_name = model.name
         self.n_ctx = model.n_ctx
         self.supports_thinking = model_supports_thinking(model)
+        self.parallel = parallel
+        self.max_concurrency = 1 if parallel is None else parallel
         self._session = None
+        self._engine = BatchEngine(api, model, parallel, model.n_ctx) if parallel is not None else None
 
     @classmethod
     def load(cls, config: EvalConfig) -> "EngineBackend":
         import engine
 
-        return cls(engine.load_model(config.model, ctx=config.ctx, device=config.device), engine)
+        return cls(engine.load_model(config.model, ctx=config.ctx, device=config.device), engine,
+                   parallel=config.parallel)
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     def render(self, job: GenerationJob, think: bool) -> str:
         messages = [{"role": "system", "content": job.system_prompt},
@@ -64,64 +288,77 @@ class EngineBackend:
             ids = [self.model.bos_id] + ids
         return ids
 
-    def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult:
-        engine = self.api
+    def _plan(self, job: GenerationJob) -> tuple[_Plan, GenerationResult]:
         think = job.think and self.supports_thinking
         text = self.render(job, think)
         ids = self.prompt_ids(text)
-        n_prompt = len(ids)
-        res = GenerationResult(prompt_tokens=n_prompt, thinking=think)
-        budget = min(job.max_tokens, self.n_ctx - n_prompt)
+        budget = min(job.max_tokens, self.n_ctx - len(ids))
+        res = GenerationResult(prompt_tokens=len(ids), thinking=think)
+        n_soft = len(self.model.tokenize(prompts.THINK_SOFT_NUDGE, special=True))
+        n_hard = len(self.model.tokenize(prompts.THINK_HARD_CLOSE, special=True))
+        plan = _Plan(ids, text, think, budget, min(job.think_soft_reserve, max(budget, 0) // 4),
+                     min(job.think_hard_reserve, max(budget, 0) // 8), n_soft, n_hard)
         if budget <= 0:
-            res.skipped = f"prompt has {n_prompt} tokens, context is {self.n_ctx}: no room to answer"
+            res.skipped = f"prompt has {len(ids)} tokens, context is {self.n_ctx}: no room to answer"
+        return plan, res
+
+    def _params(self, job: GenerationJob):
+        return self.api.SamplingParams(temperature=job.temperature, top_p=job.top_p, min_p=job.min_p,
+                                       seed=job.seed)
+
+    @staticmethod
+    def _open_think(plan: _Plan, text: ThinkText) -> str:
+        """When the prompt opened a thinking block, the reply starts inside it; returns the text to show."""
+        if plan.think and plan.text.rstrip().endswith(THINK_OPEN):
+            text.in_think = True
+            text.out.append(THINK_OPEN + "\n")
+            return text.out[-1]
+        return ""
+
+    @staticmethod
+    def _finish(res: GenerationResult, plan: _Plan, text: ThinkText, sampled: int) -> GenerationResult:
+        close_kind = "unclosed" if text.in_think else text.close_kind
+        res.output = "".join(text.out)
+        res.gen_tokens = sampled
+        res.think_close = close_kind if plan.think else "none"
+        return res
+
+    def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult:
+        plan, res = self._plan(job)
+        if res.skipped:
             return res
+        if self._engine is not None:
+            return self._run_batched(job, ctx, plan, res)
+        return self._run_serial(job, ctx, plan, res)
+
+    # --- serial ---
+    def _run_serial(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,
+                    res: GenerationResult) -> GenerationResult:
+        engine = self.api
         if self._session is None:
             self._session = self.model.new_session()
         session = self._session
-
+        n_prompt = len(plan.ids)
         ctx.prefill(0, n_prompt)
         try:
-            session.sync(ids, progress=ctx.prefill, cancel=lambda: ctx.checkpoint() is not None)
+            session.sync(plan.ids, progress=ctx.prefill, cancel=lambda: ctx.checkpoint() is not None)
         except engine.Cancelled:
             res.interrupted = ctx.checkpoint() or "stop"
             return res
         ctx.started(n_prompt)
 
-        params = engine.SamplingParams(temperature=job.temperature, top_p=job.top_p, min_p=job.min_p,
-                                       seed=job.seed)
+        params = self._params(job)
         stream = self.model.text_stream()
-        out: list[str] = []
-        in_think = False
-        if think and text.rstrip().endswith(THINK_OPEN):
-            in_think = True
-            out.append(THINK_OPEN + "\n")
-            ctx.text(out[-1], True)
-        soft_reserve = min(job.think_soft_reserve, budget // 4)
-        hard_reserve = min(job.think_hard_reserve, budget // 8)
-        close_kind = "none"
-        used = 0          # budget spent: sampled plus injected tokens
-        sampled = 0
-
-        tail = ""  # last few characters, so a marker split across pieces is still seen
+        text = ThinkText(plan.think)
+        opened = self._open_think(plan, text)
+        if opened:
+            ctx.text(opened, True)
+        used = sampled = 0  # budget spent (sampled plus injected tokens); sampled tokens
 
         def emit(piece: str) -> None:
-            nonlocal in_think, close_kind, tail
-            if not piece:
-                return
-            was = in_think
-            out.append(piece)
-            if think:
-                window = tail + piece
-                if not in_think:
-                    j = window.rfind(THINK_OPEN)
-                    if j >= 0 and THINK_CLOSE not in window[j:]:
-                        in_think = True
-                elif THINK_CLOSE in window:
-                    in_think = False
-                    if close_kind == "none":
-                        close_kind = "natural"
-                tail = window[-len(THINK_CLOSE):]
-            ctx.text(piece, was or in_think)
+            flag = text.emit(piece)
+            if flag is not None:
+                ctx.text(piece, flag)
 
         def inject(s: str) -> int:
             toks = self.model.tokenize(s, special=True)
@@ -130,25 +367,19 @@ class EngineBackend:
                 emit(stream.push(t))
             return len(toks)
 
-        while used < budget:
+        while used < plan.budget:
             why = ctx.checkpoint()
             if why:
                 res.interrupted = why
                 break
-            left = budget - used
-            if in_think and left <= hard_reserve:
-                n_inj = len(self.model.tokenize(prompts.THINK_HARD_CLOSE, special=True))
-                if n_inj < left:
-                    used += inject(prompts.THINK_HARD_CLOSE)
-                    close_kind = "hard"
-                    in_think = False
-                    continue
-            elif in_think and close_kind == "none" and left <= soft_reserve:
-                n_inj = len(self.model.tokenize(prompts.THINK_SOFT_NUDGE, special=True))
-                if n_inj + hard_reserve < left:
-                    used += inject(prompts.THINK_SOFT_NUDGE)
-                    close_kind = "soft"
-                    continue
+            due = injection_due(text.in_think, text.close_kind, plan.budget - used, plan.soft_reserve,
+                                plan.hard_reserve, plan.n_soft, plan.n_hard)
+            if due is not None:
+                used += inject(prompts.THINK_HARD_CLOSE if due == "hard" else prompts.THINK_SOFT_NUDGE)
+                text.close_kind = due
+                if due == "hard":
+                    text.in_think = False
+                continue
             tok = session.sample(params)
             used += 1
             sampled += 1
@@ -156,12 +387,103 @@ class EngineBackend:
             if tok in self.model.eos_ids:
                 break
             emit(stream.push(tok))
-            if used < budget:
+            if used < plan.budget:
                 session.eval(tok)
         emit(stream.flush())
-        if in_think:
-            close_kind = "unclosed"
-        res.output = "".join(out)
-        res.gen_tokens = sampled
-        res.think_close = close_kind if think else "none"
-        return res
+        return self._finish(res, plan, text, sampled)
+
+    # --- batched ---
+    def _run_batched(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,
+                     res: GenerationResult) -> GenerationResult:
+        api, engine = self._engine.api, self._engine
+        params = self._params(job)
+        sampler = self.api.Sampler(params, self.model.eos_ids)  # one random stream across the case's requests
+        text = ThinkText(plan.think)
+        case = _BatchedCase(plan, ctx, self.model, text)
+        eos = self.model.eos_ids
+
+        def segment() -> _Segment:
+            seg = _Segment(case)
+
+            def on_token(tok: int) -> None:  # engine thread
+                case.used += 1
+                case.sampled += 1
+                if tok in eos:
+                    case.events.put(("token", "", None))
+                    return
+                case.history.append(tok)
+                piece = case.stream.push(tok)
+                case.events.put(("token", piece, text.emit(piece)))
+                if case.used < plan.budget and case.due() is not None:
+                    seg.stop = True
+
+            def cancel() -> bool:  # engine thread, before each prefill chunk and each token
+                if seg.stop or seg.interrupt:
+                    return True
+                why = ctx.checkpoint()  # blocks while paused: the whole batch waits
+                if why:
+                    seg.interrupt = why
+                    return True
+                return False
+
+            seg.request = api.GenRequest(ids=list(case.history), params=params, max_tokens=plan.budget - case.used,
+                                         on_token=on_token, cancel=cancel, choose=sampler)
+            return seg
+
+        def inject(s: str) -> int:
+            toks = self.model.tokenize(s, special=True)
+            for t in toks:
+                case.history.append(t)
+                piece = case.stream.push(t)
+                flag = text.emit(piece)
+                if flag is not None:
+                    ctx.text(piece, flag)
+            return len(toks)
+
+        ctx.prefill(0, len(plan.ids))
+        opened = self._open_think(plan, text)  # shown once the first token arrived, after ctx.started
+        started = False
+        try:
+            while case.used < plan.budget:
+                due = case.due()
+                if due is not None:
+                    case.used += inject(prompts.THINK_HARD_CLOSE if due == "hard" else prompts.THINK_SOFT_NUDGE)
+                    text.close_kind = due
+                    if due == "hard":
+                        text.in_think = False
+                    continue
+                engine.submit(segment())
+                while True:
+                    kind, *rest = case.events.get()
+                    if kind == "token":
+                        if not started:
+                            started = True
+                            ctx.started(len(plan.ids))
+                            if opened:
+                                ctx.text(opened, True)
+                        piece, flag = rest
+                        ctx.token()
+                        if flag is not None:
+                            ctx.text(piece, flag)
+                    elif kind == "failed":
+                        res.error = rest[0]
+                        return self._finish(res, plan, text, case.sampled)
+                    else:
+                        seg = rest[0]
+                        break
+                req = seg.request
+                if req.finish == "error":
+                    res.error = req.error or "generation failed"
+                    break
+                if seg.interrupt:
+                    res.interrupted = seg.interrupt
+                    break
+                if req.finish != "cancelled" or not seg.stop:
+                    break  # end of generation, budget or context reached
+        finally:
+            engine.release(case)
+        piece = case.stream.flush()
+        flag = text.emit(piece)
+        if flag is not None:
+            ctx.text(piece, flag)
+        return self._finish(res, plan, text, case.sampled)

@@ -5,6 +5,10 @@ Subcommands, one module each:
                llama.cpp (`ds4eval.bench.engine_bench`, runners in `ds4eval.bench.runners`)
   kvcache      time to first token of a long prompt through ds4-server, cold versus
                restored from the disk KV cache after a restart (`ds4eval.bench.kvcache`)
+  sessions     aggregate and per-session decode tokens/s of N sessions decoding together,
+               in-process (`ds4eval.bench.sessions`)
+  serve        closed-loop and Poisson load on any OpenAI-compatible server: throughput,
+               TTFT, ITL, TPOT, E2EL percentiles, goodput (`ds4eval.bench.serve`)
   random-gguf  a GGUF shaped like a real one with random weights, for machines the real
                weights cannot reach (`ds4eval.bench.random_gguf`)
 Shared output helpers live in `ds4eval.bench.csvfile`; the command line in `ds4eval.bench.cli`.

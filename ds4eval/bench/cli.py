@@ -164,6 +164,10 @@ def random_gguf_command(out: str, like: str, qtype: str | None, seed: int) -> in
 
 from ds4eval.bench.kvcache import kvcache_command  # noqa: E402  (registered after the group exists)
 main.add_command(kvcache_command)
+from ds4eval.bench.sessions import sessions_command  # noqa: E402
+main.add_command(sessions_command)
+from ds4eval.bench.serve import serve_command  # noqa: E402
+main.add_command(serve_command)
 
 
 if __name__ == "__main__":
