@@ -20,6 +20,7 @@ import click
 
 from ds4eval import cases as cs
 from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
+from ds4eval.atomicfile import write_text_atomic
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
 
 
@@ -186,7 +187,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:
-        manifest.write_atomic(Path(cfg.summary), json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+        write_text_atomic(cfg.summary, json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
     if hasattr(backend, "close"):
         backend.close()
     if failed:

@@ -16,15 +16,14 @@ It does not fetch data and never modifies the data directory.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import click
 
 from ds4eval import cases as cs
+from ds4eval.atomicfile import write_text_atomic
 
 MANIFEST_VERSION = 1
 
@@ -177,20 +176,6 @@ def validate_all(data_dir: Path, suites_dir: Path = cs.SUITES_DIR) -> Validation
     return ValidationReport(checks)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temporary file in the same directory, then rename over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def write_manifests(data_dir: Path, suites_dir: Path = cs.SUITES_DIR) -> list[Path]:
     """Regenerate the manifests of every manifested suite from the data files."""
     written = []
@@ -202,7 +187,7 @@ def write_manifests(data_dir: Path, suites_dir: Path = cs.SUITES_DIR) -> list[Pa
             raise cs.CaseError(f"{path}:{n}: {msg}")
         manifest = build_manifest(suite, parsed.cases)
         out = manifest_path(suite, suites_dir)
-        write_atomic(out, format_manifest(manifest))
+        write_text_atomic(out, format_manifest(manifest))
         written.append(out)
     return written
 

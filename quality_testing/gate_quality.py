@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import click
 
+from ds4eval.atomicfile import write_text_atomic
 from quality_testing import refset as rs
 
 RECORD = Path(__file__).resolve().parent / "sanity_record.json"
@@ -101,9 +101,7 @@ def main(write_record: bool, model: str | None, tokens: int | None, record_file:
 
         rec = {"suite": SUITE, "passed": passed, "cases": int(totals["cases"]), "tokens": cfg.tokens,
                "model_sha256": rs.sha256_file(cfg.model or default_model_path())}
-        tmp = path.with_name(path.name + ".tmp.write")
-        tmp.write_text(json.dumps(rec, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(rec, indent=1) + "\n")
         click.echo(f"recorded: {passed}/{rec['cases']} sanity cases pass")
         return
     ok, msg = judge(passed, record)

@@ -20,7 +20,6 @@ text is good, only that it did not change.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 
 import click
 
+from ds4eval.atomicfile import write_text_atomic
 from quality_testing import refset as rs
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
@@ -72,9 +72,7 @@ def write_golden(model: Any, gguf_sha256: str, directory: Path = GOLDEN_DIR) -> 
     for gid, prompt in GOLDEN_PROMPTS.items():
         rec = golden_record(model, gid, prompt, gguf_sha256)
         path = directory / f"{gid}.json"
-        tmp = path.with_name(path.name + ".tmp.write")
-        tmp.write_text(json.dumps(rec, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, json.dumps(rec, ensure_ascii=False, indent=1) + "\n")
         out.append(path)
     return out
 

@@ -13,12 +13,12 @@ It does not tokenize; token counts are checked by the reference set's tests.
 """
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
 import click
 
+from ds4eval.atomicfile import write_text_atomic
 SEED = 20261130
 HEADER = (
     "Field log of the Harrowgate tidal greenhouse. Each entry records the day, the keeper on\n"
@@ -92,9 +92,7 @@ def write_long_prompts(directory: Path) -> list[Path]:
     written = []
     for name, (n, ask) in LONG_PROMPTS.items():
         path = directory / name
-        tmp = path.with_name(path.name + ".tmp.write")
-        tmp.write_text(long_prompt(n, ask), encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomic(path, long_prompt(n, ask))
         written.append(path)
     return written
 

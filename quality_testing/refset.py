@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ds4eval.atomicfile import atomic_path
 ROOT = Path(__file__).resolve().parent
 MANIFEST = ROOT / "manifest.tsv"
 PROMPTS = ROOT / "prompts"
@@ -198,10 +199,9 @@ class Reference:
 def write_reference(path: Path, ref: Reference) -> None:
     meta = json.dumps({"gguf_sha256": ref.gguf_sha256, "reference": ref.reference,
                        "prompt_sha256": ref.prompt_sha256}, sort_keys=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez_compressed(tmp, ids=ref.ids.astype(np.int32), positions=ref.positions.astype(np.int32),
-                        logits=ref.logits.astype(np.float16), meta=np.array(meta))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:  # keeps the .npz suffix, so numpy does not append one
+        np.savez_compressed(tmp, ids=ref.ids.astype(np.int32), positions=ref.positions.astype(np.int32),
+                            logits=ref.logits.astype(np.float16), meta=np.array(meta))
 
 
 def read_reference(path: Path) -> Reference:

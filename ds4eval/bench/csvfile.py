@@ -10,23 +10,14 @@ from __future__ import annotations
 
 import csv
 import os
-import tempfile
 from typing import Iterable, Mapping, Sequence
+
+from ds4eval.atomicfile import atomic_open
 
 
 def write_csv(path: str | os.PathLike, columns: Sequence[str], rows: Iterable[Mapping[str, object]]) -> None:
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; results are meant to be shared
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="raise", lineterminator="\n")
-            writer.writeheader()
-            for row in rows:
-                writer.writerow(row)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns), extrasaction="raise", lineterminator="\n")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row)

@@ -41,7 +41,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -49,6 +48,8 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import click
 from tabulate import tabulate
+
+from ds4eval.atomicfile import atomic_path, write_text_atomic
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 METRICS = ("ttft", "itl", "tpot", "e2el")
@@ -574,23 +575,8 @@ def result_json(cfg: ServeBenchConfig, result: ServeBenchResult) -> dict[str, An
             "levels": [asdict(lv) for lv in result.levels]}
 
 
-def _atomic_target(path: str) -> tuple[int, str]:
-    directory = os.path.dirname(os.path.abspath(path))
-    return tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=os.path.splitext(path)[1], dir=directory)
-
-
 def write_json(path: str, doc: dict[str, Any]) -> None:
-    fd, tmp = _atomic_target(path)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
 
 
 def write_plot(path: str, result: ServeBenchResult) -> None:
@@ -630,16 +616,9 @@ def write_plot(path: str, result: ServeBenchResult) -> None:
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"{result.model} via {ENDPOINTS[result.endpoint]}")
     fig.tight_layout()
-    fd, tmp = _atomic_target(path)
-    os.close(fd)
     try:
-        fig.savefig(tmp, format=os.path.splitext(path)[1][1:].lower())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format=os.path.splitext(path)[1][1:].lower())
     finally:
         plt.close(fig)
 
