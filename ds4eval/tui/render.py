@@ -246,7 +246,7 @@ def _rule(y, view, case, list_w, out_x, out_w, two, cols, top, body) -> list[Pie
         ln = _Line(y, 0, list_w)
         ln.add(RULE, "rule").add(shown, "title")
         if list_w - ln.used >= 18:
-            ln.add(" picked/expected ", "dim")
+            ln.add(" picked|expected ", "dim")
         ln.fill(RULE, "rule")
         pieces += ln.pieces("rule")
     if two:
@@ -270,7 +270,8 @@ def _list(view: View, sel: int, top: int, y0: int, width: int, height: int) -> l
     cases = view.cases
     nw = len(str(max((c.number for c in cases), default=1)))
     sw = 8 if width >= 40 else 4
-    pe = [f"{'-' if c.picked is None else c.picked}/{c.expected}" for c in cases]
+    # "|" and not "/": rational answers contain slashes.
+    pe = [f"{'-' if c.picked is None else c.picked}|{c.expected}" for c in cases]
     one_source = _one_source(view)  # then the rule names it and rows show only the id
     flex = width - (nw + sw + 3)  # cells left for the case label and picked/expected
     # picked/expected gets at most a third of them: the label is what identifies the case.

@@ -288,7 +288,7 @@ def test_live_screen_layout_colours_and_quit_with_report(term):
     s = t.snap()
     # Picked vs expected, coloured by status.
     y1, y2, y3, y4 = (s.row(rf"^ +{n} ") for n in (1, 2, 3, 4))
-    assert "B/B" in s.lines[y1] and "6/5" in s.lines[y2] and "-/30" in s.lines[y3]
+    assert "B|B" in s.lines[y1] and "6|5" in s.lines[y2] and "-|30" in s.lines[y3]
     assert {c.fg for c in s.cells(y1, "PASSED")} == {"green"}
     assert {c.fg for c in s.cells(y2, "FAILED")} == {"red"}
     assert {c.fg for c in s.cells(y3, "THINKING")} == {"brown"}  # pyte's name for ANSI yellow
@@ -371,7 +371,7 @@ def test_enter_switches_and_r_reruns(term):
     t.press(ENTER)  # so run it now
     wait_status(t, 2, "PASSED")  # the server answers correctly the second time
     s = t.snap()
-    assert "5/5" in s.lines[s.row(r"^ +2 ")]
+    assert "5|5" in s.lines[s.row(r"^ +2 ")]
     t.press("q")
     assert t.exit_code() == 0
     out = t.output()
@@ -486,7 +486,7 @@ def test_a_non_utf8_locale_gets_an_ascii_screen(term):
     screen = t.text()
     assert screen.isascii() and "│" not in screen and "+- #3 sanity/int-add-tens" in screen
     assert "??????" in screen  # each wide character keeps its two cells
-    divider = t.lines()[3].index("|")
+    divider = t.lines()[2].index("+- #3")  # the rule's junction sits above the divider
     assert all(line[divider] == "|" for line in t.lines()[3:-1])
     t.press("q")
     assert t.exit_code() == 0 and t.mode() == (True, True)

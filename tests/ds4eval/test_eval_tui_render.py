@@ -164,12 +164,12 @@ def test_wide_layout():
         lines[0].endswith(" RUNNING ")
     assert lines[1].startswith(" 2/4  passed 1  failed 1  elapsed 1:15  12.3 tok/s  ctx 52/4096")
     assert "┬─ #3 sanity/case-2-宽 THINKING · 12 tok · 1.5 s " in lines[2]
-    assert lines[3].startswith(" 1 PASSED   sanity/case-0-宽") and lines[3].rstrip().endswith("0/0│What is 2+2? 数学 🙂")
+    assert lines[3].startswith(" 1 PASSED   sanity/case-0-宽") and lines[3].rstrip().endswith("0|0│What is 2+2? 数学 🙂")
     assert lines[-1].startswith(" p pause  q quit  ↑↓ PgUp PgDn select  Enter run now  r re-run  f follow")
     assert lines[-1].endswith(" hi ")
-    assert lines[2].startswith("─ cases (4)  picked/expected ─")
+    assert lines[2].startswith("─ cases (4)  picked|expected ─")
     one = render(_view(sources=("sanity",)), Nav(selected=2), 16, 100).text_lines()
-    assert one[2].startswith("─ cases (4) · sanity  picked/expected ─") and one[3].startswith(" 1 PASSED   case-0-宽 ")
+    assert one[2].startswith("─ cases (4) · sanity  picked|expected ─") and one[3].startswith(" 1 PASSED   case-0-宽 ")
     assert any(line.endswith("│Answer: 4 🙂" + " " * (100 - 41 - 13)) or "│Answer: 4 🙂" in line for line in lines)
 
 
