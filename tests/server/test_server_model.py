@@ -169,12 +169,10 @@ def test_disconnect_to_cancel_under_200ms(server, model, phase):
     if phase == "prefill":
         assert stats.first_token_at is None
     # The server notices the disconnect at once; the worker stops at the engine's next safe
-    # point: the next decode step, or the next prefill chunk boundary (the engine's chunk
-    # time is outside the server's control, so it is added to the budget and reported).
+    # point: the next decode step, or (during prefill) the next layer of the current chunk.
     assert stats.cancel_requested_at - t0 < 0.05
-    budget = 0.2 + (stats.longest_prefill_chunk_s if phase == "prefill" else 0.0)
     print(f"{phase}: longest prefill chunk {stats.longest_prefill_chunk_s * 1000:.0f} ms")
-    assert latency < budget, f"disconnect -> cancel took {latency * 1000:.0f} ms"
+    assert latency < 0.2, f"disconnect -> cancel took {latency * 1000:.0f} ms"
 
 
 WEATHER_TOOL = {"type": "function", "function": {
