@@ -14,7 +14,7 @@ from typing import Optional
 
 from server.tools.canonical import DelimiterEscaper, canonical_json
 from server.tools.records import ToolCall, ToolResult, ToolSpec
-from server.tools.syntax_base import INCOMPLETE, MALFORMED, BlockScanner, Syntax, loads_strict, tool_json
+from server.tools.syntax_base import INCOMPLETE, MALFORMED, BlockScanner, Syntax, loads_strict, tools_block
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
@@ -165,12 +165,7 @@ class Hermes(Syntax):
         return HermesScanner(tools)
 
     def render_tools(self, tools: list[ToolSpec]) -> str:
-        lines = "\n".join(tool_json(t) for t in tools)
-        return (
-            "# Tools\n\n"
-            "You may call one or more functions to help with the user's request.\n\n"
-            "The available function signatures are listed inside <tools></tools> XML tags:\n"
-            f"<tools>\n{lines}\n</tools>\n\n"
+        return tools_block(tools) + (
             "To call a function, write a JSON object with the function name and its arguments inside "
             "<tool_call></tool_call> XML tags:\n"
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'

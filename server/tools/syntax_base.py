@@ -70,6 +70,18 @@ def encode_value(value: Any) -> str:
     return value if isinstance(value, str) else canonical_json(value)
 
 
+def tools_block(tools: Iterable[ToolSpec]) -> str:
+    """The '# Tools' preamble with every definition inside <tools></tools>, as the hermes and
+    glm families of chat templates write it; each syntax appends its own calling instructions."""
+    lines = "\n".join(tool_json(t) for t in tools)
+    return (
+        "# Tools\n\n"
+        "You may call one or more functions to help with the user's request.\n\n"
+        "The available function signatures are listed inside <tools></tools> XML tags:\n"
+        f"<tools>\n{lines}\n</tools>\n\n"
+    )
+
+
 def tool_json(tool: ToolSpec) -> str:
     """One tool definition as a canonical JSON line (the same bytes whichever API the tool arrived through)."""
     fn: dict = {"name": tool.name}

@@ -19,7 +19,7 @@ from typing import Optional
 from server.tools.canonical import DelimiterEscaper
 from server.tools.records import ToolCall, ToolResult, ToolSpec
 from server.tools.syntax_base import (
-    INCOMPLETE, MALFORMED, NAME_LIMIT, BlockScanner, Syntax, decode_value, encode_value, tool_json)
+    INCOMPLETE, MALFORMED, NAME_LIMIT, BlockScanner, Syntax, decode_value, encode_value, tool_json, tools_block)
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
@@ -249,12 +249,7 @@ class Glm(Syntax):
         return GlmScanner(tools)
 
     def render_tools(self, tools: list[ToolSpec]) -> str:
-        lines = "\n".join(tool_json(t) for t in tools)
-        return (
-            "# Tools\n\n"
-            "You may call one or more functions to help with the user's request.\n\n"
-            "The available function signatures are listed inside <tools></tools> XML tags:\n"
-            f"<tools>\n{lines}\n</tools>\n\n"
+        return tools_block(tools) + (
             "To call a function, write its name and arguments in this XML format:\n"
             "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
             "<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"

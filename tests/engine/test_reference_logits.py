@@ -42,25 +42,13 @@ BOUNDS = {  # weights -> (min top-1, max mean KL, max KL, max |Δlogit|)
 }
 
 
-def _embedded() -> str:
-    from engine import ModelLoadError, default_model_path
-
-    try:
-        path = default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    if not Path(path).is_file():
-        pytest.skip(f"embedded model not found at {path}")
-    return path
+@pytest.fixture(scope="module")
+def reference(embedded_path):
+    return hfref.load_reference(embedded_path)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return hfref.load_reference(_embedded())
-
-
-@pytest.fixture(scope="module")
-def engines():
+def engines(embedded_path):
     """weights -> engine model, loaded on first use and kept for the module."""
     from engine import load_model
 
@@ -68,7 +56,7 @@ def engines():
 
     def get(weights: str):
         if weights not in loaded:
-            loaded[weights] = load_model(_embedded(), ctx=512, weights=weights)
+            loaded[weights] = load_model(embedded_path, ctx=512, weights=weights)
         return loaded[weights]
 
     return get

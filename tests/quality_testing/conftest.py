@@ -14,19 +14,6 @@ if ROOT not in sys.path:
 
 
 @pytest.fixture(scope="session")
-def embedded_path():
-    from engine import ModelLoadError, default_model_path
-
-    try:
-        path = default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    if not Path(path).is_file():
-        pytest.skip(f"embedded model not found at {path}")
-    return path
-
-
-@pytest.fixture(scope="session")
 def embedded_sha(embedded_path):
     from quality_testing.refset import sha256_file
 
