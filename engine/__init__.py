@@ -12,9 +12,12 @@ Everything not re-exported here is internal.
     for tok in generate(s, SamplingParams(temperature=0), max_tokens=32):
         ...
 
-Model (returned by `load_model(path=None, *, ctx=None, device="cpu")`):
+Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="packed")`;
+`weights="float32"` is the exact dequantized reference path; `ModelLoadError` on failure):
   - `name`, `path`, `config` (ModelConfig), `n_ctx` (session context size),
-    `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`.
+    `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`,
+    `quant` (the dominant tensor type), `metadata` (every GGUF key as a Python value),
+    `load_seconds`.
   - `tokenize(text, special=False) -> list[int]`: with `special=True` special-token
     text such as `<|im_start|>` becomes its single id; never adds BOS by itself
     (`add_bos` does, for models that want one: `model.add_bos`).
@@ -33,14 +36,20 @@ Session:
   - `logits`: float32 tensor [n_vocab] for the next token (after sync/eval).
   - `eval(token)`: append one token.  `sample(params) -> int`.  `truncate(n)`.
   - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
+  - `start_prefill(ids) -> Prefill`: the rest of a sync as `step()`s, for schedulers.
+
+Batching (`engine.batch`): `decode_batch(sessions, tokens)` evaluates one token for each
+of N sessions in one forward pass; `BatchScheduler(model, n_slots)` runs `GenRequest`s,
+interleaving prefill chunks with batched decode steps; `check_capacity` refuses
+configurations that do not fit in memory.
 
 It does not know about HTTP, chat APIs, tool syntaxes or benchmarks.
 """
 
 from engine.config import ModelConfig, UnsupportedModel
+from engine.errors import Cancelled
 from engine.model import Model, ModelLoadError, default_model_path, generate, load_model
 from engine.sampling import Sampler, SamplingParams
-from engine.errors import Cancelled
 from engine.session import Session
 from engine.tokenizer import TextStream
 
