@@ -34,7 +34,8 @@ class KVCache:
             cap = min(cap * 2, self.n_ctx)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[0], old.shape[1], cap, old.shape[3])
+            # Positions past `n` are written before they are read, so the new tail needs no zeroing.
+            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
             new[:, :, : self.n] = old[:, :, : self.n]
             setattr(self, name, new)
 
