@@ -144,7 +144,7 @@ class LlamaModel:
         """q [T, H, D] against cached positions [0, end) -> [T, H * D]."""
         T, H, D = q.shape
         Hkv = self.cfg.n_head_kv
-        keys, vals = cache.k[li, :, :end], cache.v[li, :, :end]  # [Hkv, end, D]
+        keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
         if T == 1:
             # One query row: plain batched matmuls over the kv heads beat SDPA's dispatch cost.
             qg = q.view(Hkv, H // Hkv, D).to(keys.dtype)
@@ -169,8 +169,8 @@ class LlamaModel:
             q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
             rows = []
             for i, (c, p) in enumerate(zip(caches, pos)):
-                c.k[li, :, p] = k[i]
-                c.v[li, :, p] = v[i]
+                c.layer_k[li][:, p] = k[i]
+                c.layer_v[li][:, p] = v[i]
                 rows.append(self._attend(q[i: i + 1], li, c, p, p + 1, None, False))
             x += blk.wo(torch.cat(rows))
             gate, up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).split(cfg.n_ff, dim=-1)
@@ -196,8 +196,8 @@ class LlamaModel:
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
             q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
-            cache.k[li, :, start:end] = k.transpose(0, 1)
-            cache.v[li, :, start:end] = v.transpose(0, 1)
+            cache.layer_k[li][:, start:end] = k.transpose(0, 1)
+            cache.layer_v[li][:, start:end] = v.transpose(0, 1)
             x += blk.wo(self._attend(q, li, cache, start, end, mask, causal))
             gate, up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).split(cfg.n_ff, dim=-1)
             x += blk.w_down(F.silu(gate) * up)
