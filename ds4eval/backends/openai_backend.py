@@ -21,6 +21,7 @@ import json
 
 import httpx
 
+from ds4eval import sse
 from ds4eval.config import EvalConfig
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
@@ -104,20 +105,15 @@ class OpenAIBackend:
                     if why:
                         res.interrupted = why
                         break
-                    if not line.startswith("data:"):
+                    try:
+                        obj = sse.decode_data_line(line)
+                    except sse.StreamFault as e:
+                        raise StreamError(str(e)) from None
+                    if obj is None:
                         continue  # SSE comments, event names and keep-alives
-                    data = line[5:].strip()
-                    if data == "[DONE]":
+                    if obj == sse.DONE:
                         done = True
                         break
-                    try:
-                        obj = json.loads(data)
-                    except json.JSONDecodeError:
-                        raise StreamError(f"broken JSON in stream: {data[:80]!r}") from None
-                    if not isinstance(obj, dict):
-                        raise StreamError("stream event is not an object")
-                    if "error" in obj:
-                        raise StreamError(f"server error: {_error_text(json.dumps(obj['error']))}")
                     if obj.get("usage"):
                         usage = obj["usage"]
                     for choice in obj.get("choices") or []:

@@ -49,6 +49,7 @@ from typing import Any, Awaitable, Callable, Iterable, Sequence
 import click
 from tabulate import tabulate
 
+from ds4eval import sse
 from ds4eval.atomicfile import atomic_path, write_text_atomic
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -240,20 +241,13 @@ def parse_stream(lines: Sequence[tuple[float, str]], status: int = 200, end_s: f
             continue
         if done_at is not None:
             return RequestResult(False, "data after [DONE]")
-        data = line[5:].strip()
-        if data == "[DONE]":
+        try:
+            chunk = sse.decode_data_line(line)
+        except sse.StreamFault as e:
+            return RequestResult(False, str(e))
+        if chunk == sse.DONE:
             done_at = t
             continue
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError:
-            return RequestResult(False, f"broken JSON in the stream: {data[:80]!r}")
-        if not isinstance(chunk, dict):
-            return RequestResult(False, f"a stream chunk is not a JSON object: {data[:80]!r}")
-        if chunk.get("error") is not None:
-            err = chunk["error"]
-            msg = err.get("message") if isinstance(err, dict) else err
-            return RequestResult(False, f"error in the stream: {str(msg)[:120]}")
         if _chunk_has_output(chunk):
             output_times.append(t)
         for choice in chunk.get("choices") or []:
