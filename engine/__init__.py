@@ -23,7 +23,8 @@ Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="pa
     (`add_bos` does, for models that want one: `model.add_bos`).
   - `detokenize(ids) -> str`, `text_stream() -> TextStream` (incremental, UTF-8 safe).
   - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`.
-  - `new_session() -> Session`.
+  - `new_session() -> Session`; `new_sessions(n, ctx=None) -> list[Session]`: n sessions
+    whose caches are slots of one pool, for batched decoding (each also works alone).
   - Memory: `weight_bytes`, `kv_bytes_per_token`, `memory_bytes(n_sessions, ctx)`.
 
 Session:
@@ -35,11 +36,13 @@ Session:
     the session valid at the last complete chunk.
   - `logits`: float32 tensor [n_vocab] for the next token (after sync/eval).
   - `eval(token)`: append one token.  `sample(params) -> int`.  `truncate(n)`.
+  - `reset()`: forget everything, keeping the cache's memory.
   - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
   - `start_prefill(ids) -> Prefill`: the rest of a sync as `step()`s, for schedulers.
 
 Batching (`engine.batch`): `decode_batch(sessions, tokens)` evaluates one token for each
-of N sessions in one forward pass; `BatchScheduler(model, n_slots)` runs `GenRequest`s,
+of N sessions in one forward pass, each row's logits bitwise equal to decoding it alone
+(on CPU; on CUDA within the kernels' rounding); `BatchScheduler(model, n_slots)` runs `GenRequest`s,
 interleaving prefill chunks with batched decode steps; `check_capacity` refuses
 configurations that do not fit in memory.
 

@@ -1,9 +1,10 @@
 """Batched sessions: several resident sessions decoding together.
 
 - `decode_batch(sessions, tokens)` evaluates one token for each of N sessions in one forward
-  pass (`LlamaModel.forward_rows`): the weights are read once for all rows, attention runs per
-  row on each session's own cache.  Each row's result equals decoding it alone up to the
-  matmul kernels' blocking over rows (float32 accumulation in both; the tests bound the
+  pass (`LlamaModel.forward_rows`): the weights are read once for all rows; sessions made
+  together by `Model.new_sessions` share a KV pool and attend in one batched matmul, others
+  attend one after another on their own caches.  Each row's result equals decoding it alone
+  up to the kernels' summation order (float32 accumulation in both; the tests bound the
   difference and check that greedy tokens are identical).
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
@@ -66,6 +67,8 @@ def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
     """Append tokens[i] to sessions[i] for all i in one forward pass and refresh their logits."""
     if len(sessions) != len(tokens) or len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("decode_batch needs one token for each of distinct sessions")
+    if not sessions:
+        return
     if len(sessions) == 1:
         sessions[0].eval(tokens[0])
         return
@@ -122,7 +125,7 @@ class BatchScheduler:
         if check_memory:
             check_capacity(model, n_slots, ctx)
         self.model = model
-        self.slots = [_Slot(model.new_session()) for _ in range(n_slots)]
+        self.slots = [_Slot(s) for s in model.new_sessions(n_slots, ctx)]
         self.queue: deque[GenRequest] = deque()
         self._next_prefill = 0
 

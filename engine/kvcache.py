@@ -1,9 +1,17 @@
-"""Per-session key/value cache.
+"""Key/value caches: one per session, or a pool of slots for batched decoding.
 
-Keys and values of every layer live in two tensors of shape
-[n_layer, n_head_kv, capacity, head_dim].  Capacity grows by doubling (up to the context
-size) so that short sessions do not pay for the whole context; `n` is how many positions
-are valid.  The forward pass writes positions [start, start + T) and reads [0, start + T).
+A cache holds the keys and values of every layer in one tensor `kv` of shape
+[n_layer, 2, n_head_kv, capacity, head_dim] (index 0 of the second axis is K, 1 is V), so a
+decoding step writes one token's K and V of a layer with a single copy.  `n` is how many
+positions are valid; the forward pass writes positions [start, start + T) and reads [0, start + T).
+
+Capacity grows by doubling up to the context size, so short sessions do not pay for the
+whole context.  A standalone cache owns its tensor.  A `KVPool` owns one tensor of shape
+[n_layer, 2, n_slots, n_head_kv, capacity, head_dim] and hands out one cache per slot whose
+`kv` is a view into it; the pool grows all slots together.  Batched decoding over slots of
+one pool writes every row's new K and V of a layer with one indexed copy (`row_index`)
+instead of one copy per row.
+
 It does not know which tokens the positions hold (the session does).
 """
 from __future__ import annotations
@@ -13,54 +21,122 @@ import torch
 
 class KVCache:
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
-                 dtype: torch.dtype, device: torch.device, initial: int = 256):
+                 dtype: torch.dtype, device: torch.device, initial: int = 256,
+                 pool: "KVPool | None" = None, slot: int = 0):
         self.n_ctx = n_ctx
         self.n = 0
-        shape = (n_layer, n_head_kv, min(initial, n_ctx), head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._split()
+        self.pool = pool
+        self.slot = slot
+        if pool is None:
+            self._attach(torch.zeros((n_layer, 2, n_head_kv, min(initial, n_ctx), head_dim),
+                                     dtype=dtype, device=device))
+        else:
+            self._attach(pool.kv[:, :, slot])
 
-    def _split(self) -> None:
+    def _attach(self, kv: torch.Tensor) -> None:
+        self.kv = kv
         # Per-layer views, made once per allocation: indexing a layer on every step is
         # measurable dispatch overhead when a token costs ~10 ms.
-        self.layer_k = list(self.k.unbind(0))
-        self.layer_v = list(self.v.unbind(0))
+        self.layer_kv = list(kv.unbind(0))
+        self.layer_k = [t[0] for t in self.layer_kv]
+        self.layer_v = [t[1] for t in self.layer_kv]
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.kv.shape[3]
 
     def reserve(self, n: int) -> None:
         if n > self.n_ctx:
             raise ValueError(f"context overflow: {n} positions > context size {self.n_ctx}")
         if n <= self.capacity:
             return
-        cap = self.capacity
-        while cap < n:
-            cap = min(cap * 2, self.n_ctx)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            # Positions past `n` are written before they are read, so the new tail needs no zeroing.
-            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
-            new[:, :, : self.n] = old[:, :, : self.n]
-            setattr(self, name, new)
-        self._split()
+        if self.pool is not None:
+            self.pool.reserve(n)
+            return
+        old = self.kv
+        # Positions past `n` are written before they are read, so the new tail needs no zeroing.
+        new = old.new_empty(*old.shape[:3], _grown(old.shape[3], n, self.n_ctx), old.shape[4])
+        new[:, :, :, : self.n] = old[:, :, :, : self.n]
+        self._attach(new)
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        """Bytes of this cache's own memory (a pooled slot's share of its pool)."""
+        return self.kv.numel() * self.kv.element_size()
 
     def state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Valid keys and values, [n_layer, n_head_kv, n, head_dim] each (copies, on CPU)."""
         return self.k[:, :, : self.n].cpu().clone(), self.v[:, :, : self.n].cpu().clone()
 
     def restore(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.shape != v.shape or k.shape[0:2] != self.k.shape[0:2] or k.shape[3] != self.k.shape[3]:
-            raise ValueError(f"KV shape {tuple(k.shape)} does not fit this model's cache {tuple(self.k.shape)}")
+        shape = self.k.shape
+        if k.shape != v.shape or k.shape[0:2] != shape[0:2] or k.shape[3] != shape[3]:
+            raise ValueError(f"KV shape {tuple(k.shape)} does not fit this model's cache {tuple(shape)}")
         n = k.shape[2]
         self.n = 0
         self.reserve(n)
-        self.k[:, :, :n] = k.to(self.k)
-        self.v[:, :, :n] = v.to(self.v)
+        self.k[:, :, :n] = k.to(self.kv)
+        self.v[:, :, :n] = v.to(self.kv)
         self.n = n
+
+
+def _grown(cap: int, n: int, n_ctx: int) -> int:
+    while cap < n:
+        cap = min(cap * 2, n_ctx)
+    return cap
+
+
+class KVPool:
+    """`n_slots` caches in one tensor; `caches[i]` is slot i's cache."""
+
+    def __init__(self, n_layer: int, n_slots: int, n_head_kv: int, head_dim: int, n_ctx: int,
+                 dtype: torch.dtype, device: torch.device, initial: int = 256):
+        self.n_ctx = n_ctx
+        self.kv = torch.zeros((n_layer, 2, n_slots, n_head_kv, min(initial, n_ctx), head_dim),
+                              dtype=dtype, device=device)
+        self._split()
+        self.caches = [KVCache(n_layer, n_head_kv, head_dim, n_ctx, dtype, device, pool=self, slot=i)
+                       for i in range(n_slots)]
+
+    def _split(self) -> None:
+        self.layer_kv = list(self.kv.unbind(0))  # [2, n_slots, n_head_kv, capacity, head_dim] each
+        self.layer_rows = [t.view(-1, t.shape[-1]) for t in self.layer_kv]  # one row per (kv, slot, head, pos)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[4]
+
+    def reserve(self, n: int) -> None:
+        if n > self.n_ctx:
+            raise ValueError(f"context overflow: {n} positions > context size {self.n_ctx}")
+        if n <= self.capacity:
+            return
+        old = self.kv
+        new = old.new_empty(*old.shape[:4], _grown(old.shape[4], n, self.n_ctx), old.shape[5])
+        new[..., : old.shape[4], :] = old
+        self.kv = new
+        self._split()
+        for c in self.caches:
+            c._attach(new[:, :, c.slot])
+
+    def row_index(self, slots: list[int], positions: list[int]) -> torch.Tensor:
+        """Indices into `layer_rows[l]` of (K then V) x (each slot's heads) at each slot's position,
+        in the order of a [rows, 2, n_head_kv] block of new keys and values."""
+        _, _, n_slots, n_head_kv, cap, _ = self.kv.shape
+        s = torch.tensor(slots).view(-1, 1, 1)
+        p = torch.tensor(positions).view(-1, 1, 1)
+        c = torch.arange(2).view(1, 2, 1)
+        h = torch.arange(n_head_kv).view(1, 1, -1)
+        return (((c * n_slots + s) * n_head_kv + h) * cap + p).reshape(-1).to(self.kv.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()

@@ -113,6 +113,12 @@ class Model:
     def new_session(self) -> Session:
         return Session(self)
 
+    def new_sessions(self, n: int, ctx: int | None = None) -> list[Session]:
+        """n sessions whose caches are slots of one pool, so that they decode together in one
+        batched attention (see engine.batch); each still works alone like any session."""
+        pool = self.net.new_pool(n, self.n_ctx if ctx is None else ctx, self.kv_dtype)
+        return [Session(self, cache) for cache in pool.caches]
+
     @property
     def weight_bytes(self) -> int:
         return self.net.weight_bytes

@@ -5,6 +5,10 @@ is cached, drops the rest and prefills the new suffix in chunks of `prefill_chun
 After sync, eval or load_payload, `logits` holds the next-token distribution at the frontier.
 When the whole of `ids` is already cached but its frontier logits are not (for example after
 a truncation), the last token is evaluated again, so the reuse count is then len(ids) - 1.
+The frontier token of a sync is always evaluated by the one-row decode step (the rest in
+prefill chunks), the same computation as that re-evaluation and as `load_payload`'s, so a
+repeated request or a restored cache gives bitwise the same logits, hence the same greedy
+continuation, as the first time.
 
 Cancellation is cooperative: `cancel()` is polled before each prefill chunk and between the
 layers of a chunk's forward pass; when it returns True `Cancelled` is raised with the session
@@ -29,6 +33,7 @@ from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
+    from engine.kvcache import KVCache
     from engine.model import Model
 
 
@@ -66,18 +71,25 @@ class Prefill:
         start = self.reused + self.evaluated
         part = self.ids[start: start + self.session.model.prefill_chunk]
         if part:
-            self.session._run(part, cancel)
+            self.session._run(part, cancel, frontier=start + len(part) == len(self.ids))
             self.evaluated += len(part)
         return len(part)
 
 
 class Session:
-    def __init__(self, model: "Model"):
+    def __init__(self, model: "Model", cache: "KVCache | None" = None):
         self.model = model
-        self.cache = model.net.new_cache(model.n_ctx, model.kv_dtype)
+        self.cache = model.net.new_cache(model.n_ctx, model.kv_dtype) if cache is None else cache
         self.tokens: list[int] = []
         self._logits: torch.Tensor | None = None
         self._sampler: Sampler | None = None
+
+    def reset(self) -> None:
+        """Forget everything; the cache's memory is kept for reuse."""
+        self.tokens = []
+        self.cache.n = 0
+        self._logits = None
+        self._sampler = None
 
     @property
     def n_past(self) -> int:
@@ -96,13 +108,23 @@ class Session:
             self._logits = None
 
     def _check_fits(self, n: int) -> None:
-        if n > self.model.n_ctx:
-            raise ValueError(f"{n} tokens do not fit the context of {self.model.n_ctx}")
+        if n > self.cache.n_ctx:
+            raise ValueError(f"{n} tokens do not fit the context of {self.cache.n_ctx}")
 
-    def _run(self, ids: list[int], cancel: Callable[[], bool] | None = None) -> None:
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.model.device)
-        self._logits = self.model.net.forward(tokens, len(self.tokens), self.cache, cancel=cancel).float().cpu()
-        self.tokens.extend(ids)
+    def _run(self, ids: list[int], cancel: Callable[[], bool] | None = None, frontier: bool = True) -> None:
+        """Evaluate `ids` after the cached tokens.  With `frontier` the last token runs as a
+        one-row decode step and sets `logits`; without, no logits are computed (an inner chunk)."""
+        net, device = self.model.net, self.model.device
+        body = ids[:-1] if frontier else ids
+        if body:
+            net.forward(torch.tensor(body, dtype=torch.long, device=device), len(self.tokens), self.cache,
+                        logits="none", cancel=cancel)
+            self.tokens.extend(body)
+            self._logits = None
+        if frontier:
+            last = torch.tensor(ids[-1:], dtype=torch.long, device=device)
+            self._logits = net.forward(last, len(self.tokens), self.cache, cancel=cancel).float().cpu()
+            self.tokens.append(ids[-1])
 
     def start_prefill(self, ids: list[int]) -> "Prefill":
         """Truncate to the common prefix with `ids` and return the remaining prefill as steps."""

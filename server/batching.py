@@ -442,7 +442,7 @@ class BatchedLoop:
 
     def _reset_slot(self, i: int) -> None:
         """A fresh session for a slot whose state may be half-updated."""
-        self.scheduler.slots[i].session = self.model.new_session()
+        self.scheduler.slots[i].session.reset()
         self.info[i] = _SlotInfo(last_used=self.clock())
 
     def _fail(self, job: Job, error: BaseException) -> None:

@@ -186,11 +186,9 @@ def run_sessions_bench(cfg: SessionsBenchConfig, model: Any, report: Callable[[s
         if not runnable:
             continue
         t0 = clock()
-        sessions, first = [], []
-        for i in range(max(runnable)):
-            s = model.new_session()
+        sessions, first = model.new_sessions(max(runnable)), []
+        for i, s in enumerate(sessions):
             s.sync(benchmark_ids(vocab, ctx, cfg.seed + i))
-            sessions.append(s)
             first.append(_greedy(s.logits))
         report(f"ctx {ctx}: prefilled {len(sessions)} sessions in {clock() - t0:.1f} s")
         with torch.inference_mode():

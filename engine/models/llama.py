@@ -9,13 +9,22 @@ scores are invariant under the same permutation of q and k), so one rope kernel 
 `LlamaModel.forward(tokens, start, cache, logits=...)` evaluates T new tokens at positions
 [start, start+T) against `cache`, writes their keys/values and returns float32 logits for
 the last position ([n_vocab]), for every position ([T, n_vocab]) or nothing.
-`LlamaModel.forward_rows(tokens, caches)` is batched decoding: one new token for each of N
-independent sequences, each at the end of its own cache.  The matmuls (where the weights are
-read) run once for all rows; attention runs row by row against each row's own cache with
-the same code as single-row decoding, so no row's cache is copied or padded.
+`LlamaModel.forward_rows(tokens, caches)` is decoding: one new token for each of N
+independent sequences, each at the end of its own cache (N = 1 is a session's own decode
+step, so a row decoded in a batch and alone run the same code).  The matmuls (where the
+weights are read) run once for all rows, with kernels whose result for a row does not depend
+on the other rows.  Attention runs row by row against each row's own cache: torch's batched
+attention over rows padded to a common length is not bitwise equal to attending one row at
+its own length (the kernels block the key axis by its size), and the activations' rounding
+to bfloat16 at the int4 matmuls amplifies a last-bit difference into different greedy
+tokens within a few dozen steps.  Row by row, batched and single decoding agree exactly.
+Slots of one `KVPool` store all rows' new keys and values with one indexed copy per layer.
 Residual stream, norms, rope and attention run in float32; matmuls in the weights' own
-compute dtype (see engine.weights).  It reads no files beyond the given records and knows
-nothing of tokens' text or sessions.
+compute dtype (see engine.weights).  Decoding is dispatch-bound on CPU (a token is several
+hundred small tensor operations next to a few milliseconds of matmuls), so the code favours
+fewer operations: rope rotates q and k in place inside the fused qkv output, one copy stores
+a layer's K and V, and the norm takes its mean square from one fused vector norm.
+It reads no files beyond the given records and knows nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
@@ -28,8 +37,8 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine.kvcache import KVCache
-from engine.weights import Linear, build_linear, dense_dtype, to_float
+from engine.kvcache import KVCache, KVPool
+from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
@@ -89,11 +98,15 @@ class LlamaModel:
             self.blocks = [Block(cfg, t, i, fmt, device) for i in range(cfg.n_layer)]
         except KeyError as e:
             raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
-        # The embedding table doubles as the output head when the model ties them.
-        emb = to_float(t["token_embd.weight"])
-        self.embed = torch.from_numpy(emb).to(device=device, dtype=dense_dtype(fmt, device, normalized_input=True))
+        self.embed = Embedding(t["token_embd.weight"], fmt, device)
         self.out_norm = torch.from_numpy(to_float(t["output_norm.weight"]).reshape(-1)).to(device)
-        self.output: Linear | None = build_linear([t["output.weight"]], fmt, device, normalized_input=True) if "output.weight" in t else None
+        # A tied head reuses the embedding table where one is resident, else gets its own kernel.
+        self.head_is_table = "output.weight" not in t and self.embed.table is not None
+        if self.head_is_table:
+            self.output: Linear = DenseLinear(self.embed.table)
+        else:
+            self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device)
+        self._eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
         self._rope_tables(t.get("rope_freqs.weight"))
 
     def _rope_tables(self, freq_factors: TensorRecord | None) -> None:
@@ -106,84 +119,104 @@ class LlamaModel:
 
     @property
     def weight_bytes(self) -> int:
-        out = self.output.nbytes if self.output is not None else 0
+        out = 0 if self.head_is_table else self.output.nbytes
         return sum(b.nbytes for b in self.blocks) + self.embed.nbytes + self.out_norm.nbytes + out
 
     def new_cache(self, n_ctx: int, dtype: torch.dtype = torch.float32) -> KVCache:
         cfg = self.cfg
         return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
+    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype = torch.float32) -> KVPool:
+        cfg = self.cfg
+        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self._norm(h, self.out_norm)
-        if self.output is not None:
-            return self.output(h)
-        return F.linear(h.to(self.embed.dtype), self.embed)
+        return self.output(self._norm(h, self.out_norm)).float()
 
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Spelled out: faster than F.rms_norm's composite on CPU for one row, and identical maths.
-        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.cfg.norm_eps) * w
+        # mean(x^2) + eps as |x|^2 / n + eps: two fused operations instead of four.
+        ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(self._eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * w
 
-    def _qkv(self, blk: Block, h: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Projections with rope applied: q [T, H, D], k and v [T, Hkv, D]."""
-        T = h.shape[0]
+    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
+        T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        qkv = blk.wqkv(h).float()  # [T, (H + 2*Hkv) * D]
-        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
-        if blk.q_norm is None:  # q and k are adjacent: rotate both in one complex multiply
-            qk = torch.view_as_complex(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D // 2, 2)) * rope
-            qk = torch.view_as_real(qk).view(T, H + Hkv, D)
-            return qk[:, :H], qk[:, H:], v
-        q = self._norm(qkv[:, : H * D].view(T, H, D), blk.q_norm)
-        k = self._norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D), blk.k_norm)
-        q = torch.view_as_real(torch.view_as_complex(q.view(T, H, D // 2, 2)) * rope).view(T, H, D)
-        k = torch.view_as_real(torch.view_as_complex(k.view(T, Hkv, D // 2, 2)) * rope).view(T, Hkv, D)
-        return q, k, v
+        qkv = blk.wqkv(self._norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
+        if blk.q_norm is not None:
+            qkv[:, : H * D] = self._norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
+            qkv[:, H * D: (H + Hkv) * D] = self._norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
+                                                      blk.k_norm).view(T, Hkv * D)
+        torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
+        return qkv
 
-    def _attend(self, q: torch.Tensor, li: int, cache: KVCache, start: int, end: int,
-                mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """q [T, H, D] against cached positions [0, end) -> [T, H * D]."""
-        T, H, D = q.shape
-        Hkv = self.cfg.n_head_kv
-        keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
-        if T == 1:
-            # One query row: plain batched matmuls over the kv heads beat SDPA's dispatch cost.
-            qg = q.view(Hkv, H // Hkv, D).to(keys.dtype)
-            scores = torch.baddbmm(qg.new_empty(()), qg, keys.transpose(1, 2), beta=0.0, alpha=D ** -0.5)
-            return torch.bmm(torch.softmax(scores.float(), dim=-1).to(vals.dtype), vals).view(1, H * D)
-        att = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), vals.unsqueeze(0),
-            attn_mask=mask, is_causal=causal, enable_gqa=True,
-        )  # [1, H, T, D]
-        return att[0].transpose(0, 1).reshape(T, H * D)
+    def _ffn(self, blk: Block, x: torch.Tensor) -> torch.Tensor:
+        n_ff = self.cfg.n_ff
+        gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm))
+        return blk.w_down(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
+
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """One query row q [1, H * D] against keys/vals [Hkv, L, D] -> [1, H * D]."""
+        Hkv, _, D = keys.shape
+        # Plain batched matmuls over the kv heads: cheaper to dispatch than SDPA for one row, and
+        # unlike SDPA's one-row kernel their result does not depend on the number of threads.
+        qg = q.view(Hkv, -1, D) * D ** -0.5
+        if keys.dtype != torch.float32:
+            qg = qg.to(keys.dtype)
+        probs = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
+        return torch.bmm(probs if vals.dtype == torch.float32 else probs.to(vals.dtype), vals).view(1, -1)
+
+    def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """attend(layer, qkv [N, ...]) -> [N, H * D] for one decode step: stores each row's K and V
+        at its position, then attends each row to its own cache, one row after another."""
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
+        qd = H * D
+        pool = caches[0].pool
+        if len(caches) > 1 and pool is not None and all(c.pool is pool for c in caches):
+            where = pool.row_index([c.slot for c in caches], pos)
+
+            def store(li: int, qkv: torch.Tensor) -> None:
+                pool.layer_rows[li].index_copy_(0, where, qkv[:, qd:].reshape(-1, D).to(pool.kv.dtype))
+        else:
+            def store(li: int, qkv: torch.Tensor) -> None:
+                for i, (c, p) in enumerate(zip(caches, pos)):
+                    c.layer_kv[li][:, :, p] = qkv[i, qd:].view(2, Hkv, D)
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
+            store(li, qkv)
+            rows = [self._attend_one(qkv[i: i + 1, :qd], c.layer_k[li][:, : p + 1], c.layer_v[li][:, : p + 1])
+                    for i, (c, p) in enumerate(zip(caches, pos))]
+            return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return attend
 
     @torch.inference_mode()
     def forward_rows(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
         """tokens [N], caches N distinct caches -> logits [N, n_vocab] (float32)."""
-        cfg = self.cfg
         pos = [c.n for c in caches]
         for c in caches:
             c.reserve(c.n + 1)
-        rope = self.rope[torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
-        x = self.embed[tokens].float()  # [N, n_embd]
+        attend = self._row_attention(caches, pos)
+        if len(pos) == 1:
+            rope = self.rope[pos[0]: pos[0] + 1].unsqueeze(1)  # [1, 1, D/2]
+        else:
+            rope = self.rope[torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
+        x = self.embed(tokens)  # [N, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
-            q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
-            rows = []
-            for i, (c, p) in enumerate(zip(caches, pos)):
-                c.layer_k[li][:, p] = k[i]
-                c.layer_v[li][:, p] = v[i]
-                rows.append(self._attend(q[i: i + 1], li, c, p, p + 1, None, False))
-            x += blk.wo(torch.cat(rows))
-            gate, up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).split(cfg.n_ff, dim=-1)
-            x += blk.w_down(F.silu(gate) * up)
+            x += blk.wo(attend(li, self._qkv(blk, x, rope)))
+            x += self._ffn(blk, x)
         for c, p in zip(caches, pos):
             c.n = p + 1
-        return self.head(x).float()
+        return self.head(x)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
                 cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:
-        cfg = self.cfg
         T = tokens.shape[0]
+        if T == 1 and logits == "last" and start == cache.n:  # a decode step: one code path for all
+            if cancel is not None and cancel():
+                raise Cancelled("cancelled before a one-token step")
+            return self.forward_rows(tokens, [cache])[0]
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         end = start + T
         cache.reserve(end)
         rope = self.rope[start:end].unsqueeze(1)  # [T, 1, D/2]
@@ -191,19 +224,21 @@ class LlamaModel:
         if T > 1 and start > 0:  # causal with the past visible: row i sees positions <= start + i
             pos = torch.arange(end, device=self.device)
             mask = pos[None, :] <= (start + torch.arange(T, device=self.device))[:, None]
-        x = self.embed[tokens].float()  # [T, n_embd] residual stream, float32
+        x = self.embed(tokens)  # [T, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
-            q, k, v = self._qkv(blk, self._norm(x, blk.attn_norm), rope)
-            cache.layer_k[li][:, start:end] = k.transpose(0, 1)
-            cache.layer_v[li][:, start:end] = v.transpose(0, 1)
-            x += blk.wo(self._attend(q, li, cache, start, end, mask, causal))
-            gate, up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).split(cfg.n_ff, dim=-1)
-            x += blk.w_down(F.silu(gate) * up)
+            qkv = self._qkv(blk, x, rope)
+            cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
+            keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
+            q = qkv[:, : H * D].view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
+            att = F.scaled_dot_product_attention(q, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
+                                                 is_causal=causal, enable_gqa=True)  # [1, H, T, D]
+            x += blk.wo(att[0].transpose(0, 1).reshape(T, H * D))
+            x += self._ffn(blk, x)
         cache.n = end
         if logits == "last":
-            return self.head(x[-1:])[0].float()
+            return self.head(x[-1:])[0]
         if logits == "all":
-            return self.head(x).float()
+            return self.head(x)
         return None

@@ -37,3 +37,20 @@ def test_cuda_session_decode_matches_its_own_prefill(tiny_gguf):
     torch.testing.assert_close(s.logits, full.logits, rtol=2e-2, atol=2e-2 * float(full.logits.abs().max()))
     out = list(generate(s, SamplingParams(argmax_ignoring_eos=True), 8))
     assert len(out) == 8
+
+
+def test_cuda_pooled_batch_matches_single_rows(tiny_gguf):
+    from engine.batch import decode_batch
+
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"), device="cuda")
+    prompts = [TOKENS[:3], TOKENS[:9], TOKENS, TOKENS[4:11]]
+    pool = m.new_sessions(len(prompts))
+    for s, p in zip(pool, prompts):
+        s.sync(p)
+    decode_batch(pool, [7, 8, 9, 10])
+    for s, p, t in zip(pool, prompts, [7, 8, 9, 10]):
+        one = m.new_session()
+        one.sync(p)
+        one.eval(t)
+        torch.testing.assert_close(s.logits, one.logits, rtol=2e-2, atol=2e-2 * float(one.logits.abs().max()))
+        assert int(s.logits.argmax()) == int(one.logits.argmax())

@@ -110,3 +110,4 @@ def test_chunked_prefill_equals_one_pass(tiny_gguf):
     chunked = m.new_session()
     chunked.sync(ids)
     torch.testing.assert_close(chunked.logits, one.logits, rtol=1e-4, atol=1e-4)
+

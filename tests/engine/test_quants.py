@@ -10,7 +10,7 @@ from gguf import quants as gq
 from engine.gguf_file import TensorRecord
 from engine.quants import INT4_GROUPED, dequantize, unpack_int4_groups
 from engine.synthetic import _encode
-from engine.weights import DenseLinear, Int4Linear, build_linear
+from engine.weights import DenseLinear, Embedding, Fp16Linear, Int4Linear, build_linear, fbgemm_available
 
 TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
 
@@ -66,3 +66,36 @@ def test_fused_rows_and_permutation():
     full = np.concatenate([dequantize(QT.Q4_1, a.data, 64), dequantize(QT.Q8_0, b.data, 64)])
     x = torch.randn(3, 64)
     torch.testing.assert_close(lin(x), x @ torch.from_numpy(full[perm]).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no FBGEMM")
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32])
+def test_dense_types_use_fp16_kernel_with_float32_activations(qtype):
+    raw = encoded(qtype, rows=40, cols=512, seed=4)
+    bias = TensorRecord("b", QT.F32, (40,), np.linspace(-1, 1, 40, dtype=np.float32).view(np.uint8))
+    lin = build_linear([TensorRecord("w", qtype, (40, 512), raw)], "packed", torch.device("cpu"), biases=[bias])
+    assert isinstance(lin, Fp16Linear) and lin.nbytes == 40 * 512 * 2 + 40 * 4
+    w16 = torch.from_numpy(dequantize(qtype, raw, 512)).half().double()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
+    got = lin(x)
+    assert got.dtype == torch.float32
+    # Only the weights are rounded (to float16): the result matches float64 maths on them closely.
+    ref = x.double() @ w16.T + torch.linspace(-1, 1, 40).double()
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    # A row's result does not depend on the other rows of the batch (batched decoding relies on it).
+    rows = torch.cat([lin(x[i: i + 1]) for i in range(9)])
+    assert torch.equal(rows, got)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("fmt", ["packed", "float32"])
+def test_embedding_rows_equal_dequantized_table(qtype, fmt):
+    raw = encoded(qtype, rows=12, cols=256, seed=5)
+    emb = Embedding(TensorRecord("token_embd.weight", qtype, (12, 256), raw), fmt, torch.device("cpu"))
+    table = torch.from_numpy(dequantize(qtype, raw, 256))
+    ids = torch.tensor([3, 0, 11, 3])
+    got = emb(ids)
+    assert got.dtype == torch.float32 and got.shape == (4, 256)
+    assert torch.equal(got, table[ids])
+    # The packed format reads rows from the file's bytes instead of holding a table.
+    assert emb.nbytes == (0 if fmt == "packed" else table.nbytes)

@@ -157,3 +157,4 @@ def test_cancel_inside_a_chunk_rolls_back_to_the_last_whole_chunk(model):
     fresh = model.new_session()
     fresh.sync(IDS)
     torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-3, atol=1e-3)
+
