@@ -10,7 +10,8 @@ whole context.  A standalone cache owns its tensor.  A `KVPool` owns one tensor 
 [n_layer, 2, n_slots, n_head_kv, capacity, head_dim] and hands out one cache per slot whose
 `kv` is a view into it; the pool grows all slots together.  Batched decoding over slots of
 one pool writes every row's new K and V of a layer with one indexed copy (`row_index`)
-instead of one copy per row.
+instead of one copy per row; on CUDA the rows also attend in one batch, reading keys past a
+shorter row's end (masked), which is why pool memory is zero-filled.
 
 It does not know which tokens the positions hold (the session does).
 """
@@ -120,7 +121,9 @@ class KVPool:
         if n <= self.capacity:
             return
         old = self.kv
-        new = old.new_empty(*old.shape[:4], _grown(old.shape[4], n, self.n_ctx), old.shape[5])
+        # Zero-filled: batched attention on CUDA reads (and masks out) positions past a shorter
+        # row's end, and masked values must still be finite.
+        new = old.new_zeros(*old.shape[:4], _grown(old.shape[4], n, self.n_ctx), old.shape[5])
         new[..., : old.shape[4], :] = old
         self.kv = new
         self._split()

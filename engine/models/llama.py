@@ -18,7 +18,8 @@ attention over rows padded to a common length is not bitwise equal to attending 
 its own length (the kernels block the key axis by its size), and the activations' rounding
 to bfloat16 at the int4 matmuls amplifies a last-bit difference into different greedy
 tokens within a few dozen steps.  Row by row, batched and single decoding agree exactly.
-Slots of one `KVPool` store all rows' new keys and values with one indexed copy per layer.
+Slots of one `KVPool` store all rows' new keys and values with one indexed copy per layer,
+and on CUDA (where no kernel is bitwise row-invariant anyway) attend in one masked batch.
 Residual stream, norms, rope and attention run in float32; matmuls in the weights' own
 compute dtype (see engine.weights).  Decoding is dispatch-bound on CPU (a token is several
 hundred small tensor operations next to a few milliseconds of matmuls), so the code favours
@@ -156,11 +157,12 @@ class LlamaModel:
         return blk.w_down(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        """One query row q [1, H * D] against keys/vals [Hkv, L, D] -> [1, H * D]."""
+        """One query row q [H * D], already scaled by 1/sqrt(D), against keys/vals [Hkv, L, D]
+        -> [1, H * D]."""
         Hkv, _, D = keys.shape
         # Plain batched matmuls over the kv heads: cheaper to dispatch than SDPA for one row, and
         # unlike SDPA's one-row kernel their result does not depend on the number of threads.
-        qg = q.view(Hkv, -1, D) * D ** -0.5
+        qg = q.view(Hkv, -1, D)
         if keys.dtype != torch.float32:
             qg = qg.to(keys.dtype)
         probs = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
@@ -168,7 +170,8 @@ class LlamaModel:
 
     def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """attend(layer, qkv [N, ...]) -> [N, H * D] for one decode step: stores each row's K and V
-        at its position, then attends each row to its own cache, one row after another."""
+        at its position, then attends each row to its own cache, one row after another (on CUDA,
+        rows pooled together attend in one masked batch: see _pooled_attention)."""
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qd = H * D
         pool = caches[0].pool
@@ -177,6 +180,8 @@ class LlamaModel:
 
             def store(li: int, qkv: torch.Tensor) -> None:
                 pool.layer_rows[li].index_copy_(0, where, qkv[:, qd:].reshape(-1, D).to(pool.kv.dtype))
+            if self.device.type == "cuda":
+                return self._pooled_attention(pool, [c.slot for c in caches], pos, store)
         else:
             def store(li: int, qkv: torch.Tensor) -> None:
                 for i, (c, p) in enumerate(zip(caches, pos)):
@@ -184,9 +189,34 @@ class LlamaModel:
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             store(li, qkv)
-            rows = [self._attend_one(qkv[i: i + 1, :qd], c.layer_k[li][:, : p + 1], c.layer_v[li][:, : p + 1])
+            q = qkv[:, :qd] * D ** -0.5
+            rows = [self._attend_one(q[i], c.layer_k[li][:, : p + 1], c.layer_v[li][:, : p + 1])
                     for i, (c, p) in enumerate(zip(caches, pos))]
             return rows[0] if len(rows) == 1 else torch.cat(rows)
+        return attend
+
+    def _pooled_attention(self, pool: KVPool, slots: list[int], pos: list[int],
+                          store: Callable[[int, torch.Tensor], None]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+        """CUDA only: all rows attend in one batch over the longest row's length, each masked to
+        its own.  On the GPU the row-by-row loop is bound by kernel launches, and the GPU's
+        matmul kernels already round differently for different row counts, so bitwise equality
+        with single-row decoding is not on offer there either (tests bound the difference)."""
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
+        N, G, L = len(slots), H // Hkv, max(pos) + 1
+        hidden = (torch.arange(L, device=self.device)[None, :]
+                  > torch.tensor(pos, device=self.device)[:, None]).view(N, 1, 1, L)
+        first = slots[0]
+        gather = None if slots == list(range(first, first + N)) else torch.tensor(slots, device=self.device)
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
+            store(li, qkv)
+            kv = pool.layer_kv[li][:, :, :, :L]  # [2, slots, Hkv, L, D]
+            kv = kv[:, first: first + N] if gather is None else kv.index_select(1, gather)
+            keys, vals = kv[0].flatten(0, 1), kv[1].flatten(0, 1)  # [N * Hkv, L, D]
+            q = (qkv[:, : H * D] * D ** -0.5).reshape(N * Hkv, G, D).to(keys.dtype)
+            scores = torch.bmm(q, keys.transpose(1, 2)).float().view(N, Hkv, G, L)
+            probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+            return torch.bmm(probs.view(N * Hkv, G, L).to(vals.dtype), vals).view(N, H * D)
         return attend
 
     @torch.inference_mode()
