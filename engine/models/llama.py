@@ -156,17 +156,16 @@ class LlamaModel:
         gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm))
         return blk.w_down(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
 
-    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-        """One query row q [H * D], already scaled by 1/sqrt(D), against keys/vals [Hkv, L, D]
-        -> [1, H * D]."""
-        Hkv, _, D = keys.shape
+    @staticmethod
+    def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """One row's queries q [Hkv, G, D], already scaled by 1/sqrt(D), against keys/vals
+        [Hkv, L, D] -> [Hkv, G, D]."""
         # Plain batched matmuls over the kv heads: cheaper to dispatch than SDPA for one row, and
         # unlike SDPA's one-row kernel their result does not depend on the number of threads.
-        qg = q.view(Hkv, -1, D)
         if keys.dtype != torch.float32:
-            qg = qg.to(keys.dtype)
-        probs = torch.softmax(torch.bmm(qg, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
-        return torch.bmm(probs if vals.dtype == torch.float32 else probs.to(vals.dtype), vals).view(1, -1)
+            q = q.to(keys.dtype)
+        probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
+        return torch.bmm(probs if vals.dtype == torch.float32 else probs.to(vals.dtype), vals)
 
     def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """attend(layer, qkv [N, ...]) -> [N, H * D] for one decode step: stores each row's K and V
@@ -187,12 +186,14 @@ class LlamaModel:
                 for i, (c, p) in enumerate(zip(caches, pos)):
                     c.layer_kv[li][:, :, p] = qkv[i, qd:].view(2, Hkv, D)
 
+        N, attend_one = len(caches), self._attend_one
+
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             store(li, qkv)
-            q = qkv[:, :qd] * D ** -0.5
-            rows = [self._attend_one(q[i], c.layer_k[li][:, : p + 1], c.layer_v[li][:, : p + 1])
+            q = (qkv[:, :qd] * D ** -0.5).view(N, Hkv, -1, D)
+            rows = [attend_one(q[i], c.layer_k[li][:, : p + 1], c.layer_v[li][:, : p + 1])
                     for i, (c, p) in enumerate(zip(caches, pos))]
-            return rows[0] if len(rows) == 1 else torch.cat(rows)
+            return (rows[0] if N == 1 else torch.stack(rows)).view(N, qd)
         return attend
 
     def _pooled_attention(self, pool: KVPool, slots: list[int], pos: list[int],
