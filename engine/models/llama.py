@@ -21,8 +21,8 @@ tokens within a few dozen steps.  Row by row, batched and single decoding agree 
 Slots of one `KVPool` store all rows' new keys and values with one indexed copy per layer,
 and on CUDA (where no kernel is bitwise row-invariant anyway) attend in one masked batch.
 Residual stream, norms, rope and attention run in float32; matmuls in the weights' own
-compute dtype (see engine.weights).  Decoding is dispatch-bound on CPU (a token is several
-hundred small tensor operations next to a few milliseconds of matmuls), so the code favours
+compute dtype (see engine.weights).  Decoding is dispatch-bound on CPU (a token of SmolLM2 is
+about 1,400 small tensor operations next to 6 ms of matmuls), so the code favours
 fewer operations: rope rotates q and k in place inside the fused qkv output, one copy stores
 a layer's K and V, and the norm takes its mean square from one fused vector norm.
 It reads no files beyond the given records and knows nothing of tokens' text or sessions.
