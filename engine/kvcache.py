@@ -55,9 +55,7 @@ class KVCache:
         return self.kv.shape[3]
 
     def reserve(self, n: int) -> None:
-        if n > self.n_ctx:
-            raise ValueError(f"context overflow: {n} positions > context size {self.n_ctx}")
-        if n <= self.capacity:
+        if not _must_grow(n, self.capacity, self.n_ctx):
             return
         if self.pool is not None:
             self.pool.reserve(n)
@@ -89,6 +87,12 @@ class KVCache:
         self.n = n
 
 
+def _must_grow(n: int, capacity: int, n_ctx: int) -> bool:
+    if n > n_ctx:
+        raise ValueError(f"context overflow: {n} positions > context size {n_ctx}")
+    return n > capacity
+
+
 def _grown(cap: int, n: int, n_ctx: int) -> int:
     while cap < n:
         cap = min(cap * 2, n_ctx)
@@ -116,9 +120,7 @@ class KVPool:
         return self.kv.shape[4]
 
     def reserve(self, n: int) -> None:
-        if n > self.n_ctx:
-            raise ValueError(f"context overflow: {n} positions > context size {self.n_ctx}")
-        if n <= self.capacity:
+        if not _must_grow(n, self.capacity, self.n_ctx):
             return
         old = self.kv
         # Zero-filled: batched attention on CUDA reads (and masks out) positions past a shorter
