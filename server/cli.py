@@ -50,7 +50,8 @@ def banner(model: object, config: ServerConfig) -> str:
     host = f"[{config.host}]" if ":" in config.host else config.host
     lines = [
         f"ds4-server: model {model.name} ({getattr(model, 'path', '')})",  # type: ignore[attr-defined]
-        f"ds4-server: device {config.device}, context {n_ctx} tokens",
+        f"ds4-server: device {config.device}, context {n_ctx} tokens"
+        + (f", CPU threads {config.threads}" if config.threads is not None else ""),
         f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
         + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
         f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)})",
@@ -91,6 +92,9 @@ def banner(model: object, config: ServerConfig) -> str:
               help="Size budget of the disk KV cache in MiB; the least useful entries are evicted beyond it.")
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads of the engine's kernels (default: torch's, one per core). On a machine "
+                   "shared with the clients, fewer threads than cores avoids stalls.")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)
@@ -108,6 +112,10 @@ def main(**flags: object) -> None:
     from engine.batch import CapacityError
     from server.app import create_app
 
+    if config.threads is not None:
+        import torch
+
+        torch.set_num_threads(config.threads)
     model_path = os.path.abspath(config.model) if config.model else None
     try:
         model = load_model(model_path, ctx=config.ctx, device=config.device)

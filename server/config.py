@@ -47,6 +47,8 @@ class ServerConfig:
     """Disk KV cache directory (None: no disk cache) and its size budget."""
     batched_session: int = 1
     """Resident engine sessions decoded together (1: one request at a time, in FIFO order)."""
+    threads: int | None = None
+    """CPU threads of the engine's kernels (torch.set_num_threads); None keeps torch's default."""
 
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:
@@ -61,6 +63,8 @@ class ServerConfig:
             raise ValueError(f"kv_cache_budget_mb must be at least 1, got {self.kv.budget_mb}")
         if self.batched_session < 1:
             raise ValueError(f"batched_session must be at least 1, got {self.batched_session}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 

@@ -37,11 +37,12 @@ def test_defaults_match_the_specification():
     assert config_from_flags(**defaults) == c
 
 
-def test_kv_and_batching_flags_fill_their_fields():
-    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, batched_session=3)
-    assert c.kv == KVStoreConfig(directory="/tmp/kv", budget_mb=12) and c.batched_session == 3
+def test_kv_batching_and_thread_flags_fill_their_fields():
+    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, batched_session=3, threads=1)
+    assert c.kv == KVStoreConfig(directory="/tmp/kv", budget_mb=12) and c.batched_session == 3 and c.threads == 1
     assert ServerConfig().kv == KVStoreConfig(directory=None, budget_mb=4096) and ServerConfig().batched_session == 1
-    for flags in ({"kv_cache_budget_mb": 0}, {"batched_session": 0}):
+    assert ServerConfig().threads is None
+    for flags in ({"kv_cache_budget_mb": 0}, {"batched_session": 0}, {"threads": 0}):
         result = CliRunner().invoke(main, [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
         assert result.exit_code == 2 and "must be at least 1" in result.output
 
@@ -103,3 +104,17 @@ def test_banner_names_model_memory_and_address():
     assert "tool syntax dsml, exact tool replay off" in banner(
         FakeModel(), ServerConfig(tools=ToolsConfig(tool_syntax="dsml", disable_exact_tool_replay=True)))
     assert "reachable from other machines" in banner(FakeModel(), ServerConfig(host="0.0.0.0"))
+    assert "CPU threads" not in text and "CPU threads 1" in banner(FakeModel(), ServerConfig(threads=1))
+
+
+def test_threads_flag_sets_the_engine_threads_before_loading(tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        want = 1 if before != 1 else 2
+        result = CliRunner().invoke(main, ["--threads", str(want), "--model", str(tmp_path / "missing.gguf")])
+        assert result.exit_code == 1 and "cannot load model" in result.output
+        assert torch.get_num_threads() == want
+    finally:
+        torch.set_num_threads(before)
