@@ -23,8 +23,8 @@ Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="pa
     (`add_bos` does, for models that want one: `model.add_bos`).
   - `detokenize(ids) -> str`, `text_stream() -> TextStream` (incremental, UTF-8 safe).
   - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`.
-  - `new_session() -> Session`; `new_sessions(n, ctx=None) -> list[Session]`: n sessions
-    whose caches are slots of one pool, for batched decoding (each also works alone).
+  - `new_session() -> Session`; `new_sessions(n) -> list[Session]`: n sessions whose
+    caches are slots of one pool, for batched decoding (each also works alone).
   - Memory: `weight_bytes`, `kv_bytes_per_token`, `memory_bytes(n_sessions, ctx)`.
 
 Session:

@@ -1,11 +1,11 @@
 """Batched sessions: several resident sessions decoding together.
 
 - `decode_batch(sessions, tokens)` evaluates one token for each of N sessions in one forward
-  pass (`LlamaModel.forward_rows`): the weights are read once for all rows; sessions made
-  together by `Model.new_sessions` share a KV pool and attend in one batched matmul, others
-  attend one after another on their own caches.  Each row's result equals decoding it alone
-  up to the kernels' summation order (float32 accumulation in both; the tests bound the
-  difference and check that greedy tokens are identical).
+  pass (`LlamaModel.forward_rows`): the weights are read once for all rows, attention runs
+  row by row on each session's own cache (sessions made together by `Model.new_sessions`
+  share a KV pool, so all rows' new keys and values are stored with one copy per layer).  On
+  CPU each row's logits are bitwise equal to decoding it alone; on CUDA pooled rows attend in
+  one masked batch and agree with single-row decoding to the GPU kernels' rounding.
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
   never stalls decoding for more than one chunk) and then one batched decode step for every
@@ -125,7 +125,7 @@ class BatchScheduler:
         if check_memory:
             check_capacity(model, n_slots, ctx)
         self.model = model
-        self.slots = [_Slot(s) for s in model.new_sessions(n_slots, ctx)]
+        self.slots = [_Slot(s) for s in model.new_sessions(n_slots)]
         self.queue: deque[GenRequest] = deque()
         self._next_prefill = 0
 

@@ -113,10 +113,10 @@ class Model:
     def new_session(self) -> Session:
         return Session(self)
 
-    def new_sessions(self, n: int, ctx: int | None = None) -> list[Session]:
-        """n sessions whose caches are slots of one pool, so that they decode together in one
-        batched attention (see engine.batch); each still works alone like any session."""
-        pool = self.net.new_pool(n, self.n_ctx if ctx is None else ctx, self.kv_dtype)
+    def new_sessions(self, n: int) -> list[Session]:
+        """n sessions whose caches are slots of one pool, so that a batched decoding step stores
+        all rows' keys and values at once (see engine.batch); each still works alone."""
+        pool = self.net.new_pool(n, self.n_ctx, self.kv_dtype)
         return [Session(self, cache) for cache in pool.caches]
 
     @property

@@ -441,7 +441,7 @@ class BatchedLoop:
             info.prompt_text, info.n_prompt, info.on_disk = None, 0, 0
 
     def _reset_slot(self, i: int) -> None:
-        """A fresh session for a slot whose state may be half-updated."""
+        """Empty a slot whose session state may be half-updated (its cache memory is kept)."""
         self.scheduler.slots[i].session.reset()
         self.info[i] = _SlotInfo(last_used=self.clock())
 
