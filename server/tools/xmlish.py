@@ -37,6 +37,20 @@ def _result_block(results: list[ToolResult]) -> str:
     return "\n".join(f"{RESULT_OPEN}\n{_RESULT_ESC.escape(r.content)}\n{RESULT_CLOSE}" for r in results)
 
 
+class _CallScanner(BlockScanner):
+    """One call block read as a state machine: its name, then key/value arguments."""
+
+    first_state = ""
+
+    def __init__(self, tools):
+        super().__init__(tools)
+        self.state = self.first_state
+        self.name = ""
+        self.key = ""
+        self.args: dict = {}
+        self.tag_start = 0  # where the tag being read began, for repair()
+
+
 # ---- qwen-xml ---------------------------------------------------------------------------------------------------
 
 Q_FUNC, Q_FUNC_END = "<function=", "</function>"
@@ -45,14 +59,8 @@ _Q_ESC = DelimiterEscaper([Q_PARAM_END])
 _Q_VALUE_END = re.compile(re.escape(Q_PARAM_END))
 
 
-class QwenXmlScanner(BlockScanner):
-    def __init__(self, tools):
-        super().__init__(tools)
-        self.state = "func"
-        self.name = ""
-        self.key = ""
-        self.args: dict = {}
-        self.tag_start = 0
+class QwenXmlScanner(_CallScanner):
+    first_state = "func"
 
     def _run(self) -> None:
         while self.status == INCOMPLETE:
@@ -162,14 +170,8 @@ _G_KEY_TERM = re.compile(re.escape(G_KEY_END))
 _G_VAL_TERM = re.compile(re.escape(G_VAL_END))
 
 
-class GlmScanner(BlockScanner):
-    def __init__(self, tools):
-        super().__init__(tools)
-        self.state = "name"
-        self.name = ""
-        self.key = ""
-        self.args: dict = {}
-        self.tag_start = 0
+class GlmScanner(_CallScanner):
+    first_state = "name"
 
     def _run(self) -> None:
         while self.status == INCOMPLETE:
