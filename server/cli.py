@@ -51,7 +51,8 @@ def banner(model: object, config: ServerConfig) -> str:
     lines = [
         f"ds4-server: model {model.name} ({getattr(model, 'path', '')})",  # type: ignore[attr-defined]
         f"ds4-server: device {config.device}, context {n_ctx} tokens"
-        + (f", CPU threads {config.threads}" if config.threads is not None else ""),
+        + (f", CPU threads {config.threads}" if config.threads is not None else "")
+        + (f", decode attention: {model.net.attention_path}" if hasattr(model, "net") else ""),  # type: ignore[attr-defined]
         f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
         + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
         f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)})",

@@ -338,8 +338,8 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
         result = run_sessions_bench(cfg, loaded, report=lambda line: click.echo(line, err=True))
     except (ValueError, RuntimeError) as e:
         raise RunFailure(f"{type(e).__name__}: {e}") from None
-    click.echo(f"{result.model}, {result.device}, {result.threads} threads, {cfg.decode_tokens} decode steps, "
-               f"load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    click.echo(f"{result.model}, {result.device}, {result.threads} threads, decode attention: "
+               f"{loaded.net.attention_path}, {cfg.decode_tokens} decode steps, load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     click.echo(render_table(result))
     lines = target_lines(result)
     if lines:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
+from engine import kernels
 from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
@@ -108,6 +109,10 @@ class LlamaModel:
         else:
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device)
         self._eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
+        # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
+        # float32 caches); None keeps the torch-ops path.
+        fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
+        self.attention_kernel = kernels.decode_attention() if fits else None
         self._rope_tables(t.get("rope_freqs.weight"))
 
     def _rope_tables(self, freq_factors: TensorRecord | None) -> None:
@@ -117,6 +122,16 @@ class LlamaModel:
             inv = inv / torch.from_numpy(to_float(freq_factors).reshape(-1)).double()
         angles = torch.outer(torch.arange(cfg.n_ctx_train, dtype=torch.float64), inv)
         self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)  # [ctx, d/2]
+
+    @property
+    def attention_path(self) -> str:
+        """How decode steps attend, for banners and benchmark headers."""
+        if self.attention_kernel is not None:
+            return "compiled CPU kernel"
+        if self.device.type != "cpu":
+            return f"torch ops ({self.device.type})"
+        why = kernels.unavailable_reason() or f"no kernel for head dim {self.cfg.head_dim}"
+        return f"torch ops ({why})"
 
     @property
     def weight_bytes(self) -> int:
@@ -173,6 +188,10 @@ class LlamaModel:
         rows pooled together attend in one masked batch: see _pooled_attention)."""
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qd = H * D
+        op = self.attention_kernel
+        if op is not None and caches[0].kv.dtype == torch.float32:
+            layers = [c.layer_kv for c in caches]
+            return lambda li, qkv: op(qkv, [kv[li] for kv in layers], pos, D ** -0.5)
         pool = caches[0].pool
         if len(caches) > 1 and pool is not None and all(c.pool is pool for c in caches):
             where = pool.row_index([c.slot for c in caches], pos)

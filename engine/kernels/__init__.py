@@ -1,0 +1,101 @@
+"""Compiled CPU kernels for the engine's hot paths, built on first use.
+
+`decode_attention()` returns the op `torch.ops.ds4.decode_attention` (contract in
+decode_attention.cpp), or None where it cannot be built or loaded here; `unavailable_reason()`
+then says why in one line, and callers keep their torch-ops path.
+
+The C++ source is compiled once per machine with the host's vector instructions
+(-march=native) into `$XDG_CACHE_HOME/ds4eval/kernels/<tag>` (default `~/.cache/...`), where
+the tag hashes the source, the torch version and the CPU's model and flags, so a home directory
+shared by different machines never loads code built for another CPU.  A build takes a few
+seconds; later loads reuse it.  Building needs a C++ compiler; ninja comes with this package.
+OpenMP threads are torch's own (the kernel links the libgomp torch has loaded), so
+`torch.set_num_threads` governs it like any torch op.
+It does not decide when a kernel is used; see engine.models.llama.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def _cpu_signature() -> str:
+    fields = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "flags", "Features", "CPU part") and key not in fields:
+                    fields[key] = value.strip()
+    except OSError:
+        pass
+    return platform.machine() + "|" + "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
+
+
+def _tag(source: bytes) -> str:
+    h = hashlib.sha256(source)
+    h.update(torch.__version__.encode())
+    h.update(_cpu_signature().encode())
+    return h.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "ds4eval" / "kernels"
+
+
+def _ensure_ninja() -> None:
+    # torch finds ninja on PATH; the `ninja` package's binary is not there unless the
+    # environment is activated.
+    try:
+        import ninja
+    except ImportError:
+        return
+    bin_dir = getattr(ninja, "BIN_DIR", None)
+    path = os.environ.get("PATH", "")
+    if bin_dir and bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
+
+
+def _load() -> object:
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_bytes()
+    name = f"ds4_kernels_{_tag(source)}"
+    where = build_dir() / name
+    where.mkdir(parents=True, exist_ok=True)
+    _ensure_ninja()
+    cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(where),
+                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
+    return torch.ops.ds4.decode_attention
+
+
+def decode_attention() -> Callable[..., torch.Tensor] | None:
+    """The decode-attention op, built or loaded once per process; None if unavailable here."""
+    with _lock:
+        if "op" not in _loaded:
+            try:
+                _loaded["op"] = _load()
+            except Exception as e:  # any build or load failure means: use the torch path
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                errors = [ln for ln in lines if "error" in ln.lower()]
+                _loaded["op"] = None
+                _loaded["reason"] = f"{type(e).__name__}: {(errors or lines or ['no message'])[0]}"[:300]
+        return _loaded["op"]  # type: ignore[return-value]
+
+
+def unavailable_reason() -> str | None:
+    """Why decode_attention() returned None (None if it was not asked for or is available)."""
+    return _loaded.get("reason")  # type: ignore[return-value]

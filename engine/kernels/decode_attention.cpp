@@ -1,0 +1,226 @@
+// Decode attention on CPU: one new token per sequence, against that sequence's own cache.
+//
+// ds4::decode_attention(qkv, kv, positions, scale) -> out
+//   qkv        [N, (H + 2 Hkv) D] float32: each row's rotated queries, keys and values; rows
+//              may be strided, each row contiguous
+//   kv         N distinct tensors [2, Hkv, capacity, D] float32 (K then V) with each position's
+//              D values contiguous; outer strides are free, so pooled slots are views
+//   positions  row i's new key and value are written at positions[i] of kv[i], and its queries
+//              attend to positions [0, positions[i]]
+//   out        [N, H D] float32, scaled dot-product attention with scale `scale`
+// Query head j reads kv head j / (H / Hkv) (grouped-query attention).
+//
+// Each (row, kv head) pair is one job that one thread runs start to finish, in an order of
+// operations fixed by that row's length alone: a row's result is bitwise the same whatever the
+// other rows, their number and the thread count.  That is what lets batched decoding reproduce
+// single-row decoding exactly while still reading each cache once per step, without padding.
+// Softmax runs in float32 with a vectorised exp (within 2 ulp) and the usual max shift.
+// It does not mask, take more than one query position per row, or run on other dtypes.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int W = 16;  // floats per vector
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+inline float hsum(vf v) {
+  vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// r[j] = sum of a[j]'s lanes for j < 16, by a fixed tree of pairwise lane additions.
+inline vf transpose_sum(vf* a) {
+  vf b[8], c[4], d[2];
+  for (int j = 0; j < 8; ++j)
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    d[j] = __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(c[2 * j], c[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+// exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2,
+// with a degree-6 polynomial.  Below -87 the result is clamped to about 1e-38 instead of 0.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf t = x * splat(1.44269504088896341f) + magic;
+  vf n = t - magic;
+  vf r = x - n * splat(0.693359375f);
+  r = r - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Job {
+  const float* q;      // G * D query values of this kv head's group
+  const float* new_k;  // D values to store at position len - 1
+  const float* new_v;
+  float* k;            // position l's key at k + l * D
+  float* v;
+  float* out;          // G * D
+  int64_t len;
+};
+
+// One (row, kv head): scores, softmax, weighted sum of values.  NV = D / W.
+template <int NV>
+void attend(const Job& job, int64_t G, float scale, std::vector<float>& buf, std::vector<vf>& qbuf) {
+  constexpr int D = NV * W;
+  const int64_t L = job.len, Lp = (L + W - 1) / W * W;
+  std::memcpy(job.k + (L - 1) * D, job.new_k, D * sizeof(float));
+  std::memcpy(job.v + (L - 1) * D, job.new_v, D * sizeof(float));
+  buf.resize(G * Lp);
+  qbuf.resize(G * NV);
+  float* s = buf.data();
+  // Scores, a block of W keys at a time so that the block stays in L1 across the group's queries.
+  vf* q = qbuf.data();
+  for (int64_t i = 0; i < G * NV; ++i) q[i] = load(job.q + i * W) * scale;
+  for (int64_t l0 = 0; l0 < L; l0 += W) {
+    const int64_t n = L - l0 < W ? L - l0 : W;
+    for (int64_t g = 0; g < G; ++g) {
+      const vf* qg = q + g * NV;
+      // W keys' partial dot products, then one transposing reduction: a key's score is the
+      // same fixed sum of its 16 lanes wherever it sits in a block.
+      vf acc[W];
+      for (int64_t j = 0; j < n; ++j) {
+        const float* k = job.k + (l0 + j) * D;
+        vf a = qg[0] * load(k);
+        for (int c = 1; c < NV; ++c) a += qg[c] * load(k + c * W);
+        acc[j] = a;
+      }
+      for (int64_t j = n; j < W; ++j) acc[j] = splat(-1e30f / W);
+      store(s + g * Lp + l0, transpose_sum(acc));
+    }
+  }
+  std::vector<float> inv(G);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * Lp;
+    vf m = load(sg);
+    for (int64_t l = W; l < Lp; l += W) { vf x = load(sg + l); m = x > m ? x : m; }
+    const vf mx = splat(hmax(m));
+    vf sum{};
+    for (int64_t l = 0; l < Lp; l += W) {
+      vf e = vexp(load(sg + l) - mx);
+      store(sg + l, e);
+      if (l + W <= L) sum += e;
+    }
+    float total = hsum(sum);
+    for (int64_t l = L / W * W; l < L; ++l) total += sg[l];
+    inv[g] = 1.0f / total;
+  }
+  // Weighted values, a block of keys at a time; each output lane sums its terms in key order.
+  vf* acc = q;  // the queries are no longer needed
+  for (int64_t i = 0; i < G * NV; ++i) acc[i] = vf{};
+  constexpr int64_t B = 64;
+  for (int64_t l0 = 0; l0 < L; l0 += B) {
+    const int64_t l1 = L - l0 < B ? L : l0 + B;
+    for (int64_t g = 0; g < G; ++g) {
+      vf a[NV];
+      for (int c = 0; c < NV; ++c) a[c] = acc[g * NV + c];
+      const float* p = s + g * Lp;
+      for (int64_t l = l0; l < l1; ++l) {
+        const float* v = job.v + l * D;
+        const vf w = splat(p[l]);
+        for (int c = 0; c < NV; ++c) a[c] += w * load(v + c * W);
+      }
+      for (int c = 0; c < NV; ++c) acc[g * NV + c] = a[c];
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) store(job.out + g * D + c * W, acc[g * NV + c] * inv[g]);
+}
+
+at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, double scale) {
+  const int64_t N = qkv.size(0);
+  TORCH_CHECK(N > 0 && static_cast<int64_t>(kv.size()) == N && static_cast<int64_t>(positions.size()) == N,
+              "decode_attention: needs rows, and one cache and one position per row");
+  const int64_t Hkv = kv[0].size(1), D = kv[0].size(3);
+  TORCH_CHECK(D % W == 0 && D <= 8 * W, "decode_attention: head dim must be a multiple of 16 up to 128, not ", D);
+  const int64_t H = qkv.size(1) / D - 2 * Hkv, G = H / Hkv;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
+              "decode_attention: qkv must be [N, (H + 2 Hkv) D] float32 with contiguous rows");
+  TORCH_CHECK((H + 2 * Hkv) * D == qkv.size(1) && G >= 1 && G * Hkv == H,
+              "decode_attention: qkv's width does not fit the caches' heads");
+  at::Tensor out = at::empty({N, H * D}, qkv.options());
+  float* const q0 = qkv.data_ptr<float>();
+  float* const out0 = out.data_ptr<float>();
+  std::vector<Job> jobs;
+  jobs.reserve(N * Hkv);
+  for (int64_t i = 0; i < N; ++i) {
+    const at::Tensor& t = kv[i];
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == 2 && t.size(1) == Hkv && t.size(3) == D &&
+                    t.scalar_type() == at::kFloat && t.stride(3) == 1 && t.stride(2) == D,
+                "decode_attention: cache ", i, " must be [2, Hkv, capacity, D] float32");
+    TORCH_CHECK(positions[i] >= 0 && positions[i] < t.size(2), "decode_attention: position ", positions[i],
+                " is outside cache ", i, " of capacity ", t.size(2));
+    float* base = t.data_ptr<float>();
+    const float* row = q0 + i * qkv.stride(0);
+    for (int64_t h = 0; h < Hkv; ++h)
+      jobs.push_back({row + h * G * D, row + (H + h) * D, row + (H + Hkv + h) * D, base + h * t.stride(1),
+                      base + t.stride(0) + h * t.stride(1), out0 + i * H * D + h * G * D, positions[i] + 1});
+  }
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf;
+    std::vector<vf> qbuf;
+    for (int64_t j = begin; j < end; ++j) {
+      switch (D / W) {
+        case 1: attend<1>(jobs[j], G, s, buf, qbuf); break;
+        case 2: attend<2>(jobs[j], G, s, buf, qbuf); break;
+        case 3: attend<3>(jobs[j], G, s, buf, qbuf); break;
+        case 4: attend<4>(jobs[j], G, s, buf, qbuf); break;
+        case 5: attend<5>(jobs[j], G, s, buf, qbuf); break;
+        case 6: attend<6>(jobs[j], G, s, buf, qbuf); break;
+        case 7: attend<7>(jobs[j], G, s, buf, qbuf); break;
+        default: attend<8>(jobs[j], G, s, buf, qbuf); break;
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ds4, m) {
+  m.def("decode_attention(Tensor qkv, Tensor(a!)[] kv, int[] positions, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ds4, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+}

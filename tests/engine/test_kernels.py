@@ -1,0 +1,120 @@
+"""The compiled decode-attention kernel against a float64 reference, and its row invariance."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import kernels
+
+
+@pytest.fixture(scope="module")
+def op():
+    found = kernels.decode_attention()
+    # The project's setup provides a compiler and ninja; a silent fallback here would leave the
+    # engine's fast path untested.
+    assert found is not None, kernels.unavailable_reason()
+    return found
+
+
+def reference(qkv: torch.Tensor, kv: torch.Tensor, pos: int, H: int, Hkv: int, D: int) -> torch.Tensor:
+    """One row: store its K and V at pos in a copy of kv, attend [0, pos] in float64."""
+    kv = kv.double().clone()
+    row = qkv.double()
+    kv[0, :, pos] = row[H * D:(H + Hkv) * D].view(Hkv, D)
+    kv[1, :, pos] = row[(H + Hkv) * D:].view(Hkv, D)
+    q = row[: H * D].view(Hkv, H // Hkv, D) * D ** -0.5
+    keys, vals = kv[0, :, : pos + 1], kv[1, :, : pos + 1]
+    return torch.softmax(q @ keys.transpose(1, 2), dim=-1).matmul(vals).reshape(H * D)
+
+
+def make(n: int, H: int, Hkv: int, D: int, cap: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    # Rows of a wider tensor, and caches as slots of one pool: the kernel takes strided views.
+    qkv = torch.randn(n, (H + 2 * Hkv) * D + 5, generator=g)[:, : (H + 2 * Hkv) * D]
+    pool = torch.randn(2, n, Hkv, cap, D, generator=g) * 2
+    return qkv, pool, [pool[:, i] for i in range(n)]
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 2, 128), (6, 1, 48)])
+def test_matches_float64_reference_and_stores_kv(op, H, Hkv, D):
+    positions = [0, 14, 15, 16, 47, 300]
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=320)
+    before = pool.clone()
+    out = op(qkv, caches, positions, D ** -0.5)
+    assert out.shape == (len(positions), H * D) and out.dtype == torch.float32
+    for i, p in enumerate(positions):
+        want = reference(qkv[i], before[:, i], p, H, Hkv, D)
+        torch.testing.assert_close(out[i].double(), want, rtol=1e-5, atol=2e-6)
+        assert torch.equal(pool[0, i, :, p], qkv[i, H * D:(H + Hkv) * D].view(Hkv, D))
+        assert torch.equal(pool[1, i, :, p], qkv[i, (H + Hkv) * D:].view(Hkv, D))
+        # Positions other than p are untouched.
+        mask = torch.ones(pool.shape[3], dtype=torch.bool)
+        mask[p] = False
+        assert torch.equal(pool[:, i, :, mask], before[:, i, :, mask])
+
+
+def test_large_scores_do_not_overflow(op):
+    H, Hkv, D = 2, 1, 16
+    qkv, pool, caches = make(1, H, Hkv, D, cap=64)
+    qkv *= 300  # scores of several thousand: exp must be taken after the max shift
+    before = pool.clone()
+    out = op(qkv, caches, [40], D ** -0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0].double(), reference(qkv[0], before[:, 0], 40, H, Hkv, D), rtol=1e-4, atol=1e-4)
+
+
+def test_a_row_is_bitwise_independent_of_its_batch_and_thread_count(op):
+    H, Hkv, D = 9, 3, 64
+    positions = [3, 130, 17, 255, 64]
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=256, seed=1)
+    start = pool.clone()
+    together = op(qkv, caches, positions, D ** -0.5)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, max(2, threads)):
+            torch.set_num_threads(n_threads)
+            for i, p in enumerate(positions):
+                pool.copy_(start)
+                alone = op(qkv[i:i + 1], [caches[i]], [p], D ** -0.5)
+                assert torch.equal(alone[0], together[i]), (n_threads, i)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_arguments_are_errors_with_messages(op):
+    qkv, pool, caches = make(2, 4, 2, 16, cap=32)
+    with pytest.raises(RuntimeError, match="one cache and one position per row"):
+        op(qkv, caches[:1], [1, 2], 0.25)
+    with pytest.raises(RuntimeError, match="outside cache 1"):
+        op(qkv, caches, [1, 32], 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(qkv, [c.double() for c in caches], [1, 2], 0.25)
+    with pytest.raises(RuntimeError, match="width"):
+        op(qkv[:, :-16], caches, [1, 2], 0.25)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(torch.randn(1, 4 * 12), [torch.zeros(2, 1, 8, 12)], [0], 0.25)
+
+
+def test_build_dir_is_under_the_user_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert kernels.build_dir() == tmp_path / "ds4eval" / "kernels"
+
+
+def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf):
+    import engine
+
+    m = engine.load_model(tiny_gguf("qwen3", "Q8_0"))
+    assert m.net.attention_kernel is not None
+    ids = list(range(5, 60))
+    fast = m.new_session()
+    fast.sync(ids[:20])
+    steps_fast = []
+    for t in ids[20:]:
+        fast.eval(t)
+        steps_fast.append(fast.logits.clone())
+    m.net.attention_kernel = None
+    plain = m.new_session()
+    plain.sync(ids[:20])
+    for t, want in zip(ids[20:], steps_fast):
+        plain.eval(t)
+        torch.testing.assert_close(plain.logits, want, rtol=1e-4, atol=1e-4)
