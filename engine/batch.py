@@ -1,11 +1,12 @@
 """Batched sessions: several resident sessions decoding together.
 
 - `decode_batch(sessions, tokens)` evaluates one token for each of N sessions in one forward
-  pass (`LlamaModel.forward_rows`): the weights are read once for all rows, attention runs
-  row by row on each session's own cache (sessions made together by `Model.new_sessions`
-  share a KV pool, so all rows' new keys and values are stored with one copy per layer).  On
-  CPU each row's logits are bitwise equal to decoding it alone; on CUDA pooled rows attend in
-  one masked batch and agree with single-row decoding to the GPU kernels' rounding.
+  pass (`LlamaModel.forward_rows`): the weights are read once for all rows, and each row
+  attends to its own session's cache at its own length (on CPU all rows of a layer in one
+  call of the compiled kernel; sessions made together by `Model.new_sessions` share a KV
+  pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA pooled
+  rows attend in one masked batch and agree with single-row decoding to the GPU kernels'
+  rounding.
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
   never stalls decoding for more than one chunk) and then one batched decode step for every

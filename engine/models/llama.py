@@ -13,16 +13,19 @@ the last position ([n_vocab]), for every position ([T, n_vocab]) or nothing.
 independent sequences, each at the end of its own cache (N = 1 is a session's own decode
 step, so a row decoded in a batch and alone run the same code).  The matmuls (where the
 weights are read) run once for all rows, with kernels whose result for a row does not depend
-on the other rows.  Attention runs row by row against each row's own cache: torch's batched
-attention over rows padded to a common length is not bitwise equal to attending one row at
-its own length (the kernels block the key axis by its size), and the activations' rounding
-to bfloat16 at the int4 matmuls amplifies a last-bit difference into different greedy
-tokens within a few dozen steps.  Row by row, batched and single decoding agree exactly.
-Slots of one `KVPool` store all rows' new keys and values with one indexed copy per layer,
-and on CUDA (where no kernel is bitwise row-invariant anyway) attend in one masked batch.
+on the other rows.  Each row attends to its own cache at its own length, never padded to a
+common one: torch's batched attention over padded rows is not bitwise equal to one row at
+its own length (its kernels block the key axis by its size), and the activations' rounding to
+bfloat16 at the int4 matmuls amplifies a last-bit difference into other greedy tokens within
+a few dozen steps.  On CPU the compiled kernel (engine.kernels) stores and attends every row
+of a layer in one call, each (row, kv head) on one thread; where it cannot be built, torch
+matmuls attend row by row.  Either way batched and single decoding agree exactly.  On CUDA
+(where no kernel is bitwise row-invariant anyway) rows of one `KVPool` attend in one masked
+batch.  Caches may hold float16 (see engine.model.kv_cache_dtype); CPU attention reads them
+into float32.
 Residual stream, norms, rope and attention run in float32; matmuls in the weights' own
 compute dtype (see engine.weights).  Decoding is dispatch-bound on CPU (a token of SmolLM2 is
-about 1,400 small tensor operations next to 6 ms of matmuls), so the code favours
+about a thousand small tensor operations next to 5 ms of matmuls), so the code favours
 fewer operations: rope rotates q and k in place inside the fused qkv output, one copy stores
 a layer's K and V, and the norm takes its mean square from one fused vector norm.
 It reads no files beyond the given records and knows nothing of tokens' text or sessions.
@@ -177,19 +180,22 @@ class LlamaModel:
         [Hkv, L, D] -> [Hkv, G, D]."""
         # Plain batched matmuls over the kv heads: cheaper to dispatch than SDPA for one row, and
         # unlike SDPA's one-row kernel their result does not depend on the number of threads.
-        if keys.dtype != torch.float32:
+        if keys.device.type == "cpu" and keys.dtype != torch.float32:  # CPU matmuls in float32
+            keys, vals = keys.float(), vals.float()
+        elif keys.dtype != torch.float32:
             q = q.to(keys.dtype)
         probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
         return torch.bmm(probs if vals.dtype == torch.float32 else probs.to(vals.dtype), vals)
 
     def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """attend(layer, qkv [N, ...]) -> [N, H * D] for one decode step: stores each row's K and V
-        at its position, then attends each row to its own cache, one row after another (on CUDA,
-        rows pooled together attend in one masked batch: see _pooled_attention)."""
+        at its position, then attends each row to its own cache: all rows in one call of the
+        compiled kernel on CPU, else one row after another (on CUDA, rows pooled together attend
+        in one masked batch: see _pooled_attention)."""
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qd = H * D
         op = self.attention_kernel
-        if op is not None and caches[0].kv.dtype == torch.float32:
+        if op is not None and caches[0].kv.dtype in (torch.float32, torch.float16):
             layers = [c.layer_kv for c in caches]
             return lambda li, qkv: op(qkv, [kv[li] for kv in layers], pos, D ** -0.5)
         pool = caches[0].pool
@@ -281,6 +287,8 @@ class LlamaModel:
             qkv = self._qkv(blk, x, rope)
             cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
             keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
+            if self.device.type == "cpu" and keys.dtype != torch.float32:  # float16 cache: attend in float32
+                keys, vals = keys.float(), vals.float()
             q = qkv[:, : H * D].view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
             att = F.scaled_dot_product_attention(q, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
                                                  is_causal=causal, enable_gqa=True)  # [1, H, T, D]

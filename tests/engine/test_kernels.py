@@ -17,36 +17,38 @@ def op():
 
 
 def reference(qkv: torch.Tensor, kv: torch.Tensor, pos: int, H: int, Hkv: int, D: int) -> torch.Tensor:
-    """One row: store its K and V at pos in a copy of kv, attend [0, pos] in float64."""
+    """One row: store its K and V at pos in a copy of kv (rounded to kv's dtype), attend
+    [0, pos] in float64."""
+    stored = qkv.to(kv.dtype).double()
     kv = kv.double().clone()
-    row = qkv.double()
-    kv[0, :, pos] = row[H * D:(H + Hkv) * D].view(Hkv, D)
-    kv[1, :, pos] = row[(H + Hkv) * D:].view(Hkv, D)
-    q = row[: H * D].view(Hkv, H // Hkv, D) * D ** -0.5
+    kv[0, :, pos] = stored[H * D:(H + Hkv) * D].view(Hkv, D)
+    kv[1, :, pos] = stored[(H + Hkv) * D:].view(Hkv, D)
+    q = qkv.double()[: H * D].view(Hkv, H // Hkv, D) * D ** -0.5
     keys, vals = kv[0, :, : pos + 1], kv[1, :, : pos + 1]
     return torch.softmax(q @ keys.transpose(1, 2), dim=-1).matmul(vals).reshape(H * D)
 
 
-def make(n: int, H: int, Hkv: int, D: int, cap: int, seed: int = 0):
+def make(n: int, H: int, Hkv: int, D: int, cap: int, seed: int = 0, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
     # Rows of a wider tensor, and caches as slots of one pool: the kernel takes strided views.
     qkv = torch.randn(n, (H + 2 * Hkv) * D + 5, generator=g)[:, : (H + 2 * Hkv) * D]
-    pool = torch.randn(2, n, Hkv, cap, D, generator=g) * 2
+    pool = (torch.randn(2, n, Hkv, cap, D, generator=g) * 2).to(dtype)
     return qkv, pool, [pool[:, i] for i in range(n)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 2, 128), (6, 1, 48)])
-def test_matches_float64_reference_and_stores_kv(op, H, Hkv, D):
+def test_matches_float64_reference_and_stores_kv(op, H, Hkv, D, dtype):
     positions = [0, 14, 15, 16, 47, 300]
-    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=320)
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=320, dtype=dtype)
     before = pool.clone()
     out = op(qkv, caches, positions, D ** -0.5)
     assert out.shape == (len(positions), H * D) and out.dtype == torch.float32
     for i, p in enumerate(positions):
         want = reference(qkv[i], before[:, i], p, H, Hkv, D)
         torch.testing.assert_close(out[i].double(), want, rtol=1e-5, atol=2e-6)
-        assert torch.equal(pool[0, i, :, p], qkv[i, H * D:(H + Hkv) * D].view(Hkv, D))
-        assert torch.equal(pool[1, i, :, p], qkv[i, (H + Hkv) * D:].view(Hkv, D))
+        assert torch.equal(pool[0, i, :, p], qkv[i, H * D:(H + Hkv) * D].view(Hkv, D).to(dtype))
+        assert torch.equal(pool[1, i, :, p], qkv[i, (H + Hkv) * D:].view(Hkv, D).to(dtype))
         # Positions other than p are untouched.
         mask = torch.ones(pool.shape[3], dtype=torch.bool)
         mask[p] = False
@@ -63,10 +65,11 @@ def test_large_scores_do_not_overflow(op):
     torch.testing.assert_close(out[0].double(), reference(qkv[0], before[:, 0], 40, H, Hkv, D), rtol=1e-4, atol=1e-4)
 
 
-def test_a_row_is_bitwise_independent_of_its_batch_and_thread_count(op):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_row_is_bitwise_independent_of_its_batch_and_thread_count(op, dtype):
     H, Hkv, D = 9, 3, 64
     positions = [3, 130, 17, 255, 64]
-    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=256, seed=1)
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=256, seed=1, dtype=dtype)
     start = pool.clone()
     together = op(qkv, caches, positions, D ** -0.5)
     threads = torch.get_num_threads()
@@ -87,8 +90,10 @@ def test_bad_arguments_are_errors_with_messages(op):
         op(qkv, caches[:1], [1, 2], 0.25)
     with pytest.raises(RuntimeError, match="outside cache 1"):
         op(qkv, caches, [1, 32], 0.25)
-    with pytest.raises(RuntimeError, match="float32"):
+    with pytest.raises(RuntimeError, match="float32 or float16"):
         op(qkv, [c.double() for c in caches], [1, 2], 0.25)
+    with pytest.raises(RuntimeError, match="like cache 0"):
+        op(qkv, [caches[0], caches[1].half()], [1, 2], 0.25)
     with pytest.raises(RuntimeError, match="width"):
         op(qkv[:, :-16], caches, [1, 2], 0.25)
     with pytest.raises(RuntimeError, match="multiple of 16"):

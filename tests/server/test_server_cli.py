@@ -38,10 +38,11 @@ def test_defaults_match_the_specification():
 
 
 def test_kv_batching_and_thread_flags_fill_their_fields():
-    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, batched_session=3, threads=1)
+    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, batched_session=3, threads=1, kv_type="f16")
     assert c.kv == KVStoreConfig(directory="/tmp/kv", budget_mb=12) and c.batched_session == 3 and c.threads == 1
+    assert c.kv_type == "f16"
     assert ServerConfig().kv == KVStoreConfig(directory=None, budget_mb=4096) and ServerConfig().batched_session == 1
-    assert ServerConfig().threads is None
+    assert ServerConfig().threads is None and ServerConfig().kv_type is None
     for flags in ({"kv_cache_budget_mb": 0}, {"batched_session": 0}, {"threads": 0}):
         result = CliRunner().invoke(main, [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
         assert result.exit_code == 2 and "must be at least 1" in result.output
@@ -69,6 +70,7 @@ def test_help_lists_the_flags():
     (["--log-level", "loud"], "loud"),
     (["--port", "abc"], "abc"),
     (["--tool-syntax", "xml"], "xml"),
+    (["--kv-type", "f8"], "f8"),
     (["--tool-memory-max-ids", "-1"], "--tool-memory-max-ids must be >= 0"),
 ])
 def test_bad_flags_are_one_line_usage_errors(args, fragment):

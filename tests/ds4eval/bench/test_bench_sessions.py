@@ -58,9 +58,10 @@ def test_measure_batch_returns_sessions_to_their_context(tiny):
 def test_run_writes_csv_and_table_with_ratios(tiny, tmp_path):
     out = tmp_path / "s.csv"
     r = invoke(["sessions", "--model", tiny, "--sessions", "1,2,8", "--contexts", "16,40", "--decode-tokens", "3",
-                "--repeats", "2", "--threads", "1", "--csv", str(out)])
+                "--repeats", "2", "--threads", "1", "--kv-type", "f16", "--csv", str(out)])
     assert r.exit_code == 0, r.output
     assert "aggregate vs N=1" in r.output and "ctx 16: aggregate N=8 / N=1" in r.output
+    assert "KV cache float16, decode attention: compiled CPU kernel" in r.output
     rows = list(csv.DictReader(open(out)))
     assert len(rows) == 2 * 3 * 2
     assert {(x["ctx"], x["n_sessions"]) for x in rows} == {(c, n) for c in ("16", "40") for n in ("1", "2", "8")}
