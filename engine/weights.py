@@ -4,8 +4,13 @@
 the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Linear`:
 
 - `Int4Linear`: Q4_0 / Q4_1 / Q4_K stay 4-bit.  Their values are exactly q*scale + min over
-  groups of 32, which is torch's groupwise int4 weight-only layout with
-  zero = min + 8*scale, so nothing is re-quantized; scale/zero are stored in bfloat16 (the
+  groups of 32.  On CPU the compiled kernel (engine.kernels, AVX512-BF16) takes them with
+  float32 scales: activations are rounded to bfloat16, each group's dot product is exact
+  products summed in float32, and the output is float32; a row's result does not depend on
+  the other rows, so a prefill chunk and a decoding step compute a row alike.  It is about
+  twice as fast as torch's int4 kernel at 1, 8 and 128 rows.  Elsewhere (CUDA, or a CPU or
+  build without the kernel) it is torch's groupwise int4 weight-only layout with
+  zero = min + 8*scale, nothing re-quantized; scale/zero are stored in bfloat16 (the
   kernels' requirement) and activations enter the kernel as bfloat16.
 - `Fp16Linear` (CPU): every other type is dequantized once to float16 and prepacked for
   FBGEMM's half-precision GEMM, which reads float16 weights but takes and returns float32
@@ -33,6 +38,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine import kernels
 from engine.gguf_file import TensorRecord
 from engine.quants import BLOCK, GROUP, INT4_GROUPED, dequantize, unpack_int4_groups
 
@@ -145,6 +151,25 @@ def _cuda_inner_k_tiles(k: int) -> int:
     raise ValueError(f"int4 CUDA kernel needs in_features divisible by 32, got {k}")
 
 
+def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of the compiled int4 kernel (engine/kernels/int4_linear.cpp).  For each 16
+    output columns and group of 32 inputs, 8 chunks of 32 bytes: byte 2j + e of chunk c holds
+    column j's input 2c + e in its low nibble and input 2(c + 8) + e in its high one, so that
+    widening a chunk to 16-bit lanes gives two vectors of (input pair, column) bfloat16 operands.
+    Scales and minimums become float32 [N/16, K/32, 2, 16]."""
+    n, k = q.shape
+    ng, kb = n // 16, k // GROUP
+    qq = q.reshape(ng, 16, kb, 16, 2).transpose(0, 2, 3, 1, 4)  # [ng, kb, pair, column, e]
+    packed = (qq[:, :, :8] | (qq[:, :, 8:] << 4)).reshape(ng, kb, 8, 32)
+
+    def per_group(a: np.ndarray) -> np.ndarray:
+        return a.reshape(ng, 16, kb).transpose(0, 2, 1)
+
+    sm = np.stack([per_group(scale), per_group(minimum)], axis=2)
+    return (torch.from_numpy(np.ascontiguousarray(packed)),
+            torch.from_numpy(np.ascontiguousarray(sm, dtype=np.float32)))
+
+
 class Int4Linear(Linear):
     def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, device: torch.device,
                  bias: torch.Tensor | None = None):
@@ -152,6 +177,11 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = n, k
         self.bias = bias
         self.device = device
+        self._op = kernels.int4_linear() if device.type == "cpu" and n % 16 == 0 and k % GROUP == 0 else None
+        if self._op is not None:
+            self.packed, self.scales_zeros = int4_pack(q, scale, minimum)
+            self.out_dtype = torch.float32
+            return
         if device.type == "cuda":
             # The CUDA kernel takes two nibbles per byte, even column in the high nibble.
             q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
@@ -169,7 +199,12 @@ class Int4Linear(Linear):
     out_dtype = torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._mm(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        if self._op is not None:
+            if x.dtype != torch.float32 or x.stride(-1) != 1:
+                x = x.float().contiguous()
+            y = self._op(x, self.packed, self.scales_zeros)
+        else:
+            y = self._mm(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         return y if self.bias is None else y.float() + self.bias
 
     @property

@@ -1,12 +1,13 @@
 """Compiled CPU kernels for the engine's hot paths, built on first use.
 
-`decode_attention()` returns the op `torch.ops.ds4.decode_attention` (contract in
-decode_attention.cpp), or None where it cannot be built or loaded here; `unavailable_reason()`
-then says why in one line, and callers keep their torch-ops path.
+`decode_attention()` and `int4_linear()` return the ops `torch.ops.ds4.decode_attention` and
+`torch.ops.ds4.int4_linear` (contracts in the .cpp files), or None where the library cannot be
+built or loaded here (`unavailable_reason()` then says why in one line) or, for int4_linear,
+where the CPU lacks AVX512-BF16; callers then keep their torch paths.
 
-The C++ source is compiled once per machine with the host's vector instructions
+The C++ sources are compiled once per machine with the host's vector instructions
 (-march=native) into `$XDG_CACHE_HOME/ds4eval/kernels/<tag>` (default `~/.cache/...`), where
-the tag hashes the source, the torch version and the CPU's model and flags, so a home directory
+the tag hashes the sources, the torch version and the CPU's model and flags, so a home directory
 shared by different machines never loads code built for another CPU.  A build takes a few
 seconds; later loads reuse it.  Building needs a C++ compiler; ninja comes with this package.
 OpenMP threads are torch's own (the kernel links the libgomp torch has loaded), so
@@ -24,7 +25,7 @@ from typing import Callable
 
 import torch
 
-_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.cpp", "int4_linear.cpp")]
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -71,31 +72,47 @@ def _ensure_ninja() -> None:
 def _load() -> object:
     from torch.utils import cpp_extension
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES)
     name = f"ds4_kernels_{_tag(source)}"
     where = build_dir() / name
     where.mkdir(parents=True, exist_ok=True)
     _ensure_ninja()
-    cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(where),
+    cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(where),
                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
-    return torch.ops.ds4.decode_attention
+
+
+def _built() -> bool:
+    """Build or load the library once per process; False (with a reason) if that failed."""
+    with _lock:
+        if "ok" not in _loaded:
+            try:
+                _load()
+                _loaded["ok"] = True
+            except Exception as e:  # any build or load failure means: use the torch paths
+                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+                errors = [ln for ln in lines if "error" in ln.lower()]
+                _loaded["ok"] = False
+                _loaded["reason"] = f"{type(e).__name__}: {(errors or lines or ['no message'])[0]}"[:300]
+        return bool(_loaded["ok"])
 
 
 def decode_attention() -> Callable[..., torch.Tensor] | None:
-    """The decode-attention op, built or loaded once per process; None if unavailable here."""
-    with _lock:
-        if "op" not in _loaded:
-            try:
-                _loaded["op"] = _load()
-            except Exception as e:  # any build or load failure means: use the torch path
-                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-                errors = [ln for ln in lines if "error" in ln.lower()]
-                _loaded["op"] = None
-                _loaded["reason"] = f"{type(e).__name__}: {(errors or lines or ['no message'])[0]}"[:300]
-        return _loaded["op"]  # type: ignore[return-value]
+    """The decode-attention op; None if the library cannot be built or loaded here."""
+    return torch.ops.ds4.decode_attention if _built() else None
+
+
+def int4_linear() -> Callable[..., torch.Tensor] | None:
+    """The 4-bit grouped matmul op; None without the library or where the compiler does not
+    target AVX512-BF16 (the op is then not part of the library)."""
+    if not _built():
+        return None
+    try:
+        return torch.ops.ds4.int4_linear
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def unavailable_reason() -> str | None:
-    """Why decode_attention() returned None (None if it was not asked for or is available)."""
+    """Why the library could not be built or loaded (None if it was not asked for or is loaded)."""
     return _loaded.get("reason")  # type: ignore[return-value]

@@ -1,10 +1,13 @@
-"""The compiled decode-attention kernel against a float64 reference, and its row invariance."""
+"""The compiled CPU kernels (decode attention, int4 matmul) against float64 references, and
+their row invariance."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from engine import kernels
+from engine.weights import Int4Linear, int4_pack
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +126,69 @@ def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf):
     for t, want in zip(ids[20:], steps_fast):
         plain.eval(t)
         torch.testing.assert_close(plain.logits, want, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- int4_linear
+
+
+@pytest.fixture(scope="module")
+def int4_op(op):
+    found = kernels.int4_linear()
+    if found is None:
+        pytest.skip("the compiler does not target AVX512-BF16 on this CPU")
+    return found
+
+
+def int4_case(n: int, k: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32), dtype=np.float32) * 0.05).astype(np.float32)
+    minimum = (-8 * scale * rng.random((n, k // 32), dtype=np.float32)).astype(np.float32)
+    w = q.astype(np.float64) * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
+    return q, scale, minimum, torch.from_numpy(w)
+
+
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (960, 576), (48, 1536)])
+def test_int4_linear_matches_the_dequantized_matmul(int4_op, n, k):
+    q, scale, minimum, w = int4_case(n, k)
+    packed, scales = int4_pack(q, scale, minimum)
+    x = torch.randn(7, k + 3)[:, :k]  # strided rows
+    y = int4_op(x, packed, scales)
+    assert y.shape == (7, n) and y.dtype == torch.float32
+    # The kernel rounds x to bfloat16; everything after that is float32 arithmetic.
+    want = x.to(torch.bfloat16).double() @ w.T
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_int4_linear_rows_are_bitwise_independent_of_the_batch_and_threads(int4_op):
+    q, scale, minimum, _ = int4_case(192, 576, seed=3)
+    packed, scales = int4_pack(q, scale, minimum)
+    x = torch.randn(130, 576)
+    together = int4_op(x, packed, scales)
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, max(2, threads)):
+            torch.set_num_threads(n_threads)
+            for rows in ([0], [5, 6, 7, 8, 9], list(range(129, 130))):
+                assert torch.equal(int4_op(x[rows], packed, scales), together[rows]), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_int4_linear_bad_arguments_are_errors_with_messages(int4_op):
+    q, scale, minimum, _ = int4_case(32, 64)
+    packed, scales = int4_pack(q, scale, minimum)
+    with pytest.raises(RuntimeError, match="has 32 inputs, the weights 64"):
+        int4_op(torch.randn(2, 32), packed, scales)
+    with pytest.raises(RuntimeError, match="float32"):
+        int4_op(torch.randn(2, 64).double(), packed, scales)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        int4_op(torch.randn(2, 64), packed, scales[:1])
+
+
+def test_engine_int4_weights_use_the_kernel_on_cpu(int4_op, tiny_gguf):
+    import engine
+
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"))
+    lin = m.net.blocks[0].wqkv
+    assert isinstance(lin, Int4Linear) and lin._op is not None and lin.out_dtype == torch.float32
