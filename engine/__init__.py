@@ -12,8 +12,10 @@ Everything not re-exported here is internal.
     for tok in generate(s, SamplingParams(temperature=0), max_tokens=32):
         ...
 
-Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="packed")`;
-`weights="float32"` is the exact dequantized reference path; `ModelLoadError` on failure):
+Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="packed",
+kv_type=None)`; `weights="float32"` is the exact dequantized reference path; `kv_type` is the
+KV cache's element type, "f32", "f16" or "bf16" (default f32 on CPU, bf16 on CUDA);
+`ModelLoadError` on failure):
   - `name`, `path`, `config` (ModelConfig), `n_ctx` (session context size),
     `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`,
     `quant` (the dominant tensor type), `metadata` (every GGUF key as a Python value),
@@ -25,7 +27,8 @@ Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="pa
   - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`.
   - `new_session() -> Session`; `new_sessions(n) -> list[Session]`: n sessions whose
     caches are slots of one pool, for batched decoding (each also works alone).
-  - Memory: `weight_bytes`, `kv_bytes_per_token`, `memory_bytes(n_sessions, ctx)`.
+  - Memory: `weight_bytes`, `kv_bytes_per_token`, `memory_bytes(n_sessions, ctx)`,
+    `kv_dtype`.
 
 Session:
   - `tokens` (ids whose KV is cached), `n_past`.

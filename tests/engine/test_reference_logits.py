@@ -5,9 +5,11 @@ Four prompts (chat-rendered, raw English, code, non-English) are tokenized by th
 pass that returns all positions' logits. Per weight format it prints max |Δlogit|, mean
 and max KL(transformers || engine) and top-1 agreement over all positions, and asserts:
   float32  top-1 agreement 100%, mean KL < 1e-4, max |Δlogit| < 1e-3 (measured: 8.4e-5)
-  packed   top-1 >= 0.95, mean KL < 2e-3, max KL < 0.02, max |Δlogit| < 2.0 (measured on
-           these 212 positions: top-1 0.981, mean KL 4.8e-4, max KL 2.9e-3, max |Δlogit| 0.94;
-           the int4 kernels take bfloat16 activations, so this path is close but not exact)
+  packed   top-1 >= 0.97, mean KL < 6e-4, max KL < 0.01, max |Δlogit| < 1.0 (measured on
+           these 212 positions with the compiled int4 kernel: top-1 0.991, mean KL 1.2e-4,
+           max KL 2.1e-3, max |Δlogit| 0.40; with torch's int4 kernel, whose scales are
+           bfloat16: 0.981, 4.8e-4, 2.9e-3, 0.94.  Both take bfloat16 activations, so this
+           path is close but not exact)
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ PROMPTS = {
 
 BOUNDS = {  # weights -> (min top-1, max mean KL, max KL, max |Δlogit|)
     "float32": (1.0, 1e-4, 1e-3, 1e-3),
-    "packed": (0.95, 2e-3, 0.02, 2.0),
+    "packed": (0.97, 6e-4, 0.01, 1.0),
 }
 
 
