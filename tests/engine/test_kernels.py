@@ -192,3 +192,24 @@ def test_engine_int4_weights_use_the_kernel_on_cpu(int4_op, tiny_gguf):
     m = engine.load_model(tiny_gguf("llama", "Q4_1"))
     lin = m.net.blocks[0].wqkv
     assert isinstance(lin, Int4Linear) and lin._op is not None and lin.out_dtype == torch.float32
+
+
+def test_without_a_compiler_the_engine_falls_back_to_torch_kernels(tiny_gguf, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import engine, sys\n"
+        "from engine import kernels\n"
+        "m = engine.load_model(sys.argv[1])\n"
+        "assert kernels.decode_attention() is None and kernels.int4_linear() is None\n"
+        "assert m.net.blocks[0].wqkv._op is None\n"
+        "s = m.new_session(); s.sync([1, 2, 3]); s.eval(4)\n"
+        "print(m.net.attention_path)\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "CXX": "/bin/false"}
+    done = subprocess.run([sys.executable, "-c", script, tiny_gguf("llama", "Q4_1")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("torch ops (") and "/bin/false" in done.stdout
