@@ -14,7 +14,8 @@ Everything not re-exported here is internal.
 
 Model (returned by `load_model(path=None, *, ctx=None, device="cpu", weights="packed",
 kv_type=None)`; `weights="float32"` is the exact dequantized reference path; `kv_type` is the
-KV cache's element type, "f32", "f16" or "bf16" (default f32 on CPU, bf16 on CUDA);
+KV cache's element type, "f32", "f16" or "bf16" (default f16 on CPU, f32 with float32
+weights, bf16 on CUDA);
 `ModelLoadError` on failure):
   - `name`, `path`, `config` (ModelConfig), `n_ctx` (session context size),
     `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`,

@@ -35,13 +35,16 @@ PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel latency and attent
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
-def kv_cache_dtype(device: torch.device, kv_type: str | None) -> torch.dtype:
-    """The KV cache's element type: `kv_type` ("f32", "f16", "bf16"), or by default float32
-    on CPU (the closest logits to the reference) and bfloat16 on CUDA.  "f16" halves the
-    cache's memory and the bandwidth that long-context decoding is bound by, at the cost of
-    rounding every stored key and value."""
+def kv_cache_dtype(device: torch.device, weights: str, kv_type: str | None) -> torch.dtype:
+    """The KV cache's element type: `kv_type` ("f32", "f16", "bf16") when given; by default
+    float16 on CPU with packed weights (half the memory and the bandwidth that long-context
+    decoding is bound by; on the embedded model's quality set its logits are as close to the
+    reference as a float32 cache's), float32 with `weights="float32"` (the exact reference
+    path) and bfloat16 on CUDA."""
     if kv_type is None:
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
+        if device.type != "cpu":
+            return torch.bfloat16
+        return torch.float32 if weights == "float32" else torch.float16
     if kv_type not in KV_TYPES:
         raise ModelLoadError(f"unknown KV cache type {kv_type!r} (expected one of {', '.join(KV_TYPES)})")
     return KV_TYPES[kv_type]
@@ -182,7 +185,7 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
         dev = torch.device(device)
     except RuntimeError as e:
         raise ModelLoadError(f"bad device {device!r}: {e}") from None
-    kv_dtype = kv_cache_dtype(dev, kv_type)
+    kv_dtype = kv_cache_dtype(dev, weights, kv_type)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
     try:

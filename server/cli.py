@@ -98,9 +98,8 @@ def banner(model: object, config: ServerConfig) -> str:
               help="CPU threads of the engine's kernels (default: torch's, one per core). On a machine "
                    "shared with the clients, fewer threads than cores avoids stalls.")
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
-              help="KV cache element type (default: f32 on CPU, bf16 on CUDA). f16 halves the cache's "
-                   "memory and speeds up long-context decoding, at the cost of rounding every stored "
-                   "key and value.")
+              help="KV cache element type (default: f16 on CPU, bf16 on CUDA). f32 doubles the cache's "
+                   "memory and slows long-context decoding, for logits free of the cache's rounding.")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)

@@ -50,7 +50,7 @@ class ServerConfig:
     threads: int | None = None
     """CPU threads of the engine's kernels (torch.set_num_threads); None keeps torch's default."""
     kv_type: str | None = None
-    """KV cache element type: f32, f16 or bf16; None: the engine's default for the device."""
+    """KV cache element type: f32, f16 or bf16; None: the engine's default (f16 on CPU, bf16 on CUDA)."""
 
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:

@@ -303,7 +303,7 @@ def _counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
               help="Repetitions; the table shows median [min, max].")
 @click.option("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
-              help="KV cache element type (default: the engine's, f32 on CPU and bf16 on CUDA).")
+              help="KV cache element type (default: the engine's, f16 on CPU and bf16 on CUDA).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write one row per measurement or skipped cell (columns: ds4eval/bench/sessions.py).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the session prompts.")

@@ -12,11 +12,11 @@ GREEDY = SamplingParams(argmax_ignoring_eos=True)
 
 
 @pytest.fixture(scope="module", params=[("llama", "kernel"), ("qwen3", "kernel"), ("llama", "torch-ops"),
-                                        ("qwen3", "kernel-f16"), ("qwen3", "torch-ops-f16")],
+                                        ("qwen3", "kernel-f32"), ("qwen3", "torch-ops-f32")],
                 ids=lambda p: "-".join(p))
 def model(request, tiny_gguf):
     arch, attention = request.param
-    m = engine.load_model(tiny_gguf(arch, "Q4_1", n_ctx=512), kv_type="f16" if attention.endswith("f16") else None)
+    m = engine.load_model(tiny_gguf(arch, "Q4_1", n_ctx=512), kv_type="f32" if attention.endswith("f32") else None)
     if attention.startswith("torch-ops"):  # the path taken where the compiled kernel is unavailable
         m.net.attention_kernel = None
     else:

@@ -56,11 +56,13 @@ def test_bad_context_and_device(tiny_gguf):
 def test_memory_accounting(tiny_gguf):
     m = engine.load_model(tiny_gguf("qwen3", "Q4_0"), ctx=128)
     cfg = m.config
-    assert m.kv_dtype == torch.float32  # the CPU default
-    assert m.kv_bytes_per_token == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 4
-    half = engine.load_model(tiny_gguf("qwen3", "Q4_0"), ctx=128, kv_type="f16")
-    assert half.kv_dtype == torch.float16 and half.kv_bytes_per_token * 2 == m.kv_bytes_per_token
-    assert half.new_session().cache.kv.dtype == torch.float16 and half.new_sessions(2)[1].cache.kv.dtype == torch.float16
+    assert m.kv_dtype == torch.float16  # the CPU default with packed weights
+    assert m.kv_bytes_per_token == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2
+    assert m.new_session().cache.kv.dtype == torch.float16 and m.new_sessions(2)[1].cache.kv.dtype == torch.float16
+    full = engine.load_model(tiny_gguf("qwen3", "Q4_0"), ctx=128, kv_type="f32")
+    assert full.kv_dtype == torch.float32 and full.kv_bytes_per_token == 2 * m.kv_bytes_per_token
+    exact = engine.load_model(tiny_gguf("qwen3", "Q4_0"), ctx=128, weights="float32")
+    assert exact.kv_dtype == torch.float32  # the reference path keeps a float32 cache
     with pytest.raises(ModelLoadError, match="unknown KV cache type 'f8'"):
         engine.load_model(tiny_gguf("qwen3", "Q4_0"), ctx=128, kv_type="f8")
     assert m.weight_bytes > 0
