@@ -136,6 +136,7 @@ struct Scratch {
   std::vector<vf> scores;  // G rows of Lp floats
   std::vector<vf> qacc;    // the group's queries, then its output accumulators
   std::vector<vf> tmp;     // one widened block of keys or values
+  std::vector<float> inv;  // 1 / softmax denominator per query
 };
 
 constexpr int64_t KB = W;   // keys per score block: one transposing reduction
@@ -173,7 +174,8 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
       store(s + g * Lp + l0, transpose_sum(acc));
     }
   }
-  std::vector<float> inv(G);
+  sc.inv.resize(G);
+  float* inv = sc.inv.data();
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * Lp;
     vf m = load(sg);
