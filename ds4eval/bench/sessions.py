@@ -20,7 +20,8 @@ margin fits the memory available on the device when the context is prepared; oth
 is reported as skipped, in the table and in the CSV, with both figures.
 
 CSV columns (one row per measurement, or one per skipped cell):
-  model, device, threads, n_ctx (what the model was loaded with), ctx (tokens per session
+  model, device, threads, kv_dtype (the KV cache's element type, e.g. float16), attention
+  (the decode-attention path), n_ctx (what the model was loaded with), ctx (tokens per session
   before decoding), n_sessions, decode_tokens, repeat (empty when skipped), seconds,
   aggregate_tokens_per_s, per_session_tokens_per_s, need_mib (capacity_need without the
   margin), available_mib, status ("ok" or "skipped: memory").
@@ -49,7 +50,7 @@ MEMORY_MARGIN = 0.10
 WARMUP_STEPS = 2  # untimed decode steps per N and context before the measurements
 TARGET_RATIO = 3.0  # aggregate tokens/s of N=8 over N=1
 TARGET_N = 8
-CSV_COLUMNS = ("model", "device", "threads", "n_ctx", "ctx", "n_sessions", "decode_tokens", "repeat", "seconds",
+CSV_COLUMNS = ("model", "device", "threads", "kv_dtype", "attention", "n_ctx", "ctx", "n_sessions", "decode_tokens", "repeat", "seconds",
                "aggregate_tokens_per_s", "per_session_tokens_per_s", "need_mib", "available_mib", "status")
 MIB = 2 ** 20
 
@@ -158,6 +159,8 @@ class SessionsBenchResult:
     model: str
     device: str
     threads: int
+    kv_dtype: str
+    attention: str
     n_ctx: int
     measurements: list[Measurement]
     cells: list[Cell]
@@ -205,6 +208,7 @@ def run_sessions_bench(cfg: SessionsBenchConfig, model: Any, report: Callable[[s
                        f"{m.per_session:8.1f} per session")
         del sessions
     return SessionsBenchResult(os.path.basename(model.path), str(model.device), torch.get_num_threads(),
+                               str(model.kv_dtype).removeprefix("torch."), model.net.attention_path,
                                model.n_ctx, measurements, cells)
 
 
@@ -262,7 +266,8 @@ def target_lines(result: SessionsBenchResult) -> list[str]:
 
 
 def csv_rows(result: SessionsBenchResult) -> list[dict[str, object]]:
-    common = {"model": result.model, "device": result.device, "threads": result.threads, "n_ctx": result.n_ctx}
+    common = {"model": result.model, "device": result.device, "threads": result.threads,
+              "kv_dtype": result.kv_dtype, "attention": result.attention, "n_ctx": result.n_ctx}
     rows: list[dict[str, object]] = []
     by_cell: dict[tuple[int, int], list[Measurement]] = {}
     for m in result.measurements:
@@ -343,9 +348,8 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
         result = run_sessions_bench(cfg, loaded, report=lambda line: click.echo(line, err=True))
     except (ValueError, RuntimeError) as e:
         raise RunFailure(f"{type(e).__name__}: {e}") from None
-    click.echo(f"{result.model}, {result.device}, {result.threads} threads, KV cache "
-               f"{str(loaded.kv_dtype).removeprefix('torch.')}, decode attention: {loaded.net.attention_path}, "
-               f"{cfg.decode_tokens} decode steps, load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    click.echo(f"{result.model}, {result.device}, {result.threads} threads, KV cache {result.kv_dtype}, "
+               f"decode attention: {result.attention}, {cfg.decode_tokens} decode steps, load average after {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     click.echo(render_table(result))
     lines = target_lines(result)
     if lines:
