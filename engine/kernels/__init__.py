@@ -69,7 +69,7 @@ def _ensure_ninja() -> None:
         os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
 
 
-def _load() -> object:
+def _load() -> None:
     from torch.utils import cpp_extension
 
     source = b"".join(p.read_bytes() for p in _SOURCES)

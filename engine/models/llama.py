@@ -113,7 +113,7 @@ class LlamaModel:
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device)
         self._eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
-        # float32 caches); None keeps the torch-ops path.
+        # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
         self.attention_kernel = kernels.decode_attention() if fits else None
         self._rope_tables(t.get("rope_freqs.weight"))
