@@ -69,6 +69,8 @@ def _escape(value: str) -> str:
 
 
 def _unescape(value: str) -> str:
+    if "\\" not in value:
+        return value
     out, i = [], 0
     while i < len(value):
         ch = value[i]
@@ -125,27 +127,29 @@ class TraceFormatError(ValueError):
     pass
 
 
-def _set_header(rec_fields: dict, key: str, raw: str) -> None:
-    by_name = {f.name: f for f in _HEADER_FIELDS}
-    f = by_name.get(key)
-    if f is None:
-        return  # unknown keys come from newer writers; ignoring them keeps old readers useful
-    if key == "aliases":
-        rec_fields[key] = json.loads(raw) if raw else []
-    elif key == "status":
-        rec_fields[key] = raw or None
-    elif key == "picked":
-        rec_fields[key] = _unescape(raw) if raw else None
-    elif key == "seed":
-        rec_fields[key] = int(raw) if raw else None
-    elif key == "thinking":
-        rec_fields[key] = raw == "yes"
-    elif key in ("index", "nchoices", "prompt_tokens", "gen_tokens"):
-        rec_fields[key] = int(raw) if raw else 0
-    elif key in ("elapsed_s", "temperature", "top_p", "min_p"):
-        rec_fields[key] = float(raw) if raw else 0.0
-    else:
-        rec_fields[key] = _unescape(raw)
+def _json_list(raw: str) -> list:
+    return json.loads(raw) if raw else []
+
+
+def _int_or_zero(raw: str) -> int:
+    return int(raw) if raw else 0
+
+
+def _float_or_zero(raw: str) -> float:
+    return float(raw) if raw else 0.0
+
+
+# How each known header value is read back (escaped text unless listed); unknown keys are not here.
+_READERS = {f.name: _unescape for f in _HEADER_FIELDS}
+_READERS.update({
+    "aliases": _json_list,
+    "status": lambda raw: raw or None,
+    "picked": lambda raw: _unescape(raw) if raw else None,
+    "seed": lambda raw: int(raw) if raw else None,
+    "thinking": lambda raw: raw == "yes",
+    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens"), _int_or_zero),
+    **dict.fromkeys(("elapsed_s", "temperature", "top_p", "min_p"), _float_or_zero),
+})
 
 
 def parse_trace(text: str) -> ParsedTrace:
@@ -182,28 +186,46 @@ def _parse_block(lines: list[str], i: int) -> tuple[TraceRecord, int]:
         raise TraceFormatError("case marker without an index") from None
     rec_fields: dict = {"index": index, "source": "", "id": ""}
     i += 1
-    while i < len(lines) and not lines[i].startswith("%%"):
-        key, sep, raw = lines[i].partition(": ")
-        if not sep and lines[i].endswith(":"):
-            key, raw = lines[i][:-1], ""
-        elif not sep:
-            raise TraceFormatError(f"bad header line {lines[i]!r}")
+    n = len(lines)
+    end = i
+    while end < n and not lines[end].startswith("%%"):
+        end += 1
+    for line in lines[i:end]:
+        key, sep, raw = line.partition(": ")
+        if not sep:
+            if not line.endswith(":"):
+                raise TraceFormatError(f"bad header line {line!r}")
+            key, raw = line[:-1], ""
+        read = _READERS.get(key)
+        if read is None:
+            continue  # unknown keys come from newer writers; ignoring them keeps old readers useful
         try:
-            _set_header(rec_fields, key, raw)
+            rec_fields[key] = read(raw)
         except ValueError as e:
             raise TraceFormatError(f"bad value for {key}: {e}") from None
-        i += 1
+    i = end
     while i < len(lines) and lines[i].startswith(BLOCK_MARKER + " "):
         parts = lines[i].split()
         if len(parts) != 3 or parts[1] not in _BLOCK_FIELD or not parts[2].startswith("chars="):
             raise TraceFormatError(f"bad block marker {lines[i]!r}")
         want = int(parts[2][len("chars="):])
         i += 1
-        body = []
-        while i < len(lines) and not (lines[i].startswith("%%") and not lines[i].startswith("%%%")):
-            body.append(lines[i][1:] if lines[i].startswith("%%%") else lines[i])
-            i += 1
-        text = "\n".join(body)
+        # Fast path: the next `want` characters span whole lines, none of them stuffed, and a
+        # marker follows. Otherwise read line by line up to the next marker.
+        end, size = i, -1
+        while size < want and end < n:
+            size += len(lines[end]) + 1
+            end += 1
+        text = "\n".join(lines[i:end])
+        if size == want and (end == n or (lines[end].startswith("%%") and not lines[end].startswith("%%%"))) \
+                and not text.startswith("%%") and "\n%%" not in text:
+            i = end
+        else:
+            end = i
+            while end < n and not (lines[end].startswith("%%") and not lines[end].startswith("%%%")):
+                end += 1
+            text = "\n".join(line[1:] if line.startswith("%%%") else line for line in lines[i:end])
+            i = end
         if len(text) != want:
             raise TraceFormatError(f"block {parts[1]} has {len(text)} chars, header says {want}")
         rec_fields[_BLOCK_FIELD[parts[1]]] = text
