@@ -21,7 +21,9 @@ import click
 from ds4eval import cases as cs
 from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
+from ds4eval.provenance import run_provenance
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
+from ds4eval.config import KV_TYPES
 
 
 class UsageFailure(Exception):
@@ -184,6 +186,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
             "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx,
                          "parallel": cfg.parallel}}
+    info["provenance"] = run_provenance(backend)
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:
@@ -291,6 +294,8 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--data-pull", is_flag=True, help="Fetch the upstream case tables into the data dir.")
 @click.option("--data-url", default=EvalConfig.data_url, show_default=True,
               help="Base URL --data-pull fetches from.")
+@click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
+              help="Engine KV cache type (default: f16 on CPU, bf16 on CUDA).")
 def main(case_ids, domains, sources, nothink, trace_path, **kw) -> None:
     """ds4-eval: run evaluation suites, grade outputs, regrade traces."""
     cfg = EvalConfig(case_ids=tuple(case_ids), domains=tuple(domains), sources=tuple(sources),

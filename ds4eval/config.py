@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 BACKENDS = ("engine", "openai")
+KV_TYPES = ("f32", "f16", "bf16")
 DEFAULT_TOKENS = 16000
 # Pinned upstream revision that --data-pull fetches (see ds4eval/datapull.py).
 DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
@@ -55,6 +56,9 @@ class EvalConfig:
     fresh session; None runs one case at a time, reusing one session across cases."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds without any stream data before a request fails."""
+    kv_type: str | None = None
+    """--kv-type: the engine's KV cache element type, f32, f16 or bf16 (engine.load_model's
+    kv_type); None: the engine's default (f16 on CPU, bf16 on CUDA)."""
 
     # --- generation
     tokens: int = DEFAULT_TOKENS
@@ -119,3 +123,7 @@ class EvalConfig:
         if sum(modes) > 1:
             raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
                               "--grade-file, --regrade, --retry-incomplete, --data-pull")
+        if self.kv_type is not None and self.kv_type not in KV_TYPES:
+            raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
+        if self.kv_type is not None and self.backend != "engine":
+            raise ConfigError("--kv-type applies to the engine backend")

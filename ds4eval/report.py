@@ -6,10 +6,12 @@ Contract
   (tabulate). `compare_summaries(old, new)` lists cases whose status differs.
 - `PlainListener(stream)` prints one line per finished case; thread-safe.
 Summary schema (version 1): {"format": "ds4eval-summary", "version", "suite", "backend",
-"model", "settings": {...}, "wall_s", "totals": {cases, passed, failed, skipped, stopped,
-error, pending, prompt_tokens, gen_tokens, gen_s, tokens_per_s}, "sources": [{source, cases,
-passed, failed, other, prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases": [{number,
-source, id, status, picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close}]}.
+"model", "settings": {...}, "provenance": {the run-level fields of `ds4eval.provenance`},
+"wall_s", "totals": {cases, passed, failed, skipped, stopped, error, pending, prompt_tokens,
+gen_tokens, gen_s, tokens_per_s}, "sources": [{source, cases, passed, failed, other,
+prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases": [{number, source, id, status,
+picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close, case_hash,
+prompt_sha256}]}. Summaries written before provenance lack those keys.
 It does not run cases or write files (the CLI writes the summary atomically).
 """
 
@@ -21,6 +23,7 @@ from typing import Iterable, TextIO
 
 from tabulate import tabulate
 
+from ds4eval.cases import case_hash
 from ds4eval.runner import CaseFinished, CaseState, Status
 
 SUMMARY_VERSION = 1
@@ -63,7 +66,8 @@ def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dic
         "cases": [{"number": s.number, "source": s.case.source, "id": s.case.id, "status": s.status.value,
                    "picked": s.picked, "expected": s.case.answer, "prompt_tokens": s.prompt_tokens,
                    "gen_tokens": s.gen_tokens, "elapsed_s": round(s.elapsed_s, 3),
-                   "think_close": s.think_close} for s in states],
+                   "think_close": s.think_close, "case_hash": case_hash(s.case),
+                   "prompt_sha256": s.prompt.sha256 if s.prompt else ""} for s in states],
     }
 
 

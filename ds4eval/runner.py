@@ -15,7 +15,8 @@ Contract
   drains until `stop()`, so a UI can keep re-running cases.
 - `snapshot()` returns copies of every case's state for display.
 - Each finished case (PASSED, FAILED, SKIPPED, STOPPED, ERROR) is graded with the pure
-  extractors and appended to the trace, if one is configured.
+  extractors and appended to the trace, if one is configured, with the run's provenance
+  (`ds4eval.provenance`) and the case's content hash and rendered-prompt hash.
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -30,8 +31,9 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from ds4eval import grade, prompts
-from ds4eval.cases import Case
+from ds4eval.cases import Case, case_hash
 from ds4eval.config import EvalConfig
+from ds4eval.provenance import RenderedPrompt, run_provenance
 from ds4eval.trace import TraceRecord, TraceWriter
 
 
@@ -77,6 +79,7 @@ class CaseState:
     system_prompt: str = ""
     question_prompt: str = ""
     runs: int = 0
+    prompt: RenderedPrompt | None = None
 
 
 # ---------------------------------------------------------------- events
@@ -162,6 +165,7 @@ class GenerationResult:
     interrupted: str | None = None   # None, "stop" or "switch"
     skipped: str = ""           # reason the case could not run (e.g. prompt exceeds context)
     error: str = ""
+    prompt: RenderedPrompt | None = None  # the ids fed to the model, when the backend tokenizes
 
 
 class CaseContext(Protocol):
@@ -245,6 +249,7 @@ class Runner:
         self._stop = False
         self._trace = TraceWriter(config.trace) if config.trace else None
         self.wall_s = 0.0
+        self._provenance: dict[str, str] | None = None
 
     # ------------------------------------------------------------ controls
 
@@ -394,6 +399,7 @@ class Runner:
             state.thinking = res.thinking
             state.elapsed_s = ctx.elapsed()
             state.error = res.error or res.skipped
+            state.prompt = res.prompt
             if res.interrupted == "switch":
                 state.status = Status.SWITCHED
                 # Back into the queue right after the case that asked to run now.
@@ -432,7 +438,24 @@ class Runner:
             prompt_tokens=st.prompt_tokens, gen_tokens=st.gen_tokens, elapsed_s=st.elapsed_s,
             temperature=cfg.temperature, top_p=cfg.top_p, min_p=cfg.min_p, seed=cfg.seed,
             thinking=st.thinking, think_close=st.think_close, error=st.error,
-            system_prompt=st.system_prompt, question_prompt=st.question_prompt, model_output=st.output)
+            system_prompt=st.system_prompt, question_prompt=st.question_prompt, model_output=st.output,
+            **self.provenance_fields(st))
+
+    def provenance(self) -> dict[str, str]:
+        """The run's provenance (ds4eval.provenance.run_provenance), computed once."""
+        if self._provenance is None:
+            # Outside the lock: the first run on a model file hashes it (cached afterwards).
+            found = run_provenance(self.backend)
+            with self._lock:
+                self._provenance = self._provenance or found
+        return dict(self._provenance)
+
+    def provenance_fields(self, st: CaseState) -> dict:
+        """The provenance fields of one case's trace record."""
+        prompt = st.prompt
+        return {**self.provenance(), "case_hash": case_hash(st.case), "max_tokens": self._job(st).max_tokens,
+                "prompt_sha256": prompt.sha256 if prompt else "",
+                "prompt_pieces": list(prompt.pieces) if prompt else []}
 
     # ------------------------------------------------------------ internals
 

@@ -54,6 +54,21 @@ class TraceRecord:
     thinking: bool = False
     think_close: str = "none"
     error: str = ""
+    # Provenance (traces/README.md): empty, or 0, in traces written before it was recorded.
+    case_hash: str = ""
+    max_tokens: int = 0
+    prompt_sha256: str = ""
+    model_sha256: str = ""
+    chat_template_sha256: str = ""
+    bos_eos: str = ""
+    device: str = ""
+    kv_type: str = ""
+    endpoint: str = ""
+    served_model: str = ""
+    extractor_version: str = ""
+    ds4eval_version: str = ""
+    git_commit: str = ""
+    prompt_pieces: list[str] = field(default_factory=list)
     system_prompt: str = ""
     question_prompt: str = ""
     model_output: str = ""
@@ -89,6 +104,8 @@ def _header_value(rec: TraceRecord, name: str) -> str:
     if v is None:
         return ""
     if name == "aliases":
+        return json.dumps(v, ensure_ascii=False)
+    if name == "prompt_pieces":  # JSON, like aliases: it never holds a raw newline
         return json.dumps(v, ensure_ascii=False)
     if isinstance(v, bool):
         return "yes" if v else "no"
@@ -142,12 +159,12 @@ def _float_or_zero(raw: str) -> float:
 # How each known header value is read back (escaped text unless listed); unknown keys are not here.
 _READERS = {f.name: _unescape for f in _HEADER_FIELDS}
 _READERS.update({
-    "aliases": _json_list,
+    "aliases": _json_list, "prompt_pieces": _json_list,
     "status": lambda raw: raw or None,
     "picked": lambda raw: _unescape(raw) if raw else None,
     "seed": lambda raw: int(raw) if raw else None,
     "thinking": lambda raw: raw == "yes",
-    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens"), _int_or_zero),
+    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens", "max_tokens"), _int_or_zero),
     **dict.fromkeys(("elapsed_s", "temperature", "top_p", "min_p"), _float_or_zero),
 })
 

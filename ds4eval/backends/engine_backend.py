@@ -28,6 +28,8 @@ Contract
   with a new request whose ids are the history plus the injected ids, so the slot prefills
   only the injected ids. The scheduler therefore needs no support for injection; the
   injected ids are evaluated as one prefill chunk rather than token by token as serially.
+- Provenance: `provenance()` reports the model file, chat template hash, BOS/EOS handling,
+  device and KV cache type; each result carries the rendered prompt's token hash and texts.
 - Pause, stop and switch: the serial loop calls `ctx.checkpoint()` before every token; the
   batched path calls it from the requests' cancel hook on the engine thread, so a pause
   holds the whole batch and stop/switch end the request before its next token.
@@ -44,6 +46,7 @@ from typing import Any
 
 from ds4eval import prompts
 from ds4eval.config import EvalConfig
+from ds4eval.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
 
@@ -268,13 +271,26 @@ class EngineBackend:
     def load(cls, config: EvalConfig) -> "EngineBackend":
         import engine
 
-        return cls(engine.load_model(config.model, ctx=config.ctx, device=config.device), engine,
-                   parallel=config.parallel)
+        return cls(engine.load_model(config.model, ctx=config.ctx, device=config.device, kv_type=config.kv_type),
+                   engine, parallel=config.parallel)
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+
+    def provenance(self) -> dict[str, str]:
+        """What this backend knows about how it runs the model (see ds4eval.provenance): the
+        model file, the chat template's hash, BOS/EOS handling, device and KV cache type."""
+        m = self.model
+        meta = getattr(m, "metadata", None)
+        template = meta.get("tokenizer.chat_template") if meta is not None else None
+        eos = ",".join(str(i) for i in sorted(m.eos_ids))
+        return {"model_path": str(getattr(m, "path", "") or ""),
+                "chat_template_sha256": text_sha256(str(template)) if template else ("" if meta is None else "none"),
+                "bos_eos": f"add_bos={'yes' if getattr(m, 'add_bos', False) else 'no'} bos={m.bos_id} eos={eos}",
+                "device": str(getattr(m, "device", "") or ""),
+                "kv_type": str(getattr(m, "kv_dtype", "") or "").removeprefix("torch.")}
 
     def render(self, job: GenerationJob, think: bool) -> str:
         messages = [{"role": "system", "content": job.system_prompt},
@@ -294,6 +310,7 @@ class EngineBackend:
         ids = self.prompt_ids(text)
         budget = min(job.max_tokens, self.n_ctx - len(ids))
         res = GenerationResult(prompt_tokens=len(ids), thinking=think)
+        res.prompt = RenderedPrompt.of(ids, token_pieces(self.model, ids))
         n_soft = len(self.model.tokenize(prompts.THINK_SOFT_NUDGE, special=True))
         n_hard = len(self.model.tokenize(prompts.THINK_HARD_CLOSE, special=True))
         plan = _Plan(ids, text, think, budget, min(job.think_soft_reserve, max(budget, 0) // 4),

@@ -59,6 +59,11 @@ class OpenAIBackend:
     def close(self) -> None:
         self._client.close()
 
+    def provenance(self) -> dict[str, str]:
+        """What this backend knows about the run (see ds4eval.provenance): the endpoint and the
+        model name it sends; the server's model file and template are not visible from here."""
+        return {"endpoint": self.url, "served_model": self.model_name}
+
     def request_body(self, job: GenerationJob) -> dict:
         max_tokens = job.max_tokens
         if self.n_ctx:
