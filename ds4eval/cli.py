@@ -1,7 +1,8 @@
 """`ds4-eval` command line: parses flags into an EvalConfig and calls the library.
 
 Modes (at most one): run a suite (default), --list-cases, --validate-cases,
---self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull.
+--self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull, --compare
+(exit status 1 for a regression, 2 for input it cannot compare).
 A run shows the live terminal UI (`ds4eval.tui`) when stdin and stdout are terminals and
 --plain is not given; otherwise it prints one line per finished case. Both end with the same
 report. Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
@@ -23,7 +24,7 @@ from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
 from ds4eval.provenance import run_provenance
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
-from ds4eval.config import KV_TYPES
+from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
 
 
 class UsageFailure(Exception):
@@ -236,8 +237,25 @@ def _read_trace(path: str) -> trace.ParsedTrace:
     return parsed
 
 
+def cmd_compare(cfg: EvalConfig) -> int:
+    from ds4eval import compare as cmp
+    from ds4eval import compare_report
+
+    base_path, new_path = cfg.compare
+    try:
+        base = cmp.read_run(_read(base_path), base_path)
+        new = cmp.read_run(_read(new_path), new_path)
+        result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
+    except cmp.CompareInputError as e:
+        raise UsageFailure(str(e)) from None
+    click.echo(compare_report.render(result, cfg.compare_format), nl=False)
+    return result.exit_status
+
+
 def dispatch(cfg: EvalConfig) -> int:
     cfg.validate()
+    if cfg.compare:
+        return cmd_compare(cfg)
     data_dir = cs.resolve_data_dir(cfg.data_dir)
     if cfg.self_test_extractors:
         return cmd_self_test()
@@ -296,6 +314,15 @@ def dispatch(cfg: EvalConfig) -> int:
               help="Base URL --data-pull fetches from.")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
               help="Engine KV cache type (default: f16 on CPU, bf16 on CUDA).")
+@click.option("--compare", nargs=2, type=click.Path(dir_okay=False), metavar="BASE NEW", default=None,
+              help="Compare two traces (or summaries) case by case; exit 1 on a regression.")
+@click.option("--alpha", type=float, default=0.05, show_default=True,
+              help="--compare: McNemar p below which a drop is a significant regression.")
+@click.option("--strict", is_flag=True, help="--compare: any pass->fail flip is a regression.")
+@click.option("--format", "compare_format", type=click.Choice(COMPARE_FORMATS), default="text",
+              show_default=True, help="--compare output.")
+@click.option("--allow-diff", "allow_diff", multiple=True, type=click.Choice(ALLOWED_DIFFS),
+              help="--compare: keep cases whose model, prompt or sampling differs (the change under test).")
 def main(case_ids, domains, sources, nothink, trace_path, **kw) -> None:
     """ds4-eval: run evaluation suites, grade outputs, regrade traces."""
     cfg = EvalConfig(case_ids=tuple(case_ids), domains=tuple(domains), sources=tuple(sources),

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 BACKENDS = ("engine", "openai")
 KV_TYPES = ("f32", "f16", "bf16")
+COMPARE_FORMATS = ("text", "markdown", "json")
+ALLOWED_DIFFS = ("model", "prompt", "sampling")
 DEFAULT_TOKENS = 16000
 # Pinned upstream revision that --data-pull fetches (see ds4eval/datapull.py).
 DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
@@ -93,6 +95,19 @@ class EvalConfig:
     data_url: str = DEFAULT_DATA_URL
     """--data-url: base URL that --data-pull fetches the C case tables from."""
 
+    # --- --compare BASE NEW (ds4eval.compare)
+    compare: tuple[str, str] | None = None
+    """--compare BASE NEW: two traces (or summaries) to compare case by case."""
+    alpha: float = 0.05
+    """--alpha: McNemar p-value below which a drop in passes is a significant regression."""
+    strict: bool = False
+    """--strict: any pass->fail flip (or a lost pass) fails the comparison."""
+    compare_format: str = "text"
+    """--format: text, markdown or json."""
+    allow_diff: tuple[str, ...] = ()
+    """--allow-diff model|prompt|sampling: differences that are the change under test, so
+    the cases they touch stay in the verdict (by default they are excluded with a warning)."""
+
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
@@ -123,7 +138,15 @@ class EvalConfig:
         if sum(modes) > 1:
             raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
                               "--grade-file, --regrade, --retry-incomplete, --data-pull")
+        if self.compare is not None and sum(modes):
+            raise ConfigError("--compare runs alone: it takes no other mode")
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
             raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
         if self.kv_type is not None and self.backend != "engine":
             raise ConfigError("--kv-type applies to the engine backend")
+        if not 0 < self.alpha < 1:
+            raise ConfigError("--alpha must be in (0, 1)")
+        if self.compare_format not in COMPARE_FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(COMPARE_FORMATS)}")
+        if set(self.allow_diff) - set(ALLOWED_DIFFS):
+            raise ConfigError(f"--allow-diff takes {', '.join(ALLOWED_DIFFS)}")

@@ -2,8 +2,8 @@
 
 Contract
 - `build_summary(states, wall_s, info) -> dict` is pure: the JSON summary a later run can be
-  compared with (schema below). `render_report(summary) -> str` renders the final text report
-  (tabulate). `compare_summaries(old, new)` lists cases whose status differs.
+  compared with (schema below; `ds4-eval --compare` reads it, see `ds4eval.compare`).
+  `render_report(summary) -> str` renders the final text report (tabulate).
 - `PlainListener(stream)` prints one line per finished case; thread-safe.
 Summary schema (version 1): {"format": "ds4eval-summary", "version", "suite", "backend",
 "model", "settings": {...}, "provenance": {the run-level fields of `ds4eval.provenance`},
@@ -92,14 +92,6 @@ def render_report(summary: dict) -> str:
         f"({t['tokens_per_s']:.1f} tok/s)",
     ]
     return "\n".join(lines)
-
-
-def compare_summaries(old: dict, new: dict) -> list[tuple[str, str, str, str]]:
-    """(source, id, old status, new status) for every case present in both that changed."""
-    before = {(c["source"], c["id"]): c["status"] for c in old.get("cases", [])}
-    return [(c["source"], c["id"], before[(c["source"], c["id"])], c["status"])
-            for c in new.get("cases", [])
-            if (c["source"], c["id"]) in before and before[(c["source"], c["id"])] != c["status"]]
 
 
 def case_line(st: CaseState, total: int) -> str:

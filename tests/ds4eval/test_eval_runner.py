@@ -1,6 +1,5 @@
 """Runner + engine backend against a scripted fake model: statuses, budgets, controls, traces."""
 
-import json
 import threading
 import time
 
@@ -10,7 +9,7 @@ from ds4eval import trace as tr
 from ds4eval.backends.engine_backend import EngineBackend
 from ds4eval.cases import parse_case
 from ds4eval.config import EvalConfig
-from ds4eval.report import PlainListener, build_summary, compare_summaries, render_report
+from ds4eval.report import PlainListener, build_summary, render_report
 from ds4eval.runner import CaseFinished, Runner, Status, StatusChanged, TextDelta
 
 from eval_fakes import FAKE_API, FakeModel
@@ -147,9 +146,6 @@ def test_report_and_summary(capsys):
     assert summary["totals"]["passed"] == 1 and summary["sources"][0]["cases"] == 2
     text = render_report(summary)
     assert "toy" in text and "TOTAL" in text and "passed 1/2" in text and "wall time" in text
-    later = json.loads(json.dumps(summary))
-    later["cases"][0]["status"] = "FAILED"
-    assert compare_summaries(summary, later) == [("toy", "c1", "PASSED", "FAILED")]
 
 
 def _wait(cond, timeout=5.0):

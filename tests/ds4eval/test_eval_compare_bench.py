@@ -1,0 +1,64 @@
+"""Benchmark (pytest-benchmark): `--compare` of two traces of 10,000 cases each, from reading the
+files to the rendered report. The target is under 2 s; it is measured, not asserted."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ds4eval import compare as cmp
+from ds4eval import compare_report
+from ds4eval import trace as tr
+
+N_CASES = 10_000
+
+
+def _trace_pair(directory):
+    """Realistic blocks: full provenance, a 110-token prompt, a 30-line output; 5 sources, about
+    one case in ten flipped either way, some answers lost, generated lengths moved."""
+    rng = np.random.default_rng(0)
+    pieces = ["<|im_start|>", "system", "\n"] + [f" word{i}" for i in range(104)] + ["<|im_end|>", "\n", "assistant"]
+    output = "Let me think.\n" * 29 + "Answer: 4"
+    base, new = [], []
+    for i in range(1, N_CASES + 1):
+        passed = bool(rng.random() < 0.45)
+        flipped = bool(rng.random() < 0.1)
+        b = tr.TraceRecord(
+            index=i, source=f"source-{i % 5}", id=f"case-{i}", status="PASSED" if passed else "FAILED",
+            picked="4" if passed else "5", expected="4", answer_kind="integer", suite="big", model="Toy 1B",
+            backend="engine", prompt_tokens=len(pieces), gen_tokens=int(rng.integers(20, 400)), elapsed_s=2.5,
+            case_hash=f"sha256:{i:064x}", max_tokens=512, prompt_sha256=f"{i:064x}", model_sha256="ab" * 32,
+            chat_template_sha256="cd" * 32, bos_eos="add_bos=no bos=1 eos=2", device="cpu", kv_type="float16",
+            extractor_version="e1", ds4eval_version="0.1.0", git_commit="f" * 40, prompt_pieces=pieces,
+            system_prompt="You are a careful problem solver.", question_prompt="What is it? " * 25,
+            model_output=output)
+        n = dataclasses.replace(b, gen_tokens=b.gen_tokens + int(rng.integers(-40, 40)), elapsed_s=2.4)
+        if flipped:
+            n = dataclasses.replace(n, status="FAILED" if passed else "PASSED", picked=None if passed else "4")
+        base.append(b)
+        new.append(n)
+    paths = []
+    for name, recs in (("base", base), ("new", new)):
+        path = directory / f"{name}.trace"
+        path.write_text("".join(map(tr.format_record, recs)), encoding="utf-8", newline="")
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def big_traces(tmp_path_factory):
+    return _trace_pair(tmp_path_factory.mktemp("big"))
+
+
+def _compare_files(base_path, new_path):
+    base = cmp.read_run(base_path.read_text(encoding="utf-8"), str(base_path))
+    new = cmp.read_run(new_path.read_text(encoding="utf-8"), str(new_path))
+    result = cmp.compare(base, new)
+    return result, compare_report.render(result, "text")
+
+
+def test_compare_two_traces_of_ten_thousand_cases(benchmark, big_traces):
+    result, text = benchmark.pedantic(_compare_files, args=tuple(big_traces), rounds=3, iterations=1)
+    assert result.total.cases == N_CASES and len(result.sources) == 5
+    assert result.total.test.discordant == len(result.flips) > 500 and "Verdict" in text
+    assert result.total.interval.resamples >= 10_000
