@@ -40,7 +40,8 @@ test-quality: setup
 	$(PY) -m pytest -q $(QUALITY_TESTS)
 	$(PY) -m quality_testing.compare_frontier_logits
 
-# Scorer coverage, and the greedy sanity pass count against the recorded one.
+# Scorer coverage, and the greedy sanity suite case by case against the baseline trace
+# (quality_testing/sanity_baseline.trace): fails on any pass->fail flip or a significant drop.
 gate-quality: setup
 	$(PY) -m quality_testing.validate_scores
 	$(PY) -m quality_testing.gate_quality

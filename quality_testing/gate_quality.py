@@ -1,112 +1,136 @@
-"""Quality gate: the sanity suite under greedy decoding must pass at least the recorded number of cases.
+"""Quality gate: the greedy sanity suite, case by case against a committed baseline trace.
 
-    python -m quality_testing.gate_quality            # run and judge against sanity_record.json
-    python -m quality_testing.gate_quality --record   # run and write the record (a deliberate act)
+    python -m quality_testing.gate_quality                # run, compare with the baseline, judge
+    python -m quality_testing.gate_quality --rebaseline   # run, show the comparison, replace the baseline
 
-The suite runs through ds4-eval's own command line (`ds4-eval --suite sanity --plain
---temp 0 --summary FILE`, engine backend, embedded model unless --model), so the gate
-measures exactly what a user runs. The summary's `totals.passed` is compared with
-sanity_record.json: {"suite", "passed", "cases", "tokens", "model_sha256"}; the run uses the
-record's token budget unless --tokens is given. Fewer passes
-fail the gate (exit 1); more passes are reported with a reminder to raise the record on
-purpose. The record is only written with --record, never as a side effect.
-scorer coverage (validate_scores) is a separate step of `make gate-quality`.
+The suite runs through ds4-eval's own command line (`ds4-eval --suite sanity --plain --temp 0
+--tokens 128 --trace FILE`, engine backend, embedded model unless --model), so the gate
+measures exactly what a user runs. The run is then compared with `sanity_baseline.trace`
+(`ds4eval.compare`, strict): greedy decoding of one model file is deterministic, so any
+pass->fail flip fails the gate (exit 1), as does a significant drop; a baseline made on another
+model file is refused before anything runs (exit 2). The markdown comparison is printed either
+way. Cases that now pass where the baseline failed are reported with a reminder to re-baseline
+on purpose. The baseline is only written with --rebaseline, never as a side effect, after the
+comparison with the old one has been printed (it belongs in the re-baseline commit).
+Scorer coverage (validate_scores) is a separate step of `make gate-quality`.
 It does not grade anything itself.
 """
 from __future__ import annotations
 
-import dataclasses
-import json
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from ds4eval.atomicfile import write_text_atomic
-from quality_testing import refset as rs
+from ds4eval import compare as cmp
+from ds4eval import compare_report
+from ds4eval.atomicfile import atomic_path
+from ds4eval.provenance import file_sha256
 
-RECORD = Path(__file__).resolve().parent / "sanity_record.json"
+BASELINE = Path(__file__).resolve().parent / "sanity_baseline.trace"
 SUITE = "sanity"
+TOKENS = 128  # generation budget per case: the sanity cases' answers fit, and a run takes about a minute
 
 
 class QualityGateError(RuntimeError):
-    """The suite could not be run or its summary read; the message says why."""
+    """The suite could not be run or the baseline read; the message says why."""
 
 
 @dataclass(frozen=True)
 class QualityGateConfig:
     """One quality-gate run; each field is one command-line flag."""
 
-    record: bool = False  # write the measured count as the new record instead of judging
+    rebaseline: bool = False  # write the run's trace as the new baseline instead of judging
     model: str | None = None  # GGUF; None: the embedded model
-    tokens: int | None = None  # ds4-eval -n budget per case; None: ds4-eval's default
-    record_file: str = str(RECORD)
+    tokens: int = TOKENS  # ds4-eval -n budget per case
+    baseline: str = str(BASELINE)
 
 
-def run_suite(cfg: QualityGateConfig) -> dict:
-    """ds4-eval's JSON summary of a greedy sanity run."""
+def run_suite(cfg: QualityGateConfig, trace: Path) -> None:
+    """A greedy sanity run through ds4-eval, its trace written to `trace`."""
     exe = Path(sys.executable).with_name("ds4-eval")
-    with tempfile.TemporaryDirectory(prefix="ds4-gate-quality-") as tmp:
-        summary = Path(tmp) / "summary.json"
-        cmd = [str(exe), "--suite", SUITE, "--plain", "--temp", "0", "--summary", str(summary)]
-        if cfg.model:
-            cmd += ["--model", cfg.model]
-        if cfg.tokens:
-            cmd += ["--tokens", str(cfg.tokens)]
-        p = subprocess.run(cmd, stdout=sys.stderr)  # the run's own report goes to stderr, live
-        if not summary.is_file():
-            raise QualityGateError(f"ds4-eval exited with {p.returncode} and wrote no summary")
-        return json.loads(summary.read_text(encoding="utf-8"))
+    cmd = [str(exe), "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens), "--trace", str(trace)]
+    if cfg.model:
+        cmd += ["--model", cfg.model]
+    p = subprocess.run(cmd, stdout=sys.stderr)  # the run's own report goes to stderr, live
+    if not trace.is_file():  # a run cut short still has a trace; the comparison then counts what is missing
+        raise QualityGateError(f"ds4-eval exited with {p.returncode} and wrote no trace")
 
 
-def judge(passed: int, record: dict) -> tuple[bool, str]:
-    """(ok, message) for a measured pass count against the record. Pure."""
-    want = int(record["passed"])
-    if passed < want:
-        return False, f"sanity: {passed} passed, below the recorded {want}"
-    if passed > want:
-        return True, (f"sanity: {passed} passed, above the recorded {want}; raise the record on purpose with "
-                      f"python -m quality_testing.gate_quality --record")
-    return True, f"sanity: {passed} passed, as recorded"
+def baseline_model(run: cmp.Run) -> str:
+    """The model file SHA-256 the baseline was made on ("" when it does not record one)."""
+    shas = Counter(c.model_sha256 for c in run.cases.values())
+    if len(shas) != 1:
+        raise QualityGateError(f"the baseline mixes {len(shas)} model files; re-baseline on one")
+    return next(iter(shas))
+
+
+def judge(base: cmp.Run, new: cmp.Run) -> cmp.Comparison:
+    """The gate's comparison: strict, default alpha, no difference allowed. Pure."""
+    return cmp.compare(base, new, strict=True)
+
+
+def _read_run(path: Path, label: str) -> cmp.Run:
+    return cmp.read_run(path.read_text(encoding="utf-8"), label)
 
 
 @click.command()
-@click.option("--record", "write_record", is_flag=True, help="Write the measured count as the new record.")
+@click.option("--rebaseline", is_flag=True, help="Write this run's trace as the new baseline (on purpose).")
 @click.option("--model", default=None, help="GGUF file (default: the embedded model).")
-@click.option("--tokens", type=int, default=None, help="Generation budget per case (ds4-eval -n).")
-@click.option("--record-file", default=str(RECORD), show_default=True, help="Where the record lives.")
-def main(write_record: bool, model: str | None, tokens: int | None, record_file: str) -> None:
-    """Run the sanity suite greedily and compare its pass count with the record."""
-    cfg = QualityGateConfig(record=write_record, model=model, tokens=tokens, record_file=record_file)
-    path = Path(cfg.record_file)
+@click.option("--tokens", type=int, default=TOKENS, show_default=True, help="Generation budget per case (ds4-eval -n).")
+@click.option("--baseline", default=str(BASELINE), show_default=True, help="The baseline trace.")
+def main(rebaseline: bool, model: str | None, tokens: int, baseline: str) -> None:
+    """Run the sanity suite greedily and compare it case by case with the baseline trace."""
+    from engine import ModelLoadError, default_model_path
+
+    cfg = QualityGateConfig(rebaseline=rebaseline, model=model, tokens=tokens, baseline=baseline)
+    path = Path(cfg.baseline)
     try:
-        record = None if cfg.record else json.loads(path.read_text(encoding="utf-8"))
-        if record is not None and cfg.tokens is None:  # judge under the budget the record was made with
-            cfg = dataclasses.replace(cfg, tokens=record.get("tokens"))
-        summary = run_suite(cfg)
-        totals = summary["totals"]
-    except FileNotFoundError:
-        click.echo(f"error: no record at {path}; create it with python -m quality_testing.gate_quality --record",
-                   err=True)
-        sys.exit(2)
-    except (QualityGateError, OSError, KeyError, ValueError) as e:
+        old = _read_run(path, path.name) if path.is_file() else None
+        if old is None and not cfg.rebaseline:
+            raise QualityGateError(f"no baseline at {path}; create it with "
+                                   f"python -m quality_testing.gate_quality --rebaseline")
+        if old is not None and not cfg.rebaseline:
+            want, have = baseline_model(old), file_sha256(cfg.model or default_model_path())
+            if want != have:
+                raise QualityGateError(f"the baseline was made on model sha256 {want[:12] or '(unknown)'}, this model "
+                                       f"is {have[:12]}: compare like with like, or re-baseline on purpose")
+        with tempfile.TemporaryDirectory(prefix="ds4-gate-quality-") as tmp:
+            trace = Path(tmp) / "sanity.trace"
+            run_suite(cfg, trace)
+            new = _read_run(trace, "this run")
+            result = None
+            if old is not None:
+                try:
+                    result = judge(old, new)
+                except cmp.CompareInputError as e:
+                    if not cfg.rebaseline:
+                        raise
+                    click.echo(f"no comparison with the old baseline: {e}")
+            if result is not None:
+                click.echo(compare_report.render(result, "markdown"))
+            if cfg.rebaseline:
+                with atomic_path(path) as out:
+                    shutil.copyfile(trace, out)
+                click.echo(f"wrote the baseline {path} ({len(new.cases)} cases, "
+                           f"{sum(c.passed for c in new.cases.values())} passed); commit it with the comparison "
+                           f"above in the commit message")
+                return
+    except (cmp.CompareInputError, QualityGateError, OSError, ModelLoadError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    passed = int(totals["passed"])
-    if cfg.record:
-        from engine import default_model_path
-
-        rec = {"suite": SUITE, "passed": passed, "cases": int(totals["cases"]), "tokens": cfg.tokens,
-               "model_sha256": rs.sha256_file(cfg.model or default_model_path())}
-        write_text_atomic(path, json.dumps(rec, indent=1) + "\n")
-        click.echo(f"recorded: {passed}/{rec['cases']} sanity cases pass")
-        return
-    ok, msg = judge(passed, record)
-    click.echo(msg)
-    sys.exit(0 if ok else 1)
+    t = result.total
+    if result.exit_status == 0 and t.fail_pass:
+        click.echo(f"sanity: {t.fail_pass} case(s) now pass that failed in the baseline; re-baseline on purpose "
+                   f"with python -m quality_testing.gate_quality --rebaseline")
+    click.echo(f"sanity: {t.new_passed}/{t.cases} passed (baseline {t.base_passed}); "
+               f"{'FAILED' if result.exit_status else 'ok'}: {result.verdict}")
+    sys.exit(result.exit_status)
 
 
 if __name__ == "__main__":
