@@ -40,6 +40,7 @@ import pandas as pd
 from ds4eval import regrade as rg
 from ds4eval import stats
 from ds4eval.config import ALLOWED_DIFFS
+from ds4eval.provenance import split_tokens
 from ds4eval.trace import TraceRecord, parse_trace
 
 GRADED = ("PASSED", "FAILED")
@@ -72,7 +73,8 @@ class CaseRun:
     sampling: tuple
     prompt_sha256: str
     prompt_text: str  # system and question prompt; "" when the run did not record them
-    prompt_pieces: tuple[str, ...]
+    rendered_prompt: str  # the prompt the model saw and where each of its tokens ends ("" if unknown)
+    rendered_token_ends: str
     prompt_tokens: int
     gen_tokens: int
     elapsed_s: float
@@ -93,6 +95,9 @@ class CaseRun:
     @property
     def no_answer(self) -> bool:
         return not self.picked
+
+    def prompt_tokens_text(self) -> list[str]:
+        return split_tokens(self.rendered_prompt, self.rendered_token_ends)
 
 
 @dataclass
@@ -130,7 +135,8 @@ def _record_case(r: TraceRecord) -> CaseRun:
         case_hash=r.case_hash, model=r.model, model_sha256=r.model_sha256,
         sampling=sampling_key(r.temperature, r.top_p, r.min_p, r.seed), prompt_sha256=r.prompt_sha256,
         prompt_text=r.system_prompt + "\n" + r.question_prompt if (r.system_prompt or r.question_prompt) else "",
-        prompt_pieces=tuple(r.prompt_pieces), prompt_tokens=r.prompt_tokens, gen_tokens=r.gen_tokens,
+        rendered_prompt=r.rendered_prompt, rendered_token_ends=r.rendered_token_ends,
+        prompt_tokens=r.prompt_tokens, gen_tokens=r.gen_tokens,
         elapsed_s=r.elapsed_s, settings=settings)
 
 
@@ -159,7 +165,7 @@ def _summary_cases(obj: dict, label: str) -> list[CaseRun]:
                 expected=str(c.get("expected") or ""), key=(str(c.get("expected") or ""),),
                 case_hash=str(c.get("case_hash") or ""), model=str(obj.get("model") or ""),
                 model_sha256=str(prov.get("model_sha256") or ""), sampling=sampling,
-                prompt_sha256=str(c.get("prompt_sha256") or ""), prompt_text="", prompt_pieces=(),
+                prompt_sha256=str(c.get("prompt_sha256") or ""), prompt_text="", rendered_prompt="", rendered_token_ends="",
                 prompt_tokens=int(c.get("prompt_tokens") or 0), gen_tokens=int(c.get("gen_tokens") or 0),
                 elapsed_s=float(c.get("elapsed_s") or 0.0), settings=settings))
         except (TypeError, ValueError):
@@ -364,15 +370,15 @@ def render_diff(b: CaseRun, n: CaseRun) -> RenderDiff:
     """Where the prompts of one case differ: token texts when both runs recorded them, else
     the prompt texts character by character."""
     names = (b.name,)
-    if b.prompt_pieces and n.prompt_pieces:
-        pos = first_difference(b.prompt_pieces, n.prompt_pieces)
+    if b.rendered_token_ends and n.rendered_token_ends:
+        bp, np_ = b.prompt_tokens_text(), n.prompt_tokens_text()
+        pos = first_difference(bp, np_)
         if pos is None:
-            return RenderDiff(names, None, len(b.prompt_pieces), len(n.prompt_pieces), 0, (), (),
+            return RenderDiff(names, None, len(bp), len(np_), 0, (), (),
                               "the token texts are equal but the token ids differ (another vocabulary?)")
         start = max(0, pos - CONTEXT_TOKENS)
-        return RenderDiff(names, pos, len(b.prompt_pieces), len(n.prompt_pieces), start,
-                          b.prompt_pieces[start:pos + CONTEXT_TOKENS + 1],
-                          n.prompt_pieces[start:pos + CONTEXT_TOKENS + 1])
+        return RenderDiff(names, pos, len(bp), len(np_), start, tuple(bp[start:pos + CONTEXT_TOKENS + 1]),
+                          tuple(np_[start:pos + CONTEXT_TOKENS + 1]))
     if b.prompt_text and n.prompt_text and b.prompt_text != n.prompt_text:
         pos = first_difference(b.prompt_text, n.prompt_text)
         start = max(0, pos - 24)

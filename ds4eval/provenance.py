@@ -14,7 +14,8 @@ Contract
   is ignored (the hash is computed again).
 - `prompt_sha256(ids)` hashes a rendered prompt's token ids; `token_pieces(model, ids)` gives
   each id's text (through the model's incremental text stream, so the pieces concatenate to
-  the decoded prompt); `RenderedPrompt` carries both from a backend to the trace.
+  the decoded prompt). `RenderedPrompt` carries the hash, that text and where each token ends
+  in it from a backend to the trace; `split_tokens(text, ends)` gives the pieces back.
 - `extractor_version()`: a digest of the extraction and grading source (`extract`, `grade`),
   so any change to how answers are read shows up without anyone remembering to bump a number.
 It does not decide anything: `compare` reads these fields.
@@ -126,14 +127,34 @@ def git_commit(root: str | None = None) -> str:
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """The token ids a backend fed the model, as their hash and their texts."""
+    """The token ids a backend fed the model: their hash, their text, and the end offset of each
+    token in that text (the trace's rendered_prompt and rendered_token_ends)."""
 
     sha256: str
-    pieces: tuple[str, ...]
+    text: str
+    ends: tuple[int, ...]
 
     @classmethod
     def of(cls, ids: list[int], pieces: Iterable[str]) -> "RenderedPrompt":
-        return cls(prompt_sha256(ids), tuple(pieces))
+        pieces = list(pieces)
+        ends, at = [], 0
+        for p in pieces:
+            at += len(p)
+            ends.append(at)
+        return cls(prompt_sha256(ids), "".join(pieces), tuple(ends))
+
+    @property
+    def ends_field(self) -> str:
+        return ",".join(map(str, self.ends))
+
+
+def split_tokens(text: str, ends: str) -> list[str]:
+    """The token texts of a rendered prompt from its text and its comma-separated token ends."""
+    out, start = [], 0
+    for end in map(int, ends.split(",")) if ends else ():
+        out.append(text[start:end])
+        start = end
+    return out
 
 
 def token_pieces(model: Any, ids: list[int]) -> list[str]:

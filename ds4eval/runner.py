@@ -455,7 +455,8 @@ class Runner:
         prompt = st.prompt
         return {**self.provenance(), "case_hash": case_hash(st.case), "max_tokens": self._job(st).max_tokens,
                 "prompt_sha256": prompt.sha256 if prompt else "",
-                "prompt_pieces": list(prompt.pieces) if prompt else []}
+                "rendered_prompt": prompt.text if prompt else "",
+                "rendered_token_ends": prompt.ends_field if prompt else ""}
 
     # ------------------------------------------------------------ internals
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from dataclasses import dataclass, field, fields
 
@@ -68,7 +69,8 @@ class TraceRecord:
     extractor_version: str = ""
     ds4eval_version: str = ""
     git_commit: str = ""
-    prompt_pieces: list[str] = field(default_factory=list)
+    rendered_prompt: str = ""
+    rendered_token_ends: str = ""
     system_prompt: str = ""
     question_prompt: str = ""
     model_output: str = ""
@@ -83,20 +85,16 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
+_ESCAPED = re.compile(r"\\(.)", re.DOTALL)
+_UNESCAPED = {"n": "\n", "r": "\r", "\\": "\\"}
+
+
 def _unescape(value: str) -> str:
+    # A backslash takes the next character with it: \n, \r and \\ are decoded, any other pair
+    # is kept as written, and a backslash at the very end stays.
     if "\\" not in value:
         return value
-    out, i = [], 0
-    while i < len(value):
-        ch = value[i]
-        if ch == "\\" and i + 1 < len(value):
-            nxt = value[i + 1]
-            out.append({"n": "\n", "r": "\r", "\\": "\\"}.get(nxt, "\\" + nxt))
-            i += 2
-        else:
-            out.append(ch)
-            i += 1
-    return "".join(out)
+    return _ESCAPED.sub(lambda m: _UNESCAPED.get(m[1], m[0]), value)
 
 
 def _header_value(rec: TraceRecord, name: str) -> str:
@@ -104,8 +102,6 @@ def _header_value(rec: TraceRecord, name: str) -> str:
     if v is None:
         return ""
     if name == "aliases":
-        return json.dumps(v, ensure_ascii=False)
-    if name == "prompt_pieces":  # JSON, like aliases: it never holds a raw newline
         return json.dumps(v, ensure_ascii=False)
     if isinstance(v, bool):
         return "yes" if v else "no"
@@ -159,7 +155,7 @@ def _float_or_zero(raw: str) -> float:
 # How each known header value is read back (escaped text unless listed); unknown keys are not here.
 _READERS = {f.name: _unescape for f in _HEADER_FIELDS}
 _READERS.update({
-    "aliases": _json_list, "prompt_pieces": _json_list,
+    "aliases": _json_list,
     "status": lambda raw: raw or None,
     "picked": lambda raw: _unescape(raw) if raw else None,
     "seed": lambda raw: int(raw) if raw else None,

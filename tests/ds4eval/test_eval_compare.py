@@ -11,9 +11,20 @@ from click.testing import CliRunner
 from ds4eval import cli
 from ds4eval import compare as cmp
 from ds4eval import trace as tr
+from ds4eval.provenance import RenderedPrompt, split_tokens
 
 REPO = Path(__file__).resolve().parents[2]
 PIECES = ["<|im_start|>", "system", "\n", "Be", " brief", ".", "<|im_end|>", "\n", "<|im_start|>", "user", "\n"]
+
+
+def rendered(pieces):
+    """The trace fields of a rendered prompt made of these token texts."""
+    p = RenderedPrompt.of([0], pieces)
+    return {"rendered_prompt": p.text, "rendered_token_ends": p.ends_field}
+
+
+def tokens(r):
+    return split_tokens(r.rendered_prompt, r.rendered_token_ends)
 
 
 def rec(i, status="PASSED", picked="4", *, source="toy", expected="4", **kw):
@@ -24,7 +35,7 @@ def rec(i, status="PASSED", picked="4", *, source="toy", expected="4", **kw):
         gen_tokens=10 + i, elapsed_s=0.5, temperature=0.0, case_hash=f"sha256:{i:064x}", max_tokens=128,
         prompt_sha256=f"{i:064x}", model_sha256="ab" * 32, chat_template_sha256="cd" * 32,
         bos_eos="add_bos=no bos=1 eos=2", device="cpu", kv_type="float16", extractor_version="e1",
-        ds4eval_version="0.1.0", git_commit="f" * 40, prompt_pieces=PIECES + [f"What is {i}?"],
+        ds4eval_version="0.1.0", git_commit="f" * 40, **rendered(PIECES + [f"What is {i}?"]),
         system_prompt="Be brief.", question_prompt=f"What is {i}?",
         model_output=f"Answer: {picked}" if picked else "I do not know")
     fields.update(kw)
@@ -152,7 +163,7 @@ def test_greedy_runs_ignore_top_p_and_seed_but_note_other_settings(tmp_path):
 
 def test_render_diff_shows_a_bos_change_at_a_glance(tmp_path):
     base = [rec(i) for i in range(1, 4)]
-    new = [dataclasses.replace(r, prompt_sha256="0" * 64, prompt_pieces=["<s>"] + r.prompt_pieces,
+    new = [dataclasses.replace(r, prompt_sha256="0" * 64, **rendered(["<s>"] + tokens(r)),
                                bos_eos="add_bos=yes bos=1 eos=2") for r in base]
     b, n = pair(tmp_path, base, new)
     code, out = as_json(b, n, "--allow-diff", "prompt")
@@ -168,15 +179,15 @@ def test_render_diff_shows_a_bos_change_at_a_glance(tmp_path):
 
 def test_render_diff_of_a_template_change_mid_prompt(tmp_path):
     base = [rec(1)]
-    pieces = list(base[0].prompt_pieces)
+    pieces = tokens(base[0])
     pieces[2] = "\n\n"
-    new = [dataclasses.replace(base[0], prompt_sha256="1" * 64, prompt_pieces=pieces)]
+    new = [dataclasses.replace(base[0], prompt_sha256="1" * 64, **rendered(pieces))]
     out = cmp.compare(*(cmp.read_run(Path(p).read_text(), p) for p in pair(tmp_path, base, new)),
                       allow=("prompt",))
     (d,) = out.render_diffs
     assert d.position == 2 and d.context_start == 0 and d.base_context[2] == "\n" and d.new_context[2] == "\n\n"
     # Without token texts (a backend that does not tokenize) the prompt texts show where.
-    no_pieces = [dataclasses.replace(r, prompt_sha256="", prompt_pieces=[]) for r in base]
+    no_pieces = [dataclasses.replace(r, prompt_sha256="", **rendered([])) for r in base]
     other = [dataclasses.replace(no_pieces[0], question_prompt="What is 1 ?")]
     out = cmp.compare(*(cmp.read_run(Path(p).read_text(), p) for p in pair(tmp_path, no_pieces, other)),
                       allow=("prompt",))
@@ -207,7 +218,7 @@ def test_old_format_traces_load_and_compare(tmp_path):
     in a copy, and a status-less copy (a trace from before statuses) is graded from its outputs."""
     old = REPO / "traces" / "sanity-smollm2-greedy.trace"
     records = tr.read_trace(old).records
-    assert records and not any(r.case_hash or r.model_sha256 or r.prompt_pieces for r in records)
+    assert records and not any(r.case_hash or r.model_sha256 or r.rendered_prompt for r in records)
     edited = [dataclasses.replace(r, status="FAILED", picked="C", model_output="Answer: C")
               if r.id == "choice-sky-colour" else r for r in records]
     new = write(tmp_path / "edited.trace", edited)

@@ -9,6 +9,7 @@ import pytest
 from ds4eval import compare as cmp
 from ds4eval import compare_report
 from ds4eval import trace as tr
+from ds4eval.provenance import RenderedPrompt
 
 N_CASES = 10_000
 
@@ -18,6 +19,7 @@ def _trace_pair(directory):
     one case in ten flipped either way, some answers lost, generated lengths moved."""
     rng = np.random.default_rng(0)
     pieces = ["<|im_start|>", "system", "\n"] + [f" word{i}" for i in range(104)] + ["<|im_end|>", "\n", "assistant"]
+    prompt = RenderedPrompt.of(list(range(len(pieces))), pieces)
     output = "Let me think.\n" * 29 + "Answer: 4"
     base, new = [], []
     for i in range(1, N_CASES + 1):
@@ -29,7 +31,8 @@ def _trace_pair(directory):
             backend="engine", prompt_tokens=len(pieces), gen_tokens=int(rng.integers(20, 400)), elapsed_s=2.5,
             case_hash=f"sha256:{i:064x}", max_tokens=512, prompt_sha256=f"{i:064x}", model_sha256="ab" * 32,
             chat_template_sha256="cd" * 32, bos_eos="add_bos=no bos=1 eos=2", device="cpu", kv_type="float16",
-            extractor_version="e1", ds4eval_version="0.1.0", git_commit="f" * 40, prompt_pieces=pieces,
+            extractor_version="e1", ds4eval_version="0.1.0", git_commit="f" * 40,
+            rendered_prompt=prompt.text, rendered_token_ends=prompt.ends_field,
             system_prompt="You are a careful problem solver.", question_prompt="What is it? " * 25,
             model_output=output)
         n = dataclasses.replace(b, gen_tokens=b.gen_tokens + int(rng.integers(-40, 40)), elapsed_s=2.4)

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from ds4eval import cases as cs
 from ds4eval import cli
 from ds4eval.config import EvalConfig
-from ds4eval.provenance import file_sha256
+from ds4eval.provenance import file_sha256, split_tokens
 from ds4eval.runner import Runner
 from ds4eval.trace import read_trace
 
@@ -55,8 +55,9 @@ def test_budget_32_against_128_flips_exactly_the_cases_the_traces_say(tmp_path):
     sha = file_sha256(model.path)
     for x in list(base.values()) + list(new.values()):
         assert x.model_sha256 == sha and x.kv_type == "float16" and x.chat_template_sha256 not in ("", "none")
-        assert x.prompt_sha256 == new[x.id].prompt_sha256 and len(x.prompt_pieces) == x.prompt_tokens
-        assert "".join(x.prompt_pieces) == backend.render(backend_job(x, by_id), False)
+        assert x.prompt_sha256 == new[x.id].prompt_sha256
+        assert len(split_tokens(x.rendered_prompt, x.rendered_token_ends)) == x.prompt_tokens
+        assert x.rendered_prompt == backend.render(backend_job(x, by_id), False)
 
 
 def backend_job(rec, by_id):

@@ -108,27 +108,29 @@ def test_every_trace_block_carries_provenance(tmp_path):
     assert [r.case_hash for r in records] == [case_hash(c) for c in cases]
     assert [r.max_tokens for r in records] == [64, 100]
     for r in records:
-        ids = model.tokenize("".join(r.prompt_pieces), special=True)
+        ids = model.tokenize(r.rendered_prompt, special=True)
         assert r.prompt_sha256 == pv.prompt_sha256(ids) and len(ids) == r.prompt_tokens
-        prompt = "".join(r.prompt_pieces)
-        assert prompt.startswith("<|im_start|>system\n") and r.question_prompt in prompt
+        assert pv.split_tokens(r.rendered_prompt, r.rendered_token_ends) == pv.token_pieces(model, ids)
+        assert r.rendered_prompt.startswith("<|im_start|>system\n") and r.question_prompt in r.rendered_prompt
         assert r.extractor_version == pv.extractor_version() and r.ds4eval_version == pv.ds4eval_version()
         assert r.bos_eos == "add_bos=no bos=259 eos=256" and r.model_sha256 == ""
 
 
 def test_provenance_fields_round_trip_and_old_traces_still_load():
-    pieces = ["<|im_start|>", "\n", "%%end", "say \"hi\"", "back\\slash", "\r", "✓", ""]
+    pieces = ["<|im_start|>", "\n", "%%end", "say \"hi\"", "back\\slash", "\\n", "\r", "✓", "", "\\"]
+    prompt = pv.RenderedPrompt.of([1, 2], pieces)
     rec = tr.TraceRecord(index=1, source="s", id="a", status="PASSED", case_hash="sha256:" + "0" * 64, max_tokens=7,
                          prompt_sha256="1" * 64, model_sha256="2" * 64, git_commit="3" * 40 + "+dirty",
-                         endpoint="http://h/v1/chat/completions", prompt_pieces=pieces, model_output="%%end\nok")
+                         endpoint="http://h/v1/chat/completions", rendered_prompt=prompt.text,
+                         rendered_token_ends=prompt.ends_field, model_output="%%end\nok")
     text = tr.format_record(rec)
     assert text.count("\n%%end\n") == 1 and "\n%%%end\nok\n%%end\n" in text
     (back,) = tr.parse_trace(text).records
-    assert back == rec
+    assert back == rec and pv.split_tokens(back.rendered_prompt, back.rendered_token_ends) == pieces
     old = tr.read_trace(REPO / "traces" / "sanity-smollm2-greedy.trace")
     assert len(old.records) == 41 and not old.problems
     r = old.records[0]
-    assert (r.case_hash, r.max_tokens, r.prompt_sha256, r.prompt_pieces, r.git_commit) == ("", 0, "", [], "")
+    assert (r.case_hash, r.max_tokens, r.prompt_sha256, r.rendered_prompt, r.git_commit) == ("", 0, "", "", "")
 
 
 @pytest.mark.parametrize("name", ["sanity-smollm2-greedy.trace", "sanity-arith-code-ds4server.trace"])

@@ -27,7 +27,7 @@ def test_the_baseline_pins_the_current_sanity_suite():
     assert all(r.case_hash == cs.case_hash(suite[(r.source, r.id)]) for r in records)
     assert all(r.status in ("PASSED", "FAILED") and r.temperature == 0.0 for r in records)
     assert {r.max_tokens for r in records} == {gq.TOKENS} and len({r.model_sha256 for r in records}) == 1
-    assert all(r.prompt_sha256 and r.prompt_pieces for r in records)
+    assert all(r.prompt_sha256 and r.rendered_prompt and r.rendered_token_ends for r in records)
 
 
 def test_the_baseline_was_made_on_the_embedded_model(embedded_path):
