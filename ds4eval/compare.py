@@ -30,9 +30,11 @@ It reads no files and prints nothing: `compare_report` renders a Comparison.
 
 from __future__ import annotations
 
+import heapq
 import json
 from collections import Counter
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Iterable, Sequence
 
 import pandas as pd
@@ -57,9 +59,10 @@ class CompareInputError(ValueError):
 
 # ---------------------------------------------------------------- one side
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class CaseRun:
-    """One case as one run recorded it."""
+    """One case as one run recorded it (not frozen: a frozen dataclass is several times slower
+    to build, and a comparison builds one per case and side)."""
 
     source: str
     id: str
@@ -78,7 +81,7 @@ class CaseRun:
     prompt_tokens: int
     gen_tokens: int
     elapsed_s: float
-    settings: dict
+    settings: tuple[str, ...]  # one value per NOTE_FIELDS entry, "" when unknown
 
     @property
     def name(self) -> str:
@@ -95,6 +98,9 @@ class CaseRun:
     @property
     def no_answer(self) -> bool:
         return not self.picked
+
+    def setting(self, name: str) -> str:
+        return self.settings[NOTE_FIELDS.index(name)]
 
     def prompt_tokens_text(self) -> list[str]:
         return split_tokens(self.rendered_prompt, self.rendered_token_ends)
@@ -117,18 +123,18 @@ def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | Non
     return ("sampled", float(temperature), float(top_p), float(min_p), seed)
 
 
+# A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between).
+_RUN_SETTINGS = attrgetter("backend", "endpoint", "served_model", "device", "kv_type")
+_RUN_PROVENANCE = attrgetter("chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
+
+
 def _record_case(r: TraceRecord) -> CaseRun:
     status, picked = r.status or "", r.picked
     if r.status is None:  # a trace from before statuses: grade it from its own output and key
         rep = rg.regrade([r])
         if rep.cases:
             status, picked = rep.cases[0].new_status, rep.cases[0].new_picked
-    settings = {"backend": r.backend, "endpoint": r.endpoint, "served_model": r.served_model, "device": r.device,
-                "kv_type": r.kv_type, "max_tokens": str(r.max_tokens or ""),
-                "thinking": "yes" if r.thinking else "no",
-                "chat_template_sha256": r.chat_template_sha256, "bos_eos": r.bos_eos,
-                "extractor_version": r.extractor_version, "ds4eval_version": r.ds4eval_version,
-                "git_commit": r.git_commit}
+    settings = (*_RUN_SETTINGS(r), str(r.max_tokens or ""), "", "yes" if r.thinking else "no", *_RUN_PROVENANCE(r))
     return CaseRun(
         source=r.source, id=r.id, status=status, picked=picked, expected=r.expected,
         key=(r.answer_kind, r.expected, tuple(r.aliases), r.nchoices),
@@ -151,9 +157,10 @@ def _summary_cases(obj: dict, label: str) -> list[CaseRun]:
                                 float(st.get("min_p") or 0.0), st.get("seed"))
     except (TypeError, ValueError):
         raise CompareInputError(f"{label}: the summary's sampling settings are not numbers") from None
-    settings = {k: str(prov.get(k) or "") for k in NOTE_FIELDS if k in prov}
-    settings.update(backend=str(obj.get("backend") or ""), tokens=str(st.get("tokens") or ""),
-                    thinking={True: "yes", False: "no"}.get(st.get("think"), ""))
+    values = {k: str(prov.get(k) or "") for k in NOTE_FIELDS if k in prov}
+    values.update(backend=str(obj.get("backend") or ""), tokens=str(st.get("tokens") or ""),
+                  thinking={True: "yes", False: "no"}.get(st.get("think"), ""))
+    settings = tuple(values.get(k, "") for k in NOTE_FIELDS)
     out = []
     for i, c in enumerate(rows):
         if not isinstance(c, dict) or not isinstance(c.get("source"), str) or not isinstance(c.get("id"), str) \
@@ -468,8 +475,7 @@ def _differences(pairs: list[tuple[CaseRun, CaseRun]]) -> list[Difference]:
     for b, n in pairs:
         if b.settings == n.settings:
             continue
-        for k in NOTE_FIELDS:
-            bv, nv = b.settings.get(k, ""), n.settings.get(k, "")
+        for k, bv, nv in zip(NOTE_FIELDS, b.settings, n.settings):
             if bv and nv and bv != nv:
                 seen[(k, bv, nv)] += 1
     return [Difference(k, bv, nv, count) for (k, bv, nv), count in
@@ -477,7 +483,7 @@ def _differences(pairs: list[tuple[CaseRun, CaseRun]]) -> list[Difference]:
 
 
 def _provenance_gap(run: Run) -> bool:
-    return any(not c.model_sha256 and not c.settings.get("extractor_version") for c in run.cases.values())
+    return any(not c.model_sha256 and not c.setting("extractor_version") for c in run.cases.values())
 
 
 def compare(base: Run, new: Run, *, alpha: float = 0.05, strict: bool = False, allow: Iterable[str] = (),
@@ -558,9 +564,9 @@ def compare(base: Run, new: Run, *, alpha: float = 0.05, strict: bool = False, a
     flips.sort(key=lambda f: (f.direction != "pass->fail", f.source, f.id))
     lost += [base.cases[k].name for k in only_base if base.cases[k].passed]
 
-    changes = [LengthChange(b.source, b.id, b.gen_tokens, n.gen_tokens, b.status, n.status)
-               for b, n in comparable if b.gen_tokens != n.gen_tokens]
-    changes.sort(key=lambda c: (-abs(c.delta), c.source, c.id))
+    moved = heapq.nsmallest(top_lengths, ((b, n) for b, n in comparable if b.gen_tokens != n.gen_tokens),
+                            key=lambda p: (-abs(p[1].gen_tokens - p[0].gen_tokens), p[0].source, p[0].id))
+    changes = [LengthChange(b.source, b.id, b.gen_tokens, n.gen_tokens, b.status, n.status) for b, n in moved]
 
     # 4. The verdict.
     t = total.test
@@ -580,6 +586,6 @@ def compare(base: Run, new: Run, *, alpha: float = 0.05, strict: bool = False, a
                    f"(McNemar exact p = {t.p_exact:.4g}, alpha {alpha:g})")
     return Comparison(
         base=base, new=new, alpha=alpha, strict=strict, allowed=allowed, cases=cases, sources=sources, total=total,
-        flips=flips, lost_passes=lost, length_changes=changes[:top_lengths], issues=issues,
+        flips=flips, lost_passes=lost, length_changes=changes, issues=issues,
         differences=_differences(matched), render_diffs=_group_render_diffs(render), regression=regression,
         exit_status=1 if regression or strict_fail else 0, verdict=verdict)

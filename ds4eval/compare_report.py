@@ -48,9 +48,8 @@ def _common(values: list[str]) -> str:
 
 
 def _run_rows(run: Run) -> dict:
-    cols = list(zip(*((c.model, c.model_sha256[:12], c.settings.get("backend", ""), c.settings.get("kv_type", ""),
-                       c.settings.get("ds4eval_version", ""), c.settings.get("git_commit", ""))
-                      for c in run.cases.values())))
+    cols = list(zip(*((c.model, c.model_sha256[:12], c.setting("backend"), c.setting("kv_type"),
+                       c.setting("ds4eval_version"), c.setting("git_commit")) for c in run.cases.values())))
     model, sha, backend, kv, version, commit = map(_common, cols)
     return {
         "run": run.label, "kind": run.kind, "suite": run.suite or "-", "cases": len(run.cases),
