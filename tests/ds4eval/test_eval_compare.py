@@ -276,6 +276,20 @@ def test_summaries_compare_with_traces(tmp_path):
                                                     for d in out["differences"]}
 
 
+def test_a_summary_from_before_provenance_compares_by_key(tmp_path):
+    base = [rec(i) for i in range(1, 4)]
+    summary = {"format": "ds4eval-summary", "version": 1, "suite": "toy", "backend": "engine", "model": "Toy 1B",
+               "settings": {"tokens": 128, "temperature": 0.0, "top_p": 1.0, "min_p": 0.0, "seed": None},
+               "cases": [{"number": i, "source": "toy", "id": f"c{i}", "status": "PASSED", "picked": "4",
+                          "expected": "5" if i == 3 else "4"} for i in range(1, 4)]}
+    s = tmp_path / "old.json"
+    s.write_text(json.dumps(summary))
+    code, out = as_json(write(tmp_path / "b.trace", base), s)
+    kinds = {w["kind"]: w for w in out["warnings"]}
+    assert kinds["pin"]["cases"] == ["toy/c3"] and "provenance" in kinds  # no hashes: the keys decide
+    assert out["total"]["cases"] == 2 and code == 0
+
+
 def test_a_summary_written_by_a_run_compares(tmp_path, monkeypatch):
     """Summaries from `--summary` carry the case and prompt hashes and the run's provenance."""
     from eval_fakes import FAKE_API, FakeModel
