@@ -242,13 +242,14 @@ def cmd_compare(cfg: EvalConfig) -> int:
     from ds4eval import compare_report
 
     base_path, new_path = cfg.compare
-    try:
-        base = cmp.read_run(_read(base_path), base_path)
-        new = cmp.read_run(_read(new_path), new_path)
-        result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
-    except cmp.CompareInputError as e:
-        raise UsageFailure(str(e)) from None
-    click.echo(compare_report.render(result, cfg.compare_format), nl=False)
+    with cmp.collector_paused():
+        try:
+            base = cmp.read_run(_read(base_path), base_path)
+            new = cmp.read_run(_read(new_path), new_path)
+            result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
+        except cmp.CompareInputError as e:
+            raise UsageFailure(str(e)) from None
+        click.echo(compare_report.render(result, cfg.compare_format), nl=False)
     return result.exit_status
 
 
