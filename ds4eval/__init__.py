@@ -2,8 +2,10 @@
 
 Pipeline: suite manifest + data dir -> `cases.Case` -> `prompts` -> backend (`backends.engine_backend`
 in-process, or `backends.openai_backend` over HTTP) driven by `runner.Runner` (events + controls)
--> `extract` -> `grade` -> `trace` block -> `report` / JSON summary. `regrade` re-enters at
-extraction from a trace alone. `cli` only maps flags onto `config.EvalConfig`.
+-> `extract` -> `grade` -> `trace` block (with `provenance`) -> `report` / JSON summary. `regrade`
+re-enters at extraction from a trace alone; `compare` (statistics in `stats`, rendering in
+`compare_report`) sets two traces or summaries side by side. `cli` only maps flags onto
+`config.EvalConfig`.
 
 This package imports `engine` only inside the engine backend and never reaches into `server`.
 """
