@@ -22,9 +22,9 @@ import click
 from ds4eval import cases as cs
 from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
-from ds4eval.provenance import run_provenance
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
 from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
+from ds4eval.provenance import run_provenance
 
 
 class UsageFailure(Exception):

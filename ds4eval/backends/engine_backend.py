@@ -46,8 +46,8 @@ from typing import Any
 
 from ds4eval import prompts
 from ds4eval.config import EvalConfig
-from ds4eval.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
+from ds4eval.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
 
 
