@@ -177,7 +177,8 @@ def _summary_cases(obj: dict, label: str) -> list[CaseRun]:
                 expected=str(c.get("expected") or ""), key=(str(c.get("expected") or ""),),
                 case_hash=str(c.get("case_hash") or ""), model=str(obj.get("model") or ""),
                 model_sha256=str(prov.get("model_sha256") or ""), sampling=sampling,
-                prompt_sha256=str(c.get("prompt_sha256") or ""), prompt_text="", rendered_prompt="", rendered_token_ends="",
+                prompt_sha256=str(c.get("prompt_sha256") or ""), prompt_text="", rendered_prompt="",
+                rendered_token_ends="",
                 prompt_tokens=int(c.get("prompt_tokens") or 0), gen_tokens=int(c.get("gen_tokens") or 0),
                 elapsed_s=float(c.get("elapsed_s") or 0.0), settings=settings))
         except (TypeError, ValueError):
@@ -307,7 +308,7 @@ class LengthChange:
 class Issue:
     """A warning: cases that are out of the verdict, or something that weakens it."""
 
-    kind: str  # only_base, only_new, pin, model, prompt, sampling, ungraded, repeated, trace
+    kind: str  # only_base, only_new, pin, model, prompt, sampling, ungraded, repeated, trace, provenance
     message: str
     cases: tuple[str, ...] = ()
     excluded: bool = True
