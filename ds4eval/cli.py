@@ -271,6 +271,8 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--concurrency", type=int, default=1, show_default=True, help="Cases in flight (server).")
 @click.option("--parallel", type=int, default=None,
               help="Engine backend: decode N cases together (batched), each from a fresh session.")
+@click.option("--threads", type=int, default=None,
+              help="Engine backend: CPU threads (default: the cores other processes leave free).")
 @click.option("--request-timeout", "request_timeout_s", type=float, default=600.0, show_default=True)
 @click.option("-n", "--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
               help="Generation budget per case.")

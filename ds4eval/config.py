@@ -53,6 +53,9 @@ class EvalConfig:
     parallel: int | None = None
     """--parallel N: the engine backend decodes N cases together (batched sessions), each from a
     fresh session; None runs one case at a time, reusing one session across cases."""
+    threads: int | None = None
+    """--threads N: CPU threads of the engine backend's kernels; None uses the cores that other
+    processes leave free, re-read every half second (engine/threads.py)."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds without any stream data before a request fails."""
 
@@ -104,6 +107,8 @@ class EvalConfig:
             raise ConfigError("--concurrency applies to server backends; the engine runs one case at a time")
         if self.parallel is not None and self.parallel < 1:
             raise ConfigError("--parallel must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("--threads must be at least 1")
         if self.parallel is not None and self.backend != "engine":
             raise ConfigError("--parallel applies to the engine backend; servers take --concurrency")
         if self.temperature < 0:
