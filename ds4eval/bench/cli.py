@@ -64,7 +64,7 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 
 
 @main.command("engine")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--ctx", type=int, default=None, help="Context size to load with (default: what the longest step needs).")
 @click.option("--device", type=click.Choice(eb.DEVICES), default="cpu", show_default=True)
