@@ -15,7 +15,8 @@ Contract
   drains until `stop()`, so a UI can keep re-running cases.
 - `snapshot()` returns copies of every case's state for display.
 - Each finished case (PASSED, FAILED, SKIPPED, STOPPED, ERROR) is graded with the pure
-  extractors and appended to the trace, if one is configured.
+  extractors and appended to the trace, if one is configured; `run()` first writes the trace's
+  run header (every selected case's number, source and id).
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -32,7 +33,7 @@ from typing import Protocol, Sequence
 from ds4eval import grade, prompts
 from ds4eval.cases import Case
 from ds4eval.config import EvalConfig
-from ds4eval.trace import TraceRecord, TraceWriter
+from ds4eval.trace import RunHeader, TraceRecord, TraceWriter
 
 
 class Status(str, enum.Enum):
@@ -77,6 +78,7 @@ class CaseState:
     system_prompt: str = ""
     question_prompt: str = ""
     runs: int = 0
+    tokens_known: bool = True
 
 
 # ---------------------------------------------------------------- events
@@ -162,6 +164,7 @@ class GenerationResult:
     interrupted: str | None = None   # None, "stop" or "switch"
     skipped: str = ""           # reason the case could not run (e.g. prompt exceeds context)
     error: str = ""
+    tokens_known: bool = True   # False: the backend could not count tokens (counts are 0)
 
 
 class CaseContext(Protocol):
@@ -312,6 +315,11 @@ class Runner:
 
     def run(self) -> list[CaseState]:
         start = time.monotonic()
+        if self._trace:
+            # Every selected case, before any of them starts: a killed run can then be retried
+            # in full, cases that never started included.
+            self._trace.write_header(RunHeader(self.config.suite, tuple(
+                (st.number, st.case.source, st.case.id) for st in self.states)))
         self._emit(RunStarted(len(self.states), self.backend.name, self.backend.model_name,
                               self.backend.n_ctx))
         workers = [threading.Thread(target=self._worker, name=f"ds4eval-worker-{i}", daemon=True)
@@ -390,6 +398,7 @@ class Runner:
             state.output = res.output
             state.prompt_tokens = res.prompt_tokens
             state.gen_tokens = res.gen_tokens
+            state.tokens_known = res.tokens_known
             state.think_close = res.think_close
             state.thinking = res.thinking
             state.elapsed_s = ctx.elapsed()
@@ -443,6 +452,7 @@ class Runner:
         st.output = ""
         st.gen_tokens = 0
         st.think_close = "none"
+        st.tokens_known = True
 
     def _paused_total(self) -> float:
         with self._lock:
