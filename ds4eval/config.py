@@ -7,6 +7,7 @@ terminal UI, tests) build it directly. It performs no I/O.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 BACKENDS = ("engine", "openai")
@@ -58,6 +59,15 @@ class EvalConfig:
     processes leave free, re-read every half second (engine/threads.py)."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds without any stream data before a request fails."""
+    request_extra: str | None = None
+    """--request-extra JSON: an object merged into every request body of the openai backend
+    (its keys win over ds4-eval's own), e.g. '{"repeat_penalty": 1.0}' for llama.cpp."""
+    chat_template_kwargs: str | None = None
+    """--chat-template-kwargs JSON: an object sent as the request's `chat_template_kwargs`
+    (openai backend; merged over `enable_thinking` that --nothink sets)."""
+    tokenizer: str | None = None
+    """--tokenizer GGUF: count tokens with this model's tokenizer when a server sends no usage
+    (openai backend); without it such counts are reported as unknown."""
 
     # --- generation
     tokens: int = DEFAULT_TOKENS
@@ -80,6 +90,9 @@ class EvalConfig:
     """--trace FILE: append one block per finished case."""
     summary: str | None = None
     """--summary FILE: write the JSON summary of the run."""
+    allow_errors: bool = False
+    """--allow-errors: exit 0 even when cases ended ERROR, SKIPPED or STOPPED or were not run
+    (otherwise such a run exits 3)."""
 
     # --- modes that do not run a suite
     list_cases: bool = False
@@ -92,11 +105,24 @@ class EvalConfig:
     data_url: str = DEFAULT_DATA_URL
     """--data-url: base URL that --data-pull fetches the C case tables from."""
 
+    def request_extra_fields(self) -> dict:
+        """--request-extra parsed (empty when not given); ConfigError when it is not an object."""
+        return _json_object("--request-extra", self.request_extra)
+
+    def template_kwargs(self) -> dict:
+        """--chat-template-kwargs parsed (empty when not given)."""
+        return _json_object("--chat-template-kwargs", self.chat_template_kwargs)
+
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
         if self.backend == "openai" and not self.url:
             raise ConfigError("--backend openai needs --url")
+        if self.url is not None and not _looks_like_http_url(self.url):
+            raise ConfigError(f"--url must be an http:// or https:// URL with a host, e.g. "
+                              f"http://127.0.0.1:8000 (got {self.url!r})")
+        self.request_extra_fields()
+        self.template_kwargs()
         if self.tokens <= 0:
             raise ConfigError("--tokens must be positive")
         if self.ctx is not None and self.ctx <= 0:
@@ -124,3 +150,21 @@ class EvalConfig:
         if sum(modes) > 1:
             raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
                               "--grade-file, --regrade, --retry-incomplete, --data-pull")
+
+
+def _json_object(flag: str, raw: str | None) -> dict:
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: invalid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{{\"repeat_penalty\": 1.0}}'")
+    return value
+
+
+def _looks_like_http_url(url: str) -> bool:
+    scheme, sep, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    return bool(sep) and scheme.lower() in ("http", "https") and bool(host) and not host.startswith(":")
