@@ -119,7 +119,8 @@ def render_report(summary: dict) -> str:
                  t["cases"] - t["passed"] - t["failed"], _tok(t["prompt_tokens"]), _tok(t["gen_tokens"]),
                  f"{t['gen_s']:.1f}", _per_s(t["tokens_per_s"])])
     table = tabulate(rows, headers=["source", "cases", "passed", "failed", "other", "prompt tok",
-                                    "gen tok", "time s", "tok/s"], tablefmt="simple", disable_numparse=True)
+                                    "gen tok", "time s", "tok/s"], tablefmt="simple",
+                     disable_numparse=True, colalign=("left",) + ("right",) * 8)
     graded = t["passed"] + t["failed"]
     pct = f"{100.0 * t['passed'] / t['cases']:.1f}%" if t["cases"] else "n/a"
     lines = [
