@@ -274,6 +274,9 @@ class Runner:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        interrupt = getattr(self.backend, "interrupt", None)
+        if interrupt is not None:  # optional: wakes a backend blocked between tokens (a silent server)
+            interrupt()
 
     def run_next(self, index: int) -> bool:
         """Run case `index` as soon as possible. Returns False if it is already running."""

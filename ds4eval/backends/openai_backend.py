@@ -20,13 +20,17 @@ Contract
   Token counts come from the final usage chunk; without one they are counted with
   `--tokenizer`'s tokenizer (`ds4eval.tokencount`), else reported unknown (`tokens_known`
   False), never as the number of stream chunks (a chunk may hold several tokens).
-- Thread-safe: one `httpx.Client` shared by `--concurrency` workers.
+- Thread-safe: one `httpx.Client` shared by `--concurrency` workers. `interrupt()` (the
+  runner's stop) wakes cases blocked waiting for stream data; they end STOPPED.
 It does not retry failed requests and never reaches into server internals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 
 import httpx
 
@@ -72,6 +76,9 @@ class OpenAIBackend:
         self.request_model = config.served_model or "default"
         self.extra = config.request_extra_fields()
         self.template_kwargs = config.template_kwargs()
+        self._live: set[httpx.Response] = set()
+        self._live_lock = threading.Lock()
+        self._cut = False
         self.counter = None
         if config.tokenizer:
             from ds4eval.tokencount import TokenCounter
@@ -88,6 +95,33 @@ class OpenAIBackend:
 
     def close(self) -> None:
         self._client.close()
+
+    @contextlib.contextmanager
+    def _live_response(self, resp: httpx.Response):
+        with self._live_lock:
+            self._live.add(resp)
+        try:
+            yield
+        finally:
+            with self._live_lock:
+                self._live.discard(resp)
+
+    def interrupt(self) -> None:
+        """Wake every case blocked waiting for stream data (the runner calls this on stop): a
+        server that sends nothing for a while (a long prefill without keep-alives) would
+        otherwise hold the stop until --request-timeout. Shutting the socket down wakes the
+        blocked read; closing it would not."""
+        with self._live_lock:
+            live = list(self._live)
+            self._cut = self._cut or bool(live)
+        for resp in live:
+            stream = resp.extensions.get("network_stream")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
 
     def probe(self) -> list[str]:
         """One GET of the model list before any case; returns the served model ids."""
@@ -154,7 +188,8 @@ class OpenAIBackend:
         ctx.prefill(0, 0)
         started = False
         try:
-            with self._client.stream("POST", self.url, json=self.request_body(job)) as resp:
+            with self._client.stream("POST", self.url, json=self.request_body(job)) as resp, \
+                    self._live_response(resp):
                 if resp.status_code >= 400:
                     resp.read()
                     raise StreamError(f"HTTP {resp.status_code}: {_error_text(resp.text)}")
@@ -203,6 +238,11 @@ class OpenAIBackend:
             res.error = str(e)
         except httpx.HTTPError as e:
             res.error = f"{type(e).__name__}: {e}"
+        if not done and not res.interrupted:
+            # interrupt() cut the stream while it waited for the server: a stop, not a failure.
+            why = ctx.checkpoint() if self._cut else None
+            if why:
+                res.interrupted, res.error = why, ""
         if in_think:
             out.append(THINK_CLOSE)  # keep the block balanced; think_close says it never closed
         res.output = "".join(out)

@@ -3,7 +3,7 @@
 `FakeOpenAI(reply=..., delay_s=..., usage=..., models=...)` is a context manager that serves
 `GET /v1/models` (the ids in `models`, or 404 when None, or `models_status`) and streaming
 `POST /v1/chat/completions`: the reply text from `reply(question)` goes out a few characters
-per chunk, `delay_s` apart, ending with a finish reason, a usage chunk when `usage` is true
+per chunk, `delay_s` apart (after `stall_s` of silence), ending with a finish reason, a usage chunk when `usage` is true
 and `[DONE]`. Request bodies are kept in `bodies`; `started` is set at the first POST.
 """
 
@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FakeOpenAI:
     def __init__(self, reply=lambda q: "Answer: 4", delay_s=0.0, usage=True, models=("fake-model-1",),
-                 models_status=200, chunk_chars=3):
+                 models_status=200, chunk_chars=3, stall_s=0.0):
         self.reply, self.delay_s, self.usage, self.models = reply, delay_s, usage, models
-        self.models_status, self.chunk_chars = models_status, chunk_chars
+        self.models_status, self.chunk_chars, self.stall_s = models_status, chunk_chars, stall_s
         self.bodies: list[dict] = []
         self.started = threading.Event()
         self.closing = threading.Event()
@@ -54,6 +54,8 @@ class FakeOpenAI:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
+                self.wfile.flush()
+                fake.closing.wait(fake.stall_s)  # a long prefill that sends nothing
                 try:
                     for i in range(0, len(text), fake.chunk_chars):
                         if fake.closing.is_set():

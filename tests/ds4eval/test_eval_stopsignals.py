@@ -137,6 +137,18 @@ def test_openai_run_with_concurrency_stops_every_running_case(tmp_path):
     _check_stopped_run(code, out, trace_path, max_stopped=3, running_min=3)
 
 
+def test_a_stop_does_not_wait_for_a_silent_server(tmp_path):
+    """A server in a long prefill sends nothing; the stop must not wait for its next line."""
+    trace_path = tmp_path / "run.trace"
+    with FakeOpenAI(stall_s=600) as srv:
+        child = Child(["--plain", "--backend", "openai", "--url", srv.url, "--trace", str(trace_path)])
+        _wait_for(srv.started.is_set, "the first request", child=child)
+        time.sleep(0.3)
+        child.proc.send_signal(signal.SIGINT)
+        code, out = child.finish(timeout=60)  # far below the stall and the request timeout
+    _check_stopped_run(code, out, trace_path, output_kept=False)
+
+
 @pytest.mark.parametrize("plain", [True, False], ids=["plain", "terminal-ui"])
 def test_ctrl_c_in_a_terminal(tmp_path, plain):
     trace_path = tmp_path / "run.trace"
