@@ -103,8 +103,10 @@ def cmd_regrade(path: str, data_dir: Path) -> int:
         click.echo(f"warning: {p}", err=True)
     click.echo(rep.summary_line())
     for c in rep.changed:
+        old_picked = "-" if c.old_picked is None else repr(c.old_picked)
+        new_picked = "-" if c.new_picked is None else repr(c.new_picked)
         click.echo(f"changed: #{c.index} {c.source}/{c.id}: {c.old_status} -> {c.new_status} "
-                   f"(picked {c.old_picked!r} -> {c.new_picked!r}, expected {c.expected!r})")
+                   f"(picked {old_picked} -> {new_picked}, expected {c.expected!r})")
     return 0
 
 

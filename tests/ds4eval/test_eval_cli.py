@@ -51,6 +51,9 @@ def test_regrade_example_from_the_spec(tmp_path):
     path.write_text("".join(map(tr.format_record, recs)))
     r = invoke("--regrade", str(path))
     assert "changed=1" in r.output and "changed: #1 sanity/c1: PASSED -> FAILED" in r.output
+    # Each changed verdict names the case and the picked answer before and after.
+    changed = [ln for ln in r.output.splitlines() if ln.startswith("changed: ")]
+    assert changed == ["changed: #1 sanity/c1: PASSED -> FAILED (picked - -> '5', expected '4')"]
 
 
 @pytest.mark.parametrize("args, msg", [
