@@ -123,6 +123,13 @@ class EvalConfig:
                               f"http://127.0.0.1:8000 (got {self.url!r})")
         self.request_extra_fields()
         self.template_kwargs()
+        if self.backend == "engine":
+            given = [flag for flag, value in (("--request-extra", self.request_extra),
+                                              ("--chat-template-kwargs", self.chat_template_kwargs),
+                                              ("--tokenizer", self.tokenizer)) if value is not None]
+            if given:
+                raise ConfigError(f"{given[0]} applies to the openai backend (the engine counts its own "
+                                  f"tokens and renders its own template)")
         if self.tokens <= 0:
             raise ConfigError("--tokens must be positive")
         if self.ctx is not None and self.ctx <= 0:

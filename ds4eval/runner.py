@@ -9,7 +9,8 @@ Contract
   Progress/TextDelta..., StatusChanged(THINKING), TextDelta/Progress..., CaseFinished.
 - Controls, callable from any thread: `pause()`, `resume()` (the per-case clocks stop while
   paused), `stop()` (running cases end STOPPED at the next token boundary; pending ones stay
-  PENDING), `run_next(i)` (case i runs next; if the slots are busy, one running case is
+  PENDING; a backend's optional `interrupt()` is called to wake cases blocked between
+  tokens), `run_next(i)` (case i runs next; if the slots are busy, one running case is
   interrupted, marked SWITCHED and queued again right after i), `rerun(i)` (a finished case
   is queued again). With `keep_alive=True`, `run()` waits for more work after the queue
   drains until `stop()`, so a UI can keep re-running cases.

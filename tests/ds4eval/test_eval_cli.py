@@ -65,6 +65,8 @@ def test_regrade_example_from_the_spec(tmp_path):
     (["--request-extra", "{repeat_penalty: 1}"], "--request-extra: invalid JSON"),
     (["--request-extra", "[1]"], "--request-extra must be a JSON object"),
     (["--chat-template-kwargs", "1"], "--chat-template-kwargs must be a JSON object"),
+    (["--request-extra", "{}"], "--request-extra applies to the openai backend"),
+    (["--tokenizer", "m.gguf"], "--tokenizer applies to the openai backend"),
     (["--tokens", "0"], "--tokens must be positive"),
     (["--list-cases", "--validate-cases"], "at most one"),
     (["--list-cases", "--case-id", "nope"], "no case"),
