@@ -4,8 +4,9 @@ Each implements the `ds4eval.runner.Backend` protocol: `run_case(job, ctx) -> Ge
 reporting progress and text through `ctx` and calling `ctx.checkpoint()` between tokens so
 that pause, stop and switch take effect at a token boundary; a backend that can block between
 tokens (waiting on a server) also has `interrupt()`, which the runner's stop calls.
-`create_backend(config)` builds the configured one; for a server it first sends one probe request (`GET /v1/models`), so an
-unreachable server stops the run with one line (`BackendUnavailable`) before the first case.
+`create_backend(config)` builds the configured one; for a server it first sends one probe
+request (`GET /v1/models`), so an unreachable server stops the run with one line
+(`BackendUnavailable`) before the first case.
 Backends never grade and never write traces.
 """
 
