@@ -1,6 +1,7 @@
 """`ds4-bench product`: the engine's decode speed through every product path, side by side.
 
-    ds4-bench product [-m GGUF] [--rounds 3] [--decode-tokens 128] [--streams 8] [--json FILE]
+    ds4-bench product [-m GGUF] [--rounds 3] [--decode-tokens 128] [--streams 8] [--threads N]
+                      [--busy N] [--json FILE]
 
 What users get is not the engine's speed in a tight loop but the engine inside ds4-eval or
 behind ds4-server.  This benchmark measures, in one process and interleaved round by round
@@ -22,7 +23,9 @@ so prefill and time to first token are left out; the aggregate of N streams is a
 tokens after each stream's first over the span from the first stream's first token to the
 last token.  The summary gives each path's median and its ratio to the engine's median;
 `product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
-Only same-run ratios mean anything on a shared machine; absolute figures are context.
+`--busy N` measures beside N child processes that each spin on a core (a competing load, for
+the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
+machine; absolute figures are context.
 It does not compare commits (quality_testing.gate_speed does) nor measure prefill.
 """
 from __future__ import annotations
@@ -59,6 +62,7 @@ class ProductBenchConfig:
     streams: int = 8  # --streams: N of the batched server path; 0 leaves it out
     threads: int | None = None  # --threads: the engine thread's torch threads (default: torch's)
     kv_type: str | None = None  # --kv-type: KV cache element type (default: the engine's)
+    busy: int = 0  # --busy: other processes that each keep a core busy while measuring
     json_path: str | None = None  # --json: write the samples and the summary here
 
     def validate(self) -> None:
@@ -70,6 +74,8 @@ class ProductBenchConfig:
             raise ProductBenchError("--streams must be 0 (off) or >= 2")
         if self.threads is not None and self.threads < 1:
             raise ProductBenchError("--threads must be >= 1")
+        if self.busy < 0:
+            raise ProductBenchError("--busy must be >= 0")
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -288,6 +294,29 @@ async def _streams(base: str, n: int, tokens: int) -> tuple[int, float]:
     return aggregate_rate(results)
 
 
+class BusyProcesses:
+    """`n` child processes spinning in a loop (a competing CPU load), killed on exit."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[Any] = []
+
+    def __enter__(self) -> "BusyProcesses":
+        import subprocess
+        import sys
+
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
 def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
                       report: Callable[[str], None] = lambda _l: None) -> list[Sample]:
     """Every path `cfg.rounds` times, rotating the order each round."""
@@ -321,10 +350,12 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
 @click.option("--threads", type=int, default=None, help="torch threads of the engine thread (default: torch's).")
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
               help="KV cache element type (default: the engine's).")
+@click.option("--busy", type=int, default=0, show_default=True,
+              help="Measure beside this many other processes that each keep a core busy.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every sample and the summary as JSON.")
 def product_command(model: str | None, rounds: int, decode_tokens: int, streams: int, threads: int | None,
-                    kv_type: str | None, json_path: str | None) -> int:
+                    kv_type: str | None, busy: int, json_path: str | None) -> int:
     """Decode tokens/s of the engine, ds4-eval and ds4-server in one process, as ratios to the engine."""
     from engine import ModelLoadError, default_model_path, load_model
     from engine.threads import EngineThread
@@ -332,7 +363,7 @@ def product_command(model: str | None, rounds: int, decode_tokens: int, streams:
     from ds4eval.bench.errors import RunFailure, UsageFailure
 
     cfg = ProductBenchConfig(model=model, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
-                             threads=threads, kv_type=kv_type, json_path=json_path)
+                             threads=threads, kv_type=kv_type, busy=busy, json_path=json_path)
     try:
         cfg.validate()
         path = cfg.model if cfg.model is not None else default_model_path()
@@ -346,10 +377,12 @@ def product_command(model: str | None, rounds: int, decode_tokens: int, streams:
         except ModelLoadError as e:
             raise UsageFailure(str(e)) from None
         click.echo(f"{os.path.basename(path)}: paths {', '.join(cfg.paths)}; {cfg.rounds} rounds of "
-                   f"{cfg.decode_tokens} tokens; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+                   f"{cfg.decode_tokens} tokens; {cfg.busy} busy processes beside; threads "
+                   f"{cfg.threads or 'auto'}; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
                    err=True)
         try:
-            samples = run_product_bench(cfg, loaded, thread, report=lambda line: click.echo(line, err=True))
+            with BusyProcesses(cfg.busy):
+                samples = run_product_bench(cfg, loaded, thread, report=lambda line: click.echo(line, err=True))
         except (RuntimeError, OSError, ValueError) as e:
             raise RunFailure(f"{type(e).__name__}: {e}") from None
     summary = summarize(samples, cfg.paths)

@@ -55,6 +55,7 @@ def test_summary_ratios_are_medians_over_the_engines_median():
     (["--decode-tokens", "4"], "--decode-tokens must be >= 8"),
     (["--streams", "1"], "--streams must be 0 (off) or >= 2"),
     (["--threads", "0"], "--threads must be >= 1"),
+    (["--busy", "-1"], "--busy must be >= 0"),
     (["-m", "/nonexistent/model.gguf"], "model file not found"),
 ])
 def test_bad_settings_are_one_line_errors(args, message):
@@ -82,7 +83,7 @@ def test_a_path_with_nothing_to_time_fails_the_run(tiny):
 def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
     out = tmp_path / "product.json"
     r = CliRunner().invoke(cli.main, ["product", "-m", embedded_path, "--rounds", "2", "--decode-tokens", "12",
-                                      "--streams", "2", "--json", str(out)])
+                                      "--streams", "2", "--busy", "1", "--json", str(out)])
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
     paths = ["engine", "ds4-eval", "server", "server-x2"]
@@ -91,3 +92,10 @@ def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
     assert all(s["tokens"] >= 5 and s["tps"] > 0 for s in doc["samples"])
     assert doc["summary"][0]["ratio"] is None and all(s["ratio"] > 0 for s in doc["summary"][1:])
     assert "x engine" in r.output and "server-x2" in r.output
+    assert doc["config"]["busy"] == 1
+
+
+def test_busy_processes_spin_while_held_and_are_gone_after():
+    with pb.BusyProcesses(2) as busy:
+        assert len(busy.procs) == 2 and all(p.poll() is None for p in busy.procs)
+    assert all(p.poll() is not None for p in busy.procs)
