@@ -6,7 +6,11 @@ Modes (at most one): run a suite (default), --list-cases, --validate-cases,
 A run shows the live terminal UI (`ds4eval.tui`) when stdin and stdout are terminals and
 --plain is not given; otherwise it prints one line per finished case. Both end with the same
 report. Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
-traceback. Files are written atomically. The run itself, grading and formats live in the
+traceback. A run exits 0 when every selected case was graded (PASSED or FAILED), 3 when any
+case ended ERROR, SKIPPED or STOPPED or was not run (also when the server does not answer the
+probe before the first case; --allow-errors turns 3 into 0), and 130 when SIGINT, SIGTERM or
+SIGHUP stopped it (the running cases end STOPPED at the next token boundary, every thread is
+joined and the backend closed before the report). Files are written atomically. The run itself, grading and formats live in the
 library modules; this module only wires them together.
 """
 
@@ -25,6 +29,7 @@ from ds4eval.atomicfile import write_text_atomic
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
 from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
 from ds4eval.provenance import run_provenance
+from ds4eval.stopsignals import EXIT_INTERRUPTED, StopSignals
 
 
 class UsageFailure(Exception):
@@ -101,8 +106,10 @@ def cmd_regrade(path: str, data_dir: Path) -> int:
         click.echo(f"warning: {p}", err=True)
     click.echo(rep.summary_line())
     for c in rep.changed:
+        old_picked = "-" if c.old_picked is None else repr(c.old_picked)
+        new_picked = "-" if c.new_picked is None else repr(c.new_picked)
         click.echo(f"changed: #{c.index} {c.source}/{c.id}: {c.old_status} -> {c.new_status} "
-                   f"(picked {c.old_picked!r} -> {c.new_picked!r}, expected {c.expected!r})")
+                   f"(picked {old_picked} -> {new_picked}, expected {c.expected!r})")
     return 0
 
 
@@ -150,39 +157,82 @@ def load_selected(cfg: EvalConfig) -> list[cs.Case]:
     return selected
 
 
-def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None) -> int:
-    from ds4eval.backends import create_backend
+EXIT_NOT_GRADED = 3  # the run finished, but some selected case was not graded (see run_exit_status)
+
+
+def run_exit_status(totals: dict, interrupted: bool, allow_errors: bool) -> int:
+    """0 when every selected case was graded, 3 when any ended ERROR, SKIPPED or STOPPED or
+    never ran (0 with --allow-errors), 130 when a signal interrupted the run."""
+    if interrupted:
+        return EXIT_INTERRUPTED
+    ungraded = totals["cases"] - totals["passed"] - totals["failed"]
+    return EXIT_NOT_GRADED if ungraded and not allow_errors else 0
+
+
+def _not_graded_line(totals: dict) -> str:
+    parts = [f"{totals[k]} {k}" for k in ("error", "skipped", "stopped") if totals[k]]
+    if totals["pending"]:
+        parts.append(f"{totals['pending']} not run")
+    return (f"ds4-eval: {totals['cases'] - totals['passed'] - totals['failed']} of {totals['cases']} "
+            f"cases were not graded ({', '.join(parts)}): exit status {EXIT_NOT_GRADED} "
+            f"(--allow-errors exits 0)")
+
+
+def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers) -> tuple[list, float, bool, str]:
+    """Run without the terminal UI; a signal stops the run at the next token boundary."""
     from ds4eval.runner import Runner
+
+    listener = report.PlainListener(len(selected))
+    runner = Runner(cfg, selected, backend, [listener], numbers=numbers)
+    result: dict = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            result["states"] = runner.run()
+        except Exception as e:  # reported as one line after the report of what did run
+            result["error"] = f"{type(e).__name__}: {e}"
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=work, name="ds4eval-runner", daemon=True)
+    with StopSignals() as signals:
+        worker.start()
+        stopping = False
+        # Wait on an event, never in Thread.join with a signal pending (see ds4eval.stopsignals).
+        while not done.wait(0.2):
+            if signals.fired is not None and not stopping:
+                stopping = True
+                click.echo("stopping at the next token boundary...", err=True)
+                runner.stop()
+        worker.join()
+    states = result.get("states") or runner.snapshot()
+    return states, runner.wall_s, signals.fired is not None, result.get("error", "")
+
+
+def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None) -> int:
+    from ds4eval.backends import BackendUnavailable, create_backend
 
     try:
         backend = create_backend(cfg)
+    except BackendUnavailable as e:  # the server did not answer the probe: nothing can run
+        click.echo(f"ds4-eval: error: {e}", err=True)
+        return EXIT_NOT_GRADED
     except Exception as e:  # model loading and connection set-up report one line
         raise UsageFailure(f"cannot start the {cfg.backend} backend: {type(e).__name__}: {e}") from None
     from ds4eval import tui
 
-    failed = ""
-    if not cfg.plain and tui.terminal_ui_available():
-        # The live terminal UI owns the terminal until the user quits; it restores the terminal
-        # and prints the finished cases' lines before the report below.
-        outcome = tui.run_with_ui(cfg, selected, backend, numbers)
-        states, wall_s, interrupted, failed = outcome.states, outcome.wall_s, outcome.interrupted, outcome.error
-    else:
-        listener = report.PlainListener(len(selected))
-        runner = Runner(cfg, selected, backend, [listener], numbers=numbers)
-        result: dict = {}
-        worker = threading.Thread(target=lambda: result.setdefault("states", runner.run()), daemon=True)
-        worker.start()
-        interrupted = False
-        try:
-            while worker.is_alive():
-                worker.join(0.2)
-        except KeyboardInterrupt:
-            interrupted = True
-            click.echo("stopping at the next token boundary...", err=True)
-            runner.stop()
-            worker.join()
-        states = result.get("states") or runner.snapshot()
-        wall_s = runner.wall_s
+    try:
+        if not cfg.plain and tui.terminal_ui_available():
+            # The live terminal UI owns the terminal until the user quits; it restores the terminal
+            # and prints the finished cases' lines before the report below.
+            outcome = tui.run_with_ui(cfg, selected, backend, numbers)
+            states, wall_s, interrupted, failed = outcome.states, outcome.wall_s, outcome.interrupted, outcome.error
+        else:
+            states, wall_s, interrupted, failed = _run_plain(cfg, selected, backend, numbers)
+    finally:
+        if hasattr(backend, "close"):
+            backend.close()  # joins the engine's own thread, on every way out
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
             "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx,
@@ -192,18 +242,21 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     click.echo(report.render_report(summary))
     if cfg.summary:
         write_text_atomic(cfg.summary, json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
-    if hasattr(backend, "close"):
-        backend.close()
     if failed:
         click.echo(f"ds4-eval: error: the run failed: {failed}", err=True)
         return 1
-    return 130 if interrupted else 0
+    code = run_exit_status(summary["totals"], interrupted, cfg.allow_errors)
+    if code == EXIT_NOT_GRADED:
+        click.echo(_not_graded_line(summary["totals"]), err=True)
+    return code
 
 
 def cmd_retry(cfg: EvalConfig) -> int:
     path = cfg.retry_incomplete
     parsed = _read_trace(path)
-    todo = rg.incomplete(parsed.records)
+    for p in parsed.problems:
+        click.echo(f"warning: {path}: {p}", err=True)
+    todo = rg.incomplete(parsed.records, parsed.runs)
     if not todo:
         click.echo("nothing to retry: every case in the trace finished PASSED or FAILED")
         return 0
@@ -211,9 +264,7 @@ def cmd_retry(cfg: EvalConfig) -> int:
     missing = [f"{s}/{i}" for s, i in todo if (s, i) not in known]
     if missing:
         raise UsageFailure(f"cases not found in the data: {', '.join(missing)}")
-    numbers = {}
-    for rec in parsed.records:
-        numbers[(rec.source, rec.id)] = rec.index
+    numbers = rg.case_numbers(parsed.records, parsed.runs)
     if cfg.trace is None:
         cfg.trace = path
     click.echo(f"retrying {len(todo)} incomplete case(s) from {path}")
@@ -230,9 +281,18 @@ def _read(path: str) -> str:
         raise UsageFailure(f"{path} is not UTF-8 text") from None
 
 
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise UsageFailure(f"cannot read {path}: {e.strerror}") from None
+
+
 def _read_trace(path: str) -> trace.ParsedTrace:
-    parsed = trace.parse_trace(_read(path))
-    if not parsed.records and parsed.problems:
+    # Bytes, not text: a write torn inside a UTF-8 character spoils only its own block.
+    parsed = trace.parse_trace_bytes(_read_bytes(path))
+    if not parsed.records and not parsed.runs and parsed.problems:
         raise UsageFailure(f"{path}: not a ds4-eval trace ({parsed.problems[0]})")
     return parsed
 
@@ -293,7 +353,15 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--concurrency", type=int, default=1, show_default=True, help="Cases in flight (server).")
 @click.option("--parallel", type=int, default=None,
               help="Engine backend: decode N cases together (batched), each from a fresh session.")
+@click.option("--threads", type=int, default=None,
+              help="Engine backend: CPU threads (default: the cores other processes leave free).")
 @click.option("--request-timeout", "request_timeout_s", type=float, default=600.0, show_default=True)
+@click.option("--request-extra", metavar="JSON",
+              help='Object merged into every request body (openai), e.g. \'{"repeat_penalty": 1.0}\'.')
+@click.option("--chat-template-kwargs", metavar="JSON",
+              help="Object sent as chat_template_kwargs (openai), e.g. '{\"enable_thinking\": false}'.")
+@click.option("--tokenizer", type=click.Path(dir_okay=False),
+              help="GGUF whose tokenizer counts tokens when the server sends no usage (openai).")
 @click.option("-n", "--tokens", type=int, default=DEFAULT_TOKENS, show_default=True,
               help="Generation budget per case.")
 @click.option("--temp", "temperature", type=float, default=0.0, show_default=True)
@@ -304,6 +372,8 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--plain", is_flag=True, help="Line-per-case output and a final report.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Append a trace here.")
 @click.option("--summary", type=click.Path(dir_okay=False), help="Write the JSON summary here.")
+@click.option("--allow-errors", is_flag=True,
+              help="Exit 0 even when cases ended ERROR/SKIPPED/STOPPED or did not run (else 3).")
 @click.option("--list-cases", is_flag=True)
 @click.option("--validate-cases", is_flag=True)
 @click.option("--self-test-extractors", is_flag=True)
@@ -330,6 +400,9 @@ def main(case_ids, domains, sources, nothink, trace_path, **kw) -> None:
                      think=not nothink, trace=trace_path, **kw)
     try:
         code = dispatch(cfg)
+    except KeyboardInterrupt:  # Ctrl+C before the run started (e.g. while the model loads)
+        click.echo("ds4-eval: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     except (UsageFailure, ConfigError) as e:
         click.echo(f"ds4-eval: error: {e}", err=True)
         sys.exit(2)

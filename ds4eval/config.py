@@ -7,6 +7,7 @@ terminal UI, tests) build it directly. It performs no I/O.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 BACKENDS = ("engine", "openai")
@@ -56,11 +57,23 @@ class EvalConfig:
     parallel: int | None = None
     """--parallel N: the engine backend decodes N cases together (batched sessions), each from a
     fresh session; None runs one case at a time, reusing one session across cases."""
+    threads: int | None = None
+    """--threads N: CPU threads of the engine backend's kernels; None uses the cores that other
+    processes leave free, re-read every half second (engine/threads.py)."""
     request_timeout_s: float = 600.0
     """--request-timeout: seconds without any stream data before a request fails."""
     kv_type: str | None = None
     """--kv-type: the engine's KV cache element type, f32, f16 or bf16 (engine.load_model's
     kv_type); None: the engine's default (f16 on CPU, bf16 on CUDA)."""
+    request_extra: str | None = None
+    """--request-extra JSON: an object merged into every request body of the openai backend
+    (its keys win over ds4-eval's own), e.g. '{"repeat_penalty": 1.0}' for llama.cpp."""
+    chat_template_kwargs: str | None = None
+    """--chat-template-kwargs JSON: an object sent as the request's `chat_template_kwargs`
+    (openai backend; merged over `enable_thinking` that --nothink sets)."""
+    tokenizer: str | None = None
+    """--tokenizer GGUF: count tokens with this model's tokenizer when a server sends no usage
+    (openai backend); without it such counts are reported as unknown."""
 
     # --- generation
     tokens: int = DEFAULT_TOKENS
@@ -83,6 +96,9 @@ class EvalConfig:
     """--trace FILE: append one block per finished case."""
     summary: str | None = None
     """--summary FILE: write the JSON summary of the run."""
+    allow_errors: bool = False
+    """--allow-errors: exit 0 even when cases ended ERROR, SKIPPED or STOPPED or were not run
+    (otherwise such a run exits 3)."""
 
     # --- modes that do not run a suite
     list_cases: bool = False
@@ -107,12 +123,31 @@ class EvalConfig:
     allow_diff: tuple[str, ...] = ()
     """--allow-diff model|prompt|sampling: differences that are the change under test, so
     the cases they touch stay in the verdict (by default they are excluded with a warning)."""
+    def request_extra_fields(self) -> dict:
+        """--request-extra parsed (empty when not given); ConfigError when it is not an object."""
+        return _json_object("--request-extra", self.request_extra)
+
+    def template_kwargs(self) -> dict:
+        """--chat-template-kwargs parsed (empty when not given)."""
+        return _json_object("--chat-template-kwargs", self.chat_template_kwargs)
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
         if self.backend == "openai" and not self.url:
             raise ConfigError("--backend openai needs --url")
+        if self.url is not None and not _looks_like_http_url(self.url):
+            raise ConfigError(f"--url must be an http:// or https:// URL with a host, e.g. "
+                              f"http://127.0.0.1:8000 (got {self.url!r})")
+        self.request_extra_fields()
+        self.template_kwargs()
+        if self.backend == "engine":
+            given = [flag for flag, value in (("--request-extra", self.request_extra),
+                                              ("--chat-template-kwargs", self.chat_template_kwargs),
+                                              ("--tokenizer", self.tokenizer)) if value is not None]
+            if given:
+                raise ConfigError(f"{given[0]} applies to the openai backend (the engine counts its own "
+                                  f"tokens and renders its own template)")
         if self.tokens <= 0:
             raise ConfigError("--tokens must be positive")
         if self.ctx is not None and self.ctx <= 0:
@@ -123,6 +158,8 @@ class EvalConfig:
             raise ConfigError("--concurrency applies to server backends; the engine runs one case at a time")
         if self.parallel is not None and self.parallel < 1:
             raise ConfigError("--parallel must be at least 1")
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError("--threads must be at least 1")
         if self.parallel is not None and self.backend != "engine":
             raise ConfigError("--parallel applies to the engine backend; servers take --concurrency")
         if self.temperature < 0:
@@ -150,3 +187,21 @@ class EvalConfig:
             raise ConfigError(f"--format must be one of {', '.join(COMPARE_FORMATS)}")
         if set(self.allow_diff) - set(ALLOWED_DIFFS):
             raise ConfigError(f"--allow-diff takes {', '.join(ALLOWED_DIFFS)}")
+
+
+def _json_object(flag: str, raw: str | None) -> dict:
+    if raw is None:
+        return {}
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag}: invalid JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{flag} must be a JSON object, e.g. '{{\"repeat_penalty\": 1.0}}'")
+    return value
+
+
+def _looks_like_http_url(url: str) -> bool:
+    scheme, sep, rest = url.partition("://")
+    host = rest.split("/", 1)[0]
+    return bool(sep) and scheme.lower() in ("http", "https") and bool(host) and not host.startswith(":")

@@ -19,6 +19,13 @@ Edge cases worth knowing:
   negation sits right before it on the answer line; "Answer: D, not B" is D.
 - Integers: "m+n = 256+37 = 293" shows working, so the integer after the last "=" is the
   answer; otherwise the first integer on the line ("Final answer: 082" is 82).
+- Surface variants of real outputs are folded before extraction: full-width forms
+  ("Answer：Ｃ", "４２", "（Ｃ）", "。") become their ASCII counterparts; markdown emphasis and
+  code spans around an answer ("**C**", "*C*", "_C_", "__C__", "`C`", "_42_") are dropped,
+  but an underscore inside a word ("snake_case") and a star between operands ("3*4") stay;
+  markers match in any letter case; a lower-case option letter counts only when it is the
+  whole answer ("Answer: (c)."), so "a" and "i" in a sentence stay prose; exact text drops
+  trailing ".;:!?," (and their full-width forms).
 """
 
 from __future__ import annotations
@@ -30,14 +37,23 @@ THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 
 
+# Full-width ASCII forms (U+FF01..U+FF5E), the ideographic space and full stop, as ASCII.
+_FULL_WIDTH = {0xFF01 + i: 0x21 + i for i in range(0x5E)} | {0x3000: 0x20, 0x3002: 0x2E}
+
+
+def fold_full_width(text: str) -> str:
+    return text.translate(_FULL_WIDTH)
+
+
 def visible_answer(output: str) -> str:
-    """Text after the last `</think>`; empty if thinking was opened and never closed."""
+    """Text after the last `</think>` (full-width forms folded to ASCII); empty if thinking was
+    opened and never closed."""
     i = output.rfind(THINK_CLOSE)
     if i >= 0:
-        return output[i + len(THINK_CLOSE):]
+        return fold_full_width(output[i + len(THINK_CLOSE):])
     if THINK_OPEN in output:
         return ""
-    return output
+    return fold_full_width(output)
 
 
 _MARKER = re.compile(
@@ -101,7 +117,17 @@ def strip_latex(s: str) -> str:
     out = out.replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
     out = re.sub(r"\\[()\[\]]", "", out)
     out = out.replace("$", "").replace("**", "").replace("__", "").replace("`", "")
-    return out
+    return strip_emphasis(out)
+
+
+# A single * or _ that opens or closes emphasis: next to a non-word character or an end on one
+# side. Between two word characters ("snake_case", "3*4") it is part of the text.
+_EMPHASIS = re.compile(r"(?<![\w*])[*_]+(?=[^\s*_])|(?<=[^\s*_])[*_]+(?![\w*])")
+
+
+def strip_emphasis(s: str) -> str:
+    """Drop markdown emphasis and code-span marks around words, keeping the words."""
+    return _EMPHASIS.sub("", s.replace("**", "").replace("__", "").replace("`", ""))
 
 
 def boxed_content(text: str) -> str | None:
@@ -125,7 +151,7 @@ def normalize_text(s: str) -> str:
     prev = None
     while prev != s:
         prev = s
-        s = s.rstrip(".;:!").strip(_QUOTES)
+        s = s.rstrip(".;:!?,").strip(_QUOTES)
     return s
 
 
@@ -163,13 +189,21 @@ _CHOICE_FALLBACK = re.compile(
     r"(?i)\b(?:answer|option|choice)\s+(?:is\s+|would\s+be\s+|must\s+be\s+)?[(\[*]*([A-Z])(?![A-Za-z0-9_])")
 
 
+# The whole answer is one lower-case letter, wrapped or punctuated at most: "c", "(c).", "c)".
+_LONE_LOWER = re.compile(r"[\s(\[]*([a-z])[\s)\].:;!,]*")
+
+
 def extract_choice(output: str, nchoices: int) -> str | None:
     """Option letter the answer commits to (see module docstring for the prose/negation rules)."""
     line = answer_line(output)
     if line is not None:
+        line = strip_emphasis(line)
         got = _choice_candidates(line, nchoices)
         if got:
             return got[0]
+        lone = _LONE_LOWER.fullmatch(line)
+        if lone and lone.group(1).upper() <= chr(64 + max(1, min(nchoices, 26))):
+            return lone.group(1).upper()
     text = visible_answer(output)
     boxed = boxed_content(text)
     if boxed is not None:

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 from ds4eval import grade
 from ds4eval.cases import Case
-from ds4eval.trace import TraceRecord
+from ds4eval.trace import RunHeader, TraceRecord
 
 GRADED_STATUSES = ("PASSED", "FAILED")
 
@@ -82,10 +82,29 @@ def regrade(records: Iterable[TraceRecord],
     return report
 
 
-def incomplete(records: Iterable[TraceRecord]) -> list[tuple[str, str]]:
-    """(source, id) of cases whose latest record did not finish PASSED or FAILED, in trace order.
-    A later block for the same case supersedes an earlier one (retries append)."""
+def incomplete(records: Iterable[TraceRecord], runs: Iterable[RunHeader] = ()) -> list[tuple[str, str]]:
+    """(source, id) of cases whose latest record did not finish PASSED or FAILED, and of cases
+    that a run header lists but no block records (they never started), in run order (header
+    order first, then cases only the blocks name). A later block for the same case supersedes
+    an earlier one (retries append), so retrying a retried trace asks only for what is still
+    unfinished."""
+    order: dict[tuple[str, str], None] = {}
+    for run in runs:
+        for _, source, case_id in run.cases:
+            order.setdefault((source, case_id), None)
     latest: dict[tuple[str, str], TraceRecord] = {}
     for rec in records:
         latest[(rec.source, rec.id)] = rec
-    return [k for k, r in latest.items() if r.status not in GRADED_STATUSES]
+        order.setdefault((rec.source, rec.id), None)
+    return [k for k in order if k not in latest or latest[k].status not in GRADED_STATUSES]
+
+
+def case_numbers(records: Iterable[TraceRecord], runs: Iterable[RunHeader] = ()) -> dict[tuple[str, str], int]:
+    """The number each case had in its run (a block's index, else the run header's number)."""
+    numbers: dict[tuple[str, str], int] = {}
+    for run in runs:
+        for n, source, case_id in run.cases:
+            numbers.setdefault((source, case_id), n)
+    for rec in records:
+        numbers[(rec.source, rec.id)] = rec.index
+    return numbers

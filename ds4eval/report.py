@@ -8,10 +8,15 @@ Contract
 Summary schema (version 1): {"format": "ds4eval-summary", "version", "suite", "backend",
 "model", "settings": {...}, "provenance": {the run-level fields of `ds4eval.provenance`},
 "wall_s", "totals": {cases, passed, failed, skipped, stopped, error, pending, prompt_tokens,
-gen_tokens, gen_s, tokens_per_s}, "sources": [{source, cases, passed, failed, other,
-prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases": [{number, source, id, status,
-picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close, case_hash,
-prompt_sha256}]}. Summaries written before provenance lack those keys.
+gen_tokens, gen_s, tokens_per_s, wall_tokens_per_s, tokens_known}, "sources": [{source, cases,
+passed, failed, other, prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases": [{number,
+source, id, status, picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close,
+case_hash, prompt_sha256}]}. Summaries written before provenance lack those keys.
+- `gen_s` sums the per-case generation clocks and `tokens_per_s` is per-case speed
+  (gen_tokens / gen_s); `wall_tokens_per_s` is throughput (gen_tokens / wall_s), which is
+  higher when cases run concurrently. Token counts that a backend could not know (a server
+  that sends no usage, without --tokenizer) are null, and rendered "unknown", never guessed.
+- `eta_s(done, total, elapsed_s)` is the naive remaining time (average per finished case).
 It does not run cases or write files (the CLI writes the summary atomically).
 """
 
@@ -19,18 +24,53 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Iterable, TextIO
 
 from tabulate import tabulate
 
 from ds4eval.cases import case_hash
-from ds4eval.runner import CaseFinished, CaseState, Status
+from ds4eval.runner import CaseFinished, CaseState, RunStarted, Status
 
 SUMMARY_VERSION = 1
 
 
-def _rate(tokens: int, seconds: float) -> float:
+def _rate(tokens: int | None, seconds: float) -> float | None:
+    if tokens is None:
+        return None
     return round(tokens / seconds, 2) if seconds > 0 else 0.0
+
+
+def _counted(states: list[CaseState], name: str) -> int | None:
+    """Sum of a token count over cases, None when a case that ran could not count it."""
+    if any(not s.tokens_known for s in states):
+        return None
+    return sum(getattr(s, name) for s in states)
+
+
+def eta_s(done: int, total: int, elapsed_s: float) -> float | None:
+    """Seconds left if the remaining cases take as long as the finished ones on average."""
+    if done <= 0 or elapsed_s <= 0:
+        return None
+    return max(0.0, elapsed_s / done * (total - done))
+
+
+def format_clock(seconds: float | None) -> str:
+    """h:mm:ss or m:ss; '?' when unknown."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    h, rest = divmod(s, 3600)
+    m, sec = divmod(rest, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
+
+
+def _tok(n: int | None) -> str:
+    return "unknown" if n is None else str(n)
+
+
+def _per_s(x: float | None) -> str:
+    return "unknown" if x is None else f"{x:.1f}"
 
 
 def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dict:
@@ -42,17 +82,17 @@ def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dic
                "ERROR": "error"}.get(st.status.value, "pending")
         counts[key] += 1
         row = by_source.setdefault(st.case.source, {"source": st.case.source, "cases": 0, "passed": 0,
-                                                    "failed": 0, "other": 0, "prompt_tokens": 0,
-                                                    "gen_tokens": 0, "gen_s": 0.0})
+                                                    "failed": 0, "other": 0, "states": []})
         row["cases"] += 1
         row[key if key in ("passed", "failed") else "other"] += 1
-        row["prompt_tokens"] += st.prompt_tokens
-        row["gen_tokens"] += st.gen_tokens
-        row["gen_s"] += st.elapsed_s
+        row["states"].append(st)
     for row in by_source.values():
-        row["gen_s"] = round(row["gen_s"], 3)
+        group = row.pop("states")
+        row["prompt_tokens"] = _counted(group, "prompt_tokens")
+        row["gen_tokens"] = _counted(group, "gen_tokens")
+        row["gen_s"] = round(sum(s.elapsed_s for s in group), 3)
         row["tokens_per_s"] = _rate(row["gen_tokens"], row["gen_s"])
-    gen_tokens = sum(s.gen_tokens for s in states)
+    gen_tokens = _counted(states, "gen_tokens")
     gen_s = round(sum(s.elapsed_s for s in states), 3)
     return {
         "format": "ds4eval-summary",
@@ -60,12 +100,15 @@ def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dic
         **info,
         "wall_s": round(wall_s, 3),
         "totals": {"cases": len(states), **counts,
-                   "prompt_tokens": sum(s.prompt_tokens for s in states),
-                   "gen_tokens": gen_tokens, "gen_s": gen_s, "tokens_per_s": _rate(gen_tokens, gen_s)},
+                   "prompt_tokens": _counted(states, "prompt_tokens"),
+                   "gen_tokens": gen_tokens, "gen_s": gen_s, "tokens_per_s": _rate(gen_tokens, gen_s),
+                   "wall_tokens_per_s": _rate(gen_tokens, wall_s),
+                   "tokens_known": gen_tokens is not None},
         "sources": list(by_source.values()),
         "cases": [{"number": s.number, "source": s.case.source, "id": s.case.id, "status": s.status.value,
-                   "picked": s.picked, "expected": s.case.answer, "prompt_tokens": s.prompt_tokens,
-                   "gen_tokens": s.gen_tokens, "elapsed_s": round(s.elapsed_s, 3),
+                   "picked": s.picked, "expected": s.case.answer,
+                   "prompt_tokens": s.prompt_tokens if s.tokens_known else None,
+                   "gen_tokens": s.gen_tokens if s.tokens_known else None, "elapsed_s": round(s.elapsed_s, 3),
                    "think_close": s.think_close, "case_hash": case_hash(s.case),
                    "prompt_sha256": s.prompt.sha256 if s.prompt else ""} for s in states],
     }
@@ -73,13 +116,14 @@ def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dic
 
 def render_report(summary: dict) -> str:
     t = summary["totals"]
-    rows = [[r["source"], r["cases"], r["passed"], r["failed"], r["other"], r["prompt_tokens"],
-             r["gen_tokens"], f"{r['gen_s']:.1f}", f"{r['tokens_per_s']:.1f}"] for r in summary["sources"]]
+    rows = [[r["source"], r["cases"], r["passed"], r["failed"], r["other"], _tok(r["prompt_tokens"]),
+             _tok(r["gen_tokens"]), f"{r['gen_s']:.1f}", _per_s(r["tokens_per_s"])] for r in summary["sources"]]
     rows.append(["TOTAL", t["cases"], t["passed"], t["failed"],
-                 t["cases"] - t["passed"] - t["failed"], t["prompt_tokens"], t["gen_tokens"],
-                 f"{t['gen_s']:.1f}", f"{t['tokens_per_s']:.1f}"])
+                 t["cases"] - t["passed"] - t["failed"], _tok(t["prompt_tokens"]), _tok(t["gen_tokens"]),
+                 f"{t['gen_s']:.1f}", _per_s(t["tokens_per_s"])])
     table = tabulate(rows, headers=["source", "cases", "passed", "failed", "other", "prompt tok",
-                                    "gen tok", "time s", "tok/s"], tablefmt="simple")
+                                    "gen tok", "time s", "tok/s"], tablefmt="simple",
+                     disable_numparse=True, colalign=("left",) + ("right",) * 8)
     graded = t["passed"] + t["failed"]
     pct = f"{100.0 * t['passed'] / t['cases']:.1f}%" if t["cases"] else "n/a"
     lines = [
@@ -88,21 +132,28 @@ def render_report(summary: dict) -> str:
         table,
         f"passed {t['passed']}/{t['cases']} ({pct}); graded {graded}; skipped {t['skipped']}, "
         f"stopped {t['stopped']}, error {t['error']}, not run {t['pending']}",
-        f"wall time {summary['wall_s']:.1f} s; generation {t['gen_tokens']} tokens in {t['gen_s']:.1f} s "
-        f"({t['tokens_per_s']:.1f} tok/s)",
+        f"wall time {summary['wall_s']:.1f} s; generation {_tok(t['gen_tokens'])} tokens, "
+        f"per-case time summed {t['gen_s']:.1f} s ({_per_s(t['tokens_per_s'])} tok/s per case), "
+        f"wall-clock throughput {_per_s(t.get('wall_tokens_per_s'))} tok/s",
     ]
+    if t["gen_tokens"] is None:
+        lines.append("token counts unknown: the server sent no usage (--tokenizer GGUF counts them)")
     return "\n".join(lines)
 
 
-def case_line(st: CaseState, total: int) -> str:
-    rate = _rate(st.gen_tokens, st.elapsed_s)
+def case_line(st: CaseState, total: int, eta: str | None = None) -> str:
+    """One finished case; `eta` (already formatted) goes into the bracketed header."""
     width = len(str(total))
     picked = "-" if st.picked is None else st.picked
     if len(picked) > 40:
         picked = picked[:37] + "..."
-    line = (f"[{st.number:>{width}}/{total}] {st.status.value:<7} {st.case.source}/{st.case.id}  "
-            f"picked={picked} expected={st.case.answer}  "
-            f"{st.gen_tokens} tok {st.elapsed_s:.1f}s {rate:.1f} tok/s")
+    head = f"[{st.number:>{width}}/{total}" + (f" eta {eta}]" if eta is not None else "]")
+    if st.tokens_known:
+        speed = f"{st.gen_tokens} tok {st.elapsed_s:.1f}s {_rate(st.gen_tokens, st.elapsed_s):.1f} tok/s"
+    else:
+        speed = f"? tok {st.elapsed_s:.1f}s"
+    line = (f"{head} {st.status.value:<7} {st.case.source}/{st.case.id}  "
+            f"picked={picked} expected={st.case.answer}  {speed}")
     if st.think_close not in ("none", "natural"):
         line += f"  think-close={st.think_close}"
     if st.error:
@@ -111,14 +162,23 @@ def case_line(st: CaseState, total: int) -> str:
 
 
 class PlainListener:
-    """Prints one line per finished case to `stream` (default stdout)."""
+    """Prints one line per finished case to `stream` (default stdout), its header carrying the
+    estimated time left (from the run's start, `clock` being time.monotonic)."""
 
-    def __init__(self, total: int, stream: TextIO | None = None):
+    def __init__(self, total: int, stream: TextIO | None = None, clock=time.monotonic):
         self.total = total
         self.stream = stream or sys.stdout
         self._lock = threading.Lock()
+        self._clock = clock
+        self._start: float | None = None
+        self._done = 0
 
     def on_event(self, event: object) -> None:
+        if isinstance(event, RunStarted):
+            self._start = self._clock()
         if isinstance(event, CaseFinished) and event.state.status is not Status.SWITCHED:
             with self._lock:
-                print(case_line(event.state, self.total), file=self.stream, flush=True)
+                self._done += 1
+                start = self._start if self._start is not None else self._clock()
+                eta = format_clock(eta_s(self._done, self.total, self._clock() - start))
+                print(case_line(event.state, self.total, eta), file=self.stream, flush=True)

@@ -9,7 +9,8 @@ Contract
   Progress/TextDelta..., StatusChanged(THINKING), TextDelta/Progress..., CaseFinished.
 - Controls, callable from any thread: `pause()`, `resume()` (the per-case clocks stop while
   paused), `stop()` (running cases end STOPPED at the next token boundary; pending ones stay
-  PENDING), `run_next(i)` (case i runs next; if the slots are busy, one running case is
+  PENDING; a backend's optional `interrupt()` is called to wake cases blocked between
+  tokens), `run_next(i)` (case i runs next; if the slots are busy, one running case is
   interrupted, marked SWITCHED and queued again right after i), `rerun(i)` (a finished case
   is queued again). With `keep_alive=True`, `run()` waits for more work after the queue
   drains until `stop()`, so a UI can keep re-running cases.
@@ -17,6 +18,8 @@ Contract
 - Each finished case (PASSED, FAILED, SKIPPED, STOPPED, ERROR) is graded with the pure
   extractors and appended to the trace, if one is configured, with the run's provenance
   (`ds4eval.provenance`) and the case's content hash and rendered-prompt hash.
+  extractors and appended to the trace, if one is configured; `run()` first writes the trace's
+  run header (every selected case's number, source and id).
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -34,7 +37,7 @@ from ds4eval import grade, prompts
 from ds4eval.cases import Case, case_hash
 from ds4eval.config import EvalConfig
 from ds4eval.provenance import RenderedPrompt, run_provenance
-from ds4eval.trace import TraceRecord, TraceWriter
+from ds4eval.trace import RunHeader, TraceRecord, TraceWriter
 
 
 class Status(str, enum.Enum):
@@ -80,6 +83,7 @@ class CaseState:
     question_prompt: str = ""
     runs: int = 0
     prompt: RenderedPrompt | None = None
+    tokens_known: bool = True
 
 
 # ---------------------------------------------------------------- events
@@ -166,6 +170,7 @@ class GenerationResult:
     skipped: str = ""           # reason the case could not run (e.g. prompt exceeds context)
     error: str = ""
     prompt: RenderedPrompt | None = None  # the ids fed to the model, when the backend tokenizes
+    tokens_known: bool = True   # False: the backend could not count tokens (counts are 0)
 
 
 class CaseContext(Protocol):
@@ -276,6 +281,9 @@ class Runner:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+        interrupt = getattr(self.backend, "interrupt", None)
+        if interrupt is not None:  # optional: wakes a backend blocked between tokens (a silent server)
+            interrupt()
 
     def run_next(self, index: int) -> bool:
         """Run case `index` as soon as possible. Returns False if it is already running."""
@@ -317,6 +325,11 @@ class Runner:
 
     def run(self) -> list[CaseState]:
         start = time.monotonic()
+        if self._trace:
+            # Every selected case, before any of them starts: a killed run can then be retried
+            # in full, cases that never started included.
+            self._trace.write_header(RunHeader(self.config.suite, tuple(
+                (st.number, st.case.source, st.case.id) for st in self.states)))
         self._emit(RunStarted(len(self.states), self.backend.name, self.backend.model_name,
                               self.backend.n_ctx))
         workers = [threading.Thread(target=self._worker, name=f"ds4eval-worker-{i}", daemon=True)
@@ -395,6 +408,7 @@ class Runner:
             state.output = res.output
             state.prompt_tokens = res.prompt_tokens
             state.gen_tokens = res.gen_tokens
+            state.tokens_known = res.tokens_known
             state.think_close = res.think_close
             state.thinking = res.thinking
             state.elapsed_s = ctx.elapsed()
@@ -467,6 +481,7 @@ class Runner:
         st.output = ""
         st.gen_tokens = 0
         st.think_close = "none"
+        st.tokens_known = True
 
     def _paused_total(self) -> float:
         with self._lock:

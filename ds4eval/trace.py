@@ -8,8 +8,16 @@ Contract (the format is documented field by field in `traces/README.md`)
   extra `%` in front, and the reader removes it again (byte stuffing), so no text can end
   a block early.
 - `TraceWriter` appends whole blocks under a lock and flushes each, so concurrent cases never
-  interleave and a crash loses at most the block being written; the reader reports (and skips)
-  a truncated final block instead of failing.
+  interleave and a crash loses at most the block being written. Every block starts on a fresh
+  line: a file whose last write was torn (it does not end in a newline) gets one before the
+  first new block, with a warning, so the torn block stays one skipped block and the new
+  ones stay readable.
+- `format_run_header(header)` writes a `%%run` block listing every case a run selected (before
+  its first case block), so that cases that never started can be retried; `ParsedTrace.runs`
+  holds them back.
+- `parse_trace_bytes(data)` decodes line by line: a line that is not valid UTF-8 (a write torn
+  inside a character) spoils only its own block. Every skipped block is reported in
+  `problems` with its line, its case (index, source/id when the header got that far) and why.
 It does not grade (see `regrade`) and does not decide which cases to write.
 """
 
@@ -18,11 +26,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
 from dataclasses import dataclass, field, fields
+from typing import Callable
 
 FORMAT_VERSION = 1
 CASE_MARKER = "%%case"
+RUN_MARKER = "%%run"
 BLOCK_MARKER = "%%block"
 END_MARKER = "%%end"
 BLOCKS = ("SYSTEM_PROMPT", "QUESTION_PROMPT", "MODEL_OUTPUT")
@@ -130,10 +141,26 @@ def format_record(rec: TraceRecord) -> str:
     return "\n".join(out) + "\n"
 
 
+@dataclass(frozen=True)
+class RunHeader:
+    """The cases one run selected, in run order: (number, source, id)."""
+
+    suite: str
+    cases: tuple[tuple[int, str, str], ...]
+
+
+def format_run_header(header: RunHeader) -> str:
+    out = [f"{RUN_MARKER} v{FORMAT_VERSION}", f"suite: {_escape(header.suite)}"]
+    out += [f"case: {json.dumps([n, src, cid], ensure_ascii=False)}" for n, src, cid in header.cases]
+    out.append(END_MARKER)
+    return "\n".join(out) + "\n"
+
+
 @dataclass
 class ParsedTrace:
     records: list[TraceRecord]
     problems: list[str]
+    runs: list[RunHeader] = field(default_factory=list)
 
 
 class TraceFormatError(ValueError):
@@ -165,16 +192,66 @@ _READERS.update({
 })
 
 
+# A case marker glued to the end of a torn line (traces appended to before writers repaired
+# torn tails): recognised only while resynchronising after a broken block.
+_GLUED_CASE = re.compile(r"(%%case \d+ v\d+)$")
+
+
 def parse_trace(text: str) -> ParsedTrace:
     """All complete blocks of a trace; malformed or truncated blocks are reported and skipped."""
-    lines = text.split("\n")
+    return _parse_lines(text.split("\n"), frozenset())
+
+
+def parse_trace_bytes(data: bytes) -> ParsedTrace:
+    """Like `parse_trace` on the file's bytes; lines that are not UTF-8 spoil only their block."""
+    lines, bad = [], set()
+    for n, raw in enumerate(data.split(b"\n")):
+        try:
+            lines.append(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            lines.append(raw.decode("utf-8", errors="replace"))
+            bad.add(n)
+    return _parse_lines(lines, frozenset(bad))
+
+
+def _describe(lines: list[str], start: int, end: int) -> str:
+    """'case block N (source/id)' for the block at `start`, from whatever header lines survive."""
+    head = lines[start].split()
+    what = f"case block {head[1]}" if len(head) > 1 else "case block"
+    found = {}
+    for line in lines[start + 1:end]:
+        key, sep, raw = line.partition(": ")
+        if sep and key in ("source", "id"):
+            found[key] = _unescape(raw)
+        if line.startswith("%%"):
+            break
+    if "source" in found and "id" in found:
+        what += f" ({found['source']}/{found['id']})"
+    return what
+
+
+def _parse_lines(lines: list[str], bad: frozenset[int]) -> ParsedTrace:
     if lines and lines[-1] == "":
         lines.pop()
-    records, problems = [], []
+    records, problems, runs = [], [], []
     i = 0
     while i < len(lines):
         line = lines[i]
+        if line.startswith(RUN_MARKER + " "):
+            start = i
+            try:
+                header, i = _parse_run(lines, i)
+                runs.append(header)
+            except TraceFormatError as e:
+                problems.append(f"line {start + 1}: run header skipped: {e}")
+                i = _resync(lines, start + 1)
+            continue
         if not line.startswith(CASE_MARKER + " "):
+            glued = _GLUED_CASE.search(line)
+            if glued and glued.start() > 0:
+                problems.append(f"line {i + 1}: a case marker follows torn text on the same line")
+                lines[i] = glued.group(1)
+                continue
             if line.strip():
                 problems.append(f"line {i + 1}: text outside a case block")
             i += 1
@@ -182,13 +259,48 @@ def parse_trace(text: str) -> ParsedTrace:
         start = i
         try:
             rec, i = _parse_block(lines, i)
+            torn = sorted(n for n in bad if start <= n < i)
+            if torn:
+                raise TraceFormatError(f"invalid UTF-8 on line {torn[0] + 1}")
             records.append(rec)
         except TraceFormatError as e:
-            problems.append(f"line {start + 1}: {e}")
-            i = start + 1
-            while i < len(lines) and not lines[i].startswith(CASE_MARKER + " "):
-                i += 1
-    return ParsedTrace(records, problems)
+            nxt = _resync(lines, start + 1)
+            problems.append(f"line {start + 1}: {_describe(lines, start, nxt)} skipped: {e}")
+            i = nxt
+    return ParsedTrace(records, problems, runs)
+
+
+def _resync(lines: list[str], i: int) -> int:
+    """Index of the next line that starts a block (a glued case marker counts)."""
+    while i < len(lines):
+        if lines[i].startswith((CASE_MARKER + " ", RUN_MARKER + " ")):
+            return i
+        glued = _GLUED_CASE.search(lines[i])
+        if glued and glued.start() > 0 and not lines[i].startswith("%%%"):
+            return i
+        i += 1
+    return i
+
+
+def _parse_run(lines: list[str], i: int) -> tuple[RunHeader, int]:
+    suite, cases = "", []
+    i += 1
+    while i < len(lines) and lines[i] != END_MARKER:
+        key, sep, raw = lines[i].partition(": ")
+        if lines[i].startswith("%%") or not sep:
+            raise TraceFormatError("run header not terminated (truncated trace?)")
+        if key == "suite":
+            suite = _unescape(raw)
+        elif key == "case":
+            try:
+                n, src, cid = json.loads(raw)
+                cases.append((int(n), str(src), str(cid)))
+            except (ValueError, TypeError) as e:
+                raise TraceFormatError(f"bad case line {lines[i]!r}: {e}") from None
+        i += 1
+    if i >= len(lines):
+        raise TraceFormatError("run header not terminated (truncated trace?)")
+    return RunHeader(suite, tuple(cases)), i + 1
 
 
 def _parse_block(lines: list[str], i: int) -> tuple[TraceRecord, int]:
@@ -248,21 +360,38 @@ def _parse_block(lines: list[str], i: int) -> tuple[TraceRecord, int]:
 
 
 def read_trace(path: str | os.PathLike) -> ParsedTrace:
-    with open(path, encoding="utf-8", newline="") as f:
-        return parse_trace(f.read())
+    with open(path, "rb") as f:
+        return parse_trace_bytes(f.read())
+
+
+def _warn_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class TraceWriter:
     """Appends records to a trace file; safe to call from several threads."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, warn: Callable[[str], None] = _warn_stderr):
         self.path = os.fspath(path)
         self._lock = threading.Lock()
+        self.repaired = _torn_tail(self.path)
         # newline="" keeps "\r" in model output from being rewritten by the platform.
         self._file = open(self.path, "a", encoding="utf-8", newline="")
+        if self.repaired:
+            # The next block must start on a line of its own, or the reader would see its
+            # marker as part of the torn line and lose it too.
+            self._file.write("\n")
+            self._file.flush()
+            warn(f"{self.path}: the last write was torn ({self.repaired}); it is kept as a skipped "
+                 f"block and new blocks start on a fresh line")
+
+    def write_header(self, header: RunHeader) -> None:
+        self._append(format_run_header(header))
 
     def write(self, rec: TraceRecord) -> None:
-        block = format_record(rec)
+        self._append(format_record(rec))
+
+    def _append(self, block: str) -> None:
         with self._lock:
             self._file.write(block)
             self._file.flush()
@@ -278,3 +407,27 @@ class TraceWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _torn_tail(path: str) -> str:
+    """Why the file's tail needs a newline before appending ('' when it does not)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return ""
+            f.seek(max(0, size - 64))
+            tail = f.read()
+    except FileNotFoundError:
+        return ""
+    if tail.endswith(b"\n"):
+        return ""
+    last_line = tail.rsplit(b"\n", 1)[-1]
+    if size > len(tail) and b"\n" not in tail:
+        last_line = last_line.lstrip(bytes(range(0x80, 0xC0)))  # the slice may start mid-character
+    try:
+        last_line.decode("utf-8")
+    except UnicodeDecodeError:
+        return f"it ends inside a UTF-8 character at byte {size}"
+    return f"it ends without a newline at byte {size}"

@@ -50,6 +50,13 @@ of N sessions in one forward pass, each row's logits bitwise equal to decoding i
 interleaving prefill chunks with batched decode steps; `check_capacity` refuses
 configurations that do not fit in memory.
 
+Threads (`engine.threads`): `EngineThread` is the one thread that runs all of a process's
+torch work, from `load_model` to the last token (`call`, `submit`, `close`). torch's OpenMP
+pool is per calling thread, and two pools on the same cores make every kernel wait
+passively, so the server, ds4-eval and ds4-bench load and run the model on one. By default
+it also uses only the cores that other processes leave free, re-read every half second
+(`threads=N` fixes the count); decoding results do not depend on it.
+
 It does not know about HTTP, chat APIs, tool syntaxes or benchmarks.
 """
 
@@ -58,9 +65,10 @@ from engine.errors import Cancelled
 from engine.model import Model, ModelLoadError, default_model_path, generate, load_model
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session
+from engine.threads import EngineThread
 from engine.tokenizer import TextStream
 
 __all__ = [
-    "Cancelled", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
+    "Cancelled", "EngineThread", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
     "TextStream", "UnsupportedModel", "default_model_path", "generate", "load_model",
 ]

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine import threads
 from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Prefill, Session
@@ -77,6 +78,7 @@ def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
     for s in sessions:
         s._check_fits(len(s.tokens) + 1)
     ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=model.device)
+    threads.before_forward()
     logits = model.net.forward_rows(ids, [s.cache for s in sessions]).cpu()
     for s, t, row in zip(sessions, tokens, logits):
         s.tokens.append(int(t))

@@ -7,7 +7,8 @@ it.  Metadata values come back as plain Python values, the same as
 the parsing is done here because GGUFReader builds a numpy view per array element, which
 takes seconds on a 49K-token vocabulary, against milliseconds here.  Type codes and block
 sizes come from the `gguf` package.  Errors (missing file, not a GGUF, truncated or
-malformed) surface as `GGUFError` with the path in the message.
+malformed) surface as `GGUFError` with the path in the message; a file cut short says so in
+file terms ("file ends at byte N but tensor X needs bytes up to M: truncated download?").
 
 File layout (little-endian): b"GGUF" | u32 version (2 or 3) | u64 n_tensors | u64 n_kv |
 n_kv x (string key, u32 type, value) | n_tensors x (string name, u32 n_dims, u64 dims[n_dims]
@@ -68,21 +69,33 @@ _SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4"
 _STRING, _ARRAY, _BOOL = 8, 9, 7
 
 
+class Truncated(ValueError):
+    """The file ends before a part that its header describes: almost always a cut-off download."""
+
+    def __init__(self, size: int, what: str, needed: int):
+        super().__init__(f"file ends at byte {size} but {what} needs bytes up to {needed}: truncated download?")
+
+
 class _Cursor:
     def __init__(self, buf: memoryview):
         self.buf = buf
         self.pos = 0
 
-    def take(self, fmt: str) -> Any:
+    def need(self, n: int, what: str) -> None:
+        """Raise a truncation error in file terms when `what` needs n bytes past the cursor."""
+        if self.pos + n > len(self.buf):
+            raise Truncated(len(self.buf), what, self.pos + n)
+
+    def take(self, fmt: str, what: str = "the header") -> Any:
+        self.need(struct.calcsize(fmt), what)
         value = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += struct.calcsize(fmt)
         return value[0] if len(value) == 1 else value
 
     def string(self) -> str:
         n = self.take("<Q")
+        self.need(n, "a metadata string")
         end = self.pos + n
-        if end > len(self.buf):
-            raise ValueError("string runs past the end of the file")
         s = bytes(self.buf[self.pos:end]).decode("utf-8", errors="replace")
         self.pos = end
         return s
@@ -96,13 +109,17 @@ class _Cursor:
                 return [self.string() for _ in range(count)]
             if etype == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(count)]
+            if etype not in _SCALARS:
+                raise ValueError(f"unknown metadata array element type {etype}")
             dt = np.dtype(_SCALARS[etype])
+            self.need(count * dt.itemsize, "a metadata array")
             arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
             self.pos += count * dt.itemsize
             return [bool(x) for x in arr] if etype == _BOOL else arr.tolist()
         if vtype not in _SCALARS:
             raise ValueError(f"unknown metadata value type {vtype}")
         dt = np.dtype(_SCALARS[vtype])
+        self.need(dt.itemsize, "a metadata value")
         v = np.frombuffer(self.buf, dtype=dt, count=1, offset=self.pos)[0]
         self.pos += dt.itemsize
         return bool(v) if vtype == _BOOL else v.item()
@@ -144,9 +161,11 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
             length = n_elem // block * nbytes
             begin = start + offset
             if begin + length > size:
-                raise ValueError(f"tensor {name} runs past the end of the file")
+                raise Truncated(size, f"tensor {name}", begin + length)
             tensors[name] = TensorRecord(name, qtype, tuple(int(d) for d in reversed(dims)),
                                          data[begin: begin + length])
+    except Truncated as e:
+        raise GGUFError(f"cannot read GGUF {path}: {e}") from None
     except (ValueError, struct.error, OverflowError, KeyError, UnicodeDecodeError) as e:
         raise GGUFError(f"cannot read GGUF {path}: {e}") from None
     except OSError as e:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
+from engine import threads
 from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 
@@ -115,6 +116,7 @@ class Session:
         """Evaluate `ids` after the cached tokens.  With `frontier` the last token runs as a
         one-row decode step and sets `logits`; without, no logits are computed (an inner chunk)."""
         net, device = self.model.net, self.model.device
+        threads.before_forward()
         body = ids[:-1] if frontier else ids
         if body:
             net.forward(torch.tensor(body, dtype=torch.long, device=device), len(self.tokens), self.cache,

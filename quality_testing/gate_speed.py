@@ -15,6 +15,12 @@
    printed with every measurement; the gate fails (exit 1) when a ratio is below
    1 - threshold. Absolute speeds are shown but never judged: on a shared machine only
    same-run ratios mean anything.
+5. The product paths: `ds4-bench product` (ds4eval/bench/product.py) runs in a subprocess on
+   the working tree and measures, interleaved in one process, the engine's raw decode, the
+   ds4-eval engine backend and a ds4-server single stream (and N streams with
+   `--batched-session N`); the gate prints its table and fails when a single-stream product
+   path decodes below `--product-floor` (default 0.9) times the raw engine, because that is the
+   speed users get. `--product-floor 0` leaves this step out.
 It does not build anything beyond extracting sources (the engine is pure Python on torch).
 """
 from __future__ import annotations
@@ -53,6 +59,10 @@ class SpeedGateConfig:
     decode_context: int = 16  # context before the decode measurement
     decode_tokens: int = 32  # tokens per decode measurement
     model: str | None = None  # GGUF; None: the embedded model
+    product_floor: float = 0.90  # fail when a product path decodes below this times the engine; 0: skip
+    product_rounds: int = 3  # interleaved rounds of the product measurement
+    product_tokens: int = 128  # tokens per product measurement
+    product_streams: int = 8  # streams of the batched-server product path (0: left out)
 
 
 @dataclass(frozen=True)
@@ -161,6 +171,31 @@ def run_gate(cfg: SpeedGateConfig, echo=click.echo) -> GateResult | None:
     return GateResult(sha, samples, ratios, failed)
 
 
+@dataclass(frozen=True)
+class ProductResult:
+    table: str
+    failures: tuple[str, ...]
+
+
+def run_product(cfg: SpeedGateConfig, echo=click.echo) -> ProductResult:
+    """`ds4-bench product` on the working tree, in its own process; its progress goes to stderr."""
+    from ds4eval.bench import product as pb
+
+    with tempfile.TemporaryDirectory(prefix="ds4-gate-product-") as tmp:
+        out = Path(tmp) / "product.json"
+        cmd = [sys.executable, "-m", "ds4eval.bench.cli", "product", "--json", str(out),
+               "--rounds", str(cfg.product_rounds), "--decode-tokens", str(cfg.product_tokens),
+               "--streams", str(cfg.product_streams)] + (["--model", cfg.model] if cfg.model else [])
+        echo(f"product paths: {' '.join(cmd[1:])}")
+        p = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+        if p.returncode != 0 or not out.is_file():
+            raise GateError(f"ds4-bench product failed (exit {p.returncode})")
+        doc = json.loads(out.read_text(encoding="utf-8"))
+    summary = [pb.PathSummary(**row) for row in doc["summary"]]
+    return ProductResult(pb.render_table(summary, cfg.product_rounds),
+                         tuple(pb.product_failures(summary, cfg.product_floor)))
+
+
 def render(res: GateResult, cfg: SpeedGateConfig) -> str:
     rows = []
     for m in METRICS:
@@ -185,21 +220,41 @@ def render(res: GateResult, cfg: SpeedGateConfig) -> str:
 @click.option("--decode-context", type=int, default=16, show_default=True, help="Context before decoding.")
 @click.option("--decode-tokens", type=int, default=32, show_default=True, help="Tokens per decode measurement.")
 @click.option("--model", default=None, help="GGUF file (default: the embedded model).")
-def main(base, threshold, repeats, trials, prefill_tokens, decode_context, decode_tokens, model) -> None:
-    """Fail when the working tree's engine is slower than BASE's beyond the threshold."""
+@click.option("--product-floor", type=float, default=0.90, show_default=True,
+              help="Fail when ds4-eval or a ds4-server stream decodes below this times the raw engine (0: skip).")
+@click.option("--product-rounds", type=int, default=3, show_default=True, help="Rounds of the product measurement.")
+@click.option("--product-tokens", type=int, default=128, show_default=True, help="Tokens per product measurement.")
+@click.option("--product-streams", type=int, default=8, show_default=True,
+              help="Streams of the batched-server product path (0: left out).")
+def main(base, threshold, repeats, trials, prefill_tokens, decode_context, decode_tokens, model,
+         product_floor, product_rounds, product_tokens, product_streams) -> None:
+    """Fail when the working tree's engine is slower than BASE's beyond the threshold, or when
+    the product paths are slower than the engine itself."""
     cfg = SpeedGateConfig(base=base, threshold=threshold, repeats=repeats, trials=trials, prefill_tokens=prefill_tokens,
-                          decode_context=decode_context, decode_tokens=decode_tokens, model=model)
+                          decode_context=decode_context, decode_tokens=decode_tokens, model=model,
+                          product_floor=product_floor, product_rounds=product_rounds, product_tokens=product_tokens,
+                          product_streams=product_streams)
     t0 = time.perf_counter()
+    if not 0 <= cfg.product_floor < 1:
+        click.echo("error: --product-floor must be in [0, 1)", err=True)
+        sys.exit(2)
     try:
         res = run_gate(cfg)
+        if res is not None:
+            click.echo(render(res, cfg))
+        product = run_product(cfg) if cfg.product_floor > 0 else None
     except (GateError, OSError, tarfile.TarError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    if res is None:
-        sys.exit(0)
-    click.echo(render(res, cfg))
+    failed = bool(res is not None and res.failed)
+    if product is not None:
+        click.echo(f"product paths against the raw engine, fail below {cfg.product_floor:.2f}x:")
+        click.echo(product.table)
+        for line in product.failures:
+            click.echo(f"FAIL: {line}")
+        failed = failed or bool(product.failures)
     click.echo(f"({time.perf_counter() - t0:.0f} s)")
-    sys.exit(1 if res.failed else 0)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

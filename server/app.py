@@ -45,6 +45,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from engine.threads import EngineThread
 from server import api_anthropic, api_openai, api_responses
 from server.apibase import StrictModel, validate_body
 from server.config import ServerConfig
@@ -179,14 +180,17 @@ def _tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
 
 def create_app(model: Any, config: ServerConfig | None = None, *,
                engine_types: EngineTypes | None = None, kv_save_policy: SavePolicy | None = None,
-               clock: Callable[[], float] = time.monotonic) -> FastAPI:
-    """The app around `model`. `kv_save_policy` overrides the disk cache's save thresholds and
-    `clock` the batched slots' idle clock (tests with small models and no waiting)."""
+               clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None) -> FastAPI:
+    """The app around `model`. `engine_thread` is the thread the model was loaded on, where
+    all inference runs (None: the worker starts its own). `kv_save_policy` overrides the disk
+    cache's save thresholds and `clock` the batched slots' idle clock (tests with small models
+    and no waiting)."""
     config = config or ServerConfig()
     kv = open_store(config.kv, model)
     if kv is not None and kv_save_policy is not None:
         kv.save_policy = kv_save_policy
-    worker = InferenceWorker(model, engine_types, kv=kv, n_slots=config.batched_session, clock=clock)
+    worker = InferenceWorker(model, engine_types, kv=kv, n_slots=config.batched_session, clock=clock,
+                             engine_thread=engine_thread)
     calling = ToolCalling.for_model(model, config.tools)
     started_at = int(time.time())
 

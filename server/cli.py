@@ -51,7 +51,7 @@ def banner(model: object, config: ServerConfig) -> str:
     lines = [
         f"ds4-server: model {model.name} ({getattr(model, 'path', '')})",  # type: ignore[attr-defined]
         f"ds4-server: device {config.device}, context {n_ctx} tokens"
-        + (f", CPU threads {config.threads}" if config.threads is not None else "")
+        + (f", CPU threads {config.threads}" if config.threads is not None else ", CPU threads auto")
         + (f", decode attention: {model.net.attention_path}" if hasattr(model, "net") else ""),  # type: ignore[attr-defined]
         f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
         + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
@@ -95,8 +95,8 @@ def banner(model: object, config: ServerConfig) -> str:
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
 @click.option("--threads", type=int, default=None,
-              help="CPU threads of the engine's kernels (default: torch's, one per core). On a machine "
-                   "shared with the clients, fewer threads than cores avoids stalls.")
+              help="CPU threads of the engine's kernels (default: the cores that other processes leave "
+                   "free, re-read every half second).")
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
               help="KV cache element type (default: f16 on CPU, bf16 on CUDA). f32 doubles the cache's "
                    "memory and slows long-context decoding, for logits free of the cache's rounding.")
@@ -117,13 +117,14 @@ def main(**flags: object) -> None:
     from engine.batch import CapacityError
     from server.app import create_app
 
-    if config.threads is not None:
-        import torch
+    from engine.threads import EngineThread
 
-        torch.set_num_threads(config.threads)
+    # Every torch call of the server, from loading the model on, runs on this one thread.
+    engine_thread = EngineThread("ds4-inference", threads=config.threads)
     model_path = os.path.abspath(config.model) if config.model else None
     try:
-        model = load_model(model_path, ctx=config.ctx, device=config.device, kv_type=config.kv_type)
+        model = engine_thread.call(load_model, model_path, ctx=config.ctx, device=config.device,
+                                   kv_type=config.kv_type)
     except (ModelLoadError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
     if config.kv.directory is not None:
@@ -132,7 +133,7 @@ def main(**flags: object) -> None:
         except OSError as e:
             raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e.strerror}") from None
     try:
-        app = create_app(model, config)
+        app = create_app(model, config, engine_thread=engine_thread)
     except CapacityError as e:
         raise click.ClickException(f"--batched-session {config.batched_session}: {e}") from None
     except OSError as e:
@@ -143,6 +144,8 @@ def main(**flags: object) -> None:
                     timeout_graceful_shutdown=5)
     except OSError as e:  # e.g. port in use, surfaced before serving starts
         raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None
+    finally:
+        engine_thread.close(timeout=5)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ class ServerConfig:
     batched_session: int = 1
     """Resident engine sessions decoded together (1: one request at a time, in FIFO order)."""
     threads: int | None = None
-    """CPU threads of the engine's kernels (torch.set_num_threads); None keeps torch's default."""
+    """--threads: CPU threads of the engine's kernels; None uses the cores that other processes leave
+    free, re-read every half second (engine/threads.py)."""
     kv_type: str | None = None
     """KV cache element type: f32, f16 or bf16; None: the engine's default (f16 on CPU, bf16 on CUDA)."""
 

@@ -39,6 +39,11 @@ of the server keeps the last conversation. Cached tokens then count what was res
 disk too, and `Usage.cache_written_tokens` the prompt tokens newly covered by a checkpoint.
 All of it runs on the worker thread, the only one that touches sessions.
 
+The worker thread is an `engine.threads.EngineThread`: the one the model was loaded on
+(`ds4-server` loads it there), so that torch keeps a single OpenMP pool and its fast waits
+(engine/threads.py says why). The worker's loop is a task that owns that thread from
+`start()` to `stop()`.
+
 With `n_slots > 1` the thread runs `server.batching.BatchedLoop` instead of one job at a
 time: several resident sessions decode together (see that module).
 
@@ -53,11 +58,14 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from engine.threads import EngineThread
 from server import kvstore_policy
 from server.kvstore import KVStore, prefill_with_cache, save_session
 from server.stops import StopMatcher
@@ -338,18 +346,28 @@ def written_tokens(n_on_disk: int, n_reused: int, n_saved: int) -> int:
     return max(0, n_on_disk - n_reused) if n_saved else 0
 
 
+def _log_loop_failure(loop: Future) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        e = loop.exception()
+        log.error("the inference loop failed: %s: %s", type(e).__name__, e, exc_info=e)
+
+
 class InferenceWorker:
     """One thread owns the engine: one session served first in, first out, or a batch of slots."""
 
     def __init__(self, model: Any, engine_types: EngineTypes | None = None, *,
                  history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None) -> None:
+        """`engine_thread` is the thread the model was loaded on (see `engine.threads`); the
+        worker's loop runs there. Without one the worker starts its own and ends it in `stop()`."""
         self.model = model
         self.types = engine_types or default_engine_types()
         self.kv = kv
+        self._owns_thread = engine_thread is None
+        self.engine_thread = engine_thread or EngineThread("ds4-inference")
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._job_ids = itertools.count(1)
-        self._thread: threading.Thread | None = None
+        self._loop: Future | None = None
         self._session: Any = None
         # What the live session holds, for the disk cache: the prompt text it was synced to
         # (None: unknown, e.g. a prefill was interrupted), that prompt's token count, and the
@@ -365,15 +383,18 @@ class InferenceWorker:
         self.batched = None
         if n_slots > 1:
             from server.batching import BatchedLoop  # needs the engine's scheduler
-            self.batched = BatchedLoop(self, n_slots, clock=clock)
+            # Its KV pool is allocated by torch: on the engine thread, like all torch work.
+            self.batched = self.engine_thread.call(BatchedLoop, self, n_slots, clock=clock)
 
     # lifecycle
 
     def start(self) -> None:
-        if self._thread is not None:
+        if self._loop is not None:
             return
-        self._thread = threading.Thread(target=self._run, name="ds4-inference", daemon=True)
-        self._thread.start()
+        if self._owns_thread and self.engine_thread.closed:
+            self.engine_thread = EngineThread("ds4-inference")
+        self._loop = self.engine_thread.submit(self._run)
+        self._loop.add_done_callback(_log_loop_failure)
 
     def stop(self, timeout: float | None = None) -> None:
         """Cancel running jobs, drop queued ones, and join the thread.
@@ -381,7 +402,7 @@ class InferenceWorker:
         The thread stores the live session(s) in the disk cache before it ends, so the
         default timeout is longer with a cache.
         """
-        if self._thread is None:
+        if self._loop is None:
             return
         if timeout is None:
             timeout = 10.0 if self.kv is None else 120.0
@@ -399,10 +420,15 @@ class InferenceWorker:
                 pending.cancel()
                 self._finish_cancelled(pending)
         self._queue.put(None)
-        self._thread.join(timeout)
-        if self._thread.is_alive():
+        try:
+            self._loop.result(timeout)
+        except FuturesTimeout:
             log.warning("the inference thread did not end within %.0fs", timeout)
-        self._thread = None
+        except Exception:
+            pass  # logged by _log_loop_failure when the loop ended
+        self._loop = None
+        if self._owns_thread:
+            self.engine_thread.close(timeout=1.0)
 
     # submission
 

@@ -2,13 +2,21 @@
 
 Each implements the `ds4eval.runner.Backend` protocol: `run_case(job, ctx) -> GenerationResult`,
 reporting progress and text through `ctx` and calling `ctx.checkpoint()` between tokens so
-that pause, stop and switch take effect at a token boundary. `create_backend(config)` builds
-the configured one. Backends never grade and never write traces.
+that pause, stop and switch take effect at a token boundary; a backend that can block between
+tokens (waiting on a server) also has `interrupt()`, which the runner's stop calls.
+`create_backend(config)` builds the configured one; for a server it first sends one probe
+request (`GET /v1/models`), so an unreachable server stops the run with one line
+(`BackendUnavailable`) before the first case.
+Backends never grade and never write traces.
 """
 
 from __future__ import annotations
 
 from ds4eval.config import EvalConfig
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run any case (a server that does not answer); the message is one line."""
 
 
 def create_backend(config: EvalConfig):
@@ -19,5 +27,11 @@ def create_backend(config: EvalConfig):
     if config.backend == "openai":
         from ds4eval.backends.openai_backend import OpenAIBackend
 
-        return OpenAIBackend(config)
+        backend = OpenAIBackend(config)
+        try:
+            backend.probe()
+        except Exception as e:
+            backend.close()
+            raise BackendUnavailable(str(e)) from None
+        return backend
     raise ValueError(f"unknown backend {config.backend!r}")

@@ -1,11 +1,16 @@
 """Engine backend: runs cases in-process through the `engine` package's public API.
 
 Contract
-- `EngineBackend(model, api=None, parallel=None)` wraps any object following the engine API
-  (load_model's result); `EngineBackend.load(config)` loads one.
+- `EngineBackend(model, api=None, parallel=None, engine_thread=None)` wraps any object
+  following the engine API (load_model's result); `EngineBackend.load(config)` loads one.
+- Threads: every engine call, from loading the model to the last token, runs on one
+  `engine.threads.EngineThread` (torch's OpenMP pool is per calling thread, and two pools on
+  the same cores make every kernel wait passively; engine/threads.py says why).  The runner's
+  worker threads only render, tokenize and wait.
 - Serial (parallel None, the default): one session is reused across cases so the shared
-  system-prompt prefix is prefilled once.
-- Batched (`--parallel N`, any N >= 1): one engine thread drives an
+  system-prompt prefix is prefilled once; each case's generation loop runs on the engine
+  thread while the runner's worker waits for it.
+- Batched (`--parallel N`, any N >= 1): the engine thread drives an
   `engine.batch.BatchScheduler` of N slots; the runner's N worker threads each submit their
   case as `GenRequest`s and get its tokens back through `on_token` into a per-case queue,
   so N cases decode together in one forward pass per step. Every case starts from a fresh
@@ -39,8 +44,8 @@ It does not grade, write traces or talk HTTP.
 from __future__ import annotations
 
 import queue
-import threading
 import types
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +54,7 @@ from ds4eval.config import EvalConfig
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
+from engine.threads import EngineThread
 
 
 def model_supports_thinking(model) -> bool:
@@ -151,9 +157,9 @@ class _BatchedCase:
 
 
 class BatchEngine:
-    """One thread driving a BatchScheduler; cases reach it through `submit` and `release`."""
+    """A BatchScheduler's loop, run on the engine thread; cases reach it through `submit` and `release`."""
 
-    def __init__(self, api: Any, model: Any, n_slots: int, n_ctx: int):
+    def __init__(self, api: Any, model: Any, n_slots: int, n_ctx: int, engine_thread: EngineThread):
         if not hasattr(api, "BatchScheduler"):  # the engine package keeps them in engine.batch
             import engine.batch
 
@@ -161,13 +167,12 @@ class BatchEngine:
                                         GenRequest=engine.batch.GenRequest)
         self.api, self.model = api, model
         # Raises engine.CapacityError (with the figures) when n_slots sessions do not fit.
-        self.scheduler = api.BatchScheduler(model, n_slots, ctx=n_ctx)
+        self.scheduler = engine_thread.call(api.BatchScheduler, model, n_slots, ctx=n_ctx)
         self.owner: list[_BatchedCase | None] = [None] * n_slots
         self.inbox: queue.Queue = queue.Queue()
         self.active: list[_Segment] = []
         self.waiting: list[_Segment] = []
-        self.thread = threading.Thread(target=self._loop, name="ds4eval-engine", daemon=True)
-        self.thread.start()
+        self._loop_done = engine_thread.submit(self._loop)
 
     def submit(self, seg: _Segment) -> None:
         self.inbox.put(("submit", seg))
@@ -177,7 +182,10 @@ class BatchEngine:
 
     def close(self) -> None:
         self.inbox.put(("close", None))
-        self.thread.join(timeout=30)
+        try:
+            self._loop_done.result(timeout=30)
+        except FuturesTimeout:
+            pass
 
     # --- engine thread ---
     def _take(self, msg: tuple[str, Any]) -> bool:
@@ -252,9 +260,11 @@ class BatchEngine:
 class EngineBackend:
     name = "engine"
 
-    def __init__(self, model, api=None, parallel: int | None = None):
+    def __init__(self, model, api=None, parallel: int | None = None, engine_thread: EngineThread | None = None):
         """`api` is the module providing SamplingParams and Cancelled (default: `engine`);
-        `parallel` N uses its BatchScheduler, GenRequest and Sampler too."""
+        `parallel` N uses its BatchScheduler, GenRequest and Sampler too.  All engine work runs
+        on `engine_thread` (the thread the model was loaded on, see `load`); without one the
+        backend starts its own and closes it in `close()`."""
         if api is None:
             import engine as api
         self.api = api
@@ -264,20 +274,33 @@ class EngineBackend:
         self.supports_thinking = model_supports_thinking(model)
         self.parallel = parallel
         self.max_concurrency = 1 if parallel is None else parallel
+        self._owns_thread = engine_thread is None
+        self.engine_thread = engine_thread or EngineThread("ds4eval-engine")
         self._session = None
-        self._engine = BatchEngine(api, model, parallel, model.n_ctx) if parallel is not None else None
+        self._engine = (BatchEngine(api, model, parallel, model.n_ctx, self.engine_thread)
+                        if parallel is not None else None)
 
     @classmethod
     def load(cls, config: EvalConfig) -> "EngineBackend":
         import engine
 
-        return cls(engine.load_model(config.model, ctx=config.ctx, device=config.device, kv_type=config.kv_type),
-                   engine, parallel=config.parallel)
+        thread = EngineThread("ds4eval-engine", threads=config.threads)
+        try:
+            model = thread.call(engine.load_model, config.model, ctx=config.ctx, device=config.device,
+                                kv_type=config.kv_type)
+            backend = cls(model, engine, parallel=config.parallel, engine_thread=thread)
+        except BaseException:
+            thread.close()
+            raise
+        backend._owns_thread = True
+        return backend
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._owns_thread:
+            self.engine_thread.close(timeout=30)
 
     def provenance(self) -> dict[str, str]:
         """What this backend knows about how it runs the model (see ds4eval.provenance): the
@@ -346,7 +369,7 @@ class EngineBackend:
             return res
         if self._engine is not None:
             return self._run_batched(job, ctx, plan, res)
-        return self._run_serial(job, ctx, plan, res)
+        return self.engine_thread.call(self._run_serial, job, ctx, plan, res)
 
     # --- serial ---
     def _run_serial(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,

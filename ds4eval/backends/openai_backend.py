@@ -5,19 +5,32 @@ Contract
   `/v1`) with `stream: true` and `stream_options.include_usage`, a system and a user message,
   `max_tokens` = the job's budget (capped by `--ctx` minus the prompt estimate when given), the
   sampling settings, and `seed` when set. With `--nothink` it also sends
-  `chat_template_kwargs: {"enable_thinking": false}`, which vLLM, llama.cpp and ds4-server read.
+  `chat_template_kwargs: {"enable_thinking": false}`, which vLLM, llama.cpp and ds4-server read;
+  `--chat-template-kwargs` objects are merged over that, and `--request-extra` is merged into
+  the body last (its keys win: it exists to override server defaults such as llama.cpp's
+  repeat_penalty 1.1).
+- `probe()` (called once before the first case) GETs `{base}/v1/models`: a server that cannot
+  be reached or refuses the API key raises `ProbeError` with one line; the first model id it
+  lists becomes `model_name` (shown in the report and traces) and the request's `model` unless
+  `--served-model` is given. A server without `/v1/models` (404) is still usable.
 - Reasoning deltas (`reasoning_content` or `reasoning`) are recorded inside `<think>...</think>`
   so the trace and the extractors see the same shape as the engine backend's output.
 - A stream counts as complete only with a finish reason and `[DONE]`; an HTTP error, an error
   event, broken JSON or a stream that ends early make the case ERROR with the reason.
-  Token counts come from the final usage chunk (one per content chunk until then).
-- Thread-safe: one `httpx.Client` shared by `--concurrency` workers.
+  Token counts come from the final usage chunk; without one they are counted with
+  `--tokenizer`'s tokenizer (`ds4eval.tokencount`), else reported unknown (`tokens_known`
+  False), never as the number of stream chunks (a chunk may hold several tokens).
+- Thread-safe: one `httpx.Client` shared by `--concurrency` workers. `interrupt()` (the
+  runner's stop) wakes cases blocked waiting for stream data; they end STOPPED.
 It does not retry failed requests and never reaches into server internals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 
 import httpx
 
@@ -25,6 +38,19 @@ from ds4eval import sse
 from ds4eval.config import EvalConfig
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
+
+
+def models_url(base: str) -> str:
+    base = base.rstrip("/")
+    for tail in ("/chat/completions", "/completions"):
+        if base.endswith(tail):
+            base = base[: -len(tail)]
+            break
+    return base + "/models" if base.endswith("/v1") else base + "/v1/models"
+
+
+class ProbeError(Exception):
+    pass
 
 
 def completions_url(base: str) -> str:
@@ -47,6 +73,17 @@ class OpenAIBackend:
         self.config = config
         self.url = completions_url(config.url or "")
         self.model_name = config.served_model or "default"
+        self.request_model = config.served_model or "default"
+        self.extra = config.request_extra_fields()
+        self.template_kwargs = config.template_kwargs()
+        self._live: set[httpx.Response] = set()
+        self._live_lock = threading.Lock()
+        self._cut = False
+        self.counter = None
+        if config.tokenizer:
+            from ds4eval.tokencount import TokenCounter
+
+            self.counter = TokenCounter.from_gguf(config.tokenizer)
         self.n_ctx = config.ctx
         self.max_concurrency = max(1, config.concurrency)
         headers = {"Accept": "text/event-stream"}
@@ -63,6 +100,54 @@ class OpenAIBackend:
         """What this backend knows about the run (see ds4eval.provenance): the endpoint and the
         model name it sends; the server's model file and template are not visible from here."""
         return {"endpoint": self.url, "served_model": self.model_name}
+    @contextlib.contextmanager
+    def _live_response(self, resp: httpx.Response):
+        with self._live_lock:
+            self._live.add(resp)
+        try:
+            yield
+        finally:
+            with self._live_lock:
+                self._live.discard(resp)
+
+    def interrupt(self) -> None:
+        """Wake every case blocked waiting for stream data (the runner calls this on stop): a
+        server that sends nothing for a while (a long prefill without keep-alives) would
+        otherwise hold the stop until --request-timeout. Shutting the socket down wakes the
+        blocked read; closing it would not."""
+        with self._live_lock:
+            live = list(self._live)
+            self._cut = self._cut or bool(live)
+        for resp in live:
+            stream = resp.extensions.get("network_stream")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
+
+    def probe(self) -> list[str]:
+        """One GET of the model list before any case; returns the served model ids."""
+        base = self.config.url or ""
+        try:
+            resp = self._client.get(models_url(base), headers={"Accept": "application/json"},
+                                    timeout=httpx.Timeout(30.0))
+        except httpx.HTTPError as e:
+            raise ProbeError(f"cannot reach the server at {base}: {_reason(e)}") from None
+        if resp.status_code in (401, 403):
+            raise ProbeError(f"the server at {base} refused the request (HTTP {resp.status_code}: "
+                             f"{_error_text(resp.text)}); check --api-key")
+        if resp.status_code >= 400:
+            return []  # reachable; some servers have no model list
+        try:
+            data = resp.json().get("data") or []
+            ids = [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
+        except (ValueError, AttributeError, TypeError):
+            return []
+        if ids and not self.config.served_model:
+            self.model_name = self.request_model = ids[0]
+        return ids
 
     def request_body(self, job: GenerationJob) -> dict:
         max_tokens = job.max_tokens
@@ -72,7 +157,7 @@ class OpenAIBackend:
             est = (len(job.system_prompt) + len(job.question_prompt)) // 3 + 16
             max_tokens = max(1, min(max_tokens, self.n_ctx - est))
         body = {
-            "model": self.model_name,
+            "model": self.request_model,
             "messages": [{"role": "system", "content": job.system_prompt},
                          {"role": "user", "content": job.question_prompt}],
             "stream": True,
@@ -85,8 +170,15 @@ class OpenAIBackend:
             body["min_p"] = job.min_p
         if job.seed is not None:
             body["seed"] = job.seed
-        if not job.think:
-            body["chat_template_kwargs"] = {"enable_thinking": False}
+        kwargs = {} if job.think else {"enable_thinking": False}
+        kwargs.update(self.template_kwargs)
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        for key, value in self.extra.items():
+            if key == "chat_template_kwargs" and isinstance(value, dict):
+                body[key] = {**body.get(key, {}), **value}
+            else:
+                body[key] = value
         return body
 
     def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult:
@@ -94,14 +186,14 @@ class OpenAIBackend:
         out: list[str] = []
         in_think = False
         saw_think = False
-        chunks = 0
         finish = None
         done = False
         usage = None
         ctx.prefill(0, 0)
         started = False
         try:
-            with self._client.stream("POST", self.url, json=self.request_body(job)) as resp:
+            with self._client.stream("POST", self.url, json=self.request_body(job)) as resp, \
+                    self._live_response(resp):
                 if resp.status_code >= 400:
                     resp.read()
                     raise StreamError(f"HTTP {resp.status_code}: {_error_text(resp.text)}")
@@ -143,22 +235,29 @@ class OpenAIBackend:
                             out.append(content)
                             ctx.text(content, False)
                         if reasoning or content:
-                            chunks += 1
-                            ctx.token()
+                            ctx.token()  # live progress only: a chunk may hold several tokens
                         if choice.get("finish_reason"):
                             finish = choice["finish_reason"]
         except StreamError as e:
             res.error = str(e)
         except httpx.HTTPError as e:
             res.error = f"{type(e).__name__}: {e}"
+        if not done and not res.interrupted:
+            # interrupt() cut the stream while it waited for the server: a stop, not a failure.
+            why = ctx.checkpoint() if self._cut else None
+            if why:
+                res.interrupted, res.error = why, ""
         if in_think:
             out.append(THINK_CLOSE)  # keep the block balanced; think_close says it never closed
         res.output = "".join(out)
         if usage:
             res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             res.gen_tokens = int(usage.get("completion_tokens") or 0)
+        elif self.counter is not None:
+            res.prompt_tokens = self.counter.prompt_tokens(job.system_prompt, job.question_prompt)
+            res.gen_tokens = self.counter.output_tokens(res.output)
         else:
-            res.gen_tokens = chunks
+            res.tokens_known = False
         if saw_think:
             res.think_close = "unclosed" if in_think else "natural"
         if not res.error and not res.interrupted:
@@ -167,6 +266,13 @@ class OpenAIBackend:
             elif finish is None:
                 res.error = "stream ended without a finish reason"
         return res
+
+
+def _reason(e: httpx.HTTPError) -> str:
+    text = str(e) or type(e).__name__
+    if isinstance(e, httpx.ConnectError) and "refused" in text.lower():
+        return "connection refused"
+    return " ".join(text.split())[:200]
 
 
 def _error_text(text: str) -> str:

@@ -1,6 +1,10 @@
 """`ds4-bench` command line: a click group, one subcommand per benchmark.
 
   ds4-bench engine [--compare llama.cpp] [--quick] [--csv FILE] ...
+  ds4-bench sessions [--sessions 1,8] [--contexts 128,1024] ...
+  ds4-bench serve --url URL [--concurrency 1,8] ...
+  ds4-bench kvcache [--prefix-tokens N] ...
+  ds4-bench product [--rounds 3] [--streams 8] [--json FILE]
   ds4-bench random-gguf OUT.gguf --like MODEL.gguf [--qtype Q4_1] [--seed N]
 
 Each subcommand only fills its config object and calls the library (engine_bench,
@@ -20,14 +24,7 @@ import click
 from ds4eval.bench import engine_bench as eb
 from ds4eval.bench import random_gguf as rg
 from ds4eval.bench.csvfile import write_csv
-
-
-class UsageFailure(Exception):
-    """Bad input from the user: one line, exit status 2."""
-
-
-class RunFailure(Exception):
-    """The run itself failed (a model that does not load, an unwritable file): one line, exit 1."""
+from ds4eval.bench.errors import RunFailure, UsageFailure
 
 
 class OneLineErrors(click.Group):
@@ -67,7 +64,7 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 
 
 @main.command("engine")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--ctx", type=int, default=None, help="Context size to load with (default: what the longest step needs).")
 @click.option("--device", type=click.Choice(eb.DEVICES), default="cpu", show_default=True)
@@ -168,6 +165,8 @@ from ds4eval.bench.sessions import sessions_command  # noqa: E402
 main.add_command(sessions_command)
 from ds4eval.bench.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
+from ds4eval.bench.product import product_command  # noqa: E402
+main.add_command(product_command)
 
 
 if __name__ == "__main__":

@@ -449,7 +449,7 @@ def kvcache_command(model: str | None, ctx: int | None, prompt_tokens: int, repe
                     budget_mb: int, page_cache: bool, csv_path: str | None, seed: int, server_cmd: str | None) -> int:
     """Time to first token of a long prompt through ds4-server: cold versus restored after a restart."""
     # Imported here: the command group imports this module to register the command.
-    from ds4eval.bench.cli import RunFailure, UsageFailure
+    from ds4eval.bench.errors import RunFailure, UsageFailure
     from ds4eval.bench.csvfile import write_csv
 
     cfg = KVCacheBenchConfig(model=model, ctx=ctx, prompt_tokens=prompt_tokens, repeats=repeats,

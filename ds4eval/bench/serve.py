@@ -646,7 +646,7 @@ def serve_command(url: str, endpoint: str, model: str | None, concurrency: str |
                   goodput: tuple[str, ...], api_key: str | None, csv_path: str | None, json_path: str | None,
                   plot: str | None) -> int:
     """Load-test an OpenAI-compatible server: closed loop at concurrency C and Poisson arrivals at rate R."""
-    from ds4eval.bench.cli import RunFailure, UsageFailure
+    from ds4eval.bench.errors import RunFailure, UsageFailure
     from ds4eval.bench.csvfile import write_csv
 
     try:

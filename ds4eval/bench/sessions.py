@@ -318,7 +318,7 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
     """Aggregate and per-session decode tokens/s of N sessions decoding together."""
     from engine import ModelLoadError, default_model_path, load_model
 
-    from ds4eval.bench.cli import RunFailure, UsageFailure
+    from ds4eval.bench.errors import RunFailure, UsageFailure
     from ds4eval.bench.csvfile import write_csv
 
     cfg = SessionsBenchConfig(model=model, device=device, sessions=sessions, contexts=contexts,

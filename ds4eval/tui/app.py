@@ -336,18 +336,19 @@ def run_with_ui(config: EvalConfig, cases: Sequence[Case], backend, numbers: Seq
             curses.endwin()
     finally:
         termios.tcsetattr(fd, termios.TCSADRAIN, saved_mode)
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
         if worker.is_alive():
             runner.stop()
             if not (app and app.abandon):
-                _join_patiently(worker)
+                _join_patiently(worker, signals)
+        # Restored only after the join: a signal during Thread.join() must not raise there.
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
     states = box.get("states") or runner.snapshot()
     wall_s = runner.wall_s or stats.freeze().elapsed_s
     for st in sorted(states, key=lambda s: s.number):
         if st.status.finished:
             print(report.case_line(st, len(states)), flush=True)
-    return UIOutcome(states=states, wall_s=wall_s, interrupted=bool(app and app.interrupted),
+    return UIOutcome(states=states, wall_s=wall_s, interrupted=bool(app and app.interrupted) or bool(signals),
                      error=box.get("error", ""))
 
 
@@ -358,10 +359,10 @@ def _where(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{place}"
 
 
-def _join_patiently(worker: threading.Thread) -> None:
-    """Wait for the runner to reach a token boundary; a second Ctrl+C stops waiting."""
-    try:
-        while worker.is_alive():
-            worker.join(0.2)
-    except KeyboardInterrupt:
-        pass
+def _join_patiently(worker: threading.Thread, signals: list[int]) -> None:
+    """Wait for the runner to reach a token boundary; another signal stops waiting. The UI's
+    handlers are still installed, so a signal only lands in `signals` (a KeyboardInterrupt
+    inside Thread.join() would make the thread look finished while it still runs)."""
+    seen = len(signals)
+    while worker.is_alive() and len(signals) <= seen:
+        worker.join(0.2)

@@ -209,8 +209,10 @@ def _header(view: View, lines: int, cols: int) -> list[list[tuple[str, str]]]:
     ctx = f"ctx {view.ctx_used if view.ctx_used is not None else '-'}"
     ctx += f"/{view.n_ctx}" if view.n_ctx else ""
     speed = f"{view.tokens_per_s:.1f} tok/s" if view.ctx_used is not None else "- tok/s"
-    stats = [[("  ", "header"), (f"elapsed {clock(view.elapsed_s)}", "header")],
-             [("  ", "header"), (speed, "header")], [("  ", "header"), (ctx, "header")]]
+    stats = [[("  ", "header"), (f"elapsed {clock(view.elapsed_s)}", "header")]]
+    if view.phase == "running" and view.done_count < total and view.eta_s is not None:
+        stats.append([("  ", "header"), (f"eta {clock(view.eta_s)}", "header")])
+    stats += [[("  ", "header"), (speed, "header")], [("  ", "header"), (ctx, "header")]]
     ident = [[(f"model {view.model}", "header")], [(f" {DOT} suite {view.suite}", "header")],
              [(f" {DOT} backend {view.backend}", "header")]]
     badge_part = (f" {badge} ", "badge")

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
+from ds4eval.report import eta_s
 from ds4eval.runner import (CaseFinished, CaseState, Paused, Progress, RunFinished, RunStarted,
                             StatusChanged, TextDelta)
 
@@ -187,6 +188,11 @@ class View:
     @property
     def running_index(self) -> int | None:
         return next((c.index for c in self.cases if c.running), None)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Time left at the average pace of the finished cases (None before the first one)."""
+        return eta_s(self.done_count, len(self.cases), self.elapsed_s)
 
 
 def build_view(states: Sequence[CaseState], live: Live, suite: str, phase: str, message: str = "") -> View:

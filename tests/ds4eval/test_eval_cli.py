@@ -51,12 +51,22 @@ def test_regrade_example_from_the_spec(tmp_path):
     path.write_text("".join(map(tr.format_record, recs)))
     r = invoke("--regrade", str(path))
     assert "changed=1" in r.output and "changed: #1 sanity/c1: PASSED -> FAILED" in r.output
+    # Each changed verdict names the case and the picked answer before and after.
+    changed = [ln for ln in r.output.splitlines() if ln.startswith("changed: ")]
+    assert changed == ["changed: #1 sanity/c1: PASSED -> FAILED (picked - -> '5', expected '4')"]
 
 
 @pytest.mark.parametrize("args, msg", [
     (["--regrade", "/nonexistent.trace"], "cannot read"),
     (["--suite", "core", "--data-dir", "/nonexistent"], "needs /nonexistent/core.jsonl"),
     (["--backend", "openai"], "needs --url"),
+    (["--backend", "openai", "--url", "localhost:8000"], "--url must be an http:// or https:// URL"),
+    (["--backend", "openai", "--url", "http://"], "--url must be an http:// or https:// URL"),
+    (["--request-extra", "{repeat_penalty: 1}"], "--request-extra: invalid JSON"),
+    (["--request-extra", "[1]"], "--request-extra must be a JSON object"),
+    (["--chat-template-kwargs", "1"], "--chat-template-kwargs must be a JSON object"),
+    (["--request-extra", "{}"], "--request-extra applies to the openai backend"),
+    (["--tokenizer", "m.gguf"], "--tokenizer applies to the openai backend"),
     (["--tokens", "0"], "--tokens must be positive"),
     (["--list-cases", "--validate-cases"], "at most one"),
     (["--list-cases", "--case-id", "nope"], "no case"),
@@ -107,3 +117,60 @@ def test_run_and_retry_incomplete_through_the_cli(tmp_path, monkeypatch):
     assert len(after) == 7 and after[-1].id == stopped_id and after[-1].index == parsed.records[2].index
     r = invoke("--retry-incomplete", str(trace_path))
     assert "nothing to retry" in r.output
+
+
+# ---------------------------------------------------------------- exit statuses
+
+from openai_fakes import FakeOpenAI  # noqa: E402
+
+
+def _server_run(srv, *args):
+    return invoke("--plain", "--backend", "openai", "--url", srv.url, "--domain", "arithmetic", *args)
+
+
+def test_a_fully_graded_run_exits_0():
+    with FakeOpenAI(reply=lambda q: "Answer: 5") as srv:
+        r = _server_run(srv)
+    assert r.exit_code == 0, r.output
+    assert "model fake-model-1" in r.output and "not graded" not in r.output
+
+
+def test_errors_exit_3_unless_allowed():
+    def failing(q):
+        raise RuntimeError("boom")  # the handler dies before answering: every case is ERROR
+
+    with FakeOpenAI(reply=failing) as srv:
+        r = _server_run(srv)
+        assert r.exit_code == 3, r.output
+        assert "ds4-eval: 6 of 6 cases were not graded (6 error): exit status 3 (--allow-errors exits 0)" in r.output
+        r = _server_run(srv, "--allow-errors")
+        assert r.exit_code == 0, r.output
+
+
+def test_an_unreachable_server_stops_before_the_first_case_with_one_line(tmp_path):
+    r = invoke("--plain", "--backend", "openai", "--url", "http://127.0.0.1:9", "--trace", str(tmp_path / "t"))
+    assert r.exit_code == 3
+    assert r.output == "ds4-eval: error: cannot reach the server at http://127.0.0.1:9: connection refused\n"
+    assert not (tmp_path / "t").exists()
+
+
+def test_retry_incomplete_runs_cases_that_never_started(tmp_path):
+    """A killed run leaves a header listing every case but blocks for only some of them."""
+    with FakeOpenAI(reply=lambda q: "Answer: 5") as srv:
+        path = tmp_path / "run.trace"
+        r = _server_run(srv, "--trace", str(path))
+        assert r.exit_code == 0, r.output
+        data = path.read_bytes()
+        parsed = tr.read_trace(path)
+        assert len(parsed.runs) == 1 and len(parsed.runs[0].cases) == 6 and len(parsed.records) == 6
+        # Keep the header and the first two blocks; tear the third in the middle, as a kill would.
+        cut = data.index(b"%%case 3 ") + 40
+        path.write_bytes(data[:cut])
+        r = invoke("--plain", "--backend", "openai", "--url", srv.url, "--retry-incomplete", str(path))
+        assert r.exit_code == 0, r.output
+        assert "retrying 4 incomplete case(s)" in r.output and "warning:" in r.output
+        after = tr.read_trace(path)
+        assert [rec.index for rec in after.records] == [1, 2, 3, 4, 5, 6]
+        assert len(after.problems) == 1 and "case block 3" in after.problems[0]
+        r = invoke("--plain", "--backend", "openai", "--url", srv.url, "--retry-incomplete", str(path))
+        assert r.exit_code == 0 and "nothing to retry" in r.output

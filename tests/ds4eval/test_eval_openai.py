@@ -142,3 +142,86 @@ def test_completions_url():
     assert completions_url("http://h:1") == "http://h:1/v1/chat/completions"
     assert completions_url("http://h:1/v1/") == "http://h:1/v1/chat/completions"
     assert completions_url("http://h/x/chat/completions") == "http://h/x/chat/completions"
+
+
+# ---------------------------------------------------------------- probe, request fields, token counts
+
+from ds4eval.backends import BackendUnavailable, create_backend  # noqa: E402
+from ds4eval.backends.openai_backend import ProbeError, models_url  # noqa: E402
+from openai_fakes import FakeOpenAI  # noqa: E402
+
+
+def test_models_url():
+    assert models_url("http://h:1") == "http://h:1/v1/models"
+    assert models_url("http://h:1/v1/") == "http://h:1/v1/models"
+    assert models_url("http://h/x/v1/chat/completions") == "http://h/x/v1/models"
+
+
+def test_probe_takes_the_served_model_id():
+    with FakeOpenAI(models=("Qwen3-8B-Q4_K_M.gguf", "other")) as srv:
+        backend = create_backend(EvalConfig(backend="openai", url=srv.url))
+        try:
+            assert backend.model_name == "Qwen3-8B-Q4_K_M.gguf"
+            runner = Runner(backend.config, [case("x")], backend)
+            [st] = runner.run()
+            assert st.status is Status.PASSED
+            assert srv.bodies[0]["model"] == "Qwen3-8B-Q4_K_M.gguf"
+            assert runner.trace_record(st).model == "Qwen3-8B-Q4_K_M.gguf"
+        finally:
+            backend.close()
+
+
+def test_served_model_flag_wins_and_a_server_without_a_model_list_is_usable():
+    with FakeOpenAI(models=None) as srv:
+        backend = create_backend(EvalConfig(backend="openai", url=srv.url))
+        assert backend.model_name == "default"
+        backend.close()
+    with FakeOpenAI() as srv:
+        backend = create_backend(EvalConfig(backend="openai", url=srv.url, served_model="mine"))
+        assert backend.model_name == "mine" and backend.request_model == "mine"
+        backend.close()
+
+
+def test_probe_failures_are_one_line():
+    with pytest.raises(BackendUnavailable, match=r"^cannot reach the server at http://127.0.0.1:9: connection refused$"):
+        create_backend(EvalConfig(backend="openai", url="http://127.0.0.1:9"))
+    with FakeOpenAI(models_status=401) as srv:
+        with pytest.raises(BackendUnavailable, match="refused the request .HTTP 401: invalid api key.; check --api-key"):
+            create_backend(EvalConfig(backend="openai", url=srv.url))
+
+
+def test_request_extra_and_chat_template_kwargs_are_merged_into_the_body():
+    cfg = EvalConfig(backend="openai", url="http://h:1", think=False,
+                     request_extra='{"repeat_penalty": 1.0, "temperature": 0.3, "chat_template_kwargs": {"x": 1}}',
+                     chat_template_kwargs='{"reasoning_effort": "low"}')
+    backend = OpenAIBackend(cfg)
+    runner = Runner(cfg, [case("x")], backend)
+    body = backend.request_body(runner._job(runner.states[0]))
+    backend.close()
+    assert body["repeat_penalty"] == 1.0 and body["temperature"] == 0.3  # --request-extra wins
+    assert body["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "low", "x": 1}
+    assert body["stream"] is True and body["messages"][1]["role"] == "user"
+
+
+def test_without_usage_token_counts_are_unknown_not_chunk_counts():
+    with FakeOpenAI(usage=False, reply=lambda q: "Answer: 4 because two and two") as srv:
+        st = run(srv.url, ["x"])["x"]
+    assert st.status is Status.PASSED
+    assert st.tokens_known is False and st.gen_tokens == 0 and st.prompt_tokens == 0
+
+
+def test_without_usage_a_tokenizer_counts_the_tokens():
+    class Counter:
+        def prompt_tokens(self, system, question):
+            return 100
+
+        def output_tokens(self, text):
+            return len(text.split())
+
+    with FakeOpenAI(usage=False, reply=lambda q: "Answer: 4 because two and two") as srv:
+        cfg = EvalConfig(backend="openai", url=srv.url)
+        backend = OpenAIBackend(cfg)
+        backend.counter = Counter()
+        [st] = Runner(cfg, [case("x")], backend).run()
+        backend.close()
+    assert st.tokens_known and (st.prompt_tokens, st.gen_tokens) == (100, 6)

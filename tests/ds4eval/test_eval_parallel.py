@@ -228,6 +228,18 @@ def test_parallel_flag_is_validated():
         EvalConfig(parallel=0).validate()
     with pytest.raises(ConfigError, match="engine backend"):
         EvalConfig(parallel=2, backend="openai", url="http://x").validate()
+    with pytest.raises(ConfigError, match="--threads must be at least 1"):
+        EvalConfig(threads=0).validate()
+
+
+def test_threads_setting_reaches_the_engine_thread(tmp_path):
+    path = write_random_gguf(tmp_path / "t.gguf", RandomModelSpec(n_ctx=256, seed=6, n_layer=1))
+    backend = EngineBackend.load(EvalConfig(model=str(path), threads=1))
+    try:
+        assert backend.engine_thread.threads_now == 1
+        assert backend.engine_thread.call(torch.get_num_threads) == 1
+    finally:
+        backend.close()
 
 
 # ---------------------------------------------------------------- the embedded model
@@ -242,3 +254,31 @@ def test_sanity_suite_parallel_matches_parallel_1(tmp_path):
     _, one = run_trace(EvalConfig(parallel=1, **cfg), sanity, EngineBackend(model, engine, parallel=1), tmp_path, "1")
     _, four = run_trace(EvalConfig(parallel=4, **cfg), sanity, EngineBackend(model, engine, parallel=4), tmp_path, "4")
     same_traces(one, four)
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_the_backend_loads_and_runs_every_forward_pass_on_one_engine_thread(tmp_path, monkeypatch, parallel):
+    import threading
+
+    from engine import threads
+
+    path = write_random_gguf(tmp_path / "t.gguf", RandomModelSpec(n_ctx=512, seed=5, n_layer=2))
+    seen = []
+    real_load, real_forward = engine.load_model, threads.before_forward
+
+    def load(*args, **kwargs):
+        seen.append(("load", threading.current_thread().name))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "load_model", load)
+    monkeypatch.setattr(threads, "before_forward",
+                        lambda: (seen.append(("forward", threading.current_thread().name)), real_forward()))
+    cfg = EvalConfig(model=str(path), parallel=parallel, tokens=6, think=False)
+    backend = EngineBackend.load(cfg)
+    states = Runner(cfg, [case(i) for i in range(1, 4)], backend).run()
+    backend.close()
+    assert all(s.status.finished for s in states)
+    assert seen[0] == ("load", "ds4eval-engine")
+    assert {kind for kind, _ in seen} == {"load", "forward"}
+    assert {name for _, name in seen} == {"ds4eval-engine"}
+    assert backend.engine_thread.closed

@@ -141,7 +141,7 @@ def test_report_and_summary(capsys):
     runner.listeners.append(PlainListener(2))
     states = runner.run()
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("[1/2] PASSED  toy/c1") and "FAILED" in out[1]
+    assert out[0].startswith("[1/2 eta 0:00] PASSED  toy/c1") and "FAILED" in out[1]
     summary = build_summary(states, runner.wall_s, {"suite": "toy", "backend": "engine", "model": "fake"})
     assert summary["totals"]["passed"] == 1 and summary["sources"][0]["cases"] == 2
     text = render_report(summary)

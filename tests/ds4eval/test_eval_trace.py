@@ -76,3 +76,147 @@ def test_incomplete_uses_the_latest_block_per_case():
     records = [rec(id="a", status="STOPPED"), rec(id="b", status="ERROR"), rec(id="c", status="FAILED"),
                rec(id="a", status="PASSED")]
     assert rg.incomplete(records) == [("sanity", "b")]
+
+
+# ---------------------------------------------------------------- torn writes
+
+def _blocks(n, start=1):
+    # Non-ASCII output so that cuts land inside multi-byte characters too.
+    return [rec(index=i, id=f"case-{i}", model_output=f"Réponse {i}: ≈ {'é' * i}\n%%end\nAnswer: {i}",
+                status="FAILED") for i in range(start, start + n)]
+
+
+def test_torn_tail_is_repaired_before_appending_and_the_next_block_is_read(tmp_path):
+    path = tmp_path / "t.trace"
+    first = _blocks(3)
+    data = "".join(map(tr.format_record, first)).encode()
+    cut = data.rindex(b"Answer: 3") + 3  # inside the last block's text, mid-line
+    path.write_bytes(data[:cut])
+    warnings = []
+    later = _blocks(2, start=4)
+    with tr.TraceWriter(path, warn=warnings.append) as w:
+        for r in later:
+            w.write(r)
+    parsed = tr.read_trace(path)
+    assert parsed.records == first[:2] + later
+    assert len(warnings) == 1 and "torn" in warnings[0] and f"byte {cut}" in warnings[0]
+    assert len(parsed.problems) == 1
+    assert "case block 3 (sanity/case-3) skipped: block MODEL_OUTPUT has" in parsed.problems[0]
+
+
+def test_a_torn_final_utf8_character_spoils_only_its_block():
+    data = "".join(map(tr.format_record, _blocks(3))).encode()
+    cut = data.rindex("é".encode()) + 1  # one byte of a two-byte character
+    parsed = tr.parse_trace_bytes(data[:cut])
+    assert [r.index for r in parsed.records] == [1, 2]
+    assert len(parsed.problems) == 1 and parsed.problems[0].startswith("line ")
+    assert "case block 3 (sanity/case-3) skipped:" in parsed.problems[0]
+
+
+def test_reader_names_every_skipped_block_and_why():
+    good = [tr.format_record(r) for r in _blocks(4)]
+    bad_count = good[1].replace("chars=", "chars=9", 1)
+    torn = good[2][: good[2].rindex("%%end")]  # ends at a line start, where the marker was
+    parsed = tr.parse_trace(good[0] + bad_count + torn + good[3])
+    assert [r.index for r in parsed.records] == [1, 4]
+    assert len(parsed.problems) == 2
+    assert "case block 2 (sanity/case-2) skipped: block SYSTEM_PROMPT has 0 chars, header says 90" in parsed.problems[0]
+    assert "case block 3 (sanity/case-3) skipped: block not terminated" in parsed.problems[1]
+
+
+def test_a_marker_glued_to_a_torn_line_is_recovered():
+    # Traces appended to by writers that did not repair torn tails.
+    good = [tr.format_record(r) for r in _blocks(3)]
+    text = good[0] + good[1][:200] + good[2]
+    parsed = tr.parse_trace(text)
+    assert [r.index for r in parsed.records] == [1, 3]
+    assert any("case block 2" in p for p in parsed.problems)
+
+
+def test_writers_killed_at_random_byte_offsets_lose_only_the_torn_block(tmp_path):
+    import random
+
+    rng = random.Random(15)
+    header = tr.format_run_header(tr.RunHeader("sanity", tuple((i, "sanity", f"case-{i}") for i in range(1, 6))))
+    first = _blocks(5)
+    pieces = [header.encode()] + [tr.format_record(r).encode() for r in first]
+    data = b"".join(pieces)
+    ends = [sum(len(p) for p in pieces[: k + 1]) for k in range(len(pieces))]
+    later = _blocks(2, start=6)
+    offsets = sorted(rng.sample(range(1, len(data)), 120)) + [e - 1 for e in ends] + ends
+    for n, cut in enumerate(offsets):
+        path = tmp_path / f"k{n}.trace"
+        path.write_bytes(data[:cut])
+        with tr.TraceWriter(path, warn=lambda m: None) as w:
+            for r in later:
+                w.write(r)
+        parsed = tr.read_trace(path)
+        # A cut between a block's `%%end` and its newline leaves the block complete.
+        complete = [first[k - 1] for k in range(1, len(pieces)) if ends[k] - 1 <= cut]
+        assert parsed.records == complete + later, cut
+        torn = cut not in ends and cut + 1 not in ends
+        assert len(parsed.problems) == (1 if torn else 0), (cut, parsed.problems)
+        assert len(parsed.runs) == (1 if ends[0] - 1 <= cut else 0)
+
+
+_KILLED_WRITER = r"""
+import os, sys
+from ds4eval import trace as tr
+path, = sys.argv[1:]
+fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+i = 0
+while True:
+    i += 1
+    block = tr.format_record(tr.TraceRecord(index=i, source="sanity", id=f"k-{i}", status="FAILED",
+                                            model_output="é" * 50 + " Answer: 1")).encode()
+    for j in range(0, len(block), 7):  # small writes, so a kill can land anywhere in a block
+        os.write(fd, block[j:j + 7])
+"""
+
+
+def test_a_writer_process_killed_mid_block(tmp_path):
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = random.Random(7)
+    for n in range(3):
+        path = tmp_path / f"p{n}.trace"
+        child = subprocess.Popen([sys.executable, "-c", _KILLED_WRITER, str(path)])
+        target = rng.randrange(2000, 20000)
+        while not path.exists() or path.stat().st_size < target:
+            time.sleep(0.001)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        data = path.read_bytes()
+        with tr.TraceWriter(path, warn=lambda m: None) as w:
+            w.write(rec(index=999, id="after"))
+        parsed = tr.read_trace(path)
+        complete = data.count(b"\n%%end\n")
+        assert [r.index for r in parsed.records] == list(range(1, complete + 1)) + [999]
+        assert len(parsed.problems) <= 1
+
+
+# ---------------------------------------------------------------- run header and retry
+
+def test_run_header_round_trips_and_old_readers_skip_nothing_else():
+    h = tr.RunHeader("sanity", ((1, "sanity", "a"), (2, "sanity", "b b"), (3, "x/y", "c\\d")))
+    parsed = tr.parse_trace(tr.format_run_header(h) + tr.format_record(rec(id="a")))
+    assert parsed.runs == [h] and parsed.problems == [] and [r.id for r in parsed.records] == ["a"]
+
+
+def test_incomplete_includes_cases_that_never_started_and_is_idempotent():
+    h = tr.RunHeader("sanity", ((1, "sanity", "a"), (2, "sanity", "b"), (3, "sanity", "c"), (4, "sanity", "d")))
+    killed = [rec(index=1, id="a", status="PASSED"), rec(index=2, id="b", status="STOPPED")]
+    todo = rg.incomplete(killed, [h])
+    assert todo == [("sanity", "b"), ("sanity", "c"), ("sanity", "d")]
+    assert rg.case_numbers(killed, [h]) == {("sanity", "a"): 1, ("sanity", "b"): 2, ("sanity", "c"): 3,
+                                           ("sanity", "d"): 4}
+    # The retry writes its own header (the subset) and blocks; a second retry asks for what is left.
+    retry_h = tr.RunHeader("sanity", tuple((n, s, i) for n, (s, i) in zip((2, 3, 4), todo)))
+    retried = killed + [rec(index=2, id="b", status="FAILED"), rec(index=3, id="c", status="ERROR")]
+    assert rg.incomplete(retried, [h, retry_h]) == [("sanity", "c"), ("sanity", "d")]
+    done = retried + [rec(index=3, id="c", status="PASSED"), rec(index=4, id="d", status="FAILED")]
+    assert rg.incomplete(done, [h, retry_h, retry_h]) == []

@@ -162,7 +162,7 @@ def test_wide_layout():
     lines = render(_view(), Nav(selected=2), 16, 100).text_lines()
     assert lines[0].startswith(" ds4-eval  model fake-model · suite sanity · backend openai") and \
         lines[0].endswith(" RUNNING ")
-    assert lines[1].startswith(" 2/4  passed 1  failed 1  elapsed 1:15  12.3 tok/s  ctx 52/4096")
+    assert lines[1].startswith(" 2/4  passed 1  failed 1  elapsed 1:15  eta 1:15  12.3 tok/s  ctx 52/4096")
     assert "┬─ #3 sanity/case-2-宽 THINKING · 12 tok · 1.5 s " in lines[2]
     assert lines[3].startswith(" 1 PASSED   sanity/case-0-宽") and lines[3].rstrip().endswith("0|0│What is 2+2? 数学 🙂")
     assert lines[-1].startswith(" p pause  q quit  ↑↓ PgUp PgDn select  Enter run now  r re-run  f follow")
@@ -206,3 +206,11 @@ def test_long_output_wraps_only_its_tail():
     lines = render(v, Nav(), 40, 120).text_lines()
     assert time.perf_counter() - start < 0.1  # cheap enough for 20 frames a second while streaming
     assert "Answer: 42" in "\n".join(lines)
+
+
+def test_header_eta_follows_the_pace_of_finished_cases():
+    # 2 of 8 finished in 75 s: 6 more at 37.5 s each.
+    lines = render(_view(n=8), Nav(selected=2), 16, 120).text_lines()
+    assert "elapsed 1:15  eta 3:45  12.3 tok/s" in lines[1]
+    done = render(_view(n=8, phase="stopping"), Nav(selected=2), 16, 120).text_lines()
+    assert "eta" not in done[1]

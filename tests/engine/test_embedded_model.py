@@ -52,9 +52,18 @@ def test_greedy_decoding_does_not_depend_on_thread_count(model):
             s = model.new_session()
             s.sync(ids)
             outs.append(list(generate(s, SamplingParams(argmax_ignoring_eos=True), 64)))
+        # The engine thread's governor may change the count between any two steps.
+        s = model.new_session()
+        s.sync(ids)
+        switching = []
+        for step in range(64):
+            torch.set_num_threads(1 + step % 2)
+            switching.append(s.sample(SamplingParams(argmax_ignoring_eos=True)))
+            s.eval(switching[-1])
+        outs.append(switching)
     finally:
         torch.set_num_threads(before)
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
 
 
 def test_repeated_and_restored_frontiers_are_bitwise_equal(model):

@@ -44,3 +44,23 @@ def test_truncated_and_corrupt_files(tiny_gguf, tmp_path):
     p.write_bytes(bytes(bad))
     with pytest.raises(GGUFError, match="version 99"):
         read_gguf(p)
+
+
+def test_truncation_is_reported_in_file_terms(tiny_gguf, tmp_path):
+    """A cut-off download names the file size and the part that needs more bytes, not a
+    struct error."""
+    data = open(tiny_gguf("llama", "Q4_1"), "rb").read()
+    ref = read_gguf(tiny_gguf("llama", "Q4_1"))
+    last = max(ref.tensors.values(), key=lambda t: t.data.ctypes.data)
+    for cut in (12, 30, 200, len(data) - 100):
+        p = tmp_path / f"cut{cut}.gguf"
+        p.write_bytes(data[:cut])
+        with pytest.raises(GGUFError) as err:
+            read_gguf(p)
+        msg = str(err.value)
+        assert f"file ends at byte {cut} but " in msg and "truncated download?" in msg
+        assert "unpack_from" not in msg and "buffer" not in msg
+    p = tmp_path / "tail.gguf"
+    p.write_bytes(data[:-100])
+    with pytest.raises(GGUFError, match=f"tensor {last.name} needs bytes up to {len(data)}"):
+        read_gguf(p)

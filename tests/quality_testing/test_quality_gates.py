@@ -62,3 +62,14 @@ def test_speed_gate_runs_against_head(embedded_path):
     assert len(res.samples["base"]) == len(res.samples["work"]) == 1
     assert "ratio" in gs.render(res, cfg)
 
+
+@pytest.mark.model
+def test_product_step_measures_the_working_tree(embedded_path):
+    cfg = gs.SpeedGateConfig(model=embedded_path, product_floor=0.01, product_rounds=1, product_tokens=12,
+                             product_streams=0)
+    lines = []
+    res = gs.run_product(cfg, echo=lines.append)
+    assert "ds4eval.bench.cli product" in lines[0]
+    for path in ("engine", "ds4-eval", "server"):
+        assert path in res.table
+    assert res.failures == ()

@@ -315,3 +315,31 @@ def test_embedded_model_batched_greedy_equals_one_at_a_time():
         finally:
             w.stop()
     assert outputs[0] == outputs[1] and all(outputs[0])
+
+
+@pytest.mark.parametrize("n_slots", [1, 3])
+def test_every_forward_pass_runs_on_the_engine_thread_it_was_given(tiny, monkeypatch, n_slots):
+
+    from engine import threads
+    from engine.threads import EngineThread
+
+    seen = []
+    real = threads.before_forward
+    monkeypatch.setattr(threads, "before_forward", lambda: (seen.append(threading.current_thread().name), real()))
+    with EngineThread("the-engine") as engine_thread:
+        w = InferenceWorker(tiny, n_slots=n_slots, engine_thread=engine_thread)
+        w.start()
+        try:
+            out = collect(w, [req(tiny, chat(tiny, f"question {i}"), 6) for i in range(3)])
+        finally:
+            w.stop()
+        assert all(isinstance(events[-1], Finished) for _, events in out)
+        assert seen and set(seen) == {"the-engine"}
+        assert not engine_thread.closed  # a thread the worker was given stays the caller's
+    # Without one the worker starts its own and ends it when it stops.
+    w = InferenceWorker(tiny, n_slots=n_slots)
+    own = w.engine_thread
+    w.start()
+    collect(w, [req(tiny, chat(tiny, "one more"), 4)])
+    w.stop()
+    assert own.closed

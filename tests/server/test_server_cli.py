@@ -106,17 +106,30 @@ def test_banner_names_model_memory_and_address():
     assert "tool syntax dsml, exact tool replay off" in banner(
         FakeModel(), ServerConfig(tools=ToolsConfig(tool_syntax="dsml", disable_exact_tool_replay=True)))
     assert "reachable from other machines" in banner(FakeModel(), ServerConfig(host="0.0.0.0"))
-    assert "CPU threads" not in text and "CPU threads 1" in banner(FakeModel(), ServerConfig(threads=1))
+    assert "CPU threads auto" in text and "CPU threads 1" in banner(FakeModel(), ServerConfig(threads=1))
 
 
-def test_threads_flag_sets_the_engine_threads_before_loading(tmp_path):
+def test_threads_flag_sets_the_engine_threads_before_loading(monkeypatch):
+    import threading
+
     import torch
 
+    import engine
+
+    seen = {}
+
+    def load(*args, **kwargs):
+        seen["threads"] = torch.get_num_threads()
+        seen["thread"] = threading.current_thread().name
+        raise engine.ModelLoadError("no model here")
+
     before = torch.get_num_threads()
+    monkeypatch.setattr(engine, "load_model", load)
     try:
         want = 1 if before != 1 else 2
-        result = CliRunner().invoke(main, ["--threads", str(want), "--model", str(tmp_path / "missing.gguf")])
-        assert result.exit_code == 1 and "cannot load model" in result.output
-        assert torch.get_num_threads() == want
+        result = CliRunner().invoke(main, ["--threads", str(want)])
+        assert result.exit_code == 1 and "cannot load model: no model here" in result.output
+        # The model is loaded on the engine thread, which runs with the requested threads.
+        assert seen == {"threads": want, "thread": "ds4-inference"}
     finally:
         torch.set_num_threads(before)

@@ -81,6 +81,23 @@ def test_missing_model_is_a_one_line_error(tmp_path):
     assert "model file not found" in error_line(r)
 
 
+@pytest.mark.parametrize("flag", ["-m", "--model"])
+def test_model_flag_has_a_short_form(tmp_path, flag):
+    # -m selects the model as it does in ds4, ds4-server and ds4-eval.
+    r = invoke(["engine", flag, str(tmp_path / "nope.gguf"), *TINY_ARGS])
+    assert r.exit_code == 2
+    assert "model file not found" in error_line(r)
+
+
+def test_truncated_model_is_a_one_line_error_in_file_terms(tiny, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(tiny, "rb").read()[:-64])
+    r = invoke(["engine", "-m", str(cut), *TINY_ARGS])
+    assert r.exit_code != 0
+    last = r.output.strip().splitlines()[-1]  # after the plan line
+    assert last.startswith("ds4-bench: error: ") and last.endswith("truncated download?")
+
+
 def test_random_gguf_imitates_shapes_and_tokenizer(tiny, tmp_path):
     from engine import load_model
 

@@ -1,0 +1,397 @@
+"""`ds4-bench product`: the engine's decode speed through every product path, side by side.
+
+    ds4-bench product [-m GGUF] [--rounds 3] [--decode-tokens 128] [--streams 8] [--threads N]
+                      [--busy N] [--json FILE]
+
+What users get is not the engine's speed in a tight loop but the engine inside ds4-eval or
+behind ds4-server.  This benchmark measures, in one process and interleaved round by round
+(each round rotates the order, so the slow phases of a shared machine fall on every path
+alike), one greedy decode of the same chat prompt through:
+
+  engine      the session API in a loop (sample, eval), as `ds4-bench engine` and the speed gate
+  ds4-eval    the ds4-eval runner and engine backend on one fixed case of our own, serial
+  server      one streaming /v1/chat/completions request to ds4-server (in-process uvicorn on
+              127.0.0.1, a light client reading the stream in this process)
+  server-xN   N concurrent streams to a ds4-server with `--batched-session N` (aggregate)
+
+All paths share one model and one `engine.threads.EngineThread`, as each product has one;
+a server's loop owns that thread while the server is up, so the servers are started and
+stopped inside each round.
+
+Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of the first),
+so prefill and time to first token are left out; the aggregate of N streams is all their
+tokens after each stream's first over the span from the first stream's first token to the
+last token.  The summary gives each path's median and its ratio to the engine's median;
+`product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
+`--busy N` measures beside N child processes that each spin on a core (a competing load, for
+the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
+machine; absolute figures are context.
+It does not compare commits (quality_testing.gate_speed does) nor measure prefill.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import click
+
+from ds4eval.atomicfile import write_text_atomic
+
+ENGINE, EVAL, SERVER = "engine", "ds4-eval", "server"
+SINGLE_STREAM_PATHS = (EVAL, SERVER)
+PROMPT = "Write a long story about a lighthouse keeper and his dog, with many chapters."
+
+
+class ProductBenchError(ValueError):
+    """A setting that cannot be measured; the message says which."""
+
+
+@dataclass(frozen=True)
+class ProductBenchConfig:
+    """One `ds4-bench product` run; each field is one command-line flag."""
+
+    model: str | None = None  # -m/--model: GGUF (default: the embedded model)
+    rounds: int = 3  # --rounds: interleaved repetitions of every path
+    decode_tokens: int = 128  # --decode-tokens: tokens generated per measurement
+    streams: int = 8  # --streams: N of the batched server path; 0 leaves it out
+    threads: int | None = None  # --threads: the engine thread's torch threads (default: torch's)
+    kv_type: str | None = None  # --kv-type: KV cache element type (default: the engine's)
+    busy: int = 0  # --busy: other processes that each keep a core busy while measuring
+    json_path: str | None = None  # --json: write the samples and the summary here
+
+    def validate(self) -> None:
+        if self.rounds < 1:
+            raise ProductBenchError("--rounds must be >= 1")
+        if self.decode_tokens < 8:
+            raise ProductBenchError("--decode-tokens must be >= 8")
+        if self.streams < 0 or self.streams == 1:
+            raise ProductBenchError("--streams must be 0 (off) or >= 2")
+        if self.threads is not None and self.threads < 1:
+            raise ProductBenchError("--threads must be >= 1")
+        if self.busy < 0:
+            raise ProductBenchError("--busy must be >= 0")
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (ENGINE, EVAL, SERVER) + ((f"server-x{self.streams}",) if self.streams else ())
+
+
+# ---------------------------------------------------------------- pure parts
+
+@dataclass(frozen=True)
+class Sample:
+    path: str
+    round: int
+    tokens: int  # tokens after the first one, over which the rate is taken
+    seconds: float
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def decode_rate(stamps: Sequence[float], tokens: int | None = None) -> tuple[int, float]:
+    """(tokens after the first, seconds from the first to the last) of one stream.
+
+    `stamps` are the arrival times of output pieces; `tokens` is the stream's token count
+    when a piece may carry several tokens (a server's usage), else one token per stamp."""
+    n = len(stamps) if tokens is None else tokens
+    if len(stamps) < 2 or n < 2:
+        return 0, 0.0
+    return n - 1, stamps[-1] - stamps[0]
+
+
+def aggregate_rate(streams: Sequence[tuple[Sequence[float], int]]) -> tuple[int, float]:
+    """All streams' tokens after their own first, over first-first-token to last token.
+
+    (0, 0.0) when a stream has fewer than two timed pieces: its rate cannot be told apart from
+    its time to first token."""
+    if not streams or any(len(s) < 2 or n < 2 for s, n in streams):
+        return 0, 0.0
+    start = min(s[0] for s, _ in streams)
+    end = max(s[-1] for s, _ in streams)
+    return sum(n - 1 for _, n in streams), end - start
+
+
+@dataclass(frozen=True)
+class PathSummary:
+    path: str
+    median_tps: float
+    low_tps: float
+    high_tps: float
+    ratio: float | None  # median / the engine's median; None for the engine itself
+
+
+def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSummary]:
+    by_path = {p: [s.tps for s in samples if s.path == p] for p in paths}
+    engine = statistics.median(by_path[ENGINE]) if by_path.get(ENGINE) else 0.0
+    out = []
+    for p in paths:
+        v = by_path.get(p) or [0.0]
+        med = statistics.median(v)
+        out.append(PathSummary(p, med, min(v), max(v), None if p == ENGINE or not engine else med / engine))
+    return out
+
+
+def product_failures(summary: Sequence[PathSummary], floor: float) -> list[str]:
+    """One line for each single-stream product path whose ratio to the engine is below floor."""
+    return [f"{s.path} decodes at {s.ratio:.3f}x the engine (floor {floor:.2f}x)"
+            for s in summary if s.path in SINGLE_STREAM_PATHS and s.ratio is not None and s.ratio < floor]
+
+
+def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
+    from tabulate import tabulate
+
+    rows = [[s.path, f"{s.median_tps:.1f}", f"[{s.low_tps:.1f}, {s.high_tps:.1f}]",
+             "1.000" if s.ratio is None else f"{s.ratio:.3f}"] for s in summary]
+    single = next((s for s in summary if s.path == SERVER), None)
+    lines = [tabulate(rows, headers=["path", "decode tok/s (median)", f"[min, max] of {rounds}", "x engine"],
+                      disable_numparse=True)]
+    for s in summary:
+        if s.path.startswith("server-x") and single is not None and single.median_tps > 0:
+            lines.append(f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- the paths
+
+@dataclass
+class _Stamps:
+    """Arrival times of a case's generated tokens, from the runner's Progress events."""
+
+    times: list[float] = field(default_factory=list)
+    last: int = 0
+
+    def on_event(self, event: object) -> None:
+        n = getattr(event, "gen_tokens", None)
+        if n is not None and hasattr(event, "prefill_done") and n > self.last:
+            self.last = n
+            self.times.append(time.perf_counter())
+
+
+class _Paths:
+    """The model, its engine thread and one measurement function per path."""
+
+    def __init__(self, cfg: ProductBenchConfig, model: Any, engine_thread: Any) -> None:
+        self.cfg, self.model, self.thread = cfg, model, engine_thread
+        self.prompt_ids = model.tokenize(model.render_chat([{"role": "user", "content": PROMPT}]), special=True)
+        if getattr(model, "add_bos", False):
+            self.prompt_ids = [model.bos_id] + self.prompt_ids
+
+    def run(self, path: str) -> tuple[int, float]:
+        if path == ENGINE:
+            return self.thread.call(self._engine)
+        if path == EVAL:
+            return self._eval()
+        if path == SERVER:
+            return self._server(1)
+        return self._server(self.cfg.streams)
+
+    def _engine(self) -> tuple[int, float]:
+        from engine import SamplingParams
+
+        session = self.model.new_session()
+        session.sync(self.prompt_ids)
+        greedy = SamplingParams(temperature=0)
+        stamps = []
+        tok = session.sample(greedy)
+        for _ in range(self.cfg.decode_tokens):
+            stamps.append(time.perf_counter())
+            session.eval(tok)
+            tok = session.sample(greedy)
+        stamps.append(time.perf_counter())
+        return decode_rate(stamps)
+
+    def _eval(self) -> tuple[int, float]:
+        from ds4eval.backends.engine_backend import EngineBackend
+        from ds4eval.cases import Case
+        from ds4eval.config import EvalConfig
+        from ds4eval.runner import Runner
+
+        case = Case(source="ds4-bench", id="lighthouse-story", domain="bench", title="a long story",
+                    question=PROMPT, choices=(), answer="-", aliases=(), answer_kind="exact_text",
+                    suites=(), max_tokens=self.cfg.decode_tokens)
+        cfg = EvalConfig(tokens=self.cfg.decode_tokens, temperature=0.0, think=False, plain=True)
+        backend = EngineBackend(self.model, engine_thread=self.thread)
+        stamps = _Stamps()
+        try:
+            Runner(cfg, [case], backend, [stamps]).run()
+        finally:
+            backend.close()
+        return decode_rate(stamps.times)
+
+    def _server(self, streams: int) -> tuple[int, float]:
+        from server.app import create_app
+        from server.config import ServerConfig
+
+        app = create_app(self.model, ServerConfig(batched_session=streams if streams > 1 else 1),
+                         engine_thread=self.thread)
+        with _LiveServer(app) as base:
+            return asyncio.run(_streams(base, streams, self.cfg.decode_tokens))
+
+
+class _LiveServer:
+    """uvicorn on a free 127.0.0.1 port in a thread, stopped (and its worker with it) on exit."""
+
+    def __init__(self, app: Any) -> None:
+        import socket
+
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="ds4-bench-uvicorn", daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process ds4-server did not start")
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(120)
+
+
+async def _one_stream(client: Any, base: str, tokens: int) -> tuple[list[float], int]:
+    body = {"model": "default", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    stamps: list[float] = []
+    used = 0
+    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"ds4-server answered {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                used = int(chunk["usage"].get("completion_tokens") or 0)
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or ()):
+                stamps.append(time.perf_counter())
+    return stamps, used or len(stamps)
+
+
+async def _streams(base: str, n: int, tokens: int) -> tuple[int, float]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as client:
+        results = await asyncio.gather(*(_one_stream(client, base, tokens) for _ in range(max(1, n))))
+    if n <= 1:
+        return decode_rate(*results[0])
+    return aggregate_rate(results)
+
+
+class BusyProcesses:
+    """`n` child processes spinning in a loop (a competing CPU load), killed on exit."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.procs: list[Any] = []
+
+    def __enter__(self) -> "BusyProcesses":
+        import subprocess
+        import sys
+
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+
+
+def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
+                      report: Callable[[str], None] = lambda _l: None) -> list[Sample]:
+    """Every path `cfg.rounds` times, rotating the order each round."""
+    paths = _Paths(cfg, model, engine_thread)
+    order = list(cfg.paths)
+    for p in order:  # untimed warm-up of every path: first calls allocate and compile
+        paths.run(p)
+    samples = []
+    for r in range(cfg.rounds):
+        k = r % len(order)
+        for p in order[k:] + order[:k]:
+            n, sec = paths.run(p)
+            if n < 1 or sec <= 0:
+                raise RuntimeError(f"the {p} path gave fewer than two timed output pieces: nothing to measure "
+                                   "(a case skipped for its context, or output held back until the end)")
+            s = Sample(p, r, n, sec)
+            samples.append(s)
+            report(f"[{r}] {p:<10} {s.tps:8.1f} tok/s ({n} tokens in {sec:.2f} s)")
+    return samples
+
+
+# ---------------------------------------------------------------- command
+
+@click.command("product")
+@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
+              help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved repetitions of every path.")
+@click.option("--decode-tokens", type=int, default=128, show_default=True, help="Tokens per measurement.")
+@click.option("--streams", type=int, default=8, show_default=True,
+              help="Streams of the batched-server path (ds4-server --batched-session N); 0 leaves it out.")
+@click.option("--threads", type=int, default=None, help="torch threads of the engine thread (default: torch's).")
+@click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
+              help="KV cache element type (default: the engine's).")
+@click.option("--busy", type=int, default=0, show_default=True,
+              help="Measure beside this many other processes that each keep a core busy.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write every sample and the summary as JSON.")
+def product_command(model: str | None, rounds: int, decode_tokens: int, streams: int, threads: int | None,
+                    kv_type: str | None, busy: int, json_path: str | None) -> int:
+    """Decode tokens/s of the engine, ds4-eval and ds4-server in one process, as ratios to the engine."""
+    from engine import ModelLoadError, default_model_path, load_model
+    from engine.threads import EngineThread
+
+    from ds4eval.bench.errors import RunFailure, UsageFailure
+
+    cfg = ProductBenchConfig(model=model, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
+                             threads=threads, kv_type=kv_type, busy=busy, json_path=json_path)
+    try:
+        cfg.validate()
+        path = cfg.model if cfg.model is not None else default_model_path()
+    except (ProductBenchError, ModelLoadError) as e:
+        raise UsageFailure(str(e)) from None
+    if not os.path.isfile(path):
+        raise UsageFailure(f"model file not found: {path}")
+    with EngineThread("ds4-engine", threads=cfg.threads) as thread:
+        try:
+            loaded = thread.call(load_model, path, kv_type=cfg.kv_type)
+        except ModelLoadError as e:
+            raise UsageFailure(str(e)) from None
+        click.echo(f"{os.path.basename(path)}: paths {', '.join(cfg.paths)}; {cfg.rounds} rounds of "
+                   f"{cfg.decode_tokens} tokens; {cfg.busy} busy processes beside; threads "
+                   f"{cfg.threads or 'auto'}; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+                   err=True)
+        try:
+            with BusyProcesses(cfg.busy):
+                samples = run_product_bench(cfg, loaded, thread, report=lambda line: click.echo(line, err=True))
+        except (RuntimeError, OSError, ValueError) as e:
+            raise RunFailure(f"{type(e).__name__}: {e}") from None
+    summary = summarize(samples, cfg.paths)
+    click.echo(render_table(summary, cfg.rounds))
+    if cfg.json_path:
+        doc = {"config": asdict(cfg), "samples": [asdict(s) | {"tps": s.tps} for s in samples],
+               "summary": [asdict(s) for s in summary]}
+        try:
+            write_text_atomic(cfg.json_path, json.dumps(doc, indent=1) + "\n")
+        except OSError as e:
+            raise RunFailure(f"cannot write {cfg.json_path}: {e.strerror or e}") from None
+    return 0

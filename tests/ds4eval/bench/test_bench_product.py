@@ -1,0 +1,101 @@
+"""ds4-bench product: rates, summary and floor (pure), and a whole run on a tiny random GGUF."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ds4eval.bench import cli
+from ds4eval.bench import product as pb
+from engine.synthetic import RandomModelSpec, write_random_gguf
+
+
+def test_decode_rate_leaves_out_the_first_token():
+    assert pb.decode_rate([10.0, 10.5, 11.0, 11.5]) == (3, 1.5)
+    # A server's piece may carry several tokens: the usage count wins over the stamp count.
+    assert pb.decode_rate([1.0, 3.0], tokens=9) == (8, 2.0)
+    assert pb.decode_rate([1.0]) == (0, 0.0)
+    assert pb.decode_rate([]) == (0, 0.0)
+
+
+def test_aggregate_rate_spans_first_first_token_to_last_token():
+    streams = [([0.0, 1.0, 2.0], 3), ([0.5, 1.5, 2.5], 3)]
+    assert pb.aggregate_rate(streams) == (4, 2.5)
+    # One stream that came in one piece makes the aggregate unmeasurable, not larger.
+    assert pb.aggregate_rate(streams + [([1.0], 5)]) == (0, 0.0)
+    assert pb.aggregate_rate([]) == (0, 0.0)
+
+
+def samples(**rates):
+    out = []
+    for path, values in rates.items():
+        out += [pb.Sample(path.replace("_", "-"), r, int(v), 1.0) for r, v in enumerate(values)]
+    return out
+
+
+def test_summary_ratios_are_medians_over_the_engines_median():
+    s = samples(engine=[100, 110, 90], ds4_eval=[95, 96, 94], server=[80, 85, 90], server_x8=[300, 310, 320])
+    summary = pb.summarize(s, ("engine", "ds4-eval", "server", "server-x8"))
+    by = {x.path: x for x in summary}
+    assert by["engine"].ratio is None and by["engine"].median_tps == 100
+    assert by["ds4-eval"].ratio == pytest.approx(0.95)
+    assert (by["server"].low_tps, by["server"].median_tps, by["server"].high_tps) == (80, 85, 90)
+    assert by["server-x8"].ratio == pytest.approx(3.1)
+    # Only the single-stream product paths are held to the floor.
+    assert pb.product_failures(summary, 0.9) == ["server decodes at 0.850x the engine (floor 0.90x)"]
+    assert pb.product_failures(summary, 0.8) == []
+    table = pb.render_table(summary, 3)
+    assert "ds4-eval" in table and "0.950" in table
+    assert "server-x8: 3.65x the server's single stream" in table
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--decode-tokens", "4"], "--decode-tokens must be >= 8"),
+    (["--streams", "1"], "--streams must be 0 (off) or >= 2"),
+    (["--threads", "0"], "--threads must be >= 1"),
+    (["--busy", "-1"], "--busy must be >= 0"),
+    (["-m", "/nonexistent/model.gguf"], "model file not found"),
+])
+def test_bad_settings_are_one_line_errors(args, message):
+    r = CliRunner().invoke(cli.main, ["product", *args])
+    assert r.exit_code == 2
+    assert message in r.output and "Traceback" not in r.output
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return write_random_gguf(tmp_path_factory.mktemp("product") / "tiny.gguf",
+                             RandomModelSpec(seed=9, n_ctx=1024, n_layer=2))
+
+
+def test_a_path_with_nothing_to_time_fails_the_run(tiny):
+    # A random model's greedy chat reply is whitespace, which the server sends in one piece at
+    # the end: its decode rate cannot be measured, and the run says so instead of reporting 0.
+    r = CliRunner().invoke(cli.main, ["product", "-m", tiny, "--rounds", "1", "--decode-tokens", "8",
+                                      "--streams", "0"])
+    assert r.exit_code == 1
+    assert "the server path gave fewer than two timed output pieces" in r.output
+
+
+@pytest.mark.model
+def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
+    out = tmp_path / "product.json"
+    r = CliRunner().invoke(cli.main, ["product", "-m", embedded_path, "--rounds", "2", "--decode-tokens", "12",
+                                      "--streams", "2", "--busy", "1", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    paths = ["engine", "ds4-eval", "server", "server-x2"]
+    assert [s["path"] for s in doc["summary"]] == paths
+    assert sorted(s["path"] for s in doc["samples"]) == sorted(paths * 2)
+    assert all(s["tokens"] >= 5 and s["tps"] > 0 for s in doc["samples"])
+    assert doc["summary"][0]["ratio"] is None and all(s["ratio"] > 0 for s in doc["summary"][1:])
+    assert "x engine" in r.output and "server-x2" in r.output
+    assert doc["config"]["busy"] == 1
+
+
+def test_busy_processes_spin_while_held_and_are_gone_after():
+    with pb.BusyProcesses(2) as busy:
+        assert len(busy.procs) == 2 and all(p.poll() is None for p in busy.procs)
+    assert all(p.poll() is not None for p in busy.procs)

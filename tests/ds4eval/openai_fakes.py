@@ -1,0 +1,91 @@
+"""A small OpenAI-compatible fake server for ds4eval tests (http.server on 127.0.0.1, no model).
+
+`FakeOpenAI(reply=..., delay_s=..., usage=..., models=...)` is a context manager that serves
+`GET /v1/models` (the ids in `models`, or 404 when None, or `models_status`) and streaming
+`POST /v1/chat/completions`: the reply text from `reply(question)` goes out a few characters
+per chunk, `delay_s` apart (after `stall_s` of silence), ending with a finish reason, a usage chunk when `usage` is true
+and `[DONE]`. Request bodies are kept in `bodies`; `started` is set at the first POST.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeOpenAI:
+    def __init__(self, reply=lambda q: "Answer: 4", delay_s=0.0, usage=True, models=("fake-model-1",),
+                 models_status=200, chunk_chars=3, stall_s=0.0):
+        self.reply, self.delay_s, self.usage, self.models = reply, delay_s, usage, models
+        self.models_status, self.chunk_chars, self.stall_s = models_status, chunk_chars, stall_s
+        self.bodies: list[dict] = []
+        self.started = threading.Event()
+        self.closing = threading.Event()
+
+    def __enter__(self) -> "FakeOpenAI":
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _json(self, status, obj):
+                data = json.dumps(obj).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if not self.path.endswith("/models") or fake.models is None:
+                    return self._json(404, {"error": {"message": "not found"}})
+                if fake.models_status != 200:
+                    return self._json(fake.models_status, {"error": {"message": "invalid api key"}})
+                self._json(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in fake.models]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                fake.bodies.append(body)
+                fake.started.set()
+                text = fake.reply(body["messages"][1]["content"])
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                self.wfile.flush()
+                fake.closing.wait(fake.stall_s)  # a long prefill that sends nothing
+                try:
+                    for i in range(0, len(text), fake.chunk_chars):
+                        if fake.closing.is_set():
+                            return
+                        if fake.delay_s:
+                            time.sleep(fake.delay_s)
+                        delta = {"content": text[i:i + fake.chunk_chars]}
+                        self._event({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+                    self._event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                    if fake.usage:
+                        self._event({"choices": [], "usage": {"prompt_tokens": 11,
+                                                              "completion_tokens": len(text.split())}})
+                    self.wfile.write(b"data: [DONE]\n\n")
+                    self.wfile.flush()
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client went away (a stopped case)
+
+            def _event(self, obj):
+                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                self.wfile.flush()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closing.set()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
