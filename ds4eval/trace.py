@@ -333,7 +333,10 @@ def _parse_block(lines: list[str], i: int) -> tuple[TraceRecord, int]:
         parts = lines[i].split()
         if len(parts) != 3 or parts[1] not in _BLOCK_FIELD or not parts[2].startswith("chars="):
             raise TraceFormatError(f"bad block marker {lines[i]!r}")
-        want = int(parts[2][len("chars="):])
+        try:
+            want = int(parts[2][len("chars="):])
+        except ValueError:
+            raise TraceFormatError(f"bad block marker {lines[i]!r}") from None
         i += 1
         # Fast path: the next `want` characters span whole lines, none of them stuffed, and a
         # marker follows. Otherwise read line by line up to the next marker.

@@ -204,6 +204,11 @@ class EngineThread:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def ident(self) -> int | None:
+        """The engine thread's `threading.get_ident()`."""
+        return self._thread.ident
+
     def close(self, timeout: float | None = None) -> bool:
         with self._lock:
             if not self._closed:

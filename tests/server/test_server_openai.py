@@ -45,8 +45,7 @@ def test_chat_non_streaming(client):
 def test_inference_runs_on_the_worker_thread(client, fake_model):
     client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
     (session,) = fake_model.sessions
-    worker_thread = client.app.state.worker._thread
-    assert session.owner_thread == worker_thread.ident
+    assert session.owner_thread == client.app.state.worker.engine_thread.ident
 
 
 def test_cached_tokens_from_prefix_reuse(client):
