@@ -169,9 +169,10 @@ class _Stamps:
     last: int = 0
 
     def on_event(self, event: object) -> None:
-        n = getattr(event, "gen_tokens", None)
-        if n is not None and hasattr(event, "prefill_done") and n > self.last:
-            self.last = n
+        from ds4eval.runner import Progress
+
+        if isinstance(event, Progress) and event.gen_tokens > self.last:
+            self.last = event.gen_tokens
             self.times.append(time.perf_counter())
 
 
