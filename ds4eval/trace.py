@@ -15,14 +15,16 @@ Contract (the format is documented field by field in `traces/README.md`)
 - `format_run_header(header)` writes a `%%run` block listing every case a run selected (before
   its first case block), so that cases that never started can be retried; `ParsedTrace.runs`
   holds them back.
-- `parse_trace_bytes(data)` decodes line by line: a line that is not valid UTF-8 (a write torn
-  inside a character) spoils only its own block. Every skipped block is reported in
+- `parse_trace_bytes(data)` decodes the whole file at once and, only when that fails, line by
+  line: a line that is not valid UTF-8 (a write torn inside a character) spoils only its own
+  block. Every skipped block is reported in
   `problems` with its line, its case (index, source/id when the header got that far) and why.
 It does not grade (see `regrade`) and does not decide which cases to write.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -105,6 +107,8 @@ def _unescape(value: str) -> str:
     # is kept as written, and a backslash at the very end stays.
     if "\\" not in value:
         return value
+    if "\\\\" not in value:  # no escaped backslash, so each \n or \r pair stands alone
+        return value.replace("\\n", "\n").replace("\\r", "\r")
     return _ESCAPED.sub(lambda m: _UNESCAPED.get(m[1], m[0]), value)
 
 
@@ -168,7 +172,7 @@ class TraceFormatError(ValueError):
 
 
 def _json_list(raw: str) -> list:
-    return json.loads(raw) if raw else []
+    return json.loads(raw) if raw and raw != "[]" else []
 
 
 def _int_or_zero(raw: str) -> int:
@@ -199,123 +203,213 @@ _GLUED_CASE = re.compile(r"(%%case \d+ v\d+)$")
 
 def parse_trace(text: str) -> ParsedTrace:
     """All complete blocks of a trace; malformed or truncated blocks are reported and skipped."""
-    return _parse_lines(text.split("\n"), frozenset())
+    return _Reader(text, ()).parse()
 
 
 def parse_trace_bytes(data: bytes) -> ParsedTrace:
     """Like `parse_trace` on the file's bytes; lines that are not UTF-8 spoil only their block."""
-    lines, bad = [], set()
-    for n, raw in enumerate(data.split(b"\n")):
-        try:
-            lines.append(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            lines.append(raw.decode("utf-8", errors="replace"))
-            bad.add(n)
-    return _parse_lines(lines, frozenset(bad))
-
-
-def _describe(lines: list[str], start: int, end: int) -> str:
-    """'case block N (source/id)' for the block at `start`, from whatever header lines survive."""
-    head = lines[start].split()
-    what = f"case block {head[1]}" if len(head) > 1 else "case block"
-    found = {}
-    for line in lines[start + 1:end]:
-        key, sep, raw = line.partition(": ")
-        if sep and key in ("source", "id"):
-            found[key] = _unescape(raw)
-        if line.startswith("%%"):
-            break
-    if "source" in found and "id" in found:
-        what += f" ({found['source']}/{found['id']})"
-    return what
-
-
-def _parse_lines(lines: list[str], bad: frozenset[int]) -> ParsedTrace:
-    if lines and lines[-1] == "":
-        lines.pop()
-    records, problems, runs = [], [], []
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        if line.startswith(RUN_MARKER + " "):
-            start = i
-            try:
-                header, i = _parse_run(lines, i)
-                runs.append(header)
-            except TraceFormatError as e:
-                problems.append(f"line {start + 1}: run header skipped: {e}")
-                i = _resync(lines, start + 1)
-            continue
-        if not line.startswith(CASE_MARKER + " "):
-            glued = _GLUED_CASE.search(line)
-            if glued and glued.start() > 0:
-                problems.append(f"line {i + 1}: a case marker follows torn text on the same line")
-                lines[i] = glued.group(1)
-                continue
-            if line.strip():
-                problems.append(f"line {i + 1}: text outside a case block")
-            i += 1
-            continue
-        start = i
-        try:
-            rec, i = _parse_block(lines, i)
-            torn = sorted(n for n in bad if start <= n < i)
-            if torn:
-                raise TraceFormatError(f"invalid UTF-8 on line {torn[0] + 1}")
-            records.append(rec)
-        except TraceFormatError as e:
-            nxt = _resync(lines, start + 1)
-            problems.append(f"line {start + 1}: {_describe(lines, start, nxt)} skipped: {e}")
-            i = nxt
-    return ParsedTrace(records, problems, runs)
-
-
-def _resync(lines: list[str], i: int) -> int:
-    """Index of the next line that starts a block (a glued case marker counts)."""
-    while i < len(lines):
-        if lines[i].startswith((CASE_MARKER + " ", RUN_MARKER + " ")):
-            return i
-        glued = _GLUED_CASE.search(lines[i])
-        if glued and glued.start() > 0 and not lines[i].startswith("%%%"):
-            return i
-        i += 1
-    return i
-
-
-def _parse_run(lines: list[str], i: int) -> tuple[RunHeader, int]:
-    suite, cases = "", []
-    i += 1
-    while i < len(lines) and lines[i] != END_MARKER:
-        key, sep, raw = lines[i].partition(": ")
-        if lines[i].startswith("%%") or not sep:
-            raise TraceFormatError("run header not terminated (truncated trace?)")
-        if key == "suite":
-            suite = _unescape(raw)
-        elif key == "case":
-            try:
-                n, src, cid = json.loads(raw)
-                cases.append((int(n), str(src), str(cid)))
-            except (ValueError, TypeError) as e:
-                raise TraceFormatError(f"bad case line {lines[i]!r}: {e}") from None
-        i += 1
-    if i >= len(lines):
-        raise TraceFormatError("run header not terminated (truncated trace?)")
-    return RunHeader(suite, tuple(cases)), i + 1
-
-
-def _parse_block(lines: list[str], i: int) -> tuple[TraceRecord, int]:
-    head = lines[i].split()
     try:
-        index = int(head[1])
-    except (IndexError, ValueError):
-        raise TraceFormatError("case marker without an index") from None
-    rec_fields: dict = {"index": index, "source": "", "id": ""}
-    i += 1
-    n = len(lines)
-    end = i
-    while end < n and not lines[end].startswith("%%"):
-        end += 1
-    for line in lines[i:end]:
+        return _Reader(data.decode("utf-8"), ()).parse()
+    except UnicodeDecodeError:
+        pass
+    lines, bad, pos = [], [], 0
+    for raw in data.split(b"\n"):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = raw.decode("utf-8", errors="replace")
+            bad.append(pos)
+        lines.append(line)
+        pos += len(line) + 1
+    return _Reader("\n".join(lines), tuple(bad)).parse()
+
+
+def _is_marker(text: str, pos: int) -> bool:
+    """Whether the line at `pos` is a marker line (`%%`, not a stuffed `%%%` text line)."""
+    return text.startswith("%%", pos) and not text.startswith("%%%", pos)
+
+
+class _Reader:
+    """One pass over a trace's text by position: block texts are sliced by their `chars=`
+    count rather than split into lines, which keeps reading a large trace fast. Line numbers
+    are worked out only for the problems reported."""
+
+    def __init__(self, text: str, bad: tuple[int, ...]):
+        self.text = text
+        # A final newline ends the last line; it does not start an empty one.
+        self.end = len(text) - 1 if text.endswith("\n") else len(text)
+        self.bad = bad  # start offsets of lines that were not valid UTF-8, ascending
+        self._newlines: list[int] | None = None
+
+    def line_end(self, pos: int) -> int:
+        e = self.text.find("\n", pos, self.end)
+        return self.end if e < 0 else e
+
+    def line_no(self, pos: int) -> int:
+        if self._newlines is None:
+            self._newlines = [m.start() for m in re.finditer("\n", self.text)]
+        return bisect.bisect_left(self._newlines, pos) + 1
+
+    def parse(self) -> ParsedTrace:
+        text, records, problems, runs = self.text, [], [], []
+        pos = 0
+        while pos < self.end:
+            if text.startswith(RUN_MARKER + " ", pos):
+                try:
+                    header, nxt = self.run_header(pos)
+                    runs.append(header)
+                except TraceFormatError as e:
+                    problems.append(f"line {self.line_no(pos)}: run header skipped: {e}")
+                    nxt = self.resync(self.line_end(pos) + 1)
+                pos = nxt
+                continue
+            if not text.startswith(CASE_MARKER + " ", pos):
+                eol = self.line_end(pos)
+                glued = _GLUED_CASE.search(text, pos, eol)
+                if glued and glued.start() > pos:
+                    problems.append(f"line {self.line_no(pos)}: a case marker follows torn text on the same line")
+                    pos = glued.start()
+                    continue
+                if text[pos:eol].strip():
+                    problems.append(f"line {self.line_no(pos)}: text outside a case block")
+                pos = eol + 1
+                continue
+            try:
+                rec, nxt = self.case_block(pos)
+                # A glued block starts mid-line; the bad line it starts on spoils it too.
+                k = bisect.bisect_left(self.bad, text.rfind("\n", 0, pos) + 1)
+                if k < len(self.bad) and self.bad[k] < nxt:
+                    raise TraceFormatError(f"invalid UTF-8 on line {self.line_no(self.bad[k])}")
+                records.append(rec)
+            except TraceFormatError as e:
+                nxt = self.resync(self.line_end(pos) + 1)
+                problems.append(f"line {self.line_no(pos)}: {self.describe(pos, nxt)} skipped: {e}")
+            pos = nxt
+        return ParsedTrace(records, problems, runs)
+
+    def resync(self, pos: int) -> int:
+        """Offset of the next line that starts a block (a glued case marker counts)."""
+        text = self.text
+        while pos < self.end:
+            if text.startswith((CASE_MARKER + " ", RUN_MARKER + " "), pos):
+                return pos
+            eol = self.line_end(pos)
+            glued = _GLUED_CASE.search(text, pos, eol)
+            if glued and glued.start() > pos and not text.startswith("%%%", pos):
+                return pos
+            pos = eol + 1
+        return self.end
+
+    def describe(self, start: int, end: int) -> str:
+        """'case block N (source/id)' for the block at `start`, from whatever header lines survive."""
+        lines = self.text[start:min(end, self.end)].split("\n")
+        head = lines[0].split()
+        what = f"case block {head[1]}" if len(head) > 1 else "case block"
+        found = {}
+        for line in lines[1:]:
+            key, sep, raw = line.partition(": ")
+            if sep and key in ("source", "id"):
+                found[key] = _unescape(raw)
+            if line.startswith("%%"):
+                break
+        if "source" in found and "id" in found:
+            what += f" ({found['source']}/{found['id']})"
+        return what
+
+    def run_header(self, pos: int) -> tuple[RunHeader, int]:
+        text, suite, cases = self.text, "", []
+        pos = self.line_end(pos) + 1
+        while pos < self.end:
+            eol = self.line_end(pos)
+            line = text[pos:eol]
+            if line == END_MARKER:
+                return RunHeader(suite, tuple(cases)), eol + 1
+            key, sep, raw = line.partition(": ")
+            if line.startswith("%%") or not sep:
+                break
+            if key == "suite":
+                suite = _unescape(raw)
+            elif key == "case":
+                try:
+                    n, src, cid = json.loads(raw)
+                    cases.append((int(n), str(src), str(cid)))
+                except (ValueError, TypeError) as e:
+                    raise TraceFormatError(f"bad case line {line!r}: {e}") from None
+            pos = eol + 1
+        raise TraceFormatError("run header not terminated (truncated trace?)")
+
+    def case_block(self, pos: int) -> tuple[TraceRecord, int]:
+        text, end = self.text, self.end
+        eol = self.line_end(pos)
+        head = text[pos:eol].split()
+        try:
+            index = int(head[1])
+        except (IndexError, ValueError):
+            raise TraceFormatError("case marker without an index") from None
+        rec_fields: dict = {"index": index, "source": "", "id": ""}
+        # The header runs up to the first marker line (or the end of the text).
+        marker = text.find("\n%%", eol, end)
+        if marker < 0:
+            marker = end
+        if marker > eol:
+            _read_header(text[eol + 1:marker], rec_fields)
+        pos = min(marker + 1, end)
+        while text.startswith(BLOCK_MARKER + " ", pos):
+            eol = self.line_end(pos)
+            parts = text[pos:eol].split()
+            if len(parts) != 3 or parts[1] not in _BLOCK_FIELD or not parts[2].startswith("chars="):
+                raise TraceFormatError(f"bad block marker {text[pos:eol]!r}")
+            try:
+                want = int(parts[2][len("chars="):])
+            except ValueError:
+                raise TraceFormatError(f"bad block marker {text[pos:eol]!r}") from None
+            start = eol + 1
+            stop = start + want
+            # Fast path: exactly `want` characters, then the newline that ends the text, then a
+            # marker line, and nothing inside was stuffed. Otherwise read line by line.
+            block = text[start:stop]
+            if (stop == end or (stop < end and text[stop] == "\n" and _is_marker(text, stop + 1))) \
+                    and not block.startswith("%%") and "\n%%" not in block:
+                pos = min(stop + 1, end)
+            else:
+                block, pos = self.stuffed_text(start)
+            if len(block) != want:
+                raise TraceFormatError(f"block {parts[1]} has {len(block)} chars, header says {want}")
+            rec_fields[_BLOCK_FIELD[parts[1]]] = block
+        eol = self.line_end(pos)
+        if pos >= end or text[pos:eol] != END_MARKER:
+            raise TraceFormatError("block not terminated (truncated trace?)")
+        return TraceRecord(**rec_fields), eol + 1
+
+    def stuffed_text(self, pos: int) -> tuple[str, int]:
+        """The text lines from `pos` up to the next marker line, unstuffed, and that marker's offset."""
+        text, out = self.text, []
+        while pos < len(text) and not _is_marker(text, pos):
+            eol = self.line_end(pos)
+            out.append(text[pos + 1:eol] if text.startswith("%%%", pos) else text[pos:eol])
+            pos = eol + 1
+        return "\n".join(out), min(pos, self.end)
+
+
+# The header exactly as `format_record` writes it: every field once, in field order. Matching
+# it in one regular expression leaves only the value readers to run in Python; any other
+# layout (older or newer writers, damage) takes the line-by-line reader, which gives the same
+# values for this layout.
+_WRITTEN_HEADER = re.compile("\n".join(f"{re.escape(f.name)}: (.*)" for f in _HEADER_FIELDS))
+_WRITTEN_READERS = tuple((f.name, _READERS[f.name]) for f in _HEADER_FIELDS)
+
+
+def _read_header(section: str, rec_fields: dict) -> None:
+    written = _WRITTEN_HEADER.fullmatch(section)
+    if written is not None:
+        key = ""
+        try:
+            for (key, read), raw in zip(_WRITTEN_READERS, written.groups()):
+                rec_fields[key] = read(raw)
+        except ValueError as e:
+            raise TraceFormatError(f"bad value for {key}: {e}") from None
+        return
+    for line in section.split("\n"):
         key, sep, raw = line.partition(": ")
         if not sep:
             if not line.endswith(":"):
@@ -328,38 +422,6 @@ def _parse_block(lines: list[str], i: int) -> tuple[TraceRecord, int]:
             rec_fields[key] = read(raw)
         except ValueError as e:
             raise TraceFormatError(f"bad value for {key}: {e}") from None
-    i = end
-    while i < len(lines) and lines[i].startswith(BLOCK_MARKER + " "):
-        parts = lines[i].split()
-        if len(parts) != 3 or parts[1] not in _BLOCK_FIELD or not parts[2].startswith("chars="):
-            raise TraceFormatError(f"bad block marker {lines[i]!r}")
-        try:
-            want = int(parts[2][len("chars="):])
-        except ValueError:
-            raise TraceFormatError(f"bad block marker {lines[i]!r}") from None
-        i += 1
-        # Fast path: the next `want` characters span whole lines, none of them stuffed, and a
-        # marker follows. Otherwise read line by line up to the next marker.
-        end, size = i, -1
-        while size < want and end < n:
-            size += len(lines[end]) + 1
-            end += 1
-        text = "\n".join(lines[i:end])
-        if size == want and (end == n or (lines[end].startswith("%%") and not lines[end].startswith("%%%"))) \
-                and not text.startswith("%%") and "\n%%" not in text:
-            i = end
-        else:
-            end = i
-            while end < n and not (lines[end].startswith("%%") and not lines[end].startswith("%%%")):
-                end += 1
-            text = "\n".join(line[1:] if line.startswith("%%%") else line for line in lines[i:end])
-            i = end
-        if len(text) != want:
-            raise TraceFormatError(f"block {parts[1]} has {len(text)} chars, header says {want}")
-        rec_fields[_BLOCK_FIELD[parts[1]]] = text
-    if i >= len(lines) or lines[i] != END_MARKER:
-        raise TraceFormatError("block not terminated (truncated trace?)")
-    return TraceRecord(**rec_fields), i + 1
 
 
 def read_trace(path: str | os.PathLike) -> ParsedTrace:

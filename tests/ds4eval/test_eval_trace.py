@@ -220,3 +220,31 @@ def test_incomplete_includes_cases_that_never_started_and_is_idempotent():
     assert rg.incomplete(retried, [h, retry_h]) == [("sanity", "c"), ("sanity", "d")]
     done = retried + [rec(index=3, id="c", status="PASSED"), rec(index=4, id="d", status="FAILED")]
     assert rg.incomplete(done, [h, retry_h, retry_h]) == []
+
+
+def test_a_header_in_another_layout_reads_the_same_values():
+    # Older and newer writers: fields reordered, one missing, an unknown key, "key:" without
+    # its space. The line-by-line reader must agree with the one that matches the written layout.
+    r = rec(picked="a\\b", aliases=["x"], elapsed_s=1.5, rendered_prompt="<|im_start|>user\nhi\\n")
+    block = tr.format_record(r)
+    head, rest = block.split("\n%%block", 1)
+    lines = head.split("\n")
+    marker, fields = lines[0], lines[1:]
+    fields = [f for f in fields if not f.startswith("error: ")]
+    fields = fields[::-1] + ["from_a_newer_writer: 1"]
+    fields = [f[:-1] if f.endswith(": ") else f for f in fields]
+    moved = "\n".join([marker] + fields) + "\n%%block" + rest
+    parsed = tr.parse_trace(moved)
+    assert parsed.problems == []
+    assert parsed.records == [r]
+
+
+def test_every_cut_of_a_trace_keeps_the_whole_blocks_before_it():
+    records = [rec(index=i, model_output=t, picked=t or None) for i, t in enumerate(TRICKY)]
+    text = "".join(map(tr.format_record, records))
+    ends = [len("".join(map(tr.format_record, records[:k + 1]))) for k in range(len(records))]
+    for cut in range(0, len(text), 7):
+        parsed = tr.parse_trace(text[:cut])
+        whole = sum(1 for e in ends if e - 1 <= cut)  # a block is whole without its final newline
+        assert parsed.records == records[:whole], cut
+        assert len(parsed.problems) <= 1, (cut, parsed.problems)
