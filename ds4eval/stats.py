@@ -14,6 +14,10 @@ Contract
   Multinomial(n, observed shares): drawing the counts is the same distribution as drawing n
   case indices, in O(resamples) instead of O(resamples x cases). Fixed seed: the same inputs
   always give the same interval.
+- Repeated runs: `pass_at_k(n, c, k)` and `pass_hat_k(n, c, k)` are the unbiased estimators of
+  "at least one of k samples passes" and "all k pass" from c passes in n samples;
+  `fisher_exact(a, b, c, d)` tests a case's pass counts on two sides (exact, two-sided and both
+  one-sided p-values); `bootstrap_mean(values)` is the percentile interval of a mean over cases.
 It does not decide what is a regression (see `compare`).
 """
 
@@ -97,3 +101,89 @@ def paired_bootstrap(base: Sequence[bool], new: Sequence[bool], resamples: int =
     tail = (1.0 - level) / 2
     low, high = np.quantile(deltas, [tail, 1.0 - tail])
     return Interval(delta, float(low), float(high), level, resamples, seed, n)
+
+
+# ---------------------------------------------------------------- repeated runs
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that at least one of k samples passes, from c passes in n
+    samples: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021). Exact up to the final division."""
+    _check_counts(n, c, k)
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """Unbiased estimate of the chance that all of k samples pass ("pass^k"): C(c, k) / C(n, k)."""
+    _check_counts(n, c, k)
+    return math.comb(c, k) / math.comb(n, k)
+
+
+def _check_counts(n: int, c: int, k: int) -> None:
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= passes <= samples and 1 <= k <= samples (got n={n}, c={c}, k={k})")
+
+
+@dataclass(frozen=True)
+class Fisher:
+    table: tuple[int, int, int, int]  # (a, b, c, d): row 1 = (a, b), row 2 = (c, d)
+    p_two_sided: float
+    p_less: float      # P(first cell <= a): row 1's share is lower than row 2's
+    p_greater: float   # P(first cell >= a)
+
+
+def fisher_exact(a: int, b: int, c: int, d: int) -> Fisher:
+    """Fisher's exact test of the 2x2 table [[a, b], [c, d]] with fixed margins.
+
+    The first cell is hypergeometric given the margins. Two-sided p sums the tables no more
+    probable than the observed one (the usual definition, with a relative tolerance of 1e-7 so
+    that tables of equal probability are not split by rounding). Exact integer arithmetic for
+    the probabilities' numerators."""
+    if min(a, b, c, d) < 0:
+        raise ValueError("table counts must be >= 0")
+    row1, col1, n = a + b, a + c, a + b + c + d
+    lo, hi = max(0, col1 - (n - row1)), min(row1, col1)
+    weights = {x: math.comb(row1, x) * math.comb(n - row1, col1 - x) for x in range(lo, hi + 1)}
+    total = math.comb(n, col1)
+    observed = weights[a]
+    limit = observed * (1 + 1e-7)
+    two = sum(w for w in weights.values() if w <= limit)
+    less = sum(w for x, w in weights.items() if x <= a)
+    greater = sum(w for x, w in weights.items() if x >= a)
+    return Fisher((a, b, c, d), min(1.0, two / total), min(1.0, less / total), min(1.0, greater / total))
+
+
+@dataclass(frozen=True)
+class MeanInterval:
+    mean: float
+    low: float
+    high: float
+    level: float
+    resamples: int
+    seed: int
+    n: int
+
+
+def bootstrap_mean(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                   level: float = 0.95) -> MeanInterval:
+    """Percentile bootstrap interval of the mean of per-case values (for example each case's
+    share of passing repeats), resampling cases with replacement. Fixed seed."""
+    v = np.asarray(values, dtype=float)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError("need a non-empty 1-D sequence")
+    if resamples < 1 or not 0 < level < 1:
+        raise ValueError("need resamples >= 1 and 0 < level < 1")
+    mean = float(v.mean())
+    if np.all(v == v[0]):
+        return MeanInterval(mean, mean, mean, level, resamples, seed, int(v.size))
+    rng = np.random.default_rng(seed)
+    # Chunks keep the index matrix small for large runs.
+    means, chunk = [], max(1, 2_000_000 // v.size)
+    for start in range(0, resamples, chunk):
+        m = min(chunk, resamples - start)
+        means.append(v[rng.integers(0, v.size, size=(m, v.size))].mean(axis=1))
+    allm = np.concatenate(means)
+    tail = (1.0 - level) / 2
+    low, high = np.quantile(allm, [tail, 1.0 - tail])
+    return MeanInterval(mean, float(low), float(high), level, resamples, seed, int(v.size))

@@ -65,6 +65,7 @@ class TraceRecord:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repeat: int = 0  # which of a run's --repeats this record is (0 in runs without repeats)
     thinking: bool = False
     think_close: str = "none"
     error: str = ""
@@ -191,7 +192,7 @@ _READERS.update({
     "picked": lambda raw: _unescape(raw) if raw else None,
     "seed": lambda raw: int(raw) if raw else None,
     "thinking": lambda raw: raw == "yes",
-    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens", "max_tokens"), _int_or_zero),
+    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens", "max_tokens", "repeat"), _int_or_zero),
     **dict.fromkeys(("elapsed_s", "temperature", "top_p", "min_p"), _float_or_zero),
 })
 

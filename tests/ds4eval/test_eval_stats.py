@@ -125,3 +125,62 @@ def test_bootstrap_coverage_on_synthetic_paired_data():
     unpaired_width = 2 * 1.96 * math.sqrt(2 * 0.5 * 0.5 / n)
     assert np.mean(widths) < 0.6 * unpaired_width
 
+
+
+# ---------------------------------------------------------------- repeated runs
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_pass_at_k_and_pass_hat_k_against_enumeration(n):
+    for c in range(n + 1):
+        samples = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations(samples, k))
+            assert stats.pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+            assert stats.pass_hat_k(n, c, k) == pytest.approx(sum(all(s) for s in subsets) / len(subsets))
+    assert stats.pass_at_k(n, 0, 1) == 0.0 and stats.pass_hat_k(n, n, n) == 1.0
+
+
+def test_pass_at_k_refuses_impossible_counts():
+    for args in ((3, 4, 1), (3, 1, 0), (3, 1, 4), (0, 0, 1)):
+        with pytest.raises(ValueError):
+            stats.pass_at_k(*args)
+
+
+@pytest.mark.parametrize("table, two_sided, less, greater", [
+    # Fisher's tea-tasting table: 3 of 4 cups right; one-sided 17/70, two-sided 34/70.
+    ((3, 1, 1, 3), 34 / 70, 69 / 70, 17 / 70),
+    # The dieting table of the usual textbook example: two-sided p = 0.002759.
+    ((1, 9, 11, 3), 0.0027594, 0.0013797, 0.9999663),
+    # No information: every table of these margins equally likely or only one possible.
+    ((0, 0, 0, 0), 1.0, 1.0, 1.0),
+    ((3, 0, 3, 0), 1.0, 1.0, 1.0),
+])
+def test_fisher_exact_known_tables(table, two_sided, less, greater):
+    f = stats.fisher_exact(*table)
+    assert f.p_two_sided == pytest.approx(two_sided, rel=1e-4)
+    assert f.p_less == pytest.approx(less, rel=1e-4) and f.p_greater == pytest.approx(greater, rel=1e-4)
+
+
+def test_fisher_exact_against_direct_enumeration_of_tables():
+    # Every 2x2 table with small margins: sum the hypergeometric probabilities by hand.
+    for a, b, c, d in itertools.product(range(4), repeat=4):
+        row1, col1, n = a + b, a + c, a + b + c + d
+        if n == 0:
+            continue
+        probs = {x: math.comb(row1, x) * math.comb(n - row1, col1 - x) / math.comb(n, col1)
+                 for x in range(max(0, col1 - (n - row1)), min(row1, col1) + 1)}
+        want = sum(p for p in probs.values() if p <= probs[a] * (1 + 1e-9))
+        assert stats.fisher_exact(a, b, c, d).p_two_sided == pytest.approx(min(1.0, want), rel=1e-9)
+
+
+def test_bootstrap_mean_covers_the_true_mean():
+    rng = np.random.default_rng(3)
+    hits = 0
+    for trial in range(200):
+        values = rng.binomial(3, 0.4, size=60) / 3
+        iv = stats.bootstrap_mean(values, resamples=2000, seed=trial)
+        hits += iv.low <= 0.4 <= iv.high
+    assert 0.90 <= hits / 200 <= 0.99
+    same = stats.bootstrap_mean([0.5, 0.5])
+    assert (same.mean, same.low, same.high) == (0.5, 0.5, 0.5)
+    assert stats.bootstrap_mean([0.0, 1.0, 1.0], seed=5) == stats.bootstrap_mean([0.0, 1.0, 1.0], seed=5)
