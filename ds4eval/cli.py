@@ -178,12 +178,12 @@ def _not_graded_line(totals: dict) -> str:
             f"(--allow-errors exits 0)")
 
 
-def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers) -> tuple[list, float, bool, str]:
+def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repeats) -> tuple[list, float, bool, str]:
     """Run without the terminal UI; a signal stops the run at the next token boundary."""
     from ds4eval.runner import Runner
 
-    listener = report.PlainListener(len(selected))
-    runner = Runner(cfg, selected, backend, [listener], numbers=numbers)
+    listener = report.PlainListener(len(selected) * (cfg.repeats if repeats is None else 1))
+    runner = Runner(cfg, selected, backend, [listener], numbers=numbers, repeats=repeats)
     result: dict = {}
     done = threading.Event()
 
@@ -210,7 +210,8 @@ def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers) -> tu
     return states, runner.wall_s, signals.fired is not None, result.get("error", "")
 
 
-def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None) -> int:
+def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None,
+              repeats: list[int] | None = None) -> int:
     from ds4eval.backends import BackendUnavailable, create_backend
 
     try:
@@ -226,10 +227,10 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
         if not cfg.plain and tui.terminal_ui_available():
             # The live terminal UI owns the terminal until the user quits; it restores the terminal
             # and prints the finished cases' lines before the report below.
-            outcome = tui.run_with_ui(cfg, selected, backend, numbers)
+            outcome = tui.run_with_ui(cfg, selected, backend, numbers, repeats=repeats)
             states, wall_s, interrupted, failed = outcome.states, outcome.wall_s, outcome.interrupted, outcome.error
         else:
-            states, wall_s, interrupted, failed = _run_plain(cfg, selected, backend, numbers)
+            states, wall_s, interrupted, failed = _run_plain(cfg, selected, backend, numbers, repeats)
     finally:
         if hasattr(backend, "close"):
             backend.close()  # joins the engine's own thread, on every way out
@@ -261,14 +262,18 @@ def cmd_retry(cfg: EvalConfig) -> int:
         click.echo("nothing to retry: every case in the trace finished PASSED or FAILED")
         return 0
     known = available_cases(cs.resolve_data_dir(cfg.data_dir))
-    missing = [f"{s}/{i}" for s, i in todo if (s, i) not in known]
+    missing = list(dict.fromkeys(f"{s}/{i}" for s, i, _ in todo if (s, i) not in known))
     if missing:
         raise UsageFailure(f"cases not found in the data: {', '.join(missing)}")
     numbers = rg.case_numbers(parsed.records, parsed.runs)
     if cfg.trace is None:
         cfg.trace = path
-    click.echo(f"retrying {len(todo)} incomplete case(s) from {path}")
-    return run_cases(cfg, [known[k] for k in todo], [numbers[k] for k in todo])
+    # The trace's own repeat count: what a retry writes and reports belongs to that run.
+    cfg.repeats = max([run.repeats for run in parsed.runs] + [r + 1 for _, _, r in todo])
+    what = "incomplete case(s)" if cfg.repeats == 1 else f"incomplete repeat(s) of {cfg.repeats}"
+    click.echo(f"retrying {len(todo)} {what} from {path}")
+    return run_cases(cfg, [known[(s, i)] for s, i, _ in todo], [numbers[(s, i)] for s, i, _ in todo],
+                     [r for _, _, r in todo])
 
 
 def _read(path: str) -> str:
@@ -368,6 +373,8 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--min-p", type=float, default=0.0, show_default=True)
 @click.option("--seed", type=int)
+@click.option("--repeats", type=int, default=1, show_default=True,
+              help="Run every case K times (seeds seed, seed+1, ...); reports flaky cases and pass@k.")
 @click.option("--nothink", is_flag=True, help="Disable thinking mode.")
 @click.option("--plain", is_flag=True, help="Line-per-case output and a final report.")
 @click.option("--trace", "trace_path", type=click.Path(dir_okay=False), help="Append a trace here.")

@@ -82,6 +82,9 @@ class EvalConfig:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    repeats: int = 1
+    """--repeats K: run every case K times, repeat r with seed `seed + r` (with --temp 0 the
+    repeats check determinism); the report classes each case stable pass, stable fail or flaky."""
     think: bool = True
     """Thinking mode where the model supports it; --nothink turns it off."""
     think_soft_reserve: int = 1024
@@ -162,6 +165,8 @@ class EvalConfig:
             raise ConfigError("--threads must be at least 1")
         if self.parallel is not None and self.backend != "engine":
             raise ConfigError("--parallel applies to the engine backend; servers take --concurrency")
+        if self.repeats < 1:
+            raise ConfigError("--repeats must be at least 1")
         if self.temperature < 0:
             raise ConfigError("--temp must be >= 0")
         if not 0 < self.top_p <= 1:

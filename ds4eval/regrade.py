@@ -82,20 +82,22 @@ def regrade(records: Iterable[TraceRecord],
     return report
 
 
-def incomplete(records: Iterable[TraceRecord], runs: Iterable[RunHeader] = ()) -> list[tuple[str, str]]:
-    """(source, id) of cases whose latest record did not finish PASSED or FAILED, and of cases
-    that a run header lists but no block records (they never started), in run order (header
-    order first, then cases only the blocks name). A later block for the same case supersedes
-    an earlier one (retries append), so retrying a retried trace asks only for what is still
-    unfinished."""
-    order: dict[tuple[str, str], None] = {}
+def incomplete(records: Iterable[TraceRecord], runs: Iterable[RunHeader] = ()) -> list[tuple[str, str, int]]:
+    """(source, id, repeat) of every repeat whose latest record did not finish PASSED or FAILED,
+    and of the repeats that a run header lists (each case K times with `repeats: K`) but no block
+    records (they never started), in run order (header order first, then what only the blocks
+    name). A later block for the same repeat supersedes an earlier one (retries append), so
+    retrying a retried trace asks only for what is still unfinished."""
+    order: dict[tuple[str, str, int], None] = {}
     for run in runs:
         for _, source, case_id in run.cases:
-            order.setdefault((source, case_id), None)
-    latest: dict[tuple[str, str], TraceRecord] = {}
+            for r in range(run.repeats):
+                order.setdefault((source, case_id, r), None)
+    latest: dict[tuple[str, str, int], TraceRecord] = {}
     for rec in records:
-        latest[(rec.source, rec.id)] = rec
-        order.setdefault((rec.source, rec.id), None)
+        key = (rec.source, rec.id, rec.repeat)
+        latest[key] = rec
+        order.setdefault(key, None)
     return [k for k in order if k not in latest or latest[k].status not in GRADED_STATUSES]
 
 

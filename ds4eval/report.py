@@ -11,7 +11,11 @@ Summary schema (version 1): {"format": "ds4eval-summary", "version", "suite", "b
 gen_tokens, gen_s, tokens_per_s, wall_tokens_per_s, tokens_known}, "sources": [{source, cases,
 passed, failed, other, prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases": [{number,
 source, id, status, picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close,
-case_hash, prompt_sha256}]}. Summaries written before provenance lack those keys.
+case_hash, prompt_sha256, repeat}], and with --repeats K > 1 "repeats": {k, counts (stable
+pass, stable fail, flaky, ungraded), pass_at_1 {mean, low, high}, pass_at_k, pass_hat_k,
+full_cases, flaky [{source, id, passed, graded}], nondeterministic [{source, id, repeat, token,
+char, base_text, other_text}]} (`ds4eval.repeats`). Summaries written before provenance lack
+those keys.
 - `gen_s` sums the per-case generation clocks and `tokens_per_s` is per-case speed
   (gen_tokens / gen_s); `wall_tokens_per_s` is throughput (gen_tokens / wall_s), which is
   higher when cases run concurrently. Token counts that a backend could not know (a server
@@ -29,8 +33,10 @@ from typing import Iterable, TextIO
 
 from tabulate import tabulate
 
+from ds4eval import repeats as rp
 from ds4eval.cases import case_hash
 from ds4eval.runner import CaseFinished, CaseState, RunStarted, Status
+from ds4eval.trace import TraceRecord
 
 SUMMARY_VERSION = 1
 
@@ -110,8 +116,48 @@ def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dic
                    "prompt_tokens": s.prompt_tokens if s.tokens_known else None,
                    "gen_tokens": s.gen_tokens if s.tokens_known else None, "elapsed_s": round(s.elapsed_s, 3),
                    "think_close": s.think_close, "case_hash": case_hash(s.case),
-                   "prompt_sha256": s.prompt.sha256 if s.prompt else ""} for s in states],
+                   "prompt_sha256": s.prompt.sha256 if s.prompt else "", "repeat": s.repeat} for s in states],
+        **({"repeats": repeat_summary(states, float(info.get("settings", {}).get("temperature") or 0.0))}
+           if any(s.repeat for s in states) else {}),
     }
+
+
+def repeat_summary(states: Iterable[CaseState], temperature: float) -> dict:
+    """The --repeats part of the summary, from the finished states (see the module docstring)."""
+    records = [TraceRecord(index=s.number, source=s.case.source, id=s.case.id, status=s.status.value,
+                           repeat=s.repeat, temperature=temperature, model_output=s.output)
+               for s in states if s.status.finished]
+    summ = rp.summarize(rp.group(records))
+    p1 = summ.pass_at_1
+    return {
+        "k": summ.repeats, "counts": summ.counts,
+        "pass_at_1": None if p1 is None else {"mean": p1.mean, "low": p1.low, "high": p1.high},
+        "pass_at_k": summ.pass_at_k, "pass_hat_k": summ.pass_hat_k, "full_cases": summ.full_cases,
+        "flaky": [{"source": c.source, "id": c.id, "passed": c.passed, "graded": c.graded} for c in summ.flaky()],
+        "nondeterministic": [{"source": c.source, "id": c.id, "repeat": c.difference.repeat,
+                              "token": c.difference.token, "char": c.difference.char,
+                              "base_text": c.difference.base_text, "other_text": c.difference.other_text}
+                             for c in summ.nondeterministic],
+    }
+
+
+def _repeat_lines(rep: dict) -> list[str]:
+    k, n = rep["k"], rep["counts"]
+    lines = [f"repeats {k}: stable pass {n['stable pass']}, stable fail {n['stable fail']}, flaky {n['flaky']}"
+             + (f", ungraded {n['ungraded']}" if n["ungraded"] else "")]
+    p1 = rep["pass_at_1"]
+    if p1 is not None:
+        line = f"pass@1 {100 * p1['mean']:.1f}% (95% CI {100 * p1['low']:.1f}-{100 * p1['high']:.1f}, over cases)"
+        if rep["pass_at_k"] is not None and k > 1:
+            line += (f"; pass@{k} {100 * rep['pass_at_k']:.1f}%, pass^{k} {100 * rep['pass_hat_k']:.1f}% "
+                     f"({rep['full_cases']} cases graded {k} times)")
+        lines.append(line)
+    for c in rep["flaky"]:
+        lines.append(f"  flaky {c['source']}/{c['id']}: {c['passed']}/{c['graded']} passed")
+    for c in rep["nondeterministic"]:
+        lines.append(f"  non-deterministic {c['source']}/{c['id']}: repeat {c['repeat']} differs from repeat 0 "
+                     f"at token {c['token']} (char {c['char']}): {c['base_text']!r} vs {c['other_text']!r}")
+    return lines
 
 
 def render_report(summary: dict) -> str:
@@ -138,6 +184,8 @@ def render_report(summary: dict) -> str:
     ]
     if t["gen_tokens"] is None:
         lines.append("token counts unknown: the server sent no usage (--tokenizer GGUF counts them)")
+    if "repeats" in summary:
+        lines += _repeat_lines(summary["repeats"])
     return "\n".join(lines)
 
 
@@ -152,7 +200,8 @@ def case_line(st: CaseState, total: int, eta: str | None = None) -> str:
         speed = f"{st.gen_tokens} tok {st.elapsed_s:.1f}s {_rate(st.gen_tokens, st.elapsed_s):.1f} tok/s"
     else:
         speed = f"? tok {st.elapsed_s:.1f}s"
-    line = (f"{head} {st.status.value:<7} {st.case.source}/{st.case.id}  "
+    name = f"{st.case.source}/{st.case.id}" + (f" #{st.repeat}" if st.repeat else "")
+    line = (f"{head} {st.status.value:<7} {name}  "
             f"picked={picked} expected={st.case.answer}  {speed}")
     if st.think_close not in ("none", "natural"):
         line += f"  think-close={st.think_close}"

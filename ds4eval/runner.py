@@ -15,11 +15,14 @@ Contract
   is queued again). With `keep_alive=True`, `run()` waits for more work after the queue
   drains until `stop()`, so a UI can keep re-running cases.
 - `snapshot()` returns copies of every case's state for display.
+- With `config.repeats` K > 1 every case runs K times (states index each (case, repeat); the
+  repeats of a case are adjacent in the queue), repeat r with seed `config.seed + r` when a seed
+  is set. `repeats=` runs each given case once at the given repeat index (retries).
 - Each finished case (PASSED, FAILED, SKIPPED, STOPPED, ERROR) is graded with the pure
   extractors and appended to the trace, if one is configured, with the run's provenance
-  (`ds4eval.provenance`) and the case's content hash and rendered-prompt hash.
-  extractors and appended to the trace, if one is configured; `run()` first writes the trace's
-  run header (every selected case's number, source and id).
+  (`ds4eval.provenance`), the case's content hash and rendered-prompt hash and its repeat
+  index; `run()` first writes the trace's run header (every selected case's number, source
+  and id, and K).
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -82,6 +85,7 @@ class CaseState:
     system_prompt: str = ""
     question_prompt: str = ""
     runs: int = 0
+    repeat: int = 0          # which of --repeats K this is (0 .. K-1)
     prompt: RenderedPrompt | None = None
     tokens_known: bool = True
 
@@ -235,18 +239,22 @@ class _Ctx:
 class Runner:
     def __init__(self, config: EvalConfig, cases: Sequence[Case], backend: Backend,
                  listeners: Sequence[Listener] = (), *, numbers: Sequence[int] | None = None,
-                 keep_alive: bool = False):
+                 repeats: Sequence[int] | None = None, keep_alive: bool = False):
         self.config = config
         self.backend = backend
         self.listeners = list(listeners)
         self.keep_alive = keep_alive
         nums = list(numbers) if numbers is not None else list(range(1, len(cases) + 1))
-        if len(nums) != len(cases):
-            raise ValueError("numbers must match cases")
-        self.states = [CaseState(index=i, number=n, case=c) for i, (c, n) in enumerate(zip(cases, nums))]
+        if len(nums) != len(cases) or (repeats is not None and len(repeats) != len(cases)):
+            raise ValueError("numbers and repeats must match cases")
+        # Each entry runs once at its given repeat index, or (by default) config.repeats times;
+        # the repeats of a case stay adjacent so that --parallel decodes them together.
+        todo = ([(c, n, r) for c, n, r in zip(cases, nums, repeats)] if repeats is not None else
+                [(c, n, r) for c, n in zip(cases, nums) for r in range(config.repeats)])
+        self.states = [CaseState(index=i, number=n, case=c, repeat=r) for i, (c, n, r) in enumerate(todo)]
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._queue: collections.deque[int] = collections.deque(range(len(cases)))
+        self._queue: collections.deque[int] = collections.deque(range(len(self.states)))
         self._running: dict[int, _Ctx] = {}
         self._paused = False
         self._pause_started = 0.0
@@ -328,8 +336,8 @@ class Runner:
         if self._trace:
             # Every selected case, before any of them starts: a killed run can then be retried
             # in full, cases that never started included.
-            self._trace.write_header(RunHeader(self.config.suite, tuple(
-                (st.number, st.case.source, st.case.id) for st in self.states)))
+            cases = tuple(dict.fromkeys((st.number, st.case.source, st.case.id) for st in self.states))
+            self._trace.write_header(RunHeader(self.config.suite, cases, self.config.repeats))
         self._emit(RunStarted(len(self.states), self.backend.name, self.backend.model_name,
                               self.backend.n_ctx))
         workers = [threading.Thread(target=self._worker, name=f"ds4eval-worker-{i}", daemon=True)
@@ -389,7 +397,7 @@ class Runner:
         return GenerationJob(
             index=state.index, case=c, system_prompt=prompts.system_prompt(),
             question_prompt=prompts.question_prompt(c), max_tokens=budget,
-            temperature=cfg.temperature, top_p=cfg.top_p, min_p=cfg.min_p, seed=cfg.seed,
+            temperature=cfg.temperature, top_p=cfg.top_p, min_p=cfg.min_p, seed=self.seed(state),
             think=cfg.think, think_soft_reserve=cfg.think_soft_reserve,
             think_hard_reserve=cfg.think_hard_reserve)
 
@@ -450,10 +458,14 @@ class Runner:
             aliases=list(st.case.aliases), nchoices=st.case.nchoices, domain=st.case.domain,
             suite=cfg.suite, model=self.backend.model_name, backend=self.backend.name,
             prompt_tokens=st.prompt_tokens, gen_tokens=st.gen_tokens, elapsed_s=st.elapsed_s,
-            temperature=cfg.temperature, top_p=cfg.top_p, min_p=cfg.min_p, seed=cfg.seed,
-            thinking=st.thinking, think_close=st.think_close, error=st.error,
+            temperature=cfg.temperature, top_p=cfg.top_p, min_p=cfg.min_p, seed=self.seed(st),
+            repeat=st.repeat, thinking=st.thinking, think_close=st.think_close, error=st.error,
             system_prompt=st.system_prompt, question_prompt=st.question_prompt, model_output=st.output,
             **self.provenance_fields(st))
+
+    def seed(self, st: CaseState) -> int | None:
+        """The seed of one repeat: the run's seed plus the repeat index (None stays None)."""
+        return None if self.config.seed is None else self.config.seed + st.repeat
 
     def provenance(self) -> dict[str, str]:
         """The run's provenance (ds4eval.provenance.run_provenance), computed once."""

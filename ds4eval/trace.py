@@ -152,10 +152,13 @@ class RunHeader:
 
     suite: str
     cases: tuple[tuple[int, str, str], ...]
+    repeats: int = 1  # --repeats K: every case is to be recorded K times
 
 
 def format_run_header(header: RunHeader) -> str:
     out = [f"{RUN_MARKER} v{FORMAT_VERSION}", f"suite: {_escape(header.suite)}"]
+    if header.repeats != 1:
+        out.append(f"repeats: {header.repeats}")
     out += [f"case: {json.dumps([n, src, cid], ensure_ascii=False)}" for n, src, cid in header.cases]
     out.append(END_MARKER)
     return "\n".join(out) + "\n"
@@ -318,18 +321,25 @@ class _Reader:
         return what
 
     def run_header(self, pos: int) -> tuple[RunHeader, int]:
-        text, suite, cases = self.text, "", []
+        text, suite, cases, repeats = self.text, "", [], 1
         pos = self.line_end(pos) + 1
         while pos < self.end:
             eol = self.line_end(pos)
             line = text[pos:eol]
             if line == END_MARKER:
-                return RunHeader(suite, tuple(cases)), eol + 1
+                return RunHeader(suite, tuple(cases), repeats), eol + 1
             key, sep, raw = line.partition(": ")
             if line.startswith("%%") or not sep:
                 break
             if key == "suite":
                 suite = _unescape(raw)
+            elif key == "repeats":
+                try:
+                    repeats = int(raw)
+                except ValueError:
+                    raise TraceFormatError(f"bad repeats line {line!r}") from None
+                if repeats < 1:
+                    raise TraceFormatError(f"bad repeats line {line!r}")
             elif key == "case":
                 try:
                     n, src, cid = json.loads(raw)

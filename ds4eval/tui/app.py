@@ -283,9 +283,9 @@ class _App:
 
 
 def run_with_ui(config: EvalConfig, cases: Sequence[Case], backend, numbers: Sequence[int] | None = None,
-                settings: UISettings = UISettings()) -> UIOutcome:
+                settings: UISettings = UISettings(), repeats: Sequence[int] | None = None) -> UIOutcome:
     stats = LiveStats()
-    runner = Runner(config, cases, backend, [stats], numbers=numbers, keep_alive=True)
+    runner = Runner(config, cases, backend, [stats], numbers=numbers, repeats=repeats, keep_alive=True)
     box: dict = {}
 
     def work() -> None:

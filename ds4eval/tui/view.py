@@ -197,13 +197,15 @@ class View:
 
 def build_view(states: Sequence[CaseState], live: Live, suite: str, phase: str, message: str = "") -> View:
     rows = []
+    repeated = any(st.repeat for st in states)
     for st in states:
         clock = live.clocks.get(st.index, CaseClock())
         running = st.status.value in RUNNING
         elapsed = clock.elapsed_s if running else st.elapsed_s
         rate = clock.tokens_per_s if running else (st.gen_tokens / st.elapsed_s if st.elapsed_s > 0 else 0.0)
         rows.append(CaseRow(
-            index=st.index, number=st.number, source=st.case.source, id=st.case.id, title=st.case.title,
+            index=st.index, number=st.number, source=st.case.source,
+            id=f"{st.case.id} #{st.repeat}" if repeated else st.case.id, title=st.case.title,
             status=st.status.value, picked=st.picked, expected=st.case.answer,
             prompt_tokens=st.prompt_tokens or clock.prefill_total, gen_tokens=st.gen_tokens,
             elapsed_s=elapsed, tokens_per_s=rate, prefill_done=clock.prefill_done,

@@ -174,3 +174,67 @@ def test_retry_incomplete_runs_cases_that_never_started(tmp_path):
         assert len(after.problems) == 1 and "case block 3" in after.problems[0]
         r = invoke("--plain", "--backend", "openai", "--url", srv.url, "--retry-incomplete", str(path))
         assert r.exit_code == 0 and "nothing to retry" in r.output
+
+
+def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_path, monkeypatch):
+    from eval_fakes import FAKE_API, FakeModel
+
+    from ds4eval.backends import engine_backend
+
+    calls = {"n": 0}
+
+    def script(prompt):
+        if "What is 2 + 3?" in prompt:
+            return "Answer: 5"
+        if "What is 10 + 20?" in prompt:  # right on every other call: a flaky case
+            calls["n"] += 1
+            return "Answer: 30" if calls["n"] % 2 else "Answer: 31"
+        return "Answer: no idea"
+
+    monkeypatch.setattr(engine_backend.EngineBackend, "load",
+                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_API)))
+    trace_path, summary = tmp_path / "run.trace", tmp_path / "s.json"
+    r = invoke("--plain", "--domain", "arithmetic", "--repeats", "3", "--temp", "0.7", "--seed", "5",
+               "--trace", str(trace_path), "--summary", str(summary))
+    assert r.exit_code == 0, r.output
+    parsed = tr.read_trace(trace_path)
+    assert parsed.runs[0].repeats == 3 and len(parsed.runs[0].cases) == 6
+    assert len(parsed.records) == 18
+    by_case = {}
+    for rec in parsed.records:
+        by_case.setdefault(rec.id, []).append((rec.repeat, rec.seed))
+    assert all(sorted(v) == [(0, 5), (1, 6), (2, 7)] for v in by_case.values())
+    s = json.loads(summary.read_text())
+    rep = s["repeats"]
+    assert rep["k"] == 3 and rep["counts"]["flaky"] == 1 and rep["counts"]["stable pass"] == 1
+    assert [(c["passed"], c["graded"]) for c in rep["flaky"]] == [(2, 3)]
+    assert "repeats 3: stable pass 1, stable fail 4, flaky 1" in r.output and "pass@3" in r.output
+    # One repeat stopped: the retry runs that repeat alone, with its own seed.
+    parsed.records[4].status = "STOPPED"
+    trace_path.write_text(tr.format_run_header(parsed.runs[0]) + "".join(map(tr.format_record, parsed.records)))
+    r = invoke("--plain", "--retry-incomplete", str(trace_path), "--temp", "0.7", "--seed", "5")
+    assert r.exit_code == 0, r.output
+    assert "retrying 1 incomplete repeat(s) of 3" in r.output
+    last = tr.read_trace(trace_path).records[-1]
+    assert (last.id, last.repeat, last.seed) == (parsed.records[4].id, parsed.records[4].repeat,
+                                                 5 + parsed.records[4].repeat)
+
+
+def test_greedy_repeats_report_a_non_deterministic_case(tmp_path, monkeypatch):
+    from eval_fakes import FAKE_API, FakeModel
+
+    from ds4eval.backends import engine_backend
+
+    calls = {"n": 0}
+
+    def script(prompt):
+        if "What is 2 + 3?" in prompt:
+            calls["n"] += 1
+            return "The sum is five.\nAnswer: 5" if calls["n"] != 2 else "The total is five.\nAnswer: 5"
+        return "Answer: no idea"
+
+    monkeypatch.setattr(engine_backend.EngineBackend, "load",
+                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_API)))
+    r = invoke("--plain", "--case-id", "int-add-small", "--repeats", "3")
+    assert r.exit_code == 0, r.output
+    assert "non-deterministic sanity/int-add-small: repeat 1 differs from repeat 0 at token 2" in r.output

@@ -75,7 +75,7 @@ def test_regrade_lists_changed_verdicts_and_uses_lookup_for_old_traces():
 def test_incomplete_uses_the_latest_block_per_case():
     records = [rec(id="a", status="STOPPED"), rec(id="b", status="ERROR"), rec(id="c", status="FAILED"),
                rec(id="a", status="PASSED")]
-    assert rg.incomplete(records) == [("sanity", "b")]
+    assert rg.incomplete(records) == [("sanity", "b", 0)]
 
 
 # ---------------------------------------------------------------- torn writes
@@ -211,13 +211,13 @@ def test_incomplete_includes_cases_that_never_started_and_is_idempotent():
     h = tr.RunHeader("sanity", ((1, "sanity", "a"), (2, "sanity", "b"), (3, "sanity", "c"), (4, "sanity", "d")))
     killed = [rec(index=1, id="a", status="PASSED"), rec(index=2, id="b", status="STOPPED")]
     todo = rg.incomplete(killed, [h])
-    assert todo == [("sanity", "b"), ("sanity", "c"), ("sanity", "d")]
+    assert todo == [("sanity", "b", 0), ("sanity", "c", 0), ("sanity", "d", 0)]
     assert rg.case_numbers(killed, [h]) == {("sanity", "a"): 1, ("sanity", "b"): 2, ("sanity", "c"): 3,
                                            ("sanity", "d"): 4}
     # The retry writes its own header (the subset) and blocks; a second retry asks for what is left.
-    retry_h = tr.RunHeader("sanity", tuple((n, s, i) for n, (s, i) in zip((2, 3, 4), todo)))
+    retry_h = tr.RunHeader("sanity", tuple((n, s, i) for n, (s, i, _) in zip((2, 3, 4), todo)))
     retried = killed + [rec(index=2, id="b", status="FAILED"), rec(index=3, id="c", status="ERROR")]
-    assert rg.incomplete(retried, [h, retry_h]) == [("sanity", "c"), ("sanity", "d")]
+    assert rg.incomplete(retried, [h, retry_h]) == [("sanity", "c", 0), ("sanity", "d", 0)]
     done = retried + [rec(index=3, id="c", status="PASSED"), rec(index=4, id="d", status="FAILED")]
     assert rg.incomplete(done, [h, retry_h, retry_h]) == []
 
@@ -248,3 +248,17 @@ def test_every_cut_of_a_trace_keeps_the_whole_blocks_before_it():
         whole = sum(1 for e in ends if e - 1 <= cut)  # a block is whole without its final newline
         assert parsed.records == records[:whole], cut
         assert len(parsed.problems) <= 1, (cut, parsed.problems)
+
+
+def test_incomplete_with_repeats_asks_for_each_unfinished_repeat():
+    h = tr.RunHeader("sanity", ((1, "sanity", "a"), (2, "sanity", "b")), repeats=3)
+    assert tr.parse_trace(tr.format_run_header(h)).runs == [h]
+    killed = [rec(index=1, id="a", status="PASSED", repeat=r) for r in range(3)] + \
+        [rec(index=2, id="b", status="FAILED", repeat=0), rec(index=2, id="b", status="STOPPED", repeat=1)]
+    assert rg.incomplete(killed, [h]) == [("sanity", "b", 1), ("sanity", "b", 2)]
+    done = killed + [rec(index=2, id="b", status="PASSED", repeat=1), rec(index=2, id="b", status="FAILED", repeat=2)]
+    assert rg.incomplete(done, [h]) == []
+    # A header without the line is one repeat; a bad count spoils only the header.
+    assert tr.parse_trace(tr.format_run_header(tr.RunHeader("s", ((1, "s", "x"),)))).runs[0].repeats == 1
+    bad = tr.format_run_header(h).replace("repeats: 3", "repeats: 0")
+    assert tr.parse_trace(bad).runs == [] and "bad repeats line" in tr.parse_trace(bad).problems[0]
