@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ds4eval import grade
+from ds4eval import answerkinds, grade
 
-ANSWER_KINDS = ("choice", "integer", "rational", "exact_text", "ordered_sequence", "line_set")
 MAX_CHOICES = 10
 KNOWN_SUITES = ("sanity", "core", "hard", "hard-smoke")
 
@@ -101,8 +100,8 @@ def parse_case(obj: object) -> Case:
         if not isinstance(obj.get(name, ""), str):
             raise CaseError(f"field {name!r} must be a string")
     kind = obj["answer_kind"]
-    if kind not in ANSWER_KINDS:
-        raise CaseError(f"answer_kind {kind!r} is not one of {', '.join(ANSWER_KINDS)}")
+    if kind not in answerkinds.NAMES:
+        raise CaseError(f"answer_kind {kind!r} is not one of {', '.join(answerkinds.NAMES)}")
     choices = obj.get("choices", [])
     aliases = obj.get("aliases", [])
     suites = obj.get("suites", [])
@@ -116,7 +115,7 @@ def parse_case(obj: object) -> Case:
                                    or max_tokens <= 0):
         raise CaseError("field 'max_tokens' must be a positive integer")
     answer = obj["answer"]
-    if kind == "choice":
+    if answerkinds.lookup(kind).takes_choices:
         if not 2 <= len(choices) <= MAX_CHOICES:
             raise CaseError(f"a choice case needs 2..{MAX_CHOICES} choices, has {len(choices)}")
         if len(answer) != 1 or not "A" <= answer <= chr(64 + len(choices)):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import click
 
+from ds4eval import answerkinds
 from ds4eval import cases as cs
 from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
@@ -63,19 +64,20 @@ def grade_lines(text: str, name: str = "input") -> list[dict]:
             raise UsageFailure(f"{name}:{n}: not a JSON object")
         kind, answer, output = obj.get("answer_kind"), obj.get("answer"), obj.get("output")
         aliases, nchoices = obj.get("aliases", []), obj.get("nchoices", 0)
-        if kind not in cs.ANSWER_KINDS:
-            raise UsageFailure(f"{name}:{n}: answer_kind must be one of {', '.join(cs.ANSWER_KINDS)}")
+        if kind not in answerkinds.NAMES:
+            raise UsageFailure(f"{name}:{n}: answer_kind must be one of {', '.join(answerkinds.NAMES)}")
+        takes_choices = answerkinds.lookup(kind).takes_choices
         if not isinstance(answer, str) or not isinstance(output, str):
             raise UsageFailure(f"{name}:{n}: 'answer' and 'output' must be strings")
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise UsageFailure(f"{name}:{n}: 'aliases' must be a list of strings")
-        if kind == "choice" and (not isinstance(nchoices, int) or not 1 <= nchoices <= cs.MAX_CHOICES):
+        if takes_choices and (not isinstance(nchoices, int) or not 1 <= nchoices <= cs.MAX_CHOICES):
             raise UsageFailure(f"{name}:{n}: a choice line needs 'nchoices' between 1 and {cs.MAX_CHOICES}")
         try:
             grade.parse_key(kind, answer)
         except ValueError as e:
             raise UsageFailure(f"{name}:{n}: answer {answer!r}: {e}") from None
-        v = grade.grade_output(kind, answer, output, aliases, nchoices if kind == "choice" else 0)
+        v = grade.grade_output(kind, answer, output, aliases, nchoices if takes_choices else 0)
         out.append({**obj, "picked": v.picked, "passed": v.passed})
     return out
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ds4eval import answerkinds
 from ds4eval import cases as cs
 from ds4eval import manifest
 
@@ -62,7 +63,7 @@ def test_sanity_suite_covers_every_kind_and_grades_its_own_answers():
 
     sanity = cs.load_suite("sanity", Path("/nonexistent"))
     assert 35 <= len(sanity) <= 45
-    assert {c.answer_kind for c in sanity} == set(cs.ANSWER_KINDS)
+    assert {c.answer_kind for c in sanity} == set(answerkinds.NAMES)
     for c in sanity:
         assert grade.grade_output(c.answer_kind, c.answer, f"Answer: {c.answer}", c.aliases, c.nchoices).passed, c.id
 
