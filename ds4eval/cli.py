@@ -31,6 +31,7 @@ from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
 from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
 from ds4eval.provenance import run_provenance
 from ds4eval.stopsignals import EXIT_INTERRUPTED, StopSignals
+from ds4eval.suites import DataMissing, load_suite
 
 
 class UsageFailure(Exception):
@@ -150,8 +151,8 @@ def cmd_data_pull(cfg: EvalConfig) -> int:
 def load_selected(cfg: EvalConfig) -> list[cs.Case]:
     data_dir = cs.resolve_data_dir(cfg.data_dir)
     try:
-        suite_cases = cs.load_suite(cfg.suite, data_dir)
-    except (cs.DataMissing, cs.CaseError, ValueError) as e:
+        suite_cases = load_suite(cfg.suite, data_dir)
+    except (DataMissing, cs.CaseError, ValueError) as e:
         raise UsageFailure(str(e)) from None
     selected = cs.select_cases(suite_cases, ids=cfg.case_ids, domains=cfg.domains, sources=cfg.sources)
     if not selected:
