@@ -25,6 +25,10 @@ from ds4eval.bench import engine_bench as eb
 from ds4eval.bench import random_gguf as rg
 from ds4eval.bench.csvfile import write_csv
 from ds4eval.bench.errors import RunFailure, UsageFailure
+from ds4eval.bench.kvcache import kvcache_command
+from ds4eval.bench.product import product_command
+from ds4eval.bench.serve import serve_command
+from ds4eval.bench.sessions import sessions_command
 
 
 class OneLineErrors(click.Group):
@@ -159,13 +163,9 @@ def random_gguf_command(out: str, like: str, qtype: str | None, seed: int) -> in
     return 0
 
 
-from ds4eval.bench.kvcache import kvcache_command  # noqa: E402  (registered after the group exists)
 main.add_command(kvcache_command)
-from ds4eval.bench.sessions import sessions_command  # noqa: E402
 main.add_command(sessions_command)
-from ds4eval.bench.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
-from ds4eval.bench.product import product_command  # noqa: E402
 main.add_command(product_command)
 
 

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import click
 
 from ds4eval.atomicfile import write_text_atomic
+from ds4eval.bench.errors import RunFailure, UsageFailure
 
 ENGINE, EVAL, SERVER = "engine", "ds4-eval", "server"
 SINGLE_STREAM_PATHS = (EVAL, SERVER)
@@ -363,8 +364,6 @@ def product_command(model: str | None, rounds: int, decode_tokens: int, streams:
     """Decode tokens/s of the engine, ds4-eval and ds4-server in one process, as ratios to the engine."""
     from engine import ModelLoadError, default_model_path, load_model
     from engine.threads import EngineThread
-
-    from ds4eval.bench.errors import RunFailure, UsageFailure
 
     cfg = ProductBenchConfig(model=model, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
                              threads=threads, kv_type=kv_type, busy=busy, json_path=json_path)
