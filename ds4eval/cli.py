@@ -25,7 +25,7 @@ import click
 
 from ds4eval import answerkinds
 from ds4eval import cases as cs
-from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
+from ds4eval import grade, manifest, regrade, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
 from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
@@ -104,7 +104,7 @@ def available_cases(data_dir: Path) -> dict[tuple[str, str], cs.Case]:
 def cmd_regrade(path: str, data_dir: Path) -> int:
     parsed = _read_trace(path)
     known = available_cases(data_dir)
-    rep = rg.regrade(parsed.records, lambda s, i: known.get((s, i)))
+    rep = regrade.regrade(parsed.records, lambda s, i: known.get((s, i)))
     for p in parsed.problems + rep.problems:
         click.echo(f"warning: {p}", err=True)
     click.echo(rep.summary_line())
@@ -259,7 +259,7 @@ def cmd_retry(cfg: EvalConfig) -> int:
     parsed = _read_trace(path)
     for p in parsed.problems:
         click.echo(f"warning: {path}: {p}", err=True)
-    todo = rg.incomplete(parsed.records, parsed.runs)
+    todo = regrade.incomplete(parsed.records, parsed.runs)
     if not todo:
         click.echo("nothing to retry: every case in the trace finished PASSED or FAILED")
         return 0
@@ -267,7 +267,7 @@ def cmd_retry(cfg: EvalConfig) -> int:
     missing = [f"{s}/{i}" for s, i in todo if (s, i) not in known]
     if missing:
         raise UsageFailure(f"cases not found in the data: {', '.join(missing)}")
-    numbers = rg.case_numbers(parsed.records, parsed.runs)
+    numbers = regrade.case_numbers(parsed.records, parsed.runs)
     if cfg.trace is None:
         cfg.trace = path
     click.echo(f"retrying {len(todo)} incomplete case(s) from {path}")

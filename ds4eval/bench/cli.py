@@ -22,7 +22,7 @@ from typing import Any
 import click
 
 from ds4eval.bench import engine_bench as eb
-from ds4eval.bench import random_gguf as rg
+from ds4eval.bench import random_gguf
 from ds4eval.bench.csvfile import write_csv
 from ds4eval.bench.errors import RunFailure, UsageFailure
 from ds4eval.bench.kvcache import kvcache_command
@@ -147,14 +147,14 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--like", "like", required=True, type=click.Path(dir_okay=False),
               help="Copy architecture, shapes and tokenizer from this GGUF.")
-@click.option("--qtype", type=click.Choice(rg.WRITABLE_QTYPES), default=None,
+@click.option("--qtype", type=click.Choice(random_gguf.WRITABLE_QTYPES), default=None,
               help="Type of the layer matrices (default: the most common one in --like).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def random_gguf_command(out: str, like: str, qtype: str | None, seed: int) -> int:
     """Write a GGUF shaped like --like, with random weights (for speed tests only)."""
     try:
-        spec = rg.write_like(out, like, qtype, seed)
-    except rg.RandomGGUFError as e:
+        spec = random_gguf.write_like(out, like, qtype, seed)
+    except random_gguf.RandomGGUFError as e:
         raise UsageFailure(str(e)) from None
     except OSError as e:
         raise RunFailure(f"cannot write {out}: {e.strerror or e}") from None
