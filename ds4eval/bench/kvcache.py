@@ -433,7 +433,7 @@ def bar_line(result: KVCacheBenchResult) -> str:
 # --- command line ------------------------------------------------------------------------------
 
 @click.command("kvcache")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file for ds4-server (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--ctx", type=int, default=None, help="ds4-server --ctx (default: the model's).")
 @click.option("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, show_default=True,

@@ -346,7 +346,7 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
 # ---------------------------------------------------------------- command
 
 @click.command("product")
-@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved repetitions of every path.")
 @click.option("--decode-tokens", type=int, default=128, show_default=True, help="Tokens per measurement.")

@@ -297,7 +297,7 @@ def _counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 
 
 @click.command("sessions")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--sessions", "sessions", callback=_counts, default=",".join(map(str, DEFAULT_SESSIONS)),
