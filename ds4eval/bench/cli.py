@@ -1,14 +1,17 @@
-"""`ds4-bench` command line: a click group, one subcommand per benchmark.
+"""`ds4-bench` command line: a click group, one subcommand per benchmark (six in all).
 
-  ds4-bench engine [--compare llama.cpp] [--quick] [--csv FILE] ...
-  ds4-bench sessions [--sessions 1,8] [--contexts 128,1024] ...
+  ds4-bench engine [-m GGUF] [--compare llama.cpp] [--quick] [--csv FILE] ...
+  ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
   ds4-bench serve --url URL [--concurrency 1,8] ...
-  ds4-bench kvcache [--prefix-tokens N] ...
-  ds4-bench product [--rounds 3] [--streams 8] [--json FILE]
+  ds4-bench kvcache [-m GGUF] [--prompt-tokens N] ...
+  ds4-bench product [-m GGUF] [--rounds 3] [--streams 8] [--json FILE]
   ds4-bench random-gguf OUT.gguf --like MODEL.gguf [--qtype Q4_1] [--seed N]
 
-Each subcommand only fills its config object and calls the library (engine_bench,
-runners, random_gguf). Errors, including bad flags, are one line on stderr
+`engine` and `random-gguf` are defined here (library: engine_bench, runners, random_gguf);
+`sessions`, `serve`, `kvcache` and `product` are defined next to their library in the module
+of the same name and registered on the group here. Every subcommand that loads a model takes
+it as `-m`/`--model`, as ds4, ds4-server and ds4-eval do. Each subcommand only fills its
+config object and calls the library. Errors, including bad flags, are one line on stderr
 ("ds4-bench: error: ...") with exit status 2 for bad input and 1 for a failed run; never a
 traceback. Progress goes to stderr, the summary table to stdout, CSV files are written
 atomically.
