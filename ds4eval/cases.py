@@ -10,10 +10,12 @@ Contract
   because the manifest itself records membership).
 - `resolve_data_dir()` picks the data directory: explicit value, then the
   `DS4EVAL_DATA` environment variable, then the per-user default.
+- `suite_file(suite, data_dir)` says which file holds a suite's cases.
 - `select_cases()` filters a list of cases by suite, id, domain and source.
 
-It does not fetch data (see `datapull`), compare against manifests (see `manifest`),
-or know anything about prompts or grading.
+It does not fetch data (see `datapull`), compare against manifests (see `manifest`), load a
+suite checked against its manifest (see `suites`), or know anything about prompts; keys are
+read through the answer-kind registry (`answerkinds`, `grade`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ds4eval import grade
+from ds4eval import answerkinds, grade
 
-ANSWER_KINDS = ("choice", "integer", "rational", "exact_text", "ordered_sequence", "line_set")
 MAX_CHOICES = 10
 KNOWN_SUITES = ("sanity", "core", "hard", "hard-smoke")
 
@@ -101,8 +102,8 @@ def parse_case(obj: object) -> Case:
         if not isinstance(obj.get(name, ""), str):
             raise CaseError(f"field {name!r} must be a string")
     kind = obj["answer_kind"]
-    if kind not in ANSWER_KINDS:
-        raise CaseError(f"answer_kind {kind!r} is not one of {', '.join(ANSWER_KINDS)}")
+    if kind not in answerkinds.NAMES:
+        raise CaseError(f"answer_kind {kind!r} is not one of {', '.join(answerkinds.NAMES)}")
     choices = obj.get("choices", [])
     aliases = obj.get("aliases", [])
     suites = obj.get("suites", [])
@@ -116,7 +117,7 @@ def parse_case(obj: object) -> Case:
                                    or max_tokens <= 0):
         raise CaseError("field 'max_tokens' must be a positive integer")
     answer = obj["answer"]
-    if kind == "choice":
+    if answerkinds.lookup(kind).takes_choices:
         if not 2 <= len(choices) <= MAX_CHOICES:
             raise CaseError(f"a choice case needs 2..{MAX_CHOICES} choices, has {len(choices)}")
         if len(answer) != 1 or not "A" <= answer <= chr(64 + len(choices)):
@@ -202,10 +203,6 @@ def resolve_data_dir(explicit: str | os.PathLike | None = None) -> Path:
     return default_data_dir()
 
 
-class DataMissing(FileNotFoundError):
-    """A suite's data file is absent from the data directory."""
-
-
 def suite_file(suite: str, data_dir: Path) -> Path:
     if suite in COMMITTED_SUITE_FILE:
         return COMMITTED_SUITE_FILE[suite]
@@ -216,28 +213,6 @@ def suite_file(suite: str, data_dir: Path) -> Path:
 
 def load_file(path: Path) -> ParsedFile:
     return parse_cases(path.read_text(encoding="utf-8"))
-
-
-def load_suite(suite: str, data_dir: Path) -> list[Case]:
-    """All well-formed cases of `suite` in file order; raise on a missing file or a bad line."""
-    path = suite_file(suite, data_dir)
-    if not path.is_file():
-        raise DataMissing(
-            f"suite {suite!r} needs {path} (set --data-dir or DS4EVAL_DATA, or run ds4-eval --data-pull)")
-    parsed = load_file(path)
-    if parsed.problems:
-        lineno, msg = parsed.problems[0]
-        raise CaseError(f"{path}:{lineno}: {msg} (ds4-eval --validate-cases lists every problem)")
-    if suite not in COMMITTED_SUITE_FILE:
-        # A regression run must compare like with like: refuse data that differs from the pins.
-        from ds4eval import manifest
-
-        check = manifest.compare(manifest.load_manifest(suite), parsed)
-        if not check.ok:
-            raise CaseError(
-                f"data in {path} does not match the {suite} manifest ({len(check.missing)} missing, "
-                f"{len(check.extra)} extra, {len(check.altered)} altered); see ds4-eval --validate-cases")
-    return [c for c in parsed.cases if suite in c.suites]
 
 
 def select_cases(cases: Sequence[Case], *, ids: Iterable[str] = (), domains: Iterable[str] = (),

@@ -23,13 +23,15 @@ from pathlib import Path
 
 import click
 
+from ds4eval import answerkinds
 from ds4eval import cases as cs
-from ds4eval import grade, manifest, regrade as rg, report, selftest, trace
+from ds4eval import grade, manifest, regrade, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
 from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
 from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
 from ds4eval.provenance import run_provenance
 from ds4eval.stopsignals import EXIT_INTERRUPTED, StopSignals
+from ds4eval.suites import DataMissing, load_suite
 
 
 class UsageFailure(Exception):
@@ -63,19 +65,20 @@ def grade_lines(text: str, name: str = "input") -> list[dict]:
             raise UsageFailure(f"{name}:{n}: not a JSON object")
         kind, answer, output = obj.get("answer_kind"), obj.get("answer"), obj.get("output")
         aliases, nchoices = obj.get("aliases", []), obj.get("nchoices", 0)
-        if kind not in cs.ANSWER_KINDS:
-            raise UsageFailure(f"{name}:{n}: answer_kind must be one of {', '.join(cs.ANSWER_KINDS)}")
+        if kind not in answerkinds.NAMES:
+            raise UsageFailure(f"{name}:{n}: answer_kind must be one of {', '.join(answerkinds.NAMES)}")
+        takes_choices = answerkinds.lookup(kind).takes_choices
         if not isinstance(answer, str) or not isinstance(output, str):
             raise UsageFailure(f"{name}:{n}: 'answer' and 'output' must be strings")
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
             raise UsageFailure(f"{name}:{n}: 'aliases' must be a list of strings")
-        if kind == "choice" and (not isinstance(nchoices, int) or not 1 <= nchoices <= cs.MAX_CHOICES):
+        if takes_choices and (not isinstance(nchoices, int) or not 1 <= nchoices <= cs.MAX_CHOICES):
             raise UsageFailure(f"{name}:{n}: a choice line needs 'nchoices' between 1 and {cs.MAX_CHOICES}")
         try:
             grade.parse_key(kind, answer)
         except ValueError as e:
             raise UsageFailure(f"{name}:{n}: answer {answer!r}: {e}") from None
-        v = grade.grade_output(kind, answer, output, aliases, nchoices if kind == "choice" else 0)
+        v = grade.grade_output(kind, answer, output, aliases, nchoices if takes_choices else 0)
         out.append({**obj, "picked": v.picked, "passed": v.passed})
     return out
 
@@ -101,7 +104,7 @@ def available_cases(data_dir: Path) -> dict[tuple[str, str], cs.Case]:
 def cmd_regrade(path: str, data_dir: Path) -> int:
     parsed = _read_trace(path)
     known = available_cases(data_dir)
-    rep = rg.regrade(parsed.records, lambda s, i: known.get((s, i)))
+    rep = regrade.regrade(parsed.records, lambda s, i: known.get((s, i)))
     for p in parsed.problems + rep.problems:
         click.echo(f"warning: {p}", err=True)
     click.echo(rep.summary_line())
@@ -148,8 +151,8 @@ def cmd_data_pull(cfg: EvalConfig) -> int:
 def load_selected(cfg: EvalConfig) -> list[cs.Case]:
     data_dir = cs.resolve_data_dir(cfg.data_dir)
     try:
-        suite_cases = cs.load_suite(cfg.suite, data_dir)
-    except (cs.DataMissing, cs.CaseError, ValueError) as e:
+        suite_cases = load_suite(cfg.suite, data_dir)
+    except (DataMissing, cs.CaseError, ValueError) as e:
         raise UsageFailure(str(e)) from None
     selected = cs.select_cases(suite_cases, ids=cfg.case_ids, domains=cfg.domains, sources=cfg.sources)
     if not selected:
@@ -257,7 +260,7 @@ def cmd_retry(cfg: EvalConfig) -> int:
     parsed = _read_trace(path)
     for p in parsed.problems:
         click.echo(f"warning: {path}: {p}", err=True)
-    todo = rg.incomplete(parsed.records, parsed.runs)
+    todo = regrade.incomplete(parsed.records, parsed.runs)
     if not todo:
         click.echo("nothing to retry: every case in the trace finished PASSED or FAILED")
         return 0
@@ -265,7 +268,7 @@ def cmd_retry(cfg: EvalConfig) -> int:
     missing = list(dict.fromkeys(f"{s}/{i}" for s, i, _ in todo if (s, i) not in known))
     if missing:
         raise UsageFailure(f"cases not found in the data: {', '.join(missing)}")
-    numbers = rg.case_numbers(parsed.records, parsed.runs)
+    numbers = regrade.case_numbers(parsed.records, parsed.runs)
     if cfg.trace is None:
         cfg.trace = path
     # The trace's own repeat count: what a retry writes and reports belongs to that run.

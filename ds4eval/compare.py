@@ -44,7 +44,7 @@ from typing import Iterable, Sequence
 
 import pandas as pd
 
-from ds4eval import regrade as rg
+from ds4eval import regrade
 from ds4eval import stats
 from ds4eval.config import ALLOWED_DIFFS
 from ds4eval.provenance import split_tokens
@@ -136,7 +136,7 @@ _RUN_PROVENANCE = attrgetter("chat_template_sha256", "bos_eos", "extractor_versi
 def _record_case(r: TraceRecord) -> CaseRun:
     status, picked = r.status or "", r.picked
     if r.status is None:  # a trace from before statuses: grade it from its own output and key
-        rep = rg.regrade([r])
+        rep = regrade.regrade([r])
         if rep.cases:
             status, picked = rep.cases[0].new_status, rep.cases[0].new_picked
     settings = (*_RUN_SETTINGS(r), str(r.max_tokens or ""), "", "yes" if r.thinking else "no", *_RUN_PROVENANCE(r))

@@ -9,7 +9,8 @@ Contract
   no usable answer line do extractors fall back to the rest of the visible text.
 - Each regression these rules guard is a row in `ds4eval.selftest`.
 
-It does not decide pass/fail (see `grade`) and knows nothing of cases or prompts.
+It does not decide pass/fail (see `grade`), does not choose an extractor by answer kind (each
+kind's record in `answerkinds` names its extractor) and knows nothing of cases or prompts.
 
 Edge cases worth knowing:
 - Choice letters collide with English: "I" and "A" are words, so "Answer: I think it is C"
@@ -428,19 +429,3 @@ def extract_line_set(output: str) -> str | None:
             continue
     return None
 
-
-def extract(kind: str, output: str, nchoices: int = 0) -> str | None:
-    """Dispatch on answer kind; raise ValueError on an unknown kind."""
-    if kind == "choice":
-        return extract_choice(output, nchoices)
-    if kind == "integer":
-        return extract_integer(output)
-    if kind == "rational":
-        return extract_rational(output)
-    if kind == "exact_text":
-        return extract_exact_text(output)
-    if kind == "ordered_sequence":
-        return extract_ordered_sequence(output)
-    if kind == "line_set":
-        return extract_line_set(output)
-    raise ValueError(f"unknown answer kind {kind!r}")

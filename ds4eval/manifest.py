@@ -92,10 +92,6 @@ def load_manifest(suite: str, suites_dir: Path = cs.SUITES_DIR) -> dict:
     return data
 
 
-def manifest_members(manifest: dict, suite: str) -> list[dict]:
-    return [e for e in manifest["cases"] if suite in e["suites"]]
-
-
 @dataclass
 class SuiteCheck:
     suite: str

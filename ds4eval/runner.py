@@ -325,10 +325,6 @@ class Runner:
         with self._lock:
             return [copy.copy(s) for s in self.states]
 
-    def add_listener(self, listener: Listener) -> None:
-        with self._lock:
-            self.listeners.append(listener)
-
     # ------------------------------------------------------------ running
 
     def run(self) -> list[CaseState]:

@@ -7,10 +7,11 @@ Checks, in order:
   2. every answer kind used by any suite whose cases are available has self-test rows
      (`ds4eval.selftest.covered_kinds`);
   3. every case file parses without problems (`ds4eval.cases.parse_cases`), and every case
-     has a scorer: its kind dispatches in `ds4eval.extract.extract` and its key and aliases
+     has a scorer: its kind is in the `ds4eval.answerkinds` registry and its key and aliases
      parse with `ds4eval.grade.parse_key`;
   4. the sanity suite's keys grade as correct when fed back as the model output, both bare
-     ("B") and on an answer line ("Answer: B"), and for choice cases a wrong letter does not.
+     ("B") and on an answer line ("Answer: B"), and for cases with options a wrong letter
+     does not.
 Suites whose data files are absent (benchmark suites outside the repository) are listed as
 skipped, not failed. Only case ids are printed, never question or answer text.
 `check_scores` is pure (cases in, report out); `main` reads the files.
@@ -25,8 +26,8 @@ from typing import Mapping, Sequence
 
 import click
 
+from ds4eval import answerkinds
 from ds4eval import cases as cs
-from ds4eval import extract as ex
 from ds4eval import grade
 from ds4eval import selftest
 
@@ -47,7 +48,7 @@ class ScoreReport:
 
 def _scorer_problem(case: cs.Case) -> str | None:
     try:
-        ex.extract(case.answer_kind, "", case.nchoices)
+        answerkinds.extract(case.answer_kind, "", case.nchoices)
     except ValueError as e:
         return f"no extractor: {e}"
     for key in (case.answer, *case.aliases):
@@ -71,9 +72,9 @@ def verbatim_problems(case: cs.Case) -> list[str]:
         if not v.passed:
             form = "bare key" if output == case.answer else "answer line"
             out.append(f"{case.id}: its key as {form} grades as wrong (extracted {v.picked!r})")
-    if case.answer_kind == "choice":
+    if answerkinds.lookup(case.answer_kind).takes_choices:
         wrong = _wrong_letter(case)
-        if wrong and grade.grade_output("choice", case.answer, f"Answer: {wrong}", case.aliases, case.nchoices).passed:
+        if wrong and grade.grade_output(case.answer_kind, case.answer, f"Answer: {wrong}", case.aliases, case.nchoices).passed:
             out.append(f"{case.id}: a wrong letter grades as correct")
     return out
 

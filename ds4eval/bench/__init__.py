@@ -9,8 +9,11 @@ Subcommands, one module each:
                in-process (`ds4eval.bench.sessions`)
   serve        closed-loop and Poisson load on any OpenAI-compatible server: throughput,
                TTFT, ITL, TPOT, E2EL percentiles, goodput (`ds4eval.bench.serve`)
+  product      the engine's decode speed through ds4-eval and ds4-server, as ratios to the
+               engine alone (`ds4eval.bench.product`)
   random-gguf  a GGUF shaped like a real one with random weights, for machines the real
                weights cannot reach (`ds4eval.bench.random_gguf`)
-Shared output helpers live in `ds4eval.bench.csvfile`; the command line in `ds4eval.bench.cli`.
+Shared output helpers live in `ds4eval.bench.csvfile`, the failure classes in
+`ds4eval.bench.errors`; the command line in `ds4eval.bench.cli`.
 This package measures speed only; answer quality is ds4-eval's job.
 """

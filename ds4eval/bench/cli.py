@@ -1,14 +1,17 @@
-"""`ds4-bench` command line: a click group, one subcommand per benchmark.
+"""`ds4-bench` command line: a click group, one subcommand per benchmark (six in all).
 
-  ds4-bench engine [--compare llama.cpp] [--quick] [--csv FILE] ...
-  ds4-bench sessions [--sessions 1,8] [--contexts 128,1024] ...
+  ds4-bench engine [-m GGUF] [--compare llama.cpp] [--quick] [--csv FILE] ...
+  ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
   ds4-bench serve --url URL [--concurrency 1,8] ...
-  ds4-bench kvcache [--prefix-tokens N] ...
-  ds4-bench product [--rounds 3] [--streams 8] [--json FILE]
+  ds4-bench kvcache [-m GGUF] [--prompt-tokens N] ...
+  ds4-bench product [-m GGUF] [--rounds 3] [--streams 8] [--json FILE]
   ds4-bench random-gguf OUT.gguf --like MODEL.gguf [--qtype Q4_1] [--seed N]
 
-Each subcommand only fills its config object and calls the library (engine_bench,
-runners, random_gguf). Errors, including bad flags, are one line on stderr
+`engine` and `random-gguf` are defined here (library: engine_bench, runners, random_gguf);
+`sessions`, `serve`, `kvcache` and `product` are defined next to their library in the module
+of the same name and registered on the group here. Every subcommand that loads a model takes
+it as `-m`/`--model`, as ds4, ds4-server and ds4-eval do. Each subcommand only fills its
+config object and calls the library. Errors, including bad flags, are one line on stderr
 ("ds4-bench: error: ...") with exit status 2 for bad input and 1 for a failed run; never a
 traceback. Progress goes to stderr, the summary table to stdout, CSV files are written
 atomically.
@@ -22,9 +25,13 @@ from typing import Any
 import click
 
 from ds4eval.bench import engine_bench as eb
-from ds4eval.bench import random_gguf as rg
+from ds4eval.bench import random_gguf
 from ds4eval.bench.csvfile import write_csv
 from ds4eval.bench.errors import RunFailure, UsageFailure
+from ds4eval.bench.kvcache import kvcache_command
+from ds4eval.bench.product import product_command
+from ds4eval.bench.serve import serve_command
+from ds4eval.bench.sessions import sessions_command
 
 
 class OneLineErrors(click.Group):
@@ -143,14 +150,14 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
 @click.argument("out", type=click.Path(dir_okay=False))
 @click.option("--like", "like", required=True, type=click.Path(dir_okay=False),
               help="Copy architecture, shapes and tokenizer from this GGUF.")
-@click.option("--qtype", type=click.Choice(rg.WRITABLE_QTYPES), default=None,
+@click.option("--qtype", type=click.Choice(random_gguf.WRITABLE_QTYPES), default=None,
               help="Type of the layer matrices (default: the most common one in --like).")
 @click.option("--seed", type=int, default=0, show_default=True)
 def random_gguf_command(out: str, like: str, qtype: str | None, seed: int) -> int:
     """Write a GGUF shaped like --like, with random weights (for speed tests only)."""
     try:
-        spec = rg.write_like(out, like, qtype, seed)
-    except rg.RandomGGUFError as e:
+        spec = random_gguf.write_like(out, like, qtype, seed)
+    except random_gguf.RandomGGUFError as e:
         raise UsageFailure(str(e)) from None
     except OSError as e:
         raise RunFailure(f"cannot write {out}: {e.strerror or e}") from None
@@ -159,13 +166,9 @@ def random_gguf_command(out: str, like: str, qtype: str | None, seed: int) -> in
     return 0
 
 
-from ds4eval.bench.kvcache import kvcache_command  # noqa: E402  (registered after the group exists)
 main.add_command(kvcache_command)
-from ds4eval.bench.sessions import sessions_command  # noqa: E402
 main.add_command(sessions_command)
-from ds4eval.bench.serve import serve_command  # noqa: E402
 main.add_command(serve_command)
-from ds4eval.bench.product import product_command  # noqa: E402
 main.add_command(product_command)
 
 

@@ -48,6 +48,9 @@ from typing import Callable, Sequence
 import click
 from tabulate import tabulate
 
+from ds4eval.bench.csvfile import write_csv
+from ds4eval.bench.errors import RunFailure, UsageFailure
+
 DEFAULT_PROMPT_TOKENS = 4096
 BAR_RATIO = 5.0
 REPLY_TOKENS = 8
@@ -430,7 +433,7 @@ def bar_line(result: KVCacheBenchResult) -> str:
 # --- command line ------------------------------------------------------------------------------
 
 @click.command("kvcache")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file for ds4-server (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--ctx", type=int, default=None, help="ds4-server --ctx (default: the model's).")
 @click.option("--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, show_default=True,
@@ -448,10 +451,6 @@ def bar_line(result: KVCacheBenchResult) -> str:
 def kvcache_command(model: str | None, ctx: int | None, prompt_tokens: int, repeats: int, directory: str | None,
                     budget_mb: int, page_cache: bool, csv_path: str | None, seed: int, server_cmd: str | None) -> int:
     """Time to first token of a long prompt through ds4-server: cold versus restored after a restart."""
-    # Imported here: the command group imports this module to register the command.
-    from ds4eval.bench.errors import RunFailure, UsageFailure
-    from ds4eval.bench.csvfile import write_csv
-
     cfg = KVCacheBenchConfig(model=model, ctx=ctx, prompt_tokens=prompt_tokens, repeats=repeats,
                              directory=directory, budget_mb=budget_mb, page_cache=page_cache, csv=csv_path,
                              seed=seed, server=server_cmd)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import click
 
 from ds4eval.atomicfile import write_text_atomic
+from ds4eval.bench.errors import RunFailure, UsageFailure
 
 ENGINE, EVAL, SERVER = "engine", "ds4-eval", "server"
 SINGLE_STREAM_PATHS = (EVAL, SERVER)
@@ -345,7 +346,7 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
 # ---------------------------------------------------------------- command
 
 @click.command("product")
-@click.option("--model", "-m", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved repetitions of every path.")
 @click.option("--decode-tokens", type=int, default=128, show_default=True, help="Tokens per measurement.")
@@ -363,8 +364,6 @@ def product_command(model: str | None, rounds: int, decode_tokens: int, streams:
     """Decode tokens/s of the engine, ds4-eval and ds4-server in one process, as ratios to the engine."""
     from engine import ModelLoadError, default_model_path, load_model
     from engine.threads import EngineThread
-
-    from ds4eval.bench.errors import RunFailure, UsageFailure
 
     cfg = ProductBenchConfig(model=model, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
                              threads=threads, kv_type=kv_type, busy=busy, json_path=json_path)

@@ -51,6 +51,8 @@ from tabulate import tabulate
 
 from ds4eval import sse
 from ds4eval.atomicfile import atomic_path, write_text_atomic
+from ds4eval.bench.csvfile import write_csv
+from ds4eval.bench.errors import RunFailure, UsageFailure
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 METRICS = ("ttft", "itl", "tpot", "e2el")
@@ -646,9 +648,6 @@ def serve_command(url: str, endpoint: str, model: str | None, concurrency: str |
                   goodput: tuple[str, ...], api_key: str | None, csv_path: str | None, json_path: str | None,
                   plot: str | None) -> int:
     """Load-test an OpenAI-compatible server: closed loop at concurrency C and Poisson arrivals at rate R."""
-    from ds4eval.bench.errors import RunFailure, UsageFailure
-    from ds4eval.bench.csvfile import write_csv
-
     try:
         cfg = ServeBenchConfig(url=url, endpoint=endpoint, model=model,
                                concurrency=parse_numbers(concurrency if concurrency is not None

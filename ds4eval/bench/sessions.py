@@ -41,7 +41,9 @@ from typing import Any, Callable, Sequence
 import click
 from tabulate import tabulate
 
+from ds4eval.bench.csvfile import write_csv
 from ds4eval.bench.engine_bench import BenchConfigError, DEVICES, Vocab, benchmark_ids, ordinary_ids, parse_lengths
+from ds4eval.bench.errors import RunFailure, UsageFailure
 
 DEFAULT_SESSIONS = (1, 2, 4, 8, 16)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
@@ -295,7 +297,7 @@ def _counts(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 
 
 @click.command("sessions")
-@click.option("--model", type=click.Path(dir_okay=False), default=None,
+@click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--device", type=click.Choice(DEVICES), default="cpu", show_default=True)
 @click.option("--sessions", "sessions", callback=_counts, default=",".join(map(str, DEFAULT_SESSIONS)),
@@ -317,9 +319,6 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
                      csv_path: str | None, seed: int) -> int:
     """Aggregate and per-session decode tokens/s of N sessions decoding together."""
     from engine import ModelLoadError, default_model_path, load_model
-
-    from ds4eval.bench.errors import RunFailure, UsageFailure
-    from ds4eval.bench.csvfile import write_csv
 
     cfg = SessionsBenchConfig(model=model, device=device, sessions=sessions, contexts=contexts,
                               decode_tokens=decode_tokens, repeats=repeats, threads=threads, kv_type=kv_type,

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from ds4eval import answerkinds
 from ds4eval import cases as cs
 from ds4eval import manifest
+from ds4eval.suites import DataMissing, load_suite
 
 GOOD = {"source": "S", "id": "1", "domain": "d", "title": "t", "question": "q?", "choices": ["x", "y"],
         "answer": "B", "aliases": [], "answer_kind": "choice", "suites": ["core"]}
@@ -60,17 +62,17 @@ def test_data_dir_resolution(monkeypatch, tmp_path):
 def test_sanity_suite_covers_every_kind_and_grades_its_own_answers():
     from ds4eval import grade
 
-    sanity = cs.load_suite("sanity", Path("/nonexistent"))
+    sanity = load_suite("sanity", Path("/nonexistent"))
     assert 35 <= len(sanity) <= 45
-    assert {c.answer_kind for c in sanity} == set(cs.ANSWER_KINDS)
+    assert {c.answer_kind for c in sanity} == set(answerkinds.NAMES)
     for c in sanity:
         assert grade.grade_output(c.answer_kind, c.answer, f"Answer: {c.answer}", c.aliases, c.nchoices).passed, c.id
 
 
 def test_suites_from_data(data_dir):
-    core = cs.load_suite("core", data_dir)
-    hard = cs.load_suite("hard", data_dir)
-    smoke = cs.load_suite("hard-smoke", data_dir)
+    core = load_suite("core", data_dir)
+    hard = load_suite("hard", data_dir)
+    smoke = load_suite("hard-smoke", data_dir)
     assert len(core) == 92 and len(hard) == 50 and len(smoke) == 12
     assert {c.source for c in core} == {"GPQA Diamond", "SuperGPQA", "AIME2025", "COMPSEC"}
     assert all(c.key in {h.key for h in hard} for c in smoke)
@@ -118,7 +120,7 @@ def test_validate_reports_missing_extra_altered_and_malformed(data_dir, tmp_path
     assert len(core.malformed) == 1 and "line" in core.malformed[0]
     assert not rep.ok and next(c for c in rep.checks if c.suite == "hard").ok
     with pytest.raises(cs.CaseError, match="core.jsonl:93"):
-        cs.load_suite("core", tmp_path)
+        load_suite("core", tmp_path)
 
 
 def test_load_suite_refuses_data_that_differs_from_the_pins(data_dir, tmp_path):
@@ -127,11 +129,11 @@ def test_load_suite_refuses_data_that_differs_from_the_pins(data_dir, tmp_path):
     obj["title"] = obj["title"] + " (edited)"
     (tmp_path / "hard.jsonl").write_text("\n".join([json.dumps(obj)] + lines[1:]) + "\n", encoding="utf-8")
     with pytest.raises(cs.CaseError, match="1 altered"):
-        cs.load_suite("hard-smoke", tmp_path)
+        load_suite("hard-smoke", tmp_path)
 
 
 def test_missing_data_file_is_reported(tmp_path):
-    with pytest.raises(cs.DataMissing, match="--data-dir"):
-        cs.load_suite("core", tmp_path)
+    with pytest.raises(DataMissing, match="--data-dir"):
+        load_suite("core", tmp_path)
     rep = manifest.validate_all(tmp_path)
     assert not rep.ok and any("not found" in line for line in rep.lines())

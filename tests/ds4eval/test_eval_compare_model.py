@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ds4eval import cases as cs
 from ds4eval import cli
 from ds4eval.config import EvalConfig
 from ds4eval.provenance import file_sha256, split_tokens
 from ds4eval.runner import Runner
+from ds4eval.suites import load_suite
 from ds4eval.trace import read_trace
 
 # A case that runs past 32 tokens at a 128-token budget (on this engine it names the right line
@@ -28,7 +28,7 @@ def test_budget_32_against_128_flips_exactly_the_cases_the_traces_say(tmp_path):
 
     model = engine.load_model()
     backend = EngineBackend(model, engine)
-    by_id = {c.id: c for c in cs.load_suite("sanity", Path("/nonexistent"))}
+    by_id = {c.id: c for c in load_suite("sanity", Path("/nonexistent"))}
     selected = [by_id[i] for i in CASES]
     paths = []
     for tokens in (32, 128):

@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given, strategies as st
 
+from ds4eval import answerkinds
 from ds4eval import cases as cs
 from ds4eval import extract as ex
 from ds4eval import grade, selftest
@@ -15,7 +16,7 @@ def test_self_test_row(row):
 
 
 def test_self_test_covers_every_kind_and_detects_a_wrong_row():
-    assert selftest.covered_kinds() == set(cs.ANSWER_KINDS)
+    assert selftest.covered_kinds() == set(answerkinds.NAMES)
     bad = selftest.SelfTestCase("deliberately wrong", "integer", "5", "Answer: 6", "6", True)
     assert len(selftest.run_self_test([bad])) == 1
     assert selftest.run_self_test() == []
@@ -70,10 +71,26 @@ def test_every_data_key_grades_correct_when_fed_back(data_dir):
                                           c.nchoices).passed, (c.source, c.id)
 
 
+# A valid key of each kind: the first self-test row's, so that a new kind needs no entry here.
+_EXAMPLE_KEY = {kind: next(r.answer for r in selftest.SELF_TEST_CASES if r.kind == kind)
+                for kind in answerkinds.NAMES}
+
+
 @given(st.text())
 def test_extractors_never_crash(text):
-    for kind in cs.ANSWER_KINDS:
-        picked = ex.extract(kind, text, 10)
+    for kind in answerkinds.NAMES:
+        picked = answerkinds.extract(kind, text, 10)
         assert picked is None or isinstance(picked, str)
-        grade.is_correct(kind, picked, {"choice": "A", "integer": "1", "rational": "1/2", "exact_text": "x",
-                                        "ordered_sequence": "1,2", "line_set": "3"}[kind], (), 10)
+        grade.is_correct(kind, picked, _EXAMPLE_KEY[kind], (), 10)
+
+
+def test_registry_records_are_named_by_their_key_and_unknown_kinds_are_refused():
+    for name, kind in answerkinds.KINDS.items():
+        assert kind.name == name
+        assert "Answer:" in kind.prompt_instruction(4)
+    assert answerkinds.lookup("choice").prompt_instruction(4).endswith("(A-D).")
+    with pytest.raises(ValueError, match="unknown answer kind 'essay'"):
+        answerkinds.lookup("essay")
+    with pytest.raises(ValueError, match="unknown answer kind"):
+        grade.grade_output("essay", "x", "Answer: x")
+    assert not grade.is_correct("essay", None, "x")

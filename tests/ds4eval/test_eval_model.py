@@ -2,9 +2,9 @@
 
 import pytest
 
-from ds4eval import cases as cs
 from ds4eval.config import EvalConfig
 from ds4eval.runner import Runner, Status
+from ds4eval.suites import load_suite
 from ds4eval.trace import TraceRecord
 
 
@@ -17,7 +17,7 @@ def test_three_sanity_cases_on_the_embedded_model(tmp_path):
     model = engine.load_model()
     backend = EngineBackend(model, engine)
     assert not backend.supports_thinking  # SmolLM2 has no thinking tokens
-    picked = {c.id: c for c in cs.load_suite("sanity", tmp_path)}
+    picked = {c.id: c for c in load_suite("sanity", tmp_path)}
     selected = [picked["choice-capital-france"], picked["int-add-small"], picked["text-sky-colour"]]
     cfg = EvalConfig(tokens=96, trace=str(tmp_path / "t.trace"))
     runner = Runner(cfg, selected, backend)

@@ -247,9 +247,10 @@ def test_threads_setting_reaches_the_engine_thread(tmp_path):
 @pytest.mark.model
 def test_sanity_suite_parallel_matches_parallel_1(tmp_path):
     from ds4eval import cases as cs
+    from ds4eval.suites import load_suite
 
     model = engine.load_model(ctx=2048)
-    sanity = cs.load_suite("sanity", cs.resolve_data_dir(None))[:4]
+    sanity = load_suite("sanity", cs.resolve_data_dir(None))[:4]
     cfg = dict(tokens=48)
     _, one = run_trace(EvalConfig(parallel=1, **cfg), sanity, EngineBackend(model, engine, parallel=1), tmp_path, "1")
     _, four = run_trace(EvalConfig(parallel=4, **cfg), sanity, EngineBackend(model, engine, parallel=4), tmp_path, "4")

@@ -2,7 +2,7 @@
 
 from hypothesis import given, settings, strategies as st
 
-from ds4eval import regrade as rg
+from ds4eval import regrade
 from ds4eval import trace as tr
 
 TRICKY = ["", "\n", "%%end", "%%%", "line\n%%block MODEL_OUTPUT chars=3\n%%end\n", "a\r\nb\rc", "\u2028x\x0b\x1c",
@@ -47,14 +47,14 @@ def test_old_trace_without_status_is_graded():
     assert "status: \n" in text
     r = tr.parse_trace(text).records[0]
     assert r.status is None
-    report = rg.regrade([r])
+    report = regrade.regrade([r])
     assert (report.passed, report.failed, report.not_graded, report.changed) == (1, 0, 0, [])
 
 
 def test_regrade_counts_only_finished_cases():
     records = [rec(index=1), rec(index=2, status="STOPPED", model_output="Answer: 9"),
                rec(index=3, status="STOPPED", model_output="")]
-    report = rg.regrade(tr.parse_trace("".join(map(tr.format_record, records))).records)
+    report = regrade.regrade(tr.parse_trace("".join(map(tr.format_record, records))).records)
     assert report.summary_line() == "passed=1 failed=0 not_graded=2 changed=0"
 
 
@@ -65,17 +65,17 @@ def test_regrade_lists_changed_verdicts_and_uses_lookup_for_old_traces():
                rec(index=2, status="PASSED", model_output="Answer: 6"),  # changed the other way
                rec(index=3, status="PASSED", expected="", answer_kind="", id="k")]
     case = parse_case({"source": "sanity", "id": "k", "question": "q", "answer": "5", "answer_kind": "integer"})
-    report = rg.regrade(records, lambda s, i: case if (s, i) == ("sanity", "k") else None)
+    report = regrade.regrade(records, lambda s, i: case if (s, i) == ("sanity", "k") else None)
     assert [(c.index, c.old_status, c.new_status) for c in report.changed] == [(1, "FAILED", "PASSED"),
                                                                             (2, "PASSED", "FAILED")]
     assert report.passed == 2 and report.failed == 1
-    assert rg.regrade([records[2]]).not_graded == 1
+    assert regrade.regrade([records[2]]).not_graded == 1
 
 
 def test_incomplete_uses_the_latest_block_per_case():
     records = [rec(id="a", status="STOPPED"), rec(id="b", status="ERROR"), rec(id="c", status="FAILED"),
                rec(id="a", status="PASSED")]
-    assert rg.incomplete(records) == [("sanity", "b", 0)]
+    assert regrade.incomplete(records) == [("sanity", "b", 0)]
 
 
 # ---------------------------------------------------------------- torn writes
@@ -210,16 +210,16 @@ def test_run_header_round_trips_and_old_readers_skip_nothing_else():
 def test_incomplete_includes_cases_that_never_started_and_is_idempotent():
     h = tr.RunHeader("sanity", ((1, "sanity", "a"), (2, "sanity", "b"), (3, "sanity", "c"), (4, "sanity", "d")))
     killed = [rec(index=1, id="a", status="PASSED"), rec(index=2, id="b", status="STOPPED")]
-    todo = rg.incomplete(killed, [h])
+    todo = regrade.incomplete(killed, [h])
     assert todo == [("sanity", "b", 0), ("sanity", "c", 0), ("sanity", "d", 0)]
-    assert rg.case_numbers(killed, [h]) == {("sanity", "a"): 1, ("sanity", "b"): 2, ("sanity", "c"): 3,
+    assert regrade.case_numbers(killed, [h]) == {("sanity", "a"): 1, ("sanity", "b"): 2, ("sanity", "c"): 3,
                                            ("sanity", "d"): 4}
     # The retry writes its own header (the subset) and blocks; a second retry asks for what is left.
     retry_h = tr.RunHeader("sanity", tuple((n, s, i) for n, (s, i, _) in zip((2, 3, 4), todo)))
     retried = killed + [rec(index=2, id="b", status="FAILED"), rec(index=3, id="c", status="ERROR")]
-    assert rg.incomplete(retried, [h, retry_h]) == [("sanity", "c", 0), ("sanity", "d", 0)]
+    assert regrade.incomplete(retried, [h, retry_h]) == [("sanity", "c", 0), ("sanity", "d", 0)]
     done = retried + [rec(index=3, id="c", status="PASSED"), rec(index=4, id="d", status="FAILED")]
-    assert rg.incomplete(done, [h, retry_h, retry_h]) == []
+    assert regrade.incomplete(done, [h, retry_h, retry_h]) == []
 
 
 def test_a_header_in_another_layout_reads_the_same_values():
@@ -255,9 +255,9 @@ def test_incomplete_with_repeats_asks_for_each_unfinished_repeat():
     assert tr.parse_trace(tr.format_run_header(h)).runs == [h]
     killed = [rec(index=1, id="a", status="PASSED", repeat=r) for r in range(3)] + \
         [rec(index=2, id="b", status="FAILED", repeat=0), rec(index=2, id="b", status="STOPPED", repeat=1)]
-    assert rg.incomplete(killed, [h]) == [("sanity", "b", 1), ("sanity", "b", 2)]
+    assert regrade.incomplete(killed, [h]) == [("sanity", "b", 1), ("sanity", "b", 2)]
     done = killed + [rec(index=2, id="b", status="PASSED", repeat=1), rec(index=2, id="b", status="FAILED", repeat=2)]
-    assert rg.incomplete(done, [h]) == []
+    assert regrade.incomplete(done, [h]) == []
     # A header without the line is one repeat; a bad count spoils only the header.
     assert tr.parse_trace(tr.format_run_header(tr.RunHeader("s", ((1, "s", "x"),)))).runs[0].repeats == 1
     bad = tr.format_run_header(h).replace("repeats: 3", "repeats: 0")

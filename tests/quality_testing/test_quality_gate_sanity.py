@@ -12,6 +12,7 @@ from click.testing import CliRunner
 from ds4eval import cases as cs
 from ds4eval import compare as cmp
 from ds4eval import trace as tr
+from ds4eval.suites import load_suite
 from quality_testing import gate_quality as gq
 
 
@@ -22,7 +23,7 @@ def _baseline() -> list[tr.TraceRecord]:
 def test_the_baseline_pins_the_current_sanity_suite():
     """A change to a sanity case must come with a new baseline (and the comparison that justifies it)."""
     records = _baseline()
-    suite = {c.key: c for c in cs.load_suite("sanity", Path("/nonexistent"))}
+    suite = {c.key: c for c in load_suite("sanity", Path("/nonexistent"))}
     assert sorted((r.source, r.id) for r in records) == sorted(suite)
     assert all(r.case_hash == cs.case_hash(suite[(r.source, r.id)]) for r in records)
     assert all(r.status in ("PASSED", "FAILED") and r.temperature == 0.0 for r in records)

@@ -89,6 +89,16 @@ def test_model_flag_has_a_short_form(tmp_path, flag):
     assert "model file not found" in error_line(r)
 
 
+def test_every_subcommand_with_a_model_option_takes_m():
+    with_model = {}
+    for name, command in cli.main.commands.items():
+        for param in command.params:
+            if "--model" in getattr(param, "opts", ()):
+                with_model[name] = param.opts
+    assert {"engine", "sessions", "kvcache", "product"} <= set(with_model)
+    assert all("-m" in opts for opts in with_model.values()), with_model
+
+
 def test_truncated_model_is_a_one_line_error_in_file_terms(tiny, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(open(tiny, "rb").read()[:-64])
