@@ -25,6 +25,13 @@ Contract
   pass->fail flip or lost pass (a case that passed in BASE and has no verdict in NEW, or is
   missing from it); else 0. Nothing comparable at all raises `CompareInputError` (the CLI's
   exit status 2).
+- Repeated runs (`--repeats K`, either side): each case's first repeat stands for it in the
+  provenance checks and the repeat-0 tables, and the verdict moves to the pass counts
+  (`RepeatComparison`): a sign test over cases (how many passed less often against more often;
+  with one repeat a side it is McNemar's test) decides a significant regression, each case gets
+  Fisher's exact test on its k/K counts, and `--strict` fails on any significant per-case drop.
+  A case flaky on BASE that passes less often on NEW without a significant drop is listed apart,
+  not counted as a regression; cases that became or stopped being flaky are listed too.
 - `collector_paused()`: a context that pauses Python's cyclic garbage collector (reading and
   pairing build about a million acyclic objects for two 10,000-case traces); `read_run` and
   `compare` use it, and so does the CLI around the whole command.
@@ -45,6 +52,7 @@ from typing import Iterable, Sequence
 import pandas as pd
 
 from ds4eval import regrade
+from ds4eval import repeats
 from ds4eval import stats
 from ds4eval.config import ALLOWED_DIFFS
 from ds4eval.provenance import split_tokens
@@ -119,6 +127,8 @@ class Run:
     repeated: int = 0  # cases recorded more than once (the last record counts)
     problems: list[str] = field(default_factory=list)
     suite: str = ""
+    repeats: int = 1  # --repeats K of the run: the most repeats any case has
+    tallies: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # case -> (passed, graded repeats)
 
 
 def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | None) -> tuple:
@@ -220,12 +230,28 @@ def _read_run(text: str, label: str) -> Run:
         if not parsed.records:
             why = f" ({parsed.problems[0]})" if parsed.problems else " (no case blocks)"
             raise CompareInputError(f"{label}: not a ds4-eval trace{why}")
+        if any(r.repeat for r in parsed.records):
+            return _repeated_run(parsed.records, label, list(parsed.problems))
         found, kind, problems = [_record_case(r) for r in parsed.records], "trace", list(parsed.problems)
         suite = parsed.records[-1].suite
     cases: dict[tuple[str, str], CaseRun] = {}
     for c in found:
         cases[(c.source, c.id)] = c
     return Run(label, kind, cases, repeated=len(found) - len(cases), problems=problems, suite=suite)
+
+
+def _repeated_run(records: list[TraceRecord], label: str, problems: list[str]) -> Run:
+    """A trace of --repeats K: each case's first repeat stands for it in the per-record tables
+    (provenance, flips of repeat 0), and its pass count over all repeats goes to `tallies`."""
+    grouped = repeats.group(records)
+    cases, tallies = {}, {}
+    for g in grouped:
+        first = _record_case(g.records[0])
+        cases[(g.source, g.id)] = first
+        tallies[(g.source, g.id)] = (g.passed, g.graded)
+    kept = sum(len(g.records) for g in grouped)
+    return Run(label, "trace", cases, repeated=len(records) - kept, problems=problems, suite=records[-1].suite,
+               repeats=max(g.repeats for g in grouped), tallies=tallies)
 
 
 # ---------------------------------------------------------------- the comparison
@@ -338,6 +364,84 @@ class RenderDiff:
     note: str = ""
 
 
+@dataclass(frozen=True)
+class RepeatCase:
+    """One comparable case's pass counts over its repeats on both sides."""
+
+    source: str
+    id: str
+    base_passed: int
+    base_graded: int
+    new_passed: int
+    new_graded: int
+    p_drop: float  # Fisher's exact test, one-sided: NEW's pass share is lower than BASE's
+    p_rise: float  # ... higher
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}/{self.id}"
+
+    @property
+    def base_rate(self) -> float:
+        return self.base_passed / self.base_graded if self.base_graded else 0.0
+
+    @property
+    def new_rate(self) -> float:
+        return self.new_passed / self.new_graded if self.new_graded else 0.0
+
+    @property
+    def base_class(self) -> str:
+        return repeats.klass(self.base_passed, self.base_graded)
+
+    @property
+    def new_class(self) -> str:
+        return repeats.klass(self.new_passed, self.new_graded)
+
+
+@dataclass(frozen=True)
+class RepeatComparison:
+    """The verdict's basis when either run has repeats: every comparable case's k of K."""
+
+    base_repeats: int
+    new_repeats: int
+    cases: tuple[RepeatCase, ...]
+    base_pass_at_1: float  # mean over cases of the share of passing repeats
+    new_pass_at_1: float
+    interval: stats.MeanInterval  # bootstrap interval of the mean per-case change (NEW - BASE)
+    test: stats.McNemar  # sign test: b = cases whose share fell, c = cases whose share rose
+    drops: tuple[RepeatCase, ...]          # significant per-case drops (Fisher p_drop < alpha)
+    rises: tuple[RepeatCase, ...]          # significant per-case rises
+    flaky_drops: tuple[RepeatCase, ...]    # flaky on BASE, lower on NEW, not significantly
+    became_flaky: tuple[RepeatCase, ...]   # stable on BASE, flaky on NEW
+    stopped_flaky: tuple[RepeatCase, ...]  # flaky on BASE, stable on NEW
+
+
+def _repeat_comparison(comparable: list[tuple[CaseRun, CaseRun]], base: Run, new: Run, alpha: float,
+                       resamples: int, seed: int) -> RepeatComparison:
+    rows = []
+    for b, n in comparable:
+        bp, bg = base.tallies.get((b.source, b.id), (int(b.passed), int(b.graded)))
+        np_, ng = new.tallies.get((n.source, n.id), (int(n.passed), int(n.graded)))
+        f = stats.fisher_exact(bp, bg - bp, np_, ng - np_)
+        rows.append(RepeatCase(b.source, b.id, bp, bg, np_, ng, p_drop=f.p_greater, p_rise=f.p_less))
+    deltas = [r.new_rate - r.base_rate for r in rows]
+    down = sum(d < 0 for d in deltas)
+    up = sum(d > 0 for d in deltas)
+    drops = tuple(r for r in rows if r.new_rate < r.base_rate and r.p_drop < alpha)
+    return RepeatComparison(
+        base_repeats=base.repeats, new_repeats=new.repeats, cases=tuple(rows),
+        base_pass_at_1=sum(r.base_rate for r in rows) / len(rows),
+        new_pass_at_1=sum(r.new_rate for r in rows) / len(rows),
+        interval=stats.bootstrap_mean(deltas, resamples=resamples, seed=seed), test=stats.mcnemar(down, up),
+        drops=drops, rises=tuple(r for r in rows if r.new_rate > r.base_rate and r.p_rise < alpha),
+        flaky_drops=tuple(r for r in rows if r.base_class == "flaky" and r.new_rate < r.base_rate
+                          and r not in drops),
+        became_flaky=tuple(r for r in rows if r.base_class in ("stable pass", "stable fail")
+                           and r.new_class == "flaky"),
+        stopped_flaky=tuple(r for r in rows if r.base_class == "flaky"
+                            and r.new_class in ("stable pass", "stable fail")))
+
+
 @dataclass
 class Comparison:
     base: Run
@@ -357,6 +461,7 @@ class Comparison:
     regression: bool
     exit_status: int
     verdict: str
+    repeats: RepeatComparison | None = None  # set when either run has --repeats K > 1
 
 
 def _names(keys: Iterable[tuple[str, str]]) -> tuple[str, ...]:
@@ -600,11 +705,15 @@ def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable
                             key=lambda p: (-abs(p[1].gen_tokens - p[0].gen_tokens), p[0].source, p[0].id))
     changes = [LengthChange(b.source, b.id, b.gen_tokens, n.gen_tokens, b.status, n.status) for b, n in moved]
 
-    # 4. The verdict.
-    t = total.test
+    # 4. The verdict: on the repeats' pass counts when there are repeats, else on the flips.
+    rc = (_repeat_comparison(comparable, base, new, alpha, resamples, seed)
+          if max(base.repeats, new.repeats) > 1 else None)
+    t = total.test if rc is None else rc.test
     regression = t.p_exact < alpha and t.b > t.c
-    strict_fail = strict and (t.b > 0 or bool(lost))
-    if regression:
+    strict_fail = strict and ((t.b > 0 if rc is None else bool(rc.drops)) or bool(lost))
+    if rc is not None:
+        verdict = _repeat_verdict(rc, regression, strict_fail, lost, alpha)
+    elif regression:
         verdict = (f"significant regression: {t.b} pass→fail against {t.c} fail→pass of {total.cases} comparable "
                    f"cases (McNemar exact p = {t.p_exact:.4g} < alpha {alpha:g})")
     elif strict_fail:
@@ -620,4 +729,19 @@ def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable
         base=base, new=new, alpha=alpha, strict=strict, allowed=allowed, cases=cases, sources=sources, total=total,
         flips=flips, lost_passes=lost, length_changes=changes, issues=issues,
         differences=_differences(matched), render_diffs=_group_render_diffs(render), regression=regression,
-        exit_status=1 if regression or strict_fail else 0, verdict=verdict)
+        exit_status=1 if regression or strict_fail else 0, verdict=verdict, repeats=rc)
+
+
+def _repeat_verdict(rc: RepeatComparison, regression: bool, strict_fail: bool, lost: list[str],
+                    alpha: float) -> str:
+    t = rc.test
+    counts = (f"{t.b} case(s) passed less often, {t.c} more often, of {len(rc.cases)} comparable cases "
+              f"(sign test over cases, exact p = {t.p_exact:.4g}")
+    if regression:
+        return f"significant regression: {counts} < alpha {alpha:g})"
+    if strict_fail:
+        parts = [f"{len(rc.drops)} case(s) with a significant drop (Fisher p < {alpha:g})"] if rc.drops else []
+        parts += [f"{len(lost)} lost pass(es)"] if lost else []
+        return f"regression under --strict: {' and '.join(parts)}; {counts}, not significant overall)"
+    direction = "significant improvement" if t.p_exact < alpha and t.c > t.b else "no significant regression"
+    return f"{direction}: {counts}, alpha {alpha:g})"

@@ -17,7 +17,7 @@ from collections import Counter
 import pandas as pd
 from tabulate import tabulate
 
-from ds4eval.compare import Comparison, Flip, RenderDiff, Run, SourceStats
+from ds4eval.compare import Comparison, Flip, RenderDiff, RepeatCase, RepeatComparison, Run, SourceStats
 
 ARROW = {"pass->fail": "pass→fail", "fail->pass": "fail→pass"}
 
@@ -152,14 +152,42 @@ def _method(cmp: Comparison) -> str:
             f"of the {cmp.total.test.discordant} discordant cases), mid-p beside it")
 
 
+REPEAT_COLUMNS = ["case", "BASE k/K", "NEW k/K", "BASE class", "NEW class", "Fisher p (drop)", "Fisher p (rise)"]
+
+
+def _repeat_row(r: RepeatCase) -> dict:
+    return {"case": r.name, "BASE k/K": f"{r.base_passed}/{r.base_graded}", "NEW k/K": f"{r.new_passed}/{r.new_graded}",
+            "BASE class": r.base_class, "NEW class": r.new_class, "Fisher p (drop)": _p(r.p_drop),
+            "Fisher p (rise)": _p(r.p_rise)}
+
+
+def _repeat_sections(rc: RepeatComparison, alpha: float) -> list[tuple[str, object]]:
+    iv, t = rc.interval, rc.test
+    lines = [f"repeats: BASE {rc.base_repeats}, NEW {rc.new_repeats}; pass@1 (mean share of passing repeats) "
+             f"BASE {_pct(rc.base_pass_at_1)}, NEW {_pct(rc.new_pass_at_1)}, delta {_pp(iv.mean)} pp "
+             f"(95% CI [{_pp(iv.low)}, {_pp(iv.high)}], bootstrap over cases, {iv.resamples:,} resamples, "
+             f"seed {iv.seed})",
+             f"cases passing less often {t.b}, more often {t.c} (sign test, exact p {_p(t.p_exact)}, mid-p "
+             f"{_p(t.mid_p)}); per case: Fisher's exact test of k/K on both sides, alpha {alpha:g}"]
+    out: list[tuple[str, object]] = [("Repeats", lines)]
+    for title, rows in (("Significant drops", rc.drops), ("Significant rises", rc.rises),
+                        ("Flaky in BASE, lower in NEW, not significant (not a regression)", rc.flaky_drops),
+                        ("Became flaky", rc.became_flaky), ("Stopped being flaky", rc.stopped_flaky)):
+        if rows:
+            out.append((title, pd.DataFrame([_repeat_row(r) for r in rows], columns=REPEAT_COLUMNS)))
+    return out
+
+
 def _sections(cmp: Comparison) -> list[tuple[str, object]]:
     """(title, content) in display order; content is a DataFrame or a list of lines."""
     tb = tables(cmp)
+    first = " (repeat 0 of each case)" if cmp.repeats is not None else ""
     out: list[tuple[str, object]] = [
         ("Runs", tb["runs"]),
-        ("Pass rates", tb["rates"]),
+        *(_repeat_sections(cmp.repeats, cmp.alpha) if cmp.repeats is not None else []),
+        ("Pass rates" + first, tb["rates"]),
         ("", [_method(cmp)]),
-        ("Flips", [_flip_summary(cmp)]),
+        ("Flips" + first, [_flip_summary(cmp)]),
     ]
     if len(tb["flips"]):
         out.append(("", tb["flips"]))
@@ -252,7 +280,24 @@ def as_json(cmp: Comparison) -> dict:
         "warnings": [{"kind": i.kind, "message": i.message, "cases": list(i.cases), "excluded": i.excluded}
                      for i in cmp.issues],
         "cases": json.loads(cmp.cases.to_json(orient="records")),
+        "repeats": None if cmp.repeats is None else _repeats_json(cmp.repeats),
     }
+
+
+def _repeats_json(rc: RepeatComparison) -> dict:
+    def case(r: RepeatCase) -> dict:
+        return {"source": r.source, "id": r.id, "base_passed": r.base_passed, "base_graded": r.base_graded,
+                "new_passed": r.new_passed, "new_graded": r.new_graded, "base_class": r.base_class,
+                "new_class": r.new_class, "p_drop": r.p_drop, "p_rise": r.p_rise}
+
+    iv, t = rc.interval, rc.test
+    return {"base_repeats": rc.base_repeats, "new_repeats": rc.new_repeats,
+            "base_pass_at_1": rc.base_pass_at_1, "new_pass_at_1": rc.new_pass_at_1,
+            "delta": {"mean": iv.mean, "low": iv.low, "high": iv.high, "resamples": iv.resamples, "seed": iv.seed},
+            "sign_test": {"fell": t.b, "rose": t.c, "p_exact": t.p_exact, "mid_p": t.mid_p},
+            "cases": [case(r) for r in rc.cases],
+            **{k: [r.name for r in getattr(rc, k)]
+               for k in ("drops", "rises", "flaky_drops", "became_flaky", "stopped_flaky")}}
 
 
 def render_json(cmp: Comparison) -> str:

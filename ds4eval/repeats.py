@@ -49,6 +49,15 @@ class OutputDifference:
     other_text: str      # the differing repeat's output from there
 
 
+def klass(passed: int, graded: int) -> str:
+    """The class of a case that passed `passed` of its `graded` repeats (see CLASSES)."""
+    if not graded:
+        return "ungraded"
+    if passed == graded:
+        return "stable pass"
+    return "stable fail" if passed == 0 else "flaky"
+
+
 @dataclass(frozen=True)
 class CaseRepeats:
     source: str
@@ -73,11 +82,7 @@ class CaseRepeats:
 
     @property
     def klass(self) -> str:
-        if not self.graded:
-            return "ungraded"
-        if self.passed == self.graded:
-            return "stable pass"
-        return "stable fail" if self.passed == 0 else "flaky"
+        return klass(self.passed, self.graded)
 
     @property
     def deterministic(self) -> bool:

@@ -328,3 +328,58 @@ def test_text_and_markdown_have_every_section(tmp_path):
     md = invoke(b, n, "--format", "markdown").output
     assert md.startswith("## ds4-eval --compare") and "### Flips" in md and "| alpha " in md
     assert "**no significant regression" in md and "no answer found" in md
+
+
+# ---------------------------------------------------------------- repeated runs
+
+def _repeat_trace(path, counts, k=5):
+    """counts: case id -> passes of k repeats (the first `passes` repeats pass)."""
+    from ds4eval import trace as trace_mod
+    recs = []
+    for n, (cid, passes) in enumerate(counts.items(), start=1):
+        for r in range(k):
+            ok = r < passes
+            recs.append(trace_mod.TraceRecord(
+                index=n, source="s", id=cid, status="PASSED" if ok else "FAILED", picked="4" if ok else "5",
+                expected="4", answer_kind="integer", case_hash=f"sha256:{n:064x}", model="m", model_sha256="ab" * 32,
+                temperature=0.7, seed=1 + r, repeat=r, model_output="Answer: 4" if ok else "Answer: 5"))
+    header = trace_mod.RunHeader("s", tuple((n, "s", c) for n, c in enumerate(counts, start=1)), k)
+    path.write_text(trace_mod.format_run_header(header) + "".join(map(trace_mod.format_record, recs)))
+    return str(path)
+
+
+def test_repeated_runs_are_judged_on_pass_counts_and_flaky_cases_are_not_regressions(tmp_path):
+    from click.testing import CliRunner
+    from ds4eval import cli
+
+    base = _repeat_trace(tmp_path / "b.trace", {"a": 5, "b": 3, "c": 0, "d": 5, "e": 2})
+    new = _repeat_trace(tmp_path / "n.trace", {"a": 0, "b": 1, "c": 0, "d": 4, "e": 5})
+    r = CliRunner().invoke(cli.main, ["--compare", base, new, "--format", "json"])
+    assert r.exit_code == 0, r.output  # 3 cases fell, 1 rose: the sign test is far from significant
+    rep = json.loads(r.output)["repeats"]
+    assert rep["base_repeats"] == rep["new_repeats"] == 5
+    assert rep["drops"] == ["s/a"] and rep["flaky_drops"] == ["s/b"]
+    assert rep["became_flaky"] == ["s/d"] and rep["stopped_flaky"] == ["s/e"]
+    assert rep["sign_test"]["fell"] == 3 and rep["sign_test"]["rose"] == 1
+    a = next(c for c in rep["cases"] if c["id"] == "a")
+    assert a["p_drop"] == pytest.approx(1 / 252)  # 5/5 against 0/5: one table of C(10, 5) as extreme
+    text = CliRunner().invoke(cli.main, ["--compare", base, new])
+    assert "Significant drops" in text.output and "Flaky in BASE, lower in NEW" in text.output
+    assert "Pass rates (repeat 0 of each case)" in text.output
+    # --strict fails on the significant per-case drop alone.
+    strict = CliRunner().invoke(cli.main, ["--compare", base, new, "--strict"])
+    assert strict.exit_code == 1 and "1 case(s) with a significant drop" in strict.output
+
+
+def test_many_small_drops_over_repeats_are_a_significant_regression(tmp_path):
+    from click.testing import CliRunner
+    from ds4eval import cli
+
+    ids = [f"c{i}" for i in range(8)]
+    base = _repeat_trace(tmp_path / "b.trace", dict.fromkeys(ids, 5))
+    new = _repeat_trace(tmp_path / "n.trace", dict.fromkeys(ids, 3))
+    r = CliRunner().invoke(cli.main, ["--compare", base, new, "--format", "json"])
+    out = json.loads(r.output)
+    assert r.exit_code == 1 and out["regression"] and out["repeats"]["drops"] == []
+    assert out["repeats"]["sign_test"]["p_exact"] == pytest.approx(2 / 256)
+    assert "significant regression: 8 case(s) passed less often" in out["verdict"]
