@@ -188,6 +188,10 @@ class CaseContext(Protocol):
 
 
 class Backend(Protocol):
+    """`run_group(jobs, ctxs) -> results`, optional: several repeats of one case (same prompt,
+    their own seeds) in one go, e.g. one request with the OpenAI `n`; the runner then hands it
+    the queued repeats of a case together."""
+
     name: str
     model_name: str
     n_ctx: int | None
@@ -374,18 +378,41 @@ class Runner:
                         self._cond.notify_all()
                         return
                     self._cond.wait(0.2)
-                state = self.states[index]
-                ctx = _Ctx(self, state)
-                self._running[index] = ctx
-                state.status = Status.PREFILL
-                state.runs += 1
-            self._emit(StatusChanged(index, Status.PREFILL))
+                group = self._take_group(index)
+                ctxs = []
+                for i in group:
+                    state = self.states[i]
+                    ctxs.append(_Ctx(self, state))
+                    self._running[i] = ctxs[-1]
+                    state.status = Status.PREFILL
+                    state.runs += 1
+            for i in group:
+                self._emit(StatusChanged(i, Status.PREFILL))
             try:
-                self._run_one(state, ctx)
+                if len(group) == 1:
+                    self._run_one(self.states[index], ctxs[0])
+                else:
+                    self._run_group([self.states[i] for i in group], ctxs)
             finally:
                 with self._cond:
-                    self._running.pop(index, None)
+                    for i in group:
+                        self._running.pop(i, None)
                     self._cond.notify_all()
+
+    def _take_group(self, index: int) -> list[int]:
+        """`index` and, for a backend that can run several samples of one prompt in one request
+        (`run_group`, e.g. a server's `n`), the other queued repeats of the same case."""
+        if self.config.repeats <= 1 or getattr(self.backend, "run_group", None) is None:
+            return [index]
+        st, group = self.states[index], [index]
+        for j in list(self._queue):
+            if len(group) >= self.config.repeats:
+                break
+            other = self.states[j]
+            if other.case is st.case and other.number == st.number:
+                group.append(j)
+                self._queue.remove(j)
+        return group
 
     def _job(self, state: CaseState) -> GenerationJob:
         c, cfg = state.case, self.config
@@ -397,17 +424,37 @@ class Runner:
             think=cfg.think, think_soft_reserve=cfg.think_soft_reserve,
             think_hard_reserve=cfg.think_hard_reserve)
 
-    def _run_one(self, state: CaseState, ctx: _Ctx) -> None:
+    def _start(self, state: CaseState) -> GenerationJob:
         job = self._job(state)
         with self._lock:
             state.system_prompt, state.question_prompt = job.system_prompt, job.question_prompt
             state.output = ""
             state.gen_tokens = 0
+        return job
+
+    @staticmethod
+    def _failed(state: CaseState, e: Exception) -> GenerationResult:
+        return GenerationResult(output=state.output, prompt_tokens=state.prompt_tokens,
+                                gen_tokens=state.gen_tokens, error=f"{type(e).__name__}: {e}")
+
+    def _run_one(self, state: CaseState, ctx: _Ctx) -> None:
+        job = self._start(state)
         try:
             res = self.backend.run_case(job, ctx)
         except Exception as e:  # a backend failure ends this case, never the run
-            res = GenerationResult(output=state.output, prompt_tokens=state.prompt_tokens,
-                                   gen_tokens=state.gen_tokens, error=f"{type(e).__name__}: {e}")
+            res = self._failed(state, e)
+        self._finish(state, ctx, res)
+
+    def _run_group(self, states: list[CaseState], ctxs: list[_Ctx]) -> None:
+        jobs = [self._start(st) for st in states]
+        try:
+            results = self.backend.run_group(jobs, ctxs)
+        except Exception as e:  # as in _run_one: every repeat of the group ends ERROR
+            results = [self._failed(st, e) for st in states]
+        for st, ctx, res in zip(states, ctxs, results):
+            self._finish(st, ctx, res)
+
+    def _finish(self, state: CaseState, ctx: _Ctx, res: GenerationResult) -> None:
         with self._lock:
             state.output = res.output
             state.prompt_tokens = res.prompt_tokens

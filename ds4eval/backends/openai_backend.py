@@ -20,6 +20,10 @@ Contract
   Token counts come from the final usage chunk; without one they are counted with
   `--tokenizer`'s tokenizer (`ds4eval.tokencount`), else reported unknown (`tokens_known`
   False), never as the number of stream chunks (a chunk may hold several tokens).
+- `run_group(jobs, ctxs)` runs the repeats of one case (`--repeats`) as one request with `n`
+  (the choices demultiplexed by index); the first 4xx answer to `n` > 1 switches the backend to
+  one request per repeat for the rest of the run. With `n` > 1 a server's usage is one total, so
+  per-repeat token counts come from `--tokenizer` or are unknown.
 - Thread-safe: one `httpx.Client` shared by `--concurrency` workers. `interrupt()` (the
   runner's stop) wakes cases blocked waiting for stream data; they end STOPPED.
 It does not retry failed requests and never reaches into server internals.
@@ -84,6 +88,7 @@ class OpenAIBackend:
             from ds4eval.tokencount import TokenCounter
 
             self.counter = TokenCounter.from_gguf(config.tokenizer)
+        self.n_supported: bool | None = None  # whether the server takes n > 1; None until tried
         self.n_ctx = config.ctx
         self.max_concurrency = max(1, config.concurrency)
         headers = {"Accept": "text/event-stream"}
@@ -182,25 +187,42 @@ class OpenAIBackend:
         return body
 
     def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult:
-        res = GenerationResult(thinking=job.think)
-        out: list[str] = []
-        in_think = False
-        saw_think = False
-        finish = None
+        return self._stream(self.request_body(job), [job], [ctx])[0]
+
+    def run_group(self, jobs: list[GenerationJob], ctxs: list[CaseContext]) -> list[GenerationResult]:
+        """Repeats of one case in one request with `n` = len(jobs) (the first job's seed; a
+        server such as ds4-server gives sequence i the seed + i, as K requests would have). A
+        server that refuses `n` > 1 (a 4xx) is asked once per repeat from then on."""
+        if len(jobs) == 1 or self.n_supported is False:
+            return [self.run_case(j, c) for j, c in zip(jobs, ctxs)]
+        body = self.request_body(jobs[0])
+        body["n"] = len(jobs)
+        results = self._stream(body, jobs, ctxs)
+        refused = results[0].error.startswith("HTTP 4") and not any(r.output for r in results)
+        if refused and self.n_supported is None:
+            self.n_supported = False
+            return [self.run_case(j, c) for j, c in zip(jobs, ctxs)]
+        if not results[0].error:
+            self.n_supported = True
+        return results
+
+    def _stream(self, body: dict, jobs: list[GenerationJob], ctxs: list[CaseContext]) -> list[GenerationResult]:
+        """One streaming request whose choice i belongs to jobs[i] and ctxs[i]."""
+        n = len(jobs)
+        choices = [_Choice(job.think) for job in jobs]
         done = False
         usage = None
-        ctx.prefill(0, 0)
-        started = False
+        error, interrupted = "", None
+        for ctx in ctxs:
+            ctx.prefill(0, 0)
         try:
-            with self._client.stream("POST", self.url, json=self.request_body(job)) as resp, \
-                    self._live_response(resp):
+            with self._client.stream("POST", self.url, json=body) as resp, self._live_response(resp):
                 if resp.status_code >= 400:
                     resp.read()
                     raise StreamError(f"HTTP {resp.status_code}: {_error_text(resp.text)}")
                 for line in resp.iter_lines():
-                    why = ctx.checkpoint()
-                    if why:
-                        res.interrupted = why
+                    interrupted = _first(ctx.checkpoint() for ctx in ctxs)
+                    if interrupted:
                         break
                     try:
                         obj = sse.decode_data_line(line)
@@ -214,57 +236,89 @@ class OpenAIBackend:
                     if obj.get("usage"):
                         usage = obj["usage"]
                     for choice in obj.get("choices") or []:
-                        delta = choice.get("delta") or {}
-                        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
-                        content = delta.get("content")
-                        if (reasoning or content) and not started:
-                            started = True
-                            ctx.started(0)
-                        if reasoning:
-                            if not in_think:
-                                in_think = saw_think = True
-                                out.append(THINK_OPEN)
-                                ctx.text(THINK_OPEN, True)
-                            out.append(reasoning)
-                            ctx.text(reasoning, True)
-                        if content:
-                            if in_think:
-                                in_think = False
-                                out.append(THINK_CLOSE)
-                                ctx.text(THINK_CLOSE, True)
-                            out.append(content)
-                            ctx.text(content, False)
-                        if reasoning or content:
-                            ctx.token()  # live progress only: a chunk may hold several tokens
-                        if choice.get("finish_reason"):
-                            finish = choice["finish_reason"]
+                        i = choice.get("index", 0)
+                        if not isinstance(i, int) or not 0 <= i < n:
+                            raise StreamError(f"choice index {i!r} outside the {n} asked for")
+                        choices[i].add(choice, ctxs[i])
         except StreamError as e:
-            res.error = str(e)
+            error = str(e)
         except httpx.HTTPError as e:
-            res.error = f"{type(e).__name__}: {e}"
-        if not done and not res.interrupted:
+            error = f"{type(e).__name__}: {e}"
+        if not done and not interrupted:
             # interrupt() cut the stream while it waited for the server: a stop, not a failure.
-            why = ctx.checkpoint() if self._cut else None
+            why = _first(ctx.checkpoint() for ctx in ctxs) if self._cut else None
             if why:
-                res.interrupted, res.error = why, ""
-        if in_think:
-            out.append(THINK_CLOSE)  # keep the block balanced; think_close says it never closed
-        res.output = "".join(out)
-        if usage:
-            res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            res.gen_tokens = int(usage.get("completion_tokens") or 0)
-        elif self.counter is not None:
-            res.prompt_tokens = self.counter.prompt_tokens(job.system_prompt, job.question_prompt)
-            res.gen_tokens = self.counter.output_tokens(res.output)
-        else:
-            res.tokens_known = False
-        if saw_think:
-            res.think_close = "unclosed" if in_think else "natural"
-        if not res.error and not res.interrupted:
-            if not done:
-                res.error = "stream ended without [DONE]"
-            elif finish is None:
-                res.error = "stream ended without a finish reason"
+                interrupted, error = why, ""
+        results = []
+        for job, ch in zip(jobs, choices):
+            res = ch.result()
+            res.error, res.interrupted = error, interrupted
+            if usage and n == 1:
+                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                res.gen_tokens = int(usage.get("completion_tokens") or 0)
+            elif self.counter is not None:
+                res.prompt_tokens = self.counter.prompt_tokens(job.system_prompt, job.question_prompt)
+                res.gen_tokens = self.counter.output_tokens(res.output)
+            elif usage:
+                # Usage of n choices is one total: the prompt is known, each choice's share is not.
+                res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                res.tokens_known = False
+            else:
+                res.tokens_known = False
+            if not res.error and not res.interrupted:
+                if not done:
+                    res.error = "stream ended without [DONE]"
+                elif ch.finish is None:
+                    res.error = "stream ended without a finish reason"
+            results.append(res)
+        return results
+
+
+def _first(values):
+    return next((v for v in values if v), None)
+
+
+class _Choice:
+    """What one choice of a stream has said so far."""
+
+    def __init__(self, think: bool):
+        self.think = think
+        self.out: list[str] = []
+        self.in_think = self.saw_think = self.started = False
+        self.finish = None
+
+    def add(self, choice: dict, ctx: CaseContext) -> None:
+        delta = choice.get("delta") or {}
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        content = delta.get("content")
+        if (reasoning or content) and not self.started:
+            self.started = True
+            ctx.started(0)
+        if reasoning:
+            if not self.in_think:
+                self.in_think = self.saw_think = True
+                self.out.append(THINK_OPEN)
+                ctx.text(THINK_OPEN, True)
+            self.out.append(reasoning)
+            ctx.text(reasoning, True)
+        if content:
+            if self.in_think:
+                self.in_think = False
+                self.out.append(THINK_CLOSE)
+                ctx.text(THINK_CLOSE, True)
+            self.out.append(content)
+            ctx.text(content, False)
+        if reasoning or content:
+            ctx.token()  # live progress only: a chunk may hold several tokens
+        if choice.get("finish_reason"):
+            self.finish = choice["finish_reason"]
+
+    def result(self) -> GenerationResult:
+        res = GenerationResult(thinking=self.think)
+        # A block left open stays balanced in the output; think_close says it never closed.
+        res.output = "".join(self.out) + (THINK_CLOSE if self.in_think else "")
+        if self.saw_think:
+            res.think_close = "unclosed" if self.in_think else "natural"
         return res
 
 

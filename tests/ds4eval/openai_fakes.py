@@ -17,8 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class FakeOpenAI:
     def __init__(self, reply=lambda q: "Answer: 4", delay_s=0.0, usage=True, models=("fake-model-1",),
-                 models_status=200, chunk_chars=3, stall_s=0.0):
+                 models_status=200, chunk_chars=3, stall_s=0.0, takes_n=True):
         self.reply, self.delay_s, self.usage, self.models = reply, delay_s, usage, models
+        self.takes_n = takes_n
         self.models_status, self.chunk_chars, self.stall_s = models_status, chunk_chars, stall_s
         self.bodies: list[dict] = []
         self.started = threading.Event()
@@ -50,24 +51,32 @@ class FakeOpenAI:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 fake.bodies.append(body)
                 fake.started.set()
-                text = fake.reply(body["messages"][1]["content"])
+                n = int(body.get("n", 1))
+                if n > 1 and not fake.takes_n:
+                    return self._json(400, {"error": {"message": "only n=1 is supported"}})
+                question = body["messages"][1]["content"]
+                texts = [fake.reply(question) if fake.reply.__code__.co_argcount == 1 else fake.reply(question, i)
+                         for i in range(n)]
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
                 self.wfile.flush()
                 fake.closing.wait(fake.stall_s)  # a long prefill that sends nothing
                 try:
-                    for i in range(0, len(text), fake.chunk_chars):
+                    for i in range(0, max(map(len, texts)), fake.chunk_chars):
                         if fake.closing.is_set():
                             return
                         if fake.delay_s:
                             time.sleep(fake.delay_s)
-                        delta = {"content": text[i:i + fake.chunk_chars]}
-                        self._event({"choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
-                    self._event({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+                        for c, text in enumerate(texts):  # the choices' chunks interleaved
+                            if i < len(text):
+                                delta = {"content": text[i:i + fake.chunk_chars]}
+                                self._event({"choices": [{"index": c, "delta": delta, "finish_reason": None}]})
+                    for c in range(n):
+                        self._event({"choices": [{"index": c, "delta": {}, "finish_reason": "stop"}]})
                     if fake.usage:
-                        self._event({"choices": [], "usage": {"prompt_tokens": 11,
-                                                              "completion_tokens": len(text.split())}})
+                        self._event({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens":
+                                                              sum(len(t.split()) for t in texts)}})
                     self.wfile.write(b"data: [DONE]\n\n")
                     self.wfile.flush()
                 except (BrokenPipeError, ConnectionResetError):

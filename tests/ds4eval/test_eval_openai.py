@@ -225,3 +225,37 @@ def test_without_usage_a_tokenizer_counts_the_tokens():
         [st] = Runner(cfg, [case("x")], backend).run()
         backend.close()
     assert st.tokens_known and (st.prompt_tokens, st.gen_tokens) == (100, 6)
+
+
+def _repeat_run(srv, **kw):
+    cfg = EvalConfig(backend="openai", url=srv.url, served_model="m", repeats=3, temperature=0.7, seed=10, **kw)
+    backend = OpenAIBackend(cfg)
+    runner = Runner(cfg, [case("a"), case("b")], backend)
+    states = runner.run()
+    backend.close()
+    return states, backend
+
+
+def test_repeats_go_out_as_one_request_with_n_and_come_back_per_choice():
+    with FakeOpenAI(reply=lambda q, i: f"sample {i}\nAnswer: {4 if i != 1 else 5}") as srv:
+        states, backend = _repeat_run(srv)
+    assert backend.n_supported is True
+    assert [b.get("n") for b in srv.bodies] == [3, 3] and [b["seed"] for b in srv.bodies] == [10, 10]
+    by = {(s.case.id, s.repeat): s for s in states}
+    assert len(by) == 6
+    for cid in ("a", "b"):
+        assert [by[(cid, r)].output for r in range(3)] == [f"sample {r}\nAnswer: {4 if r != 1 else 5}"
+                                                          for r in range(3)]
+        assert [by[(cid, r)].status.value for r in range(3)] == ["PASSED", "FAILED", "PASSED"]
+        # The usage chunk totals all choices: the prompt is known, each choice's share is not.
+        assert all(by[(cid, r)].prompt_tokens == 11 and not by[(cid, r)].tokens_known for r in range(3))
+
+
+def test_a_server_that_refuses_n_gets_one_request_per_repeat_with_its_own_seed():
+    with FakeOpenAI(takes_n=False) as srv:
+        states, backend = _repeat_run(srv)
+    assert backend.n_supported is False
+    # The refused n=3 request, then one request per repeat, each repeat with seed + r.
+    assert [b.get("n", 1) for b in srv.bodies] == [3, 1, 1, 1, 1, 1, 1]
+    assert [b["seed"] for b in srv.bodies[1:]] == [10, 11, 12, 10, 11, 12]
+    assert all(s.status.value == "PASSED" and s.tokens_known for s in states)
