@@ -395,8 +395,13 @@ def render_compare_html(cmp: Comparison, base_records: Iterable[TraceRecord] = (
     new_rep = run_report.build(new_records, cmp.new.label, written[1]) if new_records else None
     runs = [table(_frame_rows(tb["runs"]), "runs-table")]
     if base_rep and new_rep:
-        runs += ["<h3>provenance</h3>", _note("NEW values equal to BASE are dimmed"),
-                 _provenance_pair(base_rep, new_rep)]
+        b, n = dict(base_rep.provenance), dict(new_rep.provenance)
+        line = "; ".join(f"{k}: BASE {b.get(k, '-')}, NEW {n.get(k, '-')}" for k in ("sampling", "trace written")
+                         if k in b or k in n)
+        differ = sum(b.get(k) != n.get(k) for k in dict.fromkeys([*b, *n]))
+        runs += [_note(line) if line else "",
+                 f"<details><summary>provenance of both runs ({differ} field(s) differ; NEW values equal to BASE "
+                 f"dimmed)</summary>{_provenance_pair(base_rep, new_rep)}</details>"]
     if len(tb["differences"]):
         runs += ["<h3>what differs between the runs</h3>", table(_frame_rows(tb["differences"]), "differences-table")]
     sections.append(_section("provenance", "Runs", *runs))

@@ -71,13 +71,21 @@ def screenshot(html_path: str | os.PathLike, png_path: str | os.PathLike, width:
     """Load the page and write a PNG; height 0 takes the whole page (at most MAX_HEIGHT)."""
     drv = headless_chrome(width, height or 1000)
     try:
+        set_viewport(drv, width, height or 1000)
         drv.get(file_url(html_path, view))
         if not height:
             full = drv.execute_script("return document.documentElement.scrollHeight")
-            drv.set_window_size(width, min(MAX_HEIGHT, int(full) + 40))
+            set_viewport(drv, width, min(MAX_HEIGHT, int(full)))
         drv.save_screenshot(os.fspath(png_path))
     finally:
         drv.quit()
+
+
+def set_viewport(drv, width: int, height: int) -> None:
+    """The page's viewport in CSS pixels, exactly: a window size would include the browser's own
+    frame, which differs between Chromium versions."""
+    drv.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
 
 
 def _render(traces: list[str]) -> str:

@@ -62,10 +62,11 @@ def repeated_records(k: int = 3) -> list[tr.TraceRecord]:
     outputs differ between repeats (non-deterministic)."""
     out = []
     for r in range(k):
-        out.append(rec(1, repeat=r, temperature=0.7, seed=10 + r))
-        out.append(rec(2, "FAILED", "5", repeat=r, temperature=0.7, seed=10 + r))
+        out.append(rec(1, repeat=r, temperature=0.7, seed=10 + r, source="rep"))
+        out.append(rec(2, "FAILED", "5", repeat=r, temperature=0.7, seed=10 + r, source="rep"))
         flaky = "PASSED" if r % 2 == 0 else "FAILED"
-        out.append(rec(3, flaky, "4" if flaky == "PASSED" else "6", repeat=r, temperature=0.7, seed=10 + r))
+        out.append(rec(3, flaky, "4" if flaky == "PASSED" else "6", repeat=r, temperature=0.7, seed=10 + r,
+                       source="rep"))
     return out
 
 

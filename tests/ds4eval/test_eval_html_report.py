@@ -152,7 +152,7 @@ def test_repeats_show_classes_flaky_and_non_deterministic_cases():
     assert {"flaky-table", "nondeterministic-table", "repeats"} <= o.ids()
     assert "pass@1" in page and "pass@3" in page and "pass^3" in page and "flaky 2" in page
     flaky = re.search(r'<table id="flaky-table">.*?</table>', page, re.S)[0]
-    assert "alpha/c3" in flaky and "2/3" in flaky and "P F P" in flaky
+    assert "rep/c3" in flaky and "2/3" in flaky and "P F P" in flaky
     nondet = re.search(r'<table id="nondeterministic-table">.*?</table>', page, re.S)[0]
     assert "gamma/c7" in nondet and "<code>total is 5." in nondet
     assert page.count('<tr class="case"') == 12  # one row per case and repeat
