@@ -465,7 +465,7 @@ def dispatch(cfg: EvalConfig) -> int:
               help="--compare: McNemar p below which a drop is a significant regression.")
 @click.option("--strict", is_flag=True, help="--compare: any pass->fail flip is a regression.")
 @click.option("--format", "compare_format", type=click.Choice(COMPARE_FORMATS), default="text",
-              show_default=True, help="--compare output.")
+              show_default=True, help="--compare output (html: the report page, see --report).")
 @click.option("--allow-diff", "allow_diff", multiple=True, type=click.Choice(ALLOWED_DIFFS),
               help="--compare: keep cases whose model, prompt or sampling differs (the change under test).")
 @click.option("--report", type=click.Path(dir_okay=False), metavar="FILE",

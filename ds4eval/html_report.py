@@ -348,13 +348,6 @@ def _delta_plot(cmp: Comparison) -> str:
                         "interval", zero=0.0, signed=True)
 
 
-def _method(cmp: Comparison) -> str:
-    iv, t = cmp.total.interval, cmp.total.test
-    return (f"delta = NEW rate − BASE rate on the {cmp.total.cases} comparable cases; 95% CI: paired bootstrap over "
-            f"cases, {iv.resamples:,} resamples, seed {iv.seed}; p: exact McNemar on the {t.discordant} discordant "
-            f"cases, mid-p beside it")
-
-
 def _change(row) -> tuple[str, str]:
     """(filter token, shown text) of one matched case."""
     if row.excluded:
@@ -409,7 +402,8 @@ def render_compare_html(cmp: Comparison, base_records: Iterable[TraceRecord] = (
     rates = _frame_rows(tb["rates"])
     for row in rates:
         row["source"] = source_link(row["source"])
-    sections.append(_section("rates", "Pass rates", table(rates, "rate-table"), _note(_method(cmp)), _delta_plot(cmp)))
+    sections.append(_section("rates", "Pass rates", table(rates, "rate-table"),
+                             _note(compare_report.method_note(cmp)), _delta_plot(cmp)))
 
     c = cmp.cases
     sections.append(_section("lengths", "Generated tokens", table(_frame_rows(tb["time"]), "time-table"),
@@ -421,24 +415,13 @@ def render_compare_html(cmp: Comparison, base_records: Iterable[TraceRecord] = (
                              if len(tb["lengths"]) else ""))
 
     row_of = {(s, i): f"case-{k}" for k, (s, i) in enumerate(zip(c["source"], c["id"]), 1)}
-    t = cmp.total
-    flips = []
-    for f in cmp.flips:
-        kind = ("no answer found" if f.no_answer else "wrong answer") if f.direction == "pass->fail" \
-            else ("was no answer" if f.no_answer else "was a wrong answer")
-        expected = f.base_expected if f.base_expected == f.new_expected else f"{f.base_expected} | {f.new_expected}"
-        flips.append({"flip": compare_report.ARROW[f.direction],
-                      "case": Html(f'<a href="#{row_of[(f.source, f.id)]}">{esc(f.name)}</a>'),
-                      "BASE picked": picked_text(f.base_picked), "NEW picked": picked_text(f.new_picked),
-                      "expected": expected, "kind": kind})
-    flip_summary = (f"pass→fail {t.pass_fail} ({t.pass_fail - t.pass_fail_no_answer} wrong answer, "
-                    f"{t.pass_fail_no_answer} no answer found); fail→pass {t.fail_pass}; no answer found among "
-                    f"failures: BASE {t.base_no_answer}, NEW {t.new_no_answer}")
+    flips = _frame_rows(tb["flips"])
+    for row, f in zip(flips, cmp.flips):  # the table lists cmp.flips in order
+        row["case"] = Html(f'<a href="#{row_of[(f.source, f.id)]}">{esc(f.name)}</a>')
     lost = _note("lost passes (passed in BASE, no verdict in NEW): " + ", ".join(cmp.lost_passes)) \
         if cmp.lost_passes else ""
-    sections.append(_section("flips", "Flips", _note(flip_summary),
-                             table(flips, "flip-table", columns=["flip", "case", "BASE picked", "NEW picked",
-                                                                 "expected", "kind"]), lost))
+    sections.append(_section("flips", "Flips", _note(compare_report.flip_summary(cmp)),
+                             table(flips, "flip-table", columns=list(tb["flips"].columns)), lost))
 
     for side, rep in (("BASE", base_rep), ("NEW", new_rep)):
         if rep is not None and rep.repeats is not None:
@@ -492,8 +475,10 @@ def _tokens_html(context: Sequence[str], start: int, position: int | None) -> st
 CSS = """
 :root { --base: #3b6fb6; --new: #e07b28; --run: #3b6fb6; --pass: #1e7d32; --fail: #c62828; --other: #8d6e00;
         --dim: #777; --line: #ddd; }
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em; color: #222; max-width: 1500px; }
-h1 { font-size: 1.4em; margin: 0 0 .3em; } h2 { font-size: 1.15em; margin: 1.6em 0 .5em; border-bottom: 1px solid var(--line); }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em; color: #222;
+       max-width: 1500px; }
+h1 { font-size: 1.4em; margin: 0 0 .3em; }
+h2 { font-size: 1.15em; margin: 1.6em 0 .5em; border-bottom: 1px solid var(--line); }
 h3 { font-size: 1em; margin: 1.2em 0 .4em; } h4 { margin: .6em 0 .2em; font-size: .95em; }
 table { border-collapse: collapse; margin: .3em 0; }
 th, td { border: 1px solid var(--line); padding: 3px 7px; text-align: left; vertical-align: top; }
@@ -503,7 +488,8 @@ td { overflow-wrap: break-word; max-width: 32em; }
 .cases td:nth-child(2) { min-width: 10em; }
 table.kv td:first-child { color: var(--dim); }
 .note { color: var(--dim); margin: .3em 0; }
-.headline, .verdict { font-weight: 600; font-size: 1.05em; padding: .4em .7em; background: #f4f4f4; display: inline-block; }
+.headline, .verdict { font-weight: 600; font-size: 1.05em; padding: .4em .7em; background: #f4f4f4;
+                      display: inline-block; }
 .verdict.bad { background: #fde8e8; color: var(--fail); } .verdict.good { background: #e8f5e9; color: var(--pass); }
 .st { font-weight: 600; } .st-PASSED { color: var(--pass); } .st-FAILED { color: var(--fail); }
 .st-SKIPPED, .st-STOPPED, .st-ERROR, .st-other { color: var(--other); }

@@ -5,7 +5,8 @@ without a display.
     python -m ds4eval.screenshot BASE.trace NEW.trace OUT.png    # a comparison
     python -m ds4eval.screenshot RUN.trace OUT.png               # one run
     options: --html FILE (default OUT with .html), --width 1400, --height 0 (the whole page,
-             at most MAX_HEIGHT), --view 'status=FAILED' (a filtered view, as the URL hash)
+             at most MAX_HEIGHT), --view 'status=FAILED' (a filtered view, as the URL hash),
+             --allow-diff model|prompt|sampling (as for ds4-eval --compare)
 
 Contract
 - `headless_chrome(width, height)` starts Chromium through selenium with flags that work as
@@ -26,6 +27,8 @@ import sys
 from pathlib import Path
 
 import click
+
+from ds4eval.config import ALLOWED_DIFFS
 
 MAX_HEIGHT = 12000  # pixels: a whole-page shot of a thousand-case report stops here
 CHROME_FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--hide-scrollbars")
@@ -88,7 +91,7 @@ def set_viewport(drv, width: int, height: int) -> None:
                         {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
 
 
-def _render(traces: list[str]) -> str:
+def _render(traces: list[str], allow: tuple[str, ...] = ()) -> str:
     from ds4eval import compare, html_report, trace
 
     texts = []
@@ -98,7 +101,7 @@ def _render(traces: list[str]) -> str:
     if len(traces) == 1:
         return html_report.render_run_html(trace.parse_trace(texts[0]).records, traces[0])
     base, new = (compare.read_run(t, p) for t, p in zip(texts, traces))
-    result = compare.compare(base, new)
+    result = compare.compare(base, new, allow=allow)
     records = [trace.parse_trace(t).records if not t.lstrip().startswith("{") else [] for t in texts]
     return html_report.render_compare_html(result, records[0], records[1])
 
@@ -109,7 +112,9 @@ def _render(traces: list[str]) -> str:
 @click.option("--width", type=int, default=1400, show_default=True)
 @click.option("--height", type=int, default=0, show_default=True, help="0: the whole page.")
 @click.option("--view", default="", help="URL hash of a filtered view, e.g. 'status=pass-fail'.")
-def main(paths, html_path, width, height, view) -> None:
+@click.option("--allow-diff", "allow_diff", multiple=True, type=click.Choice(ALLOWED_DIFFS),
+              help="As for ds4-eval --compare: keep cases whose model, prompt or sampling differs.")
+def main(paths, html_path, width, height, view, allow_diff) -> None:
     """Screenshot the HTML report of one trace or of a comparison of two."""
     from ds4eval.atomicfile import write_text_atomic
     from ds4eval.compare import CompareInputError
@@ -120,7 +125,7 @@ def main(paths, html_path, width, height, view) -> None:
     *traces, png = paths
     html_path = html_path or str(Path(png).with_suffix(".html"))
     try:
-        write_text_atomic(html_path, _render(traces))
+        write_text_atomic(html_path, _render(traces, tuple(allow_diff)))
         screenshot(html_path, png, width, height, view)
     except (OSError, UnicodeDecodeError, CompareInputError, BrowserMissing) as e:
         click.echo(f"ds4eval.screenshot: error: {e}", err=True)

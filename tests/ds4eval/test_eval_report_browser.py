@@ -56,7 +56,7 @@ def test_comparison_page_renders_filters_and_screenshots(driver, tmp_path):
         assert driver.find_element(By.ID, table_id).is_displayed()
     hist = driver.find_element(By.ID, "length-histogram")
     assert hist.tag_name == "svg" and hist.size["width"] > 300
-    assert len(hist.find_elements(By.CSS_SELECTOR, "rect.s-base")) and len(hist.find_elements(By.CSS_SELECTOR, "rect.s-new"))
+    assert hist.find_elements(By.CSS_SELECTOR, "rect.s-base") and hist.find_elements(By.CSS_SELECTOR, "rect.s-new")
     assert len(driver.find_elements(By.CSS_SELECTOR, "#delta-plot circle")) == 3  # alpha, beta, TOTAL
     assert len(_visible_rows(driver)) == 10
     assert driver.find_element(By.ID, "filter-count").text == "10 of 10 shown"
