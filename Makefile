@@ -12,7 +12,8 @@ SPEED_THRESHOLD ?= 0.10
 # ds4-eval and ds4-server streams must decode at this fraction of the raw engine, same run.
 PRODUCT_FLOOR ?= 0.90
 
-.PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean
+.PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
+        setup-browser test-browser screenshot
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -72,6 +73,24 @@ test: setup
 	$(PY) -m quality_testing.compare_frontier_logits
 	$(MAKE) --no-print-directory gate-quality
 	$(MAKE) --no-print-directory ci-speed
+
+# Headless Chromium (Debian/Ubuntu packages, through sudo unless root) and selenium (the `browser`
+# extra): the HTML report's browser test and `make screenshot` need them; everything else runs without.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+setup-browser: setup
+	$(SUDO) apt-get update
+	$(SUDO) apt-get install -y chromium chromium-driver
+	$(PY) -m pip install -q -e '.[browser,dev,reference]'
+
+# The HTML reports in a real headless browser (skipped when Chromium or selenium is missing).
+test-browser: setup
+	$(PY) -m pytest -q -m browser tests/ds4eval
+
+# The HTML report of BASE_TRACE against NEW_TRACE (or of BASE_TRACE alone) and a PNG of it:
+#   make screenshot BASE_TRACE=f16.trace NEW_TRACE=f32.trace OUT=report.png [VIEW=status=pass-fail]
+screenshot: setup
+	@test -n "$(BASE_TRACE)" || { echo "usage: make screenshot BASE_TRACE=a.trace [NEW_TRACE=b.trace] [OUT=report.png] [VIEW=status=FAILED]"; exit 2; }
+	$(PY) -m ds4eval.screenshot $(BASE_TRACE) $(NEW_TRACE) $(or $(OUT),report.png) $(if $(VIEW),--view '$(VIEW)')
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

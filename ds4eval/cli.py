@@ -2,7 +2,9 @@
 
 Modes (at most one): run a suite (default), --list-cases, --validate-cases,
 --self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull, --compare
-(exit status 1 for a regression, 2 for input it cannot compare).
+(exit status 1 for a regression, 2 for input it cannot compare), --report-from (a report of an
+existing trace). --report FILE writes the report of a run (rendered from the trace it wrote),
+of --compare or of --report-from (`ds4eval.reports`).
 A run shows the live terminal UI (`ds4eval.tui`) when stdin and stdout are terminals and
 --plain is not given; otherwise it prints one line per finished case. Both end with the same
 report. Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
@@ -17,8 +19,10 @@ library modules; this module only wires them together.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
+from datetime import datetime
 from pathlib import Path
 
 import click
@@ -214,8 +218,12 @@ def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repea
 
 
 def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None,
-              repeats: list[int] | None = None) -> int:
+              repeats: list[int] | None = None, report_whole_trace: bool = False) -> int:
+    """Run the cases; with --report, the report covers the records this run appends to the trace
+    (the whole trace with `report_whole_trace`, as a retry completes the run it retries)."""
     from ds4eval.backends import BackendUnavailable, create_backend
+
+    report_offset = 0 if report_whole_trace or not cfg.report else _file_size(cfg.trace)
 
     try:
         backend = create_backend(cfg)
@@ -246,6 +254,8 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     click.echo(report.render_report(summary))
     if cfg.summary:
         write_text_atomic(cfg.summary, json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+    if cfg.report:
+        _write_run_report(cfg, report_offset)
     if failed:
         click.echo(f"ds4-eval: error: the run failed: {failed}", err=True)
         return 1
@@ -276,7 +286,7 @@ def cmd_retry(cfg: EvalConfig) -> int:
     what = "incomplete case(s)" if cfg.repeats == 1 else f"incomplete repeat(s) of {cfg.repeats}"
     click.echo(f"retrying {len(todo)} {what} from {path}")
     return run_cases(cfg, [known[(s, i)] for s, i, _ in todo], [numbers[(s, i)] for s, i, _ in todo],
-                     [r for _, _, r in todo])
+                     [r for _, _, r in todo], report_whole_trace=True)
 
 
 def _read(path: str) -> str:
@@ -307,18 +317,79 @@ def _read_trace(path: str) -> trace.ParsedTrace:
 
 def cmd_compare(cfg: EvalConfig) -> int:
     from ds4eval import compare as cmp
-    from ds4eval import compare_report
+    from ds4eval import reports
 
     base_path, new_path = cfg.compare
     with cmp.collector_paused():
+        base_text, new_text = _read(base_path), _read(new_path)
         try:
-            base = cmp.read_run(_read(base_path), base_path)
-            new = cmp.read_run(_read(new_path), new_path)
+            base = cmp.read_run(base_text, base_path)
+            new = cmp.read_run(new_text, new_path)
             result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
         except cmp.CompareInputError as e:
             raise UsageFailure(str(e)) from None
-        click.echo(compare_report.render(result, cfg.compare_format), nl=False)
+        formats = {cfg.compare_format} | ({reports.report_format(cfg.report)} if cfg.report else set())
+        # Only the HTML page shows outputs, so only it needs the traces read a second time, as records.
+        records = (reports.trace_records(base_text), reports.trace_records(new_text)) if "html" in formats \
+            else ([], [])
+        written = (_modified(base_path), _modified(new_path))
+        click.echo(reports.render_comparison(result, cfg.compare_format, *records, written), nl=False)
+        if cfg.report:
+            _write_report(cfg.report, reports.render_comparison(result, reports.report_format(cfg.report),
+                                                                *records, written))
     return result.exit_status
+
+
+# ---------------------------------------------------------------- reports
+
+def _file_size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def _modified(path: str) -> str:
+    """When a file was last written, local time; empty when unknown."""
+    try:
+        return datetime.fromtimestamp(os.stat(path).st_mtime).astimezone().strftime("%Y-%m-%d %H:%M:%S %z")
+    except OSError:
+        return ""
+
+
+def _write_report(path: str, text: str) -> None:
+    try:
+        write_text_atomic(path, text)
+    except OSError as e:
+        raise UsageFailure(f"cannot write the report {path}: {e.strerror or e}") from None
+
+
+def _write_run_report(cfg: EvalConfig, offset: int) -> None:
+    """The report of the records the run appended to its trace from `offset` on."""
+    from ds4eval import reports
+
+    data = _read_bytes(cfg.trace) if os.path.exists(cfg.trace) else b""
+    parsed = trace.parse_trace_bytes(data[offset:])
+    fmt = reports.report_format(cfg.report)
+    _write_report(cfg.report, reports.render_run(parsed.records, fmt, cfg.trace, _modified(cfg.trace)))
+
+
+def cmd_report_from(cfg: EvalConfig) -> int:
+    from ds4eval import reports
+
+    path = cfg.report_from
+    parsed = _read_trace(path)
+    for p in parsed.problems:
+        click.echo(f"warning: {path}: {p}", err=True)
+    if not parsed.records:
+        raise UsageFailure(f"{path}: no case blocks to report")
+    fmt = reports.report_format(cfg.report) if cfg.report else "markdown"
+    text = reports.render_run(parsed.records, fmt, path, _modified(path))
+    if cfg.report:
+        _write_report(cfg.report, text)
+    else:
+        click.echo(text, nl=False)
+    return 0
 
 
 def dispatch(cfg: EvalConfig) -> int:
@@ -340,6 +411,8 @@ def dispatch(cfg: EvalConfig) -> int:
         return cmd_list(cfg)
     if cfg.retry_incomplete:
         return cmd_retry(cfg)
+    if cfg.report_from:
+        return cmd_report_from(cfg)
     return run_cases(cfg, load_selected(cfg))
 
 
@@ -401,9 +474,14 @@ def dispatch(cfg: EvalConfig) -> int:
               help="--compare: McNemar p below which a drop is a significant regression.")
 @click.option("--strict", is_flag=True, help="--compare: any pass->fail flip is a regression.")
 @click.option("--format", "compare_format", type=click.Choice(COMPARE_FORMATS), default="text",
-              show_default=True, help="--compare output.")
+              show_default=True, help="--compare output (html: the report page, see --report).")
 @click.option("--allow-diff", "allow_diff", multiple=True, type=click.Choice(ALLOWED_DIFFS),
               help="--compare: keep cases whose model, prompt or sampling differs (the change under test).")
+@click.option("--report", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Write the report of the run (needs --trace), of --compare or of --report-from: "
+                   "HTML, or markdown if FILE ends in .md.")
+@click.option("--report-from", type=click.Path(dir_okay=False), metavar="TRACE",
+              help="Report on an existing trace: to --report FILE, else markdown on stdout.")
 def main(case_ids, domains, sources, nothink, trace_path, **kw) -> None:
     """ds4-eval: run evaluation suites, grade outputs, regrade traces."""
     cfg = EvalConfig(case_ids=tuple(case_ids), domains=tuple(domains), sources=tuple(sources),

@@ -6,6 +6,8 @@ Contract
   tokens and time, length changes, differences), already formatted for display.
 - `render(cmp, fmt)` with fmt "text" (tables through tabulate), "markdown" (pipe tables through
   pandas' `to_markdown`) or "json" (`as_json(cmp)`, numbers unformatted). Pure.
+- `flip_summary(cmp)` and `method_note(cmp)`: the one-line texts under Flips and Pass rates,
+  shared with the HTML page (`html_report`).
 It computes nothing new: every figure comes from the Comparison.
 """
 
@@ -137,7 +139,8 @@ def _render_diff_lines(d: RenderDiff) -> list[str]:
     return lines
 
 
-def _flip_summary(cmp: Comparison) -> str:
+def flip_summary(cmp: Comparison) -> str:
+    """One line: the flips by kind and the unparsed answers on each side."""
     t = cmp.total
     return (f"pass→fail {t.pass_fail} ({t.pass_fail - t.pass_fail_no_answer} wrong answer, "
             f"{t.pass_fail_no_answer} no answer found); fail→pass {t.fail_pass} "
@@ -145,7 +148,8 @@ def _flip_summary(cmp: Comparison) -> str:
             f"BASE {t.base_no_answer}, NEW {t.new_no_answer}")
 
 
-def _method(cmp: Comparison) -> str:
+def method_note(cmp: Comparison) -> str:
+    """One line: what the delta, its interval and the p-values are."""
     iv = cmp.total.interval
     return (f"delta = NEW rate - BASE rate on the {cmp.total.cases} comparable cases; 95% CI: paired bootstrap "
             f"over cases, {iv.resamples:,} resamples, seed {iv.seed}; p: exact McNemar (two-sided binomial test "
@@ -186,8 +190,8 @@ def _sections(cmp: Comparison) -> list[tuple[str, object]]:
         ("Runs", tb["runs"]),
         *(_repeat_sections(cmp.repeats, cmp.alpha) if cmp.repeats is not None else []),
         ("Pass rates" + first, tb["rates"]),
-        ("", [_method(cmp)]),
-        ("Flips" + first, [_flip_summary(cmp)]),
+        ("", [method_note(cmp)]),
+        ("Flips" + first, [flip_summary(cmp)]),
     ]
     if len(tb["flips"]):
         out.append(("", tb["flips"]))

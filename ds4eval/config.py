@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 BACKENDS = ("engine", "openai")
 KV_TYPES = ("f32", "f16", "bf16")
-COMPARE_FORMATS = ("text", "markdown", "json")
+COMPARE_FORMATS = ("text", "markdown", "json", "html")
 ALLOWED_DIFFS = ("model", "prompt", "sampling")
 DEFAULT_TOKENS = 16000
 # Pinned upstream revision that --data-pull fetches (see ds4eval/datapull.py).
@@ -122,10 +122,20 @@ class EvalConfig:
     strict: bool = False
     """--strict: any pass->fail flip (or a lost pass) fails the comparison."""
     compare_format: str = "text"
-    """--format: text, markdown or json."""
+    """--format: text, markdown, json or html (the page `--report FILE.html` writes)."""
     allow_diff: tuple[str, ...] = ()
     """--allow-diff model|prompt|sampling: differences that are the change under test, so
     the cases they touch stay in the verdict (by default they are excluded with a warning)."""
+
+    # --- reports (ds4eval.reports)
+    report: str | None = None
+    """--report FILE: write the report of the run, of --compare or of --report-from there; HTML
+    (one self-contained page), or markdown when FILE ends in .md. A run needs --trace: its
+    report is rendered from the records it wrote to the trace."""
+    report_from: str | None = None
+    """--report-from TRACE: render the report of an existing trace (to --report FILE, else
+    markdown on stdout) without running anything."""
+
     def request_extra_fields(self) -> dict:
         """--request-extra parsed (empty when not given); ConfigError when it is not an object."""
         return _json_object("--request-extra", self.request_extra)
@@ -176,10 +186,10 @@ class EvalConfig:
         if self.think_hard_reserve < 0 or self.think_soft_reserve < self.think_hard_reserve:
             raise ConfigError("think reserves must satisfy 0 <= hard <= soft")
         modes = [self.list_cases, self.validate_cases, self.self_test_extractors, bool(self.grade_file),
-                 bool(self.regrade), bool(self.retry_incomplete), self.data_pull]
+                 bool(self.regrade), bool(self.retry_incomplete), self.data_pull, bool(self.report_from)]
         if sum(modes) > 1:
             raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
-                              "--grade-file, --regrade, --retry-incomplete, --data-pull")
+                              "--grade-file, --regrade, --retry-incomplete, --data-pull, --report-from")
         if self.compare is not None and sum(modes):
             raise ConfigError("--compare runs alone: it takes no other mode")
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
@@ -192,6 +202,19 @@ class EvalConfig:
             raise ConfigError(f"--format must be one of {', '.join(COMPARE_FORMATS)}")
         if set(self.allow_diff) - set(ALLOWED_DIFFS):
             raise ConfigError(f"--allow-diff takes {', '.join(ALLOWED_DIFFS)}")
+        self._validate_report()
+
+    def _validate_report(self) -> None:
+        if self.report is None:
+            return
+        if not self.report:
+            raise ConfigError("--report needs a file name")
+        if self.list_cases or self.validate_cases or self.self_test_extractors or self.grade_file \
+                or self.regrade or self.data_pull:
+            raise ConfigError("--report applies to a run, --compare or --report-from")
+        if not (self.compare or self.report_from or self.trace or self.retry_incomplete):
+            raise ConfigError("--report needs --trace FILE for a run: the report is rendered from the records "
+                              "the run writes to its trace")
 
 
 def _json_object(flag: str, raw: str | None) -> dict:

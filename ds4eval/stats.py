@@ -18,6 +18,9 @@ Contract
   "at least one of k samples passes" and "all k pass" from c passes in n samples;
   `fisher_exact(a, b, c, d)` tests a case's pass counts on two sides (exact, two-sided and both
   one-sided p-values); `bootstrap_mean(values)` is the percentile interval of a mean over cases.
+- One run: `wilson(passed, n, level=0.95) -> RateInterval` is the Wilson score interval of a
+  pass rate (closed form, no resampling). It stays inside [0, 1] and is not degenerate at 0 or
+  n passes, where the normal-approximation (Wald) interval collapses to a point.
 It does not decide what is a regression (see `compare`).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Sequence
 
 import numpy as np
@@ -187,3 +191,32 @@ def bootstrap_mean(values: Sequence[float], resamples: int = BOOTSTRAP_RESAMPLES
     tail = (1.0 - level) / 2
     low, high = np.quantile(allm, [tail, 1.0 - tail])
     return MeanInterval(mean, float(low), float(high), level, resamples, seed, int(v.size))
+
+
+# ---------------------------------------------------------------- one run
+
+@dataclass(frozen=True)
+class RateInterval:
+    passed: int
+    n: int
+    rate: float  # passed / n
+    low: float
+    high: float
+    level: float
+
+
+def wilson(passed: int, n: int, level: float = 0.95) -> RateInterval:
+    """Wilson score interval of the pass rate passed/n (Wilson 1927): the rates p whose
+    normal-approximation test |passed/n - p| <= z sqrt(p (1 - p) / n) does not reject."""
+    if n < 1 or not 0 <= passed <= n:
+        raise ValueError(f"need n >= 1 and 0 <= passed <= n (got passed={passed}, n={n})")
+    if not 0 < level < 1:
+        raise ValueError("need 0 < level < 1")
+    z = NormalDist().inv_cdf(1 - (1 - level) / 2)
+    p, z2 = passed / n, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z / (1 + z2 / n) * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n))
+    # At 0 or n passes the bound is exactly 0 or 1; rounding would leave it a hair off.
+    low = 0.0 if passed == 0 else max(0.0, centre - half)
+    high = 1.0 if passed == n else min(1.0, centre + half)
+    return RateInterval(passed, n, p, low, high, level)

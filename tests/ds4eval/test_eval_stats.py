@@ -184,3 +184,49 @@ def test_bootstrap_mean_covers_the_true_mean():
     same = stats.bootstrap_mean([0.5, 0.5])
     assert (same.mean, same.low, same.high) == (0.5, 0.5, 0.5)
     assert stats.bootstrap_mean([0.0, 1.0, 1.0], seed=5) == stats.bootstrap_mean([0.0, 1.0, 1.0], seed=5)
+
+
+# ---------------------------------------------------------------- one run
+
+@pytest.mark.parametrize("passed, n, low, high", [
+    # Textbook values of the 95% Wilson interval.
+    (5, 10, 0.23659, 0.76341),
+    (0, 10, 0.0, 0.27753),
+    (10, 10, 0.72247, 1.0),
+    (1, 1, 0.20654, 1.0),
+])
+def test_wilson_known_values(passed, n, low, high):
+    iv = stats.wilson(passed, n)
+    assert iv.rate == passed / n and iv.level == 0.95
+    assert iv.low == pytest.approx(low, abs=1e-4) and iv.high == pytest.approx(high, abs=1e-4)
+
+
+def test_wilson_bounds_are_where_the_score_test_just_rejects():
+    # Each bound p solves (k/n - p)^2 = z^2 p (1 - p) / n.
+    z = 1.959963984540054
+    for k, n in ((13, 41), (3, 200), (99, 100)):
+        iv = stats.wilson(k, n)
+        for p in (iv.low, iv.high):
+            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
+
+
+def test_wilson_bounds_and_coverage():
+    # Inside [0, 1], around the rate, exact at the ends, wider at a higher level.
+    for n in (1, 2, 7, 50):
+        for k in range(n + 1):
+            iv = stats.wilson(k, n)
+            assert 0.0 <= iv.low <= iv.rate <= iv.high <= 1.0
+            wide = stats.wilson(k, n, level=0.99)
+            assert wide.low <= iv.low and wide.high >= iv.high
+    assert stats.wilson(0, 5).low == 0.0 and stats.wilson(5, 5).high == 1.0
+    # Coverage of the true rate over binomial draws is close to the nominal 95%.
+    rng = np.random.default_rng(7)
+    draws = rng.binomial(80, 0.3, size=2000)
+    covered = np.mean([stats.wilson(int(k), 80).low <= 0.3 <= stats.wilson(int(k), 80).high for k in draws])
+    assert 0.92 <= covered <= 0.98
+
+
+@pytest.mark.parametrize("passed, n, level", [(1, 0, 0.95), (-1, 3, 0.95), (4, 3, 0.95), (1, 3, 1.0)])
+def test_wilson_rejects_bad_input(passed, n, level):
+    with pytest.raises(ValueError):
+        stats.wilson(passed, n, level)
