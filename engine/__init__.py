@@ -60,6 +60,7 @@ it also uses only the cores that other processes leave free, re-read every half 
 It does not know about HTTP, chat APIs, tool syntaxes or benchmarks.
 """
 
+from engine.batch import BatchScheduler, CapacityError, GenRequest
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.model import Model, ModelLoadError, default_model_path, generate, load_model
@@ -69,6 +70,6 @@ from engine.threads import EngineThread
 from engine.tokenizer import TextStream
 
 __all__ = [
-    "Cancelled", "EngineThread", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
+    "BatchScheduler", "CapacityError", "Cancelled", "EngineThread", "GenRequest", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
     "TextStream", "UnsupportedModel", "default_model_path", "generate", "load_model",
 ]
