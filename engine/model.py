@@ -124,12 +124,16 @@ class Model:
                     **extra: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt: special tokens parsed, BOS added when the model wants it."""
-        ids = self.tokenize(text, special=True)
-        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids = [self.bos_id] + ids
-        return ids
+    def prompt_ids(self, ids: list[int]) -> list[int]:
+        """The ids a prompt is evaluated as: BOS first when the model adds one and `ids` do not
+        start with it (the one place that rule lives).  Returns a new list; callers tokenize
+        the text first (`tokenize(text, special=True)` for a rendered chat)."""
+        if isinstance(ids, str):  # the text-taking form is gone; fail where a caller still uses it
+            raise TypeError("prompt_ids takes token ids: tokenize the text first")
+        bos = self.bos_id
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            return [bos, *ids]
+        return list(ids)
 
     # --- sessions and memory ---
     def new_session(self) -> Session:

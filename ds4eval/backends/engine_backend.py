@@ -322,10 +322,7 @@ class EngineBackend:
         return self.model.render_chat(messages, add_generation_prompt=True, **extra)
 
     def prompt_ids(self, text: str) -> list[int]:
-        ids = self.model.tokenize(text, special=True)
-        if getattr(self.model, "add_bos", False) and (not ids or ids[0] != self.model.bos_id):
-            ids = [self.model.bos_id] + ids
-        return ids
+        return self.model.prompt_ids(self.model.tokenize(text, special=True))
 
     def _plan(self, job: GenerationJob) -> tuple[_Plan, GenerationResult]:
         think = job.think and self.supports_thinking

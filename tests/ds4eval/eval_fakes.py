@@ -128,6 +128,11 @@ class FakeModel:
                 i += 1
         return out
 
+    def prompt_ids(self, ids) -> list[int]:
+        if self.add_bos and (not ids or ids[0] != self.bos_id):
+            return [self.bos_id, *ids]
+        return list(ids)
+
     def detokenize(self, ids) -> str:
         inv = {v: k for k, v in SPECIALS.items()}
         out, buf = [], b""
