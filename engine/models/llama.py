@@ -157,11 +157,11 @@ class LlamaModel:
         acts = 4 * T * (cfg.n_embd * 4 + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff) + 4 * cfg.n_head * T * ctx
         return acts + 4 * cfg.n_vocab
 
-    def new_cache(self, n_ctx: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
         cfg = self.cfg
         return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
-    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype = torch.float32) -> KVPool:
+    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
         cfg = self.cfg
         return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
