@@ -2,7 +2,7 @@
 
 It satisfies the engine's Protocols (engine/protocols.py; tests/engine/test_protocols.py
 checks it against them and against the real classes):
-- `FAKE_ENGINE` (EngineAPI): `FakeSamplingParams` (the real fields), `FakeSampler` (argmax at
+- `FAKE_ENGINE` (EngineAPI): `FakeSamplingParams` (the real fields, another type), `FakeSampler` (argmax at
   temperature 0, else a seeded draw), `FakeCancelled`, `FakeScheduler` (the scheduling
   contract of engine.batch.BatchScheduler over any fake sessions, without prefill chunks) and
   the engine's own `GenRequest` (plain data).
@@ -24,6 +24,7 @@ beyond building small logits tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -34,20 +35,18 @@ from typing import Any, Callable
 import torch
 
 from engine.batch import GenRequest
+from engine.sampling import SamplingParams
 
 
 class FakeCancelled(Exception):
     pass
 
 
-@dataclass(frozen=True)
-class FakeSamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    argmax_ignoring_eos: bool = False
+# The engine's fields and defaults, made here so they cannot drift; a distinct type, so a test
+# sees whether the code under test used the injected engine or imported the real one.
+FakeSamplingParams = dataclasses.make_dataclass(
+    "FakeSamplingParams", [(f.name, f.type, dataclasses.field(default=f.default))
+                           for f in dataclasses.fields(SamplingParams)], frozen=True)
 
 
 class FakeSampler:
@@ -223,12 +222,8 @@ class FakeModel:
                  path: str = "/dev/null", add_bos: bool = False) -> None:
         reply = DEFAULT_REPLY if reply is None else reply
         self.reply = reply if callable(reply) else (lambda _prompt, r=reply: r)
-        self.vocab = vocab
-        self.thinking = thinking
-        self.n_ctx = n_ctx
-        self.prefill_chunk = prefill_chunk
-        self.prefill_delay = prefill_delay
-        self.decode_delay = decode_delay
+        self.vocab, self.thinking, self.n_ctx = vocab, thinking, n_ctx
+        self.prefill_chunk, self.prefill_delay, self.decode_delay = prefill_chunk, prefill_delay, decode_delay
         # Text the template writes after the assistant header (e.g. "<think>\n" for thinking models).
         self.generation_prefix = generation_prefix
         self.name, self.path, self.add_bos = name, path, add_bos
