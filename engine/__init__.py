@@ -6,7 +6,8 @@ Everything not re-exported here is internal.
     from engine import load_model, SamplingParams
 
     model = load_model()                       # embedded SmolLM2-135M-Instruct (Q4_1)
-    ids = model.tokenize(model.render_chat([{"role": "user", "content": "Hi"}]), special=True)
+    text = model.render_chat([{"role": "user", "content": "Hi"}])
+    ids = model.prompt_ids(model.tokenize(text, special=True))
     s = model.new_session()
     reused = s.sync(ids)                        # prefix reuse + chunked prefill
     for tok in generate(s, SamplingParams(temperature=0), max_tokens=32):
@@ -22,8 +23,9 @@ weights, bf16 on CUDA);
     `quant` (the dominant tensor type), `metadata` (every GGUF key as a Python value),
     `load_seconds`.
   - `tokenize(text, special=False) -> list[int]`: with `special=True` special-token
-    text such as `<|im_start|>` becomes its single id; never adds BOS by itself
-    (`add_bos` does, for models that want one: `model.add_bos`).
+    text such as `<|im_start|>` becomes its single id; never adds BOS by itself.
+  - `prompt_ids(ids) -> list[int]`: the one add-BOS rule — a new list with `bos_id` first
+    when `add_bos` and the ids do not already start with it.
   - `detokenize(ids) -> str`, `text_stream() -> TextStream` (incremental, UTF-8 safe).
   - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`.
   - `new_session() -> Session`; `new_sessions(n) -> list[Session]`: n sessions whose
@@ -44,7 +46,16 @@ Session:
   - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
   - `start_prefill(ids) -> Prefill`: the rest of a sync as `step()`s, for schedulers.
 
-Batching (`engine.batch`): `decode_batch(sessions, tokens)` evaluates one token for each
+Contract (`engine.protocols`): `EngineAPI` (this package's `SamplingParams`, `Sampler`,
+`Cancelled`, `BatchScheduler`, `GenRequest`: the server and ds4-eval take any object that has
+them, so tests inject a fake), `ModelLike` (what they use of a Model), `SessionLike`, and
+`Network`, the per-family forward pass.  Architectures (`engine.models.ARCHITECTURES`):
+GGUF `general.architecture` -> the module and class of its Network; a new family is one
+module under engine/models/ and one registry line, and `Model` asks its network for the KV
+bytes per token and a step's working buffers.  `engine.session.common_prefix(a, b)` is the
+one longest-common-prefix count.
+
+Batching (`engine.batch`, `BatchScheduler` and `GenRequest` also at top level): `decode_batch(sessions, tokens)` evaluates one token for each
 of N sessions in one forward pass, each row's logits bitwise equal to decoding it alone
 (on CPU; on CUDA within the kernels' rounding); `BatchScheduler(model, n_slots)` runs `GenRequest`s,
 interleaving prefill chunks with batched decode steps; `check_capacity` refuses
@@ -60,6 +71,7 @@ it also uses only the cores that other processes leave free, re-read every half 
 It does not know about HTTP, chat APIs, tool syntaxes or benchmarks.
 """
 
+from engine.batch import BatchScheduler, CapacityError, GenRequest
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.model import Model, ModelLoadError, default_model_path, generate, load_model
@@ -69,6 +81,6 @@ from engine.threads import EngineThread
 from engine.tokenizer import TextStream
 
 __all__ = [
-    "Cancelled", "EngineThread", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
+    "BatchScheduler", "CapacityError", "Cancelled", "EngineThread", "GenRequest", "Model", "ModelConfig", "ModelLoadError", "Sampler", "SamplingParams", "Session",
     "TextStream", "UnsupportedModel", "default_model_path", "generate", "load_model",
 ]

@@ -1,7 +1,7 @@
 """Batched sessions: several resident sessions decoding together.
 
 - `decode_batch(sessions, tokens)` evaluates one token for each of N sessions in one forward
-  pass (`LlamaModel.forward_rows`): the weights are read once for all rows, and each row
+  pass (the network's `forward_rows`): the weights are read once for all rows, and each row
   attends to its own session's cache at its own length (on CPU all rows of a layer in one
   call of the compiled kernel; sessions made together by `Model.new_sessions` share a KV
   pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA pooled
@@ -76,13 +76,12 @@ def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
         return
     model = sessions[0].model
     for s in sessions:
-        s._check_fits(len(s.tokens) + 1)
+        s.check_fits(s.n_past + 1)
     ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=model.device)
     threads.before_forward()
     logits = model.net.forward_rows(ids, [s.cache for s in sessions]).cpu()
     for s, t, row in zip(sessions, tokens, logits):
-        s.tokens.append(int(t))
-        s._logits = row
+        s.append_decoded(t, row)
 
 
 @dataclass

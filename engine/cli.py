@@ -38,13 +38,11 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr) -> int:
 
     model = load_model(cfg.model, ctx=cfg.ctx, device=cfg.device, weights=cfg.weights)
     if cfg.raw:
-        ids = model.tokenize(cfg.prompt, special=False)
-        if model.add_bos and model.bos_id is not None:
-            ids = [model.bos_id] + ids
+        ids = model.prompt_ids(model.tokenize(cfg.prompt, special=False))
     else:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [
             {"role": "user", "content": cfg.prompt}]
-        ids = model.prompt_ids(model.render_chat(messages))
+        ids = model.prompt_ids(model.tokenize(model.render_chat(messages), special=True))
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= model.n_ctx:

@@ -1,7 +1,8 @@
 """Model hyper-parameters, derived from GGUF metadata.
 
-`ModelConfig.from_metadata(meta)` validates the architecture and reads the numbers; an
-unsupported architecture raises `UnsupportedModel` naming it and the supported ones.
+`ModelConfig.from_metadata(meta)` validates the architecture against the registry
+(engine.models.ARCHITECTURES, which also gives the family's variant switches) and reads the
+numbers; an unsupported architecture raises `UnsupportedModel` naming it and the supported ones.
 It does not look at tensors (shape checks happen where weights are built).
 """
 from __future__ import annotations
@@ -9,19 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from engine.models import ARCHITECTURES
+
 
 class UnsupportedModel(Exception):
     """The GGUF describes an architecture, tensor type or layout the engine cannot run."""
-
-
-# Architecture -> (rope style, q/k/v bias, per-head q/k RMSNorm).
-# "norm" rotates adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM, which the llama converter
-# prepares q/k weights for); "neox" rotates dimension i with i + head_dim/2.
-ARCHITECTURES = {
-    "llama": ("norm", False, False),
-    "qwen2": ("neox", True, False),
-    "qwen3": ("neox", False, True),
-}
 
 
 @dataclass(frozen=True)
@@ -57,7 +50,7 @@ class ModelConfig:
             raise UnsupportedModel(
                 f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})"
             )
-        rope_style, qkv_bias, qk_norm = ARCHITECTURES[arch]
+        variant = ARCHITECTURES[arch]
 
         def get(key: str, default: Any = None) -> Any:
             value = meta.get(f"{arch}.{key}", default)
@@ -83,7 +76,7 @@ class ModelConfig:
             rope_base=float(get("rope.freq_base", 10000.0)),
             rope_dim=int(get("rope.dimension_count", head_dim)),
             norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_style=rope_style,
-            qkv_bias=qkv_bias,
-            qk_norm=qk_norm,
+            rope_style=variant.rope_style,
+            qkv_bias=variant.qkv_bias,
+            qk_norm=variant.qk_norm,
         )

@@ -5,6 +5,9 @@ entry point; `path=None` means the embedded SmolLM2-135M-Instruct from the `llm-
 `$DS4_MODEL` when set).  Every failure to load (missing file, not a GGUF, unsupported
 architecture or tensor type, context larger than the model's) raises `ModelLoadError` with
 a one-line message naming the cause.
+The forward pass comes from the architecture registry (engine.models.ARCHITECTURES): `Model`
+holds a `Network` (engine.protocols) and asks it for the KV bytes a cached token takes and
+the working buffers a prefill step needs, so nothing here knows a family's tensor shapes.
 It does not serve requests or decide prompts; see server/ and ds4eval/.
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import GGUFError, read_gguf
-from engine.models.llama import LlamaModel
+from engine.models import network_class
+from engine.protocols import Network
 from engine.quants import SUPPORTED
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session
@@ -69,7 +73,7 @@ def default_model_path() -> str:
 
 
 class Model:
-    def __init__(self, path: str, meta: dict[str, Any], cfg: ModelConfig, net: LlamaModel,
+    def __init__(self, path: str, meta: dict[str, Any], cfg: ModelConfig, net: Network,
                  tokenizer: Tokenizer, template: ChatTemplate, n_ctx: int, device: torch.device,
                  kv_dtype: torch.dtype, quant: str, load_seconds: float):
         self.path = path
@@ -120,12 +124,16 @@ class Model:
                     **extra: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt: special tokens parsed, BOS added when the model wants it."""
-        ids = self.tokenize(text, special=True)
-        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
-            ids = [self.bos_id] + ids
-        return ids
+    def prompt_ids(self, ids: list[int]) -> list[int]:
+        """The ids a prompt is evaluated as: BOS first when the model adds one and `ids` do not
+        start with it (the one place that rule lives).  Returns a new list; callers tokenize
+        the text first (`tokenize(text, special=True)` for a rendered chat)."""
+        if isinstance(ids, str):  # the text-taking form is gone; fail where a caller still uses it
+            raise TypeError("prompt_ids takes token ids: tokenize the text first")
+        bos = self.bos_id
+        if self.add_bos and bos is not None and (not ids or ids[0] != bos):
+            return [bos, *ids]
+        return list(ids)
 
     # --- sessions and memory ---
     def new_session(self) -> Session:
@@ -143,17 +151,13 @@ class Model:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        cfg = self.config
-        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
+        return self.net.kv_bytes_per_token(self.kv_dtype)
 
     def memory_bytes(self, n_sessions: int = 1, ctx: int | None = None) -> int:
-        """Weights + KV for n sessions of `ctx` tokens + the largest prefill step's activations."""
+        """Weights + KV for n sessions of `ctx` tokens + the largest prefill step's working buffers."""
         ctx = self.n_ctx if ctx is None else ctx
-        cfg = self.config
-        T = self.prefill_chunk
-        work = 4 * T * (cfg.n_embd * 4 + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff) + 4 * cfg.n_head * T * ctx
-        return self.weight_bytes + n_sessions * ctx * self.kv_bytes_per_token + work + 4 * cfg.n_vocab
-
+        work = self.net.work_bytes(self.prefill_chunk, ctx)
+        return self.weight_bytes + n_sessions * ctx * self.kv_bytes_per_token + work
 
 def generate(session: Session, params: SamplingParams, max_tokens: int,
              cancel: Callable[[], bool] | None = None) -> Iterator[int]:
@@ -200,7 +204,7 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
             raise UnsupportedModel(f"context {n_ctx} is outside 1..{cfg.n_ctx_train} (the model's training context)")
         tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
         template = ChatTemplate.from_gguf_metadata(g.metadata)
-        net = LlamaModel(cfg, g, weights, dev)
+        net = network_class(cfg.arch)(cfg, g, weights, dev)
     except (GGUFError, UnsupportedModel) as e:
         raise ModelLoadError(str(e)) from None
     except (ValueError, KeyError) as e:

@@ -23,22 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
 GROUP = 32  # int4 group size used by the packed kernels
 
-# qtype -> (elements per block, bytes per block)
-BLOCK = {
-    QT.F32: (1, 4),
-    QT.F16: (1, 2),
-    QT.BF16: (1, 2),
-    QT.Q8_0: (32, 34),
-    QT.Q4_0: (32, 18),
-    QT.Q4_1: (32, 20),
-    QT.Q4_K: (256, 144),
-    QT.Q6_K: (256, 210),
-}
-SUPPORTED = frozenset(BLOCK)
+# The tensor types this module unpacks; their block geometry is gguf's own table.
+SUPPORTED = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K})
+# qtype -> (elements per block, bytes per block), as gguf defines them
+BLOCK = {q: GGML_QUANT_SIZES[q] for q in SUPPORTED}
 INT4_GROUPED = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
 
 

@@ -19,12 +19,15 @@ Payload format (`save_payload`, little-endian), for the server's disk cache:
   b"DS4KV\\0" | u16 version=1 | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
   | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens
   | i32 tokens[n_tokens] | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
+`common_prefix(a, b)` is the engine's one longest-common-prefix count, for every caller that
+compares token sequences.  A decoding step run outside the session (a batch of sessions,
+engine.batch) uses the public `check_fits(n)` and `append_decoded(token, logits)`.
 It does not know about text, chat templates or sampling policy (see engine.sampling).
 """
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 import torch
@@ -45,7 +48,8 @@ _DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` share."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -108,9 +112,17 @@ class Session:
             self.cache.n = n
             self._logits = None
 
-    def _check_fits(self, n: int) -> None:
+    def check_fits(self, n: int) -> None:
+        """Raise ValueError unless n tokens fit this session's context."""
         if n > self.cache.n_ctx:
             raise ValueError(f"{n} tokens do not fit the context of {self.cache.n_ctx}")
+
+    def append_decoded(self, token: int, logits: torch.Tensor) -> None:
+        """Record `token` as evaluated, with the next-token `logits` its step produced: for a
+        caller that ran the decode step itself and already stored the token's keys and values
+        in this session's cache (engine.batch.decode_batch)."""
+        self.tokens.append(int(token))
+        self._logits = logits
 
     def _run(self, ids: list[int], cancel: Callable[[], bool] | None = None, frontier: bool = True) -> None:
         """Evaluate `ids` after the cached tokens.  With `frontier` the last token runs as a
@@ -133,7 +145,7 @@ class Session:
         ids = list(ids)
         if not ids:
             raise ValueError("sync needs at least one token")
-        self._check_fits(len(ids))
+        self.check_fits(len(ids))
         keep = common_prefix(self.tokens, ids)
         if keep == len(ids) and keep == len(self.tokens) and self._logits is not None:
             return Prefill(self, ids, keep)
@@ -153,7 +165,7 @@ class Session:
         return job.reused
 
     def eval(self, token: int) -> None:
-        self._check_fits(len(self.tokens) + 1)
+        self.check_fits(len(self.tokens) + 1)
         self._run([int(token)])
 
     def sample(self, params: SamplingParams) -> int:
@@ -181,7 +193,7 @@ class Session:
         cfg = self.model.config
         if (n_layer, n_kv, hd) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
             raise ValueError("KV payload was made by a model of another shape")
-        self._check_fits(n)
+        self.check_fits(n)
         dtype = _DTYPES[code]
         elem = torch.tensor([], dtype=dtype).element_size()
         kv_bytes = n_layer * n_kv * n * hd * elem

@@ -507,9 +507,6 @@ class Tokenizer:
         """The bytes this token contributes to decoded text."""
         return self._bytes[token_id]
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special
-
     def is_control(self, token_id: int) -> bool:
         return token_id in self._control
 

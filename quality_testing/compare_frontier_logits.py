@@ -138,7 +138,7 @@ def compare_case(model: Any, session: Any, case: rs.RefCase, ref: rs.Reference, 
     t0 = time.perf_counter()
     text = rs.prompt_text(rs.read_prompt_file(case.prompt, prompts_dir), model.render_chat)
     ids = [int(i) for i in ref.ids]
-    tokens_match = model.prompt_ids(text) == ids
+    tokens_match = model.prompt_ids(model.tokenize(text, special=True)) == ids
     positions = [int(p) for p in ref.positions]
     eng = engine_logits_at(session, ids, positions)
     stats = mx.compare_rows(ref.logits.astype(np.float32), eng, float16_ref=True)

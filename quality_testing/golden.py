@@ -4,7 +4,7 @@
     python -m quality_testing.golden --write    # regenerate golden/*.json from the engine
 
 Each prompt in GOLDEN_PROMPTS (chat messages rendered with the GGUF's template, or raw
-text) is tokenized with `model.prompt_ids`, prefilled into a fresh session and continued
+text) is tokenized (special tokens parsed) and given BOS by `model.prompt_ids`, prefilled into a fresh session and continued
 for exactly N_TOKENS tokens by greedy decoding with the end-of-generation ids masked
 (`argmax_ignoring_eos`), so every continuation has the same length however soon the model
 would stop. The engine runs on the CPU with its default packed weights: the fast path.
@@ -60,7 +60,7 @@ def continuation(model: Any, prompt_ids: list[int], n: int = N_TOKENS) -> list[i
 
 
 def golden_record(model: Any, gid: str, prompt: str | list[dict], gguf_sha256: str) -> dict:
-    ids = model.prompt_ids(rs.prompt_text(prompt, model.render_chat))
+    ids = model.prompt_ids(model.tokenize(rs.prompt_text(prompt, model.render_chat), special=True))
     tokens = continuation(model, ids)
     return {"id": gid, "prompt": prompt, "prompt_ids": ids, "tokens": tokens, "text": model.detokenize(tokens),
             "n_tokens": N_TOKENS, "gguf_sha256": gguf_sha256, "weights": WEIGHTS, "device": DEVICE}
@@ -108,7 +108,7 @@ def check_golden(model: Any, gguf_sha256: str, directory: Path = GOLDEN_DIR) -> 
         if rec["prompt"] != GOLDEN_PROMPTS[rec["id"]]:
             out.append(GoldenMismatch(rec["id"], "prompt differs from GOLDEN_PROMPTS"))
             continue
-        ids = model.prompt_ids(rs.prompt_text(rec["prompt"], model.render_chat))
+        ids = model.prompt_ids(model.tokenize(rs.prompt_text(rec["prompt"], model.render_chat), special=True))
         if ids != rec["prompt_ids"]:
             out.append(GoldenMismatch(rec["id"], "the prompt now renders or tokenizes to different ids"))
             continue

@@ -68,7 +68,7 @@ def render(cfg: RenderConfig, echo=click.echo) -> list[rs.RefCase]:
             continue
         t0 = time.perf_counter()
         text = rs.prompt_text(rs.read_prompt_file(case.prompt, prompts_dir), model.render_chat)
-        ids = model.prompt_ids(text)
+        ids = model.prompt_ids(model.tokenize(text, special=True))
         ref_ids = hfref.reference_ids(tok, text)
         if model.add_bos and model.bos_id is not None and ref_ids[:1] != [model.bos_id]:
             ref_ids = [model.bos_id] + ref_ids

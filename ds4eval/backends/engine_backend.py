@@ -1,8 +1,10 @@
 """Engine backend: runs cases in-process through the `engine` package's public API.
 
 Contract
-- `EngineBackend(model, api=None, parallel=None, engine_thread=None)` wraps any object
-  following the engine API (load_model's result); `EngineBackend.load(config)` loads one.
+- `EngineBackend(model, engine=None, parallel=None, engine_thread=None)` wraps a model
+  (`engine.protocols.ModelLike`, load_model's result) and takes the engine's types from
+  `engine`, any object satisfying `engine.protocols.EngineAPI` (default: the `engine`
+  package; tests pass a fake); `EngineBackend.load(config)` loads one.
 - Threads: every engine call, from loading the model to the last token, runs on one
   `engine.threads.EngineThread` (torch's OpenMP pool is per calling thread, and two pools on
   the same cores make every kernel wait passively; engine/threads.py says why).  The runner's
@@ -10,8 +12,8 @@ Contract
 - Serial (parallel None, the default): one session is reused across cases so the shared
   system-prompt prefix is prefilled once; each case's generation loop runs on the engine
   thread while the runner's worker waits for it.
-- Batched (`--parallel N`, any N >= 1): the engine thread drives an
-  `engine.batch.BatchScheduler` of N slots; the runner's N worker threads each submit their
+- Batched (`--parallel N`, any N >= 1): a `SchedulerThread` loop on the engine thread drives
+  the engine's `BatchScheduler` of N slots; the runner's N worker threads each submit their
   case as `GenRequest`s and get its tokens back through `on_token` into a per-case queue,
   so N cases decode together in one forward pass per step. Every case starts from a fresh
   session (its slot is emptied first): with the packed int4 kernels a reused prefix moves the
@@ -44,7 +46,6 @@ It does not grade, write traces or talk HTTP.
 from __future__ import annotations
 
 import queue
-import types
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +55,7 @@ from ds4eval.config import EvalConfig
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
+from engine.protocols import EngineAPI, ModelLike
 from engine.threads import EngineThread
 
 
@@ -156,18 +158,14 @@ class _BatchedCase:
                              p.hard_reserve, p.n_soft, p.n_hard)
 
 
-class BatchEngine:
+class SchedulerThread:
     """A BatchScheduler's loop, run on the engine thread; cases reach it through `submit` and `release`."""
 
-    def __init__(self, api: Any, model: Any, n_slots: int, n_ctx: int, engine_thread: EngineThread):
-        if not hasattr(api, "BatchScheduler"):  # the engine package keeps them in engine.batch
-            import engine.batch
-
-            api = types.SimpleNamespace(BatchScheduler=engine.batch.BatchScheduler,
-                                        GenRequest=engine.batch.GenRequest)
-        self.api, self.model = api, model
+    def __init__(self, engine: EngineAPI, model: ModelLike, n_slots: int, n_ctx: int,
+                 engine_thread: EngineThread):
+        self.engine, self.model = engine, model
         # Raises engine.CapacityError (with the figures) when n_slots sessions do not fit.
-        self.scheduler = engine_thread.call(api.BatchScheduler, model, n_slots, ctx=n_ctx)
+        self.scheduler = engine_thread.call(engine.BatchScheduler, model, n_slots, ctx=n_ctx)
         self.owner: list[_BatchedCase | None] = [None] * n_slots
         self.inbox: queue.Queue = queue.Queue()
         self.active: list[_Segment] = []
@@ -233,7 +231,7 @@ class BatchEngine:
         # The scheduler's state is unknown after a failed step: start again with empty slots.
         # Cases in flight got "failed" and release their slots as usual.
         n = len(self.scheduler.slots)
-        self.scheduler = self.api.BatchScheduler(self.model, n, ctx=self.model.n_ctx, check_memory=False)
+        self.scheduler = self.engine.BatchScheduler(self.model, n, ctx=self.model.n_ctx, check_memory=False)
         self.active = []
 
     def _start_waiting(self) -> None:
@@ -260,14 +258,15 @@ class BatchEngine:
 class EngineBackend:
     name = "engine"
 
-    def __init__(self, model, api=None, parallel: int | None = None, engine_thread: EngineThread | None = None):
-        """`api` is the module providing SamplingParams and Cancelled (default: `engine`);
+    def __init__(self, model: ModelLike, engine: EngineAPI | None = None, parallel: int | None = None,
+                 engine_thread: EngineThread | None = None):
+        """`engine` provides SamplingParams and Cancelled (default: the `engine` package);
         `parallel` N uses its BatchScheduler, GenRequest and Sampler too.  All engine work runs
         on `engine_thread` (the thread the model was loaded on, see `load`); without one the
         backend starts its own and closes it in `close()`."""
-        if api is None:
-            import engine as api
-        self.api = api
+        if engine is None:
+            import engine
+        self.engine = engine
         self.model = model
         self.model_name = model.name
         self.n_ctx = model.n_ctx
@@ -277,8 +276,8 @@ class EngineBackend:
         self._owns_thread = engine_thread is None
         self.engine_thread = engine_thread or EngineThread("ds4eval-engine")
         self._session = None
-        self._engine = (BatchEngine(api, model, parallel, model.n_ctx, self.engine_thread)
-                        if parallel is not None else None)
+        self._scheduler = (SchedulerThread(engine, model, parallel, model.n_ctx, self.engine_thread)
+                           if parallel is not None else None)
 
     @classmethod
     def load(cls, config: EvalConfig) -> "EngineBackend":
@@ -296,9 +295,9 @@ class EngineBackend:
         return backend
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
         if self._owns_thread:
             self.engine_thread.close(timeout=30)
 
@@ -322,10 +321,7 @@ class EngineBackend:
         return self.model.render_chat(messages, add_generation_prompt=True, **extra)
 
     def prompt_ids(self, text: str) -> list[int]:
-        ids = self.model.tokenize(text, special=True)
-        if getattr(self.model, "add_bos", False) and (not ids or ids[0] != self.model.bos_id):
-            ids = [self.model.bos_id] + ids
-        return ids
+        return self.model.prompt_ids(self.model.tokenize(text, special=True))
 
     def _plan(self, job: GenerationJob) -> tuple[_Plan, GenerationResult]:
         think = job.think and self.supports_thinking
@@ -343,7 +339,7 @@ class EngineBackend:
         return plan, res
 
     def _params(self, job: GenerationJob):
-        return self.api.SamplingParams(temperature=job.temperature, top_p=job.top_p, min_p=job.min_p,
+        return self.engine.SamplingParams(temperature=job.temperature, top_p=job.top_p, min_p=job.min_p,
                                        seed=job.seed)
 
     @staticmethod
@@ -367,14 +363,13 @@ class EngineBackend:
         plan, res = self._plan(job)
         if res.skipped:
             return res
-        if self._engine is not None:
+        if self._scheduler is not None:
             return self._run_batched(job, ctx, plan, res)
         return self.engine_thread.call(self._run_serial, job, ctx, plan, res)
 
     # --- serial ---
     def _run_serial(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,
                     res: GenerationResult) -> GenerationResult:
-        engine = self.api
         if self._session is None:
             self._session = self.model.new_session()
         session = self._session
@@ -382,7 +377,7 @@ class EngineBackend:
         ctx.prefill(0, n_prompt)
         try:
             session.sync(plan.ids, progress=ctx.prefill, cancel=lambda: ctx.checkpoint() is not None)
-        except engine.Cancelled:
+        except self.engine.Cancelled:
             res.interrupted = ctx.checkpoint() or "stop"
             return res
         ctx.started(n_prompt)
@@ -435,9 +430,9 @@ class EngineBackend:
     # --- batched ---
     def _run_batched(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,
                      res: GenerationResult) -> GenerationResult:
-        api, engine = self._engine.api, self._engine
+        scheduler = self._scheduler
         params = self._params(job)
-        sampler = self.api.Sampler(params, self.model.eos_ids)  # one random stream across the case's requests
+        sampler = self.engine.Sampler(params, self.model.eos_ids)  # one random stream across the case's requests
         text = ThinkText(plan.think)
         case = _BatchedCase(plan, ctx, self.model, text)
         eos = self.model.eos_ids
@@ -466,7 +461,7 @@ class EngineBackend:
                     return True
                 return False
 
-            seg.request = api.GenRequest(ids=list(case.history), params=params, max_tokens=plan.budget - case.used,
+            seg.request = self.engine.GenRequest(ids=list(case.history), params=params, max_tokens=plan.budget - case.used,
                                          on_token=on_token, cancel=cancel, choose=sampler)
             return seg
 
@@ -492,7 +487,7 @@ class EngineBackend:
                     if due == "hard":
                         text.in_think = False
                     continue
-                engine.submit(segment())
+                scheduler.submit(segment())
                 while True:
                     kind, *rest = case.events.get()
                     if kind == "token":
@@ -521,7 +516,7 @@ class EngineBackend:
                 if req.finish != "cancelled" or not seg.stop:
                     break  # end of generation, budget or context reached
         finally:
-            engine.release(case)
+            scheduler.release(case)
         piece = case.stream.flush()
         flag = text.emit(piece)
         if flag is not None:

@@ -6,6 +6,8 @@ q/k RMSNorm (qwen3) and the RoPE pairing; neox pairing (i, i + d/2) is turned in
 adjacent-pair layout (2i, 2i+1) at load time by permuting the q/k output rows (attention
 scores are invariant under the same permutation of q and k), so one rope kernel serves all.
 
+`LlamaModel` implements `engine.protocols.Network` and is registered for llama, qwen2 and
+qwen3 in engine.models.ARCHITECTURES.
 `LlamaModel.forward(tokens, start, cache, logits=...)` evaluates T new tokens at positions
 [start, start+T) against `cache`, writes their keys/values and returns float32 logits for
 the last position ([n_vocab]), for every position ([T, n_vocab]) or nothing.
@@ -141,11 +143,25 @@ class LlamaModel:
         out = 0 if self.head_is_table else self.output.nbytes
         return sum(b.nbytes for b in self.blocks) + self.embed.nbytes + self.out_norm.nbytes + out
 
-    def new_cache(self, n_ctx: int, dtype: torch.dtype = torch.float32) -> KVCache:
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V that one cached position holds in every layer."""
+        cfg = self.cfg
+        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def work_bytes(self, n_tokens: int, ctx: int) -> int:
+        """Working buffers of one forward step of `n_tokens` new tokens against `ctx` positions:
+        float32 activations (residual, norms, qkv, attention output, gate/up) and attention
+        scores, plus one row of logits."""
+        cfg = self.cfg
+        T = n_tokens
+        acts = 4 * T * (cfg.n_embd * 4 + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff) + 4 * cfg.n_head * T * ctx
+        return acts + 4 * cfg.n_vocab
+
+    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
         cfg = self.cfg
         return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
-    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype = torch.float32) -> KVPool:
+    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
         cfg = self.cfg
         return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 

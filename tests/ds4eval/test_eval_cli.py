@@ -87,7 +87,7 @@ def test_list_and_validate(data_dir):
 
 def test_run_and_retry_incomplete_through_the_cli(tmp_path, monkeypatch):
     """A full run with a fake engine model: plain lines, report, summary, trace; then a retry."""
-    from eval_fakes import FAKE_API, FakeModel
+    from engine_fakes import FAKE_ENGINE, FakeModel
 
     from ds4eval.backends import engine_backend
 
@@ -97,7 +97,7 @@ def test_run_and_retry_incomplete_through_the_cli(tmp_path, monkeypatch):
         return next((a for q, a in answers.items() if q in prompt), "Answer: no idea")
 
     monkeypatch.setattr(engine_backend.EngineBackend, "load",
-                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_API)))
+                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_ENGINE)))
     trace_path, summary = tmp_path / "run.trace", tmp_path / "s.json"
     r = invoke("--plain", "--domain", "arithmetic", "--trace", str(trace_path), "--summary", str(summary))
     assert r.exit_code == 0, r.output

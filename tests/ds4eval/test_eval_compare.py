@@ -292,14 +292,14 @@ def test_a_summary_from_before_provenance_compares_by_key(tmp_path):
 
 def test_a_summary_written_by_a_run_compares(tmp_path, monkeypatch):
     """Summaries from `--summary` carry the case and prompt hashes and the run's provenance."""
-    from eval_fakes import FAKE_API, FakeModel
+    from engine_fakes import FAKE_ENGINE, FakeModel
 
     from ds4eval.backends import engine_backend
 
     replies = {"What is 2 + 3?": "Answer: 5"}
     monkeypatch.setattr(engine_backend.EngineBackend, "load", classmethod(
         lambda cls, cfg: cls(FakeModel(lambda p: next((a for q, a in replies.items() if q in p), "no idea")),
-                             FAKE_API)))
+                             FAKE_ENGINE)))
     paths = []
     for name in ("a", "b"):
         s, t = tmp_path / f"{name}.json", tmp_path / f"{name}.trace"

@@ -1,8 +1,6 @@
 """ds4-eval --parallel: batched cases through engine.batch give the traces of a one-at-a-time run."""
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -13,10 +11,9 @@ from ds4eval.backends.engine_backend import EngineBackend, injection_due
 from ds4eval.cases import parse_case
 from ds4eval.config import ConfigError, EvalConfig
 from ds4eval.runner import Runner, Status
-from engine.batch import GenRequest
 from engine.synthetic import RandomModelSpec, write_random_gguf
 
-from eval_fakes import EOS, FAKE_API, FakeModel
+from engine_fakes import FAKE_ENGINE, FakeModel, peaked_logits
 
 
 def case(i, answer="4", question=None):
@@ -93,7 +90,7 @@ def test_capacity_error_names_the_figures(tiny_model):
         EngineBackend(tiny_model, engine, parallel=10 ** 7)
 
 
-# ---------------------------------------------------------------- thinking: a history-driven fake and scheduler
+# ---------------------------------------------------------------- thinking: a history-driven fake
 
 HEADER = [259] + list(b"assistant\n")
 
@@ -121,6 +118,10 @@ class HistorySession:
     def eval(self, tok):
         self.tokens.append(tok)
 
+    @property
+    def logits(self):
+        return peaked_logits(self.model.n_vocab, self.model.next_token(self.tokens), self.model.eos_id)
+
     def sample(self, params=None):
         return self.model.next_token(self.tokens)
 
@@ -139,55 +140,10 @@ class HistoryModel(FakeModel):
             p += 2
         prompt = tuple(hist[:p])
         if prompt not in self.replies:
-            self.replies[prompt] = self.tokenize(self.script(self.detokenize(hist[:p])), special=True)
+            self.replies[prompt] = self.reply_ids(self.detokenize(hist[:p]))
         reply = self.replies[prompt]
         k = len(hist) - p
-        return reply[k] if k < len(reply) else EOS
-
-
-class FakeScheduler:
-    """The scheduling contract of engine.batch.BatchScheduler over HistorySessions."""
-
-    def __init__(self, model, n_slots, ctx=None, check_memory=True):
-        self.model = model
-        self.slots = [types.SimpleNamespace(session=model.new_session(), request=None) for _ in range(n_slots)]
-        self.queue = []
-
-    def submit(self, req):
-        self.queue.append(req)
-
-    def _finish(self, slot, reason):
-        slot.request.finish, slot.request = reason, None
-
-    def step(self):
-        for req in list(self.queue):
-            slot = self.slots[req.slot]
-            if slot.request is None:
-                self.queue.remove(req)
-                slot.request = req
-                slot.session.sync(req.ids)
-        for slot in self.slots:
-            req = slot.request
-            if req is None:
-                continue
-            if req.cancel is not None and req.cancel():
-                self._finish(slot, "cancelled")
-                continue
-            tok = slot.session.sample()
-            req.output.append(tok)
-            req.on_token(tok)
-            if tok in self.model.eos_ids:
-                self._finish(slot, "stop")
-            elif len(req.output) >= req.max_tokens:
-                self._finish(slot, "length")
-            else:
-                slot.session.eval(tok)
-        return True
-
-
-FAKE_BATCH_API = types.SimpleNamespace(SamplingParams=FAKE_API.SamplingParams, Cancelled=FAKE_API.Cancelled,
-                                       BatchScheduler=FakeScheduler, GenRequest=GenRequest,
-                                       Sampler=lambda params, eos: None)
+        return reply[k] if k < len(reply) else self.eos_id
 
 
 def think_script(prompt: str) -> str:
@@ -203,9 +159,9 @@ def think_script(prompt: str) -> str:
 def test_think_close_decisions_match_the_serial_path(tmp_path):
     cases = [case(i, answer=str(2 * i)) for i in range(1, 5)]
     cfg = dict(tokens=600)
-    model = HistoryModel(script=think_script, thinking=True)
-    _, serial = run_trace(EvalConfig(**cfg), cases, EngineBackend(model, FAKE_API), tmp_path, "serial")
-    _, batched = run_trace(EvalConfig(parallel=3, **cfg), cases, EngineBackend(model, FAKE_BATCH_API, parallel=3),
+    model = HistoryModel(think_script, thinking=True)
+    _, serial = run_trace(EvalConfig(**cfg), cases, EngineBackend(model, FAKE_ENGINE), tmp_path, "serial")
+    _, batched = run_trace(EvalConfig(parallel=3, **cfg), cases, EngineBackend(model, FAKE_ENGINE, parallel=3),
                            tmp_path, "batched")
     assert [r.think_close for r in serial] == ["hard", "soft", "natural", "natural"]
     assert prompts.THINK_SOFT_NUDGE in serial[0].model_output and prompts.THINK_HARD_CLOSE in serial[0].model_output

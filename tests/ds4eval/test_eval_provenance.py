@@ -16,7 +16,7 @@ from ds4eval.cases import case_hash, parse_case
 from ds4eval.config import EvalConfig
 from ds4eval.runner import Runner
 
-from eval_fakes import FAKE_API, FakeModel
+from engine_fakes import FAKE_ENGINE, FakeModel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,7 +79,7 @@ def test_git_commit_of_a_checkout_and_of_anything_else(tmp_path):
 def test_backends_report_what_they_know(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     model = FakeModel()
-    backend = EngineBackend(model, FAKE_API)
+    backend = EngineBackend(model, FAKE_ENGINE)
     assert backend.provenance()["bos_eos"] == "add_bos=no bos=259 eos=256"
     assert pv.run_provenance(backend)["model_sha256"] == ""  # /dev/null is no model file
     gguf = tmp_path / "m.gguf"
@@ -103,7 +103,7 @@ def test_every_trace_block_carries_provenance(tmp_path):
                          "answer_kind": "integer", "max_tokens": 64 if i == 1 else None}) for i in (1, 2)]
     model = FakeModel()
     cfg = EvalConfig(trace=str(tmp_path / "t.trace"), tokens=100)
-    Runner(cfg, cases, EngineBackend(model, FAKE_API)).run()
+    Runner(cfg, cases, EngineBackend(model, FAKE_ENGINE)).run()
     records = tr.read_trace(cfg.trace).records
     assert [r.case_hash for r in records] == [case_hash(c) for c in cases]
     assert [r.max_tokens for r in records] == [64, 100]

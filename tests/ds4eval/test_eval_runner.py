@@ -12,7 +12,7 @@ from ds4eval.config import EvalConfig
 from ds4eval.report import PlainListener, build_summary, render_report
 from ds4eval.runner import CaseFinished, Runner, Status, StatusChanged, TextDelta
 
-from eval_fakes import FAKE_API, FakeModel
+from engine_fakes import FAKE_ENGINE, FakeModel
 
 
 def case(i, answer="4", kind="integer", max_tokens=None, question=None):
@@ -34,9 +34,9 @@ class Recorder:
 
 
 def make(script=None, cases=None, cfg=None, **model_kw):
-    model = FakeModel(script=script, **model_kw)
+    model = FakeModel(script, **model_kw)
     rec = Recorder()
-    runner = Runner(cfg or EvalConfig(), cases or [case(1), case(2, "5")], EngineBackend(model, FAKE_API), [rec])
+    runner = Runner(cfg or EvalConfig(), cases or [case(1), case(2, "5")], EngineBackend(model, FAKE_ENGINE), [rec])
     return runner, rec, model
 
 
@@ -98,7 +98,7 @@ def test_thinking_closed_by_the_model_and_forced_close():
 
 def test_pause_resume_and_stop_at_token_boundary(tmp_path):
     cfg = EvalConfig(trace=str(tmp_path / "t.trace"))
-    runner, rec, _ = make(lambda p: "y" * 2000, [case(1), case(2)], cfg, delay=0.001)
+    runner, rec, _ = make(lambda p: "y" * 2000, [case(1), case(2)], cfg, decode_delay=0.001)
     th = threading.Thread(target=runner.run)
     th.start()
     _wait(lambda: rec.statuses(0)[-1:] == [Status.THINKING])
@@ -118,7 +118,7 @@ def test_pause_resume_and_stop_at_token_boundary(tmp_path):
 
 def test_run_next_switches_the_running_case_and_rerun():
     runner, rec, _ = make(lambda p: "Answer: 4" if "What is 3?" in p else "z" * 300,
-                          [case(1), case(2), case(3)], EvalConfig(tokens=300), delay=0.002)
+                          [case(1), case(2), case(3)], EvalConfig(tokens=300), decode_delay=0.002)
     runner.keep_alive = True
     th = threading.Thread(target=runner.run)
     th.start()

@@ -15,6 +15,10 @@ def model():
     return engine.load_model()
 
 
+def chat_ids(model, question: str) -> list[int]:
+    return model.prompt_ids(model.tokenize(model.render_chat([{"role": "user", "content": question}]), special=True))
+
+
 def test_loads_with_expected_shape(model):
     assert model.config.arch == "llama" and model.config.n_layer == 30 and model.n_ctx == 8192
     assert model.quant == "Q4_1" and model.eos_id == 2 and 2 in model.eos_ids
@@ -23,14 +27,14 @@ def test_loads_with_expected_shape(model):
 
 def test_greedy_answer(model):
     s = model.new_session()
-    s.sync(model.prompt_ids(model.render_chat([{"role": "user", "content": "What is the capital of France?"}])))
+    s.sync(chat_ids(model, "What is the capital of France?"))
     out = [t for t in generate(s, SamplingParams(), 24) if t not in model.eos_ids]
     assert "Paris" in model.detokenize(out)
 
 
 def test_packed_and_float32_agree_on_greedy_tokens(model):
     exact = engine.load_model(weights="float32")
-    ids = model.prompt_ids(model.render_chat([{"role": "user", "content": "List three fruits."}]))
+    ids = chat_ids(model, "List three fruits.")
     outs = []
     for m in (model, exact):
         s = m.new_session()
@@ -43,7 +47,8 @@ def test_packed_and_float32_agree_on_greedy_tokens(model):
 def test_greedy_decoding_does_not_depend_on_thread_count(model):
     # Traces and golden outputs must not change with the machine's core count.  (torch's SDPA
     # kernel for one query row splits its work by thread count and diverged here at token 53.)
-    ids = model.prompt_ids("/* Return the greatest common divisor of a and b. */\nint gcd(int a, int b) {\n")
+    code = "/* Return the greatest common divisor of a and b. */\nint gcd(int a, int b) {\n"
+    ids = model.prompt_ids(model.tokenize(code, special=True))
     before = torch.get_num_threads()
     outs = []
     try:
@@ -70,7 +75,7 @@ def test_repeated_and_restored_frontiers_are_bitwise_equal(model):
     # A sync's frontier token runs as a one-row decode step, the same computation as its
     # re-evaluation after a truncation and as load_payload's, so a repeated request or a
     # restored cache gets exactly the first logits (prefill attention rounds differently).
-    ids = model.prompt_ids(model.render_chat([{"role": "user", "content": "What are the three primary colors?"}]))
+    ids = chat_ids(model, "What are the three primary colors?")
     s = model.new_session()
     s.sync(ids)
     first = s.logits.clone()

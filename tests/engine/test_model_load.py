@@ -73,6 +73,22 @@ def test_memory_accounting(tiny_gguf):
     assert s.cache.nbytes <= 128 * m.kv_bytes_per_token
 
 
+def test_prompt_ids_adds_bos_once_when_the_model_wants_it(tiny_gguf):
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"), ctx=128)
+    bos = m.bos_id
+    assert bos is not None
+    m.tokenizer.add_bos = True
+    ids = [5, 6]
+    out = m.prompt_ids(ids)
+    assert out == [bos, 5, 6] and ids == [5, 6]  # a new list; the argument is left alone
+    assert m.prompt_ids([bos, 5]) == [bos, 5] and m.prompt_ids([]) == [bos]
+    m.tokenizer.add_bos = False
+    same = m.prompt_ids(ids)
+    assert same == ids and same is not ids
+    with pytest.raises(TypeError, match="tokenize the text first"):
+        m.prompt_ids("hi")
+
+
 def test_default_model_path_prefers_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DS4_MODEL", str(tmp_path / "x.gguf"))
     assert engine.default_model_path() == str(tmp_path / "x.gguf")

@@ -71,7 +71,7 @@ def _text(model, prompt) -> str:
 @pytest.fixture(scope="module")
 def prompt_ids(engines):
     model = engines("float32")
-    return {name: model.prompt_ids(_text(model, p)) for name, p in PROMPTS.items()}
+    return {name: model.prompt_ids(model.tokenize(_text(model, p), special=True)) for name, p in PROMPTS.items()}
 
 
 def _engine_all_logits(model, ids: list[int]) -> np.ndarray:

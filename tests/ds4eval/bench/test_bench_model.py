@@ -68,7 +68,7 @@ def test_llama_cpp_runner_reads_the_frontier_logits():
     theirs.load()
     try:
         model = ours._model
-        ids = model.prompt_ids(model.render_chat([{"role": "user", "content": "What is the capital of France?"}]))
+        ids = model.prompt_ids(model.tokenize(model.render_chat([{"role": "user", "content": "What is the capital of France?"}]), special=True))
         ours.prefill(ids)
         theirs.prefill(ids)
         mine, other = ours._session.logits.numpy(), theirs.last_logits().copy()

@@ -1,0 +1,154 @@
+"""The engine's contract with its callers, as `typing.Protocol` classes.
+
+- `EngineAPI`: what a caller takes from the engine package itself — the types it builds
+  requests and sampling settings from and the exception a cancel raises.  `import engine`
+  satisfies it; the server and ds4-eval take any object that does (a test fake, for one).
+- `ModelLike`: what the server and ds4-eval use of a loaded model (`engine.Model`): context
+  size, special ids, the one tokenize-then-BOS rule (`prompt_ids`), sessions and memory.
+  Callers may also read `metadata`, `template`, `config`, `kv_dtype`, `net` where present
+  (provenance, banners); those are not part of the contract.
+- `SessionLike`: one token sequence and its KV cache (`engine.Session`).
+- `Network`: the per-family forward pass that engine/models/*.py provide and
+  `engine.models.ARCHITECTURES` registers; `Model` and `Session` reach the weights only
+  through it, and ask it for the memory a cached token and a forward step need.
+
+All are `runtime_checkable`, so `isinstance(x, ModelLike)` checks that the members exist
+(not their signatures: tests/engine compares those).  It defines no behaviour and imports
+nothing of the engine at run time.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from engine.kvcache import KVCache, KVPool
+
+
+@runtime_checkable
+class EngineAPI(Protocol):
+    """The engine's public types, as a module or namespace provides them."""
+
+    SamplingParams: type  # SamplingParams(temperature=, top_k=, top_p=, min_p=, seed=, ...)
+    Sampler: type  # Sampler(params, eos_ids)(logits) -> int, one random stream per object
+    Cancelled: type  # the exception a cancel callback's True raises
+    BatchScheduler: type  # BatchScheduler(model, n_slots, ctx=None, check_memory=True)
+    GenRequest: type  # GenRequest(ids, params, max_tokens, on_token, cancel, slot, choose)
+
+
+@runtime_checkable
+class TextStreamLike(Protocol):
+    """Incremental detokenizer: text for each pushed token, UTF-8 safe."""
+
+    def push(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@runtime_checkable
+class SessionLike(Protocol):
+    """One token sequence and its KV cache, with prefix reuse."""
+
+    tokens: list[int]  # ids whose KV is cached
+
+    @property
+    def n_past(self) -> int: ...
+
+    @property
+    def logits(self) -> "torch.Tensor": ...  # [n_vocab] float32, for the next token
+
+    def sync(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
+             cancel: Callable[[], bool] | None = None) -> int: ...
+
+    def eval(self, token: int) -> None: ...
+
+    def sample(self, params: Any) -> int: ...
+
+    def truncate(self, n: int) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def save_payload(self) -> bytes: ...
+
+    def load_payload(self, data: bytes) -> None: ...
+
+
+@runtime_checkable
+class ModelLike(Protocol):
+    """A loaded model as the server and ds4-eval use it."""
+
+    name: str
+    path: str
+    quant: str  # the dominant tensor type, e.g. "Q4_1"
+    n_ctx: int
+    device: Any  # torch.device
+
+    @property
+    def n_vocab(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    @property
+    def eos_ids(self) -> frozenset[int]: ...
+
+    @property
+    def add_bos(self) -> bool: ...
+
+    def tokenize(self, text: str, special: bool = False) -> list[int]: ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def text_stream(self) -> TextStreamLike: ...
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **extra: Any) -> str: ...
+
+    def prompt_ids(self, ids: list[int]) -> list[int]: ...
+
+    def new_session(self) -> SessionLike: ...
+
+    def new_sessions(self, n: int) -> list[SessionLike]: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    @property
+    def kv_bytes_per_token(self) -> int: ...
+
+    def memory_bytes(self, n_sessions: int = 1, ctx: int | None = None) -> int: ...
+
+
+@runtime_checkable
+class Network(Protocol):
+    """One architecture family's forward pass over its weights (engine/models/<family>.py).
+
+    Built as `cls(cfg, gguf_contents, weights_format, device)`; raises UnsupportedModel for a
+    layout it cannot run.
+    """
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    @property
+    def attention_path(self) -> str: ...  # how decode steps attend, for banners
+
+    def kv_bytes_per_token(self, dtype: "torch.dtype") -> int: ...
+
+    def work_bytes(self, n_tokens: int, ctx: int) -> int: ...  # one step's buffers, logits included
+
+    def new_cache(self, n_ctx: int, dtype: "torch.dtype") -> "KVCache": ...
+
+    def new_pool(self, n_slots: int, n_ctx: int, dtype: "torch.dtype") -> "KVPool": ...
+
+    def forward(self, tokens: "torch.Tensor", start: int, cache: "KVCache", logits: str = "last",
+                cancel: Callable[[], bool] | None = None) -> "torch.Tensor | None": ...
+
+    def forward_rows(self, tokens: "torch.Tensor", caches: list["KVCache"]) -> "torch.Tensor": ...
+
+
+__all__ = ["EngineAPI", "ModelLike", "Network", "SessionLike", "TextStreamLike"]
