@@ -177,7 +177,7 @@ def test_retry_incomplete_runs_cases_that_never_started(tmp_path):
 
 
 def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_path, monkeypatch):
-    from eval_fakes import FAKE_API, FakeModel
+    from engine_fakes import FAKE_ENGINE, FakeModel
 
     from ds4eval.backends import engine_backend
 
@@ -192,7 +192,7 @@ def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_
         return "Answer: no idea"
 
     monkeypatch.setattr(engine_backend.EngineBackend, "load",
-                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_API)))
+                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_ENGINE)))
     trace_path, summary = tmp_path / "run.trace", tmp_path / "s.json"
     r = invoke("--plain", "--domain", "arithmetic", "--repeats", "3", "--temp", "0.7", "--seed", "5",
                "--trace", str(trace_path), "--summary", str(summary))
@@ -221,7 +221,7 @@ def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_
 
 
 def test_greedy_repeats_report_a_non_deterministic_case(tmp_path, monkeypatch):
-    from eval_fakes import FAKE_API, FakeModel
+    from engine_fakes import FAKE_ENGINE, FakeModel
 
     from ds4eval.backends import engine_backend
 
@@ -234,7 +234,7 @@ def test_greedy_repeats_report_a_non_deterministic_case(tmp_path, monkeypatch):
         return "Answer: no idea"
 
     monkeypatch.setattr(engine_backend.EngineBackend, "load",
-                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_API)))
+                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_ENGINE)))
     r = invoke("--plain", "--case-id", "int-add-small", "--repeats", "3")
     assert r.exit_code == 0, r.output
     assert "non-deterministic sanity/int-add-small: repeat 1 differs from repeat 0 at token 2" in r.output
