@@ -402,21 +402,22 @@ class _Reader:
         return "\n".join(out), min(pos, self.end)
 
 
-# The header exactly as `format_record` writes it: every field once, in field order. Matching
-# it in one regular expression leaves only the value readers to run in Python; any other
-# layout (older or newer writers, damage) takes the line-by-line reader, which gives the same
-# values for this layout.
-_WRITTEN_HEADER = re.compile("\n".join(f"{re.escape(f.name)}: (.*)" for f in _HEADER_FIELDS))
+# The header as `format_record` writes it: known fields in field order, each at most once
+# (a trace from before a field existed lacks it). Matching it in one regular expression leaves
+# only the value readers to run in Python; any other layout (unknown keys from newer writers,
+# another order, damage) takes the line-by-line reader, which gives the same values for this one.
+_WRITTEN_HEADER = re.compile("".join(f"(?:{re.escape(f.name)}: (.*)\n)?" for f in _HEADER_FIELDS))
 _WRITTEN_READERS = tuple((f.name, _READERS[f.name]) for f in _HEADER_FIELDS)
 
 
 def _read_header(section: str, rec_fields: dict) -> None:
-    written = _WRITTEN_HEADER.fullmatch(section)
+    written = _WRITTEN_HEADER.fullmatch(section + "\n")
     if written is not None:
         key = ""
         try:
             for (key, read), raw in zip(_WRITTEN_READERS, written.groups()):
-                rec_fields[key] = read(raw)
+                if raw is not None:
+                    rec_fields[key] = read(raw)
         except ValueError as e:
             raise TraceFormatError(f"bad value for {key}: {e}") from None
         return
