@@ -39,7 +39,7 @@ from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutpu
                               ToolCallEnd, ToolCalling, prompt_ids)
 from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 from server.sse import KEEPALIVE, sse_event
-from server.worker import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
+from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
 
 # --- schemas --------------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCa
                               ToolCallEnd, ToolCalling, prompt_ids)
 from server.tools.apis import messages_from_openai, tools_from_openai
 from server.sse import DONE, KEEPALIVE, sse_data
-from server.worker import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 
 # --- schemas --------------------------------------------------------------------------
 

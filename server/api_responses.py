@@ -37,7 +37,7 @@ from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, Reasoning
                               ToolCallEnd, ToolCalling, prompt_ids)
 from server.tools.apis import messages_from_responses, tools_from_responses
 from server.sse import KEEPALIVE, sse_event
-from server.worker import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
+from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
 
 # --- schemas --------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from server.errors import ApiError, from_validation_error
-from server.worker import SamplingSpec
+from server.jobs import SamplingSpec
 
 M = TypeVar("M", bound=BaseModel)
 

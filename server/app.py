@@ -56,8 +56,8 @@ from server.kvstore_policy import SavePolicy
 from server.prompting import ToolCalling, prompt_ids
 from server.tools.apis import ToolInputError
 from server.sse import SSEResponse, job_events, wait_or_disconnect
-from server.worker import (EngineTypes, Event, Failed, Finished, GenerationRequest, InferenceWorker,
-                           TextDelta, TokenLogprob)
+from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
+from server.worker import EngineTypes, InferenceWorker
 
 log = logging.getLogger("ds4.server")
 

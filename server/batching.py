@@ -14,8 +14,8 @@ The text, not only the token prefix, decides, because a reply as sampled need no
 tokenized the way the next turn's rendered prompt is; the tokens reused are still the
 common token prefix (that is what the engine keeps).
 
-`BatchedLoop` runs on the inference worker's thread in place of its one-job-at-a-time loop.
-It owns an `engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is
+`BatchedLoop` runs on the inference worker's thread in place of its one-job-at-a-time loop,
+taking jobs from the same `server.jobs.JobLedger` and recording them there. It owns an `engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is
 built: `CapacityError` with the figures) and, per job:
   1. routes it (requests beyond N wait, first in first out, until a slot is free) and logs
      the decision (slot, reused tokens, evicted tokens, reason);
@@ -30,7 +30,7 @@ built: `CapacityError` with the figures) and, per job:
      that point and one throw-away token, after which the slot's session holds exactly
      the checkpoint's tokens and is stored; the next stage reuses them. The scheduler
      interleaves these chunks with the other slots' decode steps;
-  4. generates with the request's own `TokenDecoder` (`server.worker`): `GenRequest.choose`
+  4. generates with the request's own `TokenDecoder` (`server.jobs`): `GenRequest.choose`
      picks each token (greedy inside tool-call structure, else the request's sampler) and
      `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
      or a cancelled job ends only that request (`GenRequest.cancel`).
@@ -43,22 +43,19 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from engine.session import common_prefix
 from server import kvstore_policy as policy
-from server.kvstore import save_session, text_split
-from server.worker import (Failed, Job, PromptReady, TokenDecoder, common_prefix, decode_budget,
-                           sampling_params, written_tokens)
-
-if TYPE_CHECKING:
-    from server.worker import InferenceWorker
+from server.jobs import (Failed, Job, JobLedger, PromptReady, TokenDecoder, decode_budget, sampling_params,
+                         written_tokens)
+from server.kvstore import KVStore, save_session, text_split
 
 log = logging.getLogger("ds4.server.batching")
 
@@ -170,14 +167,16 @@ class _SlotInfo:
 class BatchedLoop:
     """N resident sessions served by the worker's thread through `engine.batch.BatchScheduler`."""
 
-    def __init__(self, worker: "InferenceWorker", n_slots: int, *, clock: Callable[[], float] = time.monotonic,
-                 check_memory: bool = True) -> None:
+    def __init__(self, model: Any, params_type: Callable[..., Any], jobs: JobLedger, kv: KVStore | None,
+                 n_slots: int, *, clock: Callable[[], float] = time.monotonic, check_memory: bool = True) -> None:
+        """`params_type` is the engine's `SamplingParams`; `jobs` the ledger the worker fills."""
         from engine.batch import BatchScheduler
         from engine.sampling import Sampler
 
-        self.worker = worker
-        self.model = worker.model
-        self.kv = worker.kv
+        self.model = model
+        self.params_type = params_type
+        self.jobs = jobs
+        self.kv = kv
         self.clock = clock
         self._sampler_type = Sampler
         self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory)
@@ -199,6 +198,10 @@ class BatchedLoop:
     def n_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def busy(self) -> bool:
+        return self.n_active > 0
+
     def session(self, i: int) -> Any:
         return self.scheduler.slots[i].session
 
@@ -217,18 +220,12 @@ class BatchedLoop:
             idle = self.n_active == 0 and not self.waiting and not self.scheduler.busy
             if stopping and idle:
                 break
-            try:
-                item = self.worker._queue.get(block=idle and not stopping)
-                while True:
-                    if item is None:
-                        stopping = True
-                        self.cancel_all()
-                    else:
-                        with self._lock:
-                            self.waiting.append(item)
-                    item = self.worker._queue.get_nowait()
-            except queue.Empty:
-                pass
+            jobs, stop = self.jobs.take_ready(block=idle and not stopping)
+            with self._lock:
+                self.waiting.extend(jobs)
+            if stop:
+                stopping = True
+                self.cancel_all()
             self._admit_waiting(stopping)
             if self.scheduler.busy:
                 try:
@@ -248,8 +245,8 @@ class BatchedLoop:
                 with self._lock:
                     self.waiting.popleft()
                 job.cancel()
-                self.worker._finish_cancelled(job)
-                self.worker._record(job)
+                self.jobs.finish_cancelled(job)
+                self.jobs.record(job)
                 continue
             req = job.request
             views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
@@ -367,7 +364,7 @@ class BatchedLoop:
         else:
             req = job.request
             run.final = True
-            params = sampling_params(self.worker.types, req.sampling)
+            params = sampling_params(self.params_type, req.sampling)
             sampler = self._sampler_type(params, self.model.eos_ids)
             budget = decode_budget(self.model, req, len(run.ids))
 
@@ -413,8 +410,8 @@ class BatchedLoop:
         elif gen.finish == "cancelled" and job.is_cancelled() and not run.decoder.done:
             # An interrupted prefill leaves tokens that match no known text.
             self._end(i, keep_text=run.final and run.ready)
-            self.worker._finish_cancelled(job)
-            self.worker._record(job)
+            self.jobs.finish_cancelled(job)
+            self.jobs.record(job)
         elif not run.final:
             stage = run.stages.pop(0)
             entry = self.kv.store(stage.prefix, self.session(i), stage.reason) if self.kv is not None else None
@@ -428,7 +425,7 @@ class BatchedLoop:
                 job.emit(PromptReady(len(run.ids), job.stats.n_cached, job.stats.n_written))
             run.decoder.finish("length")
             self._end(i)
-            self.worker._record(job)
+            self.jobs.record(job)
 
     def _end(self, i: int, keep_text: bool = True) -> None:
         info = self.info[i]
@@ -448,7 +445,7 @@ class BatchedLoop:
     def _fail(self, job: Job, error: BaseException) -> None:
         job.stats.status = "failed"
         job.emit(Failed(f"inference failed: {type(error).__name__}"))
-        self.worker._record(job)
+        self.jobs.record(job)
 
     def _fail_all(self, error: BaseException) -> None:
         for i, info in enumerate(self.info):

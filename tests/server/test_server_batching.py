@@ -11,7 +11,8 @@ import pytest
 from server import kvstore as kv
 from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, route
 from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
-from server.worker import Failed, Finished, GenerationRequest, InferenceWorker, PromptReady, SamplingSpec, TextDelta
+from server.jobs import Failed, Finished, GenerationRequest, PromptReady, SamplingSpec, TextDelta
+from server.worker import InferenceWorker
 
 HOUR = 3600.0
 SMALL = SavePolicy(trim=4, align=16, interval=64, min_tokens=16, min_gain=8)

@@ -6,8 +6,9 @@ import queue
 import time
 
 from server_support import FAKE_TYPES
-from server.worker import (Failed, Finished, GenerationRequest, InferenceWorker, PrefillProgress,
-                           PromptReady, SamplingSpec, TextDelta)
+from server.jobs import (Failed, Finished, GenerationRequest, PrefillProgress, PromptReady, SamplingSpec,
+                         TextDelta)
+from server.worker import InferenceWorker
 from server_fake_engine import FakeModel
 
 GREEDY = SamplingSpec(temperature=0.0)
