@@ -15,18 +15,20 @@ tokenized the way the next turn's rendered prompt is; the tokens reused are stil
 common token prefix (that is what the engine keeps).
 
 `BatchedLoop` runs on the inference worker's thread in place of its one-job-at-a-time loop,
-taking jobs from the same `server.jobs.JobLedger` and recording them there. It owns an `engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is
-built: `CapacityError` with the figures) and, per job:
+taking jobs from the same `server.jobs.JobLedger` and recording them there. It owns an
+`engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is built:
+`CapacityError` with the figures) and, per job:
   1. routes it (requests beyond N wait, first in first out, until a slot is free) and logs
      the decision (slot, reused tokens, evicted tokens, reason);
   2. with the disk KV cache: stores the slot's session (reason evict) before it is
-     replaced, when the policy wants it, then restores the longest checkpoint of the
-     prompt from disk into the slot. Both happen on this thread before the job's first
+     replaced, when the policy wants it (`server.kvplan.save_resident`), then the restore
+     step of the prefill plan (`server.kvplan.plan_prefill`) brings the longest checkpoint
+     of the prompt from disk into the slot. Both happen on this thread before the job's first
      `GenRequest` is submitted, and this thread is the only one that runs forward passes,
      so a slot joins the batch only once its restore has completed: there is no moment
      when a half-restored session is decoded;
-  3. prefills through the scheduler, in stages that end at the checkpoints the save
-     policy plans (cold / continued): each stage is a `GenRequest` of the prompt up to
+  3. prefills through the scheduler, in the plan's stages, which end at the checkpoints the
+     save policy wants (cold / continued): each stage is a `GenRequest` of the prompt up to
      that point and one throw-away token, after which the slot's session holds exactly
      the checkpoint's tokens and is stored; the next stage reuses them. The scheduler
      interleaves these chunks with the other slots' decode steps;
@@ -55,7 +57,8 @@ from engine.session import common_prefix
 from server import kvstore_policy as policy
 from server.jobs import (Failed, Job, JobLedger, PromptReady, TokenDecoder, decode_budget, sampling_params,
                          written_tokens)
-from server.kvstore import KVStore, save_session, text_split
+from server.kvplan import Resident, Stage, plan_prefill, save_resident, user_boundary_tokens
+from server.kvstore import KVStore
 
 log = logging.getLogger("ds4.server.batching")
 
@@ -126,18 +129,10 @@ def route(slots: Sequence[SlotView], prompt_text: str, ids: Sequence[int], now: 
 
 # --- the loop ------------------------------------------------------------------------------
 
-@dataclass
-class _Stage:
-    """A prefill stage that ends at a checkpoint: ids[:n] then store `prefix` (reason)."""
-    n: int
-    prefix: str
-    reason: str
-
-
 class _Running:
     """One job in one slot: its stages, its decoder and the GenRequest in the scheduler."""
 
-    def __init__(self, job: Job, slot: int, ids: list[int], stages: list[_Stage], decoder: TokenDecoder,
+    def __init__(self, job: Job, slot: int, ids: list[int], stages: list[Stage], decoder: TokenDecoder,
                  n_restored: int) -> None:
         self.job = job
         self.slot = slot
@@ -155,11 +150,7 @@ class _Running:
 
 
 @dataclass
-class _SlotInfo:
-    prompt_text: str | None = None
-    """The prompt the session was last synced to (None: unknown, e.g. an interrupted prefill)."""
-    n_prompt: int = 0
-    on_disk: int = 0
+class _SlotInfo(Resident):
     last_used: float = -math.inf
     running: _Running | None = None
 
@@ -273,20 +264,7 @@ class BatchedLoop:
         return info.prompt_text + self.model.detokenize(list(self.session(i).tokens[info.n_prompt:]))
 
     def _save_slot(self, i: int, reason: str, next_ids: list[int] | None) -> None:
-        info = self.info[i]
-        if self.kv is None or info.prompt_text is None:
-            return
-        session = self.session(i)
-        n_common = common_prefix(session.tokens, next_ids) if next_ids is not None else 0
-        try:
-            entry = save_session(self.kv, self.model, session, info.prompt_text, info.n_prompt, reason,
-                                 n_common=n_common, n_saved=info.on_disk)
-        except Exception:  # the cache never fails a request
-            log.exception("kv cache: cannot save slot %d (%s)", i, reason)
-            return
-        if entry is not None:
-            info.on_disk = entry.n_tokens
-            log.info("kv cache: saved slot %d (%s, %d tokens)", i, reason, entry.n_tokens)
+        save_resident(self.kv, self.model, self.session(i), self.info[i], reason, next_ids, label=f"slot {i}")
 
     def _start(self, job: Job, i: int) -> None:
         req = job.request
@@ -294,42 +272,22 @@ class BatchedLoop:
         info = self.info[i]
         session = self.session(i)
         ids = list(req.prompt_ids)
-        boundary = None
-        if self.kv is not None and req.user_boundary is not None:
-            boundary = policy.tokens_at_text_offset(req.prompt_text, req.user_boundary, ids, model.prompt_ids)
+        boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
         job.stats.started_at = time.monotonic()
         job.stats.status = "running"
         job.stats.slot = i
 
-        # 1. the slot's current session goes to disk before it is replaced, then the prompt's
-        #    longest checkpoint comes back from disk (all before the slot joins the batch)
+        # 1. the slot's current session goes to disk before it is replaced
         self._save_slot(i, policy.EVICT, ids)
         kept = common_prefix(session.tokens, ids)
         kept_on_disk = min(info.on_disk, kept)
         info.prompt_text, info.on_disk = None, 0
-        n_restored = 0
-        if self.kv is not None:
-            hit = self.kv.lookup(req.prompt_text, longer_than=kept)
-            if hit is not None:
-                try:
-                    session.load_payload(hit.payload)
-                    ids = list(hit.tokens) + model.tokenize(req.prompt_text[len(hit.prefix_text):], special=True)
-                    n_restored = hit.n_tokens
-                except ValueError as e:
-                    log.warning("kv cache: cannot restore %s: %s", hit.key, e)
-                    self.kv.remove(hit.key)
-                    session.truncate(0)
 
-        # 2. the checkpoints this prefill should leave on disk
-        stages: list[_Stage] = []
-        if self.kv is not None:
-            base = max(n_restored, common_prefix(session.tokens, ids))
-            for point in policy.plan_prefill_saves(base, len(ids), boundary, self.kv.save_policy):
-                found = policy.prefix_text_at(req.prompt_text, ids, point.n_tokens,
-                                              tokenize_suffix=lambda s: model.tokenize(s, special=True),
-                                              **text_split(model))
-                if found is not None and found[0] > max(base, stages[-1].n if stages else 0):
-                    stages.append(_Stage(found[0], found[1], point.reason))
+        # 2. the plan (`server.kvplan`): its restore step brings the prompt's longest checkpoint
+        #    back before the slot joins the batch; its stages are the checkpoints to leave on disk
+        plan = plan_prefill(self.kv, model, session, req.prompt_text, ids, boundary)
+        ids, n_restored = plan.ids, plan.n_restored
+        stages = list(plan.stages)
 
         run = _Running(job, i, ids, stages, TokenDecoder(model, job), n_restored)
         run.n_on_disk = max(n_restored, kept_on_disk)
@@ -359,7 +317,7 @@ class BatchedLoop:
 
         if run.stages:
             stage = run.stages[0]
-            run.gen = GenRequest(ids=run.ids[:stage.n], max_tokens=1, choose=lambda _logits: 0,
+            run.gen = GenRequest(ids=run.ids[:stage.n_tokens], max_tokens=1, choose=lambda _logits: 0,
                                  cancel=cancel, slot=run.slot)
         else:
             req = job.request
@@ -414,10 +372,10 @@ class BatchedLoop:
             self.jobs.record(job)
         elif not run.final:
             stage = run.stages.pop(0)
-            entry = self.kv.store(stage.prefix, self.session(i), stage.reason) if self.kv is not None else None
+            entry = self.kv.store(stage.prefix_text, self.session(i), stage.reason) if self.kv is not None else None
             if entry is not None:
                 run.n_saved += 1
-                run.n_on_disk = stage.n
+                run.n_on_disk = stage.n_tokens
                 job.stats.n_written = written_tokens(run.n_on_disk, job.stats.n_cached, run.n_saved)
             self._submit_next(run)
         else:
@@ -435,7 +393,7 @@ class BatchedLoop:
         if run is not None and keep_text:
             info.prompt_text, info.n_prompt, info.on_disk = run.job.request.prompt_text, len(run.ids), run.n_on_disk
         else:
-            info.prompt_text, info.n_prompt, info.on_disk = None, 0, 0
+            info.forget()
 
     def _reset_slot(self, i: int) -> None:
         """Empty a slot whose session state may be half-updated (its cache memory is kept)."""

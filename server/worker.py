@@ -32,9 +32,9 @@ The session is kept between jobs so that a prompt sharing a prefix with the prev
 cached tokens.
 
 Disk KV cache (`kv`, a `server.kvstore.KVStore`, or None): before a job replaces the live
-session, the worker stores it (reason evict) when the policy wants it; the prefill goes
-through `server.kvstore.prefill_with_cache`, which restores the longest checkpoint on disk
-and stores cold / continued checkpoints on the way; when the thread receives its stop
+session, the worker stores it (reason evict) when the policy wants it
+(`server.kvplan.save_resident`); the prefill runs the plan of `server.kvplan` (restore the
+longest checkpoint on disk, then prefill in stages that store cold / continued checkpoints); when the thread receives its stop
 sentinel it stores the live session (reason shutdown) before it returns, so a clean exit
 of the server keeps the last conversation. Cached tokens then count what was restored from
 disk too, and `Usage.cache_written_tokens` the prompt tokens newly covered by a checkpoint.
@@ -69,7 +69,8 @@ from server import kvstore_policy
 from server.batching import BatchedLoop
 from server.jobs import (Event, Failed, GenerationRequest, Job, JobCancelled, JobLedger, JobStats, PrefillProgress,
                          PromptReady, TokenDecoder, decode_budget, sampling_params, written_tokens)
-from server.kvstore import KVStore, prefill_with_cache, save_session
+from server.kvplan import Resident, prefill_with_cache, save_resident, user_boundary_tokens
+from server.kvstore import KVStore
 
 log = logging.getLogger("ds4.server.worker")
 
@@ -110,12 +111,7 @@ class SerialLoop:
         self.jobs = jobs
         self.kv = kv
         self._session: Any = None
-        # What the live session holds, for the disk cache: the prompt text it was synced to
-        # (None: unknown, e.g. a prefill was interrupted), that prompt's token count, and the
-        # longest prefix of it known to be on disk.
-        self._live_text: str | None = None
-        self._live_n_prompt = 0
-        self._live_on_disk = 0
+        self._live = Resident()  # what the live session holds, for the disk cache
         self._current: Job | None = None
         self._lock = threading.Lock()
 
@@ -149,23 +145,13 @@ class SerialLoop:
     def _acquire_session(self) -> Any:
         if self._session is None:
             self._session = self.model.new_session()
-            self._live_text, self._live_n_prompt, self._live_on_disk = None, 0, 0
+            self._live.forget()
         return self._session
 
     def _save_live(self, reason: str, next_ids: list[int] | None = None) -> None:
         """Store the live session in the disk cache before it is replaced (evict) or at exit."""
-        if self.kv is None or self._session is None or self._live_text is None:
-            return
-        n_common = common_prefix(self._session.tokens, next_ids) if next_ids is not None else 0
-        try:
-            entry = save_session(self.kv, self.model, self._session, self._live_text, self._live_n_prompt,
-                                 reason, n_common=n_common, n_saved=self._live_on_disk)
-        except Exception:  # the cache never fails a request
-            log.exception("kv cache: cannot save the live session (%s)", reason)
-            return
-        if entry is not None:
-            self._live_on_disk = entry.n_tokens
-            log.info("kv cache: saved the live session (%s, %d tokens)", reason, entry.n_tokens)
+        if self._session is not None:
+            save_resident(self.kv, self.model, self._session, self._live, reason, next_ids)
 
     def _serve(self, job: Job) -> None:
         if job.is_cancelled():
@@ -185,7 +171,7 @@ class SerialLoop:
             job.stats.status = "failed"
             # The session may be half-updated; a fresh one is always consistent.
             self._session = None
-            self._live_text, self._live_n_prompt, self._live_on_disk = None, 0, 0
+            self._live.forget()
             job.emit(Failed(f"inference failed: {type(e).__name__}"))
 
     def _progress_hook(self, job: Job) -> Callable[[int, int], None]:
@@ -207,17 +193,14 @@ class SerialLoop:
 
         # 1. prefill: save what the new prompt drops, restore from disk, prefill the rest
         self._save_live(kvstore_policy.EVICT, ids)
-        kept_on_disk = min(self._live_on_disk, common_prefix(session.tokens, ids))
-        boundary = None
-        if self.kv is not None and req.user_boundary is not None:
-            boundary = kvstore_policy.tokens_at_text_offset(req.prompt_text, req.user_boundary, ids,
-                                                            model.prompt_ids)
-        self._live_text = None  # until the prefill completes, the session matches no text
+        kept_on_disk = min(self._live.on_disk, common_prefix(session.tokens, ids))
+        boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
+        self._live.prompt_text = None  # until the prefill completes, the session matches no text
         out = prefill_with_cache(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
                                  progress=self._progress_hook(job), cancel=job.is_cancelled)
         ids = out.ids
-        self._live_text, self._live_n_prompt = req.prompt_text, len(ids)
-        self._live_on_disk = max(out.n_on_disk, kept_on_disk)
+        self._live.prompt_text, self._live.n_prompt = req.prompt_text, len(ids)
+        self._live.on_disk = max(out.n_on_disk, kept_on_disk)
         job.stats.n_prompt = len(ids)
         job.stats.n_cached = int(out.n_reused)
         job.stats.n_written = written_tokens(out.n_on_disk, out.n_reused, len(out.saved or ()))
