@@ -120,9 +120,10 @@ class Model:
                     **extra: Any) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
 
-    def prompt_ids(self, text: str) -> list[int]:
-        """Token ids of a rendered prompt: special tokens parsed, BOS added when the model wants it."""
-        ids = self.tokenize(text, special=True)
+    def prompt_ids(self, ids: list[int] | str) -> list[int]:
+        """The ids of a prompt as the model sees it: BOS prepended when the model adds one and
+        `ids` do not start with it (a new list). Text is tokenized first, special tokens parsed."""
+        ids = self.tokenize(ids, special=True) if isinstance(ids, str) else list(ids)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids

@@ -57,7 +57,7 @@ from server.prompting import ToolCalling, prompt_ids
 from server.tools.apis import ToolInputError
 from server.sse import SSEResponse, job_events, wait_or_disconnect
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
-from server.worker import EngineTypes, InferenceWorker
+from server.worker import InferenceWorker
 
 log = logging.getLogger("ds4.server")
 
@@ -179,9 +179,10 @@ def _tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def create_app(model: Any, config: ServerConfig | None = None, *,
-               engine_types: EngineTypes | None = None, kv_save_policy: SavePolicy | None = None,
+               engine: Any = None, kv_save_policy: SavePolicy | None = None,
                clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None) -> FastAPI:
-    """The app around `model`. `engine_thread` is the thread the model was loaded on, where
+    """The app around `model`. `engine` provides the engine's types (`SamplingParams`,
+    `Cancelled`, ...; default: the `engine` package, tests pass a fake). `engine_thread` is the thread the model was loaded on, where
     all inference runs (None: the worker starts its own). `kv_save_policy` overrides the disk
     cache's save thresholds and `clock` the batched slots' idle clock (tests with small models
     and no waiting)."""
@@ -189,7 +190,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     kv = open_store(config.kv, model)
     if kv is not None and kv_save_policy is not None:
         kv.save_policy = kv_save_policy
-    worker = InferenceWorker(model, engine_types, kv=kv, n_slots=config.batched_session, clock=clock,
+    worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
                              engine_thread=engine_thread)
     calling = ToolCalling.for_model(model, config.tools)
     started_at = int(time.time())

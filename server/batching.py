@@ -158,18 +158,17 @@ class _SlotInfo(Resident):
 class BatchedLoop:
     """N resident sessions served by the worker's thread through `engine.batch.BatchScheduler`."""
 
-    def __init__(self, model: Any, params_type: Callable[..., Any], jobs: JobLedger, kv: KVStore | None,
-                 n_slots: int, *, clock: Callable[[], float] = time.monotonic, check_memory: bool = True) -> None:
-        """`params_type` is the engine's `SamplingParams`; `jobs` the ledger the worker fills."""
+    def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None, n_slots: int, *,
+                 clock: Callable[[], float] = time.monotonic, check_memory: bool = True) -> None:
+        """`engine` provides `SamplingParams` and `Sampler` (the `engine` package); `jobs` is the
+        ledger the worker fills. The scheduler is `engine.batch`'s: batching needs the real engine."""
         from engine.batch import BatchScheduler
-        from engine.sampling import Sampler
 
         self.model = model
-        self.params_type = params_type
+        self.engine = engine
         self.jobs = jobs
         self.kv = kv
         self.clock = clock
-        self._sampler_type = Sampler
         self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory)
         self.info = [_SlotInfo() for _ in range(n_slots)]
         self.waiting: deque[Job] = deque()
@@ -194,7 +193,7 @@ class BatchedLoop:
         return self.n_active > 0
 
     def session(self, i: int) -> Any:
-        return self.scheduler.slots[i].session
+        return self.scheduler.session(i)
 
     def cancel_all(self) -> None:
         """Cancel every running and waiting job (any thread; the loop winds them down)."""
@@ -322,8 +321,8 @@ class BatchedLoop:
         else:
             req = job.request
             run.final = True
-            params = sampling_params(self.params_type, req.sampling)
-            sampler = self._sampler_type(params, self.model.eos_ids)
+            params = sampling_params(self.engine.SamplingParams, req.sampling)
+            sampler = self.engine.Sampler(params, self.model.eos_ids)
             budget = decode_budget(self.model, req, len(run.ids))
 
             def choose(logits: torch.Tensor) -> int:
@@ -397,7 +396,7 @@ class BatchedLoop:
 
     def _reset_slot(self, i: int) -> None:
         """Empty a slot whose session state may be half-updated (its cache memory is kept)."""
-        self.scheduler.slots[i].session.reset()
+        self.session(i).reset()
         self.info[i] = _SlotInfo(last_used=self.clock())
 
     def _fail(self, job: Job, error: BaseException) -> None:
@@ -406,12 +405,10 @@ class BatchedLoop:
         self.jobs.record(job)
 
     def _fail_all(self, error: BaseException) -> None:
+        self.scheduler.abandon_all()
         for i, info in enumerate(self.info):
             if info.running is not None:
                 job = info.running.job
                 info.running = None
-                sched_slot = self.scheduler.slots[i]
-                sched_slot.request = sched_slot.prefill = sched_slot.sampler = None
                 self._reset_slot(i)
                 self._fail(job, error)
-        self.scheduler.queue.clear()

@@ -34,13 +34,14 @@ from typing import Any, Callable
 from engine.session import common_prefix
 from server import kvstore_policy as policy
 from server.kvstore import SUFFIX, Entry, KVStore
+from server.prompting import prompt_ids
 
 log = logging.getLogger("ds4.server.kvstore")
 
 
 def text_split(model: Any) -> dict[str, Any]:
     """The model callables `kvstore_policy.prefix_text_at` needs (detokenize, prompt_ids, bos_id)."""
-    return dict(detokenize=model.detokenize, prompt_ids=model.prompt_ids,
+    return dict(detokenize=model.detokenize, prompt_ids=lambda text: prompt_ids(model, text),
                 bos_id=model.bos_id if getattr(model, "add_bos", False) else None)
 
 
@@ -50,7 +51,7 @@ def user_boundary_tokens(store: KVStore | None, model: Any, text: str, offset: i
     checkpoint; None without a store, without an offset, or when it does not split cleanly."""
     if store is None or offset is None:
         return None
-    return policy.tokens_at_text_offset(text, offset, ids, model.prompt_ids)
+    return policy.tokens_at_text_offset(text, offset, ids, lambda head: prompt_ids(model, head))
 
 
 # --- the prefill plan -------------------------------------------------------------------------

@@ -61,39 +61,18 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.session import common_prefix
 from engine.threads import EngineThread
 from server import kvstore_policy
 from server.batching import BatchedLoop
 from server.jobs import (Event, Failed, GenerationRequest, Job, JobCancelled, JobLedger, JobStats, PrefillProgress,
-                         PromptReady, TokenDecoder, decode_budget, sampling_params, written_tokens)
+                         PromptReady, TokenDecoder, decode_budget, default_engine, sampling_params, written_tokens)
 from server.kvplan import Resident, prefill_with_cache, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
 
 log = logging.getLogger("ds4.server.worker")
-
-
-@dataclass(frozen=True)
-class EngineTypes:
-    """The engine classes the worker needs besides the model object itself."""
-    sampling_params: type
-    cancelled: type[BaseException]
-
-
-def default_engine_types() -> EngineTypes:
-    from engine import Cancelled, SamplingParams
-    return EngineTypes(sampling_params=SamplingParams, cancelled=Cancelled)
-
-
-def common_prefix(a: Any, b: Any) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _log_loop_failure(loop: Future) -> None:
@@ -105,9 +84,10 @@ def _log_loop_failure(loop: Future) -> None:
 class SerialLoop:
     """One session, one job at a time, first in first out (runs on the worker's thread)."""
 
-    def __init__(self, model: Any, types: EngineTypes, jobs: JobLedger, kv: KVStore | None) -> None:
+    def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None) -> None:
+        """`engine` provides `SamplingParams` and `Cancelled` (the `engine` package or a fake)."""
         self.model = model
-        self.types = types
+        self.engine = engine
         self.jobs = jobs
         self.kv = kv
         self._session: Any = None
@@ -161,7 +141,7 @@ class SerialLoop:
         job.stats.status = "running"
         try:
             self._generate(job)
-        except (JobCancelled, self.types.cancelled):
+        except (JobCancelled, self.engine.Cancelled):
             self.jobs.finish_cancelled(job)
         except Exception as e:  # the worker must survive anything one request does
             if job.is_cancelled():
@@ -209,7 +189,7 @@ class SerialLoop:
         job.emit(PromptReady(len(ids), job.stats.n_cached, job.stats.n_written))
 
         # 2. decode
-        params = sampling_params(self.types.sampling_params, req.sampling)
+        params = sampling_params(self.engine.SamplingParams, req.sampling)
         decoder = TokenDecoder(model, job)
         pending: int | None = None
         for _ in range(decode_budget(model, req, len(ids))):
@@ -228,13 +208,15 @@ class SerialLoop:
 class InferenceWorker:
     """One thread owns the engine: one session served first in, first out, or a batch of slots."""
 
-    def __init__(self, model: Any, engine_types: EngineTypes | None = None, *,
+    def __init__(self, model: Any, engine: Any = None, *,
                  history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
                  clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None) -> None:
-        """`engine_thread` is the thread the model was loaded on (see `engine.threads`); the
-        worker's loop runs there. Without one the worker starts its own and ends it in `stop()`."""
+        """`engine` provides the engine's types (`SamplingParams`, `Sampler`, `Cancelled`; default:
+        the `engine` package). `engine_thread` is the thread the model was loaded on (see
+        `engine.threads`); the worker's loop runs there. Without one the worker starts its own
+        and ends it in `stop()`."""
         self.model = model
-        self.types = engine_types or default_engine_types()
+        self.engine = engine if engine is not None else default_engine()
         self.kv = kv
         self.jobs = JobLedger(history)
         self._owns_thread = engine_thread is None
@@ -244,11 +226,11 @@ class InferenceWorker:
         self.serving: SerialLoop | BatchedLoop
         if n_slots > 1:
             # Its KV pool is allocated by torch: on the engine thread, like all torch work.
-            self.batched = self.engine_thread.call(BatchedLoop, model, self.types.sampling_params, self.jobs,
-                                                   kv, n_slots, clock=clock)
+            self.batched = self.engine_thread.call(BatchedLoop, model, self.engine, self.jobs, kv, n_slots,
+                                                   clock=clock)
             self.serving = self.batched
         else:
-            self.serving = SerialLoop(model, self.types, self.jobs, kv)
+            self.serving = SerialLoop(model, self.engine, self.jobs, kv)
 
     @property
     def finished(self) -> deque[JobStats]:

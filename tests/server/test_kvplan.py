@@ -12,6 +12,7 @@ from server import kvplan
 from server import kvstore as kv
 from server.kvstore import KVStore
 from server.kvstore_policy import COLD, CONTINUED, EVICT, SHUTDOWN, SavePolicy
+from server.prompting import prompt_ids
 
 SMALL = SavePolicy(trim=4, align=16, interval=64, min_tokens=16, min_gain=8)
 
@@ -38,12 +39,13 @@ def test_server_restart_with_the_same_directory_restores_the_prompt(tiny_model, 
     m = tiny_model
     system = "the whole system prompt, long enough to be worth a checkpoint " * 2
     text = chat(m, system, "first question")
-    boundary = kv.policy.tokens_at_text_offset(text, text.rindex("<|im_start|>user"), m.prompt_ids(text), m.prompt_ids)
+    boundary = kv.policy.tokens_at_text_offset(text, text.rindex("<|im_start|>user"), prompt_ids(m, text),
+                                               lambda t: prompt_ids(m, t))
     store = KVStore(store_dir, kv.identity_of(m), 10**7, save_policy=SMALL)
-    first = kvplan.prefill_with_cache(store, m, m.new_session(), text, m.prompt_ids(text), user_boundary=boundary)
+    first = kvplan.prefill_with_cache(store, m, m.new_session(), text, prompt_ids(m, text), user_boundary=boundary)
     assert first.n_restored == 0 and first.n_reused == 0
     # The frontier at 128 would nearly repeat the cold checkpoint at the user turn: skipped.
-    assert 64 < boundary < 128 < len(m.prompt_ids(text)) - SMALL.trim
+    assert 64 < boundary < 128 < len(prompt_ids(m, text)) - SMALL.trim
     assert [(e.reason, e.n_tokens) for e in first.saved] == [(CONTINUED, 64), (COLD, boundary)]
     assert first.n_written == 64 + boundary
 
@@ -54,10 +56,10 @@ def test_server_restart_with_the_same_directory_restores_the_prompt(tiny_model, 
     text2 = chat(m2, system, "second question")
     done: list[tuple[int, int]] = []
     session = m2.new_session()
-    second = kvplan.prefill_with_cache(store2, m2, session, text2, m2.prompt_ids(text2),
+    second = kvplan.prefill_with_cache(store2, m2, session, text2, prompt_ids(m2, text2),
                                    progress=lambda d, t: done.append((d, t)))
     assert second.n_restored == boundary and second.n_reused == boundary
-    assert second.ids == m2.prompt_ids(text2)
+    assert second.ids == prompt_ids(m2, text2)
     # This prefill is long for the small policy too: its own points all lie past the restored one.
     planned = kv.policy.plan_prefill_saves(boundary, len(second.ids), None, SMALL)
     assert [e.n_tokens for e in second.saved] == [p.n_tokens for p in planned] and planned
@@ -71,15 +73,15 @@ def test_server_restart_with_the_same_directory_restores_the_prompt(tiny_model, 
 def test_prefill_without_a_store_is_a_plain_sync(tiny_model):
     m = tiny_model
     text = chat(m, "sys", "hi")
-    out = kvplan.prefill_with_cache(None, m, m.new_session(), text, m.prompt_ids(text))
-    assert out.n_reused == 0 and out.saved == [] and out.ids == m.prompt_ids(text)
+    out = kvplan.prefill_with_cache(None, m, m.new_session(), text, prompt_ids(m, text))
+    assert out.n_reused == 0 and out.saved == [] and out.ids == prompt_ids(m, text)
 
 
 def test_evict_and_shutdown_save_the_live_session_with_its_reply(tiny_model, store_dir):
     m = tiny_model
     store = KVStore(store_dir, kv.identity_of(m), 10**7, save_policy=SMALL)
     text = chat(m, "a system prompt of some length for the test", "tell me")
-    ids = m.prompt_ids(text)
+    ids = prompt_ids(m, text)
     session = m.new_session()
     session.sync(ids)
     reply = m.tokenize("the weather is fine")
@@ -105,8 +107,9 @@ def test_embedded_model_round_trip(store_dir):
     m = load_model(ctx=512)
     text = m.render_chat([{"role": "system", "content": "You are a careful assistant. " * 20},
                           {"role": "user", "content": "Name three primary colors."}])
-    ids = m.prompt_ids(text)
-    boundary = kv.policy.tokens_at_text_offset(text, text.rindex("<|im_start|>user"), ids, m.prompt_ids)
+    ids = prompt_ids(m, text)
+    boundary = kv.policy.tokens_at_text_offset(text, text.rindex("<|im_start|>user"), ids,
+                                               lambda t: prompt_ids(m, t))
     assert boundary is not None
     small = SavePolicy(trim=16, align=64, interval=1024, min_tokens=64, min_gain=32)
     store = KVStore(store_dir, kv.identity_of(m), 10**9, save_policy=small)

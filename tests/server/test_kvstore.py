@@ -20,6 +20,7 @@ import torch
 from server import kvstore as kv
 from server.kvstore import HEADER_SIZE, KVStore, ModelIdentity
 from server.kvstore_policy import COLD, CONTINUED, EVICT, SHUTDOWN
+from server.prompting import prompt_ids
 
 REPO = Path(__file__).resolve().parents[2]
 IDENT = ModelIdentity("tiny#0123456789abcdef", "Q4_1", 256)
@@ -407,8 +408,9 @@ def chat(model, system: str, user: str) -> str:
 def test_restored_session_matches_a_cold_prefill(tiny_model, store_dir):
     m = tiny_model
     text = chat(m, "the theme of the day is the weather " * 3, "then what?")
-    ids = m.prompt_ids(text)
-    n, prefix = kv.policy.prefix_text_at(text, ids, 80, detokenize=m.detokenize, prompt_ids=m.prompt_ids,
+    ids = prompt_ids(m, text)
+    n, prefix = kv.policy.prefix_text_at(text, ids, 80, detokenize=m.detokenize,
+                                         prompt_ids=lambda t: prompt_ids(m, t),
                                          tokenize_suffix=lambda s: m.tokenize(s, special=True))
     warm_src = m.new_session()
     warm_src.sync(ids[:n])
