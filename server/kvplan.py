@@ -57,22 +57,23 @@ def user_boundary_tokens(store: KVStore | None, model: Any, text: str, offset: i
 # --- the prefill plan -------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class PrefillPlan:
+    """`ids`: the token ids the session holds once the prefill is done (restored tokens, then
+    the suffix); `n_restored`: tokens the restore step loaded from disk (0: none); `base`:
+    tokens of `ids` the session holds before the prefill (restored or kept); `stages`: the
+    checkpoints to store on the way, ascending."""
+    ids: list[int]
+    n_restored: int = 0
+    base: int = 0
+    stages: tuple[Stage, ...] = ()
+
+
+@dataclass(frozen=True)
 class Stage:
     """Prefill `ids[:n_tokens]`, then store the session under `prefix_text` (reason)."""
     n_tokens: int
     prefix_text: str
     reason: str
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    ids: list[int]
-    """The token ids the session holds once the prefill is done (restored tokens + suffix)."""
-    n_restored: int = 0
-    """Tokens restored from a disk checkpoint by the restore step (0: none)."""
-    base: int = 0
-    """Tokens of `ids` the session holds before the prefill (restored or kept)."""
-    stages: tuple[Stage, ...] = ()
 
 
 def restore_checkpoint(store: KVStore, model: Any, session: Any, text: str, ids: list[int]) -> tuple[list[int], int]:
@@ -120,16 +121,16 @@ def plan_prefill(store: KVStore | None, model: Any, session: Any, text: str, ids
 
 @dataclass
 class PrefillOutcome:
+    """`ids`: the token ids now in the session (restored tokens, then the suffix's tokens);
+    `n_restored`: tokens restored from a disk checkpoint (0: none); `n_reused`: tokens not
+    recomputed (restored from disk or kept from the live session); `n_written`: tokens
+    written to disk checkpoints during this prefill; `n_on_disk`: the longest prefix of `ids`
+    known to be on disk (for `evict_save_wanted`); `saved`: the entries stored."""
     ids: list[int]
-    """The token ids now in the session: the restored tokens plus the new suffix's tokens."""
     n_restored: int = 0
-    """Tokens restored from a disk checkpoint (0: no checkpoint used)."""
     n_reused: int = 0
-    """Tokens not recomputed: restored from disk or kept from the live session."""
     n_written: int = 0
-    """Tokens written to disk checkpoints during this prefill (usage: cache writes)."""
     n_on_disk: int = 0
-    """The longest prefix of `ids` known to be on disk (for `evict_save_wanted`)."""
     saved: list[Entry] = field(default_factory=list)
 
 

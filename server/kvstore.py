@@ -367,13 +367,17 @@ class KVStore:
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key + SUFFIX)
 
-    def _delete(self, key: str, why: str) -> None:
-        log.warning("kv cache: deleting %s%s: %s", key, SUFFIX, why)
+    def _forget(self, key: str) -> None:
+        """Drop an entry from the index and its file from the directory."""
         self._index.pop(key, None)
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
             pass
+
+    def _delete(self, key: str, why: str) -> None:
+        log.warning("kv cache: deleting %s%s: %s", key, SUFFIX, why)
+        self._forget(key)
         self._stats.deleted_bad += 1
 
     def _scan(self) -> None:
@@ -565,24 +569,16 @@ class KVStore:
         victims = policy.select_victims((e.stats() for e in self._index.values()), self.budget_bytes,
                                         self.clock(), keep)
         for key in victims:
-            self._index.pop(key, None)
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
+            self._forget(key)
             self._stats.evicted += 1
             log.info("kv cache: evicted %s%s", key, SUFFIX)
 
     def remove(self, key: str) -> None:
         """Delete one entry (tests, administration)."""
         with self._lock:
-            self._index.pop(key, None)
+            self._forget(key)
             if self._restored == key:
                 self._restored = None
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
 
 
 # --- construction from the server flags ------------------------------------------------------

@@ -21,6 +21,11 @@ def fake_app(model: FakeModel | None = None, **config: Any):
     return create_app(model or FakeModel(), ServerConfig(**config), engine=FAKE_ENGINE)
 
 
+def system_user_chat(model: Any, system: str, user: str) -> str:
+    """The model's chat prompt for one system and one user message."""
+    return model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,7 +3,6 @@ resident session, on tiny random GGUF models (`engine.synthetic`); one test runs
 model."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,26 +12,9 @@ from server import kvstore as kv
 from server.kvstore import KVStore
 from server.kvstore_policy import COLD, CONTINUED, EVICT, SHUTDOWN, SavePolicy
 from server.prompting import prompt_ids
+from server_support import system_user_chat as chat
 
 SMALL = SavePolicy(trim=4, align=16, interval=64, min_tokens=16, min_gain=8)
-
-
-@pytest.fixture
-def store_dir(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from engine import load_model
-    from engine.synthetic import RandomModelSpec, write_random_gguf
-
-    path = write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", RandomModelSpec(n_ctx=256, seed=7))
-    return load_model(path)
-
-
-def chat(model, system: str, user: str) -> str:
-    return model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
 def test_server_restart_with_the_same_directory_restores_the_prompt(tiny_model, store_dir):

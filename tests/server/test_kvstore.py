@@ -21,6 +21,7 @@ from server import kvstore as kv
 from server.kvstore import HEADER_SIZE, KVStore, ModelIdentity
 from server.kvstore_policy import COLD, CONTINUED, EVICT, SHUTDOWN
 from server.prompting import prompt_ids
+from server_support import system_user_chat as chat
 
 REPO = Path(__file__).resolve().parents[2]
 IDENT = ModelIdentity("tiny#0123456789abcdef", "Q4_1", 256)
@@ -47,11 +48,6 @@ def file_size(text: str, n_tokens: int, kv_bytes: int = 0, trailer: bytes = b"")
 
 def kv_files(d: Path) -> list[str]:
     return sorted(p.name for p in d.iterdir())
-
-
-@pytest.fixture
-def store_dir(tmp_path: Path) -> Path:
-    return tmp_path / "kv"
 
 
 # --- format -------------------------------------------------------------------------------
@@ -390,19 +386,6 @@ def test_temp_file_of_a_live_writer_is_left_alone(store_dir):
 
 
 # --- with a real (tiny) model ------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from engine import load_model
-    from engine.synthetic import RandomModelSpec, write_random_gguf
-
-    path = write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", RandomModelSpec(n_ctx=256, seed=7))
-    return load_model(path)
-
-
-def chat(model, system: str, user: str) -> str:
-    return model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
 def test_restored_session_matches_a_cold_prefill(tiny_model, store_dir):
