@@ -30,7 +30,7 @@ import torch
 from engine import threads
 from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
-from engine.session import Prefill, Session
+from engine.session import Prefill, Session, common_prefix
 
 if TYPE_CHECKING:
     from engine.model import Model
@@ -120,6 +120,11 @@ class _Slot:
 
 
 class BatchScheduler:
+    """`n_slots` sessions serving `GenRequest`s (see the module docstring).
+
+    Between steps callers use `session(i)` (a slot's session) and `abandon_all()` (drop every
+    request after a failure), never the slots or the queue themselves."""
+
     def __init__(self, model: "Model", n_slots: int, ctx: int | None = None, check_memory: bool = True):
         if n_slots < 1:
             raise ValueError("n_slots must be >= 1")
@@ -146,13 +151,7 @@ class BatchScheduler:
             return req.slot if req.slot in idle else None
 
         def score(i: int) -> tuple[int, float]:
-            toks = self.slots[i].session.tokens
-            n = 0
-            for a, b in zip(toks, req.ids):
-                if a != b:
-                    break
-                n += 1
-            return n, -self.slots[i].last_used
+            return common_prefix(self.slots[i].session.tokens, req.ids), -self.slots[i].last_used
 
         return max(idle, key=score)
 
@@ -178,6 +177,30 @@ class BatchScheduler:
     @property
     def busy(self) -> bool:
         return bool(self.queue) or any(s.request is not None for s in self.slots)
+
+    # --- what callers may see and do between steps ---
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    def session(self, i: int) -> Session:
+        """The session of slot i. Between steps a caller may read it, and restore into or reset
+        it while no request occupies the slot (the server restores disk checkpoints this way)."""
+        return self.slots[i].session
+
+    def abandon_all(self) -> list[GenRequest]:
+        """Detach every running and queued request, e.g. after a failed step left the sessions
+        suspect: their slots are emptied and those slots' sessions reset (cache memory kept).
+        The requests are returned as they are, without finish fields; the caller reports them."""
+        abandoned: list[GenRequest] = []
+        for slot in self.slots:
+            if slot.request is not None:
+                abandoned.append(slot.request)
+                slot.request, slot.prefill, slot.sampler = None, None, None
+                slot.session.reset()
+        abandoned.extend(self.queue)
+        self.queue.clear()
+        return abandoned
 
     # --- the loop ---
     def _finish(self, slot: _Slot, reason: str, error: str | None = None) -> None:

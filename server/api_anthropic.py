@@ -35,11 +35,11 @@ from pydantic import Field
 from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError, error_body
+from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
 from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
                               ToolCallEnd, ToolCalling, prompt_ids)
-from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 from server.sse import KEEPALIVE, sse_event
-from server.worker import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
+from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 
 # --- schemas --------------------------------------------------------------------------
 

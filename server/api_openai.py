@@ -1,9 +1,10 @@
 """OpenAI Chat Completions and (legacy) Completions: schemas, translation, responses.
 
 Request side: `ChatCompletionRequest` / `CompletionRequest` validate the body;
-`chat_job` / `completion_job` turn a validated request into a neutral chat, render it,
-tokenize, apply the context-length rule (param `messages` / `prompt`) and produce a
-`GenerationRequest` plus the `OpenAIContext` needed to answer.
+`chat_job` / `completion_job` turn a validated request into the neutral records
+(`server.tools.apis.messages_from_openai`, the one check of the messages beyond the
+schema), render it, tokenize, apply the context-length rule (param `messages` / `prompt`)
+and produce a `GenerationRequest` plus the `OpenAIContext` needed to answer.
 
 Response side: `chat_response` / `completion_response` build the JSON body from the
 collected output; `chat_stream` / `completion_stream` turn worker events into
@@ -35,14 +36,13 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field
 
 from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
-                            check_context, new_id, resolve_max_tokens, sampling_spec,
-                            text_of_parts)
+                            check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError, error_body
+from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
                               ToolCallEnd, ToolCalling, prompt_ids)
-from server.tools.apis import messages_from_openai, tools_from_openai
 from server.sse import DONE, KEEPALIVE, sse_data
-from server.worker import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from server.tools.apis import messages_from_openai, tools_from_openai
 
 # --- schemas --------------------------------------------------------------------------
 
@@ -170,34 +170,6 @@ def _common_checks(req: _SamplingFields) -> None:
                            param=name)
 
 
-def neutral_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI chat messages as the plain dicts chat templates read."""
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        role = "system" if m.role == "developer" else m.role
-        msg: dict[str, Any] = {"role": role,
-                               "content": text_of_parts(m.content, f"messages[{i}].content")}
-        if m.tool_calls:
-            if role != "assistant":
-                raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls",
-                               param=f"messages[{i}].tool_calls")
-            msg["tool_calls"] = [
-                {"id": tc.id or f"call_{i}_{j}", "type": "function",
-                 "function": {"name": tc.function.name, "arguments": tc.function.arguments}}
-                for j, tc in enumerate(m.tool_calls)]
-        if role == "tool":
-            if not m.tool_call_id:
-                raise ApiError(400, f"messages[{i}]: a tool message needs tool_call_id",
-                               param=f"messages[{i}].tool_call_id")
-            msg["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            msg["name"] = m.name
-        if m.reasoning_content:
-            msg["reasoning_content"] = m.reasoning_content
-        out.append(msg)
-    return out
-
-
 def chat_job(model: Any, req: ChatCompletionRequest,
              calling: ToolCalling) -> tuple[GenerationRequest, OpenAIContext]:
     _common_checks(req)
@@ -205,7 +177,7 @@ def chat_job(model: Any, req: ChatCompletionRequest,
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
                             "(only 'text')", param="response_format")
     specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
-    prompt = calling.render(model, messages_from_openai(neutral_messages(req.messages)), specs)
+    prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]), specs)
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)

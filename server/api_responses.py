@@ -33,11 +33,11 @@ from pydantic import Field
 from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError
+from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
 from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
                               ToolCallEnd, ToolCalling, prompt_ids)
-from server.tools.apis import messages_from_responses, tools_from_responses
 from server.sse import KEEPALIVE, sse_event
-from server.worker import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
+from server.tools.apis import messages_from_responses, tools_from_responses
 
 # --- schemas --------------------------------------------------------------------------
 

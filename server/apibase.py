@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from server.errors import ApiError, from_validation_error
-from server.worker import SamplingSpec
+from server.jobs import SamplingSpec
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -94,22 +94,3 @@ def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int 
         top_p=1.0 if top_p is None else float(top_p),
         min_p=0.0 if min_p is None else float(min_p),
         seed=seed, ignore_eos=ignore_eos)
-
-
-def text_of_parts(content: Any, param: str, allowed: tuple[str, ...] = ("text",)) -> str:
-    """Join the text of a string or a list of content parts; other part types are a 400."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    pieces = []
-    for i, part in enumerate(content):
-        kind = part.type
-        if kind not in allowed:
-            raise ApiError(400, f"{param}[{i}]: content of type {kind!r} is not supported by this "
-                                f"server (text only)", param=f"{param}[{i}].type")
-        if part.text is None:
-            raise ApiError(400, f"{param}[{i}]: a {kind!r} part needs a 'text' string",
-                           param=f"{param}[{i}].text")
-        pieces.append(part.text)
-    return "".join(pieces)

@@ -14,23 +14,25 @@ The text, not only the token prefix, decides, because a reply as sampled need no
 tokenized the way the next turn's rendered prompt is; the tokens reused are still the
 common token prefix (that is what the engine keeps).
 
-`BatchedLoop` runs on the inference worker's thread in place of its one-job-at-a-time loop.
-It owns an `engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is
-built: `CapacityError` with the figures) and, per job:
+`BatchedLoop` runs on the inference worker's thread in place of its one-job-at-a-time loop,
+taking jobs from the same `server.jobs.JobLedger` and recording them there. It owns an
+`engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is built:
+`CapacityError` with the figures) and, per job:
   1. routes it (requests beyond N wait, first in first out, until a slot is free) and logs
      the decision (slot, reused tokens, evicted tokens, reason);
   2. with the disk KV cache: stores the slot's session (reason evict) before it is
-     replaced, when the policy wants it, then restores the longest checkpoint of the
-     prompt from disk into the slot. Both happen on this thread before the job's first
+     replaced, when the policy wants it (`server.kvplan.save_resident`), then the restore
+     step of the prefill plan (`server.kvplan.plan_prefill`) brings the longest checkpoint
+     of the prompt from disk into the slot. Both happen on this thread before the job's first
      `GenRequest` is submitted, and this thread is the only one that runs forward passes,
      so a slot joins the batch only once its restore has completed: there is no moment
      when a half-restored session is decoded;
-  3. prefills through the scheduler, in stages that end at the checkpoints the save
-     policy plans (cold / continued): each stage is a `GenRequest` of the prompt up to
+  3. prefills through the scheduler, in the plan's stages, which end at the checkpoints the
+     save policy wants (cold / continued): each stage is a `GenRequest` of the prompt up to
      that point and one throw-away token, after which the slot's session holds exactly
      the checkpoint's tokens and is stored; the next stage reuses them. The scheduler
      interleaves these chunks with the other slots' decode steps;
-  4. generates with the request's own `TokenDecoder` (`server.worker`): `GenRequest.choose`
+  4. generates with the request's own `TokenDecoder` (`server.jobs`): `GenRequest.choose`
      picks each token (greedy inside tool-call structure, else the request's sampler) and
      `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
      or a cancelled job ends only that request (`GenRequest.cancel`).
@@ -43,22 +45,20 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from engine.session import common_prefix
 from server import kvstore_policy as policy
-from server.kvstore import save_session, text_split
-from server.worker import (Failed, Job, PromptReady, TokenDecoder, common_prefix, decode_budget,
-                           sampling_params, written_tokens)
-
-if TYPE_CHECKING:
-    from server.worker import InferenceWorker
+from server.jobs import (Failed, Job, JobLedger, PromptReady, TokenDecoder, decode_budget, sampling_params,
+                         written_tokens)
+from server.kvplan import Resident, Stage, plan_prefill, save_resident, user_boundary_tokens
+from server.kvstore import KVStore
 
 log = logging.getLogger("ds4.server.batching")
 
@@ -129,18 +129,10 @@ def route(slots: Sequence[SlotView], prompt_text: str, ids: Sequence[int], now: 
 
 # --- the loop ------------------------------------------------------------------------------
 
-@dataclass
-class _Stage:
-    """A prefill stage that ends at a checkpoint: ids[:n] then store `prefix` (reason)."""
-    n: int
-    prefix: str
-    reason: str
-
-
 class _Running:
     """One job in one slot: its stages, its decoder and the GenRequest in the scheduler."""
 
-    def __init__(self, job: Job, slot: int, ids: list[int], stages: list[_Stage], decoder: TokenDecoder,
+    def __init__(self, job: Job, slot: int, ids: list[int], stages: list[Stage], decoder: TokenDecoder,
                  n_restored: int) -> None:
         self.job = job
         self.slot = slot
@@ -158,11 +150,7 @@ class _Running:
 
 
 @dataclass
-class _SlotInfo:
-    prompt_text: str | None = None
-    """The prompt the session was last synced to (None: unknown, e.g. an interrupted prefill)."""
-    n_prompt: int = 0
-    on_disk: int = 0
+class _SlotInfo(Resident):
     last_used: float = -math.inf
     running: _Running | None = None
 
@@ -170,16 +158,17 @@ class _SlotInfo:
 class BatchedLoop:
     """N resident sessions served by the worker's thread through `engine.batch.BatchScheduler`."""
 
-    def __init__(self, worker: "InferenceWorker", n_slots: int, *, clock: Callable[[], float] = time.monotonic,
-                 check_memory: bool = True) -> None:
+    def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None, n_slots: int, *,
+                 clock: Callable[[], float] = time.monotonic, check_memory: bool = True) -> None:
+        """`engine` provides `SamplingParams` and `Sampler` (the `engine` package); `jobs` is the
+        ledger the worker fills. The scheduler is `engine.batch`'s: batching needs the real engine."""
         from engine.batch import BatchScheduler
-        from engine.sampling import Sampler
 
-        self.worker = worker
-        self.model = worker.model
-        self.kv = worker.kv
+        self.model = model
+        self.engine = engine
+        self.jobs = jobs
+        self.kv = kv
         self.clock = clock
-        self._sampler_type = Sampler
         self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory)
         self.info = [_SlotInfo() for _ in range(n_slots)]
         self.waiting: deque[Job] = deque()
@@ -199,8 +188,12 @@ class BatchedLoop:
     def n_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def busy(self) -> bool:
+        return self.n_active > 0
+
     def session(self, i: int) -> Any:
-        return self.scheduler.slots[i].session
+        return self.scheduler.session(i)
 
     def cancel_all(self) -> None:
         """Cancel every running and waiting job (any thread; the loop winds them down)."""
@@ -217,18 +210,12 @@ class BatchedLoop:
             idle = self.n_active == 0 and not self.waiting and not self.scheduler.busy
             if stopping and idle:
                 break
-            try:
-                item = self.worker._queue.get(block=idle and not stopping)
-                while True:
-                    if item is None:
-                        stopping = True
-                        self.cancel_all()
-                    else:
-                        with self._lock:
-                            self.waiting.append(item)
-                    item = self.worker._queue.get_nowait()
-            except queue.Empty:
-                pass
+            jobs, stop = self.jobs.take_ready(block=idle and not stopping)
+            with self._lock:
+                self.waiting.extend(jobs)
+            if stop:
+                stopping = True
+                self.cancel_all()
             self._admit_waiting(stopping)
             if self.scheduler.busy:
                 try:
@@ -248,8 +235,8 @@ class BatchedLoop:
                 with self._lock:
                     self.waiting.popleft()
                 job.cancel()
-                self.worker._finish_cancelled(job)
-                self.worker._record(job)
+                self.jobs.finish_cancelled(job)
+                self.jobs.record(job)
                 continue
             req = job.request
             views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
@@ -276,20 +263,7 @@ class BatchedLoop:
         return info.prompt_text + self.model.detokenize(list(self.session(i).tokens[info.n_prompt:]))
 
     def _save_slot(self, i: int, reason: str, next_ids: list[int] | None) -> None:
-        info = self.info[i]
-        if self.kv is None or info.prompt_text is None:
-            return
-        session = self.session(i)
-        n_common = common_prefix(session.tokens, next_ids) if next_ids is not None else 0
-        try:
-            entry = save_session(self.kv, self.model, session, info.prompt_text, info.n_prompt, reason,
-                                 n_common=n_common, n_saved=info.on_disk)
-        except Exception:  # the cache never fails a request
-            log.exception("kv cache: cannot save slot %d (%s)", i, reason)
-            return
-        if entry is not None:
-            info.on_disk = entry.n_tokens
-            log.info("kv cache: saved slot %d (%s, %d tokens)", i, reason, entry.n_tokens)
+        save_resident(self.kv, self.model, self.session(i), self.info[i], reason, next_ids, label=f"slot {i}")
 
     def _start(self, job: Job, i: int) -> None:
         req = job.request
@@ -297,42 +271,22 @@ class BatchedLoop:
         info = self.info[i]
         session = self.session(i)
         ids = list(req.prompt_ids)
-        boundary = None
-        if self.kv is not None and req.user_boundary is not None:
-            boundary = policy.tokens_at_text_offset(req.prompt_text, req.user_boundary, ids, model.prompt_ids)
+        boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
         job.stats.started_at = time.monotonic()
         job.stats.status = "running"
         job.stats.slot = i
 
-        # 1. the slot's current session goes to disk before it is replaced, then the prompt's
-        #    longest checkpoint comes back from disk (all before the slot joins the batch)
+        # 1. the slot's current session goes to disk before it is replaced
         self._save_slot(i, policy.EVICT, ids)
         kept = common_prefix(session.tokens, ids)
         kept_on_disk = min(info.on_disk, kept)
         info.prompt_text, info.on_disk = None, 0
-        n_restored = 0
-        if self.kv is not None:
-            hit = self.kv.lookup(req.prompt_text, longer_than=kept)
-            if hit is not None:
-                try:
-                    session.load_payload(hit.payload)
-                    ids = list(hit.tokens) + model.tokenize(req.prompt_text[len(hit.prefix_text):], special=True)
-                    n_restored = hit.n_tokens
-                except ValueError as e:
-                    log.warning("kv cache: cannot restore %s: %s", hit.key, e)
-                    self.kv.remove(hit.key)
-                    session.truncate(0)
 
-        # 2. the checkpoints this prefill should leave on disk
-        stages: list[_Stage] = []
-        if self.kv is not None:
-            base = max(n_restored, common_prefix(session.tokens, ids))
-            for point in policy.plan_prefill_saves(base, len(ids), boundary, self.kv.save_policy):
-                found = policy.prefix_text_at(req.prompt_text, ids, point.n_tokens,
-                                              tokenize_suffix=lambda s: model.tokenize(s, special=True),
-                                              **text_split(model))
-                if found is not None and found[0] > max(base, stages[-1].n if stages else 0):
-                    stages.append(_Stage(found[0], found[1], point.reason))
+        # 2. the plan (`server.kvplan`): its restore step brings the prompt's longest checkpoint
+        #    back before the slot joins the batch; its stages are the checkpoints to leave on disk
+        plan = plan_prefill(self.kv, model, session, req.prompt_text, ids, boundary)
+        ids, n_restored = plan.ids, plan.n_restored
+        stages = list(plan.stages)
 
         run = _Running(job, i, ids, stages, TokenDecoder(model, job), n_restored)
         run.n_on_disk = max(n_restored, kept_on_disk)
@@ -362,13 +316,13 @@ class BatchedLoop:
 
         if run.stages:
             stage = run.stages[0]
-            run.gen = GenRequest(ids=run.ids[:stage.n], max_tokens=1, choose=lambda _logits: 0,
+            run.gen = GenRequest(ids=run.ids[:stage.n_tokens], max_tokens=1, choose=lambda _logits: 0,
                                  cancel=cancel, slot=run.slot)
         else:
             req = job.request
             run.final = True
-            params = sampling_params(self.worker.types, req.sampling)
-            sampler = self._sampler_type(params, self.model.eos_ids)
+            params = sampling_params(self.engine.SamplingParams, req.sampling)
+            sampler = self.engine.Sampler(params, self.model.eos_ids)
             budget = decode_budget(self.model, req, len(run.ids))
 
             def choose(logits: torch.Tensor) -> int:
@@ -413,14 +367,14 @@ class BatchedLoop:
         elif gen.finish == "cancelled" and job.is_cancelled() and not run.decoder.done:
             # An interrupted prefill leaves tokens that match no known text.
             self._end(i, keep_text=run.final and run.ready)
-            self.worker._finish_cancelled(job)
-            self.worker._record(job)
+            self.jobs.finish_cancelled(job)
+            self.jobs.record(job)
         elif not run.final:
             stage = run.stages.pop(0)
-            entry = self.kv.store(stage.prefix, self.session(i), stage.reason) if self.kv is not None else None
+            entry = self.kv.store(stage.prefix_text, self.session(i), stage.reason) if self.kv is not None else None
             if entry is not None:
                 run.n_saved += 1
-                run.n_on_disk = stage.n
+                run.n_on_disk = stage.n_tokens
                 job.stats.n_written = written_tokens(run.n_on_disk, job.stats.n_cached, run.n_saved)
             self._submit_next(run)
         else:
@@ -428,7 +382,7 @@ class BatchedLoop:
                 job.emit(PromptReady(len(run.ids), job.stats.n_cached, job.stats.n_written))
             run.decoder.finish("length")
             self._end(i)
-            self.worker._record(job)
+            self.jobs.record(job)
 
     def _end(self, i: int, keep_text: bool = True) -> None:
         info = self.info[i]
@@ -438,25 +392,23 @@ class BatchedLoop:
         if run is not None and keep_text:
             info.prompt_text, info.n_prompt, info.on_disk = run.job.request.prompt_text, len(run.ids), run.n_on_disk
         else:
-            info.prompt_text, info.n_prompt, info.on_disk = None, 0, 0
+            info.forget()
 
     def _reset_slot(self, i: int) -> None:
         """Empty a slot whose session state may be half-updated (its cache memory is kept)."""
-        self.scheduler.slots[i].session.reset()
+        self.session(i).reset()
         self.info[i] = _SlotInfo(last_used=self.clock())
 
     def _fail(self, job: Job, error: BaseException) -> None:
         job.stats.status = "failed"
         job.emit(Failed(f"inference failed: {type(error).__name__}"))
-        self.worker._record(job)
+        self.jobs.record(job)
 
     def _fail_all(self, error: BaseException) -> None:
+        self.scheduler.abandon_all()
         for i, info in enumerate(self.info):
             if info.running is not None:
                 job = info.running.job
                 info.running = None
-                sched_slot = self.scheduler.slots[i]
-                sched_slot.request = sched_slot.prefill = sched_slot.sampler = None
                 self._reset_slot(i)
                 self._fail(job, error)
-        self.scheduler.queue.clear()

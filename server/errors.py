@@ -7,6 +7,8 @@ cannot be served; the route catches it and renders it in the dialect of its endp
   `{"error": {"message", "type", "param", "code", ...extra}}`
 - Anthropic (`/v1/messages`): `{"type": "error", "error": {"type", "message", ...extra}}`
 
+The dialect of a path comes from the endpoint table (`dialect_for_path(path, endpoints)`).
+
 It also holds the translation of pydantic validation errors into one readable line.
 It does not log, and it never includes a traceback or internal state in a message.
 """
@@ -14,7 +16,7 @@ It does not log, and it never includes a traceback or internal state in a messag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Iterable, Literal, Protocol
 
 from pydantic import ValidationError
 
@@ -57,8 +59,22 @@ def error_body(err: ApiError, dialect: Dialect) -> dict[str, Any]:
     return {"error": inner}
 
 
-def dialect_for_path(path: str) -> Dialect:
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+class Routed(Protocol):
+    """An endpoint as far as errors care (`server.endpoints.Endpoint`)."""
+    path: str
+    dialect: Dialect
+
+
+def dialect_for_path(path: str, endpoints: Iterable[Routed]) -> Dialect:
+    """The dialect of the endpoint whose path, up to its first parameter, is the longest
+    prefix of `path` (so unknown paths below `/v1/messages` answer like Anthropic); OpenAI
+    when none is."""
+    best, dialect = -1, "openai"
+    for e in endpoints:
+        head = e.path.split("{", 1)[0]
+        if path.startswith(head) and len(head) > best:
+            best, dialect = len(head), e.dialect
+    return dialect
 
 
 def _loc_to_str(loc: tuple[Any, ...]) -> str:

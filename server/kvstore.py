@@ -12,12 +12,9 @@ only, so a restarted server finds its entries at once) and offers:
       the budget (see `server.kvstore_policy`). None when the entry alone would not fit in
       99% of the budget, or when the write failed (the cache never fails a request).
   stats() -> KVStoreStats, entries() -> list[Entry]
-The worker does not call these directly but through two functions at the end of this module,
-which apply the save policy of `server.kvstore_policy` (`KVStore.save_policy`):
-  prefill_with_cache(store, model, session, text, ids, user_boundary=..., progress=..., cancel=...)
-      restore the best checkpoint, prefill the rest in stages, store the planned checkpoints
-  save_session(store, model, session, prompt_text, n_prompt, reason, n_common=..., n_saved=...)
-      store the live session (reasons evict and shutdown) when the policy wants it
+`open_store(config, model)` builds the store for the server flags. The inference loops use it
+through `server.kvplan` (restore, checkpoint stages, saving a resident session), which applies
+the save policy of `server.kvstore_policy` (`KVStore.save_policy`).
 Entries are keyed by the SHA-1 of the UTF-8 prefix text: file `<40 hex digits>.kv`. A lookup
 hashes the prompt once, incrementally, at each distinct prefix length in the index, so the
 texts themselves need not be held in memory.
@@ -56,8 +53,9 @@ whose name is not the SHA-1 of its text, or whose payload disagrees with its hea
 deleted and never used. Several processes may read one directory; the index of each is its
 own (one server per directory is the supported setup).
 
-It does not decide when to save (`server.kvstore_policy` does), import the engine (models and
-sessions are used through their methods), or know anything of HTTP.
+It is storage only: it does not decide when to save (`server.kvstore_policy` does), plan or run
+prefills (`server.kvplan` does), import the engine (models and sessions are used through their
+methods), or know anything of HTTP.
 """
 from __future__ import annotations
 
@@ -369,13 +367,17 @@ class KVStore:
     def _path(self, key: str) -> str:
         return os.path.join(self.directory, key + SUFFIX)
 
-    def _delete(self, key: str, why: str) -> None:
-        log.warning("kv cache: deleting %s%s: %s", key, SUFFIX, why)
+    def _forget(self, key: str) -> None:
+        """Drop an entry from the index and its file from the directory."""
         self._index.pop(key, None)
         try:
             os.unlink(self._path(key))
         except FileNotFoundError:
             pass
+
+    def _delete(self, key: str, why: str) -> None:
+        log.warning("kv cache: deleting %s%s: %s", key, SUFFIX, why)
+        self._forget(key)
         self._stats.deleted_bad += 1
 
     def _scan(self) -> None:
@@ -567,27 +569,19 @@ class KVStore:
         victims = policy.select_victims((e.stats() for e in self._index.values()), self.budget_bytes,
                                         self.clock(), keep)
         for key in victims:
-            self._index.pop(key, None)
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
+            self._forget(key)
             self._stats.evicted += 1
             log.info("kv cache: evicted %s%s", key, SUFFIX)
 
     def remove(self, key: str) -> None:
         """Delete one entry (tests, administration)."""
         with self._lock:
-            self._index.pop(key, None)
+            self._forget(key)
             if self._restored == key:
                 self._restored = None
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass
 
 
-# --- session glue: what the inference worker calls ------------------------------------------
+# --- construction from the server flags ------------------------------------------------------
 
 def open_store(config: KVStoreConfig, model: Any, *, clock: Callable[[], float] = time.time) -> KVStore | None:
     """The store for `--kv-disk-dir` / `--kv-cache-budget-mb`, or None when no directory is set."""
@@ -596,118 +590,3 @@ def open_store(config: KVStoreConfig, model: Any, *, clock: Callable[[], float] 
     if config.budget_mb < 1:
         raise ValueError(f"--kv-cache-budget-mb must be at least 1, not {config.budget_mb}")
     return KVStore(config.directory, identity_of(model), config.budget_bytes, clock=clock)
-
-
-@dataclass
-class PrefillOutcome:
-    ids: list[int]
-    """The token ids now in the session: the restored tokens plus the new suffix's tokens."""
-    n_restored: int = 0
-    """Tokens restored from a disk checkpoint (0: no checkpoint used)."""
-    n_reused: int = 0
-    """Tokens not recomputed: restored from disk or kept from the live session."""
-    n_written: int = 0
-    """Tokens written to disk checkpoints during this prefill (usage: cache writes)."""
-    n_on_disk: int = 0
-    """The longest prefix of `ids` known to be on disk (for `evict_save_wanted`)."""
-    saved: list[Entry] | None = None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def text_split(model: Any) -> dict[str, Any]:
-    """The model callables `kvstore_policy.prefix_text_at` needs (detokenize, prompt_ids, bos_id)."""
-    return dict(detokenize=model.detokenize, prompt_ids=model.prompt_ids,
-                bos_id=model.bos_id if getattr(model, "add_bos", False) else None)
-
-
-def prefill_with_cache(store: KVStore | None, model: Any, session: Any, text: str, ids: list[int], *,
-                       user_boundary: int | None = None,
-                       progress: Callable[[int, int], None] | None = None,
-                       cancel: Callable[[], bool] | None = None) -> PrefillOutcome:
-    """Bring `session` to the prompt `text` (tokenized as `ids`), using and filling the disk cache.
-
-    1. When a checkpoint is longer than what the live session already shares with `ids`, it
-       is restored and the prompt becomes its tokens plus the tokens of the rest of the text.
-    2. The prefill runs in stages, storing a checkpoint at each point of
-       `kvstore_policy.plan_prefill_saves` (cold, continued), then finishes with `sync`.
-    `progress(done, total)` counts over the whole prefill; `cancel` is passed to every
-    `sync`, so `engine.Cancelled` propagates with the session valid. Without a store this
-    is `session.sync(ids)`.
-    """
-    ids = list(ids)
-    out = PrefillOutcome(ids=ids, saved=[])
-    live = _common_prefix(session.tokens, ids)
-    if store is None:
-        out.n_reused = session.sync(ids, progress=progress, cancel=cancel)
-        return out
-    base = live
-    hit = store.lookup(text, longer_than=live)
-    if hit is not None:
-        try:
-            session.load_payload(hit.payload)
-        except ValueError as e:  # the header matched but the engine refuses it: never again
-            log.warning("kv cache: cannot restore %s%s: %s", hit.key, SUFFIX, e)
-            store.remove(hit.key)
-            session.truncate(0)
-            hit = None
-    if hit is not None:
-        ids = list(hit.tokens) + model.tokenize(text[len(hit.prefix_text):], special=True)
-        out.ids, out.n_restored, out.n_on_disk = ids, hit.n_tokens, hit.n_tokens
-        base = hit.n_tokens
-    total = len(ids) - base
-    first_reuse: int | None = None
-
-    def sync_to(n: int) -> None:
-        nonlocal first_reuse
-        offset = max(0, _common_prefix(session.tokens, ids) - base)
-        hook = None if progress is None else (lambda done, _n: progress(offset + done, total))
-        reused = session.sync(ids[:n], progress=hook, cancel=cancel)
-        if first_reuse is None:
-            first_reuse = reused
-
-    split = text_split(model)
-    for point in policy.plan_prefill_saves(base, len(ids), user_boundary, store.save_policy):
-        found = policy.prefix_text_at(text, ids, point.n_tokens,
-                                      tokenize_suffix=lambda s: model.tokenize(s, special=True), **split)
-        if found is None or found[0] <= max(base, out.n_on_disk):
-            continue
-        cut, prefix = found
-        sync_to(cut)
-        entry = store.store(prefix, session, point.reason)
-        if entry is not None:
-            out.saved.append(entry)
-            out.n_written += entry.n_tokens
-            out.n_on_disk = cut
-    sync_to(len(ids))
-    out.n_reused = int(first_reuse or 0)
-    return out
-
-
-def save_session(store: KVStore | None, model: Any, session: Any, prompt_text: str, n_prompt: int,
-                 reason: str, *, n_common: int = 0, n_saved: int = 0) -> Entry | None:
-    """Store the live session before it is replaced (`evict`) or at exit (`shutdown`).
-
-    The session holds the `n_prompt` tokens of `prompt_text` and then generated tokens; its
-    text is the prompt text plus their decoding. Skipped unless
-    `kvstore_policy.evict_save_wanted(len(session.tokens), n_common, n_saved)`. The session
-    may be truncated by a few tokens to end on a whole character; it is being replaced or
-    dropped anyway.
-    """
-    if store is None or not policy.evict_save_wanted(len(session.tokens), n_common, n_saved, store.save_policy):
-        return None
-    tokens = list(session.tokens)
-    text = prompt_text + model.detokenize(tokens[n_prompt:])
-    found = policy.prefix_text_at(text, tokens, len(tokens), exact=False, **text_split(model))
-    if found is None:
-        return None
-    cut, prefix = found
-    if cut < len(tokens):
-        session.truncate(cut)
-    return store.store(prefix, session, reason)

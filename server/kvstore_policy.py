@@ -1,8 +1,8 @@
 """When the disk KV cache saves a checkpoint, which text it is keyed by, and what it evicts.
 
 Pure functions over token counts, texts and index records: no files, no engine, no clock
-(the caller passes `now`). `server.kvstore` does the I/O; the inference worker decides
-when to call these, as follows.
+(the caller passes `now`). `server.kvstore` does the I/O; `server.kvplan` decides when to
+call these, as follows.
 
 Save reasons
   cold       after the first prefill of a long prompt: the prompt trimmed by `TRIM_TOKENS`
@@ -16,8 +16,8 @@ Save reasons
              (`evict_save_wanted`).
   shutdown   the live session at a clean exit (same test as evict).
 
-How the worker uses them, per job (prompt text T, ids = model.prompt_ids(T)); steps 2 and 3
-are `server.kvstore.prefill_with_cache`, steps 1 and 4 `server.kvstore.save_session`:
+How the inference loops use them, per job (prompt text T, ids = model.prompt_ids(T)); steps 2
+and 3 are `server.kvplan.plan_prefill`, steps 1 and 4 `server.kvplan.save_resident`:
   1. reuse = common prefix of the live session and ids. If `evict_save_wanted(...)`, store
      the live session (reason evict) before touching it.
   2. hit = store.lookup(T, longer_than=reuse); on a hit: session.load_payload(hit.payload)

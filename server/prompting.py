@@ -171,9 +171,6 @@ def last_user_head(model: Any, messages: list[dict[str, Any]], **extra: Any) -> 
 
 
 def prompt_ids(model: Any, text: str) -> list[int]:
-    """Token ids of a rendered prompt; special-token text becomes its single id."""
-    ids = list(model.tokenize(text, special=True))
-    bos = getattr(model, "bos_id", None)
-    if getattr(model, "add_bos", False) and bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)
-    return ids
+    """Token ids of a rendered prompt: special-token text becomes its single id, and the
+    model's `prompt_ids` adds BOS when it wants one."""
+    return model.prompt_ids(model.tokenize(text, special=True))

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from server.worker import Event, Failed, Finished, TextDelta
+from server.jobs import Event, Failed, Finished, TextDelta
 
 KEEPALIVE = b": prefill\n\n"
 DONE = b"data: [DONE]\n\n"

@@ -30,7 +30,7 @@ Replay (`ReplayMemory`, built by `ToolsConfig.new_memory()`): after a turn that 
 for the turn when the client returns the same calls, and counts replayed / rerendered / missing calls.
 
 API mapping (`server.tools.apis`): tools_from_openai/anthropic/responses, messages_from_openai/anthropic/responses,
-openai_message, openai_delta, anthropic_content, responses_output, ID_PREFIX.
+ID_PREFIX; the responses themselves are built by the server's API modules.
 """
 
 from server.tools.canonical import DelimiterEscaper, canonical_json, new_call_id

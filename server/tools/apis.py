@@ -1,26 +1,23 @@
-"""Mapping between the three HTTP APIs' tool objects and the package's records. Pure functions over plain dicts.
+"""Mapping the three HTTP APIs' conversations and tool definitions onto the package's records. Pure functions over
+plain dicts.
 
-Input: OpenAI Chat messages (`tool_calls`, `tool` role), Anthropic content blocks (`tool_use`, `tool_result`,
-`thinking`), Responses items (`function_call`, `function_call_output`, `reasoning`) and each API's tool definitions
-become `Message` / `ToolSpec` records. Output: a `ParseResult` becomes an OpenAI message + finish_reason, Anthropic
-content blocks + stop_reason, or Responses output items; streaming events become OpenAI delta objects.
-Shapes that cannot be mapped raise `ToolInputError` (a ValueError whose message is fit for a 400 response). This
-module does not validate sampling fields, count tokens or build whole HTTP responses.
+OpenAI Chat messages (`tool_calls`, `tool` role), Anthropic content blocks (`tool_use`, `tool_result`, `thinking`),
+Responses items (`function_call`, `function_call_output`, `reasoning`) and each API's tool definitions become
+`Message` / `ToolSpec` records. This is the one place where a request's messages are checked beyond their schema:
+shapes that cannot be mapped raise `ToolInputError` (a ValueError whose message is fit for a 400 response, `param`
+naming the field). `ID_PREFIX` holds each API's prefix for generated call ids. This module does not validate
+sampling fields, count tokens or build responses (the `server.api_*` modules answer in each API's shape).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from server.tools.canonical import new_call_id
-from server.tools.records import (
-    ContentDelta, Event, Message, ParseResult, ReasoningDelta, ToolCall, ToolCallArgumentsDelta, ToolCallStart,
-    ToolSpec)
+from server.tools.records import Message, ToolCall, ToolSpec
 
 # Call-id prefixes per API: generated calls get `prefix + 24 base-62 characters` from the CSPRNG.
 ID_PREFIX = {"openai": "call_", "anthropic": "toolu_", "responses": "call_"}
-ANTHROPIC_STOP = {"tool_calls": "tool_use", "stop": "end_turn", "length": "max_tokens"}
 
 
 class ToolInputError(ValueError):
@@ -110,15 +107,21 @@ def tools_from_responses(tools: Optional[list]) -> list[ToolSpec]:
 # ---- conversation input -----------------------------------------------------------------------------------------
 
 def messages_from_openai(messages: list) -> list[Message]:
+    """OpenAI Chat messages (`developer` is a system message); calls without an id get `call_<i>_<j>`."""
     out = []
     for i, m in enumerate(messages):
         p = f"messages[{i}]"
         _need(isinstance(m, dict), "each message must be an object", p)
         role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise ToolInputError(f"unknown message role {role!r}", p + ".role")
+        content = _text(m.get("content"), p + ".content")
+        _need(role == "assistant" or not m.get("tool_calls"), "only assistant messages carry tool_calls",
+              p + ".tool_calls")
         if role in ("system", "developer"):
-            out.append(Message("system", _text(m.get("content"), p + ".content")))
+            out.append(Message("system", content))
         elif role == "user":
-            out.append(Message("user", _text(m.get("content"), p + ".content")))
+            out.append(Message("user", content))
         elif role == "assistant":
             calls = []
             for j, c in enumerate(m.get("tool_calls") or []):
@@ -128,15 +131,16 @@ def messages_from_openai(messages: list) -> list[Message]:
                 f = c["function"]
                 _need(isinstance(f.get("name"), str) and bool(f["name"]), "tool call needs a function name", cp)
                 _need(isinstance(c.get("id", ""), str), "tool call id must be a string", cp)
-                calls.append(ToolCall(c.get("id") or "", f["name"], _arguments(f.get("arguments", "{}"), cp)))
+                calls.append(ToolCall(c.get("id") or f"call_{i}_{j}", f["name"],
+                                      _arguments(f.get("arguments", "{}"), cp)))
             reasoning = m.get("reasoning_content") or m.get("reasoning") or ""
             _need(isinstance(reasoning, str), "reasoning_content must be a string", p)
-            out.append(Message("assistant", _text(m.get("content"), p + ".content"), reasoning, calls))
-        elif role == "tool":
-            _need(isinstance(m.get("tool_call_id"), str), "tool message needs tool_call_id", p)
-            out.append(Message("tool", _text(m.get("content"), p + ".content"), tool_call_id=m["tool_call_id"]))
+            out.append(Message("assistant", content, reasoning, calls))
         else:
-            raise ToolInputError(f"unknown message role {role!r}", p + ".role")
+            call_id = m.get("tool_call_id")
+            _need(isinstance(call_id, str) and bool(call_id), "a tool message needs tool_call_id",
+                  p + ".tool_call_id")
+            out.append(Message("tool", content, tool_call_id=call_id))
     return out
 
 
@@ -244,58 +248,3 @@ def messages_from_responses(instructions: Any, items: Any) -> list[Message]:
         else:
             raise ToolInputError(f"unsupported input item type {kind!r}", p + ".type")
     return out
-
-
-# ---- output -----------------------------------------------------------------------------------------------------
-
-def openai_tool_call(call: ToolCall) -> dict:
-    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
-
-
-def openai_message(result: ParseResult) -> tuple[dict, str]:
-    """The Chat Completions `message` object and `finish_reason`."""
-    msg: dict = {"role": "assistant", "content": result.content if (result.content or not result.tool_calls) else None}
-    if result.reasoning:
-        msg["reasoning_content"] = result.reasoning
-    if result.tool_calls:
-        msg["tool_calls"] = [openai_tool_call(c) for c in result.tool_calls]
-    return msg, result.finish_reason
-
-
-def openai_delta(event: Event) -> Optional[dict]:
-    """The `delta` object of a Chat Completions stream chunk for one event (None: the event adds nothing)."""
-    if isinstance(event, ContentDelta):
-        return {"content": event.text}
-    if isinstance(event, ReasoningDelta):
-        return {"reasoning_content": event.text}
-    if isinstance(event, ToolCallStart):
-        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
-                                "function": {"name": event.name, "arguments": ""}}]}
-    if isinstance(event, ToolCallArgumentsDelta):
-        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
-    return None
-
-
-def anthropic_content(result: ParseResult) -> tuple[list[dict], str]:
-    """Anthropic Messages `content` blocks and `stop_reason`."""
-    blocks: list[dict] = []
-    if result.reasoning:
-        blocks.append({"type": "thinking", "thinking": result.reasoning, "signature": ""})
-    if result.content:
-        blocks.append({"type": "text", "text": result.content})
-    blocks += [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments} for c in result.tool_calls]
-    return blocks, ANTHROPIC_STOP.get(result.finish_reason, result.finish_reason)
-
-
-def responses_output(result: ParseResult, new_id: Callable[[str], str] = new_call_id) -> list[dict]:
-    """Responses API `output` items: reasoning, then the message, then one function_call per call."""
-    items: list[dict] = []
-    if result.reasoning:
-        items.append({"type": "reasoning", "id": new_id("rs_"), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": result.reasoning}]})
-    if result.content or not result.tool_calls:
-        items.append({"type": "message", "id": new_id("msg_"), "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": result.content, "annotations": []}]})
-    items += [{"type": "function_call", "id": new_id("fc_"), "call_id": c.id, "name": c.name,
-               "arguments": c.arguments_json, "status": "completed"} for c in result.tool_calls]
-    return items

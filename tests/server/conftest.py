@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -9,6 +10,22 @@ from fastapi.testclient import TestClient
 
 from server_fake_engine import FakeModel
 from server_support import fake_app
+
+
+@pytest.fixture
+def store_dir(tmp_path: Path) -> Path:
+    """A disk KV cache directory, not created yet."""
+    return tmp_path / "kv"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A tiny random GGUF model (`engine.synthetic`) of 256 tokens of context, one per test module."""
+    from engine import load_model
+    from engine.synthetic import RandomModelSpec, write_random_gguf
+
+    path = write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", RandomModelSpec(n_ctx=256, seed=7))
+    return load_model(path)
 
 
 @pytest.fixture

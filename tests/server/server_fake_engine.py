@@ -18,6 +18,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -41,6 +42,11 @@ class FakeSamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     argmax_ignoring_eos: bool = False
+
+
+FAKE_ENGINE = SimpleNamespace(SamplingParams=FakeSamplingParams, Cancelled=FakeCancelled)
+"""The engine types the serial worker uses, for `InferenceWorker(model, FAKE_ENGINE)` and
+`create_app(..., engine=FAKE_ENGINE)` (the batched loop needs the real engine)."""
 
 
 class FakeTextStream:
@@ -108,6 +114,12 @@ class FakeModel:
                 j = min((k for k in (text.find(m, i) for m in SPECIALS) if k != -1), default=len(text))
                 ids.extend(text[i:j].encode("utf-8"))
                 i = j
+        return ids
+
+    def prompt_ids(self, ids: list[int]) -> list[int]:
+        ids = list(ids)
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids.insert(0, self.bos_id)
         return ids
 
     def detokenize(self, ids: list[int]) -> str:

@@ -14,14 +14,16 @@ import uvicorn
 
 from server.app import create_app
 from server.config import ServerConfig
-from server.worker import EngineTypes
-from server_fake_engine import FakeCancelled, FakeModel, FakeSamplingParams
-
-FAKE_TYPES = EngineTypes(sampling_params=FakeSamplingParams, cancelled=FakeCancelled)
+from server_fake_engine import FAKE_ENGINE, FakeModel
 
 
 def fake_app(model: FakeModel | None = None, **config: Any):
-    return create_app(model or FakeModel(), ServerConfig(**config), engine_types=FAKE_TYPES)
+    return create_app(model or FakeModel(), ServerConfig(**config), engine=FAKE_ENGINE)
+
+
+def system_user_chat(model: Any, system: str, user: str) -> str:
+    """The model's chat prompt for one system and one user message."""
+    return model.render_chat([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
 def free_port() -> int:

@@ -11,7 +11,9 @@ import pytest
 from server import kvstore as kv
 from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, route
 from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
-from server.worker import Failed, Finished, GenerationRequest, InferenceWorker, PromptReady, SamplingSpec, TextDelta
+from server.prompting import prompt_ids
+from server.jobs import Failed, Finished, GenerationRequest, PromptReady, SamplingSpec, TextDelta
+from server.worker import InferenceWorker
 
 HOUR = 3600.0
 SMALL = SavePolicy(trim=4, align=16, interval=64, min_tokens=16, min_gain=8)
@@ -91,7 +93,7 @@ def chat(model, user: str, system: str = "A system prompt shared by every reques
 
 
 def req(model, text: str, max_tokens: int = 12, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt_text=text, prompt_ids=tuple(model.prompt_ids(text)), max_tokens=max_tokens,
+    return GenerationRequest(prompt_text=text, prompt_ids=tuple(prompt_ids(model, text)), max_tokens=max_tokens,
                              sampling=kw.pop("sampling", SamplingSpec(temperature=0.0, ignore_eos=True)), **kw)
 
 
@@ -163,7 +165,7 @@ def test_requests_beyond_the_slots_wait_and_reuse_routes_to_the_right_slot(tiny)
         (job, events), = collect(w, [req(tiny, follow)])
         decision = dict(w.batched.routes)[job.id]
         assert decision.reason == PREFIX and decision.slot == slot_of_b == job.stats.slot
-        assert events[-1].usage.cached_tokens == decision.reused > len(tiny.prompt_ids(chat(tiny, "beta beta beta"))) - 8
+        assert events[-1].usage.cached_tokens == decision.reused > len(prompt_ids(tiny, chat(tiny, "beta beta beta"))) - 8
     finally:
         w.stop()
 
@@ -207,7 +209,7 @@ def test_an_evicted_slot_is_saved_to_disk_and_restored_later(tiny, tmp_path):
         # Conversation A comes back: restored from the disk, not recomputed.
         gone = 0 if decision.slot == 0 else 1
         (job, events), = collect(w, [req(tiny, conv[gone], 6)])
-        assert events[-1].usage.cached_tokens >= len(tiny.prompt_ids(conv[gone])) - SMALL.trim - 16
+        assert events[-1].usage.cached_tokens >= len(prompt_ids(tiny, conv[gone])) - SMALL.trim - 16
         assert store.stats().hits >= 1
     finally:
         w.stop()
@@ -296,7 +298,7 @@ def test_a_slot_idle_for_over_an_hour_goes_before_the_shortest(tiny):
         (j2, _), = collect(w, [req(tiny, chat(tiny, "newer", system="Fourth. "), 4)])
         decision = dict(w.batched.routes)[j2.id]
         assert decision.reason == IDLE and j2.stats.slot == ja.stats.slot
-        assert decision.evicted > len(tiny.prompt_ids(short_conv))  # the long conversation went
+        assert decision.evicted > len(prompt_ids(tiny, short_conv))  # the long conversation went
     finally:
         w.stop()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import queue
 import time
 
-from server_support import FAKE_TYPES
-from server.worker import (Failed, Finished, GenerationRequest, InferenceWorker, PrefillProgress,
-                           PromptReady, SamplingSpec, TextDelta)
+from server_fake_engine import FAKE_ENGINE
+from server.jobs import (Failed, Finished, GenerationRequest, PrefillProgress, PromptReady, SamplingSpec,
+                         TextDelta)
+from server.worker import InferenceWorker
 from server_fake_engine import FakeModel
 
 GREEDY = SamplingSpec(temperature=0.0)
@@ -35,7 +36,7 @@ def run_one(worker: InferenceWorker, req: GenerationRequest) -> list:
 
 def test_event_order_and_usage():
     model = FakeModel(reply="abc", prefill_chunk=4)
-    w = InferenceWorker(model, FAKE_TYPES)
+    w = InferenceWorker(model, FAKE_ENGINE)
     w.start()
     try:
         events = run_one(w, request(model, "0123456789"))
@@ -53,7 +54,7 @@ def test_event_order_and_usage():
 
 def test_partial_stop_prefix_is_released_at_eos():
     model = FakeModel(reply="done <")
-    w = InferenceWorker(model, FAKE_TYPES)
+    w = InferenceWorker(model, FAKE_ENGINE)
     w.start()
     try:
         events = run_one(w, request(model, "p", stop=("<end>",)))
@@ -70,7 +71,7 @@ def test_failure_emits_failed_and_the_next_job_gets_a_fresh_session():
         return "ok"
 
     model = FakeModel(reply=reply)
-    w = InferenceWorker(model, FAKE_TYPES)
+    w = InferenceWorker(model, FAKE_ENGINE)
     w.start()
     try:
         assert isinstance(run_one(w, request(model, "bad"))[-1], Failed)
@@ -83,7 +84,7 @@ def test_failure_emits_failed_and_the_next_job_gets_a_fresh_session():
 
 def test_stop_cancels_the_running_job_and_drops_the_queue():
     model = FakeModel(prefill_chunk=1, prefill_delay=0.01)
-    w = InferenceWorker(model, FAKE_TYPES)
+    w = InferenceWorker(model, FAKE_ENGINE)
     w.start()
     q1: queue.Queue = queue.Queue()
     q2: queue.Queue = queue.Queue()

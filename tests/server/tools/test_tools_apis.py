@@ -4,13 +4,11 @@ import json
 
 import pytest
 
-from server.tools import ToolCallParser, parse_tool_output
 from server.tools.apis import (
-    ToolInputError, anthropic_content, messages_from_anthropic, messages_from_openai, messages_from_responses,
-    openai_delta, openai_message, responses_output, tools_from_anthropic, tools_from_openai, tools_from_responses)
+    ToolInputError, messages_from_anthropic, messages_from_openai, messages_from_responses, tools_from_anthropic,
+    tools_from_openai, tools_from_responses)
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-TEXT = '<think>need weather</think>Checking.<tool_call>{"name": "weather", "arguments": {"city": "Zürich"}}</tool_call>'
 
 
 def test_tool_definitions_agree_across_apis():
@@ -26,43 +24,6 @@ def test_tool_definitions_agree_across_apis():
 def test_bad_openai_tools(bad):
     with pytest.raises(ToolInputError):
         tools_from_openai(bad)
-
-
-def test_openai_output_and_stream_deltas():
-    r = parse_tool_output("hermes", TEXT, id_prefix="call_")
-    msg, finish = openai_message(r)
-    assert finish == "tool_calls" and msg["content"] == "Checking." and msg["reasoning_content"] == "need weather"
-    call = msg["tool_calls"][0]
-    assert call["id"].startswith("call_") and call["type"] == "function"
-    assert json.loads(call["function"]["arguments"]) == {"city": "Zürich"}
-    p = ToolCallParser("hermes")
-    deltas = [openai_delta(e) for ch in TEXT for e in p.feed(ch)] + [openai_delta(e) for e in p.finish().events]
-    deltas = [d for d in deltas if d]
-    assert "".join(d.get("content", "") for d in deltas) == "Checking."
-    assert "".join(d.get("reasoning_content", "") for d in deltas) == "need weather"
-    tc = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
-    assert tc[0]["function"]["name"] == "weather" and tc[0]["id"].startswith("call_")
-    assert json.loads("".join(t["function"]["arguments"] for t in tc)) == {"city": "Zürich"}
-    plain, finish = openai_message(parse_tool_output("hermes", "Hi", finish_reason="length"))
-    assert plain == {"role": "assistant", "content": "Hi"} and finish == "length"
-
-
-def test_anthropic_output():
-    r = parse_tool_output("hermes", TEXT, id_prefix="toolu_")
-    blocks, stop = anthropic_content(r)
-    assert stop == "tool_use"
-    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
-    assert blocks[2]["id"].startswith("toolu_") and blocks[2]["input"] == {"city": "Zürich"}
-    assert anthropic_content(parse_tool_output("hermes", "x"))[1] == "end_turn"
-    assert anthropic_content(parse_tool_output("hermes", "x", finish_reason="length"))[1] == "max_tokens"
-
-
-def test_responses_output():
-    items = responses_output(parse_tool_output("hermes", TEXT))
-    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
-    fc = items[2]
-    assert fc["call_id"].startswith("call_") and fc["id"].startswith("fc_") and fc["name"] == "weather"
-    assert [i["type"] for i in responses_output(parse_tool_output("hermes", "plain"))] == ["message"]
 
 
 def test_inputs_map_to_the_same_messages():

@@ -1,0 +1,287 @@
+"""The endpoint table of ds4-server: each route's path, method, API dialect, handler and OpenAPI info.
+
+`ENDPOINTS` is the one list of what the server answers. `server.app` adds a route per row,
+the OpenAPI document takes each row's summary and request body schema, and
+`server.errors.dialect_for_path(path, ENDPOINTS)` the error shape of a path (also of
+unknown paths and methods below an endpoint's path). A new endpoint is one row here.
+
+A row's `handler` is a factory: given the app's `Served` state it returns the route function
+(whose name and signature FastAPI reads for the operation id and parameters). Inference
+endpoints share one request path, `inference(api)`:
+
+    read body (size limit, 413) -> hardened JSON parse -> schema validation -> render and
+    tokenize off the event loop -> context-length check -> submit job -> stream SSE or
+    collect and answer JSON
+
+with each API's translation as an `InferenceApi` (schema, make_job, respond, stream,
+stream_error; `server.api_openai`, `api_anthropic`, `api_responses`). Tool objects that
+cannot be mapped (`ToolInputError`) are 400s like any other bad input; disconnects cancel
+the job, streaming or not. Request bodies are parsed by the handlers themselves (FastAPI's
+own body parsing would bypass the hardened parser); the schemas only document them.
+
+It does not create the app, install middleware or render errors (`server.app` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from server import api_anthropic, api_openai, api_responses
+from server.apibase import StrictModel, validate_body
+from server.config import ServerConfig
+from server.errors import ApiError, Dialect
+from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
+from server.jsonparse import JsonBodyError, parse_json_body
+from server.kvstore import KVStore
+from server.prompting import ToolCalling, prompt_ids
+from server.sse import SSEResponse, job_events, wait_or_disconnect
+from server.tools.apis import ToolInputError
+from server.worker import InferenceWorker
+
+log = logging.getLogger("ds4.server")
+
+# HTTP status for a request whose client went away before the answer (never seen by it).
+CLIENT_CLOSED = 499
+
+
+@dataclass(frozen=True)
+class Served:
+    """What the handlers of one app serve from."""
+    model: Any
+    config: ServerConfig
+    worker: InferenceWorker
+    kv: KVStore | None
+    calling: ToolCalling
+    started_at: int
+
+
+RouteFactory = Callable[[Served], Callable[..., Awaitable[Any]]]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    path: str
+    method: str
+    dialect: Dialect
+    """The error shape of this path and of the unknown paths below it (`server.errors`)."""
+    summary: str
+    handler: RouteFactory
+    body: type[BaseModel] | None = None
+    """The request body schema, for the OpenAPI document (the handler parses the body)."""
+
+
+# --- the shared pieces of a request ---------------------------------------------------------
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise ApiError(400, "invalid Content-Length header") from None
+        if size > limit:
+            raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes "
+                                "(--max-body-mb)", type="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes (--max-body-mb)",
+                           type="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
+    raw = await read_body(request, served.config.max_body_bytes)
+    try:
+        obj = parse_json_body(raw)
+    except JsonBodyError as e:
+        raise ApiError(400, str(e), code="invalid_json") from None
+    return validate_body(schema, obj)
+
+
+def tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
+    """Client tool objects that cannot be mapped become a 400 in the endpoint's dialect."""
+    def call(*args: Any) -> Any:
+        try:
+            return make(*args)
+        except ToolInputError as e:
+            raise ApiError(400, f"{e.param}: {e}" if e.param else str(e), param=e.param or None) from None
+    return call
+
+
+@dataclass
+class Collected:
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: Finished
+
+
+async def collect(queue: asyncio.Queue[Event]) -> Collected | Failed:
+    text, logprobs = [], []
+    while True:
+        event = await queue.get()
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+            logprobs.extend(event.logprobs)
+        elif isinstance(event, Finished):
+            return Collected("".join(text), logprobs, event)
+        elif isinstance(event, Failed):
+            return event
+
+
+async def guarded(body: AsyncIterator[bytes], on_error: Callable[[str], bytes],
+                  job_cancel: Callable[[], None]) -> AsyncIterator[bytes]:
+    """Turn a failure inside a stream generator into a final error event, not a cut stream."""
+    try:
+        async for chunk in body:
+            yield chunk
+    except Exception:
+        log.exception("stream generation failed")
+        job_cancel()
+        yield on_error("internal error while streaming the response")
+
+
+# --- inference ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class InferenceApi:
+    """How one inference API plugs into the shared request path."""
+    schema: type[StrictModel]
+    make_job: Callable[[Any, Any, ToolCalling], tuple[GenerationRequest, Any]]
+    respond: Callable[[Any, Collected], dict[str, Any]]
+    stream: Callable[[Any, AsyncIterator[Event | None]], AsyncIterator[bytes]]
+    stream_error: Callable[[str], bytes]
+
+
+def inference(api: InferenceApi, name: str) -> RouteFactory:
+    def make(served: Served) -> Callable[..., Awaitable[Any]]:
+        config, worker = served.config, served.worker
+
+        async def route(request: Request) -> Response:
+            body = await parse_body(served, request, api.schema)
+            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[Event] = asyncio.Queue()
+            job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
+            if body.stream:
+                events = job_events(queue, config.keepalive_sec)
+                return SSEResponse(guarded(api.stream(ctx, events), api.stream_error, job.cancel),
+                                   on_disconnect=job.cancel)
+            result = await wait_or_disconnect(request, collect(queue), job.cancel)
+            if result is None:
+                return Response(status_code=CLIENT_CLOSED)
+            if isinstance(result, Failed):
+                raise ApiError(500, result.message, type="server_error", code="inference_failed")
+            if result.finished.finish_reason == "cancelled":
+                raise ApiError(503, "the request was cancelled because the server is shutting down",
+                               type="server_error", code="cancelled")
+            return JSONResponse(api.respond(ctx, result))
+
+        route.__name__ = name
+        return route
+    return make
+
+
+CHAT = InferenceApi(
+    api_openai.ChatCompletionRequest, api_openai.chat_job,
+    lambda ctx, c: api_openai.chat_response(ctx, c.finished.output, c.finished, c.logprobs),
+    api_openai.chat_stream, api_openai.stream_error)
+COMPLETIONS = InferenceApi(
+    api_openai.CompletionRequest, api_openai.completion_job,
+    lambda ctx, c: api_openai.completion_response(ctx, c.text, c.finished, c.logprobs),
+    api_openai.completion_stream, api_openai.stream_error)
+MESSAGES = InferenceApi(
+    api_anthropic.MessagesRequest, api_anthropic.messages_job,
+    lambda ctx, c: api_anthropic.messages_response(ctx, c.finished.output, c.finished),
+    api_anthropic.messages_stream, api_anthropic.stream_error)
+RESPONSES = InferenceApi(
+    api_responses.ResponsesRequest, api_responses.responses_job,
+    lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished),
+    api_responses.responses_stream, api_responses.stream_error)
+
+
+class CountTokensRequest(StrictModel):
+    """Body of `/v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+    model: str | None = None
+    messages: list[api_anthropic.AnthropicMessage]
+    system: str | list[api_anthropic.TextBlock] | None = None
+    tools: list[api_anthropic.AnthropicTool] | None = None
+
+
+def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
+    async def count_tokens(request: Request) -> Response:
+        body = await parse_body(served, request, CountTokensRequest)
+
+        def count() -> int:
+            prompt = api_anthropic.render_request(served.model, body, served.calling)
+            return len(prompt_ids(served.model, prompt.text))
+
+        return JSONResponse({"input_tokens": await run_in_threadpool(tool_input_errors(count))})
+    return count_tokens
+
+
+# --- information ----------------------------------------------------------------------------
+
+def model_card(served: Served) -> dict[str, Any]:
+    model = served.model
+    return {"id": model.name, "object": "model", "created": served.started_at, "owned_by": "ds4eval",
+            "context_length": model.n_ctx, "max_model_len": model.n_ctx,
+            "meta": {"n_ctx": model.n_ctx, "n_vocab": model.n_vocab,
+                     "path": str(getattr(model, "path", "") or "")}}
+
+
+def health(served: Served) -> Callable[..., Awaitable[Any]]:
+    model, worker, kv = served.model, served.worker, served.kv
+
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model.name, "n_ctx": model.n_ctx,
+                "busy": worker.busy, "queued": worker.queue_depth,
+                "batched_sessions": served.config.batched_session,
+                "kv_cache": (vars(kv.stats()) | {"directory": kv.directory}) if kv is not None else None}
+    return health
+
+
+def list_models(served: Served) -> Callable[..., Awaitable[Any]]:
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(served)]}
+    return list_models
+
+
+def get_model(served: Served) -> Callable[..., Awaitable[Any]]:
+    name = served.model.name
+
+    async def get_model(model_id: str) -> Response:
+        if model_id != name:
+            raise ApiError(404, f"model {model_id!r} is not served here (serving {name!r})",
+                           type="not_found_error", param="model", code="model_not_found")
+        return JSONResponse(model_card(served))
+    return get_model
+
+
+# --- the table ------------------------------------------------------------------------------
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("/health", "GET", "openai", "Liveness and queue state", health),
+    Endpoint("/v1/models", "GET", "openai", "The loaded model", list_models),
+    Endpoint("/v1/models/{model_id:path}", "GET", "openai", "One model by id", get_model),
+    Endpoint("/v1/chat/completions", "POST", "openai", "OpenAI Chat Completions",
+             inference(CHAT, "post_v1_chat_completions"), CHAT.schema),
+    Endpoint("/v1/completions", "POST", "openai", "OpenAI Completions (raw prompt)",
+             inference(COMPLETIONS, "post_v1_completions"), COMPLETIONS.schema),
+    Endpoint("/v1/messages", "POST", "anthropic", "Anthropic Messages",
+             inference(MESSAGES, "post_v1_messages"), MESSAGES.schema),
+    Endpoint("/v1/responses", "POST", "openai", "OpenAI Responses",
+             inference(RESPONSES, "post_v1_responses"), RESPONSES.schema),
+    Endpoint("/v1/messages/count_tokens", "POST", "anthropic", "Anthropic token counting",
+             count_tokens, CountTokensRequest),
+)

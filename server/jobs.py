@@ -1,0 +1,397 @@
+"""Jobs: what the APIs submit, what they hear back, and the ledger both inference loops share.
+
+- Requests: `GenerationRequest` (already rendered and tokenized, API-independent) with its
+  `SamplingSpec`; `sampling_params(engine.SamplingParams, spec)` turns the spec into the
+  engine's sampling parameters, `decode_budget(model, request, n_prompt)` bounds the tokens to generate.
+- Events, in order: `PrefillProgress`*, `PromptReady`, `TextDelta`*, then one `Finished`
+  (or `Failed`); `Usage` rides on `Finished`.
+- `Job`: a request plus its cancel flag (thread-safe) and event sink; `JobStats` what the
+  loop measured.
+- `TokenDecoder`: what happens to each generated token of one job (greedy inside tool-call
+  structure, UTF-8-safe text, stop sequences, splitter events), whoever runs the forward
+  passes.
+- `JobLedger`: the FIFO of submitted jobs, the stop request, and the history of finished
+  jobs (`record`, `wait_finished`). The serial loop (`server.worker`) and the batched loop
+  (`server.batching`) take jobs from it and report to it; neither knows the other.
+- `default_engine()`: the `engine` package, the object that provides `SamplingParams`,
+  `Sampler`, `Cancelled`, `BatchScheduler` and `GenRequest` unless a test injects another.
+
+It does not run forward passes, touch sessions, parse HTTP or know any API's field names.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from server.stops import StopMatcher
+
+# Job records are the worker's report, whichever loop served the job.
+log = logging.getLogger("ds4.server.worker")
+
+
+def default_engine() -> Any:
+    """The engine package: `SamplingParams`, `Sampler`, `Cancelled`, `BatchScheduler`, `GenRequest`."""
+    import engine
+    return engine
+
+
+# --- requests and events -------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    """Decode greedily for exactly max_tokens tokens, never stopping at EOS."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One API-independent unit of inference work."""
+    prompt_text: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    user_boundary: int | None = None
+    """Character offset in `prompt_text` where the last user turn starts (disk cache checkpoint)."""
+    sampling: SamplingSpec = SamplingSpec()
+    stop: tuple[str, ...] = ()
+    top_logprobs: int | None = None
+    """None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely."""
+    new_splitter: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
+    """Builds the output splitter of this generation (None: text only). The object has
+    `feed(text) -> list`, `in_structure` (bool) and `finish(engine_reason) -> output`."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    text: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """Prompt tokens not recomputed: kept from a resident session or restored from disk."""
+    cache_written_tokens: int = 0
+    """Prompt tokens newly stored in a disk checkpoint by this request."""
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class PromptReady:
+    """The prompt is in the KV cache; `n_cached` of its tokens were reused, not recomputed."""
+    n_prompt: int
+    n_cached: int
+    n_written: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    events: tuple[Any, ...] = ()
+    """The splitter's events for `text` (empty without a splitter)."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str
+    """'stop' (EOS or stop sequence), 'length' (token limit or context end) or 'cancelled'."""
+    usage: Usage
+    stop_sequence: str | None = None
+    output: Any = None
+    """The splitter's final result (None without a splitter, or when cancelled)."""
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = PrefillProgress | PromptReady | TextDelta | Finished | Failed
+
+
+@dataclass
+class JobStats:
+    job_id: int
+    n_prompt: int = 0
+    n_cached: int = 0
+    n_written: int = 0
+    """Prompt tokens newly covered by a disk checkpoint."""
+    n_generated: int = 0
+    n_greedy: int = 0
+    """Tokens taken by argmax because the splitter was inside tool-call structure."""
+    status: str = "queued"
+    queued_at: float = 0.0
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    cancel_requested_at: float | None = None
+    cancel_latency_s: float | None = None
+    """Time from `Job.cancel()` to the worker abandoning the job (only for running jobs)."""
+    longest_prefill_chunk_s: float = 0.0
+    """Longest gap between prefill progress reports: the engine's cancel granularity."""
+    slot: int | None = None
+    """The resident session that served the job (batched mode)."""
+
+    def usage(self) -> Usage:
+        return Usage(self.n_prompt, self.n_generated, self.n_cached, self.n_written)
+
+
+class Job:
+    """A queued request plus its cancel flag and event sink. Thread-safe to cancel."""
+
+    def __init__(self, job_id: int, request: GenerationRequest, sink: Callable[[Event], None]) -> None:
+        self.id = job_id
+        self.request = request
+        self._sink = sink
+        self._cancel = threading.Event()
+        self.stats = JobStats(job_id=self.id, queued_at=time.monotonic(),
+                              n_prompt=len(request.prompt_ids))
+
+    def cancel(self) -> None:
+        if not self._cancel.is_set():
+            self.stats.cancel_requested_at = time.monotonic()
+            self._cancel.set()
+
+    def is_cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._sink(event)
+        except RuntimeError:
+            # The handler's event loop is gone (server shutting down): nobody listens.
+            self.cancel()
+
+
+class JobCancelled(Exception):
+    """Raised inside a loop to abandon the job it serves (the job was cancelled)."""
+
+
+# --- per-token work ---------------------------------------------------------------------
+
+def sampling_params(params_type: Callable[..., Any], sp: SamplingSpec) -> Any:
+    """The engine's `SamplingParams` (`params_type`) for a request (ignore_eos: greedy, EOS masked)."""
+    return params_type(temperature=0.0 if sp.ignore_eos else sp.temperature,
+                                 top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
+                                 argmax_ignoring_eos=sp.ignore_eos)
+
+
+def decode_budget(model: Any, req: GenerationRequest, n_prompt: int) -> int:
+    return max(0, min(req.max_tokens, model.n_ctx - n_prompt))
+
+
+def written_tokens(n_on_disk: int, n_reused: int, n_saved: int) -> int:
+    """Prompt tokens that a prefill newly put on disk (checkpoints overlap: count the frontier)."""
+    return max(0, n_on_disk - n_reused) if n_saved else 0
+
+
+class TokenDecoder:
+    """What happens to each generated token of one job, whoever runs the forward passes.
+
+    `choose(logits, sample)` picks the next token: the argmax while the splitter is inside
+    tool-call structure, else `sample(logits)`; it records the logprob entry when asked for.
+    `accept(token)` turns it into text (UTF-8 safe, stop sequences held back), feeds the
+    splitter and emits a `TextDelta`; it returns False once the generation is over (EOS or
+    a stop sequence). `finish(reason)` flushes and emits `Finished`. Used by both inference
+    loops, on the worker thread only.
+    """
+
+    def __init__(self, model: Any, job: Job) -> None:
+        req = job.request
+        self.model = model
+        self.job = job
+        self.ignore_eos = req.sampling.ignore_eos
+        self.eos_ids = frozenset(getattr(model, "eos_ids", ()) or {model.eos_id})
+        self.stream = model.text_stream()
+        self.stops = StopMatcher(req.stop)
+        self.splitter = req.new_splitter() if req.new_splitter is not None else None
+        self.top_logprobs = req.top_logprobs
+        self.reason: str | None = None
+        """Set once the generation ended by itself: 'stop' (EOS or stop sequence)."""
+        self._logprob: Callable[[int], TokenLogprob] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def choose(self, logits: torch.Tensor, sample: Callable[[torch.Tensor], int]) -> int:
+        if self.top_logprobs is not None:
+            self._logprob = logprob_entry(self.model, logits, self.top_logprobs)
+        if self.splitter is not None and self.splitter.in_structure and not self.ignore_eos:
+            self.job.stats.n_greedy += 1
+            return int(torch.argmax(logits))
+        return int(sample(logits))
+
+    def accept(self, token: int) -> bool:
+        stats = self.job.stats
+        stats.n_generated += 1
+        if stats.first_token_at is None:
+            stats.first_token_at = time.monotonic()
+        if token in self.eos_ids and not self.ignore_eos:
+            self.reason = "stop"
+            return False
+        text = self.stops.push(self.stream.push(token))
+        lps = (self._logprob(token),) if self._logprob is not None else ()
+        if text or lps:
+            events = tuple(self.splitter.feed(text)) if self.splitter is not None and text else ()
+            self.job.emit(TextDelta(text, lps, events))
+        if self.stops.matched is not None:
+            self.reason = "stop"
+            return False
+        return True
+
+    def finish(self, reason: str) -> None:
+        """Emit the held-back tail and `Finished`; `reason` is 'length' unless the job stopped itself."""
+        finish = self.reason or reason
+        if self.stops.matched is None:
+            tail = self.stops.push(self.stream.flush())
+            tail += self.stops.flush()
+            if self.stops.matched is not None:
+                finish = "stop"
+            if tail:
+                self.job.emit(TextDelta(tail, (), tuple(self.splitter.feed(tail)) if self.splitter is not None else ()))
+        output = self.splitter.finish(finish) if self.splitter is not None else None
+        self.job.stats.status = "done"
+        self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
+
+
+def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], TokenLogprob]:
+    """Log-probabilities of the raw next-token distribution, before sampler filters."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top: tuple[tuple[int, str, float], ...] = ()
+    if k > 0:
+        values, ids = torch.topk(logp, k)
+        top = tuple((int(i), model.detokenize([int(i)]), float(v))
+                    for v, i in zip(values.tolist(), ids.tolist()))
+
+    def entry(token: int) -> TokenLogprob:
+        return TokenLogprob(token, model.detokenize([token]), float(logp[token]), top)
+    return entry
+
+
+# --- the ledger ---------------------------------------------------------------------------
+
+class JobLedger:
+    """Submitted jobs in FIFO order, the stop request, and the stats of finished jobs.
+
+    `submit` and `cancel_queued` may be called from any thread; `take`, `take_ready`,
+    `finish_cancelled` and `record` are for the loop that serves the jobs.
+    """
+
+    def __init__(self, history: int = 256) -> None:
+        self._queue: queue.Queue[Job | None] = queue.Queue()  # None: stop
+        self._ids = itertools.count(1)
+        self.finished: deque[JobStats] = deque(maxlen=history)
+        """Stats of the most recent jobs, newest last (for logs, tests and health)."""
+        self._finished_cv = threading.Condition()
+
+    @property
+    def depth(self) -> int:
+        """Jobs submitted and not yet taken by the loop."""
+        return self._queue.qsize()
+
+    def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Job:
+        job = Job(next(self._ids), request, sink)
+        self._queue.put(job)
+        return job
+
+    def request_stop(self) -> None:
+        """Ask the loop to end once it has taken what was queued before."""
+        self._queue.put(None)
+
+    def cancel_queued(self) -> None:
+        """Cancel every job not yet taken and tell its handler (they are not recorded)."""
+        while True:
+            try:
+                pending = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if pending is not None:
+                pending.cancel()
+                self.finish_cancelled(pending)
+
+    def take(self) -> Job | None:
+        """The next job, waiting for one; None when the stop was requested."""
+        return self._queue.get()
+
+    def take_ready(self, block: bool) -> tuple[list[Job], bool]:
+        """The jobs queued now (with `block`, waiting for at least one item) and whether the
+        stop was requested among them."""
+        jobs: list[Job] = []
+        stop = False
+        try:
+            item = self._queue.get(block=block)
+            while True:
+                if item is None:
+                    stop = True
+                else:
+                    jobs.append(item)
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        return jobs, stop
+
+    def finish_cancelled(self, job: Job) -> None:
+        job.stats.status = "cancelled"
+        job.emit(Finished("cancelled", job.stats.usage()))
+
+    def record(self, job: Job) -> None:
+        """The job has left the loop: keep its stats, wake `wait_finished`, log one line."""
+        stats = job.stats
+        stats.finished_at = time.monotonic()
+        if stats.status == "cancelled" and stats.cancel_requested_at is not None and stats.started_at:
+            stats.cancel_latency_s = max(0.0, stats.finished_at - stats.cancel_requested_at)
+        with self._finished_cv:
+            self.finished.append(stats)
+            self._finished_cv.notify_all()
+        total = stats.finished_at - stats.queued_at
+        extra = (f" cancel_latency={stats.cancel_latency_s * 1000:.0f}ms"
+                 if stats.cancel_latency_s is not None else "")
+        if stats.n_greedy:
+            extra += f" greedy_in_tool_syntax={stats.n_greedy}"
+        if stats.n_written:
+            extra += f" written_to_disk={stats.n_written}"
+        if stats.slot is not None:
+            extra += f" slot={stats.slot}"
+        log.info("job %d %s: prompt=%d cached=%d generated=%d time=%.2fs%s", stats.job_id,
+                 stats.status, stats.n_prompt, stats.n_cached, stats.n_generated, total, extra)
+
+    def wait_finished(self, job_id: int, timeout: float) -> JobStats | None:
+        """Block until the job with this id has been recorded (tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._finished_cv:
+            while True:
+                for stats in self.finished:
+                    if stats.job_id == job_id:
+                        return stats
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._finished_cv.wait(left)
