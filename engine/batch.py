@@ -77,12 +77,11 @@ def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
     model = sessions[0].model
     for s in sessions:
         s._check_fits(len(s.tokens) + 1)
-    ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=model.device)
     threads.before_forward()
-    logits = model.net.forward_rows(ids, [s.cache for s in sessions]).cpu()
-    for s, t, row in zip(sessions, tokens, logits):
+    step = model.net.decode(tokens, [s.cache for s in sessions], model.eos_ids)
+    for i, (s, t) in enumerate(zip(sessions, tokens)):
         s.tokens.append(int(t))
-        s._logits = row
+        s._logits = step.row(i)  # on CUDA the row stays on the device until read
 
 
 @dataclass
@@ -218,7 +217,9 @@ class BatchScheduler:
             if req.cancel is not None and req.cancel():
                 self._finish(slot, "cancelled")
                 continue
-            token = slot.sampler(slot.session.logits)
+            # A Sampler picks from the device row; a caller's `choose` gets the host tensor.
+            session = slot.session
+            token = slot.sampler(session.raw_logits if isinstance(slot.sampler, Sampler) else session.logits)
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
             req.output.append(token)

@@ -70,6 +70,8 @@ class Sampler:
                 self.generator.manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        if not isinstance(logits, torch.Tensor):  # a device row (engine.device_sampling.DeviceLogits)
+            return logits.pick(self)
         logits = logits.detach().float().cpu()
         if self.params.argmax_ignoring_eos:
             if self.eos_ids:

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine import kernels
+from engine import cuda_graphs, kernels
+from engine.device_sampling import DeviceLogits, StepLogits
 from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
@@ -117,6 +118,8 @@ class LlamaModel:
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
         self.attention_kernel = kernels.decode_attention() if fits else None
         self._rope_tables(t.get("rope_freqs.weight"))
+        # CUDA: decoding steps replay captured graphs (engine.cuda_graphs); None decodes eagerly.
+        self.decode_graphs = cuda_graphs.DecodeGraphs(self) if cuda_graphs.usable(device) else None
 
     def _rope_tables(self, freq_factors: TensorRecord | None) -> None:
         cfg = self.cfg
@@ -131,6 +134,8 @@ class LlamaModel:
         """How decode steps attend, for banners and benchmark headers."""
         if self.attention_kernel is not None:
             return "compiled CPU kernel"
+        if self.decode_graphs is not None and self.decode_graphs.enabled:
+            return f"Triton kernels in CUDA graphs ({self.device.type})"
         if self.device.type != "cpu":
             return f"torch ops ({self.device.type})"
         why = kernels.unavailable_reason() or f"no kernel for head dim {self.cfg.head_dim}"
@@ -256,13 +261,43 @@ class LlamaModel:
             rope = self.rope[pos[0]: pos[0] + 1].unsqueeze(1)  # [1, 1, D/2]
         else:
             rope = self.rope[torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
+        logits = self.decode_layers(tokens, rope, attend)
+        for c, p in zip(caches, pos):
+            c.n = p + 1
+        return logits
+
+    def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor,
+                      attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position and
+        attend(layer, qkv [N, ...]) -> [N, H * D] (which stores the new keys and values) ->
+        logits [N, n_vocab] float32.  It launches no host synchronisation, so a CUDA graph can
+        capture it (engine.cuda_graphs)."""
         x = self.embed(tokens)  # [N, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
             x += blk.wo(attend(li, self._qkv(blk, x, rope)))
             x += self._ffn(blk, x)
-        for c, p in zip(caches, pos):
-            c.n = p + 1
         return self.head(x)
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
+        """forward_rows for a list of token ids, returning the step's logits as `StepLogits`:
+        on CUDA through a captured graph where one applies, with only greedy ids copied to the
+        host; on CPU the same tensor forward_rows returns."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(caches):
+            return self.decode_graphs.run([int(t) for t in tokens], caches, eos_ids)
+        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
+
+    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
+                        cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
+        """One token appended to `cache`: the logits row a session keeps (see decode).  Without
+        a graph it is `forward`'s one-token step, as a session's frontier always was."""
+        if self.decode_graphs is None or not self.decode_graphs.accepts([cache]):
+            tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
+            return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
+        if cancel is not None and cancel():
+            raise Cancelled("cancelled before a one-token step")
+        return self.decode_graphs.run([int(token)], [cache], eos_ids).row(0)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
