@@ -15,8 +15,10 @@ graph per batch size and replayed (engine.cuda_graphs).  Only the positions a ro
 read: the sequence axis is split into `split`-sized pieces, one program per (row, kv head,
 piece) with an online softmax over it (pieces past a row's end do nothing), and a second
 kernel merges the pieces.  A group's query heads share one program, so each key is read once
-per kv head.  Scores, softmax and sums are float32; keys and values are read in the cache's
-dtype, and the new key and value enter the sum rounded to it, as they would be read back.
+per kv head, and its products run on the tensor cores (the group padded to 16 rows).  As in
+eager decoding, queries and probabilities enter the products in the cache's dtype (float32
+caches: full float32 products) with float32 accumulation; the softmax is float32; the new key
+and value enter rounded to the cache's dtype, as they would be read back.
 
 `reference_attention` is the same function in torch ops, for tests.  Without Triton
 (`AVAILABLE` is False) nothing here can run; callers keep their torch paths.
@@ -58,7 +60,7 @@ class Workspace:
                  device: torch.device):
         self.split = split_size(n_rows, n_head_kv, n_ctx)
         self.n_split = -(-n_ctx // self.split)
-        self.dp = triton.next_power_of_2(head_dim) if AVAILABLE else head_dim
+        self.dp = max(triton.next_power_of_2(head_dim), 16) if AVAILABLE else head_dim
         self.part = torch.empty((n_rows, n_head, self.n_split, self.dp), dtype=torch.float32, device=device)
         self.stat = torch.empty((n_rows, n_head, self.n_split, 2), dtype=torch.float32, device=device)
         self.out = torch.empty((n_rows, n_head * head_dim), dtype=torch.float32, device=device)
@@ -69,7 +71,7 @@ if AVAILABLE:
     def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr, FIELDS: tl.constexpr):
+                       BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -88,7 +90,8 @@ if AVAILABLE:
         dm = d < D
         q_row = qkv_ptr + b * qkv_stride
         q = tl.load(q_row + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
-        q = q * scale  # [GP, DP]
+        # Scaled in float32, then in the cache's dtype for the tensor cores, as eager decoding does.
+        q = (q * scale).to(kv_ptr.dtype.element_ty)  # [GP, DP]; rows >= G are zero padding
         # The new key and value, rounded to the cache's dtype as a later read would see them.
         k_new = tl.load(q_row + H * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
         v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
@@ -101,25 +104,33 @@ if AVAILABLE:
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
-        # A fixed trip count (masked past the row's end) keeps the loop free of loaded bounds.
+        # A fixed trip count keeps the loop free of loaded bounds; blocks past the row's end
+        # are skipped whole.
         for j in range(0, SPLIT, BLOCK):
-            n = lo + j + tl.arange(0, BLOCK)
-            nm = n < hi
-            is_new = (n == p_new)[:, None]
-            kv_mask = nm[:, None] & dm[None, :]
-            k = tl.load(k_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-            k = tl.where(is_new, k_new[None, :], k).to(tl.float32)  # [BLOCK, DP]
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GP, BLOCK]
-            sc = tl.where(nm[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: no NaN from -inf - -inf
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(sc - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.where(is_new, v_new[None, :], v).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
+            if lo + j < hi:
+                n = lo + j + tl.arange(0, BLOCK)
+                nm = n < hi
+                is_new = (n == p_new)[:, None]
+                kv_mask = nm[:, None] & dm[None, :]
+                k = tl.load(k_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+                k = tl.where(is_new, k_new[None, :], k)  # [BLOCK, DP]
+                if IEEE:
+                    sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK] float32
+                sc = tl.where(nm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+                v = tl.where(is_new, v_new[None, :], v)
+                if IEEE:
+                    pv = tl.dot(p, v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
         heads = b * H + h * G + g  # [GP]
         where = heads * NSPLIT + s
         tl.store(part_ptr + where[:, None] * DP + d[None, :], acc, mask=gm[:, None])
@@ -155,8 +166,8 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
     G = H // Hkv
     _attend_pieces[(B, Hkv, work.n_split)](
         qkv, kv_base, rows, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
-        H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 1), D=D, DP=work.dp, SPLIT=work.split,
-        NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, num_warps=4)
+        H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
+        NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32, num_warps=4)
     _merge_pieces[(B, H)](
         work.part, work.stat, rows, work.out, H=H, D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, num_warps=4)
@@ -166,13 +177,14 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
 def reference_attention(qkv: torch.Tensor, layer_kvs: list[torch.Tensor], positions: list[int],
                         n_head: int, n_head_kv: int, head_dim: int) -> torch.Tensor:
     """Torch ops: stores each row's K/V into its layer cache view [2, Hkv, cap, D] at its position,
-    then attends in float32 -> [B, H * D] float32."""
+    then attends with the kernel's roundings (queries and probabilities in the cache's dtype,
+    float32 arithmetic) -> [B, H * D] float32."""
     H, Hkv, D = n_head, n_head_kv, head_dim
     out = []
     for i, (kv, p) in enumerate(zip(layer_kvs, positions)):
         kv[:, :, p] = qkv[i, H * D:].view(2, Hkv, D).to(kv.dtype)
         keys, vals = kv[0, :, : p + 1].float(), kv[1, :, : p + 1].float()  # [Hkv, L, D]
-        q = (qkv[i, : H * D] * D ** -0.5).view(Hkv, H // Hkv, D)
-        probs = torch.softmax(q @ keys.transpose(1, 2), dim=-1)
+        q = (qkv[i, : H * D] * D ** -0.5).to(kv.dtype).float().view(Hkv, H // Hkv, D)
+        probs = torch.softmax(q @ keys.transpose(1, 2), dim=-1).to(kv.dtype).float()
         out.append((probs @ vals).reshape(H * D))
     return torch.stack(out)

@@ -18,13 +18,15 @@ cache, and their outputs are dropped.
 
 The rest of the step is the model's own code (`LlamaModel.decode_layers`), so the graph runs the
 same kernels as eager decoding except attention, where the Triton kernels replace the torch
-ops (float32 scores over the cache's own dtype; tests compare greedy tokens and logits with the
-eager CUDA path and the CPU float32 path).  Graphs share one memory pool; each step's outputs
+ops, and RMSNorm, one Triton kernel instead of six (`engine.cuda_norm`; `fused_norm = False`
+keeps torch's, for graphs captured after the change).  Tests compare greedy tokens and logits
+with the eager CUDA path and the CPU float32 path.  Graphs share one memory pool; each step's outputs
 are copied out before the next replay.  A bucket's first step captures it (tens of
 milliseconds after a one-off Triton compile); `capture_seconds` sums that time.
 
 Not used on CPU, for more rows than the largest bucket, or where Triton is missing
-(`usable`); `LlamaModel.decode` then runs the eager step.  It does not prefill, sample or
+(`usable`); `LlamaModel.decode` then runs the eager step, as it does from then on when a
+capture fails (`disabled_reason` says why).  It does not prefill, sample or
 know about sessions.
 """
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import cuda_attention
+from engine import cuda_attention, cuda_norm
 from engine.device_sampling import StepLogits, eos_tensor, greedy_pair
 from engine.kvcache import KVCache
 
@@ -51,6 +53,10 @@ def usable(device: torch.device) -> bool:
             and os.environ.get(ENV_SWITCH, "1") != "0")
 
 
+class GraphsUnavailable(RuntimeError):
+    """Capturing failed (e.g. a kernel that cannot be built here); graphs are now off."""
+
+
 def bucket_for(n: int) -> int | None:
     for b in BUCKETS:
         if n <= b:
@@ -59,11 +65,15 @@ def bucket_for(n: int) -> int | None:
 
 
 class _Captured:
-    """One bucket's graph with its static input table and output buffers."""
+    """One bucket's graph with every tensor it reads or writes: the graph holds raw addresses,
+    so each must live as long as the graph does."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, table: torch.Tensor, host: torch.Tensor,
-                 logits: torch.Tensor, ids: torch.Tensor):
+                 logits: torch.Tensor, ids: torch.Tensor, work: cuda_attention.Workspace,
+                 eos_index: torch.Tensor | None):
         self.graph = graph
+        self.work = work
+        self.eos_index = eos_index
         self.table = table  # int64 [B, ROW_FIELDS] on the device, read by the graph
         self.host = host  # pinned twin of `table`
         self.logits = logits  # float32 [B, n_vocab], written by each replay
@@ -74,6 +84,8 @@ class DecodeGraphs:
     def __init__(self, net: "LlamaModel"):
         self.net = net
         self.enabled = True
+        self.fused_norm = True  # RMSNorm as one Triton kernel (engine.cuda_norm); read at capture
+        self.disabled_reason: str | None = None
         self.capture_seconds = 0.0
         self.replays = 0
         self._graphs: dict[tuple, _Captured] = {}
@@ -124,7 +136,14 @@ class DecodeGraphs:
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D)
 
-        logits = net.decode_layers(tokens, rope, attend)  # [B, n_vocab] float32
+        # One kernel per RMSNorm, in the dtype the following matmul computes in.
+        out_dtype = torch.float32 if net.fmt == "float32" else torch.bfloat16
+        eps = cfg.norm_eps
+
+        def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return cuda_norm.rms_norm(x, w, eps, out_dtype)
+
+        logits = net.decode_layers(tokens, rope, attend, norm if self.fused_norm else None)  # [B, n_vocab]
         return logits, greedy_pair(logits, eos_index)
 
     def _capture(self, b: int, dtype: torch.dtype, eos_ids: frozenset[int], n_ctx: int) -> _Captured:
@@ -136,7 +155,7 @@ class DecodeGraphs:
         host = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long).pin_memory()
         work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device)
         eos_index = eos_tensor(eos_ids, device)
-        cap = _Captured(None, table, host, None, None)  # type: ignore[arg-type]
+        cap = _Captured(None, table, host, None, None, work, eos_index)  # type: ignore[arg-type]
         self._fill(cap, [], [], base)  # every row padding: warm-up and capture write only scratch
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -161,10 +180,15 @@ class DecodeGraphs:
         b = bucket_for(n)
         dtype = caches[0].kv.dtype
         n_ctx = max(c.n_ctx for c in caches)
-        key = (b, dtype, eos_ids, n_ctx)
+        key = (b, dtype, eos_ids, n_ctx, self.fused_norm)
         cap = self._graphs.get(key)
         if cap is None:
-            cap = self._graphs[key] = self._capture(b, dtype, eos_ids, n_ctx)
+            try:
+                cap = self._graphs[key] = self._capture(b, dtype, eos_ids, n_ctx)
+            except Exception as e:  # nothing was written to any cache: decode eagerly from now on
+                self.enabled = False
+                self.disabled_reason = f"{type(e).__name__}: {e}"[:300]
+                raise GraphsUnavailable(self.disabled_reason) from e
         for c in caches:
             c.reserve(c.n + 1)
         self._fill(cap, tokens, caches, self._base(dtype))

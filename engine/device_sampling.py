@@ -37,8 +37,18 @@ def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Ten
     return torch.stack([plain, masked], dim=1)
 
 
+_EOS_INDEX: dict[tuple[frozenset[int], str], torch.Tensor] = {}
+
+
 def eos_tensor(eos_ids: frozenset[int], device: torch.device) -> torch.Tensor | None:
-    return torch.tensor(sorted(eos_ids), dtype=torch.long, device=device) if eos_ids else None
+    """The ids as an index tensor on `device`, made once per set (a copy to the device per step
+    would wait for the GPU)."""
+    if not eos_ids:
+        return None
+    key = (eos_ids, str(device))
+    if key not in _EOS_INDEX:
+        _EOS_INDEX[key] = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    return _EOS_INDEX[key]
 
 
 class DeviceLogits:

@@ -240,6 +240,33 @@ def exactness(m_graph, path: str, label: str) -> None:
     compare("cuda_prefill", pre)
 
 
+def int4_crossover(m, label: str, name: str) -> None:
+    """Milliseconds of the int4 kernel against a bfloat16 matmul over the same (dequantized)
+    weights, for one gate/up matrix at growing row counts: where dequantize + GEMM would win."""
+    lin = m.net.blocks[0].w_gate_up
+    if not hasattr(lin, "scales_zeros"):
+        return
+    k = lin.in_features
+    w = lin(torch.eye(k, device="cuda", dtype=torch.bfloat16)).t().contiguous()  # [N, K]: exact dequantization
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def ms(fn) -> float:
+        for _ in range(3):
+            fn()
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+    out = {}
+    for rows in (1, 8, 16, 32, 64, 128, 512, 2048):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        out[rows] = (round(ms(lambda: lin(x)), 4), round(ms(lambda: torch.nn.functional.linear(x, w)), 4))
+    emit(label, f"{name}.int4_vs_bf16_ms_gate_up_{tuple(w.shape)}", out)
+
+
 def sdpa_probe(m) -> str:
     """Which SDPA backends accept the prefill attention call of this model."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -302,8 +329,14 @@ def main() -> int:
                     emit(label, f"{name}.{tag}.profile_n{n}", f"failed: {type(e).__name__}: {e}")
             torch.cuda.empty_cache()
         if graphs is not None:
-            graphs.enabled = True
+            graphs.enabled, graphs.fused_norm = True, False  # what the fused RMSNorm kernel is worth
+            emit(label, f"{name}.graphs_torch_norm.decode128_after16_tok_s", fmt(bench_decode(m, 16, n_vocab, a.repeats)))
+            emit(label, f"{name}.graphs_torch_norm.batch_n64_ctx128_aggregate_tok_s",
+                 fmt(bench_batch(m, 64, 128, n_vocab, a.repeats)))
+            graphs.fused_norm = True
             emit(label, f"{name}.graph_capture_s", round(graphs.capture_seconds, 2))
+            emit(label, f"{name}.graphs_disabled_reason", graphs.disabled_reason)
+            int4_crossover(m, label, name)
             emit(label, f"{name}.graph_buckets", sorted(graphs.captured_buckets))
         if a.exactness and name == "smollm2-135m":
             exactness(m, path, f"{label}.{name}")

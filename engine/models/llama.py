@@ -46,6 +46,8 @@ from engine.device_sampling import DeviceLogits, StepLogits
 from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
+Norm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, n], weight [n]) -> normed x
+
 
 def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
     """Row order that turns per-head halves [x0..x(d/2-1), y0..] into pairs [x0, y0, x1, y1, ...]."""
@@ -162,11 +164,11 @@ class LlamaModel:
         ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.addcmul(self._eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * w
 
-    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
         """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        qkv = blk.wqkv(self._norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
+        qkv = blk.wqkv((norm or self._norm)(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None:
             qkv[:, : H * D] = self._norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
             qkv[:, H * D: (H + Hkv) * D] = self._norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
@@ -174,9 +176,9 @@ class LlamaModel:
         torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
-    def _ffn(self, blk: Block, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, blk: Block, x: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
         n_ff = self.cfg.n_ff
-        gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm))
+        gate_up = blk.w_gate_up((norm or self._norm)(x, blk.ffn_norm))
         return blk.w_down(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
 
     @staticmethod
@@ -267,16 +269,19 @@ class LlamaModel:
         return logits
 
     def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor,
-                      attend: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                      attend: Callable[[int, torch.Tensor], torch.Tensor], norm: Norm | None = None) -> torch.Tensor:
         """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position and
         attend(layer, qkv [N, ...]) -> [N, H * D] (which stores the new keys and values) ->
-        logits [N, n_vocab] float32.  It launches no host synchronisation, so a CUDA graph can
-        capture it (engine.cuda_graphs)."""
+        logits [N, n_vocab] float32.  `norm(x, weight)` replaces the block and output RMSNorms
+        (not qwen3's per-head ones), e.g. by a fused kernel.  It launches no host
+        synchronisation, so a CUDA graph can capture it (engine.cuda_graphs)."""
         x = self.embed(tokens)  # [N, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
-            x += blk.wo(attend(li, self._qkv(blk, x, rope)))
-            x += self._ffn(blk, x)
-        return self.head(x)
+            x += blk.wo(attend(li, self._qkv(blk, x, rope, norm)))
+            x += self._ffn(blk, x, norm)
+        if norm is None:
+            return self.head(x)
+        return self.output(norm(x, self.out_norm)).float()
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
@@ -284,7 +289,10 @@ class LlamaModel:
         on CUDA through a captured graph where one applies, with only greedy ids copied to the
         host; on CPU the same tensor forward_rows returns."""
         if self.decode_graphs is not None and self.decode_graphs.accepts(caches):
-            return self.decode_graphs.run([int(t) for t in tokens], caches, eos_ids)
+            try:
+                return self.decode_graphs.run([int(t) for t in tokens], caches, eos_ids)
+            except cuda_graphs.GraphsUnavailable:
+                pass  # graphs turned themselves off; this and later steps run eagerly
         ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
         return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
 
@@ -292,12 +300,15 @@ class LlamaModel:
                         cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
         """One token appended to `cache`: the logits row a session keeps (see decode).  Without
         a graph it is `forward`'s one-token step, as a session's frontier always was."""
-        if self.decode_graphs is None or not self.decode_graphs.accepts([cache]):
-            tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
-            return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
-        if cancel is not None and cancel():
-            raise Cancelled("cancelled before a one-token step")
-        return self.decode_graphs.run([int(token)], [cache], eos_ids).row(0)
+        if self.decode_graphs is not None and self.decode_graphs.accepts([cache]):
+            if cancel is not None and cancel():
+                raise Cancelled("cancelled before a one-token step")
+            try:
+                return self.decode_graphs.run([int(token)], [cache], eos_ids).row(0)
+            except cuda_graphs.GraphsUnavailable:
+                pass
+        tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",

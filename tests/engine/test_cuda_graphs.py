@@ -43,7 +43,8 @@ def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dt
     for layer in range(n_layer):
         got = ca.decode_attention(qkv, rows, layer, solo, work, H, Hkv, D).clone()
         ref = ca.reference_attention(qkv, [c[layer] for c in expect], pos, H, Hkv, D)
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # where probabilities round
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     for c, e in zip(caches, expect):
         assert torch.equal(c, e)  # the new keys and values landed where torch put them, nothing else moved
 
