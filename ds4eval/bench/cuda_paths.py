@@ -260,11 +260,23 @@ def int4_crossover(m, label: str, name: str) -> None:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 20
 
+    many = getattr(lin, "dequant_matmul", None)
     out = {}
     for rows in (1, 8, 16, 32, 64, 128, 512, 2048):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        out[rows] = (round(ms(lambda: lin(x)), 4), round(ms(lambda: torch.nn.functional.linear(x, w)), 4))
-    emit(label, f"{name}.int4_vs_bf16_ms_gate_up_{tuple(w.shape)}", out)
+        row = []
+        if many is not None:
+            chosen, many.min_rows = many.min_rows, 1 << 30
+        row.append(round(ms(lambda: lin(x)), 4))  # the int4 kernel
+        row.append(round(ms(lambda: torch.nn.functional.linear(x, w)), 4))  # a resident bfloat16 matrix
+        if many is not None:
+            many.min_rows = 1
+            row.append(round(ms(lambda: lin(x)), 4))  # dequantize + GEMM
+            many.min_rows = chosen
+        out[rows] = tuple(row)
+    if many is not None:
+        emit(label, f"{name}.dequant_min_rows_gate_up", many.min_rows)
+    emit(label, f"{name}.ms_int4_bf16_dequant_gate_up_{tuple(w.shape)}", out)
 
 
 def sdpa_probe(m) -> str:

@@ -124,6 +124,34 @@ def test_graph_teacher_forced_agrees_with_cpu_float32(tiny_gguf, arch, qtype):
     assert stats["graphs"][1] <= max(2 * stats["eager"][1], 1e-3)
 
 
+def _int4_linears(m: engine.Model):
+    return [lin for blk in m.net.blocks for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)
+            if getattr(lin, "dequant_matmul", None) is not None]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q4_0"])
+def test_dequantized_gemm_matches_the_int4_kernel(tiny_gguf, qtype):
+    m = engine.load_model(tiny_gguf("qwen2", qtype), device="cuda")
+    lins = _int4_linears(m)
+    assert lins and all(lin.dequant_matmul.min_rows > 16 for lin in lins)  # tiny matrices: never worth it
+    torch.manual_seed(0)
+    for lin in lins:
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, lin.in_features, device="cuda")
+            want = lin(x).float()
+            lin.dequant_matmul.min_rows = 1
+            got = lin(x).float()
+            lin.dequant_matmul.min_rows = 1 << 30
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    ids = torch.tensor(TOKENS * 4, device="cuda")
+    want = m.net.forward(ids, 0, m.new_session().cache, logits="all")
+    for lin in lins:
+        lin.dequant_matmul.min_rows = 1
+    got = m.net.forward(ids, 0, m.new_session().cache, logits="all")
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
 def test_device_logits_cross_only_when_read_and_sample_on_the_device(tiny_gguf):
     from engine.device_sampling import DeviceLogits
 
