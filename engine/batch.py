@@ -4,9 +4,10 @@
   pass (`LlamaModel.forward_rows`): the weights are read once for all rows, and each row
   attends to its own session's cache at its own length (on CPU all rows of a layer in one
   call of the compiled kernel; sessions made together by `Model.new_sessions` share a KV
-  pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA pooled
-  rows attend in one masked batch and agree with single-row decoding to the GPU kernels'
-  rounding.
+  pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA the step
+  replays a captured graph (engine.cuda_graphs; eagerly, pooled rows attend in one masked
+  batch) and agrees with single-row decoding to the GPU kernels' rounding, and each row's
+  logits stay on the device (`Session.raw_logits`) with only greedy ids copied back.
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
   never stalls decoding for more than one chunk) and then one batched decode step for every
