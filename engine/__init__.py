@@ -40,7 +40,11 @@ Session:
     `progress(done, total)` is called after each prefill chunk; `cancel()` is polled
     between chunks and between layers, and returning True raises `Cancelled`, leaving
     the session valid at the last complete chunk.
-  - `logits`: float32 tensor [n_vocab] for the next token (after sync/eval).
+  - `logits`: float32 CPU tensor [n_vocab] for the next token (after sync/eval).
+    `raw_logits`: the same where the forward pass left it: on CUDA an
+    `engine.device_sampling.DeviceLogits` (the device row with its greedy ids already on
+    the host; `Sampler` picks from it without copying the row), copied to the host only
+    when `logits` is read.
   - `eval(token)`: append one token.  `sample(params) -> int`.  `truncate(n)`.
   - `reset()`: forget everything, keeping the cache's memory.
   - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
@@ -54,6 +58,9 @@ GGUF `general.architecture` -> the module and class of its Network; a new family
 module under engine/models/ and one registry line, and `Model` asks its network for the KV
 bytes per token and a step's working buffers.  `engine.session.common_prefix(a, b)` is the
 one longest-common-prefix count.
+
+On CUDA decoding steps replay captured graphs (`engine.cuda_graphs`; `DS4_CUDA_GRAPHS=0`
+decodes eagerly) and prefill runs in chunks of 2048 tokens.
 
 Batching (`engine.batch`, `BatchScheduler` and `GenRequest` also at top level): `decode_batch(sessions, tokens)` evaluates one token for each
 of N sessions in one forward pass, each row's logits bitwise equal to decoding it alone

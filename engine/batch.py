@@ -4,9 +4,10 @@
   pass (the network's `forward_rows`): the weights are read once for all rows, and each row
   attends to its own session's cache at its own length (on CPU all rows of a layer in one
   call of the compiled kernel; sessions made together by `Model.new_sessions` share a KV
-  pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA pooled
-  rows attend in one masked batch and agree with single-row decoding to the GPU kernels'
-  rounding.
+  pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA the step
+  replays a captured graph (engine.cuda_graphs; eagerly, pooled rows attend in one masked
+  batch) and agrees with single-row decoding to the GPU kernels' rounding, and each row's
+  logits stay on the device (`Session.raw_logits`) with only greedy ids copied back.
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
   never stalls decoding for more than one chunk) and then one batched decode step for every
@@ -77,11 +78,10 @@ def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
     model = sessions[0].model
     for s in sessions:
         s.check_fits(s.n_past + 1)
-    ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=model.device)
     threads.before_forward()
-    logits = model.net.forward_rows(ids, [s.cache for s in sessions]).cpu()
-    for s, t, row in zip(sessions, tokens, logits):
-        s.append_decoded(t, row)
+    step = model.net.decode(tokens, [s.cache for s in sessions], model.eos_ids)
+    for i, (s, t) in enumerate(zip(sessions, tokens)):
+        s.append_decoded(t, step.row(i))  # on CUDA the row stays on the device until read
 
 
 @dataclass
@@ -240,7 +240,9 @@ class BatchScheduler:
             if req.cancel is not None and req.cancel():
                 self._finish(slot, "cancelled")
                 continue
-            token = slot.sampler(slot.session.logits)
+            # A Sampler picks from the device row; a caller's `choose` gets the host tensor.
+            session = slot.session
+            token = slot.sampler(session.raw_logits if isinstance(slot.sampler, Sampler) else session.logits)
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
             req.output.append(token)

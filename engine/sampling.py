@@ -4,6 +4,8 @@ Order of filters: temperature scaling, top-k, top-p (nucleus, keeps the smallest
 mass reaches p), min-p (drops tokens below min_p * p_max), then a draw from the renormalised
 distribution.  Temperature 0 is greedy argmax; `argmax_ignoring_eos` is greedy with the
 end-of-generation ids masked out, for fixed-length runs.  Ties in argmax go to the lowest id.
+A `Sampler` also takes a row left on the GPU (engine.device_sampling.DeviceLogits), which
+picks on the device with these same filters.
 It does not apply repetition penalties or grammars.
 """
 from __future__ import annotations
@@ -70,6 +72,8 @@ class Sampler:
                 self.generator.manual_seed(params.seed)
 
     def __call__(self, logits: torch.Tensor) -> int:
+        if not isinstance(logits, torch.Tensor):  # a device row (engine.device_sampling.DeviceLogits)
+            return logits.pick(self)
         logits = logits.detach().float().cpu()
         if self.params.argmax_ignoring_eos:
             if self.eos_ids:

@@ -2,7 +2,11 @@
 
 `sync(ids)` makes the cache hold exactly `ids`: it keeps the longest common prefix of what
 is cached, drops the rest and prefills the new suffix in chunks of `prefill_chunk` tokens.
-After sync, eval or load_payload, `logits` holds the next-token distribution at the frontier.
+After sync, eval or load_payload, `logits` holds the next-token distribution at the frontier
+(float32 on CPU).  On CUDA the forward pass leaves it on the device (`raw_logits`, an
+`engine.device_sampling.DeviceLogits` whose greedy ids are already on the host); it is
+copied to the host the first time `logits` is read, and samplers given `raw_logits` never
+copy it.
 When the whole of `ids` is already cached but its frontier logits are not (for example after
 a truncation), the last token is evaluated again, so the reuse count is then len(ids) - 1.
 The frontier token of a sync is always evaluated by the one-row decode step (the rest in
@@ -33,6 +37,7 @@ import numpy as np
 import torch
 
 from engine import threads
+from engine.device_sampling import DeviceLogits
 from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 
@@ -86,7 +91,7 @@ class Session:
         self.model = model
         self.cache = model.net.new_cache(model.n_ctx, model.kv_dtype) if cache is None else cache
         self.tokens: list[int] = []
-        self._logits: torch.Tensor | None = None
+        self._logits: torch.Tensor | DeviceLogits | None = None
         self._sampler: Sampler | None = None
 
     def reset(self) -> None:
@@ -102,6 +107,12 @@ class Session:
 
     @property
     def logits(self) -> torch.Tensor:
+        raw = self.raw_logits
+        return raw.host() if isinstance(raw, DeviceLogits) else raw
+
+    @property
+    def raw_logits(self) -> torch.Tensor | DeviceLogits:
+        """The frontier logits where the forward pass left them (see the module docstring)."""
         if self._logits is None:
             raise RuntimeError("no logits: the session is empty or was truncated; sync or eval first")
         return self._logits
@@ -136,8 +147,7 @@ class Session:
             self.tokens.extend(body)
             self._logits = None
         if frontier:
-            last = torch.tensor(ids[-1:], dtype=torch.long, device=device)
-            self._logits = net.forward(last, len(self.tokens), self.cache, cancel=cancel).float().cpu()
+            self._logits = net.decode_frontier(ids[-1], self.cache, self.model.eos_ids, cancel)
             self.tokens.append(ids[-1])
 
     def start_prefill(self, ids: list[int]) -> "Prefill":
@@ -172,7 +182,7 @@ class Session:
         """Sample the next token; the same params object continues one random stream."""
         if self._sampler is None or self._sampler.params is not params:
             self._sampler = Sampler(params, self.model.eos_ids)
-        return self._sampler(self.logits)
+        return self._sampler(self.raw_logits)
 
     def save_payload(self) -> bytes:
         k, v = self.cache.state()

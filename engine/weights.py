@@ -11,7 +11,9 @@ the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Li
   twice as fast as torch's int4 kernel at 1, 8 and 128 rows.  Elsewhere (CUDA, or a CPU or
   build without the kernel) it is torch's groupwise int4 weight-only layout with
   zero = min + 8*scale, nothing re-quantized; scale/zero are stored in bfloat16 (the
-  kernels' requirement) and activations enter the kernel as bfloat16.
+  kernels' requirement) and activations enter the kernel as bfloat16.  On CUDA, from a
+  measured number of rows on (prefill, wide batches), the matrix is instead dequantized to
+  bfloat16 and multiplied by one GEMM (engine.cuda_dequant), which keeps the nibbles too.
 - `Fp16Linear` (CPU): every other type is dequantized once to float16 and prepacked for
   FBGEMM's half-precision GEMM, which reads float16 weights but takes and returns float32
   activations.  Of torch's dense CPU kernels measured here it is the fastest for the few
@@ -38,7 +40,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine import kernels
+from engine import cuda_dequant, kernels
 from engine.gguf_file import TensorRecord
 from engine.quants import BLOCK, GROUP, INT4_GROUPED, dequantize, unpack_int4_groups
 
@@ -182,6 +184,7 @@ class Int4Linear(Linear):
             self.packed, self.scales_zeros = int4_pack(q, scale, minimum)
             self.out_dtype = torch.float32
             return
+        q8 = None
         if device.type == "cuda":
             # The CUDA kernel takes two nibbles per byte, even column in the high nibble.
             q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
@@ -195,21 +198,32 @@ class Int4Linear(Linear):
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
         self._mm = (torch.ops.aten._weight_int4pack_mm if device.type == "cuda"
                     else torch.ops.aten._weight_int4pack_mm_for_cpu)
+        # CUDA, many rows (prefill, wide batches): dequantize + GEMM (engine.cuda_dequant).
+        self._many = cuda_dequant.DequantMatmul(q8, self.scales_zeros) if q8 is not None and cuda_dequant.AVAILABLE else None
 
     out_dtype = torch.bfloat16
+    _many: "cuda_dequant.DequantMatmul | None" = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.float().contiguous()
             y = self._op(x, self.packed, self.scales_zeros)
+        elif self._many is not None and x.shape[0] >= self._many.min_rows:
+            y = self._many(x)
         else:
             y = self._mm(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         return y if self.bias is None else y.float() + self.bias
 
     @property
+    def dequant_matmul(self) -> "cuda_dequant.DequantMatmul | None":
+        """The many-rows path (CUDA), whose `min_rows` says from how many rows it is taken."""
+        return self._many
+
+    @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        many = 0 if self._many is None else self._many.nibbles.nbytes
+        return self.packed.nbytes + self.scales_zeros.nbytes + many + (0 if self.bias is None else self.bias.nbytes)
 
 
 def to_float(record: TensorRecord) -> np.ndarray:

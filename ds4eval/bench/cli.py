@@ -79,6 +79,8 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
               help="ds4 weight format.")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="Repetitions; the summary shows median [min, max].")
+@click.option("--warmup", type=int, default=1, show_default=True,
+              help="Untimed repetitions per engine before the timed ones.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write one row per measurement (columns: see ds4eval/bench/engine_bench.py).")
 @click.option("--compare", type=click.Choice(eb.COMPARE_ENGINES), default=None,
@@ -90,12 +92,13 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--decode-tokens", type=int, default=None, help="Tokens per decode measurement (default 128).")
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
-def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int,
+def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int, warmup: int,
                    csv_path: str | None, compare: str | None, threads: int | None,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
                    decode_tokens: int | None, quick: bool, seed: int) -> int:
     """Load time, prefill and decode tokens/s, optionally side by side with llama.cpp."""
-    cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, csv=csv_path,
+    cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, warmup=warmup,
+                               csv=csv_path,
                                compare=compare, threads=threads, prompt_lengths=prompt_lengths,
                                decode_contexts=decode_contexts, decode_tokens=decode_tokens, quick=quick, seed=seed)
     return run_engine(cfg)

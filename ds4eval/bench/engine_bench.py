@@ -12,6 +12,11 @@ the same ids):
 When a decode context length is also a prefill length, decoding continues from that timed
 prefill instead of repeating it.
 
+Before the timed repetitions each engine runs `warmup` (default 1) untimed ones, the same
+steps with nothing recorded: the first repetition of a process pays one-off costs (CUDA
+context and library handles, kernel compilation, graph capture, page faults) that are not
+the engine's steady speed.
+
 Side by side (`compare`), the engines alternate within every repetition (ds4, llama.cpp,
 ds4, llama.cpp, ...) so that the slow phases of a shared machine hit both alike. The
 summary gives each metric's median with min and max over the repetitions, and the ratio
@@ -89,6 +94,7 @@ class EngineBenchConfig:
     device: str = "cpu"  # ds4's device; llama.cpp offloads to the GPU too when built for it
     weights: str = "packed"  # ds4 weight format: "packed" (int4 kernels) or "float32"
     repeats: int = 3  # repetitions of every measurement; the summary reports median, min, max
+    warmup: int = 1  # untimed repetitions per engine before the timed ones
     csv: str | None = None  # write one row per measurement here (atomically)
     compare: str | None = None  # "llama.cpp": measure llama-cpp-python on the same GGUF too
     threads: int | None = None  # llama.cpp n_threads; None: torch.get_num_threads(), as ds4 uses
@@ -138,6 +144,8 @@ class EngineBenchConfig:
             raise BenchConfigError(f"--compare supports {', '.join(COMPARE_ENGINES)}, not {self.compare!r}")
         if self.repeats < 1:
             raise BenchConfigError(f"--repeats must be at least 1, not {self.repeats}")
+        if self.warmup < 0:
+            raise BenchConfigError(f"--warmup must be 0 or more, not {self.warmup}")
         if self.threads is not None and self.threads < 1:
             raise BenchConfigError(f"--threads must be at least 1, not {self.threads}")
         if not self.prefill_lengths and not self.context_lengths:
@@ -270,7 +278,8 @@ def describe_plan(cfg: EngineBenchConfig) -> str:
         if step.decode_after:
             done.append(f"decode {cfg.n_decode} after {step.length}")
         parts.append(" + ".join(done))
-    return f"{cfg.repeats} x (load, {', '.join(parts)}), ctx {cfg.load_ctx}"
+    warm = f"{cfg.warmup} untimed + " if cfg.warmup else ""
+    return f"{warm}{cfg.repeats} x (load, {', '.join(parts)}), ctx {cfg.load_ctx}"
 
 
 IdsFor = Callable[["Runner"], tuple[list[int], Vocab]]  # the benchmark ids and vocabulary, fixed per run
@@ -317,6 +326,10 @@ def run_engine_bench(cfg: EngineBenchConfig, runners: Sequence[Runner],
             fixed.append((benchmark_ids(vocab, cfg.sequence_length, cfg.seed), vocab))
         return fixed[0]
 
+    for _ in range(cfg.warmup):  # untimed: one-off costs of a fresh process stay out of the figures
+        for runner in runners:
+            for _m in measure_engine(runner, cfg, -1, ids_for, clock):
+                pass
     out: list[Measurement] = []
     for repeat in range(cfg.repeats):
         for runner in runners:

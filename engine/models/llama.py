@@ -43,9 +43,12 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine import kernels
+from engine import cuda_graphs, kernels
+from engine.device_sampling import DeviceLogits, StepLogits
 from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
+
+Norm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, n], weight [n]) -> normed x
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
@@ -119,6 +122,8 @@ class LlamaModel:
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
         self.attention_kernel = kernels.decode_attention() if fits else None
         self._rope_tables(t.get("rope_freqs.weight"))
+        # CUDA: decoding steps replay captured graphs (engine.cuda_graphs); None decodes eagerly.
+        self.decode_graphs = cuda_graphs.DecodeGraphs(self) if cuda_graphs.usable(device) else None
 
     def _rope_tables(self, freq_factors: TensorRecord | None) -> None:
         cfg = self.cfg
@@ -133,6 +138,8 @@ class LlamaModel:
         """How decode steps attend, for banners and benchmark headers."""
         if self.attention_kernel is not None:
             return "compiled CPU kernel"
+        if self.decode_graphs is not None and self.decode_graphs.enabled:
+            return f"Triton kernels in CUDA graphs ({self.device.type})"
         if self.device.type != "cpu":
             return f"torch ops ({self.device.type})"
         why = kernels.unavailable_reason() or f"no kernel for head dim {self.cfg.head_dim}"
@@ -173,11 +180,11 @@ class LlamaModel:
         ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.addcmul(self._eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * w
 
-    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
         """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        qkv = blk.wqkv(self._norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
+        qkv = blk.wqkv((norm or self._norm)(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None:
             qkv[:, : H * D] = self._norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
             qkv[:, H * D: (H + Hkv) * D] = self._norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
@@ -185,9 +192,9 @@ class LlamaModel:
         torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
-    def _ffn(self, blk: Block, x: torch.Tensor) -> torch.Tensor:
+    def _ffn(self, blk: Block, x: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
         n_ff = self.cfg.n_ff
-        gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm))
+        gate_up = blk.w_gate_up((norm or self._norm)(x, blk.ffn_norm))
         return blk.w_down(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
 
     @staticmethod
@@ -272,13 +279,52 @@ class LlamaModel:
             rope = self.rope[pos[0]: pos[0] + 1].unsqueeze(1)  # [1, 1, D/2]
         else:
             rope = self.rope[torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
-        x = self.embed(tokens)  # [N, n_embd] residual stream, float32
-        for li, blk in enumerate(self.blocks):
-            x += blk.wo(attend(li, self._qkv(blk, x, rope)))
-            x += self._ffn(blk, x)
+        logits = self.decode_layers(tokens, rope, attend)
         for c, p in zip(caches, pos):
             c.n = p + 1
-        return self.head(x)
+        return logits
+
+    def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor,
+                      attend: Callable[[int, torch.Tensor], torch.Tensor], norm: Norm | None = None) -> torch.Tensor:
+        """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position and
+        attend(layer, qkv [N, ...]) -> [N, H * D] (which stores the new keys and values) ->
+        logits [N, n_vocab] float32.  `norm(x, weight)` replaces the block and output RMSNorms
+        (not qwen3's per-head ones), e.g. by a fused kernel.  It launches no host
+        synchronisation, so a CUDA graph can capture it (engine.cuda_graphs)."""
+        x = self.embed(tokens)  # [N, n_embd] residual stream, float32
+        for li, blk in enumerate(self.blocks):
+            x += blk.wo(attend(li, self._qkv(blk, x, rope, norm)))
+            x += self._ffn(blk, x, norm)
+        if norm is None:
+            return self.head(x)
+        return self.output(norm(x, self.out_norm)).float()
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
+        """forward_rows for a list of token ids, returning the step's logits as `StepLogits`:
+        on CUDA through a captured graph where one applies, with only greedy ids copied to the
+        host; on CPU the same tensor forward_rows returns."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(caches):
+            try:
+                return self.decode_graphs.run([int(t) for t in tokens], caches, eos_ids)
+            except cuda_graphs.GraphsUnavailable:
+                pass  # graphs turned themselves off; this and later steps run eagerly
+        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
+
+    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
+                        cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
+        """One token appended to `cache`: the logits row a session keeps (see decode).  Without
+        a graph it is `forward`'s one-token step, as a session's frontier always was."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts([cache]):
+            if cancel is not None and cancel():
+                raise Cancelled("cancelled before a one-token step")
+            try:
+                return self.decode_graphs.run([int(token)], [cache], eos_ids).row(0)
+            except cuda_graphs.GraphsUnavailable:
+                pass
+        tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",

@@ -131,7 +131,7 @@ def test_benchmark_ids_are_deterministic_prefix_closed_and_ordinary():
 # ---------------------------------------------------------------- scheduling and timing
 
 def small_cfg(**kw) -> eb.EngineBenchConfig:
-    base = dict(prompt_lengths=(64, 256), decode_contexts=(8, 256), decode_tokens=10, repeats=2)
+    base = dict(prompt_lengths=(64, 256), decode_contexts=(8, 256), decode_tokens=10, repeats=2, warmup=0)
     return eb.EngineBenchConfig(**{**base, **kw})
 
 
@@ -165,6 +165,21 @@ def test_engines_interleave_per_repetition_and_timings_are_exact():
     assert by[("llama.cpp", "decode", 8, 0)].tokens_per_s == pytest.approx(200)
     assert ("ds4", "prefill", 8, 0) not in by  # context-only step is not a prefill measurement
     assert len(ms) == 2 * 2 * (1 + 2 + 2)
+
+
+def test_warmup_repetitions_run_first_and_are_not_recorded():
+    clock, log = FakeClock(), []
+    ours = FakeRunner("ds4", clock, log, load_s=2.0, prefill_tok_s=512, decode_tok_s=100)
+    other = FakeRunner("llama.cpp", clock, log, load_s=0.5, prefill_tok_s=256, decode_tok_s=200)
+    seen = []
+    ms = eb.run_engine_bench(small_cfg(warmup=1), [ours, other], clock=clock, report=seen.append)
+    loads = [e for e, *rest in log if rest == ["load"]]
+    assert loads == ["ds4", "llama.cpp"] * 3  # one untimed round, then the two timed ones
+    assert seen == ms and len(ms) == 2 * 2 * (1 + 2 + 2)
+    assert sorted({m.repeat for m in ms}) == [0, 1]
+    assert ours.fed[:3] == ours.fed[3:6]  # the warm-up fed the same ids as the timed rounds
+    with pytest.raises(eb.BenchConfigError):
+        small_cfg(warmup=-1).validate()
 
 
 def test_runner_is_closed_when_a_step_fails():

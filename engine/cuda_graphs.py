@@ -1,0 +1,206 @@
+"""Decoding steps on CUDA as captured graphs, one per batch-size bucket, replayed each token.
+
+On CUDA a decoding step of a small model is bound by launching its ~900 kernels from
+Python, not by the GPU.  `DecodeGraphs(net)` captures the whole step (embedding, every
+layer, the output head and the greedy argmaxes) once per bucket of rows (1, 2, 4, ... 64)
+and replays it: per token the host writes one small table to the device, replays the graph
+and reads back two ids per row.
+
+Everything that varies between steps is data in static device buffers, one row of
+`engine.cuda_attention`'s table per batch row: the token, its position, and where that row's
+cache lies (offset from a base tensor, layer / V / head strides).  Attention reads those
+addresses and lengths from the table (`engine.cuda_attention.decode_attention`), so one graph
+serves any mix of sessions, standalone caches or pool slots, at any lengths, and caches may
+still grow: a cache that grows is reallocated between steps (`KVCache.reserve`, outside the
+graph) and the next step's table points at its new memory.  A batch of N rows replays the
+smallest bucket >= N; the unused rows decode token 0 at position 0 into a one-position scratch
+cache, and their outputs are dropped.
+
+The rest of the step is the model's own code (`LlamaModel.decode_layers`), so the graph runs the
+same kernels as eager decoding except attention, where the Triton kernels replace the torch
+ops, and RMSNorm, one Triton kernel instead of six (`engine.cuda_norm`; `fused_norm = False`
+keeps torch's, for graphs captured after the change).  Tests compare greedy tokens and logits
+with the eager CUDA path and the CPU float32 path.  Graphs share one memory pool; each step's outputs
+are copied out before the next replay.  A bucket's first step captures it (tens of
+milliseconds after a one-off Triton compile); `capture_seconds` sums that time.
+
+Not used on CPU, for more rows than the largest bucket, or where Triton is missing
+(`usable`); `LlamaModel.decode` then runs the eager step, as it does from then on when a
+capture fails (`disabled_reason` says why).  It does not prefill, sample or
+know about sessions.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine import cuda_attention, cuda_norm
+from engine.device_sampling import StepLogits, eos_tensor, greedy_pair
+from engine.kvcache import KVCache
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaModel
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ENV_SWITCH = "DS4_CUDA_GRAPHS"  # "0" turns graph decoding off
+
+
+def usable(device: torch.device) -> bool:
+    return (device.type == "cuda" and cuda_attention.AVAILABLE
+            and os.environ.get(ENV_SWITCH, "1") != "0")
+
+
+class GraphsUnavailable(RuntimeError):
+    """Capturing failed (e.g. a kernel that cannot be built here); graphs are now off."""
+
+
+def bucket_for(n: int) -> int | None:
+    for b in BUCKETS:
+        if n <= b:
+            return b
+    return None
+
+
+class _Captured:
+    """One bucket's graph with every tensor it reads or writes: the graph holds raw addresses,
+    so each must live as long as the graph does."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, table: torch.Tensor, host: torch.Tensor,
+                 logits: torch.Tensor, ids: torch.Tensor, work: cuda_attention.Workspace,
+                 eos_index: torch.Tensor | None):
+        self.graph = graph
+        self.work = work
+        self.eos_index = eos_index
+        self.table = table  # int64 [B, ROW_FIELDS] on the device, read by the graph
+        self.host = host  # pinned twin of `table`
+        self.logits = logits  # float32 [B, n_vocab], written by each replay
+        self.ids = ids  # int64 [B, 2]: argmax, argmax with eos masked
+
+
+class DecodeGraphs:
+    def __init__(self, net: "LlamaModel"):
+        self.net = net
+        self.enabled = True
+        self.fused_norm = True  # RMSNorm as one Triton kernel (engine.cuda_norm); read at capture
+        self.disabled_reason: str | None = None
+        self.capture_seconds = 0.0
+        self.replays = 0
+        self._graphs: dict[tuple, _Captured] = {}
+        self._pool = None
+        self._scratch: dict[torch.dtype, torch.Tensor] = {}
+
+    # --- which steps it takes ---
+    def accepts(self, caches: list[KVCache]) -> bool:
+        if not self.enabled or bucket_for(len(caches)) is None:
+            return False
+        dtype = caches[0].kv.dtype
+        return all(c.kv.dtype == dtype and c.kv.stride(-1) == 1 and c.kv.stride(-2) == c.kv.shape[-1]
+                   for c in caches)
+
+    # --- the row table ---
+    def _base(self, dtype: torch.dtype) -> torch.Tensor:
+        """A one-position cache: the padding rows' target and the base that offsets count from."""
+        if dtype not in self._scratch:
+            cfg = self.net.cfg
+            self._scratch[dtype] = torch.zeros((cfg.n_layer, 2, cfg.n_head_kv, 1, cfg.head_dim),
+                                               dtype=dtype, device=self.net.device)
+        return self._scratch[dtype]
+
+    @staticmethod
+    def _place(kv: torch.Tensor, base: torch.Tensor) -> tuple[int, int, int, int]:
+        """(offset from base, layer stride, V offset, head stride) in elements of a cache's kv
+        [n_layer, 2, n_head_kv, capacity, head_dim] (a view into a pool or its own tensor)."""
+        offset, rem = divmod(kv.data_ptr() - base.data_ptr(), kv.element_size())
+        if rem:
+            raise ValueError("cache memory is not aligned to its element size")
+        return offset, kv.stride(0), kv.stride(1), kv.stride(2)
+
+    def _fill(self, cap: _Captured, tokens: list[int], caches: list[KVCache], base: torch.Tensor) -> None:
+        rows = [[t, c.n, *self._place(c.kv, base)] for t, c in zip(tokens, caches)]
+        pad = [0, 0, *self._place(base, base)]
+        rows += [pad] * (cap.table.shape[0] - len(rows))
+        cap.host.copy_(torch.tensor(rows, dtype=torch.long))
+        cap.table.copy_(cap.host, non_blocking=True)
+
+    # --- capture ---
+    def _step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
+              eos_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        net, cfg = self.net, self.net.cfg
+        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        tokens = table[:, cuda_attention.TOKEN]
+        rope = net.rope[table[:, cuda_attention.POS]].unsqueeze(1)  # [B, 1, D/2]
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
+            return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D)
+
+        # One kernel per RMSNorm, in the dtype the following matmul computes in.
+        out_dtype = torch.float32 if net.fmt == "float32" else torch.bfloat16
+        eps = cfg.norm_eps
+
+        def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return cuda_norm.rms_norm(x, w, eps, out_dtype)
+
+        logits = net.decode_layers(tokens, rope, attend, norm if self.fused_norm else None)  # [B, n_vocab]
+        return logits, greedy_pair(logits, eos_index)
+
+    def _capture(self, b: int, dtype: torch.dtype, eos_ids: frozenset[int], n_ctx: int) -> _Captured:
+        t0 = time.perf_counter()
+        device = self.net.device
+        cfg = self.net.cfg
+        base = self._base(dtype)
+        table = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long, device=device)
+        host = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long).pin_memory()
+        work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device)
+        eos_index = eos_tensor(eos_ids, device)
+        cap = _Captured(None, table, host, None, None, work, eos_index)  # type: ignore[arg-type]
+        self._fill(cap, [], [], base)  # every row padding: warm-up and capture write only scratch
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compiles the Triton kernels, creates library handles
+            for _ in range(2):
+                self._step(table, base, work, eos_index)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, ids = self._step(table, base, work, eos_index)
+        self._pool = graph.pool()
+        cap.graph, cap.logits, cap.ids = graph, logits, ids
+        torch.cuda.synchronize(device)
+        self.capture_seconds += time.perf_counter() - t0
+        return cap
+
+    # --- a step ---
+    def run(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
+        """One token for each of N caches (N <= the largest bucket): stores their keys and
+        values, advances each cache by one and returns the step's logits."""
+        n = len(caches)
+        b = bucket_for(n)
+        dtype = caches[0].kv.dtype
+        n_ctx = max(c.n_ctx for c in caches)
+        key = (b, dtype, eos_ids, n_ctx, self.fused_norm)
+        cap = self._graphs.get(key)
+        if cap is None:
+            try:
+                cap = self._graphs[key] = self._capture(b, dtype, eos_ids, n_ctx)
+            except Exception as e:  # nothing was written to any cache: decode eagerly from now on
+                self.enabled = False
+                self.disabled_reason = f"{type(e).__name__}: {e}"[:300]
+                raise GraphsUnavailable(self.disabled_reason) from e
+        for c in caches:
+            c.reserve(c.n + 1)
+        self._fill(cap, tokens, caches, self._base(dtype))
+        cap.graph.replay()
+        self.replays += 1
+        rows = cap.logits[:n].clone()  # the next replay overwrites the static output
+        ids = cap.ids[:n].tolist()  # waits for the step
+        for c in caches:
+            c.n += 1
+        return StepLogits(rows, ids, eos_ids)
+
+    @property
+    def captured_buckets(self) -> set[int]:
+        """Batch sizes that have a captured graph."""
+        return {key[0] for key in self._graphs}

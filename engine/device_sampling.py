@@ -1,0 +1,119 @@
+"""Next-token logits that stay on the GPU: only the chosen token ids cross to the host.
+
+A CUDA decoding step ends with `StepLogits.of(rows, eos_ids)` (or, in a captured graph, the
+same two argmaxes computed inside it): the greedy id of every row, plain and with the
+end-of-generation ids masked, comes to the host in one small copy, and each row's logits
+stay on the device.  `StepLogits.row(i)` is what a session keeps: on CPU the logits row
+itself (a tensor, as before), on CUDA a `DeviceLogits` that
+
+- answers greedy choices from the ids already on the host (`Sampler` calls `pick`),
+- samples with temperature, top-k, top-p and min-p on the device (`engine.sampling`'s
+  filters on the device row) with one uniform number drawn from the sampler's own CPU
+  generator, inverted through the cumulative distribution: one number crosses back,
+- and copies the full row to the host only when `host()` is called (`Session.logits`).
+
+Argmax ties go to the lowest id, as in `engine.sampling`.  A seeded stream is reproducible,
+but it is not the stream that `torch.multinomial` on CPU draws from the same seed.
+It does not decide which rows to decode or when (see engine.batch, engine.cuda_graphs).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampling import filtered_probs
+
+if TYPE_CHECKING:
+    from engine.sampling import Sampler
+
+
+def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Tensor:
+    """[N, 2] int64 on rows' device: each row's argmax, and its argmax with `eos_index` masked."""
+    plain = rows.argmax(-1)
+    if eos_index is None:
+        return torch.stack([plain, plain], dim=1)
+    masked = rows.index_fill(1, eos_index, float("-inf")).argmax(-1)
+    return torch.stack([plain, masked], dim=1)
+
+
+_EOS_INDEX: dict[tuple[frozenset[int], str], torch.Tensor] = {}
+
+
+def eos_tensor(eos_ids: frozenset[int], device: torch.device) -> torch.Tensor | None:
+    """The ids as an index tensor on `device`, made once per set (a copy to the device per step
+    would wait for the GPU)."""
+    if not eos_ids:
+        return None
+    key = (eos_ids, str(device))
+    if key not in _EOS_INDEX:
+        _EOS_INDEX[key] = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    return _EOS_INDEX[key]
+
+
+class DeviceLogits:
+    """One row of next-token logits on the device with its greedy ids on the host."""
+
+    __slots__ = ("row", "greedy", "greedy_no_eos", "eos_ids", "_host")
+
+    def __init__(self, row: torch.Tensor, greedy: int, greedy_no_eos: int, eos_ids: frozenset[int]):
+        self.row = row  # float32 [n_vocab] on the device
+        self.greedy = greedy
+        self.greedy_no_eos = greedy_no_eos  # argmax with eos_ids masked
+        self.eos_ids = eos_ids
+        self._host: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.row.device
+
+    def host(self) -> torch.Tensor:
+        """The row as a float32 CPU tensor (copied once, on first call)."""
+        if self._host is None:
+            self._host = self.row.float().cpu()
+        return self._host
+
+    def argmax(self) -> int:
+        return self.greedy
+
+    def pick(self, sampler: "Sampler") -> int:
+        """The token `sampler` draws from this row, without copying the row to the host."""
+        p = sampler.params
+        if p.argmax_ignoring_eos:
+            if not sampler.eos_ids:
+                return self.greedy
+            if sampler.eos_ids == self.eos_ids:
+                return self.greedy_no_eos
+            banned = torch.tensor(sorted(sampler.eos_ids), dtype=torch.long, device=self.row.device)
+            return int(self.row.index_fill(0, banned, float("-inf")).argmax())
+        if p.temperature == 0.0:
+            return self.greedy
+        probs = filtered_probs(self.row, p)
+        u = torch.rand((), generator=sampler.generator, dtype=torch.float64)
+        cdf = torch.cumsum(probs.double(), dim=0)
+        # The first id whose cumulative mass exceeds u; zero-probability ids are never hit.
+        token = torch.searchsorted(cdf, (u * cdf[-1]).to(cdf.device), right=True)
+        return int(torch.clamp(token, max=probs.shape[0] - 1))
+
+
+class StepLogits:
+    """The logits of one decoding step's N rows: a tensor [N, n_vocab] (CPU, or the device
+    with `ids` [N, 2] on the host: greedy and eos-masked greedy per row)."""
+
+    def __init__(self, rows: torch.Tensor, ids: list[list[int]] | None = None,
+                 eos_ids: frozenset[int] = frozenset()):
+        self.rows = rows
+        self.ids = ids
+        self.eos_ids = eos_ids
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, eos_ids: frozenset[int] = frozenset()) -> "StepLogits":
+        if rows.device.type == "cpu":
+            return cls(rows)
+        ids = greedy_pair(rows, eos_tensor(eos_ids, rows.device)).tolist()
+        return cls(rows, ids, eos_ids)
+
+    def row(self, i: int) -> "torch.Tensor | DeviceLogits":
+        if self.ids is None:
+            return self.rows[i]
+        return DeviceLogits(self.rows[i], self.ids[i][0], self.ids[i][1], self.eos_ids)

@@ -1,0 +1,173 @@
+"""Graph-replayed CUDA decoding against eager CUDA decoding and the CPU float32 path
+(engine.cuda_graphs, engine.cuda_attention, engine.device_sampling; skipped without a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine import SamplingParams, generate
+from engine.batch import decode_batch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+TOKENS = [5, 77, 130, 2, 250, 9, 9, 41, 200, 13, 66, 101, 3, 17, 140, 22]
+GREEDY = SamplingParams(argmax_ignoring_eos=True)
+
+
+def cuda_pair(path: str, **kw) -> tuple[engine.Model, engine.Model]:
+    """The same GGUF loaded twice on CUDA: decoding through graphs, and eagerly."""
+    graphs = engine.load_model(path, device="cuda", **kw)
+    eager = engine.load_model(path, device="cuda", **kw)
+    assert graphs.net.decode_graphs is not None, "graph decoding is not available here"
+    eager.net.decode_graphs = None
+    return graphs, eager
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dtype):
+    from engine import cuda_attention as ca
+
+    torch.manual_seed(0)
+    H, Hkv, D, n_ctx, n_layer = 9, 3, 64, 600, 2
+    pool = torch.randn(n_layer, 2, 3, Hkv, 640, D, device="cuda").to(dtype)
+    solo = torch.randn(n_layer, 2, Hkv, 512, D, device="cuda").to(dtype)
+    caches = [pool[:, :, 2], solo, pool[:, :, 0], solo.new_zeros(n_layer, 2, Hkv, 1, D)]
+    pos = [5, 511, 599, 0]
+    qkv = torch.randn(len(caches), (H + 2 * Hkv) * D, device="cuda")
+    rows = torch.tensor([[0, p, (c.data_ptr() - solo.data_ptr()) // c.element_size(),
+                          c.stride(0), c.stride(1), c.stride(2)] for c, p in zip(caches, pos)], device="cuda")
+    work = ca.Workspace(len(caches), H, D, n_ctx, Hkv, torch.device("cuda"))
+    expect = [c.clone() for c in caches]
+    for layer in range(n_layer):
+        got = ca.decode_attention(qkv, rows, layer, solo, work, H, Hkv, D).clone()
+        ref = ca.reference_attention(qkv, [c[layer] for c in expect], pos, H, Hkv, D)
+        tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # where probabilities round
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    for c, e in zip(caches, expect):
+        assert torch.equal(c, e)  # the new keys and values landed where torch put them, nothing else moved
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("llama", "Q4_K"), ("qwen2", "Q4_0"),
+                                        ("qwen3", "Q8_0"), ("llama", "F16")])
+def test_graph_greedy_tokens_equal_eager(tiny_gguf, arch, qtype):
+    graphs, eager = cuda_pair(tiny_gguf(arch, qtype))
+    out = []
+    for m in (graphs, eager):
+        s = m.new_session()
+        s.sync(TOKENS)
+        out.append((list(generate(s, GREEDY, 40)), s.logits))
+    assert out[0][0] == out[1][0]
+    scale = float(out[1][1].abs().max())
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=2e-2, atol=2e-2 * scale)
+    assert graphs.net.decode_graphs.replays >= 40
+
+
+def test_graph_batches_equal_eager_batches_with_padding_and_scattered_slots(tiny_gguf):
+    graphs, eager = cuda_pair(tiny_gguf("llama", "Q4_1"))
+    prompts = [TOKENS[:3], TOKENS[:9], TOKENS, TOKENS[4:11], TOKENS[2:14]]
+    streams = []
+    for m in (graphs, eager):
+        pool = m.new_sessions(len(prompts))
+        for s, p in zip(pool, prompts):
+            s.sync(p)
+        made = [[] for _ in pool]
+        for step in range(12):
+            rows = list(range(len(pool))) if step % 3 else [0, 2, 4]  # 5 rows (bucket 8), or 3 scattered
+            toks = [int(pool[i].raw_logits.argmax()) for i in rows]
+            for i, t in zip(rows, toks):
+                made[i].append(t)
+            decode_batch([pool[i] for i in rows], toks)
+        streams.append(made)
+    assert streams[0] == streams[1]
+    assert graphs.net.decode_graphs.captured_buckets >= {1, 4, 8}
+
+
+def test_graph_session_decode_matches_its_own_prefill(tiny_gguf):
+    graphs, _ = cuda_pair(tiny_gguf("qwen2", "Q4_1"))
+    s = graphs.new_session()
+    s.sync(TOKENS[:6])
+    for t in TOKENS[6:]:
+        s.eval(t)
+    full = graphs.new_session()
+    full.sync(TOKENS)
+    torch.testing.assert_close(s.logits, full.logits, rtol=2e-2, atol=2e-2 * float(full.logits.abs().max()))
+
+
+def _teacher_forced(m: engine.Model, ids: list[int]) -> torch.Tensor:
+    s = m.new_session()
+    s.sync(ids[:1])
+    rows = [s.logits]
+    for t in ids[1:-1]:
+        s.eval(t)
+        rows.append(s.logits)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("qwen3", "Q4_K")])
+def test_graph_teacher_forced_agrees_with_cpu_float32(tiny_gguf, arch, qtype):
+    path = tiny_gguf(arch, qtype)
+    ids = (TOKENS * 8)[:96]
+    cpu = engine.load_model(path, weights="float32")
+    ref = cpu.net.forward(torch.tensor(ids[:-1]), 0, cpu.new_session().cache, logits="all")
+    graphs, eager = cuda_pair(path)
+    stats = {}
+    for name, m in (("graphs", graphs), ("eager", eager)):
+        got = _teacher_forced(m, ids)
+        top1 = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        kl = torch.sum(torch.softmax(ref, -1) * (torch.log_softmax(ref, -1) - torch.log_softmax(got, -1)), -1)
+        stats[name] = (top1, float(kl.mean()))
+    print(f"{arch} {qtype} top-1 / mean KL vs CPU float32: {stats}")
+    assert stats["graphs"][0] >= 0.9
+    assert stats["graphs"][0] >= stats["eager"][0] - 0.03
+    assert stats["graphs"][1] <= max(2 * stats["eager"][1], 1e-3)
+
+
+def _int4_linears(m: engine.Model):
+    return [lin for blk in m.net.blocks for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)
+            if getattr(lin, "dequant_matmul", None) is not None]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q4_0"])
+def test_dequantized_gemm_matches_the_int4_kernel(tiny_gguf, qtype):
+    m = engine.load_model(tiny_gguf("qwen2", qtype), device="cuda")
+    lins = _int4_linears(m)
+    assert lins and all(lin.dequant_matmul.min_rows > 16 for lin in lins)  # tiny matrices: never worth it
+    torch.manual_seed(0)
+    for lin in lins:
+        for rows in (1, 7, 64):
+            x = torch.randn(rows, lin.in_features, device="cuda")
+            want = lin(x).float()
+            lin.dequant_matmul.min_rows = 1
+            got = lin(x).float()
+            lin.dequant_matmul.min_rows = 1 << 30
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    ids = torch.tensor(TOKENS * 4, device="cuda")
+    want = m.net.forward(ids, 0, m.new_session().cache, logits="all")
+    for lin in lins:
+        lin.dequant_matmul.min_rows = 1
+    got = m.net.forward(ids, 0, m.new_session().cache, logits="all")
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_device_logits_cross_only_when_read_and_sample_on_the_device(tiny_gguf):
+    from engine.device_sampling import DeviceLogits
+
+    graphs, _ = cuda_pair(tiny_gguf("llama", "Q4_1"))
+    s = graphs.new_session()
+    s.sync(TOKENS)
+    raw = s.raw_logits
+    assert isinstance(raw, DeviceLogits) and raw.device.type == "cuda"
+    host = s.logits
+    assert host.device.type == "cpu" and torch.equal(host, raw.row.cpu())
+    assert raw.greedy == int(host.argmax())
+    hot = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    a = [engine.Sampler(hot, graphs.eos_ids)(raw) for _ in range(1)]
+    draws = [engine.Sampler(hot, graphs.eos_ids)(raw) for _ in range(3)]
+    assert draws == a * 3  # the same seed, the same token
+    allowed = set(torch.topk(host, 20).indices.tolist())
+    sampler = engine.Sampler(SamplingParams(temperature=1.5, top_k=20, seed=1), graphs.eos_ids)
+    assert {sampler(raw) for _ in range(50)} <= allowed
+    assert engine.Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0))(raw) == raw.greedy
