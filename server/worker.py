@@ -1,44 +1,7 @@
-"""The inference worker that owns the engine, and its one-session (serial) loop.
+"""The inference worker: the thread that owns the engine and runs one of the two loops.
 
-HTTP handlers run concurrently on the event loop; inference does not. Each request is
-turned into a `GenerationRequest` (already rendered and tokenized, API-independent) and
-submitted as a `Job` to the worker's `server.jobs.JobLedger`. One worker thread takes jobs
-in FIFO order and, for each (`SerialLoop`):
-
-1. brings the session to the prompt ids (prefix reuse, disk cache restore, chunked
-   prefill; the progress hook emits `PrefillProgress`, the cancel hook is checked at every
-   chunk boundary),
-2. decodes token by token: sample, stop on EOS / stop sequence / token limit / context
-   end, turn tokens into UTF-8-safe text, hold back possible stop-sequence prefixes,
-3. emits `TextDelta` events and finally one `Finished` (or `Failed`) event.
-
-Output splitting happens here too, when the request brings a splitter factory
-(`GenerationRequest.new_splitter`, see `server.prompting.OutputSplitter`): every emitted
-piece of text is fed to it in this thread, its events ride on the `TextDelta`, and its
-final result on `Finished.output`. That keeps its state current token by token, which
-sampling needs: while `splitter.in_structure` is True (inside tool-call syntax, outside
-argument values) the next token is the argmax, otherwise it is drawn with the request's
-sampling parameters.
-
-Events reach the handler through the `sink` callable given at submission (the route
-wraps `loop.call_soon_threadsafe`), so the worker never touches the event loop.
-
-Cancellation: `Job.cancel()` may be called from any thread (disconnects do it). A queued
-job is skipped; a running job stops at the next prefill chunk or decode step and the
-worker records how long that took (`JobStats.cancel_latency_s`).
-
-The session is kept between jobs so that a prompt sharing a prefix with the previous one
-(multi-turn chat, agents) reuses its KV cache; the reused count is published by the APIs as
-cached tokens.
-
-Disk KV cache (`kv`, a `server.kvstore.KVStore`, or None): before a job replaces the live
-session, the worker stores it (reason evict) when the policy wants it
-(`server.kvplan.save_resident`); the prefill runs the plan of `server.kvplan` (restore the
-longest checkpoint on disk, then prefill in stages that store cold / continued checkpoints); when the thread receives its stop
-sentinel it stores the live session (reason shutdown) before it returns, so a clean exit
-of the server keeps the last conversation. Cached tokens then count what was restored from
-disk too, and `Usage.cache_written_tokens` the prompt tokens newly covered by a checkpoint.
-All of it runs on the worker thread, the only one that touches sessions.
+The per-job work of the one-session loop is `server.serial.SerialLoop` (FIFO, prefix
+reuse, the disk cache plan, token decoding).
 
 The worker thread is an `engine.threads.EngineThread`: the one the model was loaded on
 (`ds4-server` loads it there), so that torch keeps a single OpenMP pool and its fast waits
@@ -47,7 +10,7 @@ The worker thread is an `engine.threads.EngineThread`: the one the model was loa
 
 With `n_slots > 1` the thread runs `server.batching.BatchedLoop` instead of `SerialLoop`:
 several resident sessions decode together (see that module). Both loops take their jobs
-from the same ledger and report to it; the batched loop does not import this module.
+from the same ledger and report to it; neither imports the other, nor this module.
 
 It does not parse HTTP, render prompts or know any API's field names; the job, event and
 token-decoding types live in `server.jobs`.
@@ -56,21 +19,17 @@ token-decoding types live in `server.jobs`.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, Callable
 
-from engine.session import common_prefix
 from engine.threads import EngineThread
-from server import kvstore_policy
 from server.batching import BatchedLoop
-from server.jobs import (Event, Failed, GenerationRequest, Job, JobCancelled, JobLedger, JobStats, PrefillProgress,
-                         PromptReady, TokenDecoder, decode_budget, default_engine, sampling_params, written_tokens)
-from server.kvplan import Resident, prefill_with_cache, save_resident, user_boundary_tokens
+from server.jobs import Event, GenerationRequest, Job, JobLedger, JobStats, default_engine
 from server.kvstore import KVStore
+from server.serial import SerialLoop
 
 log = logging.getLogger("ds4.server.worker")
 
@@ -79,130 +38,6 @@ def _log_loop_failure(loop: Future) -> None:
     if not loop.cancelled() and loop.exception() is not None:
         e = loop.exception()
         log.error("the inference loop failed: %s: %s", type(e).__name__, e, exc_info=e)
-
-
-class SerialLoop:
-    """One session, one job at a time, first in first out (runs on the worker's thread)."""
-
-    def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None) -> None:
-        """`engine` provides `SamplingParams` and `Cancelled` (the `engine` package or a fake)."""
-        self.model = model
-        self.engine = engine
-        self.jobs = jobs
-        self.kv = kv
-        self._session: Any = None
-        self._live = Resident()  # what the live session holds, for the disk cache
-        self._current: Job | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def busy(self) -> bool:
-        return self._current is not None
-
-    n_waiting = 0
-
-    def cancel_all(self) -> None:
-        """Cancel the running job (any thread); queued ones are the ledger's."""
-        with self._lock:
-            if self._current is not None:
-                self._current.cancel()
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.take()
-            if job is None:
-                self._save_live(kvstore_policy.SHUTDOWN)
-                return
-            with self._lock:
-                self._current = job
-            try:
-                self._serve(job)
-            finally:
-                with self._lock:
-                    self._current = None
-                self.jobs.record(job)
-
-    def _acquire_session(self) -> Any:
-        if self._session is None:
-            self._session = self.model.new_session()
-            self._live.forget()
-        return self._session
-
-    def _save_live(self, reason: str, next_ids: list[int] | None = None) -> None:
-        """Store the live session in the disk cache before it is replaced (evict) or at exit."""
-        if self._session is not None:
-            save_resident(self.kv, self.model, self._session, self._live, reason, next_ids)
-
-    def _serve(self, job: Job) -> None:
-        if job.is_cancelled():
-            self.jobs.finish_cancelled(job)
-            return
-        job.stats.started_at = time.monotonic()
-        job.stats.status = "running"
-        try:
-            self._generate(job)
-        except (JobCancelled, self.engine.Cancelled):
-            self.jobs.finish_cancelled(job)
-        except Exception as e:  # the worker must survive anything one request does
-            if job.is_cancelled():
-                self.jobs.finish_cancelled(job)
-                return
-            log.exception("job %d failed", job.id)
-            job.stats.status = "failed"
-            # The session may be half-updated; a fresh one is always consistent.
-            self._session = None
-            self._live.forget()
-            job.emit(Failed(f"inference failed: {type(e).__name__}"))
-
-    def _progress_hook(self, job: Job) -> Callable[[int, int], None]:
-        last_report = time.monotonic()
-
-        def progress(done: int, total: int) -> None:
-            nonlocal last_report
-            now = time.monotonic()
-            job.stats.longest_prefill_chunk_s = max(job.stats.longest_prefill_chunk_s, now - last_report)
-            last_report = now
-            job.emit(PrefillProgress(done, total))
-        return progress
-
-    def _generate(self, job: Job) -> None:
-        req = job.request
-        model = self.model
-        session = self._acquire_session()
-        ids = list(req.prompt_ids)
-
-        # 1. prefill: save what the new prompt drops, restore from disk, prefill the rest
-        self._save_live(kvstore_policy.EVICT, ids)
-        kept_on_disk = min(self._live.on_disk, common_prefix(session.tokens, ids))
-        boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
-        self._live.prompt_text = None  # until the prefill completes, the session matches no text
-        out = prefill_with_cache(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
-                                 progress=self._progress_hook(job), cancel=job.is_cancelled)
-        ids = out.ids
-        self._live.prompt_text, self._live.n_prompt = req.prompt_text, len(ids)
-        self._live.on_disk = max(out.n_on_disk, kept_on_disk)
-        job.stats.n_prompt = len(ids)
-        job.stats.n_cached = int(out.n_reused)
-        job.stats.n_written = written_tokens(out.n_on_disk, out.n_reused, len(out.saved or ()))
-        if job.is_cancelled():
-            raise JobCancelled
-        job.emit(PromptReady(len(ids), job.stats.n_cached, job.stats.n_written))
-
-        # 2. decode
-        params = sampling_params(self.engine.SamplingParams, req.sampling)
-        decoder = TokenDecoder(model, job)
-        pending: int | None = None
-        for _ in range(decode_budget(model, req, len(ids))):
-            if job.is_cancelled():
-                raise JobCancelled
-            if pending is not None:
-                # Evaluated lazily so the last sampled token costs no forward pass.
-                session.eval(pending)
-            token = decoder.choose(session.logits, lambda _logits: session.sample(params))
-            if not decoder.accept(token):
-                break
-            pending = token
-        decoder.finish("length")
 
 
 class InferenceWorker:
