@@ -169,12 +169,17 @@ def score_windows(stack: LogprobStack, windows: list[list[int]], k: int, probes:
     return concat_scores(parts), Timing(clock() - t0, done)
 
 
-def probes_of(base: BaseData) -> list[np.ndarray]:
+def split_rows(rows: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
+    """Per-position rows cut back into windows of the given numbers of positions."""
     out, start = [], 0
-    for n in base.window_lengths:
-        out.append(base.scores.top_ids[start: start + n])
+    for n in lengths:
+        out.append(rows[start: start + n])
         start += n
     return out
+
+
+def probes_of(base: BaseData) -> list[np.ndarray]:
+    return split_rows(base.scores.top_ids, base.window_lengths)
 
 
 def make_base(cfg: KLDConfig, stack: LogprobStack, report: Callable[[str], None] = lambda _l: None,
