@@ -2,7 +2,7 @@
 
     python -m quality_testing.gate_kld [-m GGUF] [--tokens N] [--ctx 512]
 
-Runs `ds4-bench kld`'s library in one process: the embedded model (or -m) with
+Runs `ds4-bench kld`'s library in one process, on one engine thread (engine.threads): the embedded model (or -m) with
 `weights="float32"` (the exact reference path, float32 cache) is the base, the default packed
 path (int4 kernels, float16 cache) the candidate, over the first `--tokens` tokens of the
 shipped corpus (default 2048) in windows of `--ctx`.  The base lives in memory only.  The
@@ -34,8 +34,11 @@ class Bounds:
     max_real_flips_share: float  # real flips / positions
 
 
-BOUNDS = Bounds(max_kl_mean=2e-3, max_kl_p999=0.05, min_same_top=0.97, max_ppl_ratio_dev=0.01,
-                max_real_flips_share=0.01)
+# Measured (CPU, AVX512-BF16 int4 kernel, float16 cache, 2,044 positions): mean KL 4.2e-5, p99.9
+# 5.8e-4, same top 0.997, perplexity ratio 1.0001, no real flips.  About ten times that, so that
+# torch's int4 fallback (bfloat16 scales: about four times the KL on the frontier set) passes.
+BOUNDS = Bounds(max_kl_mean=4e-4, max_kl_p999=5e-3, min_same_top=0.98, max_ppl_ratio_dev=0.002,
+                max_real_flips_share=0.005)
 
 
 def judge(s: KLDSummary, b: Bounds = BOUNDS) -> list[str]:
@@ -54,13 +57,19 @@ def judge(s: KLDSummary, b: Bounds = BOUNDS) -> list[str]:
 
 
 def run_gate(model_path: str | None, tokens: int, ctx: int, report=lambda _l: None) -> tuple[kld.KLDResult, list[str]]:
+    from engine.threads import EngineThread
+
+    with EngineThread("ds4-gate-kld") as thread:
+        return thread.call(_run_gate, model_path, tokens, ctx, report)
+
+
+def _run_gate(model_path: str | None, tokens: int, ctx: int, report) -> tuple[kld.KLDResult, list[str]]:
+    """Both models loaded and run on the calling engine thread."""
     from engine import load_model
 
     _, text = kld.corpus_text(None)
-    stacks = []
-    for weights in ("float32", "packed"):
-        stacks.append(EngineStack(load_model(model_path, ctx=ctx, weights=weights), weights, None))
-    base_stack, cand_stack = stacks
+    base_stack, cand_stack = (EngineStack(load_model(model_path, ctx=ctx, weights=w), w, None)
+                              for w in ("float32", "packed"))
     ids = kld.corpus_ids(base_stack, text, 1, tokens)
     windows = kld.make_windows(ids, ctx, base_stack.bos_id)
     t0 = time.perf_counter()

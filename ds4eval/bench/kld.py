@@ -81,6 +81,7 @@ class KLDConfig:
     ctx: int = DEFAULT_CTX  # --ctx: tokens per window, BOS included
     k: int = DEFAULT_K  # --top-k: base log-probs kept per position
     tie_gap: float = DEFAULT_TIE_GAP  # --tie-gap: base top-2 gap (nats) below which a flip is a near-tie
+    threads: int | None = None  # --threads: engine threads (default: the cores other processes leave free)
     csv: str | None = None
     json_path: str | None = None
 
@@ -97,6 +98,8 @@ class KLDConfig:
             raise KLDConfigError(f"--passes must be at least 1, not {self.passes}")
         if self.tokens is not None and self.tokens < 2:
             raise KLDConfigError(f"--tokens must be at least 2, not {self.tokens}")
+        if self.threads is not None and self.threads < 1:
+            raise KLDConfigError(f"--threads must be at least 1, not {self.threads}")
         if self.tie_gap < 0:
             raise KLDConfigError(f"--tie-gap must be >= 0, not {self.tie_gap}")
         for flag, path in (("--save-base", self.save_base), ("--csv", self.csv), ("--json", self.json_path)):
@@ -320,7 +323,8 @@ def result_json(cfg: KLDConfig, result: KLDResult) -> dict[str, Any]:
 @click.option("--top-k", "k", type=int, default=DEFAULT_K, show_default=True, help="Base log-probs kept per position.")
 @click.option("--tie-gap", type=float, default=DEFAULT_TIE_GAP, show_default=True,
               help="A flip whose base top-2 log-prob gap is below this (nats) is a near-tie.")
-@click.option("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own).")
+@click.option("--threads", type=int, default=None,
+              help="Engine threads (default: the cores that other processes leave free).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="One row per window.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Config, summary, windows.")
 def kld_command(save_base: str | None, base: str | None, stack: str, model: str | None, weights: str,
@@ -332,17 +336,13 @@ def kld_command(save_base: str | None, base: str | None, stack: str, model: str 
 
     cfg = KLDConfig(save_base=save_base, base=base, stack=stack, model=model, weights=weights, kv_type=kv_type,
                     device=device, url=url, served_model=served_model, api_key=api_key, tokenizer=tokenizer,
-                    corpus=corpus, passes=passes, tokens=tokens, ctx=ctx, k=k, tie_gap=tie_gap, csv=csv_path,
-                    json_path=json_path)
+                    corpus=corpus, passes=passes, tokens=tokens, ctx=ctx, k=k, tie_gap=tie_gap, threads=threads,
+                    csv=csv_path, json_path=json_path)
     report = lambda line: click.echo(line, err=True)  # noqa: E731
     try:
         cfg.validate()
         corpus_text(cfg.corpus)
         base_data = read_base(cfg.base) if cfg.base else None
-        if threads is not None:
-            import torch
-
-            torch.set_num_threads(threads)
         st = STACKS[cfg.stack](cfg)
     except (KLDConfigError, BaseFileError, StackError, ModelLoadError) as e:
         raise UsageFailure(str(e)) from None

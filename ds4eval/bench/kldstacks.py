@@ -10,8 +10,8 @@ a window starts with (None: none), `tokenizer_sha256` its tokenizer's identity (
 `describe()` what goes into a base file's header and the report.
 
 Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
-  engine  the in-process engine, any GGUF, `weights` (packed or float32), `kv_type`, device:
-          one session, reset per window, `Session.extend_logits` in prefill chunks; each
+  engine  the in-process engine, any GGUF, `weights` (packed or float32), `kv_type`, device,
+          loaded and run on one engine.threads.EngineThread: one session, reset per window, `Session.extend_logits` in prefill chunks; each
           chunk's logits are reduced at once (torch; log-sum-exp in float64), so memory stays
           one chunk of logits.  Its candidate side is exact: every probe id is known.
   openai  any OpenAI-compatible server that returns prompt log-probs: POST /v1/completions with
@@ -91,12 +91,15 @@ def reduce_chunk(logits: Any, targets: Sequence[int], k: int, probe: np.ndarray 
 
 
 class EngineStack:
-    """The in-process engine; `model` is a loaded engine.Model (any object with its session API)."""
+    """The in-process engine; `model` is a loaded engine.Model (any object with its session API).
+    With `thread` (an engine.threads.EngineThread, the one that loaded the model) every window
+    is scored on it and `close()` stops it."""
 
-    def __init__(self, model: Any, weights: str, kv_type: str | None):
+    def __init__(self, model: Any, weights: str, kv_type: str | None, thread: Any = None):
         self.model = model
         self.weights = weights
         self.kv_type = kv_type
+        self.thread = thread
         self.session = model.new_session()
         meta = getattr(model, "metadata", {}) or {}
         self.tokenizer_sha256 = tokenizer_identity(meta) if meta else None
@@ -113,6 +116,8 @@ class EngineStack:
                 "quant": getattr(self.model, "quant", None)}
 
     def score(self, window: Sequence[int], k: int, probe: np.ndarray | None = None) -> Scores:
+        if self.thread is not None and not self.thread.is_current():
+            return self.thread.call(self.score, window, k, probe)
         from ds4eval.bench.kldstats import concat_scores
 
         window = [int(t) for t in window]
@@ -128,13 +133,24 @@ class EngineStack:
 
     def close(self) -> None:
         self.session.reset()
+        if self.thread is not None:
+            self.thread.close()
 
 
 def engine_stack(cfg: "KLDConfig") -> EngineStack:
+    """Loaded and run on one engine thread (engine.threads: one OpenMP pool, and by default only
+    the cores other processes leave free; `--threads` fixes the count)."""
     from engine import load_model
+    from engine.threads import EngineThread
 
-    model = load_model(cfg.model, ctx=cfg.ctx, device=cfg.device, weights=cfg.weights, kv_type=cfg.kv_type)
-    return EngineStack(model, cfg.weights, cfg.kv_type)
+    thread = EngineThread("ds4-kld", threads=cfg.threads)
+    try:
+        model = thread.call(load_model, cfg.model, ctx=cfg.ctx, device=cfg.device, weights=cfg.weights,
+                            kv_type=cfg.kv_type)
+    except BaseException:
+        thread.close()
+        raise
+    return EngineStack(model, cfg.weights, cfg.kv_type, thread)
 
 
 # ---------------------------------------------------------------- OpenAI-compatible endpoints
