@@ -18,6 +18,6 @@ def test_kld_of_the_packed_path_on_the_embedded_model(embedded_path, tmp_path):
     r = CliRunner().invoke(cli.main, ["kld", "--base", str(base), "--weights", "packed", "--json", str(out), *common])
     assert r.exit_code == 0, r.output
     s = json.loads(out.read_text())["summary"]
-    assert s["positions"] == 300  # two windows: BOS + 159 tokens, then BOS + 141
+    assert s["positions"] == 298 and s["windows"] == 2  # SmolLM2 adds no BOS: windows of 160 and 140 tokens
     assert 0 < s["kl_mean"]["value"] < 0.01 and s["same_top"]["value"] > 0.9
     assert abs(s["ppl_ratio"]["value"] - 1) < 0.05 and s["known_share"] == 1.0
