@@ -18,7 +18,7 @@ that holds all the mass cannot divide by zero). Merging tokens can only lose inf
 KL_t <= the full-vocabulary KL, and the gap is exactly P_rest * KL(base tail || candidate
 tail), the divergence inside the rest bucket weighted by its mass.  With S' = the whole
 vocabulary it is the exact KL.  How much mass the rest holds depends on the model and the text
-(the embedded 135M model leaves 17% of it outside its top 32 on the shipped corpus, on average;
+(the embedded 135M model leaves 11-17% of it outside its top 32 on the shipped corpus, on average;
 `base_rest_mean` reports it), so compare KL figures made with the same K.
 
 Other figures (`summarize`):
