@@ -38,10 +38,12 @@ test-frontends: setup
 test-unit: setup
 	$(PY) -m pytest -q $(addprefix --ignore=,$(QUALITY_TESTS))
 
-# Frontier-logit comparisons against the reference, golden outputs.
+# Frontier-logit comparisons against the reference, golden outputs, and the corpus KL divergence
+# of the packed path from the float32 path (bounds: quality_testing/README.md).
 test-quality: setup
 	$(PY) -m pytest -q $(QUALITY_TESTS)
 	$(PY) -m quality_testing.compare_frontier_logits
+	$(PY) -m quality_testing.gate_kld
 
 # Scorer coverage, and the greedy sanity suite case by case against the baseline trace
 # (quality_testing/sanity_baseline.trace): fails on any pass->fail flip or a significant drop.
@@ -71,6 +73,7 @@ test: setup
 	$(VENV)/bin/ds4-eval --self-test-extractors
 	$(PY) -m pytest -q
 	$(PY) -m quality_testing.compare_frontier_logits
+	$(PY) -m quality_testing.gate_kld
 	$(MAKE) --no-print-directory gate-quality
 	$(MAKE) --no-print-directory ci-speed
 

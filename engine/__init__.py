@@ -46,6 +46,8 @@ Session:
     the host; `Sampler` picks from it without copying the row), copied to the host only
     when `logits` is read.
   - `eval(token)`: append one token.  `sample(params) -> int`.  `truncate(n)`.
+  - `extend_logits(ids) -> Tensor [len(ids), n_vocab]`: append ids and return the logits
+    after every one of them (teacher-forced scoring); `logits` is left unset.
   - `reset()`: forget everything, keeping the cache's memory.
   - `save_payload() -> bytes`, `load_payload(data)`: tokens + KV for the disk cache.
   - `start_prefill(ids) -> Prefill`: the rest of a sync as `step()`s, for schedulers.

@@ -24,7 +24,8 @@ Payload format (`save_payload`, little-endian), for the server's disk cache:
   | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens
   | i32 tokens[n_tokens] | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
 `common_prefix(a, b)` is the engine's one longest-common-prefix count, for every caller that
-compares token sequences.  A decoding step run outside the session (a batch of sessions,
+compares token sequences.  `extend_logits(ids)` returns the logits after every appended token
+(scoring a text, e.g. corpus KL divergence), where `sync` keeps only the frontier's.  A decoding step run outside the session (a batch of sessions,
 engine.batch) uses the public `check_fits(n)` and `append_decoded(token, logits)`.
 It does not know about text, chat templates or sampling policy (see engine.sampling).
 """
@@ -149,6 +150,28 @@ class Session:
         if frontier:
             self._logits = net.decode_frontier(ids[-1], self.cache, self.model.eos_ids, cancel)
             self.tokens.append(ids[-1])
+
+    def extend_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Append `ids` after the cached tokens and return the logits after each of them: float32
+        [len(ids), n_vocab] on the CPU, row i the next-token distribution after ids[i] (teacher
+        forcing, for scoring a text position by position).  Runs the prefill path in chunks of
+        `prefill_chunk` rows.  It leaves `logits` unset, so that a later sync evaluates its
+        frontier through the one-row decode step and stays bitwise reproducible."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("extend_logits needs at least one token")
+        self.check_fits(len(self.tokens) + len(ids))
+        net, device, step = self.model.net, self.model.device, self.model.prefill_chunk
+        rows = []
+        for start in range(0, len(ids), step):
+            part = ids[start: start + step]
+            threads.before_forward()
+            out = net.forward(torch.tensor(part, dtype=torch.long, device=device), len(self.tokens), self.cache,
+                              logits="all")
+            rows.append(out.float().cpu())
+            self.tokens.extend(part)
+        self._logits = None
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def start_prefill(self, ids: list[int]) -> "Prefill":
         """Truncate to the common prefix with `ids` and return the remaining prefill as steps."""

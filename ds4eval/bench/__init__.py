@@ -11,9 +11,12 @@ Subcommands, one module each:
                TTFT, ITL, TPOT, E2EL percentiles, goodput (`ds4eval.bench.serve`)
   product      the engine's decode speed through ds4-eval and ds4-server, as ratios to the
                engine alone (`ds4eval.bench.product`)
+  kld          KL divergence, perplexity and argmax flips of a candidate stack against a stored
+               reference over a text corpus (`ds4eval.bench.kld`; statistics in kldstats, the
+               base file in kldfile, the stacks in kldstacks, the corpus in corpus/)
   random-gguf  a GGUF shaped like a real one with random weights, for machines the real
                weights cannot reach (`ds4eval.bench.random_gguf`)
 Shared output helpers live in `ds4eval.bench.csvfile`, the failure classes in
 `ds4eval.bench.errors`; the command line in `ds4eval.bench.cli`.
-This package measures speed only; answer quality is ds4-eval's job.
+It measures speed and numerical agreement (kld); answer quality is ds4-eval's job.
 """

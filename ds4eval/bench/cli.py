@@ -1,14 +1,15 @@
-"""`ds4-bench` command line: a click group, one subcommand per benchmark (six in all).
+"""`ds4-bench` command line: a click group, one subcommand per benchmark (seven in all).
 
   ds4-bench engine [-m GGUF] [--compare llama.cpp] [--quick] [--csv FILE] ...
   ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
   ds4-bench serve --url URL [--concurrency 1,8] ...
   ds4-bench kvcache [-m GGUF] [--prompt-tokens N] ...
   ds4-bench product [-m GGUF] [--rounds 3] [--streams 8] [--json FILE]
+  ds4-bench kld --save-base BASE.npz | --base BASE.npz [--stack engine|openai] [--weights ...] ...
   ds4-bench random-gguf OUT.gguf --like MODEL.gguf [--qtype Q4_1] [--seed N]
 
 `engine` and `random-gguf` are defined here (library: engine_bench, runners, random_gguf);
-`sessions`, `serve`, `kvcache` and `product` are defined next to their library in the module
+`sessions`, `serve`, `kvcache`, `product` and `kld` are defined next to their library in the module
 of the same name and registered on the group here. Every subcommand that loads a model takes
 it as `-m`/`--model`, as ds4, ds4-server and ds4-eval do. Each subcommand only fills its
 config object and calls the library. Errors, including bad flags, are one line on stderr
@@ -28,6 +29,7 @@ from ds4eval.bench import engine_bench as eb
 from ds4eval.bench import random_gguf
 from ds4eval.bench.csvfile import write_csv
 from ds4eval.bench.errors import RunFailure, UsageFailure
+from ds4eval.bench.kld import kld_command
 from ds4eval.bench.kvcache import kvcache_command
 from ds4eval.bench.product import product_command
 from ds4eval.bench.serve import serve_command
@@ -173,6 +175,7 @@ main.add_command(kvcache_command)
 main.add_command(sessions_command)
 main.add_command(serve_command)
 main.add_command(product_command)
+main.add_command(kld_command)
 
 
 if __name__ == "__main__":

@@ -158,3 +158,24 @@ def test_cancel_inside_a_chunk_rolls_back_to_the_last_whole_chunk(model):
     fresh.sync(IDS)
     torch.testing.assert_close(s.logits, fresh.logits, rtol=1e-3, atol=1e-3)
 
+
+
+def test_extend_logits_scores_every_position(model):
+    """Row i is the distribution after ids[:i+1], across chunk boundaries (chunk 8 here), and
+    `logits` is left unset so that a later sync recomputes the frontier by the decode step."""
+    s = model.new_session()
+    rows = s.extend_logits(IDS[:5])
+    rows = torch.cat([rows, s.extend_logits(IDS[5:21])])
+    assert rows.shape == (21, model.n_vocab) and s.tokens == IDS[:21]
+    with pytest.raises(RuntimeError):
+        s.logits
+    full = model.net.forward(torch.tensor(IDS[:21]), 0, model.new_session().cache, logits="all")
+    torch.testing.assert_close(rows, full, rtol=1e-4, atol=1e-4)
+    ref = model.new_session()
+    for i in (0, 7, 8, 20):
+        ref.sync(IDS[: i + 1])
+        torch.testing.assert_close(rows[i], ref.logits, rtol=1e-3, atol=1e-3)
+    with pytest.raises(ValueError):
+        s.extend_logits([])
+    with pytest.raises(ValueError):
+        s.extend_logits([1] * model.n_ctx)
