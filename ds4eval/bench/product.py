@@ -21,7 +21,8 @@ stopped inside each round.
 Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of the first),
 so prefill and time to first token are left out; the aggregate of N streams is all their
 tokens after each stream's first over the span from the first stream's first token to the
-last token.  The summary gives each path's median and its ratio to the engine's median;
+last token.  The summary gives each path's median and its ratio to the engine: the median over rounds
+of the path's rate over the engine's rate in the same round;
 `product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
 `--busy N` measures beside N child processes that each spin on a core (a competing load, for
 the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
@@ -126,17 +127,20 @@ class PathSummary:
     median_tps: float
     low_tps: float
     high_tps: float
-    ratio: float | None  # median / the engine's median; None for the engine itself
+    ratio: float | None  # median over rounds of tps / the engine's tps in that round; None for the engine
 
 
 def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSummary]:
     by_path = {p: [s.tps for s in samples if s.path == p] for p in paths}
-    engine = statistics.median(by_path[ENGINE]) if by_path.get(ENGINE) else 0.0
+    # Paths run interleaved within a round, so each round's ratio to that round's engine sample
+    # cancels the host's drift between rounds; the ratio is the median of those.
+    engine_in = {s.round: s.tps for s in samples if s.path == ENGINE and s.tps > 0}
     out = []
     for p in paths:
         v = by_path.get(p) or [0.0]
-        med = statistics.median(v)
-        out.append(PathSummary(p, med, min(v), max(v), None if p == ENGINE or not engine else med / engine))
+        per_round = [s.tps / engine_in[s.round] for s in samples if s.path == p and s.round in engine_in]
+        ratio = None if p == ENGINE or not per_round else statistics.median(per_round)
+        out.append(PathSummary(p, statistics.median(v), min(v), max(v), ratio))
     return out
 
 

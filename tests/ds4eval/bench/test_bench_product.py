@@ -34,17 +34,33 @@ def samples(**rates):
     return out
 
 
-def test_summary_ratios_are_medians_over_the_engines_median():
+def test_summary_ratios_are_medians_of_same_round_ratios():
     s = samples(engine=[100, 110, 90], ds4_eval=[95, 96, 94], server=[80, 85, 90], server_x8=[300, 310, 320])
     summary = pb.summarize(s, ("engine", "ds4-eval", "server", "server-x8"))
     by = {x.path: x for x in summary}
     assert by["engine"].ratio is None and by["engine"].median_tps == 100
-    assert by["ds4-eval"].ratio == pytest.approx(0.95)
+    assert by["ds4-eval"].ratio == pytest.approx(0.95)  # 0.95, 0.873, 1.044 by round
     assert (by["server"].low_tps, by["server"].median_tps, by["server"].high_tps) == (80, 85, 90)
-    assert by["server-x8"].ratio == pytest.approx(3.1)
+    assert by["server"].ratio == pytest.approx(0.8)  # 0.8, 0.773, 1.0
+    assert by["server-x8"].ratio == pytest.approx(3.0)
     # Only the single-stream product paths are held to the floor.
-    assert pb.product_failures(summary, 0.9) == ["server decodes at 0.850x the engine (floor 0.90x)"]
+    assert pb.product_failures(summary, 0.9) == ["server decodes at 0.800x the engine (floor 0.90x)"]
     assert pb.product_failures(summary, 0.8) == []
+
+
+def test_a_host_that_slows_between_rounds_does_not_move_the_ratio():
+    # The host twice as fast after the first round: ds4-eval matches the engine in two rounds of
+    # three, so the same-round ratios say 1.0x where a ratio of medians would say 0.9x (54/60).
+    s = samples(engine=[30, 60, 60], ds4_eval=[30, 54, 60])
+    by = {x.path: x for x in pb.summarize(s, ("engine", "ds4-eval"))}
+    assert by["ds4-eval"].ratio == pytest.approx(1.0)
+    s = samples(engine=[27, 48, 56], ds4_eval=[33, 45, 38])  # the kind of run that drifted
+    assert pb.summarize(s, ("engine", "ds4-eval"))[1].ratio == pytest.approx(45 / 48)
+
+
+def test_render_table_names_the_ratios():
+    s = samples(engine=[100, 110, 90], ds4_eval=[95, 96, 94], server=[80, 85, 90], server_x8=[300, 310, 320])
+    summary = pb.summarize(s, ("engine", "ds4-eval", "server", "server-x8"))
     table = pb.render_table(summary, 3)
     assert "ds4-eval" in table and "0.950" in table
     assert "server-x8: 3.65x the server's single stream" in table
