@@ -20,7 +20,8 @@
    ds4-eval engine backend and a ds4-server single stream (and N streams with
    `--batched-session N`); the gate prints its table and fails when a single-stream product
    path decodes below `--product-floor` (default 0.9) times the raw engine, because that is the
-   speed users get. `--product-floor 0` leaves this step out.
+   speed users get. A run with a path below the floor is printed and measured once more in a
+   fresh process; the second run is the verdict. `--product-floor 0` leaves this step out.
 It does not build anything beyond extracting sources (the engine is pure Python on torch).
 """
 from __future__ import annotations
@@ -243,6 +244,15 @@ def main(base, threshold, repeats, trials, prefill_tokens, decode_context, decod
         if res is not None:
             click.echo(render(res, cfg))
         product = run_product(cfg) if cfg.product_floor > 0 else None
+        if product is not None and product.failures:
+            # A path below the floor is measured once more, in a fresh process, and that run is
+            # the verdict: on a shared host one run's rounds can all land on a slow moment, and
+            # a real slowdown fails both runs.
+            click.echo(f"product paths, first run (below {cfg.product_floor:.2f}x: measured again):")
+            click.echo(product.table)
+            for line in product.failures:
+                click.echo(f"below the floor in the first run: {line}")
+            product = run_product(cfg)
     except (GateError, OSError, tarfile.TarError) as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
