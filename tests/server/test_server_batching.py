@@ -262,23 +262,29 @@ def test_the_http_server_serves_concurrent_requests_from_its_slots(tiny):
     from server_support import live_server
 
     app = create_app(tiny, ServerConfig(batched_session=2))
-    body = lambda q: {"messages": [{"role": "user", "content": q}], "max_tokens": 20,  # noqa: E731
+    body = lambda q: {"messages": [{"role": "user", "content": q}], "max_tokens": 200,  # noqa: E731
                       "temperature": 0, "ignore_eos": True}
     results: list = [None, None]
     with live_server(app) as srv:
         assert httpx.get(srv.base + "/health").json()["batched_sessions"] == 2
 
         def send(k: int) -> None:
-            results[k] = httpx.post(srv.base + "/v1/chat/completions", json=body(f"question {k}"), timeout=30)
+            results[k] = httpx.post(srv.base + "/v1/chat/completions", json=body(f"question {k}"), timeout=60)
 
-        threads = [threading.Thread(target=send, args=(k,)) for k in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        first = threading.Thread(target=send, args=(0,))
+        first.start()
+        # The second request goes out only once the first is running, so the two overlap and a
+        # fast first request cannot leave its slot free for the second.
+        deadline = time.monotonic() + 30
+        while not srv.worker.busy and time.monotonic() < deadline:
+            time.sleep(0.005)
+        second = threading.Thread(target=send, args=(1,))
+        second.start()
+        for t in (first, second):
+            t.join(60)
         stats = list(srv.worker.finished)
     assert [r.status_code for r in results] == [200, 200]
-    assert all(r.json()["usage"]["completion_tokens"] == 20 for r in results)
+    assert all(r.json()["usage"]["completion_tokens"] == 200 for r in results)
     assert sorted(s.slot for s in stats) == [0, 1]
 
 
