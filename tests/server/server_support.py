@@ -17,7 +17,13 @@ from server.config import ServerConfig
 from server_fake_engine import FAKE_ENGINE, FakeModel
 
 
+# The Host that Starlette's TestClient sends; the servers of these tests accept it besides the
+# loopback names.
+TEST_CLIENT_HOST = "testserver"
+
+
 def fake_app(model: FakeModel | None = None, **config: Any):
+    config.setdefault("allowed_hosts", (TEST_CLIENT_HOST,))
     return create_app(model or FakeModel(), ServerConfig(**config), engine=FAKE_ENGINE)
 
 
