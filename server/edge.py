@@ -21,7 +21,10 @@ headers are in, where uvicorn's own HTTP/1.1 protocol (h11) sets no limits.
 - `ensure_fd_budget(max_connections)`: raises the soft open-files limit when it is lower than
   the connection limit needs, or says why it cannot.
 
-Body read timeouts are not here: the body is read by the handler (`server.httpbody`).
+uvicorn's own options do not cover this: `timeout_keep_alive` only starts after a response,
+`limit_concurrency` answers 503 per request but still accepts (and keeps) every connection,
+and `h11_max_incomplete_event_size` answers 400, not 431 (here it is only a backstop above our
+own limit). Body read timeouts are not here: the handler reads the body (`server.httpbody`).
 It does not build the app or print banners (`server.cli` does).
 """
 
