@@ -210,7 +210,7 @@ def test_connections_beyond_the_limit_get_503_while_open_ones_are_served(srv):
             s.close()
     # Below the limit again, new connections are served.
     health_on_a_new_connection(srv)
-    srv.wait_log(f"503 to 127.0.0.1")
+    srv.wait_log("503 to 127.0.0.1")
     assert f"{LIMIT} connections are open (--max-connections {LIMIT})" in srv.log()
 
 
