@@ -11,7 +11,12 @@ or set by `--tool-syntax`, and the exact replay memory; `app.state.tools`), and 
 worker splits their output into content, reasoning and tool calls.
 
 Errors become 4xx responses in the dialect of the endpoint (`server.errors.dialect_for_path`
-over the same table); unknown paths and methods too. The OpenAPI document
+over the same table); unknown paths and methods too. Every 4xx is logged as one line with its
+status, method, path and message (`server.errors.client_error_line`).
+
+In front of the routes, outermost first: the Host allow-list (`server.guard`, when
+`config.host_allow_list` is not None), CORS for the `--cors` origins, and the API key check
+(when `--api-key` is set; CORS outside it, so that a browser can read the 401). The OpenAPI document
 (`/openapi.json`) describes each request body with its pydantic schema from the table, even
 though the routes parse bodies themselves (FastAPI's own body parsing would bypass the
 hardened parser).
@@ -43,7 +48,8 @@ from starlette.responses import JSONResponse, Response
 from engine.threads import EngineThread
 from server.config import ServerConfig
 from server.endpoints import ENDPOINTS, Served
-from server.errors import ApiError, Dialect, dialect_for_path, error_body
+from server.errors import ApiError, Dialect, client_error_line, dialect_for_path, error_body
+from server.guard import RequestGuard, host_check, key_check
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
 from server.prompting import ToolCalling
@@ -52,12 +58,18 @@ from server.worker import InferenceWorker
 log = logging.getLogger("ds4.server")
 
 
-def _error_response(err: ApiError, dialect: Dialect) -> JSONResponse:
-    return JSONResponse(error_body(err, dialect), status_code=err.status)
+def _error_response(err: ApiError, request: Request) -> JSONResponse:
+    if err.status < 500:
+        log.info(client_error_line(err.status, request.method, request.url.path, err.message))
+    return JSONResponse(error_body(err, _dialect(request)), status_code=err.status, headers=err.headers)
 
 
 def _dialect(request: Request) -> Dialect:
-    return dialect_for_path(request.url.path, ENDPOINTS)
+    return _path_dialect(request.url.path)
+
+
+def _path_dialect(path: str) -> Dialect:
+    return dialect_for_path(path, ENDPOINTS)
 
 
 def _openapi_components() -> tuple[dict[str, Any], dict[str, str]]:
@@ -102,15 +114,21 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     app.state.model = model
     app.state.config = config
     app.state.tools = calling
+    # Starlette runs the middleware added last first.
+    if config.api_key is not None:
+        app.add_middleware(RequestGuard, check=key_check(config.api_key), dialect_of=_path_dialect)
     if config.cors:
-        app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["*"], max_age=600)
+    allowed_hosts = config.host_allow_list
+    if allowed_hosts is not None:
+        app.add_middleware(RequestGuard, check=host_check(allowed_hosts), dialect_of=_path_dialect)
 
     # --- errors ---
 
     @app.exception_handler(ApiError)
     async def api_error_handler(request: Request, exc: ApiError) -> Response:
-        return _error_response(exc, _dialect(request))
+        return _error_response(exc, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
@@ -122,16 +140,14 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
                            code="method_not_allowed")
         else:
             err = ApiError(exc.status_code, str(exc.detail))
-        response = _error_response(err, _dialect(request))
-        for key, value in (exc.headers or {}).items():
-            response.headers[key] = value
-        return response
+        err.headers.update(exc.headers or {})
+        return _error_response(err, request)
 
     @app.exception_handler(Exception)
     async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = ApiError(500, "internal server error", type="server_error", code="internal_error")
-        return _error_response(err, _dialect(request))
+        return _error_response(err, request)
 
     # --- routes: one per row of the endpoint table ---
 

@@ -1,17 +1,21 @@
 """`ds4-server`: parse flags into a `ServerConfig`, load the model, print a banner, serve.
 
     ds4-server                          # embedded model on http://127.0.0.1:8000
-    ds4-server --model m.gguf --ctx 4096 --host 0.0.0.0 --port 9000 --cors
-    ds4-server --kv-disk-dir ~/.cache/ds4-kv --batched-session 4
+    ds4-server --model m.gguf --ctx 4096 --host 0.0.0.0 --port 9000 --api-key "$KEY"
+    ds4-server --cors http://localhost:3000 --kv-disk-dir ~/.cache/ds4-kv --batched-session 4
 
-Bad flags and model loading failures end with a one-line error and exit status 1 or 2;
-no traceback. The server itself lives in `server.app`.
+The socket is bound before the model loads (a port in use fails at once) and listens once the
+app is built; "listening on" is printed then (`--port 0` prints the port the system chose).
+Bad flags, a port in use and model loading failures end with a one-line error and exit status
+1 or 2; no traceback. The server itself lives in `server.app`, the connection limits in
+`server.edge`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 
 import click
@@ -40,7 +44,14 @@ def config_from_flags(**flags: object) -> ServerConfig:
         raise click.UsageError(str(e)) from None
 
 
-def banner(model: object, config: ServerConfig) -> str:
+def access_line(config: ServerConfig) -> str:
+    key = "API key required (except /health)" if config.api_key is not None else "no API key"
+    hosts = config.host_allow_list
+    checked = f"Host must be one of {', '.join(sorted(hosts))}" if hosts is not None else "any Host"
+    return f"ds4-server: access: {key}; {checked}"
+
+
+def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
     n_ctx = model.n_ctx  # type: ignore[attr-defined]
     weights = int(getattr(model, "weight_bytes", 0))
     try:
@@ -59,8 +70,9 @@ def banner(model: object, config: ServerConfig) -> str:
         + (f" {str(model.kv_dtype).removeprefix('torch.')})" if hasattr(model, "kv_dtype") else ")"),  # type: ignore[attr-defined]
         f"ds4-server: batched sessions {config.batched_session}, disk KV cache "
         + (f"{config.kv.directory} (budget {config.kv.budget_mb} MiB)" if config.kv.directory else "off"),
-        f"ds4-server: listening on http://{host}:{config.port}"
-        + (" (CORS enabled)" if config.cors else ""),
+        access_line(config),
+        f"ds4-server: listening on http://{host}:{config.port if port is None else port}"
+        + (f" (CORS: {', '.join(config.cors_origins)})" if config.cors else ""),
     ]
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         lines.append(f"ds4-server: note: bound to {config.host}, reachable from other machines")
@@ -73,7 +85,26 @@ def banner(model: object, config: ServerConfig) -> str:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Bind address; 0.0.0.0 listens on all interfaces.")
 @click.option("--port", type=int, default=8000, show_default=True, help="TCP port.")
-@click.option("--cors", is_flag=True, default=False, help="Send Access-Control-Allow-* headers and answer preflights.")
+@click.option("--cors", multiple=True, is_flag=False, flag_value="*", default=(), metavar="ORIGIN",
+              help="Let web pages of ORIGIN (e.g. http://localhost:3000; repeatable) call the server: "
+                   "Access-Control-Allow-* headers and preflights. A bare --cors or '*' means any origin "
+                   "and needs --api-key.")
+@click.option("--api-key", envvar="DS4_API_KEY", default=None, show_envvar=True,
+              help="Require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on every path "
+                   "but /health. Needed when --host is not a loopback address.")
+@click.option("--insecure-no-auth", is_flag=True, default=False,
+              help="Serve a non-loopback --host without an API key.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, default=(), metavar="NAME",
+              help="Accept this Host header name besides localhost, 127.0.0.1 and ::1 (repeatable); "
+                   "other names get 403.")
+@click.option("--max-connections", type=int, default=ServerConfig.max_connections, show_default=True,
+              help="Open HTTP connections at most; one beyond them is answered 503 and closed.")
+@click.option("--header-timeout-sec", type=float, default=ServerConfig.header_timeout_sec, show_default=True,
+              help="Seconds a connection has to send its request headers (slower: 408).")
+@click.option("--body-timeout-sec", type=float, default=ServerConfig.body_timeout_sec, show_default=True,
+              help="Seconds a request body has to arrive in full (slower: 408).")
+@click.option("--verbose-paths", is_flag=True, default=False,
+              help="Show absolute local paths in /v1/models and /health (default: file names).")
 @click.option("--chdir", type=click.Path(file_okay=False), default=None,
               help="Resolve relative paths from this directory.")
 @click.option("--device", default="cpu", show_default=True, help="Torch device: cpu, cuda, cuda:1 ...")
@@ -111,13 +142,31 @@ def main(**flags: object) -> None:
     logging.basicConfig(level=logging.DEBUG if config.log_level == "trace" else config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    from server.edge import bind_listener, ensure_fd_budget
+
+    try:
+        ensure_fd_budget(config.max_connections)
+    except (ValueError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    # Bound before the model loads, so that a port in use fails in a second, not after loading.
+    try:
+        sock = bind_listener(config.host, config.port)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+    try:
+        _serve(config, sock)
+    finally:
+        sock.close()
+
+
+def _serve(config: ServerConfig, sock: socket.socket) -> None:
     import uvicorn
 
     from engine import ModelLoadError, load_model
     from engine.batch import CapacityError
-    from server.app import create_app
-
     from engine.threads import EngineThread
+    from server.app import create_app
+    from server.edge import EdgeLimits, listen, uvicorn_config
 
     # Every torch call of the server, from loading the model on, runs on this one thread.
     engine_thread = EngineThread("ds4-inference", threads=config.threads)
@@ -138,12 +187,16 @@ def main(**flags: object) -> None:
         raise click.ClickException(f"--batched-session {config.batched_session}: {e}") from None
     except OSError as e:
         raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e}") from None
-    click.echo(banner(model, config), err=True)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                    timeout_graceful_shutdown=5)
-    except OSError as e:  # e.g. port in use, surfaced before serving starts
-        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None
+        listen(sock)
+    except OSError as e:  # another process bound the same port meanwhile and listens on it
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
+    click.echo(banner(model, config, port=sock.getsockname()[1]), err=True)
+    limits = EdgeLimits(header_timeout_s=config.header_timeout_sec, max_connections=config.max_connections)
+    try:
+        uvicorn.Server(uvicorn_config(app, limits, log_level=config.log_level)).run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on; the shutdown was clean
+        pass
     finally:
         engine_thread.close(timeout=5)
 

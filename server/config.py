@@ -4,8 +4,12 @@
 and `server.worker.InferenceWorker` read it. The tool-calling flags (`--tool-syntax`,
 `--tool-memory-max-ids`, `--disable-exact-tool-replay`) live in the embedded
 `server.tools.ToolsConfig` record, one field each; the disk KV cache flags (`--kv-disk-dir`,
-`--kv-cache-budget-mb`) in the embedded `server.kvstore.KVStoreConfig` record. It does not
-load models, bind sockets or touch the file system (`--chdir` is applied by the CLI before
+`--kv-cache-budget-mb`) in the embedded `server.kvstore.KVStoreConfig` record.
+
+The security rules that concern flags alone are checked here: a bind address that is not
+loopback needs `--api-key` (or `--insecure-no-auth`), and `--cors '*'` needs an API key.
+The API key is kept out of the record's repr. It does not load models, bind sockets or touch
+the file system (`--chdir` is applied by the CLI before
 anything else runs).
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.guard import LOOPBACK_HOSTS, is_loopback, normalize_host
 from server.kvstore import KVStoreConfig
 from server.tools import ToolsConfig
 
@@ -29,8 +34,9 @@ class ServerConfig:
     """Bind address. Loopback by default; 0.0.0.0 opens the server to the network."""
     port: int = 8000
     """TCP port to listen on."""
-    cors: bool = False
-    """Add Access-Control-Allow-* headers and answer OPTIONS preflights (any origin)."""
+    cors: tuple[str, ...] = ()
+    """--cors ORIGIN (repeatable): origins whose pages may call the server (Access-Control-Allow-*
+    headers, OPTIONS preflights). `*` (also a bare --cors) allows any origin and needs an API key."""
     chdir: str | None = None
     """Directory that relative paths (such as --model) are resolved from."""
     device: str = "cpu"
@@ -52,6 +58,23 @@ class ServerConfig:
     free, re-read every half second (engine/threads.py)."""
     kv_type: str | None = None
     """KV cache element type: f32, f16 or bf16; None: the engine's default (f16 on CPU, bf16 on CUDA)."""
+    header_timeout_sec: float = 10.0
+    """Seconds a connection has to send complete request headers (from its opening, or from the
+    first byte of a later request on it); slower ones get 408, idle ones are closed."""
+    body_timeout_sec: float = 60.0
+    """Seconds a JSON request body has to arrive in full once its headers are in; slower: 408."""
+    max_connections: int = 512
+    """Open HTTP connections at most; a connection beyond them is answered 503 at once and closed."""
+    api_key: str | None = field(default=None, repr=False)
+    """--api-key (or DS4_API_KEY): required as `Authorization: Bearer` or `x-api-key` on every path
+    but /health. None: no key (only allowed on loopback binds without --insecure-no-auth)."""
+    insecure_no_auth: bool = False
+    """Allow a bind address that is not loopback without an API key."""
+    allowed_hosts: tuple[str, ...] = ()
+    """--allowed-host NAME (repeatable): Host header names accepted besides localhost, 127.0.0.1
+    and ::1. The Host check is on for loopback binds, and for other binds once a name is given."""
+    verbose_paths: bool = False
+    """Show absolute local paths in /v1/models and /health (default: file names only)."""
 
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:
@@ -68,9 +91,37 @@ class ServerConfig:
             raise ValueError(f"batched_session must be at least 1, got {self.batched_session}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
+        if self.header_timeout_sec <= 0 or self.body_timeout_sec <= 0:
+            raise ValueError("header_timeout_sec and body_timeout_sec must be positive, got "
+                             f"{self.header_timeout_sec} and {self.body_timeout_sec}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {self.max_connections}")
+        if self.api_key is not None and (not self.api_key.strip() or self.api_key != self.api_key.strip()):
+            raise ValueError("the API key must not be empty or begin or end with spaces")
+        if self.api_key is None and not self.insecure_no_auth and not is_loopback(self.host):
+            raise ValueError(f"--host {self.host} accepts connections from other machines: give --api-key KEY "
+                             "(or DS4_API_KEY), or --insecure-no-auth to serve without one")
+        for origin in self.cors:
+            if origin != "*" and ("://" not in origin or origin.rstrip("/").count("/") > 2):
+                raise ValueError(f"--cors {origin!r}: give an origin such as http://localhost:3000 (or '*')")
+        if "*" in self.cors and self.api_key is None:
+            raise ValueError("--cors '*' lets every web page call the server: it needs --api-key; "
+                             "or name the origins (--cors http://localhost:3000)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
 
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
+
+    @property
+    def host_allow_list(self) -> frozenset[str] | None:
+        """Host header names accepted, or None when Host is not checked (a non-loopback bind
+        without --allowed-host)."""
+        if not self.allowed_hosts and not is_loopback(self.host):
+            return None
+        return frozenset(normalize_host(h) for h in (*LOOPBACK_HOSTS, *self.allowed_hosts))
+
+    @property
+    def cors_origins(self) -> tuple[str, ...]:
+        return tuple(o if o == "*" else o.rstrip("/") for o in self.cors)

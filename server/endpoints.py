@@ -9,7 +9,8 @@ A row's `handler` is a factory: given the app's `Served` state it returns the ro
 (whose name and signature FastAPI reads for the operation id and parameters). Inference
 endpoints share one request path, `inference(api)`:
 
-    read body (size limit, 413) -> hardened JSON parse -> schema validation -> render and
+    check Content-Type and Content-Encoding (415) -> read body (size limit 413, time
+    limit 408; `server.httpbody`) -> hardened JSON parse -> schema validation -> render and
     tokenize off the event loop -> context-length check -> submit job -> stream SSE or
     collect and answer JSON
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -38,6 +40,7 @@ from server import api_anthropic, api_openai, api_responses
 from server.apibase import StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
+from server.httpbody import CLIENT_CLOSED, body_headers_error, read_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
@@ -47,10 +50,6 @@ from server.tools.apis import ToolInputError
 from server.worker import InferenceWorker
 
 log = logging.getLogger("ds4.server")
-
-# HTTP status for a request whose client went away before the answer (never seen by it).
-CLIENT_CLOSED = 499
-
 
 @dataclass(frozen=True)
 class Served:
@@ -80,28 +79,11 @@ class Endpoint:
 
 # --- the shared pieces of a request ---------------------------------------------------------
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            size = int(declared)
-        except ValueError:
-            raise ApiError(400, "invalid Content-Length header") from None
-        if size > limit:
-            raise ApiError(413, f"request body of {size} bytes exceeds the limit of {limit} bytes "
-                                "(--max-body-mb)", type="request_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes (--max-body-mb)",
-                           type="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
-    raw = await read_body(request, served.config.max_body_bytes)
+    refused = body_headers_error(request.headers.get("content-type"), request.headers.get("content-encoding"))
+    if refused is not None:
+        raise refused
+    raw = await read_body(request, served.config.max_body_bytes, served.config.body_timeout_sec)
     try:
         obj = parse_json_body(raw)
     except JsonBodyError as e:
@@ -232,12 +214,17 @@ def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
 
 # --- information ----------------------------------------------------------------------------
 
+def shown_path(path: str, verbose: bool) -> str:
+    """A local path as clients see it: its last component, unless `--verbose-paths`."""
+    return path if verbose or not path else os.path.basename(os.path.normpath(path))
+
+
 def model_card(served: Served) -> dict[str, Any]:
     model = served.model
     return {"id": model.name, "object": "model", "created": served.started_at, "owned_by": "ds4eval",
             "context_length": model.n_ctx, "max_model_len": model.n_ctx,
             "meta": {"n_ctx": model.n_ctx, "n_vocab": model.n_vocab,
-                     "path": str(getattr(model, "path", "") or "")}}
+                     "path": shown_path(str(getattr(model, "path", "") or ""), served.config.verbose_paths)}}
 
 
 def health(served: Served) -> Callable[..., Awaitable[Any]]:
@@ -247,7 +234,8 @@ def health(served: Served) -> Callable[..., Awaitable[Any]]:
         return {"status": "ok", "model": model.name, "n_ctx": model.n_ctx,
                 "busy": worker.busy, "queued": worker.queue_depth,
                 "batched_sessions": served.config.batched_session,
-                "kv_cache": (vars(kv.stats()) | {"directory": kv.directory}) if kv is not None else None}
+                "kv_cache": (vars(kv.stats()) | {"directory": shown_path(kv.directory, served.config.verbose_paths)})
+                if kv is not None else None}
     return health
 
 

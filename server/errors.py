@@ -9,7 +9,9 @@ cannot be served; the route catches it and renders it in the dialect of its endp
 
 The dialect of a path comes from the endpoint table (`dialect_for_path(path, endpoints)`).
 
-It also holds the translation of pydantic validation errors into one readable line.
+It also holds the translation of pydantic validation errors into one readable line, and
+`client_error_line`, the one log line of a 4xx (status, method, path, message) with control
+characters escaped so that a hostile path or header cannot forge log lines.
 It does not log, and it never includes a traceback or internal state in a message.
 """
 
@@ -29,7 +31,10 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "request_too_large",
+    415: "invalid_request_error",
+    431: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
     503: "overloaded_error",
@@ -44,6 +49,8 @@ class ApiError(Exception):
     param: str | None = None
     code: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    """Response headers that go with the error (`WWW-Authenticate`, `Connection: close`)."""
 
     def __str__(self) -> str:
         return self.message
@@ -57,6 +64,20 @@ def error_body(err: ApiError, dialect: Dialect) -> dict[str, Any]:
     inner = {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     inner.update(err.extra)
     return {"error": inner}
+
+
+_LOG_MESSAGE_MAX = 300
+
+
+def _escaped(text: str) -> str:
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def client_error_line(status: int, method: str, path: str, message: str) -> str:
+    """`415 POST /v1/chat/completions: Content-Type text/plain is not supported ...`"""
+    if len(message) > _LOG_MESSAGE_MAX:
+        message = message[:_LOG_MESSAGE_MAX] + "..."
+    return f"{status} {_escaped(method)} {_escaped(path)}: {_escaped(message)}"
 
 
 class Routed(Protocol):

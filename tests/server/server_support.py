@@ -1,13 +1,23 @@
-"""Helpers shared by the server tests: fake-engine apps, a live uvicorn and raw HTTP requests.
+"""Helpers shared by the server tests: fake-engine apps, a live uvicorn, server processes and raw
+HTTP requests.
+
+`ServerProcess` runs the real `ds4-server` command line with the fake engine in a subprocess,
+for what only a process shows: its sockets, its log, its exit status.
 
 A plain module (not conftest) so tests import it by a name no other test folder uses."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import uvicorn
@@ -17,7 +27,13 @@ from server.config import ServerConfig
 from server_fake_engine import FAKE_ENGINE, FakeModel
 
 
+# The Host that Starlette's TestClient sends; the servers of these tests accept it besides the
+# loopback names.
+TEST_CLIENT_HOST = "testserver"
+
+
 def fake_app(model: FakeModel | None = None, **config: Any):
+    config.setdefault("allowed_hosts", (TEST_CLIENT_HOST,))
     return create_app(model or FakeModel(), ServerConfig(**config), engine=FAKE_ENGINE)
 
 
@@ -77,3 +93,79 @@ def raw_request(port: int, method: str, path: str, body: bytes,
     head += [f"{k}: {v}" for k, v in (headers or {}).items()]
     sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
     return sock
+
+
+FAKE_SERVER_CLI = Path(__file__).with_name("fake_server_cli.py")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
+
+
+class ServerProcess:
+    """`ds4-server` with the fake engine (`fake_server_cli.py`) as a subprocess on a port the
+    system chooses (`--port 0`, read back from the banner); stdout and stderr go to `log_path`."""
+
+    def __init__(self, log_path: Path, *flags: str) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+        env.pop("DS4_API_KEY", None)
+        self.proc = subprocess.Popen([sys.executable, str(FAKE_SERVER_CLI), "--port", "0", *flags],
+                                     stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        self.port = 0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def wait_log(self, fragment: str, timeout: float = 10.0) -> str:
+        """The log once it contains `fragment` (AssertionError after `timeout` seconds)."""
+        deadline = time.monotonic() + timeout
+        while fragment not in (text := self.log()):
+            assert time.monotonic() < deadline, f"{fragment!r} not logged; log:\n{text[-2000:]}"
+            time.sleep(0.02)
+        return text
+
+    def start(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log()
+            found = _LISTENING.search(text)
+            if found and "Application startup complete" in text:
+                self.port = int(found.group(1))
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the fake ds4-server did not start; log:\n{text[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@contextmanager
+def server_process(log_path: Path, *flags: str) -> Iterator[ServerProcess]:
+    srv = ServerProcess(log_path, *flags)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    sock.settimeout(timeout)
+    out = b""
+    while chunk := sock.recv(65536):
+        out += chunk
+    return out

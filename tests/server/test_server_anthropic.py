@@ -122,7 +122,8 @@ def test_context_length_in_anthropic_shape():
 
 
 def test_bad_json_in_anthropic_shape(client):
-    r = client.post("/v1/messages", content=b'{"max_tokens": 1, "max_tokens": 2}')
+    r = client.post("/v1/messages", content=b'{"max_tokens": 1, "max_tokens": 2}',
+                    headers={"content-type": "application/json"})
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error"
 

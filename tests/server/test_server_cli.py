@@ -30,7 +30,9 @@ def test_every_flag_is_one_config_field():
 
 def test_defaults_match_the_specification():
     c = ServerConfig()
-    assert c.host == "127.0.0.1" and c.keepalive_sec == 5 and c.max_body_mb == 64 and not c.cors
+    assert c.host == "127.0.0.1" and c.keepalive_sec == 5 and c.max_body_mb == 64 and c.cors == ()
+    assert c.header_timeout_sec == 10 and c.body_timeout_sec == 60 and c.max_connections == 512
+    assert c.api_key is None and not c.insecure_no_auth and c.allowed_hosts == () and not c.verbose_paths
     assert c.max_body_bytes == 64 * 1024 * 1024
     assert c.tools == ToolsConfig(tool_syntax=None, tool_memory_max_ids=100_000, disable_exact_tool_replay=False)
     defaults = {p.name: p.default for p in main.params if p.name != "help"}
@@ -58,7 +60,8 @@ def test_help_lists_the_flags():
     out = CliRunner().invoke(main, ["--help"]).output
     for flag in ("--model", "--ctx", "--host", "--port", "--cors", "--chdir", "--device",
                  "--keepalive-sec", "--max-body-mb", "--log-level", "--tool-syntax", "--tool-memory-max-ids",
-                 "--disable-exact-tool-replay"):
+                 "--disable-exact-tool-replay", "--api-key", "DS4_API_KEY", "--insecure-no-auth", "--allowed-host",
+                 "--max-connections", "--header-timeout-sec", "--body-timeout-sec", "--verbose-paths"):
         assert flag in out
 
 
@@ -96,16 +99,19 @@ def test_unloadable_model_is_a_one_line_error(tmp_path):
 
 
 def test_banner_names_model_memory_and_address():
-    text = banner(FakeModel(n_ctx=1024), ServerConfig(port=9123, cors=True))
+    text = banner(FakeModel(n_ctx=1024), ServerConfig(port=9123, cors=("http://localhost:3000",)))
     assert "fake-model" in text
     assert "context 1024 tokens" in text
     assert "memory 1.1 MiB" in text          # 1e6 weights + 1024 * 100 KV bytes
-    assert "http://127.0.0.1:9123 (CORS enabled)" in text
+    assert "http://127.0.0.1:9123 (CORS: http://localhost:3000)" in text
+    assert "access: no API key; Host must be one of 127.0.0.1, ::1, localhost" in text
+    assert "http://127.0.0.1:8080" in banner(FakeModel(), ServerConfig(port=0), port=8080)
     assert "reachable from other machines" not in text
     assert "tool syntax hermes, exact tool replay on (up to 100000 ids)" in text
     assert "tool syntax dsml, exact tool replay off" in banner(
         FakeModel(), ServerConfig(tools=ToolsConfig(tool_syntax="dsml", disable_exact_tool_replay=True)))
-    assert "reachable from other machines" in banner(FakeModel(), ServerConfig(host="0.0.0.0"))
+    exposed = banner(FakeModel(), ServerConfig(host="0.0.0.0", api_key="k"))
+    assert "reachable from other machines" in exposed and "access: API key required (except /health); any Host" in exposed
     assert "CPU threads auto" in text and "CPU threads 1" in banner(FakeModel(), ServerConfig(threads=1))
 
 

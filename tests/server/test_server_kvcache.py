@@ -19,6 +19,7 @@ from server.kvstore_policy import COLD, EVICT, SHUTDOWN, SavePolicy
 from server.prompting import ToolCalling, last_user_head
 from server.tools import Message
 from server_fake_engine import FakeModel
+from server_support import TEST_CLIENT_HOST
 
 SMALL = SavePolicy(trim=4, align=16, interval=64, min_tokens=16, min_gain=8)
 SYSTEM = "You answer questions about the weather, briefly and politely. " * 2
@@ -36,6 +37,7 @@ def load(path: str):
 
 
 def app_on(model, directory: Path, policy: SavePolicy | None = SMALL, **config):
+    config.setdefault("allowed_hosts", (TEST_CLIENT_HOST,))
     return create_app(model, ServerConfig(kv=KVStoreConfig(directory=str(directory)), **config),
                       kv_save_policy=policy)
 
@@ -67,7 +69,7 @@ def test_restart_with_the_same_directory_restores_the_prompt(tiny_path, tmp_path
         assert u1["cache_read_input_tokens"] == 0 and u1["cache_creation_input_tokens"] > 0
         n_prompt = u1["input_tokens"] + u1["cache_creation_input_tokens"]
         health = c.get("/health").json()["kv_cache"]
-        assert health["writes"] >= 1 and health["directory"] == str(d)
+        assert health["writes"] >= 1 and health["directory"] == d.name
     # The clean shutdown stored the live session, prompt plus reply.
     saved = reasons(d, m1)
     assert any(r == SHUTDOWN and n > n_prompt for r, n in saved), saved
@@ -110,7 +112,7 @@ def test_a_different_prompt_saves_the_replaced_session(tiny_path, tmp_path):
 
 
 def test_without_a_directory_the_server_has_no_disk_cache(tiny_path):
-    with TestClient(create_app(load(tiny_path), ServerConfig())) as c:
+    with TestClient(create_app(load(tiny_path), ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,)))) as c:
         assert c.get("/health").json()["kv_cache"] is None
         r = c.post("/v1/messages", json=messages_body("hi"))
         assert r.json()["usage"]["cache_creation_input_tokens"] == 0

@@ -318,13 +318,24 @@ def test_body_over_limit_is_413():
 def test_cors_preflight_only_when_enabled():
     headers = {"Origin": "http://example.com", "Access-Control-Request-Method": "POST",
                "Access-Control-Request-Headers": "content-type,authorization"}
-    with TestClient(fake_app(cors=True)) as c:
+    with TestClient(fake_app(cors=("http://example.com",))) as c:
         r = c.options("/v1/chat/completions", headers=headers)
         assert r.status_code == 200
-        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.headers["access-control-allow-origin"] == "http://example.com"
         assert "POST" in r.headers["access-control-allow-methods"]
         r = c.get("/v1/models", headers={"Origin": "http://example.com"})
-        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.headers["access-control-allow-origin"] == "http://example.com"
+        # Origins that were not named get no CORS headers, so their pages cannot read answers.
+        assert c.options("/v1/chat/completions", headers={**headers, "Origin": "http://evil.example"}).status_code == 400
+        assert "access-control-allow-origin" not in c.get("/v1/models", headers={"Origin": "http://evil.example"}).headers
+    with TestClient(fake_app(cors=("*",), api_key="k")) as c:
+        # Any origin together with a key: the preflight needs none, the request does.
+        r = c.options("/v1/chat/completions", headers=headers)
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        r = c.get("/v1/models", headers={"Origin": "http://example.com"})
+        assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"
+        r = c.get("/v1/models", headers={"Origin": "http://example.com", "Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
     with TestClient(fake_app()) as c:
         assert c.options("/v1/chat/completions", headers=headers).status_code == 405
         assert "access-control-allow-origin" not in c.get("/v1/models", headers={"Origin": "http://x"}).headers

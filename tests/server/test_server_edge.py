@@ -1,0 +1,232 @@
+"""The HTTP edge against hostile clients, with real sockets against real `ds4-server` processes
+(the fake engine): header and body timeouts, oversized headers, unsupported bodies, aborted
+uploads, the one-line 4xx log, the connection limit and a port in use.
+
+One server process is shared by the module's tests (starting one costs seconds); its timeouts
+and connection limit are set small by flag so that a slow client is answered within a second
+or two and four connections reach the limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from server_support import REPO_ROOT, read_until_closed, server_process
+
+TIMEOUT = 1.0  # --header-timeout-sec and --body-timeout-sec of the shared server
+LIMIT = 4  # its --max-connections; every other test holds one connection at a time
+HEAD = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    log = tmp_path_factory.mktemp("edge") / "server.log"
+    with server_process(log, "--header-timeout-sec", str(TIMEOUT), "--body-timeout-sec", str(TIMEOUT),
+                        "--max-connections", str(LIMIT)) as s:
+        yield s
+
+
+def connect(srv) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1])
+
+
+def json_body(response: bytes) -> dict:
+    return json.loads(response.split(b"\r\n\r\n", 1)[1])
+
+
+def test_headers_sent_too_slowly_get_408_and_one_log_line(srv):
+    with connect(srv) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # never the blank line
+        t0 = time.monotonic()
+        s.sendall(b"X-Slow: 1\r\n")
+        response = read_until_closed(s)
+        waited = time.monotonic() - t0
+    assert status_of(response) == 408 and json_body(response)["error"]["code"] == "request_timeout"
+    assert TIMEOUT * 0.8 < waited < TIMEOUT + 3
+    line = [ln for ln in srv.wait_log("408 to 127.0.0.1").splitlines() if "408 to 127.0.0.1" in ln]
+    assert len(line) == 1 and "request headers incomplete after 1 s" in line[0]
+
+
+def test_a_connection_that_sends_nothing_is_closed(srv):
+    with connect(srv) as s:
+        t0 = time.monotonic()
+        assert read_until_closed(s) == b""
+        assert time.monotonic() - t0 < TIMEOUT + 3
+    srv.wait_log("no request within 1 s")
+
+
+def test_a_body_sent_too_slowly_gets_408(srv):
+    with connect(srv) as s:
+        s.sendall((HEAD + "Content-Length: 100\r\n\r\n").encode() + b'{"messages": ')
+        response = read_until_closed(s)
+    assert status_of(response) == 408 and b"connection: close" in response.lower()
+    assert "1 s (--body-timeout-sec): 13 of 100 bytes received" in json_body(response)["error"]["message"]
+    srv.wait_log("408 POST /v1/chat/completions: the request body did not arrive within 1 s")
+
+
+def test_headers_of_a_megabyte_get_431(srv):
+    with connect(srv) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n")
+        response = read_until_closed(s)
+    assert status_of(response) == 431
+    assert "exceed 16384 bytes" in json_body(response)["error"]["message"]
+    srv.wait_log("431 to 127.0.0.1")
+    # Headers up to the limit are served.
+    assert httpx.get(srv.base + "/health", headers={"X-Big": "a" * 15_000}).status_code == 200
+
+
+@pytest.mark.parametrize("headers,fragment", [
+    ({"Content-Type": "application/json", "Content-Encoding": "gzip"}, "Content-Encoding 'gzip' is not supported"),
+    ({"Content-Type": "text/plain"}, "Content-Type 'text/plain' is not supported"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, "is not supported"),
+    ({}, "the request has no Content-Type"),
+])
+def test_bodies_that_are_not_plain_json_get_415(srv, headers, fragment):
+    import gzip
+
+    body = json.dumps(CHAT).encode()
+    if headers.get("Content-Encoding") == "gzip":
+        body = gzip.compress(body)
+    r = httpx.post(srv.base + "/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 415 and fragment in r.json()["error"]["message"], r.text
+    anthropic = httpx.post(srv.base + "/v1/messages", content=body, headers=headers)
+    assert anthropic.status_code == 415 and anthropic.json()["type"] == "error"
+    srv.wait_log(f"415 POST /v1/messages: {anthropic.json()['error']['message']}")
+
+
+def test_json_with_a_utf8_charset_is_served(srv):
+    r = httpx.post(srv.base + "/v1/chat/completions", content=json.dumps(CHAT).encode(),
+                   headers={"Content-Type": "application/json; charset=UTF-8"})
+    assert r.status_code == 200, r.text
+
+
+def test_aborted_uploads_are_one_log_line_each_without_traceback(srv):
+    before = srv.log().count("client closed the connection")
+    for _ in range(5):
+        with connect(srv) as s:
+            s.sendall((HEAD + "Content-Length: 1000\r\n\r\n").encode() + b'{"messages": [')
+            time.sleep(0.05)
+    deadline = time.monotonic() + 10
+    while srv.log().count("client closed the connection") < before + 5:
+        assert time.monotonic() < deadline, srv.log()[-2000:]
+        time.sleep(0.05)
+    log = srv.log()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+    assert "499 POST /v1/chat/completions: the client closed the connection during the request body: " \
+           "14 of 1000 bytes received" in log
+
+
+def test_every_4xx_is_logged_with_status_endpoint_and_message(srv):
+    r = httpx.post(srv.base + "/v1/chat/completions", content=b'{"messages": [', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400
+    srv.wait_log(f"400 POST /v1/chat/completions: {r.json()['error']['message']}")
+    assert httpx.get(srv.base + "/v1/nope").status_code == 404
+    srv.wait_log("404 GET /v1/nope: no such endpoint: GET /v1/nope")
+    # A decoded newline in the path is escaped, so that it cannot start a forged log line.
+    assert httpx.get(srv.base + "/v1/x%0Aforged", headers={"Host": "evil.example"}).status_code == 403
+    srv.wait_log("403 GET /v1/x\\nforged: Host 'evil.example' is not allowed")
+    r = httpx.post(srv.base + "/v1/messages", json={"messages": []})
+    assert r.status_code == 400
+    srv.wait_log(f"400 POST /v1/messages: {r.json()['error']['message']}")
+
+
+def test_a_foreign_host_header_gets_403(srv):
+    r = httpx.get(srv.base + "/v1/models", headers={"Host": "evil.example"})
+    assert r.status_code == 403 and "Host 'evil.example' is not allowed" in r.json()["error"]["message"]
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:1234", "LOCALHOST"):
+        assert httpx.get(srv.base + "/v1/models", headers={"Host": host}).status_code == 200, host
+    srv.wait_log("403 GET /v1/models: Host 'evil.example' is not allowed")
+
+
+def test_models_and_health_show_file_names_only(srv):
+    meta = httpx.get(srv.base + "/v1/models").json()["data"][0]["meta"]
+    assert meta["path"] == "fake-model.gguf"
+    assert "/models" not in httpx.get(srv.base + "/health").text
+
+
+def test_the_server_still_serves_after_the_hostile_clients(srv):
+    assert httpx.post(srv.base + "/v1/chat/completions", json=CHAT).status_code == 200
+    assert "Traceback" not in srv.log()
+
+
+# --- the connection limit -------------------------------------------------------------------
+
+def health_on(s: socket.socket) -> int:
+    """The status of GET /health on an open connection, which stays open (keep-alive)."""
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += s.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(next(ln.split(b":")[1] for ln in head.lower().split(b"\r\n") if ln.startswith(b"content-length")))
+    while len(body) < length:
+        body += s.recv(65536)
+    return status_of(head)
+
+
+def kept_alive(srv) -> socket.socket:
+    """A connection that was served once and now idles in keep-alive (uvicorn keeps it 5 s)."""
+    s = connect(srv)
+    assert health_on(s) == 200
+    return s
+
+
+def health_on_a_new_connection(srv, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(srv.base + "/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_connections_beyond_the_limit_get_503_while_open_ones_are_served(srv):
+    health_on_a_new_connection(srv)  # the connections of earlier tests are gone
+    kept = [kept_alive(srv) for _ in range(LIMIT)]
+    try:
+        t0 = time.monotonic()
+        with connect(srv) as extra:
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            response = read_until_closed(extra)
+        refused_in = time.monotonic() - t0
+        assert status_of(response) == 503 and b"Retry-After: 1" in response
+        assert json_body(response)["error"]["code"] == "too_many_connections"
+        assert refused_in < 2
+        # The connections that were open before keep being served.
+        assert all(health_on(s) == 200 for s in kept)
+    finally:
+        for s in kept:
+            s.close()
+    # Below the limit again, new connections are served.
+    health_on_a_new_connection(srv)
+    srv.wait_log("503 to 127.0.0.1")
+    assert f"{LIMIT} connections are open (--max-connections {LIMIT})" in srv.log()
+
+
+# --- binding --------------------------------------------------------------------------------
+
+def test_a_port_in_use_is_a_one_line_error_before_the_model_loads():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "server.cli", "--port", str(port), "--model", "/nonexistent.gguf"],
+                           capture_output=True, text=True, env=env, timeout=60, cwd=REPO_ROOT)
+    assert r.returncode == 1
+    # The model (a missing file here) is never reached: the bind fails first.
+    assert r.stderr == f"Error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert "listening" not in r.stdout + r.stderr
+    assert time.monotonic() - t0 < 30
