@@ -166,7 +166,7 @@ def test_ctrl_c_in_a_terminal(tmp_path, plain):
 @pytest.mark.parametrize("parallel", [None, 2], ids=["serial", "parallel-2"])
 def test_engine_run_ctrl_c_in_a_terminal(tmp_path, parallel):
     trace_path = tmp_path / "run.trace"
-    args = ["--plain", "-n", "400", "--trace", str(trace_path)]
+    args = ["--plain", "-n", "64", "--trace", str(trace_path)]
     if parallel:
         args += ["--parallel", str(parallel)]
     child = Child(args, tty=True)
