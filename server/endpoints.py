@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server import api_anthropic, api_openai, api_responses
+from server import api_anthropic, api_openai, api_responses, api_tokenize
 from server.apibase import StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
@@ -258,6 +258,25 @@ def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
     return count_tokens
 
 
+def body_route(schema: type[StrictModel], answer: Callable[[Served, Any], dict[str, Any]],
+               name: str) -> RouteFactory:
+    """A route that answers a validated body with `answer(served, body)`, off the event loop."""
+    def make(served: Served) -> Callable[..., Awaitable[Any]]:
+        async def route(request: Request) -> Response:
+            body = await parse_body(served, request, schema)
+            return JSONResponse(await run_in_threadpool(tool_input_errors(answer), served, body))
+
+        route.__name__ = name
+        return route
+    return make
+
+
+def tokenizer_info(served: Served) -> Callable[..., Awaitable[Any]]:
+    async def tokenizer_info() -> dict[str, Any]:
+        return api_tokenize.tokenizer_info(served.model)
+    return tokenizer_info
+
+
 # --- information ----------------------------------------------------------------------------
 
 def model_card(served: Served) -> dict[str, Any]:
@@ -312,4 +331,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              inference(RESPONSES, "post_v1_responses"), RESPONSES.schema),
     Endpoint("/v1/messages/count_tokens", "POST", "anthropic", "Anthropic token counting",
              count_tokens, CountTokensRequest),
+    Endpoint("/tokenize", "POST", "openai", "Tokenize a prompt or chat with the served model's tokenizer",
+             body_route(api_tokenize.TokenizeRequest,
+                        lambda served, body: api_tokenize.tokenize(served.model, served.calling, body),
+                        "post_tokenize"), api_tokenize.TokenizeRequest),
+    Endpoint("/detokenize", "POST", "openai", "Token ids back to text",
+             body_route(api_tokenize.DetokenizeRequest,
+                        lambda served, body: api_tokenize.detokenize(served.model, body),
+                        "post_detokenize"), api_tokenize.DetokenizeRequest),
+    Endpoint("/tokenizer_info", "GET", "openai", "Special tokens, chat template and limits of the tokenizer",
+             tokenizer_info),
 )
