@@ -256,8 +256,12 @@ class BatchedLoop:
             try:
                 self._start(job, decision.slot)
             except Exception as e:
-                log.exception("job %d failed to start", job.id)
                 self._reset_slot(decision.slot)
+                if job.is_cancelled():  # e.g. cancelled while its prompt was being scored
+                    self.jobs.finish_cancelled(job)
+                    self.jobs.record(job)
+                    continue
+                log.exception("job %d failed to start", job.id)
                 self._fail(job, e)
 
     def _slot_text(self, i: int) -> str:

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 from server.jobs import Event, Failed, Finished, GenerationRequest, Job, TextDelta, TokenLogprob, Usage
 from server.scoring import PromptScored
+from server.sse import job_events
 
 SEED_MODULUS = 2**63
 
@@ -71,35 +71,9 @@ def submit_choices(worker: Any, gens: Sequence[GenerationRequest],
     return [worker.submit(g, sink(i)) for i, g in enumerate(gens)], queue
 
 
-async def choice_events(queue: asyncio.Queue[ChoiceEvent], n: int,
-                        keepalive_sec: float) -> AsyncIterator[ChoiceEvent | None]:
-    open_choices = set(range(n))
-    generating = False
-    last_tick = time.monotonic()
-    getter: asyncio.Future[ChoiceEvent] | None = None
-    try:
-        while open_choices:
-            if getter is None:
-                getter = asyncio.ensure_future(queue.get())
-            if generating:
-                item = await getter
-            else:
-                timeout = max(0.0, last_tick + keepalive_sec - time.monotonic())
-                done, _ = await asyncio.wait({getter}, timeout=timeout)
-                if not done:
-                    last_tick = time.monotonic()
-                    yield None
-                    continue
-                item = getter.result()
-            getter = None
-            if isinstance(item.event, TextDelta):
-                generating = True
-            if isinstance(item.event, (Finished, Failed)):
-                open_choices.discard(item.index)
-            yield item
-    finally:
-        if getter is not None and not getter.done():
-            getter.cancel()
+def choice_events(queue: asyncio.Queue[ChoiceEvent], n: int,
+                  keepalive_sec: float) -> AsyncIterator[ChoiceEvent | None]:
+    return job_events(queue, keepalive_sec, streams=n, event_of=lambda item: item.event)
 
 
 async def collect_choices(queue: asyncio.Queue[ChoiceEvent], n: int) -> list[ChoiceOutput] | Failed:
