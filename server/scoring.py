@@ -43,11 +43,15 @@ class PromptScored:
 
 def chunk_entries(model: Any, logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
     """Entries for one chunk: row i of `logits` is the distribution that `targets[i]` was drawn from."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [rows, n_vocab]
+    # The normaliser in float64, like the corpus KLD's reference reduction: the log-probs a
+    # client gets are then the engine's to the last bit, not float32 log_softmax's rounding.
+    x = logits.float()  # [rows, n_vocab]
+    lse = torch.logsumexp(x.double(), dim=-1)  # [rows]
     tgt = torch.tensor([int(t) for t in targets], dtype=torch.long)
-    chosen = logp.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist()
+    chosen = (x.gather(1, tgt.unsqueeze(1)).squeeze(1).double() - lse).tolist()
     if k > 0:
-        values, ids = torch.topk(logp, k, dim=-1)
+        values, ids = torch.topk(x, k, dim=-1)
+        values = values.double() - lse[:, None]
         tops = [tuple((int(i), model.detokenize([int(i)]), float(v)) for v, i in zip(vs, is_))
                 for vs, is_ in zip(values.tolist(), ids.tolist())]
     else:

@@ -37,7 +37,7 @@ def test_echo_with_logprobs_scores_every_prompt_token(client):
     assert lp["tokens"] == ["a", "b", "c"]
     assert lp["token_logprobs"][0] is None
     # The fake puts byte b + 1 first after byte b: "b" after "a" is the likeliest token.
-    expected = float(torch.log_softmax(torch.tensor([30.0, 20.0] + [0.0] * 257), 0)[0])
+    expected = float(torch.log_softmax(torch.tensor([30.0, 20.0] + [0.0] * 257, dtype=torch.float64), 0)[0])
     assert lp["token_logprobs"][1:] == pytest.approx([expected, expected])
     assert lp["top_logprobs"][0] is None and list(lp["top_logprobs"][1]) == ["b"]
     assert lp["text_offset"] == [0, 1, 2]
