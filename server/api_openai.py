@@ -47,10 +47,10 @@ from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, Str
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
-from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from server.scoring import PromptScored, legacy_logprobs
+from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
                               ToolCallEnd, ToolCalling, prompt_ids)
+from server.scoring import PromptScored, legacy_logprobs
 from server.sse import DONE, KEEPALIVE, sse_data
 from server.tools.apis import messages_from_openai, tools_from_openai
 
