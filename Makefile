@@ -13,7 +13,7 @@ SPEED_THRESHOLD ?= 0.10
 PRODUCT_FLOOR ?= 0.90
 
 .PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
-        setup-browser test-browser screenshot
+        setup-browser test-browser screenshot setup-lmeval
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -94,6 +94,11 @@ test-browser: setup
 screenshot: setup
 	@test -n "$(BASE_TRACE)" || { echo "usage: make screenshot BASE_TRACE=a.trace [NEW_TRACE=b.trace] [OUT=report.png] [VIEW=status=FAILED]"; exit 2; }
 	$(PY) -m ds4eval.screenshot $(BASE_TRACE) $(NEW_TRACE) $(or $(OUT),report.png) $(if $(VIEW),--view '$(VIEW)')
+
+# lm-evaluation-harness with its API clients (the `lmeval` extra): the end-to-end test of
+# ds4-server as an lm-eval backend (tests/server/test_server_lmeval.py) runs only with it.
+setup-lmeval: setup
+	$(PY) -m pip install -q -e '.[dev,reference,lmeval]'
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

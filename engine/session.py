@@ -25,14 +25,16 @@ Payload format (`save_payload`, little-endian), for the server's disk cache:
   | i32 tokens[n_tokens] | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
 `common_prefix(a, b)` is the engine's one longest-common-prefix count, for every caller that
 compares token sequences.  `extend_logits(ids)` returns the logits after every appended token
-(scoring a text, e.g. corpus KL divergence), where `sync` keeps only the frontier's.  A decoding step run outside the session (a batch of sessions,
+(scoring a text, e.g. corpus KL divergence), where `sync` keeps only the frontier's;
+`iter_extend_logits(ids)` yields them one prefill chunk at a time, for callers that reduce
+each chunk (prompt log-probs) and must not hold vocab x prompt-length floats at once.  A decoding step run outside the session (a batch of sessions,
 engine.batch) uses the public `check_fits(n)` and `append_decoded(token, logits)`.
 It does not know about text, chat templates or sampling policy (see engine.sampling).
 """
 from __future__ import annotations
 
 import struct
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -157,21 +159,31 @@ class Session:
         forcing, for scoring a text position by position).  Runs the prefill path in chunks of
         `prefill_chunk` rows.  It leaves `logits` unset, so that a later sync evaluates its
         frontier through the one-row decode step and stays bitwise reproducible."""
+        rows = [chunk for _, chunk in self.iter_extend_logits(ids)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def iter_extend_logits(self, ids: Sequence[int],
+                           cancel: Callable[[], bool] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """`extend_logits` one prefill chunk at a time: yields (offset into `ids`, float32
+        [chunk, n_vocab] on the CPU), so a caller that reduces each chunk (log-probs of the next
+        token, a top-k) never holds more than one chunk's rows.  The chunk's tokens are cached
+        before it is yielded; stopping early leaves the session valid at that point.  `cancel`
+        is polled before each chunk and between its layers (raises Cancelled)."""
         ids = [int(t) for t in ids]
         if not ids:
             raise ValueError("extend_logits needs at least one token")
         self.check_fits(len(self.tokens) + len(ids))
         net, device, step = self.model.net, self.model.device, self.model.prefill_chunk
-        rows = []
+        self._logits = None
         for start in range(0, len(ids), step):
+            if cancel is not None and cancel():
+                raise Cancelled(f"cancelled after {start} of {len(ids)} scored tokens")
             part = ids[start: start + step]
             threads.before_forward()
             out = net.forward(torch.tensor(part, dtype=torch.long, device=device), len(self.tokens), self.cache,
-                              logits="all")
-            rows.append(out.float().cpu())
+                              logits="all", cancel=cancel)
             self.tokens.extend(part)
-        self._logits = None
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+            yield start, out.float().cpu()
 
     def start_prefill(self, ids: list[int]) -> "Prefill":
         """Truncate to the common prefix with `ids` and return the remaining prefill as steps."""

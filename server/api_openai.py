@@ -14,15 +14,23 @@ stream) when inference fails after the headers were sent.
 
 A raw completion prompt is tokenized with special-token parsing, so a client may send an
 already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is used as is.
-Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`.
+`prompt` may be a string, a list of strings, a token-id list or a list of token-id lists;
+each prompt is its own choice (times `n`), in order. With `echo` and `logprobs` every prompt
+token is scored (`server.scoring`; the first has a null log-prob) before the generated ones,
+and `max_tokens: 0` scores without generating.
+`n` > 1 fans a request out into n jobs (`server.choices`), merged by `choices[i].index`;
+usage counts every choice's completion tokens and each prompt once.
+Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`, `return_tokens_as_token_ids`
+(completions: logprob tokens named `token_id:N`, as vLLM does).
 
 Tools: definitions and earlier calls are rendered by the model's tool syntax
 (`server.prompting.ToolCalling`); generated calls come back as `tool_calls` with
 `finish_reason: "tool_calls"` (streamed as one complete delta per call, once it is known to
 be valid), thinking as `reasoning_content`.
 Accepted but without effect: `reasoning_effort`, `tool_choice` and `parallel_tool_calls`.
-Rejected with a 400: `n`/`best_of` other than 1, nonzero penalties (the engine has none),
-`response_format` other than text, image or audio content, `suffix`, several prompts.
+Rejected with a 400: `best_of` other than 1, nonzero penalties (the engine has none),
+`response_format` other than text, image or audio content, `suffix`, `n` above
+`MAX_CHOICES` choices in all.
 
 No HTTP objects here: routes live in `server.app`.
 """
@@ -37,10 +45,12 @@ from pydantic import Field
 
 from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
+from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
-from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
+from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
                               ToolCallEnd, ToolCalling, prompt_ids)
+from server.scoring import PromptScored, legacy_logprobs
 from server.sse import DONE, KEEPALIVE, sse_data
 from server.tools.apis import messages_from_openai, tools_from_openai
 
@@ -97,6 +107,8 @@ TopK = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
 Seed = Field(None, ge=SEED_MIN, le=SEED_MAX)
 MaxTokens = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 Penalty = Field(None, ge=-2.0, le=2.0)
+# Choices of one request (prompts times n): each is a job, and all of them are queued at once.
+MAX_CHOICES = 128
 
 
 class _SamplingFields(StrictModel):
@@ -110,7 +122,7 @@ class _SamplingFields(StrictModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     presence_penalty: float | None = Penalty
     frequency_penalty: float | None = Penalty
     ignore_eos: bool | None = None
@@ -129,9 +141,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
+    """0: score the prompt (with echo and logprobs) without generating."""
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
 
@@ -147,7 +162,15 @@ class OpenAIContext:
     created: int
     include_usage: bool
     logprobs: bool
-    echo_text: str = ""
+    n: int = 1
+    """Choices per prompt; choice p * n + i is sample i of prompt p."""
+    n_choices: int = 1
+    echo_texts: tuple[str, ...] = ()
+    """Per choice: the prompt text echoed before its completion ("" without echo)."""
+    token_ids: bool = False
+
+    def echo_text(self, index: int) -> str:
+        return self.echo_texts[index] if self.echo_texts else ""
 
 
 def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -160,9 +183,6 @@ def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
 
 
 def _common_checks(req: _SamplingFields) -> None:
-    if req.n is not None and req.n != 1:
-        raise ApiError(400, f"n={req.n} is not supported: this server generates exactly one "
-                            "choice per request (n must be 1)", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value:
@@ -171,7 +191,7 @@ def _common_checks(req: _SamplingFields) -> None:
 
 
 def chat_job(model: Any, req: ChatCompletionRequest,
-             calling: ToolCalling) -> tuple[GenerationRequest, OpenAIContext]:
+             calling: ToolCalling) -> tuple[list[GenerationRequest], OpenAIContext]:
     _common_checks(req)
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
@@ -192,55 +212,74 @@ def chat_job(model: Any, req: ChatCompletionRequest,
         stop=_stop_list(req.stop),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         new_splitter=lambda: calling.new_splitter(prompt, "openai"))
+    n = req.n or 1
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
                         created=int(time.time()),
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        logprobs=bool(req.logprobs))
-    return gen, ctx
+                        logprobs=bool(req.logprobs), n=n, n_choices=n)
+    return fan_out(gen, n), ctx
+
+
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompts, each a text or a token-id list."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, list[int]]:
+    """(text, ids) of one prompt; a token-id list is used as is."""
+    if isinstance(prompt, str):
+        return prompt, prompt_ids(model, prompt)
+    bad = [t for t in prompt if not 0 <= t < model.n_vocab]
+    if bad:
+        raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary "
+                            f"(0..{model.n_vocab - 1})", param="prompt")
+    return model.detokenize(list(prompt)), list(prompt)
 
 
 def completion_job(model: Any, req: CompletionRequest,
-                   calling: ToolCalling | None = None) -> tuple[GenerationRequest, OpenAIContext]:
-    """A raw completion: no chat template, no tool syntax (`calling` is unused)."""
+                   calling: ToolCalling | None = None) -> tuple[list[GenerationRequest], OpenAIContext]:
+    """A raw completion: no chat template, no tool syntax (`calling` is unused). One job per
+    prompt and sample, prompt-major."""
     _common_checks(req)
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, "best_of must be 1 on this server", param="best_of")
     if req.suffix:
         raise ApiError(400, "suffix (fill-in-the-middle) is not supported", param="suffix")
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo together with logprobs is not supported", param="echo")
-    prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        ids = [int(t) for t in prompt]
-        bad = [t for t in ids if not 0 <= t < model.n_vocab]
-        if bad:
-            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
-                                f"(0..{model.n_vocab - 1})", param="prompt")
-        text = model.detokenize(ids)
-    else:
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt: {len(prompt)} prompts given; this server takes "
-                                    "exactly one per request", param="prompt")
-            prompt = prompt[0]
-        text = prompt
-        ids = prompt_ids(model, text)
-    if not ids:
+    prompts = _prompt_list(req.prompt)
+    if not prompts:
         raise ApiError(400, "prompt is empty", param="prompt")
-    check_context(len(ids), model.n_ctx, "prompt")
+    n = req.n or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices; "
+                            f"at most {MAX_CHOICES} per request", param="n")
     ignore_eos = bool(req.ignore_eos)
-    max_tokens = resolve_max_tokens(req.max_tokens, 16, len(ids), model.n_ctx, ignore_eos,
-                                    "max_tokens")
-    gen = GenerationRequest(
-        prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
-        sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                               min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=_stop_list(req.stop), top_logprobs=req.logprobs)
+    sampling = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                             min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
+    scored = req.logprobs if req.echo else None
+    gens: list[GenerationRequest] = []
+    echoes: list[str] = []
+    for p, prompt in enumerate(prompts):
+        param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
+        text, ids = _prompt_tokens(model, prompt, param)
+        if not ids:
+            raise ApiError(400, f"{param} is empty", param="prompt")
+        check_context(len(ids), model.n_ctx, "prompt")
+        max_tokens = resolve_max_tokens(req.max_tokens, 16, len(ids), model.n_ctx, ignore_eos, "max_tokens")
+        gen = GenerationRequest(prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+                                sampling=sampling, stop=_stop_list(req.stop), top_logprobs=req.logprobs,
+                                prompt_logprobs=scored)
+        gens.extend(fan_out(gen, n))
+        echoes.extend([text if req.echo else ""] * n)
     ctx = OpenAIContext(kind="completion", model_name=model.name, id=new_id("cmpl-"),
                         created=int(time.time()),
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                        logprobs=req.logprobs is not None, echo_text=text if req.echo else "")
-    return gen, ctx
+                        logprobs=req.logprobs is not None, n=n, n_choices=len(gens),
+                        echo_texts=tuple(echoes), token_ids=bool(req.return_tokens_as_token_ids))
+    return gens, ctx
 
 
 # --- responses ------------------------------------------------------------------------
@@ -263,25 +302,23 @@ def chat_logprobs_json(entries: list[TokenLogprob]) -> dict[str, Any]:
         for e in entries], "refusal": None}
 
 
-def completion_logprobs_json(entries: list[TokenLogprob], offset0: int) -> dict[str, Any]:
-    offsets, pos = [], offset0
-    for e in entries:
-        offsets.append(pos)
-        pos += len(e.text)
-    return {"tokens": [e.text for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t: lp for _, t, lp in e.top} | {e.text: e.logprob} for e in entries],
-            "text_offset": offsets}
-
-
 def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {} if index is None else {"index": index}
     return out | {"id": call.id, "type": "function",
                   "function": {"name": call.name, "arguments": call.arguments_json}}
 
 
-def chat_response(ctx: OpenAIContext, parsed: ParsedOutput, finished: Finished,
-                  logprobs: list[TokenLogprob]) -> dict[str, Any]:
+def _finished(out: ChoiceOutput) -> Finished:
+    assert out.finished is not None
+    return out.finished
+
+
+def _usage(ctx: OpenAIContext, outputs: list[ChoiceOutput]) -> Usage:
+    return total_usage([_finished(o).usage for o in outputs], ctx.n)
+
+
+def chat_choice(ctx: OpenAIContext, index: int, out: ChoiceOutput) -> dict[str, Any]:
+    parsed: ParsedOutput = _finished(out).output
     message: dict[str, Any] = {"role": "assistant",
                                "content": parsed.content if (parsed.content or not parsed.tool_calls) else None,
                                "refusal": None}
@@ -289,22 +326,30 @@ def chat_response(ctx: OpenAIContext, parsed: ParsedOutput, finished: Finished,
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
         message["tool_calls"] = [tool_call_json(c) for c in parsed.tool_calls]
+    return {"index": index, "message": message,
+            "logprobs": chat_logprobs_json(out.logprobs) if ctx.logprobs else None,
+            "finish_reason": parsed.finish_reason}
+
+
+def chat_response(ctx: OpenAIContext, outputs: list[ChoiceOutput]) -> dict[str, Any]:
     return {"id": ctx.id, "object": "chat.completion", "created": ctx.created, "model": ctx.model_name,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "message": message,
-                         "logprobs": chat_logprobs_json(logprobs) if ctx.logprobs else None,
-                         "finish_reason": parsed.finish_reason}],
-            "usage": usage_json(finished.usage)}
+            "choices": [chat_choice(ctx, i, o) for i, o in enumerate(outputs)],
+            "usage": usage_json(_usage(ctx, outputs))}
 
 
-def completion_response(ctx: OpenAIContext, text: str, finished: Finished,
-                        logprobs: list[TokenLogprob]) -> dict[str, Any]:
+def completion_choice(ctx: OpenAIContext, index: int, out: ChoiceOutput) -> dict[str, Any]:
+    echo = ctx.echo_text(index)
+    logprobs = legacy_logprobs(out.prompt, out.logprobs, len(echo), ctx.token_ids) if ctx.logprobs else None
+    return {"index": index, "text": echo + out.text, "logprobs": logprobs,
+            "finish_reason": _finished(out).finish_reason}
+
+
+def completion_response(ctx: OpenAIContext, outputs: list[ChoiceOutput]) -> dict[str, Any]:
     return {"id": ctx.id, "object": "text_completion", "created": ctx.created, "model": ctx.model_name,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "text": ctx.echo_text + text,
-                         "logprobs": completion_logprobs_json(logprobs, len(ctx.echo_text)) if ctx.logprobs else None,
-                         "finish_reason": finished.finish_reason}],
-            "usage": usage_json(finished.usage)}
+            "choices": [completion_choice(ctx, i, o) for i, o in enumerate(outputs)],
+            "usage": usage_json(_usage(ctx, outputs))}
 
 
 def stream_error(message: str) -> bytes:
@@ -312,42 +357,51 @@ def stream_error(message: str) -> bytes:
                                "openai"))
 
 
-async def chat_stream(ctx: OpenAIContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
+CANCELLED = "the request was cancelled because the server is shutting down"
+
+
+async def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
     base = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
             "model": ctx.model_name, "system_fingerprint": None}
     extra = {"usage": None} if ctx.include_usage else {}
+    usages: dict[int, Usage] = {}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data(base | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse_data(base | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                              "finish_reason": finish}]} | extra)
 
-    yield chunk({"role": "assistant", "content": ""})
-    async for event in events:
-        if event is None:
+    for index in range(ctx.n_choices):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for item in events:
+        if item is None:
             yield KEEPALIVE
-        elif isinstance(event, TextDelta):
+            continue
+        index, event = item.index, item.event
+        if isinstance(event, TextDelta):
             pieces = stream_deltas(event.events)
             if ctx.logprobs and event.logprobs:
                 # Logprobs ride on the first chunk of the text their tokens produced.
                 lp = chat_logprobs_json(list(event.logprobs))
                 first = pieces.pop(0) if pieces else {"content": ""}
-                yield chunk(first, logprobs=lp)
+                yield chunk(index, first, logprobs=lp)
             for delta in pieces:
-                yield chunk(delta)
+                yield chunk(index, delta)
         elif isinstance(event, Finished):
             if event.finish_reason == "cancelled":
-                yield stream_error("the request was cancelled because the server is shutting down")
+                yield stream_error(CANCELLED)
                 return
             parsed: ParsedOutput = event.output
             for delta in stream_deltas(parsed.events):
-                yield chunk(delta)
-            yield chunk({}, parsed.finish_reason)
-            if ctx.include_usage:
-                yield sse_data(base | {"choices": [], "usage": usage_json(event.usage)})
-            yield DONE
+                yield chunk(index, delta)
+            yield chunk(index, {}, parsed.finish_reason)
+            usages[index] = event.usage
         elif isinstance(event, Failed):
             yield stream_error(event.message)
             return
+    if ctx.include_usage:
+        total = total_usage([usages[i] for i in range(ctx.n_choices)], ctx.n)
+        yield sse_data(base | {"choices": [], "usage": usage_json(total)})
+    yield DONE
 
 
 def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
@@ -363,36 +417,47 @@ def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
     return out
 
 
-async def completion_stream(ctx: OpenAIContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
+async def completion_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
     base = {"id": ctx.id, "object": "text_completion", "created": ctx.created,
             "model": ctx.model_name, "system_fingerprint": None}
     extra = {"usage": None} if ctx.include_usage else {}
-    offset = len(ctx.echo_text)
+    offsets = [len(ctx.echo_text(i)) for i in range(ctx.n_choices)]
+    usages: dict[int, Usage] = {}
+    # Scored prompts are echoed with their log-probs once they are known; others at once.
+    waits_for_scores = ctx.logprobs and any(ctx.echo_texts)
 
-    def chunk(text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data(base | {"choices": [{"index": 0, "text": text, "logprobs": logprobs,
+    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse_data(base | {"choices": [{"index": index, "text": text, "logprobs": logprobs,
                                              "finish_reason": finish}]} | extra)
 
-    if ctx.echo_text:
-        yield chunk(ctx.echo_text)
-    async for event in events:
-        if event is None:
+    if not waits_for_scores:
+        for index in range(ctx.n_choices):
+            if ctx.echo_text(index):
+                yield chunk(index, ctx.echo_text(index))
+    async for item in events:
+        if item is None:
             yield KEEPALIVE
+            continue
+        index, event = item.index, item.event
+        if isinstance(event, PromptScored):
+            yield chunk(index, ctx.echo_text(index), logprobs=legacy_logprobs(event, (), 0, ctx.token_ids))
         elif isinstance(event, TextDelta):
             lp = None
             if ctx.logprobs and event.logprobs:
-                lp = completion_logprobs_json(list(event.logprobs), offset)
-            offset += len(event.text)
+                lp = legacy_logprobs(None, event.logprobs, offsets[index], ctx.token_ids)
+            offsets[index] += len(event.text)
             if event.text or lp is not None:
-                yield chunk(event.text, logprobs=lp)
+                yield chunk(index, event.text, logprobs=lp)
         elif isinstance(event, Finished):
             if event.finish_reason == "cancelled":
-                yield stream_error("the request was cancelled because the server is shutting down")
+                yield stream_error(CANCELLED)
                 return
-            yield chunk("", event.finish_reason)
-            if ctx.include_usage:
-                yield sse_data(base | {"choices": [], "usage": usage_json(event.usage)})
-            yield DONE
+            yield chunk(index, "", event.finish_reason)
+            usages[index] = event.usage
         elif isinstance(event, Failed):
             yield stream_error(event.message)
             return
+    if ctx.include_usage:
+        total = total_usage([usages[i] for i in range(ctx.n_choices)], ctx.n)
+        yield sse_data(base | {"choices": [], "usage": usage_json(total)})
+    yield DONE

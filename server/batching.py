@@ -20,19 +20,22 @@ taking jobs from the same `server.jobs.JobLedger` and recording them there. It o
 `CapacityError` with the figures) and, per job:
   1. routes it (requests beyond N wait, first in first out, until a slot is free) and logs
      the decision (slot, reused tokens, evicted tokens, reason);
-  2. with the disk KV cache: stores the slot's session (reason evict) before it is
+  2. a request for prompt log-probs is scored in the slot's session at once
+     (`server.scoring`, on this thread, before the slot joins the batch: the other slots
+     pause for that prefill);
+  3. with the disk KV cache: stores the slot's session (reason evict) before it is
      replaced, when the policy wants it (`server.kvplan.save_resident`), then the restore
      step of the prefill plan (`server.kvplan.plan_prefill`) brings the longest checkpoint
      of the prompt from disk into the slot. Both happen on this thread before the job's first
      `GenRequest` is submitted, and this thread is the only one that runs forward passes,
      so a slot joins the batch only once its restore has completed: there is no moment
      when a half-restored session is decoded;
-  3. prefills through the scheduler, in the plan's stages, which end at the checkpoints the
+  4. prefills through the scheduler, in the plan's stages, which end at the checkpoints the
      save policy wants (cold / continued): each stage is a `GenRequest` of the prompt up to
      that point and one throw-away token, after which the slot's session holds exactly
      the checkpoint's tokens and is stored; the next stage reuses them. The scheduler
      interleaves these chunks with the other slots' decode steps;
-  4. generates with the request's own `TokenDecoder` (`server.jobs`): `GenRequest.choose`
+  5. generates with the request's own `TokenDecoder` (`server.jobs`): `GenRequest.choose`
      picks each token (greedy inside tool-call structure, else the request's sampler) and
      `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
      or a cancelled job ends only that request (`GenRequest.cancel`).
@@ -59,6 +62,7 @@ from server.jobs import (Failed, Job, JobLedger, PromptReady, TokenDecoder, deco
                          written_tokens)
 from server.kvplan import Resident, Stage, plan_prefill, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
+from server.scoring import score_prompt
 
 log = logging.getLogger("ds4.server.batching")
 
@@ -252,8 +256,12 @@ class BatchedLoop:
             try:
                 self._start(job, decision.slot)
             except Exception as e:
-                log.exception("job %d failed to start", job.id)
                 self._reset_slot(decision.slot)
+                if job.is_cancelled():  # e.g. cancelled while its prompt was being scored
+                    self.jobs.finish_cancelled(job)
+                    self.jobs.record(job)
+                    continue
+                log.exception("job %d failed to start", job.id)
                 self._fail(job, e)
 
     def _slot_text(self, i: int) -> str:
@@ -281,6 +289,11 @@ class BatchedLoop:
         kept = common_prefix(session.tokens, ids)
         kept_on_disk = min(info.on_disk, kept)
         info.prompt_text, info.on_disk = None, 0
+        if req.prompt_logprobs is not None:
+            # Scored here, on the loop's thread, before the slot joins the batch: the other
+            # slots wait for this prefill (like for a disk restore), and the plan's prefill
+            # then has only the frontier token left.
+            job.emit(score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled))
 
         # 2. the plan (`server.kvplan`): its restore step brings the prompt's longest checkpoint
         #    back before the slot joins the batch; its stages are the checkpoints to leave on disk
@@ -342,7 +355,9 @@ class BatchedLoop:
         self.scheduler.submit(run.gen)
         if run.first and run.gen.slot is not None:
             run.first = False
-            job.stats.n_cached = max(run.n_restored, int(run.gen.reused))
+            # A scored prompt was computed in full: what the slot kept came from the scoring.
+            scored = job.request.prompt_logprobs is not None
+            job.stats.n_cached = 0 if scored else max(run.n_restored, int(run.gen.reused))
 
     def _collect(self) -> None:
         for i, info in enumerate(self.info):

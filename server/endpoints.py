@@ -36,12 +36,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from server import api_anthropic, api_openai, api_responses
+from server import api_anthropic, api_openai, api_responses, api_tokenize
 from server.apibase import StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
 from server.httpbody import CLIENT_CLOSED, body_headers_error, read_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
+from server.choices import choice_events, collect_choices, submit_choices
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
 from server.prompting import ToolCalling, prompt_ids
@@ -143,6 +144,9 @@ class InferenceApi:
     respond: Callable[[Any, Collected], dict[str, Any]]
     stream: Callable[[Any, AsyncIterator[Event | None]], AsyncIterator[bytes]]
     stream_error: Callable[[str], bytes]
+    choices: bool = False
+    """`make_job` returns a list of requests, one per choice (`server.choices`); `respond`
+    takes their outputs and `stream` their merged `ChoiceEvent`s."""
 
 
 def inference(api: InferenceApi, name: str) -> RouteFactory:
@@ -152,6 +156,8 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
         async def route(request: Request) -> Response:
             body = await parse_body(served, request, api.schema)
             gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling)
+            if api.choices:
+                return await answer_choices(served, api, request, body, gen, ctx)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
@@ -174,14 +180,36 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
     return make
 
 
+async def answer_choices(served: Served, api: InferenceApi, request: Request, body: Any,
+                         gens: list[GenerationRequest], ctx: Any) -> Response:
+    """The request path of an API with several choices per request: one job per choice."""
+    jobs, queue = submit_choices(served.worker, gens, asyncio.get_running_loop())
+
+    def cancel() -> None:
+        for job in jobs:
+            job.cancel()
+
+    if body.stream:
+        events = choice_events(queue, len(jobs), served.config.keepalive_sec)
+        return SSEResponse(guarded(api.stream(ctx, events), api.stream_error, cancel), on_disconnect=cancel)
+    result = await wait_or_disconnect(request, collect_choices(queue, len(jobs)), cancel)
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED)
+    if isinstance(result, Failed):
+        cancel()
+        raise ApiError(500, result.message, type="server_error", code="inference_failed")
+    if any(out.finished is not None and out.finished.finish_reason == "cancelled" for out in result):
+        raise ApiError(503, "the request was cancelled because the server is shutting down",
+                       type="server_error", code="cancelled")
+    return JSONResponse(api.respond(ctx, result))
+
+
 CHAT = InferenceApi(
-    api_openai.ChatCompletionRequest, api_openai.chat_job,
-    lambda ctx, c: api_openai.chat_response(ctx, c.finished.output, c.finished, c.logprobs),
-    api_openai.chat_stream, api_openai.stream_error)
+    api_openai.ChatCompletionRequest, api_openai.chat_job, api_openai.chat_response,
+    api_openai.chat_stream, api_openai.stream_error, choices=True)
 COMPLETIONS = InferenceApi(
-    api_openai.CompletionRequest, api_openai.completion_job,
-    lambda ctx, c: api_openai.completion_response(ctx, c.text, c.finished, c.logprobs),
-    api_openai.completion_stream, api_openai.stream_error)
+    api_openai.CompletionRequest, api_openai.completion_job, api_openai.completion_response,
+    api_openai.completion_stream, api_openai.stream_error, choices=True)
 MESSAGES = InferenceApi(
     api_anthropic.MessagesRequest, api_anthropic.messages_job,
     lambda ctx, c: api_anthropic.messages_response(ctx, c.finished.output, c.finished),
@@ -210,6 +238,25 @@ def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
 
         return JSONResponse({"input_tokens": await run_in_threadpool(tool_input_errors(count))})
     return count_tokens
+
+
+def body_route(schema: type[StrictModel], answer: Callable[[Served, Any], dict[str, Any]],
+               name: str) -> RouteFactory:
+    """A route that answers a validated body with `answer(served, body)`, off the event loop."""
+    def make(served: Served) -> Callable[..., Awaitable[Any]]:
+        async def route(request: Request) -> Response:
+            body = await parse_body(served, request, schema)
+            return JSONResponse(await run_in_threadpool(tool_input_errors(answer), served, body))
+
+        route.__name__ = name
+        return route
+    return make
+
+
+def tokenizer_info(served: Served) -> Callable[..., Awaitable[Any]]:
+    async def tokenizer_info() -> dict[str, Any]:
+        return api_tokenize.tokenizer_info(served.model)
+    return tokenizer_info
 
 
 # --- information ----------------------------------------------------------------------------
@@ -272,4 +319,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              inference(RESPONSES, "post_v1_responses"), RESPONSES.schema),
     Endpoint("/v1/messages/count_tokens", "POST", "anthropic", "Anthropic token counting",
              count_tokens, CountTokensRequest),
+    Endpoint("/tokenize", "POST", "openai", "Tokenize a prompt or chat with the served model's tokenizer",
+             body_route(api_tokenize.TokenizeRequest,
+                        lambda served, body: api_tokenize.tokenize(served.model, served.calling, body),
+                        "post_tokenize"), api_tokenize.TokenizeRequest),
+    Endpoint("/detokenize", "POST", "openai", "Token ids back to text",
+             body_route(api_tokenize.DetokenizeRequest,
+                        lambda served, body: api_tokenize.detokenize(served.model, body),
+                        "post_detokenize"), api_tokenize.DetokenizeRequest),
+    Endpoint("/tokenizer_info", "GET", "openai", "Special tokens, chat template and limits of the tokenizer",
+             tokenizer_info),
 )

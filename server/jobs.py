@@ -3,8 +3,9 @@
 - Requests: `GenerationRequest` (already rendered and tokenized, API-independent) with its
   `SamplingSpec`; `sampling_params(engine.SamplingParams, spec)` turns the spec into the
   engine's sampling parameters, `decode_budget(model, request, n_prompt)` bounds the tokens to generate.
-- Events, in order: `PrefillProgress`*, `PromptReady`, `TextDelta`*, then one `Finished`
-  (or `Failed`); `Usage` rides on `Finished`.
+- Events, in order: `PrefillProgress`*, `server.scoring.PromptScored` (only when the request
+  asks for prompt log-probs), `PromptReady`, `TextDelta`*, then one `Finished` (or `Failed`);
+  `Usage` rides on `Finished`.
 - `Job`: a request plus its cancel flag (thread-safe) and event sink; `JobStats` what the
   loop measured.
 - `TokenDecoder`: what happens to each generated token of one job (greedy inside tool-call
@@ -69,6 +70,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     top_logprobs: int | None = None
     """None: no logprobs; k >= 0: the sampled token's logprob plus the k most likely."""
+    prompt_logprobs: int | None = None
+    """None: the prompt is only prefilled; k >= 0: every prompt token is scored first
+    (`server.scoring`), with the k most likely tokens at each position."""
     new_splitter: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
     """Builds the output splitter of this generation (None: text only). The object has
     `feed(text) -> list`, `in_structure` (bool) and `finish(engine_reason) -> output`."""

@@ -7,7 +7,9 @@ in FIFO order and, for each (`SerialLoop`):
 
 1. brings the session to the prompt ids (prefix reuse, disk cache restore, chunked
    prefill; the progress hook emits `PrefillProgress`, the cancel hook is checked at every
-   chunk boundary),
+   chunk boundary); a request for prompt log-probs is first scored from an empty session
+   (`server.scoring`, which emits `PromptScored`), and the prefill then evaluates only its
+   last token,
 2. decodes token by token: sample, stop on EOS / stop sequence / token limit / context
    end, turn tokens into UTF-8-safe text, hold back possible stop-sequence prefixes,
 3. emits `TextDelta` events and finally one `Finished` (or `Failed`) event.
@@ -58,6 +60,7 @@ from server.jobs import (Failed, Job, JobCancelled, JobLedger, PrefillProgress, 
                          decode_budget, sampling_params, written_tokens)
 from server.kvplan import Resident, prefill_with_cache, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
+from server.scoring import score_prompt
 
 # Job records are the worker's report, whichever loop served the job.
 log = logging.getLogger("ds4.server.worker")
@@ -158,13 +161,16 @@ class SerialLoop:
         kept_on_disk = min(self._live.on_disk, common_prefix(session.tokens, ids))
         boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
         self._live.prompt_text = None  # until the prefill completes, the session matches no text
+        if req.prompt_logprobs is not None:
+            job.emit(score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled))
         out = prefill_with_cache(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
                                  progress=self._progress_hook(job), cancel=job.is_cancelled)
         ids = out.ids
         self._live.prompt_text, self._live.n_prompt = req.prompt_text, len(ids)
         self._live.on_disk = max(out.n_on_disk, kept_on_disk)
         job.stats.n_prompt = len(ids)
-        job.stats.n_cached = int(out.n_reused)
+        # A scored prompt was computed in full: what the session kept came from the scoring.
+        job.stats.n_cached = 0 if req.prompt_logprobs is not None else int(out.n_reused)
         job.stats.n_written = written_tokens(out.n_on_disk, out.n_reused, len(out.saved or ()))
         if job.is_cancelled():
             raise JobCancelled

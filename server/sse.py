@@ -9,7 +9,8 @@
   body. This does not depend on the server's ASGI spec version.
 - `job_events` turns the worker's event queue into an async iterator that yields `None`
   every `keepalive_sec` seconds while no text has been generated yet (queued or in
-  prefill), so the API stream can write a keepalive comment.
+  prefill), so the API stream can write a keepalive comment; it also reads the merged queue
+  of several jobs (`streams`, `event_of`: the choices of one request, `server.choices`).
 - `wait_or_disconnect` is the non-streaming counterpart: await a future while watching
   for the client to go away.
 
@@ -94,20 +95,23 @@ class SSEResponse(Response):
                         await aclose()
 
 
-async def job_events(queue: asyncio.Queue[Event], keepalive_sec: float) -> AsyncIterator[Event | None]:
+async def job_events(queue: asyncio.Queue[Any], keepalive_sec: float, *, streams: int = 1,
+                     event_of: Callable[[Any], Any] = lambda item: item) -> AsyncIterator[Any]:
     """Worker events in order, with `None` as a keepalive tick until the first text arrives.
 
-    Ends after the `Finished` or `Failed` event.
+    Ends after the `Finished` or `Failed` event; with `streams` > 1 the queue carries the
+    events of that many jobs (`event_of(item)` is an item's event) and it ends after as many.
     """
     generating = False
     last_tick = time.monotonic()
-    getter: asyncio.Future[Event] | None = None
+    getter: asyncio.Future[Any] | None = None
+    ended = 0
     try:
         while True:
             if getter is None:
                 getter = asyncio.ensure_future(queue.get())
             if generating:
-                event = await getter
+                item = await getter
             else:
                 timeout = max(0.0, last_tick + keepalive_sec - time.monotonic())
                 done, _ = await asyncio.wait({getter}, timeout=timeout)
@@ -115,13 +119,16 @@ async def job_events(queue: asyncio.Queue[Event], keepalive_sec: float) -> Async
                     last_tick = time.monotonic()
                     yield None
                     continue
-                event = getter.result()
+                item = getter.result()
             getter = None
+            event = event_of(item)
             if isinstance(event, TextDelta):
                 generating = True
-            yield event
+            yield item
             if isinstance(event, (Finished, Failed)):
-                return
+                ended += 1
+                if ended >= streams:
+                    return
     finally:
         if getter is not None and not getter.done():
             getter.cancel()

@@ -16,7 +16,8 @@ checks it against them and against the real classes):
   scripted reply first (30) and EOS second (20); once the reply is spelled out, EOS first and
   "." second, so `argmax_ignoring_eos` continues with dots.  The script advances when the
   token evaluated is the scripted one (or the reply is done): a token the caller forces in
-  (an injected think-close, say) does not consume the script.
+  (an injected think-close, say) does not consume the script.  `iter_extend_logits` scores
+  teacher-forced: after byte b, byte b + 1 is likeliest (logit 30) and EOS second (20).
 Slowness is controllable (`prefill_delay` per prefill chunk, `decode_delay` per eval) for
 pause, keepalive and cancellation tests.  Nothing here loads weights or runs torch kernels
 beyond building small logits tensors.
@@ -180,6 +181,21 @@ class FakeSession:
         nxt = self._next_scripted()
         self._advanced.append(nxt is None or nxt == token)
         self.tokens.append(int(token))
+
+    def iter_extend_logits(self, ids: Any, cancel: Callable[[], bool] | None = None) -> Any:
+        """Teacher-forced logits: after byte b the next byte b + 1 is likeliest, EOS second."""
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("extend_logits needs at least one token")
+        if len(self.tokens) + len(ids) > self.model.n_ctx:
+            raise ValueError(f"{len(self.tokens) + len(ids)} tokens do not fit the context of {self.model.n_ctx}")
+        vocab = self.model.vocab
+        for start in range(0, len(ids), self.model.prefill_chunk):
+            if cancel is not None and cancel():
+                raise FakeCancelled()
+            part = ids[start: start + self.model.prefill_chunk]
+            self.tokens.extend(part)
+            yield start, torch.stack([peaked_logits(vocab.n_vocab, (t + 1) % 256, vocab.eos_id) for t in part])
 
     def sample(self, params: FakeSamplingParams) -> int:
         if self._sampler is None or self._sampler.params is not params:

@@ -11,7 +11,7 @@ a window starts with (None: none), `tokenizer_sha256` its tokenizer's identity (
 
 Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
   engine  the in-process engine, any GGUF, `weights` (packed or float32), `kv_type`, device,
-          loaded and run on one engine.threads.EngineThread: one session, reset per window, `Session.extend_logits` in prefill chunks; each
+          loaded and run on one engine.threads.EngineThread: one session, reset per window, `Session.iter_extend_logits` in prefill chunks; each
           chunk's logits are reduced at once (torch; log-sum-exp in float64), so memory stays
           one chunk of logits.  Its candidate side is exact: every probe id is known.
   openai  any OpenAI-compatible server that returns prompt log-probs: POST /v1/completions with
@@ -122,13 +122,12 @@ class EngineStack:
 
         window = [int(t) for t in window]
         self.session.reset()
-        step = int(getattr(self.model, "prefill_chunk", 128))
         inputs, targets = window[:-1], window[1:]
         parts = []
-        for start in range(0, len(inputs), step):
-            logits = self.session.extend_logits(inputs[start: start + step])
-            pr = None if probe is None else probe[start: start + step]
-            parts.append(reduce_chunk(logits, targets[start: start + step], k, pr))
+        for start, logits in self.session.iter_extend_logits(inputs):
+            end = start + logits.shape[0]
+            pr = None if probe is None else probe[start: end]
+            parts.append(reduce_chunk(logits, targets[start: end], k, pr))
         return concat_scores(parts)
 
     def close(self) -> None:

@@ -149,9 +149,12 @@ def test_completion_streaming(client):
 
 
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", {"messages": USER, "n": 2}, "n"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, "n"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/v1/chat/completions", {"messages": USER, "n": 0}, "n"),
+    ("/v1/chat/completions", {"messages": USER, "n": 129}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 100}, "n"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [[1], [100000]]}, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 100000]}, "prompt"),
     ("/v1/chat/completions", {"messages": USER, "presence_penalty": 0.5}, "presence_penalty"),
     ("/v1/chat/completions", {"messages": []}, "messages"),

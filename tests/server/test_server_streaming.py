@@ -159,12 +159,15 @@ def test_openai_sdk_against_the_live_server():
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
         comp = client.completions.create(model="m", prompt="abc", max_tokens=5, temperature=0)
         assert comp.choices[0].text == DEFAULT_REPLY[:5]
+        two = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+        assert [c.index for c in two.choices] == [0, 1]
+        assert [c.message.content for c in two.choices] == [DEFAULT_REPLY] * 2
         try:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2)
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=0)
         except openai.BadRequestError as e:
             assert e.status_code == 400 and e.param == "n"
         else:
-            raise AssertionError("n=2 was accepted")
+            raise AssertionError("n=0 was accepted")
         models = client.models.list()
         assert [m.id for m in models] == ["fake-model"]
 
