@@ -35,7 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server import api_anthropic, api_openai, api_responses
-from server.apibase import StrictModel, validate_body
+from server.apibase import RequestDefaults, StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
@@ -157,7 +157,7 @@ async def guarded(body: AsyncIterator[bytes], on_error: Callable[[str], bytes],
 class InferenceApi:
     """How one inference API plugs into the shared request path."""
     schema: type[StrictModel]
-    make_job: Callable[[Any, Any, ToolCalling], tuple[GenerationRequest, Any]]
+    make_job: Callable[[Any, Any, ToolCalling, RequestDefaults], tuple[GenerationRequest, Any]]
     respond: Callable[[Any, Collected], dict[str, Any]]
     stream: Callable[[Any, AsyncIterator[Event | None]], AsyncIterator[bytes]]
     stream_error: Callable[[str], bytes]
@@ -166,10 +166,12 @@ class InferenceApi:
 def inference(api: InferenceApi, name: str) -> RouteFactory:
     def make(served: Served) -> Callable[..., Awaitable[Any]]:
         config, worker = served.config, served.worker
+        defaults = config.request_defaults
 
         async def route(request: Request) -> Response:
             body = await parse_body(served, request, api.schema)
-            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling)
+            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling,
+                                               defaults)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
