@@ -17,7 +17,8 @@ though the routes parse bodies themselves (FastAPI's own body parsing would bypa
 hardened parser).
 
 With `--kv-disk-dir` the app opens the disk KV cache (`server.kvstore.open_store`) for the
-worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the worker keeps
+worker; `/health` reports its statistics. `/metrics` is the Prometheus view of the same app
+(`server.metrics`: the worker's job observer, an HTTP middleware, the scrape). With `--batched-session N` (N > 1) the worker keeps
 N resident sessions; the memory they need is checked when the app is created
 (`engine.batch.CapacityError`, with the figures).
 
@@ -46,6 +47,7 @@ from server.endpoints import ENDPOINTS, Served
 from server.errors import ApiError, Dialect, dialect_for_path, error_body
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
+from server.metrics import HttpMetrics, ServerMetrics
 from server.prompting import ToolCalling
 from server.worker import InferenceWorker
 
@@ -81,10 +83,11 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     kv = open_store(config.kv, model)
     if kv is not None and kv_save_policy is not None:
         kv.save_policy = kv_save_policy
+    metrics = ServerMetrics(model.name, config.batched_session)
     worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
-                             engine_thread=engine_thread)
+                             engine_thread=engine_thread, observer=metrics)
     calling = ToolCalling.for_model(model, config.tools)
-    served = Served(model, config, worker, kv, calling, started_at=int(time.time()))
+    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -102,6 +105,8 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     app.state.model = model
     app.state.config = config
     app.state.tools = calling
+    app.state.metrics = metrics
+    app.add_middleware(HttpMetrics, metrics=metrics)
     if config.cors:
         app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["*"], max_age=600)

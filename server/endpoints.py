@@ -41,6 +41,7 @@ from server.errors import ApiError, Dialect
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
+from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.prompting import ToolCalling, prompt_ids
 from server.sse import SSEResponse, job_events, wait_or_disconnect
 from server.tools.apis import ToolInputError
@@ -61,6 +62,7 @@ class Served:
     kv: KVStore | None
     calling: ToolCalling
     started_at: int
+    metrics: ServerMetrics
 
 
 RouteFactory = Callable[[Served], Callable[..., Awaitable[Any]]]
@@ -253,6 +255,16 @@ def health(served: Served) -> Callable[..., Awaitable[Any]]:
     return health
 
 
+def metrics(served: Served) -> Callable[..., Awaitable[Any]]:
+    worker, kv, recorded = served.worker, served.kv, served.metrics
+
+    async def metrics() -> Response:
+        # Off the event loop: the disk cache's counters wait while the store reads or writes a file.
+        text = await run_in_threadpool(lambda: recorded.render(worker.load(), kv.stats() if kv is not None else None))
+        return Response(text, media_type=CONTENT_TYPE)
+    return metrics
+
+
 def list_models(served: Served) -> Callable[..., Awaitable[Any]]:
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(served)]}
@@ -274,6 +286,7 @@ def get_model(served: Served) -> Callable[..., Awaitable[Any]]:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/health", "GET", "openai", "Liveness and queue state", health),
+    Endpoint("/metrics", "GET", "openai", "Prometheus metrics (text exposition format)", metrics),
     Endpoint("/v1/models", "GET", "openai", "The loaded model", list_models),
     Endpoint("/v1/models/{model_id:path}", "GET", "openai", "One model by id", get_model),
     Endpoint("/v1/chat/completions", "POST", "openai", "OpenAI Chat Completions",
