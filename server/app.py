@@ -17,10 +17,12 @@ though the routes parse bodies themselves (FastAPI's own body parsing would bypa
 hardened parser).
 
 With `--kv-disk-dir` the app opens the disk KV cache (`server.kvstore.open_store`) for the
-worker; `/health` reports its statistics. `/metrics` is the Prometheus view of the same app
-(`server.metrics`: the worker's job observer, an HTTP middleware, the scrape). With `--batched-session N` (N > 1) the worker keeps
+worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the worker keeps
 N resident sessions; the memory they need is checked when the app is created
 (`engine.batch.CapacityError`, with the figures).
+
+`/metrics` is the Prometheus view of the same app: a `server.metrics.ServerMetrics` (its own
+registry) is the worker's job observer, and its `HttpMetrics` middleware counts responses.
 
 It does not load models, bind sockets or print startup banners (`server.cli` does).
 """

@@ -101,6 +101,17 @@ def test_each_app_counts_in_its_own_registry():
         assert value(scrape(b), "vllm:request_success_total", finished_reason="stop") == 0
 
 
+def test_route_templates_and_methods_bound_the_http_labels():
+    with TestClient(fake_app(), raise_server_exceptions=False) as c:
+        assert c.get("/v1/models/one").status_code == 404 and c.get("/v1/models/two").status_code == 404
+        assert c.request("BREW", "/health").status_code == 405
+        assert c.get("/health").status_code == 200
+        found = scrape(c)
+    assert http(found, "/v1/models/{model_id:path}", "GET", 404) == 2
+    assert http(found, "/health", "other", 405) == 1 and http(found, "/health", "GET", 200) == 1
+    assert sum(v for (name, _), v in found.items() if name == "http_requests_total") == 4
+
+
 # --- a live server on the scripted engine -----------------------------------------------------------
 
 def reply(prompt: str) -> str:
