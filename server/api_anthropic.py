@@ -32,7 +32,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
+from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, RequestDefaults, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError, error_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
@@ -108,8 +108,9 @@ def render_request(model: Any, req: Any, calling: ToolCalling) -> ChatPrompt:
     return calling.render(model, messages_from_anthropic(system, dump), specs)
 
 
-def messages_job(model: Any, req: MessagesRequest,
-                 calling: ToolCalling) -> tuple[GenerationRequest, AnthropicContext]:
+def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
+                 defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, AnthropicContext]:
+    """`defaults` does not apply: Messages requires `max_tokens`, as Anthropic's API does."""
     prompt = render_request(model, req, calling)
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")

@@ -43,7 +43,7 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
+from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, RequestDefaults, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
@@ -53,6 +53,9 @@ from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCa
 from server.scoring import PromptScored, legacy_logprobs
 from server.sse import DONE, KEEPALIVE, sse_data
 from server.tools.apis import messages_from_openai, tools_from_openai
+
+# The Completions API's own default for `max_tokens` (OpenAI's documented value).
+COMPLETION_DEFAULT_TOKENS = 16
 
 # --- schemas --------------------------------------------------------------------------
 
@@ -190,8 +193,8 @@ def _common_checks(req: _SamplingFields) -> None:
                            param=name)
 
 
-def chat_job(model: Any, req: ChatCompletionRequest,
-             calling: ToolCalling) -> tuple[list[GenerationRequest], OpenAIContext]:
+def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
+             defaults: RequestDefaults = RequestDefaults()) -> tuple[list[GenerationRequest], OpenAIContext]:
     _common_checks(req)
     if req.response_format is not None and req.response_format.type != "text":
         raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
@@ -202,7 +205,7 @@ def chat_job(model: Any, req: ChatCompletionRequest,
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, None, len(ids), model.n_ctx, ignore_eos,
+    max_tokens = resolve_max_tokens(requested, defaults.max_tokens_for(), len(ids), model.n_ctx, ignore_eos,
                                     "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     gen = GenerationRequest(
         prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
@@ -240,10 +243,11 @@ def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str
     return model.detokenize(list(prompt)), list(prompt)
 
 
-def completion_job(model: Any, req: CompletionRequest,
-                   calling: ToolCalling | None = None) -> tuple[list[GenerationRequest], OpenAIContext]:
+def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | None = None,
+                   defaults: RequestDefaults = RequestDefaults()) -> tuple[list[GenerationRequest], OpenAIContext]:
     """A raw completion: no chat template, no tool syntax (`calling` is unused). One job per
-    prompt and sample, prompt-major."""
+    prompt and sample, prompt-major. Without `max_tokens` it generates the API's documented 16
+    tokens, or the server's default if smaller."""
     _common_checks(req)
     if req.best_of is not None and req.best_of != 1:
         raise ApiError(400, "best_of must be 1 on this server", param="best_of")
@@ -268,7 +272,8 @@ def completion_job(model: Any, req: CompletionRequest,
         if not ids:
             raise ApiError(400, f"{param} is empty", param="prompt")
         check_context(len(ids), model.n_ctx, "prompt")
-        max_tokens = resolve_max_tokens(req.max_tokens, 16, len(ids), model.n_ctx, ignore_eos, "max_tokens")
+        max_tokens = resolve_max_tokens(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS),
+                                        len(ids), model.n_ctx, ignore_eos, "max_tokens")
         gen = GenerationRequest(prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
                                 sampling=sampling, stop=_stop_list(req.stop), top_logprobs=req.logprobs,
                                 prompt_logprobs=scored)

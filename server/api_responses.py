@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
+from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, RequestDefaults, StrictModel,
                             check_context, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
@@ -95,8 +95,8 @@ class ResponsesContext:
     request_echo: dict[str, Any]
 
 
-def responses_job(model: Any, req: ResponsesRequest,
-                  calling: ToolCalling) -> tuple[GenerationRequest, ResponsesContext]:
+def responses_job(model: Any, req: ResponsesRequest, calling: ToolCalling,
+                  defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, ResponsesContext]:
     if req.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: this server stores no responses; "
                             "send the earlier output items back in 'input'", param="previous_response_id")
@@ -111,8 +111,8 @@ def responses_job(model: Any, req: ResponsesRequest,
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "input")
     ignore_eos = bool(req.ignore_eos)
-    max_tokens = resolve_max_tokens(req.max_output_tokens, None, len(ids), model.n_ctx, ignore_eos,
-                                    "max_output_tokens")
+    max_tokens = resolve_max_tokens(req.max_output_tokens, defaults.max_tokens_for(), len(ids), model.n_ctx,
+                                    ignore_eos, "max_output_tokens")
     spec = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
     gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,

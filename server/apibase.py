@@ -5,6 +5,8 @@
   strictly, so `"0.5"` is not a temperature and `true` is not a token count.
 - `validate_body(schema, obj)`: a validated request or a 400 `ApiError` naming the field.
 - `check_context(...)`: the context-length rule applied before a job is queued.
+- `RequestDefaults` (the server's defaults for what a request leaves out, from its flags) and
+  `resolve_max_tokens(...)`: the tokens a request may generate.
 - `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`.
 - `new_id(prefix)`: response and item ids from a CSPRNG.
 
@@ -14,6 +16,7 @@ No HTTP, no model calls.
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -30,6 +33,28 @@ SEED_MAX = 2**64 - 1
 # Upper bound for token counts in requests: large enough for any real context, small
 # enough that arithmetic on it stays cheap.
 MAX_TOKENS_LIMIT = 2**31 - 1
+# Tokens generated for a request that sets no limit (`--max-tokens-default`): long enough for
+# any ordinary answer, short enough that a client's probe request without a limit cannot
+# occupy the server for minutes.
+DEFAULT_MAX_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What the server fills in for what a request leaves out (one field per flag)."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    """`--max-tokens-default`: tokens generated when a request sets no limit, never more than
+    the room left in the context; 0: the room left, with no cap of its own."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens_default must be 0 or more, got {self.max_tokens}")
+
+    def max_tokens_for(self, api_default: int | None = None) -> int | None:
+        """The limit of a request that sets none: the server's default or the API's own, the
+        smaller (None: neither, so the room left in the context)."""
+        caps = [c for c in (self.max_tokens or None, api_default) if c is not None]
+        return min(caps) if caps else None
 
 
 class StrictModel(BaseModel):
@@ -70,10 +95,11 @@ def check_context(n_prompt: int, n_ctx: int, param: str) -> None:
 
 def resolve_max_tokens(requested: int | None, default: int | None, n_prompt: int, n_ctx: int,
                        ignore_eos: bool, param: str) -> int:
-    """Tokens to generate: the request's limit (or the default), never past the context."""
+    """Tokens to generate: the request's limit (or the default), never past the context.
+    Only a limit the request gives can be too long for ignore_eos: a default stops at the room left."""
     room = n_ctx - n_prompt
     limit = requested if requested is not None else (default if default is not None else room)
-    if ignore_eos and limit > room:
+    if ignore_eos and requested is not None and limit > room:
         raise ApiError(400, f"ignore_eos asks for exactly {limit} tokens but only {room} fit "
                             f"after the {n_prompt}-token prompt (context {n_ctx})", param=param)
     return min(limit, room)

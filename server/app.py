@@ -26,6 +26,9 @@ worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the
 N resident sessions; the memory they need is checked when the app is created
 (`engine.batch.CapacityError`, with the figures).
 
+`/metrics` is the Prometheus view of the same app: a `server.metrics.ServerMetrics` (its own
+registry) is the worker's job observer, and its `HttpMetrics` middleware counts responses.
+
 It does not load models, bind sockets or print startup banners (`server.cli` does).
 """
 
@@ -52,6 +55,7 @@ from server.errors import ApiError, Dialect, client_error_line, dialect_for_path
 from server.guard import RequestGuard, host_check, key_check
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
+from server.metrics import HttpMetrics, ServerMetrics
 from server.prompting import ToolCalling
 from server.worker import InferenceWorker
 
@@ -93,10 +97,11 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     kv = open_store(config.kv, model)
     if kv is not None and kv_save_policy is not None:
         kv.save_policy = kv_save_policy
+    metrics = ServerMetrics(model.name, config.batched_session)
     worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
-                             engine_thread=engine_thread)
+                             engine_thread=engine_thread, observer=metrics)
     calling = ToolCalling.for_model(model, config.tools)
-    served = Served(model, config, worker, kv, calling, started_at=int(time.time()))
+    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), metrics=metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -114,6 +119,8 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     app.state.model = model
     app.state.config = config
     app.state.tools = calling
+    app.state.metrics = metrics
+    app.add_middleware(HttpMetrics, metrics=metrics)
     # Starlette runs the middleware added last first.
     if config.api_key is not None:
         app.add_middleware(RequestGuard, check=key_check(config.api_key), dialect_of=_path_dialect)

@@ -199,6 +199,10 @@ class BatchedLoop:
     def session(self, i: int) -> Any:
         return self.scheduler.session(i)
 
+    def resident_tokens(self) -> list[int]:
+        """Tokens in each slot's KV cache (any thread: a moment's reading)."""
+        return [len(self.session(i).tokens) for i in range(self.n_slots)]
+
     def cancel_all(self) -> None:
         """Cancel every running and waiting job (any thread; the loop winds them down)."""
         with self._lock:
@@ -228,6 +232,7 @@ class BatchedLoop:
                     log.exception("batched step failed")
                     self._fail_all(e)
                     continue
+                self.jobs.observer.batch_step(self.n_active)
             self._collect()
         for i in range(self.n_slots):
             self._save_slot(i, policy.SHUTDOWN, None)
@@ -280,9 +285,7 @@ class BatchedLoop:
         session = self.session(i)
         ids = list(req.prompt_ids)
         boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
-        job.stats.started_at = time.monotonic()
-        job.stats.status = "running"
-        job.stats.slot = i
+        self.jobs.start(job, i)
 
         # 1. the slot's current session goes to disk before it is replaced
         self._save_slot(i, policy.EVICT, ids)

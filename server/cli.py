@@ -20,6 +20,7 @@ import sys
 
 import click
 
+from server.apibase import DEFAULT_MAX_TOKENS
 from server.config import LOG_LEVELS, ServerConfig
 from server.kvstore import DEFAULT_BUDGET_MB, KVStoreConfig
 from server.prompting import model_syntax
@@ -112,6 +113,9 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
               help="Seconds between ': prefill' SSE comments while waiting for the first token.")
 @click.option("--max-body-mb", type=float, default=64.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
+@click.option("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,
+              help="Tokens generated for a request that sets no max_tokens / max_completion_tokens / "
+                   "max_output_tokens, at most the room left in the context; 0: the room left.")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS), default="info", show_default=True)
 @click.option("--tool-syntax", type=click.Choice(sorted(SYNTAXES)), default=None,
               help="Tool-call syntax of the model (default: detected from its chat template and name).")

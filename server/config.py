@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.guard import LOOPBACK_HOSTS, is_loopback, normalize_host
+from server.apibase import DEFAULT_MAX_TOKENS, RequestDefaults
 from server.kvstore import KVStoreConfig
 from server.tools import ToolsConfig
 
@@ -45,6 +46,9 @@ class ServerConfig:
     """Interval of `: prefill` SSE comments while a streamed request waits for its first token."""
     max_body_mb: float = 64.0
     """Largest accepted request body in MiB; larger bodies get 413."""
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+    """Tokens generated for a request that sets no limit (Chat Completions, Completions, Responses),
+    never more than the room left in the context; 0: the room left."""
     log_level: str = "info"
     """Logging level for the server and uvicorn."""
     tools: ToolsConfig = field(default_factory=ToolsConfig)
@@ -81,6 +85,7 @@ class ServerConfig:
             raise ValueError(f"keepalive_sec must be positive, got {self.keepalive_sec}")
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb must be positive, got {self.max_body_mb}")
+        self.request_defaults  # validates its fields
         if self.ctx is not None and self.ctx < 16:
             raise ValueError(f"ctx must be at least 16 tokens, got {self.ctx}")
         if not 0 <= self.port <= 65535:
@@ -109,6 +114,10 @@ class ServerConfig:
                              "or name the origins (--cors http://localhost:3000)")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+    @property
+    def request_defaults(self) -> RequestDefaults:
+        return RequestDefaults(max_tokens=self.max_tokens_default)
 
     @property
     def max_body_bytes(self) -> int:

@@ -37,7 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server import api_anthropic, api_openai, api_responses, api_tokenize
-from server.apibase import StrictModel, validate_body
+from server.apibase import RequestDefaults, StrictModel, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
 from server.httpbody import CLIENT_CLOSED, body_headers_error, read_body
@@ -45,6 +45,7 @@ from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, T
 from server.choices import choice_events, collect_choices, submit_choices
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
+from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.prompting import ToolCalling, prompt_ids
 from server.sse import SSEResponse, job_events, wait_or_disconnect
 from server.tools.apis import ToolInputError
@@ -61,6 +62,7 @@ class Served:
     kv: KVStore | None
     calling: ToolCalling
     started_at: int
+    metrics: ServerMetrics
 
 
 RouteFactory = Callable[[Served], Callable[..., Awaitable[Any]]]
@@ -140,7 +142,7 @@ async def guarded(body: AsyncIterator[bytes], on_error: Callable[[str], bytes],
 class InferenceApi:
     """How one inference API plugs into the shared request path."""
     schema: type[StrictModel]
-    make_job: Callable[[Any, Any, ToolCalling], tuple[GenerationRequest, Any]]
+    make_job: Callable[[Any, Any, ToolCalling, RequestDefaults], tuple[GenerationRequest, Any]]
     respond: Callable[[Any, Collected], dict[str, Any]]
     stream: Callable[[Any, AsyncIterator[Event | None]], AsyncIterator[bytes]]
     stream_error: Callable[[str], bytes]
@@ -152,10 +154,12 @@ class InferenceApi:
 def inference(api: InferenceApi, name: str) -> RouteFactory:
     def make(served: Served) -> Callable[..., Awaitable[Any]]:
         config, worker = served.config, served.worker
+        defaults = config.request_defaults
 
         async def route(request: Request) -> Response:
             body = await parse_body(served, request, api.schema)
-            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling)
+            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling,
+                                               defaults)
             if api.choices:
                 return await answer_choices(served, api, request, body, gen, ctx)
             loop = asyncio.get_running_loop()
@@ -286,6 +290,16 @@ def health(served: Served) -> Callable[..., Awaitable[Any]]:
     return health
 
 
+def metrics(served: Served) -> Callable[..., Awaitable[Any]]:
+    worker, kv, recorded = served.worker, served.kv, served.metrics
+
+    async def metrics() -> Response:
+        # Off the event loop: the disk cache's counters wait while the store reads or writes a file.
+        text = await run_in_threadpool(lambda: recorded.render(worker.load(), kv.stats() if kv is not None else None))
+        return Response(text, media_type=CONTENT_TYPE)
+    return metrics
+
+
 def list_models(served: Served) -> Callable[..., Awaitable[Any]]:
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(served)]}
@@ -307,6 +321,7 @@ def get_model(served: Served) -> Callable[..., Awaitable[Any]]:
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("/health", "GET", "openai", "Liveness and queue state", health),
+    Endpoint("/metrics", "GET", "openai", "Prometheus metrics (text exposition format)", metrics),
     Endpoint("/v1/models", "GET", "openai", "The loaded model", list_models),
     Endpoint("/v1/models/{model_id:path}", "GET", "openai", "One model by id", get_model),
     Endpoint("/v1/chat/completions", "POST", "openai", "OpenAI Chat Completions",

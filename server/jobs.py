@@ -12,8 +12,12 @@
   structure, UTF-8-safe text, stop sequences, splitter events), whoever runs the forward
   passes.
 - `JobLedger`: the FIFO of submitted jobs, the stop request, and the history of finished
-  jobs (`record`, `wait_finished`). The serial loop (`server.worker`) and the batched loop
-  (`server.batching`) take jobs from it and report to it; neither knows the other.
+  jobs (`start`, `record`, `wait_finished`). The serial loop (`server.serial`) and the batched
+  loop (`server.batching`) take jobs from it and report to it; neither knows the other.
+- `JobObserver`: the one seam through which a job's life is watched (started, each token,
+  finished, each batched step), e.g. by `server.metrics.ServerMetrics`; the ledger, its jobs
+  and the `TokenDecoder` call it on the worker thread. `NO_OBSERVER` watches nothing.
+  `ServingLoad` is what the loop holds at one moment (running, waiting, KV cache tokens).
 - `default_engine()`: the `engine` package, the object that provides `SamplingParams`,
   `Sampler`, `Cancelled`, `BatchScheduler` and `GenRequest` unless a test injects another.
 
@@ -29,7 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -162,17 +166,72 @@ class JobStats:
     """Longest gap between prefill progress reports: the engine's cancel granularity."""
     slot: int | None = None
     """The resident session that served the job (batched mode)."""
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    """'stop' or 'length' once the generation ended (None: cancelled or failed)."""
 
     def usage(self) -> Usage:
         return Usage(self.n_prompt, self.n_generated, self.n_cached, self.n_written)
 
 
+class JobObserver(Protocol):
+    """Watches jobs from the worker thread; each call must be quick (it runs between forward
+    passes) and must not raise."""
+
+    def job_started(self, stats: JobStats) -> None:
+        """The loop took the job and begins its prefill."""
+
+    def token(self, stats: JobStats, now: float) -> None:
+        """A token was generated at `now`; `stats.last_token_at` is still the previous one's
+        time (None for the first token), `stats.n_generated` already counts this one."""
+
+    def job_finished(self, stats: JobStats) -> None:
+        """The job left the loop (done, cancelled or failed); `stats` are final."""
+
+    def batch_step(self, busy_slots: int) -> None:
+        """The batched loop ran one step with this many slots serving a job."""
+
+
+class _NoObserver:
+    def job_started(self, stats: JobStats) -> None:
+        pass
+
+    def token(self, stats: JobStats, now: float) -> None:
+        pass
+
+    def job_finished(self, stats: JobStats) -> None:
+        pass
+
+    def batch_step(self, busy_slots: int) -> None:
+        pass
+
+
+NO_OBSERVER: JobObserver = _NoObserver()
+
+
+@dataclass(frozen=True)
+class ServingLoad:
+    """What the inference loop holds at one moment."""
+    running: int
+    """Jobs taken by the loop and not finished."""
+    waiting: int
+    """Jobs submitted and not yet started."""
+    kv_tokens: int
+    """Tokens held in the KV caches of the resident sessions (serving or kept for reuse)."""
+    kv_capacity_tokens: int
+    """Tokens the resident sessions can hold together (context size times sessions)."""
+    slots: int
+    """Resident sessions (1 in the serial loop)."""
+
+
 class Job:
     """A queued request plus its cancel flag and event sink. Thread-safe to cancel."""
 
-    def __init__(self, job_id: int, request: GenerationRequest, sink: Callable[[Event], None]) -> None:
+    def __init__(self, job_id: int, request: GenerationRequest, sink: Callable[[Event], None],
+                 observer: JobObserver = NO_OBSERVER) -> None:
         self.id = job_id
         self.request = request
+        self.observer = observer
         self._sink = sink
         self._cancel = threading.Event()
         self.stats = JobStats(job_id=self.id, queued_at=time.monotonic(),
@@ -256,8 +315,11 @@ class TokenDecoder:
     def accept(self, token: int) -> bool:
         stats = self.job.stats
         stats.n_generated += 1
+        now = time.monotonic()
+        self.job.observer.token(stats, now)
+        stats.last_token_at = now
         if stats.first_token_at is None:
-            stats.first_token_at = time.monotonic()
+            stats.first_token_at = now
         if token in self.eos_ids and not self.ignore_eos:
             self.reason = "stop"
             return False
@@ -283,6 +345,7 @@ class TokenDecoder:
                 self.job.emit(TextDelta(tail, (), tuple(self.splitter.feed(tail)) if self.splitter is not None else ()))
         output = self.splitter.finish(finish) if self.splitter is not None else None
         self.job.stats.status = "done"
+        self.job.stats.finish_reason = finish
         self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
 
 
@@ -305,11 +368,13 @@ def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], T
 class JobLedger:
     """Submitted jobs in FIFO order, the stop request, and the stats of finished jobs.
 
-    `submit` and `cancel_queued` may be called from any thread; `take`, `take_ready`,
-    `finish_cancelled` and `record` are for the loop that serves the jobs.
+    `submit` and `cancel_queued` may be called from any thread; `take`, `take_ready`, `start`,
+    `finish_cancelled` and `record` are for the loop that serves the jobs. `observer` hears of
+    every job it starts and records, and of every token of its jobs.
     """
 
-    def __init__(self, history: int = 256) -> None:
+    def __init__(self, history: int = 256, observer: JobObserver = NO_OBSERVER) -> None:
+        self.observer = observer
         self._queue: queue.Queue[Job | None] = queue.Queue()  # None: stop
         self._ids = itertools.count(1)
         self.finished: deque[JobStats] = deque(maxlen=history)
@@ -322,7 +387,7 @@ class JobLedger:
         return self._queue.qsize()
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Job:
-        job = Job(next(self._ids), request, sink)
+        job = Job(next(self._ids), request, sink, self.observer)
         self._queue.put(job)
         return job
 
@@ -362,6 +427,14 @@ class JobLedger:
             pass
         return jobs, stop
 
+    def start(self, job: Job, slot: int | None = None) -> None:
+        """The loop begins serving the job (in resident session `slot`, batched mode)."""
+        stats = job.stats
+        stats.started_at = time.monotonic()
+        stats.status = "running"
+        stats.slot = slot
+        self.observer.job_started(stats)
+
     def finish_cancelled(self, job: Job) -> None:
         job.stats.status = "cancelled"
         job.emit(Finished("cancelled", job.stats.usage()))
@@ -372,6 +445,7 @@ class JobLedger:
         stats.finished_at = time.monotonic()
         if stats.status == "cancelled" and stats.cancel_requested_at is not None and stats.started_at:
             stats.cancel_latency_s = max(0.0, stats.finished_at - stats.cancel_requested_at)
+        self.observer.job_finished(stats)
         with self._finished_cv:
             self.finished.append(stats)
             self._finished_cv.notify_all()

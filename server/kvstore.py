@@ -179,6 +179,8 @@ class KVStoreStats:
     hits: int = 0
     misses: int = 0
     tokens_restored: int = 0
+    bytes_restored: int = 0
+    """Size of the entry files read back by hits."""
     writes: int = 0
     tokens_written: int = 0
     bytes_written: int = 0
@@ -456,6 +458,7 @@ class KVStore:
                 if hit is not None:
                     self._stats.hits += 1
                     self._stats.tokens_restored += hit.n_tokens
+                    self._stats.bytes_restored += entry.file_size
                     self._restored = entry.key
                     return hit
             self._stats.misses += 1

@@ -86,6 +86,15 @@ class SerialLoop:
 
     n_waiting = 0
 
+    @property
+    def n_active(self) -> int:
+        return 1 if self._current is not None else 0
+
+    def resident_tokens(self) -> list[int]:
+        """Tokens in each resident session's KV cache (any thread: a moment's reading)."""
+        session = self._session
+        return [len(session.tokens) if session is not None else 0]
+
     def cancel_all(self) -> None:
         """Cancel the running job (any thread); queued ones are the ledger's."""
         with self._lock:
@@ -122,8 +131,7 @@ class SerialLoop:
         if job.is_cancelled():
             self.jobs.finish_cancelled(job)
             return
-        job.stats.started_at = time.monotonic()
-        job.stats.status = "running"
+        self.jobs.start(job)
         try:
             self._generate(job)
         except (JobCancelled, self.engine.Cancelled):

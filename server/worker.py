@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 from engine.threads import EngineThread
 from server.batching import BatchedLoop
-from server.jobs import Event, GenerationRequest, Job, JobLedger, JobStats, default_engine
+from server.jobs import (NO_OBSERVER, Event, GenerationRequest, Job, JobLedger, JobObserver, JobStats, ServingLoad,
+                         default_engine)
 from server.kvstore import KVStore
 from server.serial import SerialLoop
 
@@ -45,15 +46,16 @@ class InferenceWorker:
 
     def __init__(self, model: Any, engine: Any = None, *,
                  history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
-                 clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None,
+                 observer: JobObserver = NO_OBSERVER) -> None:
         """`engine` provides the engine's types (`SamplingParams`, `Sampler`, `Cancelled`; default:
         the `engine` package). `engine_thread` is the thread the model was loaded on (see
         `engine.threads`); the worker's loop runs there. Without one the worker starts its own
-        and ends it in `stop()`."""
+        and ends it in `stop()`. `observer` watches every job (`server.jobs.JobObserver`)."""
         self.model = model
         self.engine = engine if engine is not None else default_engine()
         self.kv = kv
-        self.jobs = JobLedger(history)
+        self.jobs = JobLedger(history, observer)
         self._owns_thread = engine_thread is None
         self.engine_thread = engine_thread or EngineThread("ds4-inference")
         self._loop: Future | None = None
@@ -117,6 +119,12 @@ class InferenceWorker:
     @property
     def busy(self) -> bool:
         return self.serving.busy
+
+    def load(self) -> ServingLoad:
+        """What the loop holds now (any thread; the figures are read without stopping it)."""
+        resident = self.serving.resident_tokens()
+        return ServingLoad(running=self.serving.n_active, waiting=self.queue_depth, kv_tokens=sum(resident),
+                           kv_capacity_tokens=len(resident) * self.model.n_ctx, slots=len(resident))
 
     def wait_finished(self, job_id: int, timeout: float) -> JobStats | None:
         """Block until the job with this id has left the worker (tests and shutdown)."""
