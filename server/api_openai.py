@@ -35,8 +35,8 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, StrictModel,
-                            check_context, new_id, resolve_max_tokens, sampling_spec)
+from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, StrictModel, check_context,
+                            new_id, resolve_max_tokens, sampling_spec, stop_list)
 from server.errors import ApiError, error_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
@@ -92,21 +92,17 @@ class ResponseFormat(OpenModel):
 
 
 Temperature = Field(None, ge=0.0, le=2.0)
-Probability = Field(None, ge=0.0, le=1.0)
-TopK = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
-Seed = Field(None, ge=SEED_MIN, le=SEED_MAX)
-MaxTokens = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 Penalty = Field(None, ge=-2.0, le=2.0)
 
 
 class _SamplingFields(StrictModel):
     model: str | None = None
     temperature: float | None = Temperature
-    top_p: float | None = Probability
-    top_k: int | None = TopK
-    min_p: float | None = Probability
-    seed: int | None = Seed
-    max_tokens: int | None = MaxTokens
+    top_p: float | None = TOP_P
+    top_k: int | None = TOP_K
+    min_p: float | None = MIN_P
+    seed: int | None = SEED
+    max_tokens: int | None = TOKEN_COUNT
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -118,7 +114,7 @@ class _SamplingFields(StrictModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = MaxTokens
+    max_completion_tokens: int | None = TOKEN_COUNT
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDef] | None = None
@@ -148,15 +144,6 @@ class OpenAIContext:
     include_usage: bool
     logprobs: bool
     echo_text: str = ""
-
-
-def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > 16:
-        raise ApiError(400, "stop: at most 16 stop sequences are supported", param="stop")
-    return tuple(s for s in stops if s)
 
 
 def _common_checks(req: _SamplingFields) -> None:
@@ -189,7 +176,7 @@ def chat_job(model: Any, req: ChatCompletionRequest,
         max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=_stop_list(req.stop),
+        stop=stop_list(req.stop, "stop"),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         new_splitter=lambda: calling.new_splitter(prompt, "openai"))
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
@@ -235,7 +222,7 @@ def completion_job(model: Any, req: CompletionRequest,
         prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=_stop_list(req.stop), top_logprobs=req.logprobs)
+        stop=stop_list(req.stop, "stop"), top_logprobs=req.logprobs)
     ctx = OpenAIContext(kind="completion", model_name=model.name, id=new_id("cmpl-"),
                         created=int(time.time()),
                         include_usage=bool(req.stream_options and req.stream_options.include_usage),

@@ -6,6 +6,10 @@
 - `validate_body(schema, obj)`: a validated request or a 400 `ApiError` naming the field.
 - `check_context(...)`: the context-length rule applied before a job is queued.
 - `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`.
+- The bounds every API shares for its sampling fields (`TOP_P`, `MIN_P`, `TOP_K`, `SEED`,
+  `TOKEN_COUNT`, `STOP_*`): one definition, so a value the engine's sampler refuses (such as
+  `top_p: 0`) is a 400 naming the field on every endpoint, never a 500 from the sampler.
+- `stop_list(value, param)`: the stop sequences of a request, bounded in count and length.
 - `new_id(prefix)`: response and item ids from a CSPRNG.
 
 No HTTP, no model calls.
@@ -16,7 +20,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.errors import ApiError, from_validation_error
 from server.jobs import SamplingSpec
@@ -30,6 +34,18 @@ SEED_MAX = 2**64 - 1
 # Upper bound for token counts in requests: large enough for any real context, small
 # enough that arithmetic on it stays cheap.
 MAX_TOKENS_LIMIT = 2**31 - 1
+# Stop sequences are matched against the generated text after every token; their number and
+# length bound that work.
+STOP_MAX_COUNT = 16
+STOP_MAX_CHARS = 4096
+
+# Field bounds shared by the request schemas. top_p is a probability mass the nucleus must
+# reach: 0 keeps nothing, so it is excluded (the engine's sampler refuses it).
+TOP_P = Field(None, gt=0.0, le=1.0)
+MIN_P = Field(None, ge=0.0, le=1.0)
+TOP_K = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
+SEED = Field(None, ge=SEED_MIN, le=SEED_MAX)
+TOKEN_COUNT = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
 class StrictModel(BaseModel):
@@ -77,6 +93,20 @@ def resolve_max_tokens(requested: int | None, default: int | None, n_prompt: int
         raise ApiError(400, f"ignore_eos asks for exactly {limit} tokens but only {room} fit "
                             f"after the {n_prompt}-token prompt (context {n_ctx})", param=param)
     return min(limit, room)
+
+
+def stop_list(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
+    """The non-empty stop sequences of a request; a 400 naming `param` past the bounds."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > STOP_MAX_COUNT:
+        raise ApiError(400, f"{param}: at most {STOP_MAX_COUNT} stop sequences are supported", param=param)
+    for s in stops:
+        if len(s) > STOP_MAX_CHARS:
+            raise ApiError(400, f"{param}: a stop sequence may have at most {STOP_MAX_CHARS} characters, "
+                                f"not {len(s)}", param=param)
+    return tuple(s for s in stops if s)
 
 
 def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int | None,

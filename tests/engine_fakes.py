@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from engine.batch import GenRequest
-from engine.sampling import SamplingParams
+from engine.sampling import Sampler, SamplingParams
 
 
 class FakeCancelled(Exception):
@@ -183,7 +183,10 @@ class FakeSession:
 
     def sample(self, params: FakeSamplingParams) -> int:
         if self._sampler is None or self._sampler.params is not params:
-            self._sampler = FakeSampler(params, self.model.eos_ids)
+            # The engine's own parameters get the engine's own sampler, so that a test can
+            # run the real sampling filters over the scripted logits.
+            kind = Sampler if isinstance(params, SamplingParams) else FakeSampler
+            self._sampler = kind(params, self.model.eos_ids)
         return self._sampler(self.logits)
 
     def truncate(self, n: int) -> None:
