@@ -22,6 +22,8 @@ weights, bf16 on CUDA);
     `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`,
     `quant` (the dominant tensor type), `metadata` (every GGUF key as a Python value),
     `load_seconds`.
+  - `max_token_bytes`: the byte length of the longest token, so that a text of n bytes has
+    at least ceil(n / max_token_bytes) tokens (a size check before tokenizing).
   - `tokenize(text, special=False) -> list[int]`: with `special=True` special-token
     text such as `<|im_start|>` becomes its single id; never adds BOS by itself.
   - `prompt_ids(ids) -> list[int]`: the one add-BOS rule — a new list with `bos_id` first

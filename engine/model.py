@@ -115,6 +115,10 @@ class Model:
     def add_bos(self) -> bool:
         return self.tokenizer.add_bos
 
+    @property
+    def max_token_bytes(self) -> int:
+        return self.tokenizer.max_token_bytes
+
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, special=special)
 

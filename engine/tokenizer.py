@@ -6,6 +6,7 @@ Contract
     tok.decode(ids, skip_special=False) -> str
     tok.piece(id) -> str                         # the token's stored text, for display
     tok.n_vocab, tok.bos_id, tok.eos_id, tok.eos_ids, tok.add_bos
+    tok.max_token_bytes                          # the longest token's byte length
     TextStream(tok).push(id) -> str / .flush() -> str   # incremental, UTF-8 safe
 
 Two vocabulary kinds, chosen by `tokenizer.ggml.model`:
@@ -437,6 +438,10 @@ class Tokenizer:
         self._user_re = alternation(i for i in self._special if i not in self._control)
         self._special_id = {spec.tokens[i]: i for i in sorted(self._special)}
         self._bytes = [self._token_bytes(i) for i in range(self.n_vocab)]
+        # No token spells more bytes than this, so a text of n bytes has at least
+        # ceil(n / max_token_bytes) tokens: a size check that needs no tokenizing. SentencePiece's
+        # space prefix only adds bytes; at least 1 keeps the bound defined for odd vocabularies.
+        self.max_token_bytes: int = max(1, max((len(b) for b in self._bytes), default=1))
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":

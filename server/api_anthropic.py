@@ -33,7 +33,8 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field
 
 from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, OpenModel, StrictModel,
-                            check_context, new_id, resolve_max_tokens, sampling_spec, stop_list)
+                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
+                            stop_list)
 from server.errors import ApiError, error_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
 from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
@@ -111,6 +112,7 @@ def render_request(model: Any, req: Any, calling: ToolCalling) -> ChatPrompt:
 def messages_job(model: Any, req: MessagesRequest,
                  calling: ToolCalling) -> tuple[GenerationRequest, AnthropicContext]:
     prompt = render_request(model, req, calling)
+    check_prompt_size(model, prompt.text, "messages")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)

@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field
 
 from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, StrictModel, check_context,
-                            new_id, resolve_max_tokens, sampling_spec, stop_list)
+                            check_prompt_size, new_id, resolve_max_tokens, sampling_spec, stop_list)
 from server.errors import ApiError, error_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
@@ -165,6 +165,7 @@ def chat_job(model: Any, req: ChatCompletionRequest,
                             "(only 'text')", param="response_format")
     specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
     prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]), specs)
+    check_prompt_size(model, prompt.text, "messages")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)
@@ -211,6 +212,7 @@ def completion_job(model: Any, req: CompletionRequest,
                                     "exactly one per request", param="prompt")
             prompt = prompt[0]
         text = prompt
+        check_prompt_size(model, text, "prompt")
         ids = prompt_ids(model, text)
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt")

@@ -31,7 +31,7 @@ from typing import Any, AsyncIterator
 from pydantic import Field
 
 from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, StrictModel, check_context,
-                            new_id, resolve_max_tokens, sampling_spec)
+                            check_prompt_size, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
 from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
@@ -108,6 +108,7 @@ def responses_job(model: Any, req: ResponsesRequest,
     specs = tools_from_responses(tool_dump)
     items = req.input if isinstance(req.input, str) else [it.model_dump(exclude_none=True) for it in req.input]
     prompt = calling.render(model, messages_from_responses(req.instructions, items), specs)
+    check_prompt_size(model, prompt.text, "input")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "input")
     ignore_eos = bool(req.ignore_eos)

@@ -4,7 +4,10 @@
   send vendor extras such as `user` or `metadata`); known members are type-checked
   strictly, so `"0.5"` is not a temperature and `true` is not a token count.
 - `validate_body(schema, obj)`: a validated request or a 400 `ApiError` naming the field.
-- `check_context(...)`: the context-length rule applied before a job is queued.
+- `check_context(...)`: the context-length rule applied before a job is queued;
+  `check_prompt_size(model, text, param)` applies it before tokenizing, from a lower bound
+  on the token count (characters / the vocabulary's longest token in bytes), so that a
+  prompt of megabytes is refused in microseconds instead of being tokenized whole.
 - `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`.
 - The bounds every API shares for its sampling fields (`TOP_P`, `MIN_P`, `TOP_K`, `SEED`,
   `TOKEN_COUNT`, `STOP_*`): one definition, so a value the engine's sampler refuses (such as
@@ -82,6 +85,23 @@ def context_error(n_prompt: int, n_ctx: int, param: str) -> ApiError:
 def check_context(n_prompt: int, n_ctx: int, param: str) -> None:
     if n_prompt >= n_ctx:
         raise context_error(n_prompt, n_ctx, param)
+
+
+def min_prompt_tokens(text: str, max_token_bytes: int) -> int:
+    """A lower bound on the token count of `text`: no token spells more than `max_token_bytes`
+    bytes, and a character is at least one byte."""
+    return -(-len(text) // max(1, max_token_bytes))
+
+
+def check_prompt_size(model: Any, text: str, param: str) -> None:
+    """The context-length rule before tokenizing: a 400 when `text` cannot fit however it tokenizes."""
+    at_least = min_prompt_tokens(text, model.max_token_bytes)
+    if at_least >= model.n_ctx:
+        raise ApiError(
+            400, f"the prompt has at least {at_least} tokens ({len(text)} characters, no token longer than "
+                 f"{model.max_token_bytes} bytes), which does not fit in the context of {model.n_ctx} tokens",
+            param=param, code="context_length_exceeded",
+            extra={"n_prompt_tokens_at_least": at_least, "n_ctx": model.n_ctx})
 
 
 def resolve_max_tokens(requested: int | None, default: int | None, n_prompt: int, n_ctx: int,

@@ -46,6 +46,7 @@ from server.endpoints import ENDPOINTS, Served
 from server.errors import ApiError, Dialect, dialect_for_path, error_body
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
+from server.prepare import PrepareExecutor
 from server.prompting import ToolCalling
 from server.worker import InferenceWorker
 
@@ -84,7 +85,8 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
                              engine_thread=engine_thread)
     calling = ToolCalling.for_model(model, config.tools)
-    served = Served(model, config, worker, kv, calling, started_at=int(time.time()))
+    prepare = PrepareExecutor()
+    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), prepare=prepare)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,6 +95,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
             yield
         finally:
             await run_in_threadpool(worker.stop)
+            await run_in_threadpool(prepare.close)
 
     app = FastAPI(title="ds4-server", version="0.1.0", lifespan=lifespan,
                   description="OpenAI Chat/Completions, Anthropic Messages and OpenAI Responses "

@@ -9,8 +9,9 @@ A row's `handler` is a factory: given the app's `Served` state it returns the ro
 (whose name and signature FastAPI reads for the operation id and parameters). Inference
 endpoints share one request path, `inference(api)`:
 
-    read body (size limit, 413) -> hardened JSON parse -> schema validation -> render and
-    tokenize off the event loop -> context-length check -> submit job -> stream SSE or
+    read body (size limit, 413) -> on the app's `PrepareExecutor` (a few threads, bounded
+    waiting, 503 beyond): hardened JSON parse, schema validation, render, the size check
+    that needs no tokenizing, tokenize, context-length check -> submit job -> stream SSE or
     collect and answer JSON
 
 with each API's translation as an `InferenceApi` (schema, make_job, respond, stream,
@@ -30,17 +31,17 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from pydantic import BaseModel
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from server import api_anthropic, api_openai, api_responses
-from server.apibase import StrictModel, validate_body
+from server.apibase import StrictModel, check_prompt_size, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
+from server.prepare import PrepareExecutor
 from server.prompting import ToolCalling, prompt_ids
 from server.sse import SSEResponse, job_events, wait_or_disconnect
 from server.tools.apis import ToolInputError
@@ -61,6 +62,7 @@ class Served:
     kv: KVStore | None
     calling: ToolCalling
     started_at: int
+    prepare: PrepareExecutor
 
 
 RouteFactory = Callable[[Served], Callable[..., Awaitable[Any]]]
@@ -100,13 +102,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
-    raw = await read_body(request, served.config.max_body_bytes)
+def parse_raw(raw: bytes, schema: type[StrictModel]) -> Any:
     try:
         obj = parse_json_body(raw)
     except JsonBodyError as e:
         raise ApiError(400, str(e), code="invalid_json") from None
     return validate_body(schema, obj)
+
+
+async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
+    raw = await read_body(request, served.config.max_body_bytes)
+    return await served.prepare.run(parse_raw, raw, schema)
 
 
 def tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,7 +175,7 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
 
         async def route(request: Request) -> Response:
             body = await parse_body(served, request, api.schema)
-            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling)
+            gen, ctx = await served.prepare.run(tool_input_errors(api.make_job), served.model, body, served.calling)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
@@ -224,9 +230,10 @@ def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
 
         def count() -> int:
             prompt = api_anthropic.render_request(served.model, body, served.calling)
+            check_prompt_size(served.model, prompt.text, "messages")
             return len(prompt_ids(served.model, prompt.text))
 
-        return JSONResponse({"input_tokens": await run_in_threadpool(tool_input_errors(count))})
+        return JSONResponse({"input_tokens": await served.prepare.run(tool_input_errors(count))})
     return count_tokens
 
 
@@ -247,6 +254,7 @@ def health(served: Served) -> Callable[..., Awaitable[Any]]:
         return {"status": "ok", "model": model.name, "n_ctx": model.n_ctx,
                 "busy": worker.busy, "queued": worker.queue_depth,
                 "batched_sessions": served.config.batched_session,
+                "preparing": served.prepare.running, "preparing_waiting": served.prepare.waiting,
                 "kv_cache": (vars(kv.stats()) | {"directory": kv.directory}) if kv is not None else None}
     return health
 

@@ -256,6 +256,10 @@ class FakeModel:
         return {k: v for k, v in self.vocab.specials.items() if k not in THINK_MARKERS}
 
     # --- text ---
+    @property
+    def max_token_bytes(self) -> int:
+        return max(len(k.encode("utf-8")) for k in self.vocab.specials)
+
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         if not special:
             return list(text.encode("utf-8"))
