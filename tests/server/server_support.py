@@ -77,3 +77,85 @@ def raw_request(port: int, method: str, path: str, body: bytes,
     head += [f"{k}: {v}" for k, v in (headers or {}).items()]
     sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
     return sock
+
+
+REPO_ROOT = __file__.rsplit("/tests/", 1)[0]
+
+
+class ServerProcess:
+    """A `python -m server.cli` child on a free loopback port; `rss_peak_kib()` reads its VmHWM."""
+
+    def __init__(self, *flags: str, startup_s: float = 180.0) -> None:
+        import subprocess
+        import sys
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(self.port),
+                                      "--host", "127.0.0.1", *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
+        self.log: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("server exited at startup:\n" + "".join(self.log))
+            try:
+                self.get("/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise AssertionError("server did not answer /health:\n" + "".join(self.log))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def request(self, method: str, path: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, bytes]:
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str, timeout: float = 60) -> tuple[int, bytes]:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, obj: Any, timeout: float = 60) -> tuple[int, bytes]:
+        import json
+        return self.request("POST", path, json.dumps(obj).encode(), timeout=timeout)
+
+    def status_kib(self, key: str) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        raise KeyError(key)
+
+    def rss_peak_kib(self) -> int:
+        return self.status_kib("VmHWM")
+
+    def rss_kib(self) -> int:
+        return self.status_kib("VmRSS")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextmanager
+def server_process(*flags: str, **kw: Any) -> Iterator[ServerProcess]:
+    srv = ServerProcess(*flags, **kw)
+    try:
+        yield srv
+    finally:
+        srv.stop()
