@@ -5,7 +5,8 @@
       At most `workers` preparations run at once and at most `max_waiting` more wait for a
       thread; a request beyond that is refused at once with a 503 (`ApiError`, code
       "server_busy"), so a burst of huge bodies cannot queue unbounded work or memory.
-  prep.close()      stop the threads (waits for running preparations)
+  prep.close()      stop the threads (waits for running preparations); a later run starts
+                    them again (an app may go through several lifespans in tests)
   prep.running, prep.waiting   current counts (for `/health`)
 
 Why a pool of its own: the default thread pool of the ASGI server has dozens of threads, and
@@ -42,7 +43,7 @@ class PrepareExecutor:
             raise ValueError(f"workers must be >= 1 and max_waiting >= 0, got {workers}, {max_waiting}")
         self.workers = workers
         self.max_waiting = max_waiting
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ds4-prepare")
+        self._pool: ThreadPoolExecutor | None = None  # started by the first run, again after close
         self._lock = threading.Lock()
         self._admitted = 0  # running + waiting
         self._running = 0
@@ -77,7 +78,11 @@ class PrepareExecutor:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         self._admit()
         try:
-            future = self._pool.submit(self._call, fn, args)
+            with self._lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ds4-prepare")
+                pool = self._pool
+            future = pool.submit(self._call, fn, args)
         except BaseException:
             with self._lock:
                 self._admitted -= 1
@@ -85,4 +90,7 @@ class PrepareExecutor:
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
