@@ -14,6 +14,8 @@ stream) when inference fails after the headers were sent.
 
 A raw completion prompt is tokenized with special-token parsing, so a client may send an
 already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is used as is.
+Chat messages are not: a control-token spelling inside a message stays text
+(`server.prompting`), only the template's own markers are control tokens.
 Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`.
 
 Tools: definitions and earlier calls are rendered by the model's tool syntax
@@ -37,6 +39,7 @@ from pydantic import Field
 
 from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, StrictModel, check_context,
                             check_prompt_size, new_id, resolve_max_tokens, sampling_spec, stop_list)
+from engine.prompt_text import from_rendered
 from server.errors import ApiError, error_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
@@ -205,6 +208,7 @@ def completion_job(model: Any, req: CompletionRequest,
             raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary "
                                 f"(0..{model.n_vocab - 1})", param="prompt")
         text = model.detokenize(ids)
+        key_text = model.detokenize_prompt(ids)
     else:
         if isinstance(prompt, list):
             if len(prompt) != 1:
@@ -213,7 +217,9 @@ def completion_job(model: Any, req: CompletionRequest,
             prompt = prompt[0]
         text = prompt
         check_prompt_size(model, text, "prompt")
-        ids = prompt_ids(model, text)
+        # The caller's own rendering: every control spelling in it is meant as the token.
+        key_text = from_rendered(text)
+        ids = prompt_ids(model, key_text)
     if not ids:
         raise ApiError(400, "prompt is empty", param="prompt")
     check_context(len(ids), model.n_ctx, "prompt")
@@ -221,7 +227,7 @@ def completion_job(model: Any, req: CompletionRequest,
     max_tokens = resolve_max_tokens(req.max_tokens, 16, len(ids), model.n_ctx, ignore_eos,
                                     "max_tokens")
     gen = GenerationRequest(
-        prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+        prompt_text=key_text, prompt_ids=tuple(ids), max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
         stop=stop_list(req.stop, "stop"), top_logprobs=req.logprobs)
