@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine.threads import EngineThread
 from server.config import ServerConfig
-from server.endpoints import ENDPOINTS, Served
+from server.endpoints import ENDPOINTS, Served, probe_chat
 from server.errors import ApiError, Dialect, dialect_for_path, error_body
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
@@ -86,7 +86,12 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
                              engine_thread=engine_thread)
     calling = ToolCalling.for_model(model, config.tools)
     prepare = PrepareExecutor()
-    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), prepare=prepare)
+    chat_disabled = probe_chat(model)
+    if chat_disabled is not None:
+        log.warning("the chat template fails a probe render (%s): chat endpoints are disabled, only raw "
+                    "/v1/completions is served", chat_disabled)
+    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), prepare=prepare,
+                    chat_disabled=chat_disabled)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

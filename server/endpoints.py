@@ -20,6 +20,11 @@ cannot be mapped (`ToolInputError`) are 400s like any other bad input; disconnec
 the job, streaming or not. Request bodies are parsed by the handlers themselves (FastAPI's
 own body parsing would bypass the hardened parser); the schemas only document them.
 
+Chat templates: a template that refuses a conversation (`raise_exception`) gives a 400, one
+that fails or runs past its render limits a 500 saying so (`template_errors`). A template
+that fails the probe render at startup (`probe_chat`) turns the chat endpoints off: they
+answer 500 at once with the reason, and raw `/v1/completions` stays served.
+
 It does not create the app, install middleware or render errors (`server.app` does).
 """
 
@@ -34,6 +39,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.chat_template import PROBE_MESSAGES, ChatTemplateError, ChatTemplateRejected
 from server import api_anthropic, api_openai, api_responses
 from server.apibase import StrictModel, check_prompt_size, validate_body
 from server.config import ServerConfig
@@ -63,6 +69,8 @@ class Served:
     calling: ToolCalling
     started_at: int
     prepare: PrepareExecutor
+    chat_disabled: str | None = None
+    """Why the chat endpoints are off (the chat template failed its probe render), or None."""
 
 
 RouteFactory = Callable[[Served], Callable[..., Awaitable[Any]]]
@@ -125,6 +133,39 @@ def tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def template_errors(make: Callable[..., Any]) -> Callable[..., Any]:
+    """Chat template failures as answers: a template that refuses the conversation
+    (`raise_exception`) is the client's 400; one that breaks or runs past its limits is a 500
+    that says so."""
+    def call(*args: Any) -> Any:
+        try:
+            return make(*args)
+        except ChatTemplateRejected as e:
+            raise ApiError(400, f"the model's chat template refused this conversation: {e}",
+                           code="chat_template_rejected") from None
+        except ChatTemplateError as e:
+            log.error("chat template failed: %s", e)
+            raise ApiError(500, f"the model's chat template failed: {e}", type="server_error",
+                           code="chat_template_failed") from None
+    return call
+
+
+def probe_chat(model: Any) -> str | None:
+    """None when the model's chat template renders a small conversation, else why not."""
+    try:
+        model.render_chat(list(PROBE_MESSAGES), add_generation_prompt=True)
+    except ChatTemplateError as e:
+        return str(e)
+    return None
+
+
+def check_chat_enabled(served: Served) -> None:
+    if served.chat_disabled is not None:
+        raise ApiError(500, "chat endpoints are disabled: the model's chat template failed its probe render at "
+                            f"startup ({served.chat_disabled}); /v1/completions with a raw prompt is served",
+                       type="server_error", code="chat_template_failed")
+
+
 @dataclass
 class Collected:
     text: str
@@ -167,6 +208,8 @@ class InferenceApi:
     respond: Callable[[Any, Collected], dict[str, Any]]
     stream: Callable[[Any, AsyncIterator[Event | None]], AsyncIterator[bytes]]
     stream_error: Callable[[str], bytes]
+    chat: bool = True
+    """Renders through the chat template (every API but raw completions)."""
 
 
 def inference(api: InferenceApi, name: str) -> RouteFactory:
@@ -174,8 +217,11 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
         config, worker = served.config, served.worker
 
         async def route(request: Request) -> Response:
+            if api.chat:
+                check_chat_enabled(served)
             body = await parse_body(served, request, api.schema)
-            gen, ctx = await served.prepare.run(tool_input_errors(api.make_job), served.model, body, served.calling)
+            gen, ctx = await served.prepare.run(template_errors(tool_input_errors(api.make_job)), served.model, body,
+                                                served.calling)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
@@ -205,7 +251,7 @@ CHAT = InferenceApi(
 COMPLETIONS = InferenceApi(
     api_openai.CompletionRequest, api_openai.completion_job,
     lambda ctx, c: api_openai.completion_response(ctx, c.text, c.finished, c.logprobs),
-    api_openai.completion_stream, api_openai.stream_error)
+    api_openai.completion_stream, api_openai.stream_error, chat=False)
 MESSAGES = InferenceApi(
     api_anthropic.MessagesRequest, api_anthropic.messages_job,
     lambda ctx, c: api_anthropic.messages_response(ctx, c.finished.output, c.finished),
@@ -226,6 +272,7 @@ class CountTokensRequest(StrictModel):
 
 def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
     async def count_tokens(request: Request) -> Response:
+        check_chat_enabled(served)
         body = await parse_body(served, request, CountTokensRequest)
 
         def count() -> int:
@@ -233,7 +280,7 @@ def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
             check_prompt_size(served.model, prompt.text, "messages")
             return len(prompt_ids(served.model, prompt.text))
 
-        return JSONResponse({"input_tokens": await served.prepare.run(tool_input_errors(count))})
+        return JSONResponse({"input_tokens": await served.prepare.run(template_errors(tool_input_errors(count)))})
     return count_tokens
 
 
