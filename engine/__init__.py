@@ -6,8 +6,8 @@ Everything not re-exported here is internal.
     from engine import load_model, SamplingParams
 
     model = load_model()                       # embedded SmolLM2-135M-Instruct (Q4_1)
-    text = model.render_chat([{"role": "user", "content": "Hi"}])
-    ids = model.prompt_ids(model.tokenize(text, special=True))
+    text = model.render_prompt([{"role": "user", "content": "Hi"}])
+    ids = model.prompt_ids(model.tokenize_prompt(text))
     s = model.new_session()
     reused = s.sync(ids)                        # prefix reuse + chunked prefill
     for tok in generate(s, SamplingParams(temperature=0), max_tokens=32):
@@ -22,12 +22,20 @@ weights, bf16 on CUDA);
     `bos_id`, `eos_id`, `eos_ids` (frozenset: ids that end generation), `n_vocab`,
     `quant` (the dominant tensor type), `metadata` (every GGUF key as a Python value),
     `load_seconds`.
+  - `max_token_bytes`: the byte length of the longest token, so that a text of n bytes has
+    at least ceil(n / max_token_bytes) tokens (a size check before tokenizing).
   - `tokenize(text, special=False) -> list[int]`: with `special=True` special-token
     text such as `<|im_start|>` becomes its single id; never adds BOS by itself.
   - `prompt_ids(ids) -> list[int]`: the one add-BOS rule — a new list with `bos_id` first
     when `add_bos` and the ids do not already start with it.
   - `detokenize(ids) -> str`, `text_stream() -> TextStream` (incremental, UTF-8 safe).
-  - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`.
+  - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`: the
+    template's text as is; tokenizing it with `special=True` would turn a `<|im_start|>` typed
+    into a message into the control token.
+  - Prompt text (`engine.prompt_text`), the safe form of a rendered chat:
+    `render_prompt(messages, ...)` renders with every message and tool string escaped,
+    `tokenize_prompt(text)` makes control tokens of the template's markers only,
+    `detokenize_prompt(ids)` is the prompt text of ids, `escape_text(text)` escapes one string.
   - `new_session() -> Session`; `new_sessions(n) -> list[Session]`: n sessions whose
     caches are slots of one pool, for batched decoding (each also works alone).
   - Memory: `weight_bytes`, `kv_bytes_per_token`, `memory_bytes(n_sessions, ctx)`,

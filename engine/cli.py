@@ -42,7 +42,8 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr) -> int:
     else:
         messages = ([{"role": "system", "content": cfg.system}] if cfg.system else []) + [
             {"role": "user", "content": cfg.prompt}]
-        ids = model.prompt_ids(model.tokenize(model.render_chat(messages), special=True))
+        # Prompt text: a control-token spelling in --prompt or --system stays text.
+        ids = model.prompt_ids(model.tokenize_prompt(model.render_prompt(messages)))
     if not ids:
         raise ValueError("the prompt is empty")
     if len(ids) >= model.n_ctx:

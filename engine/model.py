@@ -24,6 +24,7 @@ from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import GGUFError, read_gguf
 from engine.models import network_class
+from engine.prompt_text import escape_strings
 from engine.protocols import Network
 from engine.quants import SUPPORTED
 from engine.sampling import Sampler, SamplingParams
@@ -115,11 +116,34 @@ class Model:
     def add_bos(self) -> bool:
         return self.tokenizer.add_bos
 
+    @property
+    def max_token_bytes(self) -> int:
+        return self.tokenizer.max_token_bytes
+
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         return self.tokenizer.encode(text, special=special)
 
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
+
+    # Prompt text (engine.prompt_text): rendered chats whose message strings cannot forge
+    # control tokens.
+    def escape_text(self, text: str) -> str:
+        return self.tokenizer.escape(text)
+
+    def tokenize_prompt(self, prompt_text: str) -> list[int]:
+        return self.tokenizer.encode_prompt(prompt_text)
+
+    def detokenize_prompt(self, ids: list[int]) -> str:
+        return self.tokenizer.decode_prompt(ids)
+
+    def render_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                      **extra: Any) -> str:
+        """`render_chat` of the messages and tools with every string escaped: prompt text, for
+        `tokenize_prompt`."""
+        esc = self.tokenizer.escape
+        return self.render_chat(escape_strings(messages, esc), add_generation_prompt=add_generation_prompt,
+                                tools=escape_strings(tools, esc) if tools else tools, **extra)
 
     def text_stream(self) -> TextStream:
         return TextStream(self.tokenizer)

@@ -41,7 +41,15 @@ class SamplingParams:
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (float32, sums to 1)."""
-    logits = logits.float() / p.temperature
+    logits = logits.float()
+    scaled = logits / p.temperature
+    # A temperature so small that the division overflows (or that is 0 in float32) gives
+    # +inf or NaN, and softmax turns that into NaN. Softmax does not change under a shift, so
+    # the shifted form (max 0, kept 0 even where 0 / T is NaN) gives the same distribution; it
+    # is only taken where needed, so that ordinary rows stay bit-identical.
+    shifted = logits - logits.max()
+    safe = torch.where(shifted == 0, 0.0, shifted / p.temperature)
+    logits = torch.where(torch.isfinite(scaled.max()), scaled, safe)
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -51,6 +59,7 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass of strictly more likely tokens
         drop = torch.zeros_like(probs, dtype=torch.bool)
         drop[idx] = before >= p.top_p
+        drop[idx[0]] = False  # the most likely token stays, even for a top_p that is 0 in float32
         probs = probs.masked_fill(drop, 0.0)
     if p.min_p > 0.0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

@@ -4,8 +4,12 @@ Contract
     tok = Tokenizer.from_gguf_metadata(meta)     # meta: GGUF key -> python value
     tok.encode(text, special=False) -> list[int] # never adds BOS (see `tok.add_bos`)
     tok.decode(ids, skip_special=False) -> str
+    tok.encode_prompt(prompt_text) -> list[int]  # rendered chat text, see engine.prompt_text
+    tok.decode_prompt(ids) -> str                # the prompt text of ids
+    tok.escape(text) -> str                      # plain text -> prompt text that stays text
     tok.piece(id) -> str                         # the token's stored text, for display
     tok.n_vocab, tok.bos_id, tok.eos_id, tok.eos_ids, tok.add_bos
+    tok.max_token_bytes                          # the longest token's byte length
     TextStream(tok).push(id) -> str / .flush() -> str   # incremental, UTF-8 safe
 
 Two vocabulary kinds, chosen by `tokenizer.ggml.model`:
@@ -27,7 +31,9 @@ Two vocabulary kinds, chosen by `tokenizer.ggml.model`:
 Special tokens are those whose `tokenizer.ggml.token_type` is CONTROL (3) or
 USER_DEFINED (4). Control tokens (`<|im_start|>`, `<s>`) are only recognised in the
 text when `special=True`; otherwise their text is tokenized like any other text, so
-user-supplied text can never forge a control token. User-defined tokens (such as
+user-supplied text can never forge a control token. A rendered chat mixes both: its
+prompt text (`engine.prompt_text`) escapes the control spellings that came from messages,
+and `encode_prompt` turns only the unescaped ones into control tokens. User-defined tokens (such as
 `<think>` in some vocabularies) are ordinary vocabulary that the BPE cannot build
 from pieces, so they are always matched whole, as llama.cpp and transformers do.
 
@@ -49,6 +55,8 @@ from tokenizers import Regex
 from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
 from tokenizers import pre_tokenizers as _pre
+
+from engine.prompt_text import PromptText
 
 # --- GGUF metadata keys --------------------------------------------------------
 KEY_MODEL = "tokenizer.ggml.model"
@@ -436,7 +444,12 @@ class Tokenizer:
         self._special_re = alternation(self._special)
         self._user_re = alternation(i for i in self._special if i not in self._control)
         self._special_id = {spec.tokens[i]: i for i in sorted(self._special)}
+        self.prompt_text = PromptText(spec.tokens[i] for i in self._control)
         self._bytes = [self._token_bytes(i) for i in range(self.n_vocab)]
+        # No token spells more bytes than this, so a text of n bytes has at least
+        # ceil(n / max_token_bytes) tokens: a size check that needs no tokenizing. SentencePiece's
+        # space prefix only adds bytes; at least 1 keeps the bound defined for odd vocabularies.
+        self.max_token_bytes: int = max(1, max((len(b) for b in self._bytes), default=1))
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
@@ -446,9 +459,55 @@ class Tokenizer:
 
     def encode(self, text: str, special: bool = False) -> list[int]:
         """Token ids for `text`; `special=True` turns control-token text into its id."""
+        return self._encode_pieces(self._split_special(text, special))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids for prompt text: unescaped control spellings become control tokens,
+        everything else (escaped spellings included) is text. Equal to `encode(text,
+        special=True)` for text without the escape character."""
+        def pieces() -> Iterable[tuple[str, int | None]]:
+            for piece, is_control in self.prompt_text.split(text):
+                if is_control:
+                    yield piece, self._special_id[piece]
+                else:
+                    yield from self._split_special(piece, False)
+        return self._encode_pieces(pieces())
+
+    def escape(self, text: str) -> str:
+        """Prompt text that tokenizes as `text` itself, control spellings included."""
+        return self.prompt_text.escape(text)
+
+    def decode_prompt(self, ids: Iterable[int]) -> str:
+        """The prompt text of `ids`: control tokens as themselves, the rest escaped, so that
+        `encode_prompt(decode_prompt(ids))` gives the ids back wherever `encode` would."""
+        def pieces() -> Iterable[tuple[str, bool]]:
+            run: list[int] = []
+            at_start = True  # `decode` drops the space prefix of the very first token only
+            for i in ids:
+                i = int(i)
+                if i in self._control:
+                    if run:
+                        yield self.decode(run) if at_start else self._decode_bytes(run), False
+                        run = []
+                    yield self.spec.tokens[i], True
+                    at_start = False
+                else:
+                    run.append(i)
+            if run:
+                yield self.decode(run) if at_start else self._decode_bytes(run), False
+        return self.prompt_text.escape_tokens(pieces())
+
+    def _decode_bytes(self, ids: list[int]) -> str:
+        out = bytearray()
+        for i in ids:
+            self._check_id(i)
+            out += self._bytes[i]
+        return out.decode("utf-8", errors="replace")
+
+    def _encode_pieces(self, pieces: Iterable[tuple[str, int | None]]) -> list[int]:
         ids: list[int] = []
         after_special = True  # the start of the text counts as "after a special token"
-        for piece, token_id in self._split_special(text, special):
+        for piece, token_id in pieces:
             if token_id is not None:
                 ids.append(token_id)
                 after_special = True

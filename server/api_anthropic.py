@@ -32,8 +32,9 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, RequestDefaults, StrictModel,
-                            check_context, new_id, resolve_max_tokens, sampling_spec)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
+                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
+                            stop_list)
 from server.errors import ApiError, error_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
 from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
@@ -77,13 +78,13 @@ class MessagesRequest(StrictModel):
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
-    stop_sequences: list[str] | None = Field(None, max_length=16)
+    stop_sequences: list[str] | None = None
     stream: bool | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    top_p: float | None = TOP_P
+    top_k: int | None = TOP_K
+    min_p: float | None = MIN_P
+    seed: int | None = SEED
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     ignore_eos: bool | None = None
@@ -112,6 +113,7 @@ def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
                  defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, AnthropicContext]:
     """`defaults` does not apply: Messages requires `max_tokens`, as Anthropic's API does."""
     prompt = render_request(model, req, calling)
+    check_prompt_size(model, prompt.text, "messages")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)
@@ -121,7 +123,7 @@ def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
         max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=tuple(s for s in (req.stop_sequences or []) if s),
+        stop=stop_list(req.stop_sequences, "stop_sequences"),
         new_splitter=lambda: calling.new_splitter(prompt, "anthropic"))
     return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(ids))
 

@@ -22,6 +22,8 @@ and `max_tokens: 0` scores without generating.
 usage counts every choice's completion tokens and each prompt once.
 Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`, `return_tokens_as_token_ids`
 (completions: logprob tokens named `token_id:N`, as vLLM does).
+Chat messages are not: a control-token spelling inside a message stays text
+(`server.prompting`), only the template's own markers are control tokens.
 
 Tools: definitions and earlier calls are rendered by the model's tool syntax
 (`server.prompting.ToolCalling`); generated calls come back as `tool_calls` with
@@ -43,8 +45,10 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, RequestDefaults, StrictModel,
-                            check_context, new_id, resolve_max_tokens, sampling_spec)
+from engine.prompt_text import from_rendered
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
+                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
+                            stop_list)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
 from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
@@ -105,10 +109,6 @@ class ResponseFormat(OpenModel):
 
 
 Temperature = Field(None, ge=0.0, le=2.0)
-Probability = Field(None, ge=0.0, le=1.0)
-TopK = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
-Seed = Field(None, ge=SEED_MIN, le=SEED_MAX)
-MaxTokens = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 Penalty = Field(None, ge=-2.0, le=2.0)
 # Choices of one request (prompts times n): each is a job, and all of them are queued at once.
 MAX_CHOICES = 128
@@ -117,11 +117,11 @@ MAX_CHOICES = 128
 class _SamplingFields(StrictModel):
     model: str | None = None
     temperature: float | None = Temperature
-    top_p: float | None = Probability
-    top_k: int | None = TopK
-    min_p: float | None = Probability
-    seed: int | None = Seed
-    max_tokens: int | None = MaxTokens
+    top_p: float | None = TOP_P
+    top_k: int | None = TOP_K
+    min_p: float | None = MIN_P
+    seed: int | None = SEED
+    max_tokens: int | None = TOKEN_COUNT
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -133,7 +133,7 @@ class _SamplingFields(StrictModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = MaxTokens
+    max_completion_tokens: int | None = TOKEN_COUNT
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDef] | None = None
@@ -176,15 +176,6 @@ class OpenAIContext:
         return self.echo_texts[index] if self.echo_texts else ""
 
 
-def _stop_list(stop: str | list[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    stops = [stop] if isinstance(stop, str) else stop
-    if len(stops) > 16:
-        raise ApiError(400, "stop: at most 16 stop sequences are supported", param="stop")
-    return tuple(s for s in stops if s)
-
-
 def _common_checks(req: _SamplingFields) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
@@ -201,6 +192,7 @@ def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
                             "(only 'text')", param="response_format")
     specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
     prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]), specs)
+    check_prompt_size(model, prompt.text, "messages")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
     ignore_eos = bool(req.ignore_eos)
@@ -212,7 +204,7 @@ def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
         max_tokens=max_tokens,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=_stop_list(req.stop),
+        stop=stop_list(req.stop, "stop"),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         new_splitter=lambda: calling.new_splitter(prompt, "openai"))
     n = req.n or 1
@@ -232,15 +224,20 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, list[int]]:
-    """(text, ids) of one prompt; a token-id list is used as is."""
+def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, str, list[int]]:
+    """(text, key text, ids) of one prompt; a token-id list is used as is. The key text is what
+    prefix reuse and the disk cache match on (`engine.prompt_text`): a raw prompt is the caller's
+    own rendering, so every control-token spelling in it is meant as the token."""
     if isinstance(prompt, str):
-        return prompt, prompt_ids(model, prompt)
+        check_prompt_size(model, prompt, param)
+        key_text = from_rendered(prompt)
+        return prompt, key_text, prompt_ids(model, key_text)
     bad = [t for t in prompt if not 0 <= t < model.n_vocab]
     if bad:
         raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary "
                             f"(0..{model.n_vocab - 1})", param="prompt")
-    return model.detokenize(list(prompt)), list(prompt)
+    ids = list(prompt)
+    return model.detokenize(ids), model.detokenize_prompt(ids), ids
 
 
 def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | None = None,
@@ -268,14 +265,14 @@ def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | No
     echoes: list[str] = []
     for p, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-        text, ids = _prompt_tokens(model, prompt, param)
+        text, key_text, ids = _prompt_tokens(model, prompt, param)
         if not ids:
             raise ApiError(400, f"{param} is empty", param="prompt")
         check_context(len(ids), model.n_ctx, "prompt")
         max_tokens = resolve_max_tokens(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS),
                                         len(ids), model.n_ctx, ignore_eos, "max_tokens")
-        gen = GenerationRequest(prompt_text=text, prompt_ids=tuple(ids), max_tokens=max_tokens,
-                                sampling=sampling, stop=_stop_list(req.stop), top_logprobs=req.logprobs,
+        gen = GenerationRequest(prompt_text=key_text, prompt_ids=tuple(ids), max_tokens=max_tokens,
+                                sampling=sampling, stop=stop_list(req.stop, "stop"), top_logprobs=req.logprobs,
                                 prompt_logprobs=scored)
         gens.extend(fan_out(gen, n))
         echoes.extend([text if req.echo else ""] * n)

@@ -30,8 +30,8 @@ from typing import Any, AsyncIterator
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, SEED_MAX, SEED_MIN, OpenModel, RequestDefaults, StrictModel,
-                            check_context, new_id, resolve_max_tokens, sampling_spec)
+from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
+                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec)
 from server.errors import ApiError
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
 from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
@@ -68,12 +68,12 @@ class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_output_tokens: int | None = TOKEN_COUNT
     temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, ge=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    top_p: float | None = TOP_P
+    top_k: int | None = TOP_K
+    min_p: float | None = MIN_P
+    seed: int | None = SEED
     stream: bool | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -108,6 +108,7 @@ def responses_job(model: Any, req: ResponsesRequest, calling: ToolCalling,
     specs = tools_from_responses(tool_dump)
     items = req.input if isinstance(req.input, str) else [it.model_dump(exclude_none=True) for it in req.input]
     prompt = calling.render(model, messages_from_responses(req.instructions, items), specs)
+    check_prompt_size(model, prompt.text, "input")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "input")
     ignore_eos = bool(req.ignore_eos)

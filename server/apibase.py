@@ -4,10 +4,17 @@
   send vendor extras such as `user` or `metadata`); known members are type-checked
   strictly, so `"0.5"` is not a temperature and `true` is not a token count.
 - `validate_body(schema, obj)`: a validated request or a 400 `ApiError` naming the field.
-- `check_context(...)`: the context-length rule applied before a job is queued.
+- `check_context(...)`: the context-length rule applied before a job is queued;
+  `check_prompt_size(model, text, param)` applies it before tokenizing, from a lower bound
+  on the token count (characters / the vocabulary's longest token in bytes), so that a
+  prompt of megabytes is refused in microseconds instead of being tokenized whole.
 - `RequestDefaults` (the server's defaults for what a request leaves out, from its flags) and
   `resolve_max_tokens(...)`: the tokens a request may generate.
 - `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`.
+- The bounds every API shares for its sampling fields (`TOP_P`, `MIN_P`, `TOP_K`, `SEED`,
+  `TOKEN_COUNT`, `STOP_*`): one definition, so a value the engine's sampler refuses (such as
+  `top_p: 0`) is a 400 naming the field on every endpoint, never a 500 from the sampler.
+- `stop_list(value, param)`: the stop sequences of a request, bounded in count and length.
 - `new_id(prefix)`: response and item ids from a CSPRNG.
 
 No HTTP, no model calls.
@@ -19,7 +26,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.errors import ApiError, from_validation_error
 from server.jobs import SamplingSpec
@@ -55,6 +62,20 @@ class RequestDefaults:
         smaller (None: neither, so the room left in the context)."""
         caps = [c for c in (self.max_tokens or None, api_default) if c is not None]
         return min(caps) if caps else None
+
+
+# Stop sequences are matched against the generated text after every token; their number and
+# length bound that work.
+STOP_MAX_COUNT = 16
+STOP_MAX_CHARS = 4096
+
+# Field bounds shared by the request schemas. top_p is a probability mass the nucleus must
+# reach: 0 keeps nothing, so it is excluded (the engine's sampler refuses it).
+TOP_P = Field(None, gt=0.0, le=1.0)
+MIN_P = Field(None, ge=0.0, le=1.0)
+TOP_K = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
+SEED = Field(None, ge=SEED_MIN, le=SEED_MAX)
+TOKEN_COUNT = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
 class StrictModel(BaseModel):
@@ -93,6 +114,23 @@ def check_context(n_prompt: int, n_ctx: int, param: str) -> None:
         raise context_error(n_prompt, n_ctx, param)
 
 
+def min_prompt_tokens(text: str, max_token_bytes: int) -> int:
+    """A lower bound on the token count of `text`: no token spells more than `max_token_bytes`
+    bytes, and a character is at least one byte."""
+    return -(-len(text) // max(1, max_token_bytes))
+
+
+def check_prompt_size(model: Any, text: str, param: str) -> None:
+    """The context-length rule before tokenizing: a 400 when `text` cannot fit however it tokenizes."""
+    at_least = min_prompt_tokens(text, model.max_token_bytes)
+    if at_least >= model.n_ctx:
+        raise ApiError(
+            400, f"the prompt has at least {at_least} tokens ({len(text)} characters, no token longer than "
+                 f"{model.max_token_bytes} bytes), which does not fit in the context of {model.n_ctx} tokens",
+            param=param, code="context_length_exceeded",
+            extra={"n_prompt_tokens_at_least": at_least, "n_ctx": model.n_ctx})
+
+
 def resolve_max_tokens(requested: int | None, default: int | None, n_prompt: int, n_ctx: int,
                        ignore_eos: bool, param: str) -> int:
     """Tokens to generate: the request's limit (or the default), never past the context.
@@ -103,6 +141,20 @@ def resolve_max_tokens(requested: int | None, default: int | None, n_prompt: int
         raise ApiError(400, f"ignore_eos asks for exactly {limit} tokens but only {room} fit "
                             f"after the {n_prompt}-token prompt (context {n_ctx})", param=param)
     return min(limit, room)
+
+
+def stop_list(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
+    """The non-empty stop sequences of a request; a 400 naming `param` past the bounds."""
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > STOP_MAX_COUNT:
+        raise ApiError(400, f"{param}: at most {STOP_MAX_COUNT} stop sequences are supported", param=param)
+    for s in stops:
+        if len(s) > STOP_MAX_CHARS:
+            raise ApiError(400, f"{param}: a stop sequence may have at most {STOP_MAX_CHARS} characters, "
+                                f"not {len(s)}", param=param)
+    return tuple(s for s in stops if s)
 
 
 def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int | None,

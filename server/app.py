@@ -50,12 +50,13 @@ from starlette.responses import JSONResponse, Response
 
 from engine.threads import EngineThread
 from server.config import ServerConfig
-from server.endpoints import ENDPOINTS, Served
+from server.endpoints import ENDPOINTS, Served, probe_chat
 from server.errors import ApiError, Dialect, client_error_line, dialect_for_path, error_body
 from server.guard import RequestGuard, host_check, key_check
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
 from server.metrics import HttpMetrics, ServerMetrics
+from server.prepare import PrepareExecutor
 from server.prompting import ToolCalling
 from server.worker import InferenceWorker
 
@@ -101,7 +102,13 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
                              engine_thread=engine_thread, observer=metrics)
     calling = ToolCalling.for_model(model, config.tools)
-    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), metrics=metrics)
+    prepare = PrepareExecutor()
+    chat_disabled = probe_chat(model)
+    if chat_disabled is not None:
+        log.warning("the chat template fails a probe render (%s): chat endpoints are disabled, only raw "
+                    "/v1/completions is served", chat_disabled)
+    served = Served(model, config, worker, kv, calling, started_at=int(time.time()), metrics=metrics,
+                    prepare=prepare, chat_disabled=chat_disabled)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -110,6 +117,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
             yield
         finally:
             await run_in_threadpool(worker.stop)
+            await run_in_threadpool(prepare.close)
 
     app = FastAPI(title="ds4-server", version="0.1.0", lifespan=lifespan,
                   description="OpenAI Chat/Completions, Anthropic Messages and OpenAI Responses "

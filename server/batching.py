@@ -273,7 +273,7 @@ class BatchedLoop:
         info = self.info[i]
         if info.prompt_text is None:
             return ""
-        return info.prompt_text + self.model.detokenize(list(self.session(i).tokens[info.n_prompt:]))
+        return info.prompt_text + self.model.detokenize_prompt(list(self.session(i).tokens[info.n_prompt:]))
 
     def _save_slot(self, i: int, reason: str, next_ids: list[int] | None) -> None:
         save_resident(self.kv, self.model, self.session(i), self.info[i], reason, next_ids, label=f"slot {i}")

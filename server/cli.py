@@ -182,7 +182,7 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
         raise click.ClickException(f"cannot load model: {e}") from None
     if config.kv.directory is not None:
         try:
-            os.makedirs(config.kv.directory, exist_ok=True)
+            os.makedirs(config.kv.directory, mode=0o700, exist_ok=True)
         except OSError as e:
             raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e.strerror}") from None
     try:

@@ -10,8 +10,9 @@ A row's `handler` is a factory: given the app's `Served` state it returns the ro
 endpoints share one request path, `inference(api)`:
 
     check Content-Type and Content-Encoding (415) -> read body (size limit 413, time
-    limit 408; `server.httpbody`) -> hardened JSON parse -> schema validation -> render and
-    tokenize off the event loop -> context-length check -> submit job -> stream SSE or
+    limit 408; `server.httpbody`) -> on the app's `PrepareExecutor` (a few threads, bounded
+    waiting, 503 beyond): hardened JSON parse, schema validation, render, the size check
+    that needs no tokenizing, tokenize, context-length check -> submit job -> stream SSE or
     collect and answer JSON
 
 with each API's translation as an `InferenceApi` (schema, make_job, respond, stream,
@@ -19,6 +20,11 @@ stream_error; `server.api_openai`, `api_anthropic`, `api_responses`). Tool objec
 cannot be mapped (`ToolInputError`) are 400s like any other bad input; disconnects cancel
 the job, streaming or not. Request bodies are parsed by the handlers themselves (FastAPI's
 own body parsing would bypass the hardened parser); the schemas only document them.
+
+Chat templates: a template that refuses a conversation (`raise_exception`) gives a 400, one
+that fails or runs past its render limits a 500 saying so (`template_errors`). A template
+that fails the probe render at startup (`probe_chat`) turns the chat endpoints off: they
+answer 500 at once with the reason, and raw `/v1/completions` stays served.
 
 It does not create the app, install middleware or render errors (`server.app` does).
 """
@@ -36,8 +42,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine.chat_template import PROBE_MESSAGES, ChatTemplateError, ChatTemplateRejected
 from server import api_anthropic, api_openai, api_responses, api_tokenize
-from server.apibase import RequestDefaults, StrictModel, validate_body
+from server.apibase import RequestDefaults, StrictModel, check_prompt_size, validate_body
 from server.config import ServerConfig
 from server.errors import ApiError, Dialect
 from server.httpbody import CLIENT_CLOSED, body_headers_error, read_body
@@ -46,12 +53,14 @@ from server.choices import choice_events, collect_choices, submit_choices
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
 from server.metrics import CONTENT_TYPE, ServerMetrics
+from server.prepare import PrepareExecutor
 from server.prompting import ToolCalling, prompt_ids
 from server.sse import SSEResponse, job_events, wait_or_disconnect
 from server.tools.apis import ToolInputError
 from server.worker import InferenceWorker
 
 log = logging.getLogger("ds4.server")
+
 
 @dataclass(frozen=True)
 class Served:
@@ -63,6 +72,9 @@ class Served:
     calling: ToolCalling
     started_at: int
     metrics: ServerMetrics
+    prepare: PrepareExecutor
+    chat_disabled: str | None = None
+    """Why the chat endpoints are off (the chat template failed its probe render), or None."""
 
 
 RouteFactory = Callable[[Served], Callable[..., Awaitable[Any]]]
@@ -82,16 +94,20 @@ class Endpoint:
 
 # --- the shared pieces of a request ---------------------------------------------------------
 
-async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
-    refused = body_headers_error(request.headers.get("content-type"), request.headers.get("content-encoding"))
-    if refused is not None:
-        raise refused
-    raw = await read_body(request, served.config.max_body_bytes, served.config.body_timeout_sec)
+def parse_raw(raw: bytes, schema: type[StrictModel]) -> Any:
     try:
         obj = parse_json_body(raw)
     except JsonBodyError as e:
         raise ApiError(400, str(e), code="invalid_json") from None
     return validate_body(schema, obj)
+
+
+async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
+    refused = body_headers_error(request.headers.get("content-type"), request.headers.get("content-encoding"))
+    if refused is not None:
+        raise refused
+    raw = await read_body(request, served.config.max_body_bytes, served.config.body_timeout_sec)
+    return await served.prepare.run(parse_raw, raw, schema)
 
 
 def tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
@@ -102,6 +118,39 @@ def tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
         except ToolInputError as e:
             raise ApiError(400, f"{e.param}: {e}" if e.param else str(e), param=e.param or None) from None
     return call
+
+
+def template_errors(make: Callable[..., Any]) -> Callable[..., Any]:
+    """Chat template failures as answers: a template that refuses the conversation
+    (`raise_exception`) is the client's 400; one that breaks or runs past its limits is a 500
+    that says so."""
+    def call(*args: Any) -> Any:
+        try:
+            return make(*args)
+        except ChatTemplateRejected as e:
+            raise ApiError(400, f"the model's chat template refused this conversation: {e}",
+                           code="chat_template_rejected") from None
+        except ChatTemplateError as e:
+            log.error("chat template failed: %s", e)
+            raise ApiError(500, f"the model's chat template failed: {e}", type="server_error",
+                           code="chat_template_failed") from None
+    return call
+
+
+def probe_chat(model: Any) -> str | None:
+    """None when the model's chat template renders a small conversation, else why not."""
+    try:
+        model.render_chat(list(PROBE_MESSAGES), add_generation_prompt=True)
+    except ChatTemplateError as e:
+        return str(e)
+    return None
+
+
+def check_chat_enabled(served: Served) -> None:
+    if served.chat_disabled is not None:
+        raise ApiError(500, "chat endpoints are disabled: the model's chat template failed its probe render at "
+                            f"startup ({served.chat_disabled}); /v1/completions with a raw prompt is served",
+                       type="server_error", code="chat_template_failed")
 
 
 @dataclass
@@ -149,6 +198,8 @@ class InferenceApi:
     choices: bool = False
     """`make_job` returns a list of requests, one per choice (`server.choices`); `respond`
     takes their outputs and `stream` their merged `ChoiceEvent`s."""
+    chat: bool = True
+    """Renders through the chat template (every API but raw completions)."""
 
 
 def inference(api: InferenceApi, name: str) -> RouteFactory:
@@ -157,9 +208,11 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
         defaults = config.request_defaults
 
         async def route(request: Request) -> Response:
+            if api.chat:
+                check_chat_enabled(served)
             body = await parse_body(served, request, api.schema)
-            gen, ctx = await run_in_threadpool(tool_input_errors(api.make_job), served.model, body, served.calling,
-                                               defaults)
+            gen, ctx = await served.prepare.run(template_errors(tool_input_errors(api.make_job)), served.model, body,
+                                                served.calling, defaults)
             if api.choices:
                 return await answer_choices(served, api, request, body, gen, ctx)
             loop = asyncio.get_running_loop()
@@ -213,7 +266,7 @@ CHAT = InferenceApi(
     api_openai.chat_stream, api_openai.stream_error, choices=True)
 COMPLETIONS = InferenceApi(
     api_openai.CompletionRequest, api_openai.completion_job, api_openai.completion_response,
-    api_openai.completion_stream, api_openai.stream_error, choices=True)
+    api_openai.completion_stream, api_openai.stream_error, choices=True, chat=False)
 MESSAGES = InferenceApi(
     api_anthropic.MessagesRequest, api_anthropic.messages_job,
     lambda ctx, c: api_anthropic.messages_response(ctx, c.finished.output, c.finished),
@@ -234,23 +287,25 @@ class CountTokensRequest(StrictModel):
 
 def count_tokens(served: Served) -> Callable[..., Awaitable[Any]]:
     async def count_tokens(request: Request) -> Response:
+        check_chat_enabled(served)
         body = await parse_body(served, request, CountTokensRequest)
 
         def count() -> int:
             prompt = api_anthropic.render_request(served.model, body, served.calling)
+            check_prompt_size(served.model, prompt.text, "messages")
             return len(prompt_ids(served.model, prompt.text))
 
-        return JSONResponse({"input_tokens": await run_in_threadpool(tool_input_errors(count))})
+        return JSONResponse({"input_tokens": await served.prepare.run(template_errors(tool_input_errors(count)))})
     return count_tokens
 
 
 def body_route(schema: type[StrictModel], answer: Callable[[Served, Any], dict[str, Any]],
                name: str) -> RouteFactory:
-    """A route that answers a validated body with `answer(served, body)`, off the event loop."""
+    """A route that answers a validated body with `answer(served, body)` on the prepare pool."""
     def make(served: Served) -> Callable[..., Awaitable[Any]]:
         async def route(request: Request) -> Response:
             body = await parse_body(served, request, schema)
-            return JSONResponse(await run_in_threadpool(tool_input_errors(answer), served, body))
+            return JSONResponse(await served.prepare.run(template_errors(tool_input_errors(answer)), served, body))
 
         route.__name__ = name
         return route
@@ -285,6 +340,7 @@ def health(served: Served) -> Callable[..., Awaitable[Any]]:
         return {"status": "ok", "model": model.name, "n_ctx": model.n_ctx,
                 "busy": worker.busy, "queued": worker.queue_depth,
                 "batched_sessions": served.config.batched_session,
+                "preparing": served.prepare.running, "preparing_waiting": served.prepare.waiting,
                 "kv_cache": (vars(kv.stats()) | {"directory": shown_path(kv.directory, served.config.verbose_paths)})
                 if kv is not None else None}
     return health

@@ -41,7 +41,7 @@ log = logging.getLogger("ds4.server.kvstore")
 
 def text_split(model: Any) -> dict[str, Any]:
     """The model callables `kvstore_policy.prefix_text_at` needs (detokenize, prompt_ids, bos_id)."""
-    return dict(detokenize=model.detokenize, prompt_ids=lambda text: prompt_ids(model, text),
+    return dict(detokenize=model.detokenize_prompt, prompt_ids=lambda text: prompt_ids(model, text),
                 bos_id=model.bos_id if getattr(model, "add_bos", False) else None)
 
 
@@ -88,7 +88,7 @@ def restore_checkpoint(store: KVStore, model: Any, session: Any, text: str, ids:
         store.remove(hit.key)
         session.truncate(0)
         return ids, 0
-    return list(hit.tokens) + model.tokenize(text[len(hit.prefix_text):], special=True), hit.n_tokens
+    return list(hit.tokens) + model.tokenize_prompt(text[len(hit.prefix_text):]), hit.n_tokens
 
 
 def plan_stages(store: KVStore, model: Any, text: str, ids: list[int], base: int,
@@ -99,7 +99,7 @@ def plan_stages(store: KVStore, model: Any, text: str, ids: list[int], base: int
     split = text_split(model)
     for point in policy.plan_prefill_saves(base, len(ids), user_boundary, store.save_policy):
         found = policy.prefix_text_at(text, ids, point.n_tokens,
-                                      tokenize_suffix=lambda s: model.tokenize(s, special=True), **split)
+                                      tokenize_suffix=model.tokenize_prompt, **split)
         if found is None or found[0] <= last:
             continue
         stages.append(Stage(found[0], found[1], point.reason))
@@ -206,7 +206,7 @@ def save_session(store: KVStore | None, model: Any, session: Any, prompt_text: s
     if store is None or not policy.evict_save_wanted(len(session.tokens), n_common, n_saved, store.save_policy):
         return None
     tokens = list(session.tokens)
-    text = prompt_text + model.detokenize(tokens[n_prompt:])
+    text = prompt_text + model.detokenize_prompt(tokens[n_prompt:])
     found = policy.prefix_text_at(text, tokens, len(tokens), exact=False, **text_split(model))
     if found is None:
         return None

@@ -45,13 +45,24 @@ File format, version 1 (all integers little-endian; offsets in bytes):
   ...   R   trailer: opaque bytes for tool replay memory, empty when R = 0
 The file size is exactly 184 + T + P + R.
 
-Safety: a file is written as `<name>.tmp.<pid>`, fsynced, renamed over `<name>` and the
-directory fsynced, so a reader sees a whole file or none. Temporary files of processes that
-no longer run are deleted when a store opens. A file whose header does not match the
-running model (model id, quantization, context size), whose version, size or hash is wrong,
-whose name is not the SHA-1 of its text, or whose payload disagrees with its header, is
-deleted and never used. Several processes may read one directory; the index of each is its
-own (one server per directory is the supported setup).
+Safety: a file is written as `<name>.tmp.<pid>` (mode 0600), fsynced, renamed over `<name>`
+and the directory fsynced, so a reader sees a whole file or none. When a store opens, temporary
+files of processes that no longer run are deleted, and so are those of live processes once
+they are older than `TEMP_MAX_AGE_S` (no write takes that long; the PID may have been reused),
+each with a log line. A file whose header does not match the running model (model id,
+quantization, context size), whose version, size or hash is wrong, whose name is not the SHA-1
+of its text (checked at the scan too, so that a misnamed entry takes no budget), or whose
+payload disagrees with its header, is deleted and never used. Several processes may read one
+directory; the index of each is its own (one server per directory is the supported setup).
+
+Only regular files are opened: every open is non-blocking and checked with `fstat`, so a
+FIFO, socket or device named like an entry is skipped with a log line instead of blocking the
+scan (or a lookup) forever; symbolic links are not followed.
+
+Trust: the directory is created with mode 0700 (a warning is logged when an existing one is
+readable or writable by others). Its contents are trusted: the content hash guards against
+torn writes and accidents, not forgery — whoever can write to the directory can make the
+server restore any KV state they like.
 
 It is storage only: it does not decide when to save (`server.kvstore_policy` does), plan or run
 prefills (`server.kvplan` does), import the engine (models and sessions are used through their
@@ -63,6 +74,7 @@ import hashlib
 import logging
 import math
 import os
+import stat
 import struct
 import threading
 import time
@@ -88,6 +100,8 @@ REASON_NAMES = {v: k for k, v in REASON_CODES.items()}
 _PAYLOAD_MAGIC = b"DS4KV\0"
 _PAYLOAD_HEAD = struct.Struct("<6sHBxIIII")
 MIB = 1 << 20
+# A temporary file older than this is left over from a crash even when its PID runs again.
+TEMP_MAX_AGE_S = 3600.0
 DEFAULT_BUDGET_MB = 4096
 _WRITE_CHUNK = 4 * MIB
 
@@ -321,6 +335,36 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[n:]
 
 
+def open_regular(path: str, flags: int = os.O_RDONLY) -> int:
+    """A descriptor for `path` only if it is a regular file (not a link, FIFO, socket or device).
+
+    O_NONBLOCK keeps the open itself from waiting for a FIFO's writer; the fstat after it
+    decides. Raises OSError (NotRegularFile for the wrong kind of file)."""
+    fd = os.open(path, flags | os.O_NONBLOCK | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(mode)})")
+        # Later reads and writes should block normally (it is a regular file).
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class NotRegularFile(OSError):
+    """A directory entry that is not a regular file."""
+
+
+def _read_regular(path: str, limit: int | None = None) -> tuple[bytes, int]:
+    """(the first `limit` bytes, or all, of a regular file; its size)."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return (f.read() if limit is None else f.read(limit)), size
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -361,8 +405,19 @@ class KVStore:
         self._index: dict[str, Entry] = {}
         self._restored: str | None = None  # the entry the live session came from: not evicted
         self._stats = KVStoreStats(budget_bytes=self.budget_bytes)
-        os.makedirs(self.directory, exist_ok=True)
+        self._make_directory()
         self._scan()
+
+    def _make_directory(self) -> None:
+        os.makedirs(self.directory, mode=0o700, exist_ok=True)
+        try:
+            mode = os.stat(self.directory).st_mode
+        except OSError:
+            return
+        if mode & 0o077:
+            log.warning("kv cache: %s has mode %s: other users can read or change the cached KV state "
+                        "(the directory's contents are trusted; chmod 700 it)", self.directory,
+                        stat.filemode(mode))
 
     # -- index --
 
@@ -382,36 +437,66 @@ class KVStore:
         self._forget(key)
         self._stats.deleted_bad += 1
 
+    def _remove_stale_temp(self, name: str, path: str) -> None:
+        """Delete an interrupted write: its writer is gone, or it is older than TEMP_MAX_AGE_S."""
+        pid = name.rsplit(".", 1)[-1]
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        if not pid.isdigit():
+            return
+        age = time.time() - st.st_mtime
+        alive = _pid_alive(int(pid))
+        if alive and age <= TEMP_MAX_AGE_S:
+            return  # a write in progress
+        why = (f"it is {age:.0f} s old (more than {TEMP_MAX_AGE_S:.0f} s)" if alive
+               else f"its writer (pid {pid}) no longer runs")
+        try:
+            os.unlink(path)
+        except OSError as e:
+            log.warning("kv cache: cannot delete the stale temporary file %s: %s", name, e)
+            return
+        log.info("kv cache: deleted the temporary file %s: %s", name, why)
+
     def _scan(self) -> None:
         for name in sorted(os.listdir(self.directory)):
             path = os.path.join(self.directory, name)
             if ".kv.tmp." in name:
-                pid = name.rsplit(".", 1)[-1]
-                if pid.isdigit() and not _pid_alive(int(pid)):
-                    try:
-                        os.unlink(path)  # an interrupted write
-                    except OSError:
-                        pass
+                self._remove_stale_temp(name, path)
                 continue
             key = name[: -len(SUFFIX)]
             if not name.endswith(SUFFIX) or len(key) != 40 or any(c not in "0123456789abcdef" for c in key):
                 continue
             try:
-                with open(path, "rb") as f:
-                    raw = f.read(HEADER_SIZE)
-                    size = os.fstat(f.fileno()).st_size
+                raw, size = _read_regular(path, HEADER_SIZE)
                 header = decode_header(raw)
                 check_compatible(header, self.identity)
                 if size != header.file_size:
                     raise EntryError(f"size {size} bytes, header says {header.file_size}")
+                self._check_name(key, path, header)
             except EntryError as e:
                 self._delete(key, str(e))
+                continue
+            except NotRegularFile as e:
+                log.warning("kv cache: skipping %s: %s", name, e)
                 continue
             except OSError as e:
                 log.warning("kv cache: cannot read %s: %s", path, e)
                 continue
             self._index[key] = Entry(key, header.reason, header.n_tokens, header.text_len, header.file_size,
                                      header.hits, header.created, header.last_used)
+
+    @staticmethod
+    def _check_name(key: str, path: str, header: Header) -> None:
+        """EntryError unless the file name is the SHA-1 of the entry's text (read from the file)."""
+        fd = open_regular(path)
+        try:
+            text = os.pread(fd, header.text_len, HEADER_SIZE)
+        finally:
+            os.close(fd)
+        if len(text) != header.text_len or hashlib.sha1(text).hexdigest() != key:
+            raise EntryError("file name is not the SHA-1 of its prefix text")
 
     def entries(self) -> list[Entry]:
         with self._lock:
@@ -467,8 +552,7 @@ class KVStore:
     def _load(self, entry: Entry, rendered_text: str) -> Hit | None:
         path = self._path(entry.key)
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            raw, _size = _read_regular(path)
         except FileNotFoundError:
             self._index.pop(entry.key, None)
             return None
@@ -492,7 +576,7 @@ class KVStore:
     def _touch(self, key: str, hits: int, now: float) -> None:
         """Rewrite the mutable header part in place (16 bytes in one write)."""
         try:
-            fd = os.open(self._path(key), os.O_WRONLY)
+            fd = open_regular(self._path(key), os.O_WRONLY)
         except OSError:
             return
         try:
@@ -546,7 +630,10 @@ class KVStore:
 
     def _write_atomic(self, path: str, data: bytes) -> None:
         tmp = f"{path}.tmp.{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # O_NONBLOCK | O_NOFOLLOW: something other than a regular file under this name fails
+        # the open instead of blocking it or writing through a link.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW
+                     | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             try:
                 _write_all(fd, data)

@@ -21,7 +21,7 @@ and 3 are `server.kvplan.plan_prefill`, steps 1 and 4 `server.kvplan.save_reside
   1. reuse = common prefix of the live session and ids. If `evict_save_wanted(...)`, store
      the live session (reason evict) before touching it.
   2. hit = store.lookup(T, longer_than=reuse); on a hit: session.load_payload(hit.payload)
-     and ids = hit.tokens + model.tokenize(T[len(hit.prefix_text):], special=True).
+     and ids = hit.tokens + model.tokenize_prompt(T[len(hit.prefix_text):]).
   3. points = plan_prefill_saves(restored or reused, len(ids), user_boundary): prefill in
      stages, `session.sync(ids[:p.n_tokens])` then store the session at each point (the
      prefill is the same work split at those frontiers), then `session.sync(ids)`.

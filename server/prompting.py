@@ -1,7 +1,10 @@
 """The two text seams between the APIs and the model: prompt rendering and output splitting.
 
 Rendering: every chat API maps its request onto the API-neutral records of `server.tools`
-(`Message`, `ToolSpec`) and calls `ToolCalling.render`. The conversation is rendered by the
+(`Message`, `ToolSpec`) and calls `ToolCalling.render`. Every client string in them is
+escaped first (`engine.prompt_text`), so the rendered text is prompt text: the template's
+markers become control tokens, a `<|im_start|>` typed into a message stays text
+(`prompt_ids`). The conversation is rendered by the
 model's tool syntax (tool definitions canonically, before the client's system prompt;
 assistant calls from the exact replay memory when possible; tool results in call order)
 into plain `{"role", "content"}` messages, which the model's own chat template then turns
@@ -23,6 +26,7 @@ where the disk KV cache takes its checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -31,6 +35,7 @@ from typing import Any
 from server.tools import (ContentDelta, Message, ReasoningDelta, ReplayMemory, Syntax, ToolCall,
                           ToolCallEnd, ToolCallParser, ToolSpec, ToolsConfig, detect_syntax, get_syntax,
                           render_conversation)
+from engine.prompt_text import escape_strings
 from server.tools.apis import ID_PREFIX
 
 log = logging.getLogger("ds4.server.tools")
@@ -129,7 +134,8 @@ class ToolCalling:
         """Prompt text for a chat: the syntax's rendering of tools and calls, then the chat template."""
         specs = tuple(tools or ())
         with self._lock:
-            rendered = render_conversation(self.syntax, messages, list(specs), self.memory)
+            rendered = render_conversation(self.syntax, escaped_messages(model, messages),
+                                           escaped_tools(model, specs), self.memory)
             stats = self.memory.stats()
         n_calls = rendered.replayed + rendered.rerendered + rendered.missing
         if specs or n_calls:
@@ -171,6 +177,25 @@ def last_user_head(model: Any, messages: list[dict[str, Any]], **extra: Any) -> 
 
 
 def prompt_ids(model: Any, text: str) -> list[int]:
-    """Token ids of a rendered prompt: special-token text becomes its single id, and the
-    model's `prompt_ids` adds BOS when it wants one."""
-    return model.prompt_ids(model.tokenize(text, special=True))
+    """Token ids of a prompt text (`engine.prompt_text`): the unescaped control spellings become
+    their single ids, escaped ones (those typed into messages) stay text, and the model's
+    `prompt_ids` adds BOS when it wants one."""
+    return model.prompt_ids(model.tokenize_prompt(text))
+
+
+def escaped_messages(model: Any, messages: list[Message]) -> list[Message]:
+    """The messages with every client string escaped, so that no control spelling in them
+    becomes a control token (a forged turn) once the template has rendered them."""
+    esc = model.escape_text
+
+    def call(c: ToolCall) -> ToolCall:
+        return dataclasses.replace(c, id=esc(c.id), name=esc(c.name), arguments=escape_strings(c.arguments, esc))
+
+    return [dataclasses.replace(m, content=esc(m.content), reasoning=esc(m.reasoning), name=esc(m.name),
+                                tool_call_id=esc(m.tool_call_id), tool_calls=[call(c) for c in m.tool_calls])
+            for m in messages]
+
+
+def escaped_tools(model: Any, tools: tuple[ToolSpec, ...]) -> list[ToolSpec]:
+    esc = model.escape_text
+    return [ToolSpec(esc(t.name), esc(t.description), escape_strings(t.parameters, esc)) for t in tools]

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from server.jobs import Event, Failed, Finished, TextDelta
+from server.jobs import Failed, Finished, TextDelta
 
 KEEPALIVE = b": prefill\n\n"
 DONE = b"data: [DONE]\n\n"

@@ -36,7 +36,8 @@ from typing import Any, Callable
 import torch
 
 from engine.batch import GenRequest
-from engine.sampling import SamplingParams
+from engine.prompt_text import PromptText, escape_strings
+from engine.sampling import Sampler, SamplingParams
 
 
 class FakeCancelled(Exception):
@@ -199,7 +200,10 @@ class FakeSession:
 
     def sample(self, params: FakeSamplingParams) -> int:
         if self._sampler is None or self._sampler.params is not params:
-            self._sampler = FakeSampler(params, self.model.eos_ids)
+            # The engine's own parameters get the engine's own sampler, so that a test can
+            # run the real sampling filters over the scripted logits.
+            kind = Sampler if isinstance(params, SamplingParams) else FakeSampler
+            self._sampler = kind(params, self.model.eos_ids)
         return self._sampler(self.logits)
 
     def truncate(self, n: int) -> None:
@@ -269,6 +273,10 @@ class FakeModel:
         return {k: v for k, v in self.vocab.specials.items() if k not in THINK_MARKERS}
 
     # --- text ---
+    @property
+    def max_token_bytes(self) -> int:
+        return max(len(k.encode("utf-8")) for k in self.vocab.specials)
+
     def tokenize(self, text: str, special: bool = False) -> list[int]:
         if not special:
             return list(text.encode("utf-8"))
@@ -298,6 +306,40 @@ class FakeModel:
                 buf += bytes([t])
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def _prompt_text(self) -> PromptText:
+        return PromptText(self._specials())
+
+    def escape_text(self, text: str) -> str:
+        return self._prompt_text().escape(text)
+
+    def tokenize_prompt(self, prompt_text: str) -> list[int]:
+        specials = self._specials()
+        out: list[int] = []
+        for piece, is_control in self._prompt_text().split(prompt_text):
+            out.extend([specials[piece]] if is_control else piece.encode("utf-8"))
+        return out
+
+    def detokenize_prompt(self, ids: list[int]) -> str:
+        names = {v: k for k, v in self._specials().items()}
+        pieces, run = [], []
+        for t in ids:
+            if t in names:
+                if run:
+                    pieces.append((self.detokenize(run), False))
+                    run = []
+                pieces.append((names[t], True))
+            else:
+                run.append(t)
+        if run:
+            pieces.append((self.detokenize(run), False))
+        return self._prompt_text().escape_tokens(pieces)
+
+    def render_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                      **extra: Any) -> str:
+        esc = self.escape_text
+        return self.render_chat(escape_strings(messages, esc), add_generation_prompt,
+                                escape_strings(tools, esc) if tools else tools, **extra)
 
     def text_stream(self) -> FakeTextStream:
         return FakeTextStream(self)

@@ -318,10 +318,11 @@ class EngineBackend:
         messages = [{"role": "system", "content": job.system_prompt},
                     {"role": "user", "content": job.question_prompt}]
         extra = {"enable_thinking": think} if self.supports_thinking else {}
-        return self.model.render_chat(messages, add_generation_prompt=True, **extra)
+        # Prompt text: a control-token spelling inside a benchmark question stays text.
+        return self.model.render_prompt(messages, add_generation_prompt=True, **extra)
 
     def prompt_ids(self, text: str) -> list[int]:
-        return self.model.prompt_ids(self.model.tokenize(text, special=True))
+        return self.model.prompt_ids(self.model.tokenize_prompt(text))
 
     def _plan(self, job: GenerationJob) -> tuple[_Plan, GenerationResult]:
         think = job.think and self.supports_thinking

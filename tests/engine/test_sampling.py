@@ -49,3 +49,16 @@ def test_seed_reproduces_the_stream_and_temperature_spreads_it():
 def test_invalid_params_are_rejected(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
+
+
+def test_temperature_below_float32_range_samples_the_argmax():
+    # 1e-300 is 0 in float32: dividing by it used to give NaN probabilities.
+    logits = torch.tensor([1.0, 3.0, float("-inf"), 2.0])
+    for t in (1e-300, 5e-324, 1e-40):
+        assert Sampler(SamplingParams(temperature=t, seed=1))(logits) == 1
+
+
+def test_top_p_too_small_for_float32_keeps_the_most_likely_token():
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=1e-300))
+    assert probs.tolist() == [0.0, 1.0, 0.0]

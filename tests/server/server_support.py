@@ -162,6 +162,85 @@ def server_process(log_path: Path, *flags: str) -> Iterator[ServerProcess]:
         srv.stop()
 
 
+class ModelServerProcess:
+    """A `python -m server.cli` child on a free loopback port; `rss_peak_kib()` reads its VmHWM."""
+
+    def __init__(self, *flags: str, startup_s: float = 180.0) -> None:
+        import subprocess
+        import sys
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(self.port),
+                                      "--host", "127.0.0.1", *flags],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(REPO_ROOT))
+        self.log: list[str] = []
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + startup_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError("server exited at startup:\n" + "".join(self.log))
+            try:
+                self.get("/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise AssertionError("server did not answer /health:\n" + "".join(self.log))
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def request(self, method: str, path: str, body: bytes | None = None, timeout: float = 60) -> tuple[int, bytes]:
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str, timeout: float = 60) -> tuple[int, bytes]:
+        return self.request("GET", path, timeout=timeout)
+
+    def post(self, path: str, obj: Any, timeout: float = 60) -> tuple[int, bytes]:
+        import json
+        return self.request("POST", path, json.dumps(obj).encode(), timeout=timeout)
+
+    def status_kib(self, key: str) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        raise KeyError(key)
+
+    def rss_peak_kib(self) -> int:
+        return self.status_kib("VmHWM")
+
+    def rss_kib(self) -> int:
+        return self.status_kib("VmRSS")
+
+    def stop(self) -> None:
+        import signal
+        import subprocess
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@contextmanager
+def model_server_process(*flags: str, **kw: Any) -> Iterator[ModelServerProcess]:
+    srv = ModelServerProcess(*flags, **kw)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
     """Everything the server sends until it closes the connection."""
     sock.settimeout(timeout)
