@@ -13,6 +13,9 @@ Contract
   be reached or refuses the API key raises `ProbeError` with one line; the first model id it
   lists becomes `model_name` (shown in the report and traces) and the request's `model` unless
   `--served-model` is given. A server without `/v1/models` (404) is still usable.
+- `capability_needs(config)`: the request features a run relies on (streaming usage always,
+  `n` with --repeats, `seed` with --temp > 0 and --seed, `ignore_eos` when --request-extra
+  sends it), which `create_backend` probes before the first case (`ds4eval.endpoint_probe`).
 - Reasoning deltas (`reasoning_content` or `reasoning`) are recorded inside `<think>...</think>`
   so the trace and the extractors see the same shape as the engine backend's output.
 - A stream counts as complete only with a finish reason and `[DONE]`; an HTTP error, an error
@@ -39,6 +42,7 @@ import threading
 import httpx
 
 from ds4eval import sse
+from ds4eval.capabilities import Need
 from ds4eval.config import EvalConfig
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
@@ -55,6 +59,19 @@ def models_url(base: str) -> str:
 
 class ProbeError(Exception):
     pass
+
+
+def capability_needs(config: EvalConfig) -> list[Need]:
+    """The request features a run of this backend relies on (`ds4eval.capabilities`)."""
+    needs = [Need("streaming usage", config.tokenizer is None,
+                  "for token counts (without usage, --tokenizer GGUF counts them)")]
+    if config.repeats > 1:
+        needs.append(Need("n", False, "to send the repeats of a case as one request (else one request per repeat)"))
+    if config.temperature > 0 and config.seed is not None:
+        needs.append(Need("seed", True, "for reproducible sampling with --temp > 0 and --seed"))
+    if config.request_extra_fields().get("ignore_eos"):
+        needs.append(Need("ignore_eos", True, "by --request-extra"))
+    return needs
 
 
 def completions_url(base: str) -> str:
