@@ -29,7 +29,7 @@ MISSING = (IGNORED, REJECTED, FAILED)  # what stops a run that requires the feat
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 SEEDS = (1234, 4321, 777)
-SHORT_REPLY = 'Reply with the single word "yes".'
+SHORT_REPLY = "Answer yes or no: is the sky blue?"  # the embedded model answers it in 3 tokens
 ECHO_PROMPT = "The quick brown fox jumps over"
 IGNORE_EOS_TOKENS = 16
 
@@ -277,7 +277,7 @@ def _n(replies: Sequence[Reply]) -> Finding:
     return Finding(name, FAILED, f"asked for 2 choices, got indices {got}")
 
 
-@feature("ignore_eos", f"a one-word reply with and without ignore_eos, max_tokens {IGNORE_EOS_TOKENS}",
+@feature("ignore_eos", f"a short reply with and without ignore_eos, max_tokens {IGNORE_EOS_TOKENS}",
          lambda m: [_chat(m, SHORT_REPLY, max_tokens=IGNORE_EOS_TOKENS),
                     _chat(m, SHORT_REPLY, max_tokens=IGNORE_EOS_TOKENS, ignore_eos=True)])
 def _ignore_eos(replies: Sequence[Reply]) -> Finding:

@@ -398,7 +398,8 @@ def cmd_probe(cfg: EvalConfig) -> int:
     from ds4eval import capabilities, endpoint_probe
 
     try:
-        result = endpoint_probe.run_probe(cfg.url, list(capabilities.FEATURES), cfg.served_model, cfg.api_key)
+        result = endpoint_probe.run_probe(cfg.url, list(capabilities.FEATURES), cfg.served_model, cfg.api_key,
+                                          budget_s=endpoint_probe.TABLE_BUDGET_S)
     except endpoint_probe.ProbeUnreachable as e:
         click.echo(f"ds4-eval: error: {e}", err=True)
         return 1

@@ -17,7 +17,6 @@ It knows nothing of the runs that use it: each consumer passes its own `capabili
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -25,9 +24,11 @@ from typing import Sequence
 import httpx
 
 from ds4eval import sse
+from ds4eval.httperrors import error_message, reason
 from ds4eval.capabilities import ENDPOINTS, FEATURES, UNVERIFIABLE, Finding, Need, Probe, Reply, api_root, check
 
-DEFAULT_BUDGET_S = 60.0
+DEFAULT_BUDGET_S = 60.0  # before a run: a slow server leaves the last features unverified, not the run
+TABLE_BUDGET_S = 300.0   # `ds4-eval --probe`, which asks for every feature
 NO_PROBE_HINT = "--no-probe skips this check"
 
 
@@ -92,7 +93,7 @@ def _first_model(client: httpx.Client, root: str, deadline: float) -> str | None
     try:
         resp = client.get(root + "/v1/models", timeout=max(0.1, deadline - time.monotonic()))
     except httpx.HTTPError as e:
-        raise ProbeUnreachable(f"cannot reach the server at {root}: {_reason(e)}") from None
+        raise ProbeUnreachable(f"cannot reach the server at {root}: {reason(e)}") from None
     if resp.status_code in (401, 403):
         raise ProbeUnreachable(f"the server at {root} refused the request (HTTP {resp.status_code}); "
                                f"check --api-key")
@@ -112,11 +113,11 @@ def _send(client: httpx.Client, root: str, probe: Probe, timeout_s: float) -> Re
                 return _read_stream(resp)
             resp.read()
     except httpx.ConnectError as e:
-        raise ProbeUnreachable(f"cannot reach the server at {root}: {_reason(e)}") from None
+        raise ProbeUnreachable(f"cannot reach the server at {root}: {reason(e)}") from None
     except httpx.HTTPError as e:
-        return Reply(error=f"{type(e).__name__}: {_reason(e)}")
+        return Reply(error=f"{type(e).__name__}: {reason(e)}")
     if resp.status_code != 200:
-        return Reply(resp.status_code, error=_error_text(resp.text))
+        return Reply(resp.status_code, error=error_message(resp.text))
     try:
         doc = resp.json()
     except ValueError:
@@ -139,26 +140,7 @@ def _read_stream(resp: httpx.Response) -> Reply:
     except sse.StreamFault as e:
         return Reply(resp.status_code, streamed=True, error=str(e))
     except httpx.HTTPError as e:
-        return Reply(resp.status_code, streamed=True, error=f"{type(e).__name__}: {_reason(e)}")
+        return Reply(resp.status_code, streamed=True, error=f"{type(e).__name__}: {reason(e)}")
     if resp.status_code != 200:
         return Reply(resp.status_code, streamed=True, error="an error answered as a stream")
     return Reply(resp.status_code, chunks=tuple(chunks), streamed=True, done=done)
-
-
-def _reason(e: httpx.HTTPError) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, httpx.ConnectError) and "refused" in text.lower():
-        return "connection refused"
-    return " ".join(text.split())[:200]
-
-
-def _error_text(text: str) -> str:
-    text = " ".join(text.split())
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:200]
-    err = obj.get("error", obj) if isinstance(obj, dict) else obj
-    if isinstance(err, dict) and "message" in err:
-        return str(err["message"])[:200]
-    return text[:200]
