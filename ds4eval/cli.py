@@ -1,7 +1,8 @@
 """`ds4-eval` command line: parses flags into an EvalConfig and calls the library.
 
 Modes (at most one): run a suite (default), --list-cases, --validate-cases,
---self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull, --compare
+--self-test-extractors, --grade-file, --regrade, --retry-incomplete, --data-pull, --probe (the
+capability table of the server at --url; exit 1 when it cannot be reached), --compare
 (exit status 1 for a regression, 2 for input it cannot compare), --report-from (a report of an
 existing trace). --report FILE writes the report of a run (rendered from the trace it wrote),
 of --compare or of --report-from (`ds4eval.reports`).
@@ -226,7 +227,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     report_offset = 0 if report_whole_trace or not cfg.report else _file_size(cfg.trace)
 
     try:
-        backend = create_backend(cfg)
+        backend = create_backend(cfg, note=lambda line: click.echo(f"ds4-eval: note: {line}", err=True))
     except BackendUnavailable as e:  # the server did not answer the probe: nothing can run
         click.echo(f"ds4-eval: error: {e}", err=True)
         return EXIT_NOT_GRADED
@@ -392,10 +393,28 @@ def cmd_report_from(cfg: EvalConfig) -> int:
     return 0
 
 
+def cmd_probe(cfg: EvalConfig) -> int:
+    """The capability table of the server at --url: exit 0 once printed, 1 when it cannot be reached."""
+    from ds4eval import capabilities, endpoint_probe
+
+    try:
+        result = endpoint_probe.run_probe(cfg.url, list(capabilities.FEATURES), cfg.served_model, cfg.api_key,
+                                          budget_s=endpoint_probe.TABLE_BUDGET_S)
+    except endpoint_probe.ProbeUnreachable as e:
+        click.echo(f"ds4-eval: error: {e}", err=True)
+        return 1
+    click.echo(f"{result.url}, model {result.model or '(none named)'}: {len(result.findings)} features probed "
+               f"in {result.seconds:.1f} s")
+    click.echo(capabilities.render_table(result.findings))
+    return 0
+
+
 def dispatch(cfg: EvalConfig) -> int:
     cfg.validate()
     if cfg.compare:
         return cmd_compare(cfg)
+    if cfg.probe:
+        return cmd_probe(cfg)
     data_dir = cs.resolve_data_dir(cfg.data_dir)
     if cfg.self_test_extractors:
         return cmd_self_test()
@@ -430,7 +449,7 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--device", default="cpu", show_default=True, help="Engine device.")
 @click.option("--url", help="Server base URL for --backend openai.")
 @click.option("--api-key", envvar="DS4EVAL_API_KEY", help="Bearer token for the server.")
-@click.option("--served-model", help="Model name sent to the server.")
+@click.option("--served-model", "--api-model", "served_model", help="Model name sent to the server.")
 @click.option("--concurrency", type=int, default=1, show_default=True, help="Cases in flight (server).")
 @click.option("--parallel", type=int, default=None,
               help="Engine backend: decode N cases together (batched), each from a fresh session.")
@@ -464,6 +483,8 @@ def dispatch(cfg: EvalConfig) -> int:
 @click.option("--regrade", type=click.Path(dir_okay=False))
 @click.option("--retry-incomplete", type=click.Path(dir_okay=False))
 @click.option("--data-pull", is_flag=True, help="Fetch the upstream case tables into the data dir.")
+@click.option("--probe", is_flag=True, help="Print what the server at --url does with each request feature.")
+@click.option("--no-probe", is_flag=True, help="Skip the capability probe before a run against a server.")
 @click.option("--data-url", default=EvalConfig.data_url, show_default=True,
               help="Base URL --data-pull fetches from.")
 @click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,

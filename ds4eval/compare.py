@@ -397,6 +397,12 @@ class RepeatCase:
     def new_class(self) -> str:
         return repeats.klass(self.new_passed, self.new_graded)
 
+    @property
+    def p(self) -> float:
+        """Fisher's one-sided p in the direction the pass share moved (the smaller of the two:
+        the test against the move seen is never the smaller one); with no move, still the smaller."""
+        return min(self.p_drop, self.p_rise)
+
 
 @dataclass(frozen=True)
 class RepeatComparison:
@@ -414,6 +420,23 @@ class RepeatComparison:
     flaky_drops: tuple[RepeatCase, ...]    # flaky on BASE, lower on NEW, not significantly
     became_flaky: tuple[RepeatCase, ...]   # stable on BASE, flaky on NEW
     stopped_flaky: tuple[RepeatCase, ...]  # flaky on BASE, stable on NEW
+
+    def change(self, r: RepeatCase) -> str:
+        """What happened to case `r`, in words: "regressed" / "improved" (a significant drop or
+        rise), "became flaky" / "stopped being flaky", "lower" / "higher" (a move that is
+        neither), joined by ", " when several hold; "" when its pass share did not move."""
+        words = ["regressed"] if r in self.drops else ["improved"] if r in self.rises else []
+        if r in self.became_flaky:
+            words.append("became flaky")
+        elif r in self.stopped_flaky:
+            words.append("stopped being flaky")
+        if not words and r.new_rate != r.base_rate:
+            words.append("lower" if r.new_rate < r.base_rate else "higher")
+        return ", ".join(words)
+
+    def ranked(self) -> list[RepeatCase]:
+        """Every case, the smallest Fisher p first (ties: the larger move, then by name)."""
+        return sorted(self.cases, key=lambda r: (r.p, -abs(r.new_rate - r.base_rate), r.name))
 
 
 def _repeat_comparison(comparable: list[tuple[CaseRun, CaseRun]], base: Run, new: Run, alpha: float,

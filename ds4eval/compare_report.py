@@ -8,6 +8,9 @@ Contract
   pandas' `to_markdown`) or "json" (`as_json(cmp)`, numbers unformatted). Pure.
 - `flip_summary(cmp)` and `method_note(cmp)`: the one-line texts under Flips and Pass rates,
   shared with the HTML page (`html_report`).
+- When both runs have repeats, `repeat_case_rows(rc)` is the per-case table (k/K on each side,
+  Fisher p, class change), smallest p first; markdown shows its first MARKDOWN_CASE_ROWS rows,
+  the HTML page all of them, and the terminal text none (it lists only the cases that moved).
 It computes nothing new: every figure comes from the Comparison.
 """
 
@@ -182,13 +185,49 @@ def _repeat_sections(rc: RepeatComparison, alpha: float) -> list[tuple[str, obje
     return out
 
 
-def _sections(cmp: Comparison) -> list[tuple[str, object]]:
-    """(title, content) in display order; content is a DataFrame or a list of lines."""
+CASE_TABLE_COLUMNS = ["case", "BASE k/K", "NEW k/K", "Fisher p", "class BASE → NEW", "change"]
+MARKDOWN_CASE_ROWS = 50  # the per-case table of a markdown report stops here (the HTML page has all)
+
+
+def both_repeated(rc: RepeatComparison | None) -> bool:
+    """Whether both runs have repeats, so that every case has a k/K on each side to compare."""
+    return rc is not None and rc.base_repeats > 1 and rc.new_repeats > 1
+
+
+def repeat_case_rows(rc: RepeatComparison, limit: int | None = None) -> list[dict]:
+    """The per-case table of a repeat comparison, the smallest Fisher p first (`limit` rows at most)."""
+    ranked = rc.ranked()
+    return [{"case": r.name, "BASE k/K": f"{r.base_passed}/{r.base_graded}",
+             "NEW k/K": f"{r.new_passed}/{r.new_graded}", "Fisher p": _p(r.p),
+             "class BASE → NEW": r.base_class if r.base_class == r.new_class else f"{r.base_class} → {r.new_class}",
+             "change": rc.change(r)} for r in ranked[:limit]]
+
+
+def repeat_case_note(rc: RepeatComparison, shown: int, alpha: float) -> str:
+    """One line under the per-case table: what p is and how many rows are shown."""
+    cut = f"; the {shown} smallest p of {len(rc.cases)} cases" if shown < len(rc.cases) else ""
+    return ("Fisher p: Fisher's exact test of the k/K counts, one-sided in the direction the pass share "
+            f"moved; regressed / improved: p < {alpha:g}{cut}")
+
+
+def _case_table_sections(cmp: Comparison) -> list[tuple[str, object]]:
+    rc = cmp.repeats
+    if not both_repeated(rc):
+        return []
+    rows = repeat_case_rows(rc, MARKDOWN_CASE_ROWS)
+    return [("Per case, by Fisher p", pd.DataFrame(rows, columns=CASE_TABLE_COLUMNS)),
+            ("", [repeat_case_note(rc, len(rows), cmp.alpha)])]
+
+
+def _sections(cmp: Comparison, case_table: bool = False) -> list[tuple[str, object]]:
+    """(title, content) in display order; content is a DataFrame or a list of lines. The per-case
+    table of a repeat comparison (`case_table`) is for reports read as pages, not for terminals."""
     tb = tables(cmp)
     first = " (repeat 0 of each case)" if cmp.repeats is not None else ""
     out: list[tuple[str, object]] = [
         ("Runs", tb["runs"]),
         *(_repeat_sections(cmp.repeats, cmp.alpha) if cmp.repeats is not None else []),
+        *(_case_table_sections(cmp) if case_table else []),
         ("Pass rates" + first, tb["rates"]),
         ("", [method_note(cmp)]),
         ("Flips" + first, [flip_summary(cmp)]),
@@ -228,7 +267,7 @@ def render_text(cmp: Comparison) -> str:
 def render_markdown(cmp: Comparison) -> str:
     lines = [f"## ds4-eval --compare: `{cmp.base.label}` → `{cmp.new.label}`", "",
              f"**{cmp.verdict}**"]
-    for title, body in _sections(cmp):
+    for title, body in _sections(cmp, case_table=True):
         if title == "Verdict":
             continue
         lines.append("")

@@ -92,6 +92,10 @@ class EvalConfig:
     think_hard_reserve: int = 256
     """When still thinking with this many left, close the thinking block and ask for the answer."""
 
+    no_probe: bool = False
+    """--no-probe: skip the capability probe before a run against a server (one cheap request
+    per request feature the run needs; see ds4eval.endpoint_probe)."""
+
     # --- output
     plain: bool = False
     """--plain: one line per finished case and a final report (no terminal UI)."""
@@ -113,6 +117,8 @@ class EvalConfig:
     data_pull: bool = False
     data_url: str = DEFAULT_DATA_URL
     """--data-url: base URL that --data-pull fetches the C case tables from."""
+    probe: bool = False
+    """--probe: print what the server at --url does with each request feature, and exit."""
 
     # --- --compare BASE NEW (ds4eval.compare)
     compare: tuple[str, str] | None = None
@@ -186,10 +192,14 @@ class EvalConfig:
         if self.think_hard_reserve < 0 or self.think_soft_reserve < self.think_hard_reserve:
             raise ConfigError("think reserves must satisfy 0 <= hard <= soft")
         modes = [self.list_cases, self.validate_cases, self.self_test_extractors, bool(self.grade_file),
-                 bool(self.regrade), bool(self.retry_incomplete), self.data_pull, bool(self.report_from)]
+                 bool(self.regrade), bool(self.retry_incomplete), self.data_pull, bool(self.report_from), self.probe]
         if sum(modes) > 1:
             raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
-                              "--grade-file, --regrade, --retry-incomplete, --data-pull, --report-from")
+                              "--grade-file, --regrade, --retry-incomplete, --data-pull, --report-from, --probe")
+        if self.probe and not self.url:
+            raise ConfigError("--probe needs --url")
+        if self.probe and self.no_probe:
+            raise ConfigError("--probe and --no-probe contradict each other")
         if self.compare is not None and sum(modes):
             raise ConfigError("--compare runs alone: it takes no other mode")
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
@@ -210,7 +220,7 @@ class EvalConfig:
         if not self.report:
             raise ConfigError("--report needs a file name")
         if self.list_cases or self.validate_cases or self.self_test_extractors or self.grade_file \
-                or self.regrade or self.data_pull:
+                or self.regrade or self.data_pull or self.probe:
             raise ConfigError("--report applies to a run, --compare or --report-from")
         if not (self.compare or self.report_from or self.trace or self.retry_incomplete):
             raise ConfigError("--report needs --trace FILE for a run: the report is rendered from the records "

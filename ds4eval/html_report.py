@@ -11,7 +11,8 @@ Contract
   `compare.Comparison` with the same sections on both sides: the runs and what differs, pass
   rates BASE against NEW with the paired interval of the delta, both length histograms
   overlaid, the flip table, tokens and time, warnings, the verdict, and every matched case
-  with BASE and NEW side by side. The records (the traces' own) supply questions and outputs;
+  with BASE and NEW side by side; when both runs have repeats, a per-case table of k/K on each
+  side, Fisher p and the class change, smallest p first, sortable by any column. The records (the traces' own) supply questions and outputs;
   without them (summaries) the case rows carry verdicts and answers only.
 - Per case: question, model output with its thinking (`<think>...</think>`, split as the
   extractors split it) dimmed and folded in a <details>, picked and expected, all inside a
@@ -423,6 +424,9 @@ def render_compare_html(cmp: Comparison, base_records: Iterable[TraceRecord] = (
     sections.append(_section("flips", "Flips", _note(compare_report.flip_summary(cmp)),
                              table(flips, "flip-table", columns=list(tb["flips"].columns)), lost))
 
+    if compare_report.both_repeated(cmp.repeats):
+        sections.append(_section("repeat-cases", "Per case over the repeats, by Fisher p",
+                                 _repeat_case_table(cmp, row_of)))
     for side, rep in (("BASE", base_rep), ("NEW", new_rep)):
         if rep is not None and rep.repeats is not None:
             sections.append(_section(f"repeats-{side.lower()}", f"{side} repeats (K = {rep.repeats.repeats})",
@@ -461,6 +465,29 @@ def render_compare_html(cmp: Comparison, base_records: Iterable[TraceRecord] = (
                           ("excluded", "excluded")])]
     sections.append(_section("cases", "Cases", _filters(dict.fromkeys(c["source"]), groups), _case_rows(heads, rows)))
     return _page(title, sections)
+
+
+def _repeat_case_table(cmp: Comparison, row_of: dict[tuple[str, str], str]) -> str:
+    """Every case's k/K on both sides, smallest Fisher p first; a click on a heading re-sorts."""
+    rc = cmp.repeats
+    heads = compare_report.CASE_TABLE_COLUMNS
+    out = ['<table id="repeat-case-table" class="sortable"><thead><tr>',
+           *(f'<th title="click to sort">{esc(h)}</th>' for h in heads), "</tr></thead><tbody>"]
+    ranked = rc.ranked()
+    for r, row in zip(ranked, compare_report.repeat_case_rows(rc)):
+        change = row["change"]
+        token = ("bad" if change.startswith("regressed") else "good" if change.startswith("improved")
+                 else "flaky" if "flaky" in change else "same" if not change else "moved")
+        keys = [r.name, f"{r.base_rate:.6f}", f"{r.new_rate:.6f}", f"{r.p:.6e}", row["class BASE → NEW"], change]
+        target = row_of.get((r.source, r.id))
+        name = Html(f'<a href="#{target}">{esc(r.name)}</a>') if target else r.name
+        cells = [name, row["BASE k/K"], row["NEW k/K"], row["Fisher p"], row["class BASE → NEW"],
+                 Html(f'<span class="rc rc-{token}">{esc(change or "same")}</span>')]
+        out.append(f'<tr data-change="{token}">' + "".join(f'<td data-sort="{esc(k)}">{_cell(c)}</td>'
+                                                          for k, c in zip(keys, cells)) + "</tr>")
+    out.append("</tbody></table>")
+    return "".join(out) + _note(compare_report.repeat_case_note(rc, len(ranked), cmp.alpha)
+                                + "; click a heading to sort by it")
 
 
 def _tokens_html(context: Sequence[str], start: int, position: int | None) -> str:
@@ -514,10 +541,36 @@ svg .ci { stroke: var(--base); stroke-width: 3; } svg .pt { fill: var(--base); }
 svg .s-run { fill: var(--run); fill-opacity: .75; } svg .s-base { fill: var(--base); fill-opacity: .55; }
 svg .s-new { fill: var(--new); fill-opacity: .55; }
 mark { background: #ffe08a; }
+table.sortable th { cursor: pointer; } table.sortable th.sorted-asc::after { content: " ▲"; }
+table.sortable th.sorted-desc::after { content: " ▼"; }
+.rc { white-space: nowrap; } .rc-bad { color: var(--fail); font-weight: 600; }
+.rc-good { color: var(--pass); font-weight: 600; } .rc-flaky { color: var(--other); } .rc-same { color: var(--dim); }
 """
 
 # Reads only DOM attributes and the URL hash; no trace text is ever part of the script.
 SCRIPT = """
+(function () {
+  // Sortable tables: a click on a heading sorts by the cells' data-sort (numbers as numbers).
+  function sortBy(tbl, col, th) {
+    var desc = th.classList.contains("sorted-asc");
+    var heads = tbl.tHead.rows[0].cells;
+    for (var h = 0; h < heads.length; h++) { heads[h].classList.remove("sorted-asc", "sorted-desc"); }
+    th.classList.add(desc ? "sorted-desc" : "sorted-asc");
+    var body = tbl.tBodies[0], list = Array.prototype.slice.call(body.rows);
+    function key(r) { return r.cells[col].getAttribute("data-sort") || ""; }
+    list.sort(function (a, b) {
+      var x = key(a), y = key(b), nx = Number(x), ny = Number(y);
+      var c = (x !== "" && y !== "" && !isNaN(nx) && !isNaN(ny)) ? nx - ny : (x < y ? -1 : x > y ? 1 : 0);
+      return desc ? -c : c;
+    });
+    list.forEach(function (r) { body.appendChild(r); });
+  }
+  Array.prototype.forEach.call(document.querySelectorAll("table.sortable"), function (tbl) {
+    Array.prototype.forEach.call(tbl.tHead.rows[0].cells, function (th, col) {
+      th.addEventListener("click", function () { sortBy(tbl, col, th); });
+    });
+  });
+})();
 (function () {
   var tableEl = document.getElementById("case-table");
   if (!tableEl) { return; }

@@ -13,6 +13,9 @@ Contract
   be reached or refuses the API key raises `ProbeError` with one line; the first model id it
   lists becomes `model_name` (shown in the report and traces) and the request's `model` unless
   `--served-model` is given. A server without `/v1/models` (404) is still usable.
+- `capability_needs(config)`: the request features a run relies on (streaming usage always,
+  `n` with --repeats, `seed` with --temp > 0 and --seed, `ignore_eos` when --request-extra
+  sends it), which `create_backend` probes before the first case (`ds4eval.endpoint_probe`).
 - Reasoning deltas (`reasoning_content` or `reasoning`) are recorded inside `<think>...</think>`
   so the trace and the extractors see the same shape as the engine backend's output.
 - A stream counts as complete only with a finish reason and `[DONE]`; an HTTP error, an error
@@ -32,13 +35,14 @@ It does not retry failed requests and never reaches into server internals.
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import threading
 
 import httpx
 
 from ds4eval import sse
+from ds4eval.httperrors import error_message, reason
+from ds4eval.capabilities import Need
 from ds4eval.config import EvalConfig
 from ds4eval.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.runner import CaseContext, GenerationJob, GenerationResult
@@ -55,6 +59,19 @@ def models_url(base: str) -> str:
 
 class ProbeError(Exception):
     pass
+
+
+def capability_needs(config: EvalConfig) -> list[Need]:
+    """The request features a run of this backend relies on (`ds4eval.capabilities`)."""
+    needs = [Need("streaming usage", config.tokenizer is None,
+                  "for token counts (without usage, --tokenizer GGUF counts them)")]
+    if config.repeats > 1:
+        needs.append(Need("n", False, "to send the repeats of a case as one request (else one request per repeat)"))
+    if config.temperature > 0 and config.seed is not None:
+        needs.append(Need("seed", True, "for reproducible sampling with --temp > 0 and --seed"))
+    if config.request_extra_fields().get("ignore_eos"):
+        needs.append(Need("ignore_eos", True, "by --request-extra"))
+    return needs
 
 
 def completions_url(base: str) -> str:
@@ -139,10 +156,10 @@ class OpenAIBackend:
             resp = self._client.get(models_url(base), headers={"Accept": "application/json"},
                                     timeout=httpx.Timeout(30.0))
         except httpx.HTTPError as e:
-            raise ProbeError(f"cannot reach the server at {base}: {_reason(e)}") from None
+            raise ProbeError(f"cannot reach the server at {base}: {reason(e)}") from None
         if resp.status_code in (401, 403):
             raise ProbeError(f"the server at {base} refused the request (HTTP {resp.status_code}: "
-                             f"{_error_text(resp.text)}); check --api-key")
+                             f"{error_message(resp.text)}); check --api-key")
         if resp.status_code >= 400:
             return []  # reachable; some servers have no model list
         try:
@@ -219,7 +236,7 @@ class OpenAIBackend:
             with self._client.stream("POST", self.url, json=body) as resp, self._live_response(resp):
                 if resp.status_code >= 400:
                     resp.read()
-                    raise StreamError(f"HTTP {resp.status_code}: {_error_text(resp.text)}")
+                    raise StreamError(f"HTTP {resp.status_code}: {error_message(resp.text)}")
                 for line in resp.iter_lines():
                     interrupted = _first(ctx.checkpoint() for ctx in ctxs)
                     if interrupted:
@@ -320,23 +337,3 @@ class _Choice:
         if self.saw_think:
             res.think_close = "unclosed" if self.in_think else "natural"
         return res
-
-
-def _reason(e: httpx.HTTPError) -> str:
-    text = str(e) or type(e).__name__
-    if isinstance(e, httpx.ConnectError) and "refused" in text.lower():
-        return "connection refused"
-    return " ".join(text.split())[:200]
-
-
-def _error_text(text: str) -> str:
-    text = " ".join(text.split())
-    try:
-        obj = json.loads(text)
-        if isinstance(obj, dict):
-            err = obj.get("error", obj)
-            if isinstance(err, dict) and "message" in err:
-                return str(err["message"])[:300]
-    except json.JSONDecodeError:
-        pass
-    return text[:300]

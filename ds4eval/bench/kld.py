@@ -84,6 +84,7 @@ class KLDConfig:
     threads: int | None = None  # --threads: engine threads (default: the cores other processes leave free)
     csv: str | None = None
     json_path: str | None = None
+    no_probe: bool = False  # --no-probe: skip the openai stack's capability probe (echo with log-probs)
 
     def validate(self) -> None:
         if (self.save_base is None) == (self.base is None):
@@ -327,17 +328,19 @@ def result_json(cfg: KLDConfig, result: KLDResult) -> dict[str, Any]:
               help="Engine threads (default: the cores that other processes leave free).")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="One row per window.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Config, summary, windows.")
+@click.option("--no-probe", is_flag=True, help="--stack openai: skip the capability probe (echo with log-probs).")
 def kld_command(save_base: str | None, base: str | None, stack: str, model: str | None, weights: str,
                 kv_type: str | None, device: str, url: str | None, served_model: str | None, api_key: str | None,
                 tokenizer: str | None, corpus: str | None, passes: int, tokens: int | None, ctx: int, k: int,
-                tie_gap: float, threads: int | None, csv_path: str | None, json_path: str | None) -> int:
+                tie_gap: float, threads: int | None, csv_path: str | None, json_path: str | None,
+                no_probe: bool) -> int:
     """KL divergence of a candidate stack from a stored reference over a text corpus."""
     from engine import ModelLoadError
 
     cfg = KLDConfig(save_base=save_base, base=base, stack=stack, model=model, weights=weights, kv_type=kv_type,
                     device=device, url=url, served_model=served_model, api_key=api_key, tokenizer=tokenizer,
                     corpus=corpus, passes=passes, tokens=tokens, ctx=ctx, k=k, tie_gap=tie_gap, threads=threads,
-                    csv=csv_path, json_path=json_path)
+                    csv=csv_path, json_path=json_path, no_probe=no_probe)
     report = lambda line: click.echo(line, err=True)  # noqa: E731
     try:
         cfg.validate()

@@ -23,6 +23,8 @@ Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
           are dropped).  A probe id outside the server's top list is unknown (NaN) and falls
           into kldstats' rest bucket.  Without `--tokenizer` it cannot tokenize, so it can only
           be a candidate, scoring the base's stored windows.
+Before scoring, `openai` probes the server (`ds4eval.endpoint_probe`) for echo with log-probs
+and stops with one line when the server ignores or rejects it (`--no-probe` skips that).
 ds4-server is reached through `openai` (`--url`) once its /v1/completions returns prompt
 log-probs; a stack that starts its own server process would be one more factory in STACKS.
 It computes no statistics and writes no files.
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, ru
 import numpy as np
 
 from ds4eval.bench.kldstats import Scores
+from ds4eval.capabilities import Need
 
 if TYPE_CHECKING:
     from ds4eval.bench.kld import KLDConfig
@@ -205,6 +208,9 @@ def parse_prompt_logprobs(doc: Any, window: Sequence[int], k: int, probe: np.nda
 
 
 class OpenAIStack:
+    # What the capability probe checks first (ds4eval.capabilities): prompt log-probs through echo.
+    NEEDS = (Need("echo", True, "to score the corpus from the prompt's log-probs (echo with logprobs)"),)
+
     def __init__(self, url: str, served_model: str | None = None, api_key: str | None = None,
                  tokenizer_gguf: str | None = None, timeout_s: float = 600.0, client: Any = None):
         import httpx
@@ -270,9 +276,25 @@ class OpenAIStack:
 
 
 def openai_stack(cfg: "KLDConfig") -> OpenAIStack:
+    """The stack, once the server answered the capability probe of echo with log-probs (unless
+    --no-probe): a server that ignores echo would otherwise score garbage for the whole corpus."""
     if not cfg.url:
         raise StackError("--stack openai needs --url")
+    if not cfg.no_probe:
+        from ds4eval import endpoint_probe
+
+        try:
+            for line in endpoint_probe.probe_or_stop(cfg.url, OpenAIStack.NEEDS, cfg.served_model, cfg.api_key):
+                report_note(line)
+        except (endpoint_probe.ProbeUnreachable, endpoint_probe.FeatureMissing) as e:
+            raise StackError(str(e)) from None
     return OpenAIStack(cfg.url, cfg.served_model, cfg.api_key, cfg.tokenizer)
+
+
+def report_note(line: str) -> None:
+    import sys
+
+    print(f"note: {line}", file=sys.stderr)
 
 
 STACKS: dict[str, Callable[["KLDConfig"], LogprobStack]] = {"engine": engine_stack, "openai": openai_stack}

@@ -29,6 +29,9 @@ ms): completed requests meeting every SLO per second.
 Outputs: a table on stdout, progress on stderr, and on request a CSV (one row per level:
 the columns of CSV_COLUMNS), a JSON document (config, levels, failure reasons) and a plot
 (PNG or SVG by the file name) of throughput and latency against concurrency (or rate).
+Before the first request the command probes the server's request features
+(`ds4eval.endpoint_probe`; `capability_needs`): without streaming usage it stops with one
+line, a missing ignore_eos is a note; `--no-probe` skips that.
 It speaks only the public HTTP API (httpx.AsyncClient), starts no server and does not
 check the text of the replies.
 """
@@ -91,6 +94,7 @@ class ServeBenchConfig:
     csv: str | None = None
     json_path: str | None = None  # --json
     plot: str | None = None  # --plot: .png or .svg
+    no_probe: bool = False  # --no-probe: skip the capability probe before the first request
 
     def validate(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -470,6 +474,15 @@ class ServeBenchResult:
     levels: list[LevelSummary]
 
 
+def capability_needs(cfg: ServeBenchConfig) -> list:
+    """The request features this benchmark relies on (`ds4eval.capabilities`)."""
+    from ds4eval.capabilities import Need
+
+    return [Need("streaming usage", True, "to count a request as completed and its tokens"),
+            Need("ignore_eos", False, "to make replies run to --max-tokens (without it they may end sooner; "
+                                      "throughput counts the tokens the usage reports)")]
+
+
 async def discover_model(client: Any, base: str) -> str:
     import httpx
 
@@ -643,10 +656,11 @@ def write_plot(path: str, result: ServeBenchResult) -> None:
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Config and all levels.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Throughput and latency against the load, .png or .svg.")
+@click.option("--no-probe", is_flag=True, help="Skip the capability probe (streaming usage, ignore_eos) first.")
 def serve_command(url: str, endpoint: str, model: str | None, concurrency: str | None, rates: str, requests: int,
                   max_tokens: int, prompt_words: int, seed: int, timeout_s: float, warmup: int,
                   goodput: tuple[str, ...], api_key: str | None, csv_path: str | None, json_path: str | None,
-                  plot: str | None) -> int:
+                  plot: str | None, no_probe: bool) -> int:
     """Load-test an OpenAI-compatible server: closed loop at concurrency C and Poisson arrivals at rate R."""
     try:
         cfg = ServeBenchConfig(url=url, endpoint=endpoint, model=model,
@@ -655,13 +669,21 @@ def serve_command(url: str, endpoint: str, model: str | None, concurrency: str |
                                rates=parse_numbers(rates, float),
                                requests=requests, max_tokens=max_tokens, prompt_words=prompt_words, seed=seed,
                                timeout_s=timeout_s, warmup=warmup, goodput=parse_goodput(goodput), api_key=api_key,
-                               csv=csv_path, json_path=json_path, plot=plot)
+                               csv=csv_path, json_path=json_path, plot=plot, no_probe=no_probe)
         cfg.validate()
     except ServeBenchError as e:
         raise UsageFailure(str(e)) from None
     for flag, path in (("--csv", cfg.csv), ("--json", cfg.json_path), ("--plot", cfg.plot)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise UsageFailure(f"{flag} {path}: its directory does not exist")
+    if not cfg.no_probe:
+        from ds4eval import endpoint_probe
+
+        try:
+            for line in endpoint_probe.probe_or_stop(cfg.base_url, capability_needs(cfg), cfg.model, cfg.api_key):
+                click.echo(f"note: {line}", err=True)
+        except (endpoint_probe.ProbeUnreachable, endpoint_probe.FeatureMissing) as e:
+            raise RunFailure(str(e)) from None
     try:
         result = asyncio.run(run_serve_bench_async(cfg))
     except ServeBenchError as e:

@@ -74,3 +74,14 @@ def greedy_nondeterministic(k: int = 3) -> list[tr.TraceRecord]:
     outs = ["So the sum is 4.\nAnswer: 4"] * (k - 1) + ["So the total is 5.\nAnswer: 5"]
     return [rec(7, "PASSED" if "4" in o else "FAILED", "4" if "4" in o else "5", repeat=r, output=o, source="gamma")
             for r, o in enumerate(outs)]
+
+
+def counted_repeats(counts: dict[str, int], k: int = 5) -> list[tr.TraceRecord]:
+    """Sampled repeats of source "s": case id -> how many of its k repeats pass (the first ones)."""
+    out = []
+    for n, (cid, passes) in enumerate(counts.items(), start=1):
+        for r in range(k):
+            ok = r < passes
+            out.append(rec(n, "PASSED" if ok else "FAILED", "4" if ok else "5", source="s", id=cid, repeat=r,
+                           temperature=0.7, seed=1 + r))
+    return out

@@ -127,3 +127,27 @@ def test_screenshot_command_writes_html_and_png(driver, tmp_path):
                                              "--height", "900", "--view", "status=pass-fail"])
     assert r.exit_code == 0, r.output
     assert _png_size(out) == (1400, 900) and (tmp_path / "shot.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_per_case_repeat_table_sorts_by_a_clicked_heading(driver, tmp_path):
+    from report_fakes import counted_repeats
+    from selenium.webdriver.common.by import By
+
+    base = counted_repeats({"b": 5, "a": 3, "c": 0, "d": 5})
+    new = counted_repeats({"b": 0, "a": 1, "c": 0, "d": 4})
+    page = tmp_path / "repeats.html"
+    page.write_text(html_report.render_compare_html(comparison(base, new), base, new), encoding="utf-8")
+    driver.get(screenshot.file_url(page))
+
+    def cases() -> list[str]:
+        return [r.find_element(By.CSS_SELECTOR, "td").text
+                for r in driver.find_elements(By.CSS_SELECTOR, "#repeat-case-table tbody tr")]
+
+    assert cases()[0] == "s/b"  # 5/5 -> 0/5: the smallest p first
+    heads = driver.find_elements(By.CSS_SELECTOR, "#repeat-case-table th")
+    heads[0].click()
+    assert cases() == ["s/a", "s/b", "s/c", "s/d"]
+    heads[0].click()
+    assert cases() == ["s/d", "s/c", "s/b", "s/a"]
+    heads[2].click()  # NEW k/K, numerically: 0/5 (b, c), 1/5 (a), 4/5 (d)
+    assert cases()[2:] == ["s/a", "s/d"]

@@ -116,7 +116,7 @@ def _slow_server():
 def test_openai_run_stops_on_a_signal(tmp_path, sig):
     trace_path = tmp_path / "run.trace"
     with _slow_server() as srv:
-        child = Child(["--plain", "--backend", "openai", "--url", srv.url, "--trace", str(trace_path)])
+        child = Child(["--plain", "--backend", "openai", "--no-probe", "--url", srv.url, "--trace", str(trace_path)])
         _wait_for(srv.started.is_set, "the first request", child=child)
         time.sleep(0.3)
         child.proc.send_signal(sig)
@@ -128,7 +128,7 @@ def test_openai_run_stops_on_a_signal(tmp_path, sig):
 def test_openai_run_with_concurrency_stops_every_running_case(tmp_path):
     trace_path = tmp_path / "run.trace"
     with _slow_server() as srv:
-        child = Child(["--plain", "--backend", "openai", "--url", srv.url, "--concurrency", "3",
+        child = Child(["--plain", "--backend", "openai", "--no-probe", "--url", srv.url, "--concurrency", "3",
                        "--trace", str(trace_path)])
         _wait_for(lambda: len(srv.bodies) >= 3, "three requests", child=child)
         time.sleep(0.3)
@@ -141,7 +141,7 @@ def test_a_stop_does_not_wait_for_a_silent_server(tmp_path):
     """A server in a long prefill sends nothing; the stop must not wait for its next line."""
     trace_path = tmp_path / "run.trace"
     with FakeOpenAI(stall_s=600) as srv:
-        child = Child(["--plain", "--backend", "openai", "--url", srv.url, "--trace", str(trace_path)])
+        child = Child(["--plain", "--backend", "openai", "--no-probe", "--url", srv.url, "--trace", str(trace_path)])
         _wait_for(srv.started.is_set, "the first request", child=child)
         time.sleep(0.3)
         child.proc.send_signal(signal.SIGINT)
@@ -153,7 +153,7 @@ def test_a_stop_does_not_wait_for_a_silent_server(tmp_path):
 def test_ctrl_c_in_a_terminal(tmp_path, plain):
     trace_path = tmp_path / "run.trace"
     with _slow_server() as srv:
-        args = ["--backend", "openai", "--url", srv.url, "--trace", str(trace_path)]
+        args = ["--backend", "openai", "--no-probe", "--url", srv.url, "--trace", str(trace_path)]
         child = Child((["--plain"] if plain else []) + args, tty=True)
         _wait_for(srv.started.is_set, "the first request", child=child)
         time.sleep(0.3)

@@ -258,7 +258,7 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
     plan = ["good", "good", "no_finish"]
     with ScriptedServer(plan) as srv:
         r = CliRunner().invoke(cli.main, [
-            "serve", "--url", srv.url + "/v1", "--concurrency", "1,2", "--requests", "6", "--warmup", "0",
+            "serve", "--no-probe", "--url", srv.url + "/v1", "--concurrency", "1,2", "--requests", "6", "--warmup", "0",
             "--goodput", "ttft:10000 tpot:10000", "--csv", str(tmp_path / "s.csv"), "--json", str(tmp_path / "s.json"),
             "--plot", str(tmp_path / "s.svg")])
     assert r.exit_code == 0, r.output
@@ -274,7 +274,7 @@ def test_cli_writes_csv_json_and_plot(tmp_path):
 
 def test_cli_rate_only_runs_no_closed_loop(tmp_path):
     with ScriptedServer(["good"]) as srv:
-        r = CliRunner().invoke(cli.main, ["serve", "--url", srv.url, "--rate", "50", "--requests", "3", "--warmup", "1",
+        r = CliRunner().invoke(cli.main, ["serve", "--no-probe", "--url", srv.url, "--rate", "50", "--requests", "3", "--warmup", "1",
                                           "--csv", str(tmp_path / "r.csv"), "--plot", str(tmp_path / "r.png")])
         assert srv.count == 4  # the warm-up and the three timed requests
     assert r.exit_code == 0, r.output
