@@ -3,17 +3,27 @@
 Modules, in the order a request meets them:
 
 - `cli`        flags -> `config.ServerConfig`, model loading, startup banner, uvicorn.
-- `app`        FastAPI app factory: routes, body limit, error rendering, job submission.
+- `edge`       the listening socket and the HTTP protocol: header deadline and size, connection limit.
+- `app`        FastAPI app factory: middleware (metrics, API key, Host allow-list, CORS), error rendering.
+- `guard`      API key and Host checks (pure) and their middleware.
+- `endpoints`  the endpoint table and the one request path of the inference endpoints.
+- `httpbody`   Content-Type / Content-Encoding rules and the body read with its size and time limits.
+- `prepare`    the bounded pool where bodies are parsed, prompts rendered and tokenized.
 - `jsonparse`  hardened JSON body parsing (depth, NaN, duplicate keys, surrogates, UTF-8).
-- `api_openai`, `api_anthropic`, `api_responses`
+- `api_openai`, `api_anthropic`, `api_responses`, `api_tokenize`
                per-API schema, validation, translation to a `GenerationRequest`, and the
                JSON / SSE answers in that API's field names and error shape.
-- `apibase`    what the three share: strict schema base, limits, ignore_eos rules, ids.
+- `apibase`    what they share: strict schema base, field bounds, limits, defaults, ids.
+- `choices`    `n` and several prompts: one job per choice, events merged by choice index.
+- `scoring`    prompt log-probs (`echo` with `logprobs`) in the legacy completions form.
 - `prompting`  the text seams: chat -> prompt text, generated text -> content/reasoning/tool calls.
-- `worker`     job queue and the single inference thread that owns the engine session(s).
+- `jobs`       requests, events, the per-token decoder and the ledger both loops share.
+- `worker`, `serial`
+               the inference thread that owns the engine, and its one-session FIFO loop.
 - `batching`   `--batched-session N`: slot routing and the batched loop over the engine's scheduler.
-- `kvstore`, `kvstore_policy`
-               the disk KV cache (`--kv-disk-dir`): checkpoint files, lookup, save policy, eviction.
+- `kvplan`, `kvstore`, `kvstore_policy`
+               the disk KV cache (`--kv-disk-dir`): what the loops do, the files, the pure policy.
+- `metrics`    `GET /metrics` (Prometheus), fed through the ledger's observer seam.
 - `stops`      stop-sequence matching over streamed text.
 - `sse`        SSE framing, keepalives, disconnect watching.
 - `errors`     client-facing errors in each API's shape.
