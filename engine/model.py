@@ -121,6 +121,11 @@ class Model:
     def detokenize(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def token_bytes(self, token_id: int) -> tuple[bytes, bool]:
+        """(the bytes the token adds to decoded text, whether it is a control token): what a
+        decoding constraint needs to know of each vocabulary entry."""
+        return self.tokenizer.token_bytes(token_id), self.tokenizer.is_control(token_id)
+
     def text_stream(self) -> TextStream:
         return TextStream(self.tokenizer)
 

@@ -90,15 +90,24 @@ class OutputSplitter:
         self._prefix = prompt.thinking_prefix
         self._parser = ToolCallParser(calling.syntax, tools=prompt.tools, starts_in_thinking=bool(self._prefix),
                                       id_prefix=ID_PREFIX[api])
+        self.n_calls = 0
+        """Complete calls seen so far (a single-call generation ends at the first)."""
 
     @property
     def in_structure(self) -> bool:
         """True inside tool-call syntax outside argument values: the next token is sampled greedily."""
         return self._parser.in_structure
 
+    @property
+    def in_thinking(self) -> bool:
+        """True inside the thinking block (decoding constraints wait until it closes)."""
+        return self._parser.in_thinking
+
     def feed(self, text: str) -> list[OutputEvent]:
         # Start and argument-delta events are redundant: calls are only announced once complete.
-        return [e for e in self._parser.feed(text) if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
+        events = [e for e in self._parser.feed(text) if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
+        self.n_calls += sum(1 for e in events if isinstance(e, ToolCallEnd))
+        return events
 
     def finish(self, finish_reason: str) -> ParsedOutput:
         """Decide what is still open; `finish_reason` is the engine's ("stop" or "length")."""

@@ -283,6 +283,11 @@ class FakeModel:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_bytes(self, token_id: int) -> tuple[bytes, bool]:
+        if token_id < 256:
+            return bytes([token_id]), False
+        return self.detokenize([token_id]).encode("utf-8"), True
+
     def text_stream(self) -> FakeTextStream:
         return FakeTextStream(self)
 
