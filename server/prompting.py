@@ -90,8 +90,6 @@ class OutputSplitter:
         self._prefix = prompt.thinking_prefix
         self._parser = ToolCallParser(calling.syntax, tools=prompt.tools, starts_in_thinking=bool(self._prefix),
                                       id_prefix=ID_PREFIX[api])
-        self.n_calls = 0
-        """Complete calls seen so far (a single-call generation ends at the first)."""
 
     @property
     def in_structure(self) -> bool:
@@ -105,9 +103,12 @@ class OutputSplitter:
 
     def feed(self, text: str) -> list[OutputEvent]:
         # Start and argument-delta events are redundant: calls are only announced once complete.
-        events = [e for e in self._parser.feed(text) if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
-        self.n_calls += sum(1 for e in events if isinstance(e, ToolCallEnd))
-        return events
+        return [e for e in self._parser.feed(text) if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
+
+    @property
+    def n_calls(self) -> int:
+        """Calls written out so far (a single-call generation ends at the first)."""
+        return self._parser.calls_written
 
     def finish(self, finish_reason: str) -> ParsedOutput:
         """Decide what is still open; `finish_reason` is the engine's ("stop" or "length")."""
