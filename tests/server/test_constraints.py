@@ -140,3 +140,48 @@ def test_an_opening_choice_picks_among_names_then_releases():
         c.advance(token)
         taken.append(token)
     assert bytes(taken).decode() in texts and not c.complete
+
+
+# --- both inference loops on a tiny random model: each row keeps its own constraint -----------
+
+# Finite documents: whatever a random model prefers, each ends within the token budget.
+FINITE = [
+    {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+     "required": ["a", "b"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 2},
+    {"type": "object", "properties": {"k": {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 2}},
+     "required": ["k"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("n_slots", [1, 3])
+def test_each_request_follows_its_own_schema_in_both_loops(tiny_model, n_slots):
+    tiny = tiny_model
+    import queue
+
+    from server.prompting import prompt_ids
+    from server.jobs import SamplingSpec
+    from server.worker import InferenceWorker
+
+    w = InferenceWorker(tiny, n_slots=n_slots)
+    w.start()
+    try:
+        queues, jobs = [], []
+        for i, schema in enumerate(FINITE):
+            text = tiny.render_chat([{"role": "user", "content": f"answer number {i}"}])
+            r = GenerationRequest(prompt_text=text, prompt_ids=tuple(prompt_ids(tiny, text)), max_tokens=80,
+                                  sampling=SamplingSpec(temperature=0.9, seed=i), new_constraint=json_constraint(schema))
+            q: queue.Queue = queue.Queue()
+            jobs.append(w.submit(r, q.put))
+            queues.append(q)
+        for job, q, schema in zip(jobs, queues, FINITE):
+            events = []
+            while not events or not isinstance(events[-1], Finished):
+                events.append(q.get(timeout=60))
+            assert events[-1].finish_reason == "stop"
+            jsonschema.validate(json.loads("".join(e.text for e in events if isinstance(e, TextDelta))), schema)
+            assert job.stats.n_constrained > 0
+    finally:
+        w.stop()
+    if n_slots > 1:
+        assert sorted(j.stats.slot for j in jobs) == [0, 1, 2]
