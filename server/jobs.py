@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from server.constraints import apply_mask
 from server.stops import StopMatcher
 
 # Job records are the worker's report, whichever loop served the job.
@@ -258,7 +259,7 @@ class TokenDecoder:
             if step.forced is not None:
                 return step.forced
             if step.allowed is not None:
-                logits = logits.masked_fill(~step.allowed, float("-inf"))
+                logits = apply_mask(logits, step.allowed)
         if self.splitter is not None and self.splitter.in_structure and not self.ignore_eos:
             self.job.stats.n_greedy += 1
             return int(torch.argmax(logits))
