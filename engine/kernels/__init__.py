@@ -6,10 +6,15 @@ built or loaded here (`unavailable_reason()` then says why in one line) or, for 
 where the CPU lacks AVX512-BF16; callers then keep their torch paths.
 
 The C++ sources are compiled once per machine with the host's vector instructions
-(-march=native) into `$XDG_CACHE_HOME/ds4eval/kernels/<tag>` (default `~/.cache/...`), where
-the tag hashes the sources, the torch version and the CPU's model and flags, so a home directory
-shared by different machines never loads code built for another CPU.  A build takes a few
-seconds; later loads reuse it.  Building needs a C++ compiler; ninja comes with this package.
+(-march=native) into `$XDG_CACHE_HOME/ds4eval/kernels/ds4_kernels_<tag>.so` (default
+`~/.cache/...`), where the tag hashes the sources, the torch version and the CPU's model and
+flags, so a home directory shared by different machines never loads code built for another CPU.
+A build takes a few seconds; later loads only open the library.  Each build runs in a private
+temporary directory and the finished library is renamed into place, so processes never wait on
+each other's build: an interrupted build (Ctrl-C, kill -9) leaves only a temporary directory,
+removed by a later build once it is an hour old, never a lock that hangs later starts.  Two
+checkouts of the same sources share one library.  Building needs a C++ compiler; ninja comes
+with this package.
 OpenMP threads are torch's own (the kernel links the libgomp torch has loaded), so
 `torch.set_num_threads` governs it like any torch op.
 It does not decide when a kernel is used; see engine.models.llama.
@@ -19,7 +24,10 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
+import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -69,17 +77,49 @@ def _ensure_ninja() -> None:
         os.environ["PATH"] = bin_dir + (os.pathsep + path if path else "")
 
 
-def _load() -> None:
+STALE_BUILD_S = 3600  # a temporary build directory this old belongs to a build that died
+
+
+def library_path() -> Path:
+    """Where the library for these sources, this torch and this CPU lives once built."""
+    source = b"".join(p.read_bytes() for p in _SOURCES)
+    return build_dir() / f"ds4_kernels_{_tag(source)}.so"
+
+
+def remove_stale_builds(root: Path, now: float) -> None:
+    for d in root.glob(".build-*"):
+        try:
+            if now - d.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def build_library(target: Path) -> None:
+    """Compile into a private directory, then rename the library to `target` (atomic)."""
     from torch.utils import cpp_extension
 
-    source = b"".join(p.read_bytes() for p in _SOURCES)
-    name = f"ds4_kernels_{_tag(source)}"
-    where = build_dir() / name
-    where.mkdir(parents=True, exist_ok=True)
-    _ensure_ninja()
-    cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(where),
-                       extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    root = target.parent
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(root, time.time())
+    work = Path(tempfile.mkdtemp(prefix=".build-", dir=root))
+    try:
+        _ensure_ninja()
+        name = target.stem
+        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(work),
+                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+        os.replace(work / f"{name}.so", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _load() -> None:
+    target = library_path()
+    if target.is_file():
+        torch.ops.load_library(str(target))
+    else:
+        build_library(target)  # cpp_extension.load has loaded it already
 
 
 def _built() -> bool:

@@ -2,6 +2,8 @@
 their row invariance."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -213,3 +215,76 @@ def test_without_a_compiler_the_engine_falls_back_to_torch_kernels(tiny_gguf, tm
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("torch ops (") and "/bin/false" in done.stdout
+
+
+def test_a_build_installs_the_library_atomically_and_leaves_no_work_directory(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    seen = {}
+
+    def fake_load(name, sources, build_directory, **kw):
+        seen["dir"] = Path(build_directory)
+        (Path(build_directory) / "lock").write_text("")  # what torch's own build lock leaves
+        (Path(build_directory) / f"{name}.so").write_bytes(b"library")
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    target = tmp_path / "kernels" / "ds4_kernels_abc.so"
+    kernels.build_library(target)
+    assert target.read_bytes() == b"library"
+    assert seen["dir"].parent == target.parent and seen["dir"].name.startswith(".build-")
+    assert list(target.parent.iterdir()) == [target]
+
+
+def test_a_failed_build_installs_nothing_and_removes_its_work_directory(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def failing_load(name, sources, build_directory, **kw):
+        (Path(build_directory) / "half.o").write_bytes(b"x")
+        raise RuntimeError("error: compiler exploded")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    target = tmp_path / "ds4_kernels_abc.so"
+    with pytest.raises(RuntimeError, match="exploded"):
+        kernels.build_library(target)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_only_old_work_directories_of_dead_builds_are_removed(tmp_path):
+    import os
+
+    old, fresh = tmp_path / ".build-old", tmp_path / ".build-fresh"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "lock").write_text("")
+    now = 10_000_000.0
+    os.utime(old, (now - kernels.STALE_BUILD_S - 1,) * 2)
+    os.utime(fresh, (now - 5,) * 2)
+    kernels.remove_stale_builds(tmp_path, now)
+    assert not old.exists() and fresh.exists()
+
+
+def test_an_installed_library_is_loaded_without_building(tmp_path, op):
+    # The leftovers of an interrupted build (a work directory holding torch's build lock) must
+    # not make a later start wait: the installed library is opened directly.  A fresh process,
+    # since a library of ops registers them once per process.
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    installed = kernels.library_path()
+    assert installed.is_file()
+    root = tmp_path / "ds4eval" / "kernels"
+    (root / ".build-dead").mkdir(parents=True)
+    (root / ".build-dead" / "lock").write_text("")
+    shutil.copy(installed, root / installed.name)
+    script = (
+        "from torch.utils import cpp_extension\n"
+        "def no_build(*a, **kw): raise AssertionError('an installed library was rebuilt')\n"
+        "cpp_extension.load = no_build\n"
+        "from engine import kernels\n"
+        "assert kernels.decode_attention() is not None, kernels.unavailable_reason()\n"
+        "print('loaded')\n")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
