@@ -98,9 +98,9 @@ def test_model_tokens_per_s_with_and_without_schema(benchmark):
     totals = {"free": [0, 0.0], "schema": [0, 0.0]}
 
     def rounds() -> None:
-        for _ in range(3):
+        for _ in range(2):
             for name, c in (("free", None), ("schema", schema)):
-                n, dt = _decode(model, ids, 64, c)
+                n, dt = _decode(model, ids, 48, c)
                 totals[name][0] += n
                 totals[name][1] += dt
 
