@@ -13,7 +13,7 @@ SPEED_THRESHOLD ?= 0.10
 PRODUCT_FLOOR ?= 0.90
 
 .PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
-        setup-browser test-browser screenshot setup-lmeval
+        setup-browser test-browser screenshot setup-lmeval bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -67,6 +67,12 @@ ci-speed: setup
 	@if git rev-parse -q --verify HEAD~1 >/dev/null 2>&1; then \
 		$(MAKE) --no-print-directory gate-speed BASE=HEAD~1 SPEED_THRESHOLD=0.25 PRODUCT_FLOOR=0.80; \
 	else echo "gate-speed: no previous commit, skipped"; fi
+
+# Benchmarks (pytest-benchmark; measured, not asserted): the JSON-constraint mask step and the
+# ds4-eval --compare path, plus the embedded model's decoding speed with and without a schema.
+bench: setup
+	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-only tests/server/test_constraints_bench.py \
+		tests/ds4eval/test_eval_compare_bench.py
 
 # The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
 test: setup

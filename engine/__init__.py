@@ -29,6 +29,7 @@ weights, bf16 on CUDA);
   - `prompt_ids(ids) -> list[int]`: the one add-BOS rule — a new list with `bos_id` first
     when `add_bos` and the ids do not already start with it.
   - `detokenize(ids) -> str`, `text_stream() -> TextStream` (incremental, UTF-8 safe).
+  - `token_bytes(id) -> (bytes, is_control)`: one vocabulary entry as the bytes it decodes to.
   - `render_chat(messages, add_generation_prompt=True, tools=None, **extra) -> str`: the
     template's text as is; tokenizing it with `special=True` would turn a `<|im_start|>` typed
     into a message into the control token.

@@ -144,6 +144,10 @@ class Model:
         esc = self.tokenizer.escape
         return self.render_chat(escape_strings(messages, esc), add_generation_prompt=add_generation_prompt,
                                 tools=escape_strings(tools, esc) if tools else tools, **extra)
+    def token_bytes(self, token_id: int) -> tuple[bytes, bool]:
+        """(the bytes the token adds to decoded text, whether it is a control token): what a
+        decoding constraint needs to know of each vocabulary entry."""
+        return self.tokenizer.token_bytes(token_id), self.tokenizer.is_control(token_id)
 
     def text_stream(self) -> TextStream:
         return TextStream(self.tokenizer)

@@ -21,8 +21,10 @@ Extensions beyond the Anthropic API: `min_p`, `seed`, `ignore_eos`.
 Generated thinking becomes `thinking` blocks (empty signature), generated calls `tool_use`
 blocks with `stop_reason: "tool_use"`; a streamed call is one `content_block_start` plus one
 `input_json_delta` with its complete input, sent once the call is known to be valid.
+`tool_choice` ("auto", "any", "tool" with a name, "none"; `disable_parallel_tool_use`) becomes
+the generation's decoding constraint (`server.structured`); Anthropic has no response format.
 Accepted without effect: `metadata`, `thinking` (whether the model thinks is up to its
-template), `tool_choice`, `cache_control` markers.
+template), `cache_control` markers.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady,
 from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
                               ToolCallEnd, ToolCalling, prompt_ids)
 from server.sse import KEEPALIVE, sse_event
+from server.structured import ToolChoice, anthropic_tool_choice, check, constraint_factory, tools_to_render
 from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 
 # --- schemas --------------------------------------------------------------------------
@@ -99,24 +102,27 @@ class AnthropicContext:
     n_prompt: int
 
 
-def render_request(model: Any, req: Any, calling: ToolCalling) -> ChatPrompt:
-    """Prompt of a Messages (or count_tokens) request: system, messages and tools."""
+def render_request(model: Any, req: Any, calling: ToolCalling, choice: ToolChoice = ToolChoice()) -> ChatPrompt:
+    """Prompt of a Messages (or count_tokens) request: system, messages and the tools `choice` shows."""
     dump = [m.model_dump(exclude_none=True) for m in req.messages]
     system = req.system
     if isinstance(system, list):
         system = [b.model_dump(exclude_none=True) for b in system]
     specs = tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []])
-    return calling.render(model, messages_from_anthropic(system, dump), specs)
+    return calling.render(model, messages_from_anthropic(system, dump), tools_to_render(choice, specs))
 
 
 def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
                  defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, AnthropicContext]:
     """`defaults` does not apply: Messages requires `max_tokens`, as Anthropic's API does."""
-    prompt = render_request(model, req, calling)
+    ignore_eos = bool(req.ignore_eos)
+    choice = anthropic_tool_choice(req.tool_choice)
+    check(choice, None, tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []]),
+          ignore_eos=ignore_eos)
+    prompt = render_request(model, req, calling, choice)
     check_prompt_size(model, prompt.text, "messages")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
-    ignore_eos = bool(req.ignore_eos)
     max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), model.n_ctx, ignore_eos, "max_tokens")
     gen = GenerationRequest(
         prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
@@ -124,7 +130,8 @@ def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
         sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
         stop=stop_list(req.stop_sequences, "stop_sequences"),
-        new_splitter=lambda: calling.new_splitter(prompt, "anthropic"))
+        new_splitter=lambda: calling.new_splitter(prompt, "anthropic"),
+        new_constraint=constraint_factory(choice, None, calling.syntax, prompt.tools))
     return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(ids))
 
 

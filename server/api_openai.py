@@ -29,10 +29,11 @@ Tools: definitions and earlier calls are rendered by the model's tool syntax
 (`server.prompting.ToolCalling`); generated calls come back as `tool_calls` with
 `finish_reason: "tool_calls"` (streamed as one complete delta per call, once it is known to
 be valid), thinking as `reasoning_content`.
-Accepted but without effect: `reasoning_effort`, `tool_choice` and `parallel_tool_calls`.
+`tool_choice`, `parallel_tool_calls` and `response_format` (json_object, json_schema) become
+the generation's decoding constraint (`server.structured`).
+Accepted but without effect: `reasoning_effort`.
 Rejected with a 400: `best_of` other than 1, nonzero penalties (the engine has none),
-`response_format` other than text, image or audio content, `suffix`, `n` above
-`MAX_CHOICES` choices in all.
+image or audio content, `suffix`, `n` above `MAX_CHOICES` choices in all.
 
 No HTTP objects here: routes live in `server.app`.
 """
@@ -56,6 +57,7 @@ from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCa
                               ToolCallEnd, ToolCalling, prompt_ids)
 from server.scoring import PromptScored, legacy_logprobs
 from server.sse import DONE, KEEPALIVE, sse_data
+from server.structured import check, constraint_factory, openai_response_format, openai_tool_choice, tools_to_render
 from server.tools.apis import messages_from_openai, tools_from_openai
 
 # The Completions API's own default for `max_tokens` (OpenAI's documented value).
@@ -187,15 +189,16 @@ def _common_checks(req: _SamplingFields) -> None:
 def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
              defaults: RequestDefaults = RequestDefaults()) -> tuple[list[GenerationRequest], OpenAIContext]:
     _common_checks(req)
-    if req.response_format is not None and req.response_format.type != "text":
-        raise ApiError(400, f"response_format {req.response_format.type!r} is not supported "
-                            "(only 'text')", param="response_format")
+    ignore_eos = bool(req.ignore_eos)
+    fmt = openai_response_format(req.response_format.model_dump() if req.response_format is not None else None)
+    choice = openai_tool_choice(req.tool_choice, req.parallel_tool_calls)
     specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
-    prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]), specs)
+    check(choice, fmt, specs, ignore_eos=ignore_eos)
+    prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]),
+                            tools_to_render(choice, specs))
     check_prompt_size(model, prompt.text, "messages")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "messages")
-    ignore_eos = bool(req.ignore_eos)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, defaults.max_tokens_for(), len(ids), model.n_ctx, ignore_eos,
                                     "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
@@ -206,7 +209,8 @@ def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
                                min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
         stop=stop_list(req.stop, "stop"),
         top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        new_splitter=lambda: calling.new_splitter(prompt, "openai"))
+        new_splitter=lambda: calling.new_splitter(prompt, "openai"),
+        new_constraint=constraint_factory(choice, fmt, calling.syntax, prompt.tools))
     n = req.n or 1
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
                         created=int(time.time()),

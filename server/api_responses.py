@@ -19,6 +19,8 @@ earlier output items back in `input` instead), `store` is accepted and ignored. 
 items passed back belong to the assistant turn that follows them; they reach the prompt
 only through exact replay (chat templates drop earlier reasoning). A response whose output
 holds calls is `completed`, also when a call was repaired at the token limit.
+`tool_choice`, `parallel_tool_calls` and `text.format` (json_object, json_schema) become the
+generation's decoding constraint (`server.structured`).
 Extensions: `top_k`, `min_p`, `seed`, `ignore_eos`.
 """
 
@@ -37,6 +39,7 @@ from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, U
 from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
                               ToolCallEnd, ToolCalling, prompt_ids)
 from server.sse import KEEPALIVE, sse_event
+from server.structured import check, constraint_factory, openai_tool_choice, responses_text_format, tools_to_render
 from server.tools.apis import messages_from_responses, tools_from_responses
 
 # --- schemas --------------------------------------------------------------------------
@@ -100,24 +103,24 @@ def responses_job(model: Any, req: ResponsesRequest, calling: ToolCalling,
     if req.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: this server stores no responses; "
                             "send the earlier output items back in 'input'", param="previous_response_id")
-    fmt = (req.text or {}).get("format")
-    if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-        raise ApiError(400, f"text.format {fmt.get('type')!r} is not supported (only 'text')",
-                       param="text.format")
+    ignore_eos = bool(req.ignore_eos)
+    fmt = responses_text_format((req.text or {}).get("format"))
+    choice = openai_tool_choice(req.tool_choice, req.parallel_tool_calls)
     tool_dump = [t.model_dump(exclude_none=True) for t in req.tools or []]
     specs = tools_from_responses(tool_dump)
+    check(choice, fmt, specs, ignore_eos=ignore_eos)
     items = req.input if isinstance(req.input, str) else [it.model_dump(exclude_none=True) for it in req.input]
-    prompt = calling.render(model, messages_from_responses(req.instructions, items), specs)
+    prompt = calling.render(model, messages_from_responses(req.instructions, items), tools_to_render(choice, specs))
     check_prompt_size(model, prompt.text, "input")
     ids = prompt_ids(model, prompt.text)
     check_context(len(ids), model.n_ctx, "input")
-    ignore_eos = bool(req.ignore_eos)
     max_tokens = resolve_max_tokens(req.max_output_tokens, defaults.max_tokens_for(), len(ids), model.n_ctx,
                                     ignore_eos, "max_output_tokens")
     spec = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                          min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
     gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-                            max_tokens=max_tokens, sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"))
+                            max_tokens=max_tokens, sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"),
+                            new_constraint=constraint_factory(choice, fmt, calling.syntax, prompt.tools))
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": spec.temperature, "top_p": spec.top_p,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,

@@ -8,9 +8,9 @@
   `Usage` rides on `Finished`.
 - `Job`: a request plus its cancel flag (thread-safe) and event sink; `JobStats` what the
   loop measured.
-- `TokenDecoder`: what happens to each generated token of one job (greedy inside tool-call
-  structure, UTF-8-safe text, stop sequences, splitter events), whoever runs the forward
-  passes.
+- `TokenDecoder`: what happens to each generated token of one job (the decoding constraint,
+  greedy inside tool-call structure, UTF-8-safe text, stop sequences, splitter events),
+  whoever runs the forward passes.
 - `JobLedger`: the FIFO of submitted jobs, the stop request, and the history of finished
   jobs (`start`, `record`, `wait_finished`). The serial loop (`server.serial`) and the batched
   loop (`server.batching`) take jobs from it and report to it; neither knows the other.
@@ -37,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from server.constraints import apply_mask
 from server.stops import StopMatcher
 
 # Job records are the worker's report, whichever loop served the job.
@@ -80,6 +81,9 @@ class GenerationRequest:
     new_splitter: Callable[[], Any] | None = field(default=None, compare=False, repr=False)
     """Builds the output splitter of this generation (None: text only). The object has
     `feed(text) -> list`, `in_structure` (bool) and `finish(engine_reason) -> output`."""
+    new_constraint: Callable[[Any, Any], Any] | None = field(default=None, compare=False, repr=False)
+    """Builds the decoding constraint of this generation from (model, splitter) (None: none);
+    see `server.constraints.DecodingConstraint`."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class JobStats:
     n_generated: int = 0
     n_greedy: int = 0
     """Tokens taken by argmax because the splitter was inside tool-call structure."""
+    n_constrained: int = 0
+    """Tokens forced or chosen under a mask by the request's decoding constraint."""
     status: str = "queued"
     queued_at: float = 0.0
     started_at: float | None = None
@@ -278,11 +284,13 @@ def written_tokens(n_on_disk: int, n_reused: int, n_saved: int) -> int:
 class TokenDecoder:
     """What happens to each generated token of one job, whoever runs the forward passes.
 
-    `choose(logits, sample)` picks the next token: the argmax while the splitter is inside
-    tool-call structure, else `sample(logits)`; it records the logprob entry when asked for.
-    `accept(token)` turns it into text (UTF-8 safe, stop sequences held back), feeds the
-    splitter and emits a `TextDelta`; it returns False once the generation is over (EOS or
-    a stop sequence). `finish(reason)` flushes and emits `Finished`. Used by both inference
+    `choose(logits, sample)` picks the next token: the token the decoding constraint forces,
+    if any; else, with the constraint's mask applied to the logits, the argmax while the
+    splitter is inside tool-call structure, else `sample(masked logits)` (so `sample` must
+    draw from the row it is given); it records the logprob entry (of the raw logits) when
+    asked for. `accept(token)` turns it into text (UTF-8 safe, stop sequences held back),
+    feeds the splitter and emits a `TextDelta`; it returns False once the generation is over
+    (EOS, a stop sequence, or the constraint complete). `finish(reason)` flushes and emits `Finished`. Used by both inference
     loops, on the worker thread only.
     """
 
@@ -295,6 +303,7 @@ class TokenDecoder:
         self.stream = model.text_stream()
         self.stops = StopMatcher(req.stop)
         self.splitter = req.new_splitter() if req.new_splitter is not None else None
+        self.constraint = req.new_constraint(model, self.splitter) if req.new_constraint is not None else None
         self.top_logprobs = req.top_logprobs
         self.reason: str | None = None
         """Set once the generation ended by itself: 'stop' (EOS or stop sequence)."""
@@ -307,6 +316,13 @@ class TokenDecoder:
     def choose(self, logits: torch.Tensor, sample: Callable[[torch.Tensor], int]) -> int:
         if self.top_logprobs is not None:
             self._logprob = logprob_entry(self.model, logits, self.top_logprobs)
+        step = self.constraint.decide() if self.constraint is not None else None
+        if step is not None:
+            self.job.stats.n_constrained += 1
+            if step.forced is not None:
+                return step.forced
+            if step.allowed is not None:
+                logits = apply_mask(logits, step.allowed)
         if self.splitter is not None and self.splitter.in_structure and not self.ignore_eos:
             self.job.stats.n_greedy += 1
             return int(torch.argmax(logits))
@@ -323,12 +339,14 @@ class TokenDecoder:
         if token in self.eos_ids and not self.ignore_eos:
             self.reason = "stop"
             return False
+        if self.constraint is not None:
+            self.constraint.advance(token)
         text = self.stops.push(self.stream.push(token))
         lps = (self._logprob(token),) if self._logprob is not None else ()
         if text or lps:
             events = tuple(self.splitter.feed(text)) if self.splitter is not None and text else ()
             self.job.emit(TextDelta(text, lps, events))
-        if self.stops.matched is not None:
+        if self.stops.matched is not None or (self.constraint is not None and self.constraint.complete):
             self.reason = "stop"
             return False
         return True
@@ -454,6 +472,8 @@ class JobLedger:
                  if stats.cancel_latency_s is not None else "")
         if stats.n_greedy:
             extra += f" greedy_in_tool_syntax={stats.n_greedy}"
+        if stats.n_constrained:
+            extra += f" constrained={stats.n_constrained}"
         if stats.n_written:
             extra += f" written_to_disk={stats.n_written}"
         if stats.slot is not None:

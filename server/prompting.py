@@ -101,9 +101,19 @@ class OutputSplitter:
         """True inside tool-call syntax outside argument values: the next token is sampled greedily."""
         return self._parser.in_structure
 
+    @property
+    def in_thinking(self) -> bool:
+        """True inside the thinking block (decoding constraints wait until it closes)."""
+        return self._parser.in_thinking
+
     def feed(self, text: str) -> list[OutputEvent]:
         # Start and argument-delta events are redundant: calls are only announced once complete.
         return [e for e in self._parser.feed(text) if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
+
+    @property
+    def n_calls(self) -> int:
+        """Calls written out so far (a single-call generation ends at the first)."""
+        return self._parser.calls_written
 
     def finish(self, finish_reason: str) -> ParsedOutput:
         """Decide what is still open; `finish_reason` is the engine's ("stop" or "length")."""

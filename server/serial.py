@@ -20,7 +20,8 @@ piece of text is fed to it in this thread, its events ride on the `TextDelta`, a
 final result on `Finished.output`. That keeps its state current token by token, which
 sampling needs: while `splitter.in_structure` is True (inside tool-call syntax, outside
 argument values) the next token is the argmax, otherwise it is drawn with the request's
-sampling parameters.
+sampling parameters. A request's decoding constraint (`GenerationRequest.new_constraint`,
+see `server.constraints`) forces tokens or masks the logits before that choice.
 
 Events reach the handler through the `sink` callable given at submission (the route
 wraps `loop.call_soon_threadsafe`), so the worker never touches the event loop.
@@ -187,6 +188,9 @@ class SerialLoop:
         # 2. decode
         params = sampling_params(self.engine.SamplingParams, req.sampling)
         decoder = TokenDecoder(model, job)
+        # A constraint hands the sampler a masked row: draw from that row, not the session's.
+        sample: Callable[[Any], int] = (self.engine.Sampler(params, model.eos_ids) if decoder.constraint is not None
+                                        else lambda _logits: session.sample(params))
         pending: int | None = None
         for _ in range(decode_budget(model, req, len(ids))):
             if job.is_cancelled():
@@ -194,7 +198,7 @@ class SerialLoop:
             if pending is not None:
                 # Evaluated lazily so the last sampled token costs no forward pass.
                 session.eval(pending)
-            token = decoder.choose(session.logits, lambda _logits: session.sample(params))
+            token = decoder.choose(session.logits, sample)
             if not decoder.accept(token):
                 break
             pending = token

@@ -341,6 +341,11 @@ class FakeModel:
         return self.render_chat(escape_strings(messages, esc), add_generation_prompt,
                                 escape_strings(tools, esc) if tools else tools, **extra)
 
+    def token_bytes(self, token_id: int) -> tuple[bytes, bool]:
+        if token_id < 256:
+            return bytes([token_id]), False
+        return self.detokenize([token_id]).encode("utf-8"), True
+
     def text_stream(self) -> FakeTextStream:
         return FakeTextStream(self)
 

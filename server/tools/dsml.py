@@ -178,6 +178,9 @@ class Dsml(Syntax):
             "arrays and objects, written as JSON."
         )
 
+    def call_prefix(self, name: str) -> str:
+        return f'{OPEN}\n{INVOKE_OPEN}{name}">\n'
+
     def render_calls(self, calls: list[ToolCall]) -> str:
         if not calls:
             return ""

@@ -171,6 +171,9 @@ class Hermes(Syntax):
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
 
+    def call_prefix(self, name: str) -> str:
+        return f"{OPEN}\n{canonical_json({'name': name})[:-1]}, \"arguments\": "
+
     def render_calls(self, calls: list[ToolCall]) -> str:
         return "\n".join(
             f"{OPEN}\n{canonical_json({'name': c.name, 'arguments': c.arguments})}\n{CLOSE}" for c in calls)

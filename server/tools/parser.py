@@ -107,6 +107,13 @@ class ToolCallParser:
     def in_thinking(self) -> bool:
         return self._mode in (THINK, HELD)
 
+    @property
+    def calls_written(self) -> int:
+        """Calls written out so far, including those complete inside a block still open (a DSML block
+        holds several)."""
+        pending = len(self._scanner.calls) if self._mode == CALL and self._scanner is not None else 0
+        return len(self._calls) + pending
+
     def feed(self, chunk: str) -> list[Event]:
         if self._finished is not None:
             raise RuntimeError("feed() after finish()")

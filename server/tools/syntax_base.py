@@ -191,6 +191,11 @@ class Syntax:
     def render_calls(self, calls: list[ToolCall]) -> str:
         raise NotImplementedError
 
+    def call_prefix(self, name: str) -> str:
+        """The text a call of function `name` starts with, up to where its arguments begin: a prefix of
+        `render_calls` for that call (forced when `tool_choice` requires a call)."""
+        raise NotImplementedError
+
     def render_results(self, results: list[ToolResult]) -> str:
         raise NotImplementedError
 

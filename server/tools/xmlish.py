@@ -147,6 +147,9 @@ class QwenXml(Syntax):
             "Write every required parameter. Put nothing after the closing </tool_call> tag."
         )
 
+    def call_prefix(self, name: str) -> str:
+        return f"{OPEN}\n{Q_FUNC}{name}>\n"
+
     def render_calls(self, calls: list[ToolCall]) -> str:
         blocks = []
         for c in calls:
@@ -256,6 +259,9 @@ class Glm(Syntax):
             "<tool_call>{function-name}\n<arg_key>{arg-key-1}</arg_key>\n<arg_value>{arg-value-1}</arg_value>\n"
             "<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
         )
+
+    def call_prefix(self, name: str) -> str:
+        return f"{OPEN}{name}\n"
 
     def render_calls(self, calls: list[ToolCall]) -> str:
         blocks = []

@@ -234,6 +234,34 @@ def test_a_tool_result_turn_runs_on_the_real_template(server, oai):
     assert memory.stats()["missing"] == missing + 1
 
 
+def test_required_tool_choice_makes_the_model_call(oai, claude):
+    # Asked about colors, the model answers in prose; forced, it must still write a parseable call.
+    free = oai.chat.completions.create(model="x", messages=HI, tools=[WEATHER_TOOL], temperature=0, max_tokens=12)
+    assert not free.choices[0].message.tool_calls
+    out = oai.chat.completions.create(model="x", messages=HI, tools=[WEATHER_TOOL], temperature=0, max_tokens=64,
+                                      tool_choice="required", parallel_tool_calls=False)
+    assert out.choices[0].finish_reason == "tool_calls"
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    msg = claude.messages.create(model="x", max_tokens=64, messages=HI, extra_body={"temperature": 0},
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                 tools=[{"name": "get_weather", "description": "Current weather of a city",
+                                         "input_schema": WEATHER_TOOL["function"]["parameters"]}])
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+
+
+COLORS = {"type": "object", "properties": {"colors": {"type": "array", "maxItems": 3, "items": {
+    "enum": ["red", "yellow", "blue", "green"]}}}, "required": ["colors"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_on_the_model(oai):
+    jsonschema = pytest.importorskip("jsonschema")
+    out = oai.chat.completions.create(model="x", messages=HI, temperature=0, max_tokens=48, response_format={
+        "type": "json_schema", "json_schema": {"name": "colors", "schema": COLORS}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), COLORS)
+
+
 def test_command_line_server_starts_prints_banner_and_serves(tmp_path):
     import os
     import signal

@@ -169,7 +169,13 @@ def test_completion_streaming(client):
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
     ("/v1/chat/completions", {"messages": USER, "ignore_eos": True, "max_tokens": 3}, "ignore_eos"),
     ("/v1/chat/completions", {"messages": USER, "ignore_eos": True, "temperature": 0.7}, "ignore_eos"),
-    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": USER, "tool_choice": "sometimes"}, "tool_choice"),
 ])
 def test_bad_requests_are_400_with_param(client, path, body, param):
     r = client.post(path, json=body)

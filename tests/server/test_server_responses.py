@@ -58,7 +58,10 @@ def test_previous_output_items_are_passed_back(client, fake_model):
      "input[0].content[0].type"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"input": 5}, "input"),
-    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "frobnicate"}}}},
+     "text.format.schema"),
+    ({"input": "x", "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
 ])
