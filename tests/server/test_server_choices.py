@@ -9,7 +9,6 @@ import json
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.choices import fan_out, total_usage

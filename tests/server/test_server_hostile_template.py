@@ -16,6 +16,7 @@ from engine.chat_template import RenderLimits
 from engine.synthetic import RandomModelSpec, write_random_gguf
 from server.app import create_app
 from server.config import ServerConfig
+from server_support import TEST_CLIENT_HOST
 
 REPO = Path(__file__).resolve().parents[2]
 BURNS_CPU = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
@@ -37,7 +38,7 @@ def test_a_cpu_burning_template_is_aborted_and_reported(tmp_path_factory):
     # The probe at startup already hits the limit: chat is off, completions are served.
     model = load_model(gguf(tmp_path_factory, BURNS_CPU))
     model.template.limits = RenderLimits(max_seconds=0.5)
-    with TestClient(create_app(model, ServerConfig()), raise_server_exceptions=False) as c:
+    with TestClient(create_app(model, ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,))), raise_server_exceptions=False) as c:
         start = time.monotonic()
         r = c.post("/v1/chat/completions", json=CHAT)
         assert time.monotonic() - start < 2
@@ -48,7 +49,7 @@ def test_a_cpu_burning_template_is_aborted_and_reported(tmp_path_factory):
 def test_a_template_that_raises_is_reported_at_startup_in_one_line(tmp_path_factory, caplog):
     model = load_model(gguf(tmp_path_factory, RAISES))
     with caplog.at_level(logging.WARNING, logger="ds4.server"):
-        app = create_app(model, ServerConfig())
+        app = create_app(model, ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,)))
     lines = [r.getMessage() for r in caplog.records if "probe render" in r.getMessage()]
     assert len(lines) == 1 and "this template is broken" in lines[0] and "\n" not in lines[0]
     with TestClient(app, raise_server_exceptions=False) as c:
@@ -65,7 +66,7 @@ def test_a_template_that_burns_cpu_only_on_some_requests_is_aborted_per_request(
              "{% endif %}{{ m['content'] }}{% endfor %}")
     model = load_model(gguf(tmp_path_factory, picky))
     model.template.limits = RenderLimits(max_seconds=0.5)
-    with TestClient(create_app(model, ServerConfig()), raise_server_exceptions=False) as c:
+    with TestClient(create_app(model, ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,))), raise_server_exceptions=False) as c:
         start = time.monotonic()
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "spin"}], "max_tokens": 2})
         assert r.status_code == 500 and "longer than" in r.json()["error"]["message"]

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -23,7 +22,7 @@ from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.prompting import prompt_ids
 from server.worker import InferenceWorker
 from server_fake_engine import DEFAULT_REPLY, FakeModel
-from server_support import fake_app, live_server, raw_request
+from server_support import TEST_CLIENT_HOST, fake_app, live_server, raw_request
 
 CHAT = "/v1/chat/completions"
 SLOW_WORD = "slowly"
@@ -225,7 +224,7 @@ SYSTEM = "You answer questions about the weather, briefly and politely. " * 2
 
 
 def kv_app(model, directory: Path):
-    return create_app(model, ServerConfig(kv=KVStoreConfig(directory=str(directory))), kv_save_policy=SMALL)
+    return create_app(model, ServerConfig(kv=KVStoreConfig(directory=str(directory)), allowed_hosts=(TEST_CLIENT_HOST,)), kv_save_policy=SMALL)
 
 
 def test_disk_cache_counters_across_a_restart(tiny_model, tmp_path):

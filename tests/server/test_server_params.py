@@ -16,6 +16,7 @@ import engine
 from server.app import create_app
 from server.config import ServerConfig
 from server_fake_engine import FAKE_ENGINE, FakeModel
+from server_support import TEST_CLIENT_HOST
 
 REAL_SAMPLING = types.SimpleNamespace(**(vars(FAKE_ENGINE) | {"SamplingParams": engine.SamplingParams,
                                                               "Sampler": engine.Sampler}))
@@ -43,7 +44,7 @@ BOUNDARY = [0, -1, 1, 0.5, 1e-300, 5e-324, 2, 20, 21, 2**31 - 1, 2**31, 2**63, 2
 
 @pytest.fixture(scope="module")
 def client():
-    app = create_app(FakeModel(n_ctx=256), ServerConfig(), engine=REAL_SAMPLING)
+    app = create_app(FakeModel(n_ctx=256), ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,)), engine=REAL_SAMPLING)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
 

@@ -15,7 +15,7 @@ from server.config import ServerConfig
 from server.jobs import TokenLogprob
 from server.scoring import PromptScored, legacy_logprobs
 from server_fake_engine import DEFAULT_REPLY
-from server_support import fake_app
+from server_support import TEST_CLIENT_HOST
 
 
 def test_legacy_logprobs_put_a_null_first_and_offsets_across_prompt_and_reply():
@@ -97,7 +97,7 @@ def engine_scores(model, ids: list[int]) -> list[float]:
 @pytest.mark.parametrize("batched", [1, 2])
 def test_prompt_logprobs_equal_the_engines_log_softmax(tiny_model, batched):
     ids = [(7 * i + 3) % tiny_model.n_vocab for i in range(1, 150)]  # longer than one prefill chunk
-    with TestClient(create_app(tiny_model, ServerConfig(batched_session=batched))) as c:
+    with TestClient(create_app(tiny_model, ServerConfig(batched_session=batched, allowed_hosts=(TEST_CLIENT_HOST,)))) as c:
         # A first request fills the session, so the scored one cannot lean on an empty cache.
         c.post("/v1/completions", json={"prompt": ids[:20], "max_tokens": 2, "temperature": 0})
         r = c.post("/v1/completions", json={"prompt": [ids, ids[:40]], "echo": True, "logprobs": 2,
