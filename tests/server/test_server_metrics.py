@@ -131,7 +131,7 @@ def test_counts_after_streamed_and_plain_requests_an_error_and_a_cancel():
             lines = [line for line in r.iter_lines() if line.startswith("data: {")]
         streamed = json.loads(lines[-1][len("data: "):])
         short = httpx.post(base + "/v1/completions", json={"prompt": "abc", "max_tokens": 5}).json()
-        assert httpx.post(base + CHAT, content=b"{not json").status_code == 400
+        assert httpx.post(base + CHAT, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
         assert httpx.get(base + "/no/such/path").status_code == 404
         # A non-streaming request whose client hangs up while it decodes: cancelled, 499.
         sock = raw_request(srv.port, "POST", CHAT, json.dumps({"messages": user(SLOW_WORD)}).encode())
