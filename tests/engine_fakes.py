@@ -37,7 +37,7 @@ import torch
 
 from engine.batch import GenRequest
 from engine.prompt_text import PromptText, escape_strings
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Sampler, SamplingParams, filtered_probs
 
 
 class FakeCancelled(Exception):
@@ -65,7 +65,9 @@ class FakeSampler:
             return int(torch.argmax(logits))
         if self.params.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits / self.params.temperature, dim=-1)
+        # The engine's own filters (temperature, top-k, top-p, min-p), so that the fake draws
+        # from the distribution the real sampler would, extreme parameters included.
+        probs = filtered_probs(logits.float(), self.params)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

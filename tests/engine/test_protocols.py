@@ -106,3 +106,14 @@ def test_fake_session_follows_the_script_and_the_engine_rules():
     assert s.sample(greedy) == ord("a")
     with pytest.raises(ValueError):
         s.sync(list(range(17)))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-300, 1.0), (0.7, 1e-300), (5e-324, 5e-324)])
+def test_the_fake_sampler_survives_the_parameters_the_real_one_survives(temperature, top_p):
+    import torch
+
+    logits = torch.linspace(-3.0, 3.0, 50)
+    for make in (engine.Sampler, FAKE_ENGINE.Sampler):
+        params = (engine.SamplingParams if make is engine.Sampler else FAKE_ENGINE.SamplingParams)(
+            temperature=temperature, top_p=top_p, seed=1)
+        assert make(params)(logits) == 49
