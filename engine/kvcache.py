@@ -75,6 +75,20 @@ class KVCache:
         """Valid keys and values, [n_layer, n_head_kv, n, head_dim] each (copies, on CPU)."""
         return self.k[:, :, : self.n].cpu().clone(), self.v[:, :, : self.n].cpu().clone()
 
+    def copy_prefix(self, other: "KVCache", n: int) -> None:
+        """Hold the first n positions of `other`, a cache of the same shape and dtype (copied on
+        its device, no host round trip)."""
+        if other.k.shape[0:2] != self.k.shape[0:2] or other.k.shape[3] != self.k.shape[3] \
+                or other.kv.dtype != self.kv.dtype:
+            raise ValueError("the caches differ in shape or dtype")
+        if not 0 <= n <= other.n:
+            raise ValueError(f"cannot copy {n} positions of a cache that holds {other.n}")
+        self.n = 0
+        self.reserve(n)
+        self.k[:, :, :n] = other.k[:, :, :n]
+        self.v[:, :, :n] = other.v[:, :, :n]
+        self.n = n
+
     def restore(self, k: torch.Tensor, v: torch.Tensor) -> None:
         shape = self.k.shape
         if k.shape != v.shape or k.shape[0:2] != shape[0:2] or k.shape[3] != shape[3]:

@@ -126,6 +126,21 @@ class Session:
             self.cache.n = n
             self._logits = None
 
+    def copy_prefix_from(self, other: "Session", n: int) -> None:
+        """Hold the first n tokens of `other` (a session of the same model) with their keys and
+        values copied, as if they had been prefilled here: one prompt prefilled once serves
+        several sessions. There are no frontier logits afterwards (as after `truncate`); the
+        next `sync` evaluates what follows."""
+        if other.model is not self.model:
+            raise ValueError("the sessions belong to different models")
+        if not 0 <= n <= len(other.tokens):
+            raise ValueError(f"cannot copy {n} tokens of a session that holds {len(other.tokens)}")
+        self.check_fits(n)
+        self.cache.copy_prefix(other.cache, n)
+        self.tokens = list(other.tokens[:n])
+        self._logits = None
+        self._sampler = None
+
     def check_fits(self, n: int) -> None:
         """Raise ValueError unless n tokens fit this session's context."""
         if n > self.cache.n_ctx:

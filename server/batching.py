@@ -93,6 +93,14 @@ class Route:
     reason: str
 
 
+def shares_prompt(a: Sequence[int], ids: Sequence[int]) -> bool:
+    """Whether a prefix held for `a` is worth copying for prompt `ids`: at least
+    `MIN_REUSE_TOKENS` tokens in common and at least half of `ids` (the `n` choices of one
+    request, or clients that send one prompt several times; not a shared template header)."""
+    shared = common_prefix(a, ids)
+    return shared >= MIN_REUSE_TOKENS and 2 * shared >= len(ids)
+
+
 def common_text(a: str, b: str) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -248,6 +256,8 @@ class BatchedLoop:
                 self.jobs.record(job)
                 continue
             req = job.request
+            if self._prefilling_shared_prompt(req.prompt_ids):
+                return
             views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
                      for i, s in enumerate(self.info)]
             decision = route(views, req.prompt_text, req.prompt_ids, self.clock())
@@ -268,6 +278,30 @@ class BatchedLoop:
                     continue
                 log.exception("job %d failed to start", job.id)
                 self._fail(job, e)
+
+    def _prefilling_shared_prompt(self, ids: Sequence[int]) -> bool:
+        """Whether a running job is still prefilling a prompt that shares most of `ids`
+        (`shares_prompt`): the job then waits for that prefill and copies it (`_copy_shared`)
+        instead of computing the same positions a second time."""
+        return any(s.running is not None and not s.running.ready and shares_prompt(s.running.ids, ids)
+                   for s in self.info)
+
+    def _copy_shared(self, i: int, ids: list[int], kept: int) -> int:
+        """Copy into slot i the longest prefix of `ids` that another slot's session holds and
+        slot i's does not (at most all but the last prompt token, whose logits the prefill
+        must produce); the tokens slot i now holds in common with `ids`."""
+        best, donor = kept, None
+        for j, s in enumerate(self.info):
+            if j == i or (s.running is not None and not s.running.ready):
+                continue  # a slot in the middle of its prefill is no donor
+            shared = min(common_prefix(self.session(j).tokens, ids), len(ids) - 1)
+            if shared > best:
+                best, donor = shared, j
+        if donor is None or not shares_prompt(ids[:best], ids):
+            return kept
+        self.session(i).copy_prefix_from(self.session(donor), best)
+        log.info("slot %d: copied %d prompt tokens from slot %d", i, best, donor)
+        return best
 
     def _slot_text(self, i: int) -> str:
         info = self.info[i]
@@ -292,6 +326,8 @@ class BatchedLoop:
         kept = common_prefix(session.tokens, ids)
         kept_on_disk = min(info.on_disk, kept)
         info.prompt_text, info.on_disk = None, 0
+        if req.prompt_logprobs is None:  # a scored prompt is computed in full anyway
+            kept = self._copy_shared(i, ids, kept)
         if req.prompt_logprobs is not None:
             # Scored here, on the loop's thread, before the slot joins the batch: the other
             # slots wait for this prefill (like for a disk restore), and the plan's prefill

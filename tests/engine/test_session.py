@@ -179,3 +179,27 @@ def test_extend_logits_scores_every_position(model):
         s.extend_logits([])
     with pytest.raises(ValueError):
         s.extend_logits([1] * model.n_ctx)
+
+
+def test_a_copied_prefix_continues_exactly_like_a_prefilled_one(model):
+    from engine.batch import BatchScheduler
+
+    ids = [(7 * i + 3) % 200 + 1 for i in range(40)]
+    plain = model.new_session()
+    plain.sync(ids)
+    donor = model.new_session()
+    donor.sync(ids[:30] + [5, 6])  # holds more than the shared part
+    copy = model.new_session()
+    copy.copy_prefix_from(donor, 30)
+    assert copy.tokens == ids[:30]
+    copy.sync(ids)
+    torch.testing.assert_close(copy.logits, plain.logits, rtol=1e-4, atol=1e-4)
+    # pooled sessions of the batch scheduler: the pool grows while the prefix is copied
+    sched = BatchScheduler(model, 2, ctx=64)
+    a, b = sched.session(0), sched.session(1)
+    a.sync(ids)
+    b.copy_prefix_from(a, 39)
+    b.sync(ids)
+    torch.testing.assert_close(b.logits, plain.logits, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="holds 40"):
+        b.copy_prefix_from(a, 41)

@@ -139,3 +139,26 @@ def test_streaming_n2_gives_both_indices(oai):
             text[ch.index] += ch.delta.content or ""
     assert all(text.values())
     assert chunks[-1].usage.completion_tokens >= 2
+
+
+def test_batched_choices_prefill_the_prompt_once_and_match_the_serial_loop(tiny_model, caplog):
+    """With --batched-session the n choices of a prompt share its prefill: the first choice
+    computes it, the others copy its keys and values; the outputs equal the serial loop's."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import ServerConfig
+    from server_support import TEST_CLIENT_HOST
+
+    prompt = [(5 * i + 11) % 200 + 1 for i in range(80)]
+    body = {"prompt": prompt, "n": 3, "max_tokens": 6, "temperature": 0}
+    with TestClient(create_app(tiny_model, ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,)))) as c:
+        serial = c.post("/v1/completions", json=body | {"n": 1}).json()["choices"][0]["text"]
+    with caplog.at_level(logging.INFO, logger="ds4.server.batching"), \
+            TestClient(create_app(tiny_model, ServerConfig(batched_session=3, allowed_hosts=(TEST_CLIENT_HOST,)))) as c:
+        r = c.post("/v1/completions", json=body).json()
+    assert [ch["text"] for ch in r["choices"]] == [serial] * 3
+    copies = [m for m in caplog.messages if "copied" in m]
+    assert len(copies) == 2 and all("copied 79 prompt tokens" in m for m in copies), caplog.messages
