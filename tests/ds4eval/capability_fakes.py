@@ -14,7 +14,9 @@ import json
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from openai_fakes import JsonHandler
 
 
 class FakeCapabilities:
@@ -94,20 +96,9 @@ class FakeCapabilities:
     def __enter__(self) -> "FakeCapabilities":
         fake = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *a):
-                pass
-
-            def _send(self, status, obj):
-                data = json.dumps(obj).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
-                self._send(200, {"object": "list", "data": [{"id": "cap-model", "object": "model"}]})
+                self._json(200, {"object": "list", "data": [{"id": "cap-model", "object": "model"}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -116,7 +107,7 @@ class FakeCapabilities:
                     time.sleep(fake.delay_s)
                 status, obj = fake.answer(self.path, body)
                 if not isinstance(obj, list):
-                    return self._send(status, obj)
+                    return self._json(status, obj)
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
