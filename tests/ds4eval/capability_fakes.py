@@ -11,12 +11,10 @@ as a stream, completions as JSON. Request bodies are kept in `bodies`.
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from http.server import ThreadingHTTPServer
 
-from openai_fakes import JsonHandler
+from openai_fakes import JsonHandler, serve, stop
 
 
 class FakeCapabilities:
@@ -119,14 +117,8 @@ class FakeCapabilities:
                 except (BrokenPipeError, ConnectionResetError):
                     pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.thread, self.url = serve(Handler)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        stop(self.server, self.thread)

@@ -30,6 +30,21 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
+def serve(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, threading.Thread, str]:
+    """A threaded HTTP server on a free loopback port: (server, its thread, its base URL)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return server, thread, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def stop(server: ThreadingHTTPServer, thread: threading.Thread) -> None:
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
 class FakeOpenAI:
     def __init__(self, reply=lambda q: "Answer: 4", delay_s=0.0, usage=True, models=("fake-model-1",),
                  models_status=200, chunk_chars=3, stall_s=0.0, takes_n=True):
@@ -90,15 +105,9 @@ class FakeOpenAI:
                 self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
                 self.wfile.flush()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.server, self.thread, self.url = serve(Handler)
         return self
 
     def __exit__(self, *exc) -> None:
         self.closing.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join()
+        stop(self.server, self.thread)
