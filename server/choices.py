@@ -7,7 +7,8 @@ stream) and its own job; they are submitted together, in choice order:
 - the one-session loop serves them one after another, and every choice after the first
   reuses the prompt's KV prefix from the session (prefix cache);
 - the batched loop (`--batched-session N`) spreads them over its slots and decodes them
-  as one batch; each slot prefills the prompt itself (slots do not share KV memory).
+  as one batch; the first choice prefills the prompt and the others copy its keys and
+  values into their slots (`server.batching`).
 The order of choices is prompt-major, as OpenAI and vLLM return them: choice
 `p * n + i` is sample i of prompt p.
 
