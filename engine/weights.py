@@ -4,11 +4,14 @@
 the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Linear`:
 
 - `Int4Linear`: Q4_0 / Q4_1 / Q4_K stay 4-bit.  Their values are exactly q*scale + min over
-  groups of 32.  On CPU the compiled kernel (engine.kernels, AVX512-BF16) takes them with
-  float32 scales: activations are rounded to bfloat16, each group's dot product is exact
-  products summed in float32, and the output is float32; a row's result does not depend on
-  the other rows, so a prefill chunk and a decoding step compute a row alike.  It is about
-  twice as fast as torch's int4 kernel at 1, 8 and 128 rows.  Elsewhere (CUDA, or a CPU or
+  groups of 32.  On CPU the compiled kernels (engine.kernels) take them with float32 scales:
+  activations are rounded to bfloat16, each group's dot product is exact products summed in
+  float32, and the output is float32.  Below `TILE_MIN_ROWS` rows (decoding, narrow batches)
+  the AVX512-BF16 vector kernel runs, about twice as fast as torch's int4 kernel at 1 and 8
+  rows; from there on (prefill chunks, wide batches), where the CPU has AMX, the tile kernel,
+  which multiplies 16 rows at a time.  Within each kernel a row's result does not depend on
+  the other rows; the two differ only in the order in which a group's 32 products are summed
+  (last bits of float32).  Elsewhere (CUDA, or a CPU or
   build without the kernel) it is torch's groupwise int4 weight-only layout with
   zero = min + 8*scale, nothing re-quantized; scale/zero are stored in bfloat16 (the
   kernels' requirement) and activations enter the kernel as bfloat16.  On CUDA, from a
@@ -45,6 +48,11 @@ from engine.gguf_file import TensorRecord
 from engine.quants import BLOCK, GROUP, INT4_GROUPED, dequantize, unpack_int4_groups
 
 WEIGHT_FORMATS = ("packed", "float32")
+
+# From this many rows on, CPU int4 products take the AMX tile kernel where it exists: below it
+# the vector kernel is as fast or faster (measured on the embedded model's shapes), and decoding
+# batches of up to 16 rows keep one kernel, so a batched row computes like a row decoded alone.
+TILE_MIN_ROWS = 32
 
 
 class Linear:
@@ -183,6 +191,7 @@ class Int4Linear(Linear):
         if self._op is not None:
             self.packed, self.scales_zeros = int4_pack(q, scale, minimum)
             self.out_dtype = torch.float32
+            self._tiles = kernels.int4_linear_tiles()
             return
         q8 = None
         if device.type == "cuda":
@@ -203,12 +212,14 @@ class Int4Linear(Linear):
 
     out_dtype = torch.bfloat16
     _many: "cuda_dequant.DequantMatmul | None" = None
+    _tiles = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.float().contiguous()
-            y = self._op(x, self.packed, self.scales_zeros)
+            many = self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
+            y = (self._tiles if many else self._op)(x, self.packed, self.scales_zeros)
         elif self._many is not None and x.shape[0] >= self._many.min_rows:
             y = self._many(x)
         else:

@@ -1,9 +1,11 @@
 """Compiled CPU kernels for the engine's hot paths, built on first use.
 
-`decode_attention()` and `int4_linear()` return the ops `torch.ops.ds4.decode_attention` and
-`torch.ops.ds4.int4_linear` (contracts in the .cpp files), or None where the library cannot be
-built or loaded here (`unavailable_reason()` then says why in one line) or, for int4_linear,
-where the CPU lacks AVX512-BF16; callers then keep their torch paths.
+`decode_attention()`, `int4_linear()` and `int4_linear_tiles()` return the ops
+`torch.ops.ds4.decode_attention`, `torch.ops.ds4.int4_linear` and `torch.ops.ds4.int4_linear_tiles`
+(contracts in the .cpp files), or None where the library cannot be built or loaded here
+(`unavailable_reason()` then says why in one line), where the CPU lacks the instructions
+(AVX512-BF16 for int4_linear, AMX-BF16 for int4_linear_tiles) or, for the tile op, where the
+operating system refuses the tile state; callers then keep their other paths.
 
 The C++ sources are compiled once per machine with the host's vector instructions
 (-march=native) into `$XDG_CACHE_HOME/ds4eval/kernels/ds4_kernels_<tag>.so` (default
@@ -21,6 +23,7 @@ It does not decide when a kernel is used; see engine.models.llama.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -151,6 +154,21 @@ def int4_linear() -> Callable[..., torch.Tensor] | None:
         return torch.ops.ds4.int4_linear
     except (AttributeError, RuntimeError):
         return None
+
+
+@functools.cache
+def int4_linear_tiles() -> Callable[..., torch.Tensor] | None:
+    """The 4-bit grouped matmul op on AMX tiles (same contract as int4_linear); None without
+    the library, AMX-BF16 or the operating system's leave to use the tiles (tried once on a
+    small product)."""
+    if not _built():
+        return None
+    try:
+        op = torch.ops.ds4.int4_linear_tiles
+        op(torch.zeros(1, 32), torch.zeros(1, 1, 8, 32, dtype=torch.uint8), torch.zeros(1, 1, 2, 16))
+    except (AttributeError, RuntimeError):
+        return None
+    return op
 
 
 def unavailable_reason() -> str | None:

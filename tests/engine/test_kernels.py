@@ -133,11 +133,18 @@ def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf):
 # ---------------------------------------------------------------- int4_linear
 
 
-@pytest.fixture(scope="module")
-def int4_op(op):
-    found = kernels.int4_linear()
+INT4_OPS = {
+    "vectors": (kernels.int4_linear, "the compiler does not target AVX512-BF16 on this CPU"),
+    "tiles": (kernels.int4_linear_tiles, "no AMX-BF16 here (CPU, compiler or operating system)"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(INT4_OPS))
+def int4_op(op, request):
+    find, why = INT4_OPS[request.param]
+    found = find()
     if found is None:
-        pytest.skip("the compiler does not target AVX512-BF16 on this CPU")
+        pytest.skip(why)
     return found
 
 
@@ -151,12 +158,13 @@ def int4_case(n: int, k: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (960, 576), (48, 1536)])
-def test_int4_linear_matches_the_dequantized_matmul(int4_op, n, k):
+@pytest.mark.parametrize("m", [1, 7, 16, 37])  # the tile kernel's partial and whole row tiles
+def test_int4_linear_matches_the_dequantized_matmul(int4_op, n, k, m):
     q, scale, minimum, w = int4_case(n, k)
     packed, scales = int4_pack(q, scale, minimum)
-    x = torch.randn(7, k + 3)[:, :k]  # strided rows
+    x = torch.randn(m, k + 3)[:, :k]  # strided rows
     y = int4_op(x, packed, scales)
-    assert y.shape == (7, n) and y.dtype == torch.float32
+    assert y.shape == (m, n) and y.dtype == torch.float32
     # The kernel rounds x to bfloat16; everything after that is float32 arithmetic.
     want = x.to(torch.bfloat16).double() @ w.T
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
@@ -171,7 +179,7 @@ def test_int4_linear_rows_are_bitwise_independent_of_the_batch_and_threads(int4_
     try:
         for n_threads in (1, max(2, threads)):
             torch.set_num_threads(n_threads)
-            for rows in ([0], [5, 6, 7, 8, 9], list(range(129, 130))):
+            for rows in ([0], [5, 6, 7, 8, 9], list(range(129, 130)), list(range(3, 40))):
                 assert torch.equal(int4_op(x[rows], packed, scales), together[rows]), (n_threads, rows)
     finally:
         torch.set_num_threads(threads)
@@ -188,12 +196,47 @@ def test_int4_linear_bad_arguments_are_errors_with_messages(int4_op):
         int4_op(torch.randn(2, 64), packed, scales[:1])
 
 
-def test_engine_int4_weights_use_the_kernel_on_cpu(int4_op, tiny_gguf):
-    import engine
+def test_int4_linear_empty_input_gives_an_empty_output(int4_op):
+    q, scale, minimum, _ = int4_case(32, 64)
+    packed, scales = int4_pack(q, scale, minimum)
+    assert int4_op(torch.randn(0, 64), packed, scales).shape == (0, 32)
 
+
+def test_the_two_int4_kernels_differ_only_in_the_last_bits():
+    vectors, tiles = kernels.int4_linear(), kernels.int4_linear_tiles()
+    if vectors is None or tiles is None:
+        pytest.skip("needs both int4 kernels (AVX512-BF16 and AMX-BF16)")
+    q, scale, minimum, _ = int4_case(960, 576, seed=5)
+    packed, scales = int4_pack(q, scale, minimum)
+    x = torch.randn(48, 576)
+    a, b = vectors(x, packed, scales), tiles(x, packed, scales)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * float(a.abs().max()))
+
+
+def test_engine_int4_weights_use_the_kernels_by_row_count(tiny_gguf, monkeypatch):
+    import engine
+    from engine import weights
+
+    if kernels.int4_linear() is None:
+        pytest.skip("the compiler does not target AVX512-BF16 on this CPU")
     m = engine.load_model(tiny_gguf("llama", "Q4_1"))
     lin = m.net.blocks[0].wqkv
-    assert isinstance(lin, Int4Linear) and lin._op is not None and lin.out_dtype == torch.float32
+    assert isinstance(lin, Int4Linear) and lin.out_dtype == torch.float32
+    calls = []
+
+    def spy(name, op):
+        def run(*args):
+            calls.append((name, args[0].shape[0]))
+            return op(*args)
+        return run
+
+    monkeypatch.setattr(lin, "_op", spy("vectors", lin._op))
+    if lin._tiles is not None:
+        monkeypatch.setattr(lin, "_tiles", spy("tiles", lin._tiles))
+    for rows in (1, weights.TILE_MIN_ROWS - 1, weights.TILE_MIN_ROWS):
+        lin(torch.randn(rows, lin.in_features))
+    many = "tiles" if lin._tiles is not None else "vectors"
+    assert calls == [("vectors", 1), ("vectors", weights.TILE_MIN_ROWS - 1), (many, weights.TILE_MIN_ROWS)]
 
 
 def test_without_a_compiler_the_engine_falls_back_to_torch_kernels(tiny_gguf, tmp_path):
@@ -206,6 +249,7 @@ def test_without_a_compiler_the_engine_falls_back_to_torch_kernels(tiny_gguf, tm
         "from engine import kernels\n"
         "m = engine.load_model(sys.argv[1])\n"
         "assert kernels.decode_attention() is None and kernels.int4_linear() is None\n"
+        "assert kernels.int4_linear_tiles() is None\n"
         "assert m.net.blocks[0].wqkv._op is None\n"
         "s = m.new_session(); s.sync([1, 2, 3]); s.eval(4)\n"
         "print(m.net.attention_path)\n"
