@@ -29,6 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from engine.logprobs import score_rows
 from server.jobs import TokenLogprob
 
 
@@ -43,17 +44,13 @@ class PromptScored:
 
 def chunk_entries(model: Any, logits: torch.Tensor, targets: Sequence[int], k: int) -> list[TokenLogprob]:
     """Entries for one chunk: row i of `logits` is the distribution that `targets[i]` was drawn from."""
-    # The normaliser in float64, like the corpus KLD's reference reduction: the log-probs a
-    # client gets are then the engine's to the last bit, not float32 log_softmax's rounding.
-    x = logits.float()  # [rows, n_vocab]
-    lse = torch.logsumexp(x.double(), dim=-1)  # [rows]
-    tgt = torch.tensor([int(t) for t in targets], dtype=torch.long)
-    chosen = (x.gather(1, tgt.unsqueeze(1)).squeeze(1).double() - lse).tolist()
+    # engine.logprobs is also the corpus KLD's reduction: a client scoring through the server
+    # gets the in-process engine's log-probs to the last bit.
+    scored = score_rows(logits, targets, max(k, 1))
+    chosen = scored.target_logprobs.tolist()
     if k > 0:
-        values, ids = torch.topk(x, k, dim=-1)
-        values = values.double() - lse[:, None]
         tops = [tuple((int(i), model.detokenize([int(i)]), float(v)) for v, i in zip(vs, is_))
-                for vs, is_ in zip(values.tolist(), ids.tolist())]
+                for vs, is_ in zip(scored.top_logprobs.tolist(), scored.top_ids.tolist())]
     else:
         tops = [()] * len(chosen)
     return [TokenLogprob(int(t), model.detokenize([int(t)]), float(lp), top)

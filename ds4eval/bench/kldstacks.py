@@ -12,7 +12,7 @@ a window starts with (None: none), `tokenizer_sha256` its tokenizer's identity (
 Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
   engine  the in-process engine, any GGUF, `weights` (packed or float32), `kv_type`, device,
           loaded and run on one engine.threads.EngineThread: one session, reset per window, `Session.iter_extend_logits` in prefill chunks; each
-          chunk's logits are reduced at once (torch; log-sum-exp in float64), so memory stays
+          chunk's logits are reduced at once (engine.logprobs, the server's reduction too), so memory stays
           one chunk of logits.  Its candidate side is exact: every probe id is known.
   openai  any OpenAI-compatible server that returns prompt log-probs: POST /v1/completions with
           {"prompt": [token ids], "echo": true, "logprobs": k, "max_tokens": 0,
@@ -76,21 +76,20 @@ def tokenizer_identity(metadata: Mapping[str, Any]) -> str:
 # ---------------------------------------------------------------- engine
 
 def reduce_chunk(logits: Any, targets: Sequence[int], k: int, probe: np.ndarray | None) -> Scores:
-    """torch logits [T, V] (float32) -> Scores; kldstats.scores_from_logits is its numpy reference."""
-    import torch
+    """torch logits [T, V] -> Scores through engine.logprobs (the server's prompt log-probs use
+    the same reduction); kldstats.scores_from_logits is its numpy reference."""
+    from engine.logprobs import score_rows
 
-    x = logits.float()
-    lse = torch.logsumexp(x.double(), dim=-1)  # [T]
-    val, idx = torch.topk(x, min(k, x.shape[1]), dim=-1)
-    tgt = torch.as_tensor(list(targets), dtype=torch.long)[:, None]
-    top_lp = val.double() - lse[:, None]
-    t_lp = x.gather(1, tgt)[:, 0].double() - lse
+    scored = score_rows(logits, targets, k)
     p_lp = None
     if probe is not None:
+        import torch
+
         p = torch.as_tensor(np.asarray(probe, dtype=np.int64))
-        p_lp = (x.gather(1, p.clamp_min(0)).double() - lse[:, None]).numpy()
+        p_lp = (logits.float().gather(1, p.clamp_min(0)).double() - scored.lse[:, None]).numpy()
         p_lp[np.asarray(probe) < 0] = np.nan
-    return Scores(idx.numpy().astype(np.int64), top_lp.numpy(), lse.numpy(), t_lp.numpy(), p_lp)
+    return Scores(scored.top_ids.numpy().astype(np.int64), scored.top_logprobs.numpy(), scored.lse.numpy(),
+                  scored.target_logprobs.numpy(), p_lp)
 
 
 class EngineStack:

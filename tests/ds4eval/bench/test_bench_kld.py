@@ -130,10 +130,11 @@ def test_torch_reduction_matches_the_numpy_reference():
     ref = ks.scores_from_logits(logits, tg, 12, probe)
     got = reduce_chunk(torch.from_numpy(logits), tg.tolist(), 12, probe)
     np.testing.assert_array_equal(got.top_ids, ref.top_ids)
+    # The reference normalises in float64; engine.logprobs sums float32 exponentials (within 3e-7).
     for a, b in ((got.top_logprobs, ref.top_logprobs), (got.lse, ref.lse), (got.target_logprobs, ref.target_logprobs)):
-        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(a, b, rtol=0, atol=5e-7)
     assert np.isnan(got.probe_logprobs[0, 0])
-    np.testing.assert_allclose(got.probe_logprobs[1:], ref.probe_logprobs[1:], atol=1e-10)
+    np.testing.assert_allclose(got.probe_logprobs[1:], ref.probe_logprobs[1:], atol=5e-7)
 
 
 # ---------------------------------------------------------------- windows and the base file
@@ -314,7 +315,7 @@ def test_cli_base_then_candidate_then_refusals(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     doc = json.loads(out_json.read_text())
     # The same stack again: equal logits, so KL is only the float32 storage of the base's log-probs.
-    assert doc["summary"]["kl_max"] < 1e-7 and doc["summary"]["flips"] == 0
+    assert doc["summary"]["kl_max"] < 5e-7 and doc["summary"]["flips"] == 0
     assert doc["summary"]["positions"] == read_base(base).header["n_positions"]
     rows = out_csv.read_text().splitlines()
     assert rows[0].split(",") == list(kld.CSV_COLUMNS) and len(rows) == 1 + doc["summary"]["windows"]
