@@ -42,10 +42,12 @@ and lists, `~` concatenation, `%` formatting, and `**` on numbers, refuse result
 `max_output_chars` (or 4096 bits); filter and method calls refuse integer arguments beyond
 it and, where the result's size follows from the arguments (`replace`, `join`, `format` and
 `str.format` widths and precisions, `indent`, `wordwrap`), results beyond it before they are
-built, and any other result beyond it once built; the output stops at `max_output_chars`; and a render that runs past `max_seconds` is
-aborted: sandbox calls check the clock, and a watchdog thread raises the abort inside the
-rendering thread (an asynchronous exception, delivered between bytecodes) for loops that
-make no call at all. Each raises `ChatTemplateLimitError` naming the limit, and the thread
+built, and any other result beyond it once built; the output stops at `max_output_chars`;
+and a render that runs past `max_seconds` is aborted: sandbox calls check the clock, and a
+watchdog thread raises the abort inside the rendering thread (an asynchronous exception,
+delivered between bytecodes) for loops that make no call at all. Nothing is evaluated at
+compile time (no constant folding; filters take the context, which jinja never folds), so
+compiling costs no more than parsing. Each raises `ChatTemplateLimitError` naming the limit, and the thread
 is free again. `probe()` renders a small conversation, for a check at load time.
 
 It does not tokenize, validate message schemas, parse model output, or render tool
