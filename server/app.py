@@ -28,6 +28,9 @@ worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the
 N resident sessions; the memory they need is checked when the app is created
 (`engine.batch.CapacityError`, with the figures).
 
+After a request with a body of 4 MiB or more, free heap memory is given back to the system
+(`server.heap.HeapTrim`).
+
 `/metrics` is the Prometheus view of the same app: a `server.metrics.ServerMetrics` (its own
 registry) is the worker's job observer, and its `HttpMetrics` middleware counts responses.
 
@@ -55,6 +58,7 @@ from server.config import ServerConfig
 from server.endpoints import ENDPOINTS, Served, probe_chat
 from server.errors import ApiError, Dialect, client_error_line, dialect_for_path, error_body
 from server.guard import RequestGuard, host_check, key_check
+from server.heap import HeapTrim
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
 from server.loglimit import RepeatLimiter
@@ -133,6 +137,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     app.state.config = config
     app.state.tools = calling
     app.state.metrics = metrics
+    app.add_middleware(HeapTrim)
     app.add_middleware(HttpMetrics, metrics=metrics)
     # Starlette runs the middleware added last first.
     if config.api_key is not None:
