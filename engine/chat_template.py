@@ -17,7 +17,9 @@ against:
   `enable_thinking`);
 * `raise_exception(message)`, `strftime_now(format)`, and a `tojson` filter that
   writes non-ASCII characters as they are (`ensure_ascii=False`) and accepts
-  `indent`, `separators` and `sort_keys`;
+  `indent` (at most 64 characters), `separators` and `sort_keys`; with
+  `ensure_ascii=True` and a `PromptText` given, the JSON goes through its `ascii_json`,
+  so that message strings escaped as prompt text (`engine.prompt_text`) stay text;
 * the `{% generation %}...{% endgeneration %}` block that training templates use to
   mark assistant text; here it only renders its body.
 
@@ -36,11 +38,16 @@ whose message says what went wrong; `raise_exception` raises its subclass
 Limits (`RenderLimits`, per template; `render(..., limits=...)` overrides them for one
 call): a template comes with the model file and may be hostile or broken, so a render is
 bounded in time and size. `range()` yields at most `max_range` items; `*` and `+` on strings
-and lists, and `**` on numbers, refuse results beyond `max_output_chars` (or 4096 bits);
-the output stops at `max_output_chars`; and a render that runs past `max_seconds` is
-aborted: sandbox calls check the clock, and a watchdog thread raises the abort inside the
-rendering thread (an asynchronous exception, delivered between bytecodes) for loops that
-make no call at all. Each raises `ChatTemplateLimitError` naming the limit, and the thread
+and lists, `~` concatenation, `%` formatting, and `**` on numbers, refuse results beyond
+`max_output_chars` (or 4096 bits); filter and method calls refuse integer arguments beyond
+it and, where the result's size follows from the arguments (`replace`, `join`, `format` and
+`str.format` widths and precisions, `indent`, `wordwrap`), results beyond it before they are
+built, and any other result beyond it once built; the output stops at `max_output_chars`;
+and a render that runs past `max_seconds` is aborted: sandbox calls check the clock, and a
+watchdog thread raises the abort inside the rendering thread (an asynchronous exception,
+delivered between bytecodes) for loops that make no call at all. Nothing is evaluated at
+compile time (no constant folding; filters take the context, which jinja never folds), so
+compiling costs no more than parsing. Each raises `ChatTemplateLimitError` naming the limit, and the thread
 is free again. `probe()` renders a small conversation, for a check at load time.
 
 It does not tokenize, validate message schemas, parse model output, or render tool
@@ -54,17 +61,23 @@ import functools
 import heapq
 import json
 import operator
+import re
+import string
 import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import SecurityError
+from jinja2.runtime import markup_join
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from engine.prompt_text import PromptText
 
 KEY_CHAT_TEMPLATE = "tokenizer.chat_template"
 KEY_CHAT_TEMPLATE_NAMED = "tokenizer.chat_template."  # + name, e.g. "tool_use"
@@ -111,6 +124,9 @@ class RenderLimits:
 
 DEFAULT_LIMITS = RenderLimits()
 _MAX_POWER_BITS = 4096
+# Longest `tojson` indent: each nesting level writes it again, so a long indent times a deep
+# value is a huge string made in one piece. Templates indent JSON by a few spaces.
+MAX_JSON_INDENT = 64
 
 
 class _Aborted(BaseException):
@@ -234,35 +250,138 @@ def _sized(x: Any) -> int | None:
     return len(x) if isinstance(x, (str, list, tuple)) else None
 
 
-def _guard_call(state: _RenderState, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+# Result sizes known before a call is made: "filter:NAME" or "call:NAME" (a method or
+# function called from the template) -> (positional arguments, the bound string first for
+# a string method; keyword arguments) -> an upper bound of the result's length, or None.
+SizeEstimate = Callable[[tuple[Any, ...], Mapping[str, Any]], "int | None"]
+_RESULT_SIZES: dict[str, SizeEstimate] = {}
+
+
+def _result_size(*keys: str) -> Callable[[SizeEstimate], SizeEstimate]:
+    def register(fn: SizeEstimate) -> SizeEstimate:
+        for key in keys:
+            _RESULT_SIZES[key] = fn
+        return fn
+    return register
+
+
+def _ints(values: Any) -> int:
+    return sum(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0)
+
+
+@_result_size("filter:replace", "call:replace")
+def _replace_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    if len(args) >= 3 and all(isinstance(a, str) for a in args[:3]) and args[1]:
+        return len(args[0]) + args[0].count(args[1]) * max(len(args[2]) - len(args[1]), 0)
+    return None
+
+
+# A printf conversion: %(key)flags width.precision length type; widths and precisions pad.
+_PRINTF = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d*))?[hlL]?.")
+
+
+def printf_size(fmt: str, values: Any) -> int:
+    """An upper bound of the length of `fmt % values` beyond the lengths of the values' texts."""
+    size, star = len(fmt), False
+    for m in _PRINTF.finditer(fmt):
+        for n in m.groups():
+            star |= n == "*"
+            size += int(n) if n and n != "*" else 0
+    args = values if isinstance(values, tuple) else (values,)
+    return size + (_ints(args) if star else 0)
+
+
+@_result_size("filter:format")
+def _printf_filter_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    return printf_size(args[0], args[1:]) if args and isinstance(args[0], str) else None
+
+
+@_result_size("call:format", "call:format_map")
+def _braces_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    """`str.format`: the widths and precisions of the replacement fields (nested `{}` in a field's
+    spec take integer arguments)."""
+    if not args or not isinstance(args[0], str):
+        return None
+    try:
+        specs = [spec or "" for _, _, spec, _ in string.Formatter().parse(args[0])]
+    except ValueError:
+        return None  # the call itself reports the malformed format
+    size = len(args[0]) + sum(int(n) for spec in specs for n in re.findall(r"\d+", spec))
+    nested = any("{" in spec for spec in specs)
+    mapping = args[1] if len(args) > 1 and isinstance(args[1], Mapping) else {}
+    return size + (_ints(args[1:]) + _ints(kwargs.values()) + _ints(mapping.values()) if nested else 0)
+
+
+def _joined_size(items: Any, sep: Any) -> int | None:
+    if not isinstance(items, (list, tuple)) or not isinstance(sep, str):
+        return None  # a generator is not consumed twice; its result is checked once built
+    return sum(len(x) if isinstance(x, str) else 0 for x in items) + len(sep) * max(len(items) - 1, 0)
+
+
+@_result_size("filter:join")
+def _join_filter_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    return _joined_size(args[0], args[1] if len(args) > 1 else kwargs.get("d", "")) if args else None
+
+
+@_result_size("call:join")
+def _join_method_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    return _joined_size(args[1], args[0]) if len(args) == 2 else None
+
+
+@_result_size("filter:indent")
+def _indent_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    width = args[1] if len(args) > 1 else kwargs.get("width", 4)
+    if not args or not isinstance(args[0], str):
+        return None
+    step = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+    return len(args[0]) + (args[0].count("\n") + 1) * max(step, 0)
+
+
+@_result_size("filter:wordwrap")
+def _wordwrap_size(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int | None:
+    if not args or not isinstance(args[0], str):
+        return None
+    width = args[1] if len(args) > 1 else kwargs.get("width", 79)
+    wrap = args[3] if len(args) > 3 else kwargs.get("wrapstring")
+    breaks = len(args[0]) // max(width if isinstance(width, int) else 1, 1) + 1
+    return len(args[0]) + breaks * (len(wrap) if isinstance(wrap, str) else 1)
+
+
+def _guard_call(state: _RenderState, kind: str, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
     """Refuse a filter or method call whose result would be huge before it is made: an integer
     argument beyond the output bound (`center(2**31)`, `ljust`, `indent`, `wordwrap` ...), or a
-    `replace` that would grow the text past it."""
+    result that `_RESULT_SIZES` can tell is beyond it. `kind` is "filter" or "call"."""
     state.check()
     cap = state.limits.max_output_chars
     for a in (*args, *kwargs.values()):
         if isinstance(a, int) and not isinstance(a, bool) and a > cap:
             raise ChatTemplateLimitError(f"chat template call {name}() with an argument of {a} (more than {cap})")
-    if name == "replace" and len(args) >= 3 and all(isinstance(a, str) for a in args[:3]) and args[1]:
-        grown = len(args[0]) + args[0].count(args[1]) * (len(args[2]) - len(args[1]))
-        state.check_size(grown, "replace() result")
+    estimate = _RESULT_SIZES.get(f"{kind}:{name}")
+    size = estimate(args, kwargs) if estimate is not None else None
+    if size is not None:
+        state.check_size(size, f"{name}() result")
 
 
 def _limited_filter(name: str, fn: Any) -> Any:
-    def limited(*args: Any, **kwargs: Any) -> Any:
+    # What the filter takes before its value: the context, the evaluation context, the
+    # environment, or nothing.
+    passes = getattr(getattr(fn, "jinja_pass_arg", None), "name", None)
+
+    def limited(context: Any, *args: Any, **kwargs: Any) -> Any:
+        first = {"context": (context,), "eval_context": (context.eval_ctx,),
+                 "environment": (context.environment,)}.get(passes, ())
         state = _current()
         if state is None:
-            return fn(*args, **kwargs)
-        # A filter may take the context or environment first; the value follows it.
-        skip = 1 if getattr(fn, "jinja_pass_arg", None) is not None else 0
-        _guard_call(state, name, args[skip:], kwargs)
-        out = fn(*args, **kwargs)
+            return fn(*first, *args, **kwargs)
+        _guard_call(state, "filter", name, args, kwargs)
+        out = fn(*first, *args, **kwargs)
         size = _sized(out)
         if size is not None:
             state.check_size(size, f"{name} filter result")
         return out
-    functools.update_wrapper(limited, fn)
-    return limited
+    # Taking the context also keeps jinja from calling the filter on constants at compile
+    # time, outside the render limits (`'%999999999d'|format(1)` is a gigabyte).
+    return jinja2.pass_context(functools.update_wrapper(limited, fn))
 
 
 class _GenerationBlock(jinja2.ext.Extension):
@@ -284,11 +403,35 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Not jinja's own tojson: that one HTML-escapes "<", ">", "&" and "'", which would
-    # change the prompt text the model was trained on.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+def _json_filter(prompt_text: PromptText | None) -> Callable[..., str]:
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | str | None = None,
+               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+        # Not jinja's own tojson: that one HTML-escapes "<", ">", "&" and "'", which would
+        # change the prompt text the model was trained on.
+        step = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+        if step > MAX_JSON_INDENT:
+            raise ChatTemplateLimitError(f"chat template tojson indent of {step} is longer than {MAX_JSON_INDENT}")
+        ascii_here = ensure_ascii and prompt_text is None
+        text = json.dumps(value, ensure_ascii=ascii_here, indent=indent, separators=separators, sort_keys=sort_keys)
+        return prompt_text.ascii_json(text) if ensure_ascii and prompt_text is not None else text
+    return tojson
+
+
+class _ConcatCodeGenerator(CodeGenerator):
+    """Compiles `~` to the environment's `concat_parts`, which checks the result's size (jinja's own
+    code joins the parts directly, out of the sandbox's reach)."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+        markup = ("context.eval_ctx.volatile" if frame.eval_ctx.volatile
+                  else "True" if frame.eval_ctx.autoescape else "False")
+        self.write("environment.concat_parts((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write(f"), {markup})")
+
+
+_BINOPS = {"*": operator.mul, "+": operator.add, "**": operator.pow, "%": operator.mod}
 
 
 class _StrictSandbox(ImmutableSandboxedEnvironment):
@@ -301,8 +444,10 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
 
+    code_generator_class = _ConcatCodeGenerator
+
     # Sizes and time: every intercepted operator, attribute, item and call checks them.
-    intercepted_binops = frozenset({"*", "+", "**"})
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
 
     def call_binop(self, context: Any, op: str, left: Any, right: Any) -> Any:
         state = _current()
@@ -320,7 +465,21 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
             elif op == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
                 if right * max(abs(left).bit_length(), 1) > _MAX_POWER_BITS:
                     raise ChatTemplateLimitError(f"chat template power {left} ** {right} is too large")
-        return {"*": operator.mul, "+": operator.add, "**": operator.pow}[op](left, right)
+            elif op == "%" and isinstance(left, str):
+                state.check_size(printf_size(left, right), "% formatting")
+        out = _BINOPS[op](left, right)
+        if state is not None and op == "%" and isinstance(out, str):
+            state.check_size(len(out), "% formatting")
+        return out
+
+    def concat_parts(self, parts: tuple[Any, ...], markup: bool) -> str:
+        """`a ~ b ~ ...`: the parts' texts joined, refused beyond the output bound."""
+        texts = [str(p) for p in parts]
+        state = _current()
+        if state is not None:
+            state.check()
+            state.check_size(sum(map(len, texts)), "concatenation")
+        return markup_join(parts) if markup else "".join(texts)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         state = _current()
@@ -334,13 +493,29 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
             state.check()
         return super().getitem(obj, argument)
 
+    def wrap_str_format(self, value: Any) -> Any:
+        # jinja hands out `str.format` (and `format_map`) already wrapped at attribute access; the
+        # wrapper no longer shows its format string, so check the sizes here.
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt, name = value.__self__, value.__name__
+
+        @functools.wraps(wrapped)
+        def checked(*args: Any, **kwargs: Any) -> str:
+            state = _current()
+            if state is not None:
+                _guard_call(state, "call", name, (fmt, *args), kwargs)
+            return wrapped(*args, **kwargs)
+        return checked
+
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - jinja's signature
         state = _current()
         if state is None:
             return super().call(__context, __obj, *args, **kwargs)
         bound = getattr(__obj, "__self__", None)
         name = getattr(__obj, "__name__", "call")
-        _guard_call(state, name, ((bound,) if isinstance(bound, str) else ()) + args, kwargs)
+        _guard_call(state, "call", name, ((bound,) if isinstance(bound, str) else ()) + args, kwargs)
         out = super().call(__context, __obj, *args, **kwargs)
         size = _sized(out)
         if size is not None:
@@ -348,13 +523,15 @@ class _StrictSandbox(ImmutableSandboxedEnvironment):
         return out
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment(prompt_text: PromptText | None = None) -> ImmutableSandboxedEnvironment:
     env = _StrictSandbox(
+        # No constant folding: nothing is evaluated at compile time, outside the render limits.
+        optimized=False,
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
     )
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = _json_filter(prompt_text)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["range"] = _limited_range
@@ -414,22 +591,26 @@ WATCHDOG_GRACE_S = 0.5
 class ChatTemplate:
     """A compiled chat template (see the module docstring)."""
 
-    def __init__(self, spec: ChatTemplateSpec, limits: RenderLimits = DEFAULT_LIMITS):
+    def __init__(self, spec: ChatTemplateSpec, limits: RenderLimits = DEFAULT_LIMITS,
+                 prompt_text: PromptText | None = None):
         self.spec = spec
         self.limits = limits
-        env = _environment()
+        env = _environment(prompt_text)
         self._template = _compile(env, spec.source, "chat template")
         self._tool_use = (
             _compile(env, spec.tool_use_source, "tool_use chat template") if spec.tool_use_source else None
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "ChatTemplate":
-        return cls(ChatTemplateSpec.from_metadata(meta))
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], prompt_text: PromptText | None = None) -> "ChatTemplate":
+        """The file's template; `prompt_text` (the tokenizer's rules) makes `tojson(ensure_ascii=True)`
+        keep the escapes of prompt text."""
+        return cls(ChatTemplateSpec.from_metadata(meta), prompt_text=prompt_text)
 
     @classmethod
-    def from_source(cls, source: str, *, bos_token: str = "", eos_token: str = "") -> "ChatTemplate":
-        return cls(ChatTemplateSpec(source=source, bos_token=bos_token, eos_token=eos_token))
+    def from_source(cls, source: str, *, bos_token: str = "", eos_token: str = "",
+                    prompt_text: PromptText | None = None) -> "ChatTemplate":
+        return cls(ChatTemplateSpec(source=source, bos_token=bos_token, eos_token=eos_token), prompt_text=prompt_text)
 
     @property
     def source(self) -> str:

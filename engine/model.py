@@ -235,7 +235,7 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
         if not 1 <= n_ctx <= cfg.n_ctx_train:
             raise UnsupportedModel(f"context {n_ctx} is outside 1..{cfg.n_ctx_train} (the model's training context)")
         tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
-        template = ChatTemplate.from_gguf_metadata(g.metadata)
+        template = ChatTemplate.from_gguf_metadata(g.metadata, tokenizer.prompt_text)
         net = network_class(cfg.arch)(cfg, g, weights, dev)
     except (GGUFError, UnsupportedModel) as e:
         raise ModelLoadError(str(e)) from None

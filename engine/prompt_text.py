@@ -27,9 +27,18 @@ out the KV state of a prompt that spells the same characters but tokenizes diffe
 Text that contains no MARK and no control-token spelling is its own prompt text: ordinary
 prompts, and every rendered prompt before this escaping existed, are unchanged.
 
-Limits: a template that re-encodes message strings (say `tojson` with `ensure_ascii=True`,
-which writes MARK as `\\ue000`) loses the escape for those strings. Pure functions; no I/O,
-no vocabulary of its own (the caller passes the control-token spellings).
+`ascii_json(text)` is what `json.dumps(..., ensure_ascii=True)` writes, applied to the
+prompt text that `ensure_ascii=False` wrote: every character beyond ASCII as `\\uXXXX`, except
+that an escape of an ASCII control spelling keeps its MARK (the spelling stays text). A
+literal MARK (MARK MARK) and a lone MARK come out as `\\ue000`, as json writes the character;
+an escaped control spelling that is not ASCII needs no MARK once its characters are
+`\\u`-escaped, since it no longer spells the token. The chat template's `tojson` filter uses it
+for `ensure_ascii=True`, so re-encoding message strings keeps them text.
+
+Limits: a template that re-encodes message strings in any other way (its own `\\u`
+escaping, `urlencode`, slicing between MARK and what it protects) loses the escape for those
+strings. Pure functions; no I/O, no vocabulary of its own (the caller passes the
+control-token spellings).
 """
 
 from __future__ import annotations
@@ -81,6 +90,27 @@ class PromptText:
         if literal:
             yield "".join(literal), False
 
+    def ascii_json(self, text: str) -> str:
+        """`text` (prompt text, e.g. JSON written with ensure_ascii=False) with every character beyond
+        ASCII written as json's ensure_ascii writes it, keeping the escapes that still matter
+        (see the module docstring)."""
+        out: list[str] = []
+        pos = 0
+        for m in self._token.finditer(text):
+            out.append(_ascii(text[pos:m.start()]))
+            token = m.group()
+            if token in (MARK, MARK + MARK):
+                out.append("\\ue000")  # the character MARK, as text: what json writes for it
+            elif token.startswith(MARK) and not _NOT_ASCII.search(token[1:]):
+                out.append(token)  # an escaped ASCII control spelling: the MARK keeps it text
+            else:
+                # A control token, or an escaped spelling that \\u-escaping already keeps from
+                # spelling its token.
+                out.append(_ascii(token.removeprefix(MARK)))
+            pos = m.end()
+        out.append(_ascii(text[pos:]))
+        return "".join(out)
+
     def unescape(self, text: str) -> str:
         """The characters the model reads for a prompt text (escapes removed)."""
         return "".join(piece for piece, _ in self.split(text))
@@ -102,6 +132,23 @@ class PromptText:
         if run:
             out.append(self.escape("".join(run)))
         return "".join(out)
+
+
+_NOT_ASCII = re.compile("[^\x00-\x7e]")
+
+
+def _json_u(m: re.Match[str]) -> str:
+    n = ord(m.group())
+    if n < 0x10000:
+        return f"\\u{n:04x}"
+    n -= 0x10000  # a UTF-16 surrogate pair, as json writes characters beyond the BMP
+    return f"\\u{0xd800 | (n >> 10):04x}\\u{0xdc00 | (n & 0x3ff):04x}"
+
+
+def _ascii(text: str) -> str:
+    """What json's ensure_ascii does to the characters of an already encoded JSON text: DEL and
+    everything beyond ASCII as `\\uXXXX`."""
+    return _NOT_ASCII.sub(_json_u, text)
 
 
 def from_rendered(text: str) -> str:

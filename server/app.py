@@ -11,8 +11,10 @@ or set by `--tool-syntax`, and the exact replay memory; `app.state.tools`), and 
 worker splits their output into content, reasoning and tool calls.
 
 Errors become 4xx responses in the dialect of the endpoint (`server.errors.dialect_for_path`
-over the same table); unknown paths and methods too. Every 4xx is logged as one line with its
-status, method, path and message (`server.errors.client_error_line`).
+over the same table); unknown paths and methods too. Every error answer is logged as one line
+with its status, method, path and message (`server.errors.client_error_line`; 4xx at info, 5xx
+at warning), through a `server.loglimit.RepeatLimiter`: under a flood of identical errors the
+first line of each second is logged and the rest are counted in a summary line.
 
 In front of the routes, outermost first: the Host allow-list (`server.guard`, when
 `config.host_allow_list` is not None), CORS for the `--cors` origins, and the API key check
@@ -25,6 +27,9 @@ With `--kv-disk-dir` the app opens the disk KV cache (`server.kvstore.open_store
 worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the worker keeps
 N resident sessions; the memory they need is checked when the app is created
 (`engine.batch.CapacityError`, with the figures).
+
+After a request with a body of 4 MiB or more, free heap memory is given back to the system
+(`server.heap.HeapTrim`).
 
 `/metrics` is the Prometheus view of the same app: a `server.metrics.ServerMetrics` (its own
 registry) is the worker's job observer, and its `HttpMetrics` middleware counts responses.
@@ -53,8 +58,10 @@ from server.config import ServerConfig
 from server.endpoints import ENDPOINTS, Served, probe_chat
 from server.errors import ApiError, Dialect, client_error_line, dialect_for_path, error_body
 from server.guard import RequestGuard, host_check, key_check
+from server.heap import HeapTrim
 from server.kvstore import open_store
 from server.kvstore_policy import SavePolicy
+from server.loglimit import RepeatLimiter
 from server.metrics import HttpMetrics, ServerMetrics
 from server.prepare import PrepareExecutor
 from server.prompting import ToolCalling
@@ -63,9 +70,9 @@ from server.worker import InferenceWorker
 log = logging.getLogger("ds4.server")
 
 
-def _error_response(err: ApiError, request: Request) -> JSONResponse:
-    if err.status < 500:
-        log.info(client_error_line(err.status, request.method, request.url.path, err.message))
+def _error_response(err: ApiError, request: Request, repeats: RepeatLimiter) -> JSONResponse:
+    line = client_error_line(err.status, request.method, request.url.path, err.message)
+    repeats.log(log, logging.INFO if err.status < 500 else logging.WARNING, line, line)
     return JSONResponse(error_body(err, _dialect(request)), status_code=err.status, headers=err.headers)
 
 
@@ -103,6 +110,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
                              engine_thread=engine_thread, observer=metrics)
     calling = ToolCalling.for_model(model, config.tools)
     prepare = PrepareExecutor()
+    repeats = RepeatLimiter()
     chat_disabled = probe_chat(model)
     if chat_disabled is not None:
         log.warning("the chat template fails a probe render (%s): chat endpoints are disabled, only raw "
@@ -118,6 +126,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
         finally:
             await run_in_threadpool(worker.stop)
             await run_in_threadpool(prepare.close)
+            repeats.flush()
 
     app = FastAPI(title="ds4-server", version="0.1.0", lifespan=lifespan,
                   description="OpenAI Chat/Completions, Anthropic Messages and OpenAI Responses "
@@ -128,22 +137,23 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     app.state.config = config
     app.state.tools = calling
     app.state.metrics = metrics
+    app.add_middleware(HeapTrim)
     app.add_middleware(HttpMetrics, metrics=metrics)
     # Starlette runs the middleware added last first.
     if config.api_key is not None:
-        app.add_middleware(RequestGuard, check=key_check(config.api_key), dialect_of=_path_dialect)
+        app.add_middleware(RequestGuard, check=key_check(config.api_key), dialect_of=_path_dialect, repeats=repeats)
     if config.cors:
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["*"], max_age=600)
     allowed_hosts = config.host_allow_list
     if allowed_hosts is not None:
-        app.add_middleware(RequestGuard, check=host_check(allowed_hosts), dialect_of=_path_dialect)
+        app.add_middleware(RequestGuard, check=host_check(allowed_hosts), dialect_of=_path_dialect, repeats=repeats)
 
     # --- errors ---
 
     @app.exception_handler(ApiError)
     async def api_error_handler(request: Request, exc: ApiError) -> Response:
-        return _error_response(exc, request)
+        return _error_response(exc, request, repeats)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error_handler(request: Request, exc: StarletteHTTPException) -> Response:
@@ -156,13 +166,13 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
         else:
             err = ApiError(exc.status_code, str(exc.detail))
         err.headers.update(exc.headers or {})
-        return _error_response(err, request)
+        return _error_response(err, request, repeats)
 
     @app.exception_handler(Exception)
     async def unexpected_error_handler(request: Request, exc: Exception) -> Response:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         err = ApiError(500, "internal server error", type="server_error", code="internal_error")
-        return _error_response(err, request)
+        return _error_response(err, request, repeats)
 
     # --- routes: one per row of the endpoint table ---
 

@@ -22,6 +22,7 @@ import click
 
 from server.apibase import DEFAULT_MAX_TOKENS
 from server.config import LOG_LEVELS, ServerConfig
+from server.heap import limit_arenas
 from server.kvstore import DEFAULT_BUDGET_MB, KVStoreConfig
 from server.prompting import model_syntax
 from server.tools import SYNTAXES, ToolsConfig
@@ -138,6 +139,8 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)
+    # Before any thread exists: each one that allocates would otherwise get an arena of its own.
+    limit_arenas()
     if config.chdir is not None:
         try:
             os.chdir(config.chdir)

@@ -5,7 +5,9 @@ headers are in, where uvicorn's own HTTP/1.1 protocol (h11) sets no limits.
   fails at once) and listening only once `listen(sock)` is called after the app is built, so
   that "listening on" is printed when it is true and connections before it are refused.
 - `edge_protocol(limits)`: uvicorn's h11 protocol class with three rules added, each answered
-  with a small JSON error in the OpenAI shape (the endpoint is not known yet) and one log line:
+  with a small JSON error in the OpenAI shape (the endpoint is not known yet) and one log line
+  (at most one per rule and second; the repeats are counted in a summary line,
+  `server.loglimit`):
     * request headers must be complete `header_timeout_s` after the connection opened, or after
       the first byte of a later request on it: otherwise 408 (some bytes came) or a plain close
       (none came). A slow-loris client cannot hold a connection by trickling header bytes.
@@ -41,6 +43,8 @@ from typing import Any
 import h11
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.loglimit import RepeatLimiter
 
 log = logging.getLogger("ds4.server")
 
@@ -79,6 +83,8 @@ def _peer(transport: asyncio.BaseTransport) -> str:
 
 def edge_protocol(limits: EdgeLimits) -> type[H11Protocol]:
     lingering: set[EdgeProtocol] = set()  # refused connections of this server, not yet closed
+    # One line per refusal reason and second: a flood of connections is a flood of refusals.
+    repeats = RepeatLimiter()
 
     class EdgeProtocol(H11Protocol):
         """h11 with header deadline, header size limit and connection limit (module docstring)."""
@@ -98,7 +104,8 @@ def edge_protocol(limits: EdgeLimits) -> type[H11Protocol]:
                 if len(lingering) >= limits.max_connections:
                     transport.abort()
                     return
-                log.warning("503 to %s: %d connections are open (--max-connections %d)",
+                repeats.log(log, logging.WARNING, "503 max-connections",
+                            "503 to %s: %d connections are open (--max-connections %d)",
                             _peer(transport), limits.max_connections, limits.max_connections)
                 self._refuse(edge_response(503, f"the server has {limits.max_connections} open connections, "
                                                 "its limit (--max-connections); retry shortly",
@@ -121,8 +128,8 @@ def edge_protocol(limits: EdgeLimits) -> type[H11Protocol]:
                 head = self.conn.trailing_data[0]
                 if len(head) + len(data) > limits.max_header_bytes and not _head_ends_within(
                         head + data, limits.max_header_bytes):
-                    log.warning("431 to %s: request headers larger than %d bytes", _peer(self.transport),
-                                limits.max_header_bytes)
+                    repeats.log(log, logging.WARNING, "431", "431 to %s: request headers larger than %d bytes",
+                                _peer(self.transport), limits.max_header_bytes)
                     self._refuse(edge_response(431, f"the request headers exceed {limits.max_header_bytes} bytes"))
                     return
             super().data_received(data)
@@ -150,7 +157,8 @@ def edge_protocol(limits: EdgeLimits) -> type[H11Protocol]:
                          _peer(self.transport), limits.header_timeout_s)
                 self.transport.close()
                 return
-            log.warning("408 to %s: request headers incomplete after %g s (--header-timeout-sec), %d bytes received",
+            repeats.log(log, logging.WARNING, "408 headers",
+                        "408 to %s: request headers incomplete after %g s (--header-timeout-sec), %d bytes received",
                         _peer(self.transport), limits.header_timeout_s, received)
             self._refuse(edge_response(408, f"the request headers did not arrive within {limits.header_timeout_s:g} s "
                                             "(--header-timeout-sec)"))

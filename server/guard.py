@@ -12,7 +12,8 @@ middleware that applies a check before the app sees the request.
   preflights, which browsers send without credentials. Keys are compared as SHA-256 digests
   with `hmac.compare_digest`, so neither their content nor their length shows in the timing.
 - `RequestGuard(app, check, dialect_of)`: runs `check(method, path, headers)` and answers its
-  `ApiError` in the endpoint's error dialect, with one log line; otherwise passes the request on.
+  `ApiError` in the endpoint's error dialect, with one log line (repeats rate-limited by the
+  app's `server.loglimit.RepeatLimiter`); otherwise passes the request on.
 - `is_loopback(host)`: whether a bind address only accepts local connections.
 
 It does not bind sockets, parse bodies or decide CORS (`server.app` wires the middleware).
@@ -31,6 +32,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server.errors import ApiError, Dialect, client_error_line, error_body
+from server.loglimit import RepeatLimiter
 
 log = logging.getLogger("ds4.server")
 
@@ -115,8 +117,10 @@ def key_check(key: str) -> Check:
 class RequestGuard:
     """ASGI middleware: answer `check`'s error, or pass the request on untouched."""
 
-    def __init__(self, app: ASGIApp, check: Check, dialect_of: Callable[[str], Dialect]) -> None:
+    def __init__(self, app: ASGIApp, check: Check, dialect_of: Callable[[str], Dialect],
+                 repeats: RepeatLimiter | None = None) -> None:
         self.app, self.check, self.dialect_of = app, check, dialect_of
+        self.repeats = repeats if repeats is not None else RepeatLimiter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -127,7 +131,8 @@ class RequestGuard:
         if err is None:
             await self.app(scope, receive, send)
             return
-        log.info(client_error_line(err.status, method, path, err.message))
+        line = client_error_line(err.status, method, path, err.message)
+        self.repeats.log(log, logging.INFO, line, line)
         response = JSONResponse(error_body(err, self.dialect_of(path)), status_code=err.status,
                                 headers=err.headers)
         await response(scope, receive, send)

@@ -307,6 +307,8 @@ class TokenDecoder:
         self.top_logprobs = req.top_logprobs
         self.reason: str | None = None
         """Set once the generation ended by itself: 'stop' (EOS or stop sequence)."""
+        self.generated: list[int] = []
+        """The accepted tokens whose text was produced (EOS that ends the generation excluded)."""
         self._logprob: Callable[[int], TokenLogprob] | None = None
 
     @property
@@ -339,6 +341,7 @@ class TokenDecoder:
         if token in self.eos_ids and not self.ignore_eos:
             self.reason = "stop"
             return False
+        self.generated.append(token)
         if self.constraint is not None:
             self.constraint.advance(token)
         text = self.stops.push(self.stream.push(token))
@@ -361,7 +364,11 @@ class TokenDecoder:
                 finish = "stop"
             if tail:
                 self.job.emit(TextDelta(tail, (), tuple(self.splitter.feed(tail)) if self.splitter is not None else ()))
-        output = self.splitter.finish(finish) if self.splitter is not None else None
+        # The prompt text of what was generated, for the exact replay of tool calls: control
+        # spellings that the model wrote as text stay text when the turn comes back. Past a stop
+        # sequence the text was cut, and the tokens no longer match it.
+        generated = self.model.detokenize_prompt(self.generated) if self.stops.matched is None else None
+        output = self.splitter.finish(finish, generated) if self.splitter is not None else None
         self.job.stats.status = "done"
         self.job.stats.finish_reason = finish
         self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))

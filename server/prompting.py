@@ -115,11 +115,16 @@ class OutputSplitter:
         """Calls written out so far (a single-call generation ends at the first)."""
         return self._parser.calls_written
 
-    def finish(self, finish_reason: str) -> ParsedOutput:
-        """Decide what is still open; `finish_reason` is the engine's ("stop" or "length")."""
+    def finish(self, finish_reason: str, generated: str | None = None) -> ParsedOutput:
+        """Decide what is still open; `finish_reason` is the engine's ("stop" or "length").
+
+        `generated` is the prompt text of the generated tokens (the fed text, with the control
+        spellings that the model wrote as text escaped): a turn with calls is remembered as that,
+        so that replaying it cannot turn such a spelling into a control token. Without it the
+        turn is not remembered, and is rendered canonically when it comes back."""
         r = self._parser.finish(finish_reason)
-        if r.tool_calls:
-            self._calling.remember([c.id for c in r.tool_calls], self._prefix + r.raw)
+        if r.tool_calls and generated is not None:
+            self._calling.remember([c.id for c in r.tool_calls], self._prefix + generated)
         events = [e for e in r.events if isinstance(e, (ContentDelta, ReasoningDelta, ToolCallEnd))]
         return ParsedOutput(r.content, r.reasoning, list(r.tool_calls), r.finish_reason, r.raw, r.repaired,
                             r.malformed, events)

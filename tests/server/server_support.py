@@ -186,6 +186,10 @@ class ModelServerProcess:
         self.stop()
         raise AssertionError("server did not answer /health:\n" + "".join(self.log))
 
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def _drain(self) -> None:
         for line in self.proc.stderr:
             self.log.append(line)

@@ -232,7 +232,7 @@ class AlwaysInStructure:
     def feed(self, text: str) -> list:
         return []
 
-    def finish(self, reason: str) -> str:
+    def finish(self, reason: str, generated: str | None = None) -> str:
         return f"parsed ({reason})"
 
 
