@@ -2,7 +2,7 @@
 
     ds4-bench kld --save-base BASE.npz [--stack engine] [-m GGUF] [--weights float32] [--kv-type f32]
                   [--corpus FILE] [--passes N] [--ctx 512] [--top-k 32]
-    ds4-bench kld --base BASE.npz [--stack engine|openai] [-m GGUF] [--weights packed] [--kv-type f16]
+    ds4-bench kld --base BASE.npz [--stack engine|openai|llamacpp] [-m GGUF] [--weights packed] [--kv-type f16]
                   [--url URL] [--tokenizer GGUF] [--tie-gap 0.1] [--csv FILE] [--json FILE]
 
 The corpus (default: `ds4eval/bench/corpus/kld_corpus.txt`, this project's own text: English
@@ -101,6 +101,8 @@ class KLDConfig:
             raise KLDConfigError(f"--tokens must be at least 2, not {self.tokens}")
         if self.threads is not None and self.threads < 1:
             raise KLDConfigError(f"--threads must be at least 1, not {self.threads}")
+        if self.stack == "llamacpp" and (self.weights != "packed" or self.kv_type is not None):
+            raise KLDConfigError("--weights and --kv-type set the engine stack; llama.cpp computes with the GGUF as it is")
         if self.tie_gap < 0:
             raise KLDConfigError(f"--tie-gap must be >= 0, not {self.tie_gap}")
         for flag, path in (("--save-base", self.save_base), ("--csv", self.csv), ("--json", self.json_path)):
@@ -307,7 +309,7 @@ def result_json(cfg: KLDConfig, result: KLDResult) -> dict[str, Any]:
               help="Compare the candidate stack with this base file.")
 @click.option("--stack", type=click.Choice(sorted(STACKS)), default="engine", show_default=True)
 @click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
-              help="GGUF file of the engine stack (default: the embedded SmolLM2-135M-Instruct).")
+              help="GGUF file of the engine and llamacpp stacks (default: the embedded SmolLM2-135M-Instruct).")
 @click.option("--weights", type=click.Choice(["packed", "float32"]), default="packed", show_default=True)
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
               help="KV cache element type (default: the engine's).")

@@ -23,6 +23,12 @@ Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
           are dropped).  A probe id outside the server's top list is unknown (NaN) and falls
           into kldstats' rest bucket.  Without `--tokenizer` it cannot tokenize, so it can only
           be a candidate, scoring the base's stored windows.
+  llamacpp  llama.cpp in process through llama-cpp-python (the optional `llamacpp` extra) on
+          a GGUF (`-m`, default the embedded model): `Llama(logits_all=True)` without ggml's
+          extra buffer types (repacked / AMX weights, which crash on an AMX CPU), one `eval` of
+          the window's inputs, every position's logits read back and reduced like the engine's
+          (numpy, kldstats.scores_from_logits).  Its candidate side is exact too.  It tokenizes
+          with llama.cpp's own tokenizer; its tokenizer identity is the GGUF's, like the engine's.
 Before scoring, `openai` probes the server (`ds4eval.endpoint_probe`) for echo with log-probs
 and stops with one line when the server ignores or rejects it (`--no-probe` skips that).
 ds4-server is reached through `openai` (`--url`) once its /v1/completions returns prompt
@@ -296,4 +302,68 @@ def report_note(line: str) -> None:
     print(f"note: {line}", file=sys.stderr)
 
 
-STACKS: dict[str, Callable[["KLDConfig"], LogprobStack]] = {"engine": engine_stack, "openai": openai_stack}
+# ---------------------------------------------------------------- llama.cpp in process
+
+class LlamaCppStack:
+    """llama-cpp-python over one GGUF, every position's logits kept (`logits_all`)."""
+
+    def __init__(self, path: str, ctx: int, threads: int, device: str = "cpu"):
+        from ds4eval.bench.runners import LLAMA_N_BATCH, import_llama_cpp, load_llama
+        from engine.gguf_file import read_gguf
+
+        llama_cpp = import_llama_cpp()
+        self.path = path
+        offload = device == "cuda" and bool(llama_cpp.llama_supports_gpu_offload())
+        self.device = "cuda" if offload else "cpu"
+        self.threads = threads
+        meta = read_gguf(path).metadata
+        self.tokenizer_sha256: str | None = tokenizer_identity(meta)
+        # Without the extra buffer types: in llama-cpp-python 0.3.36 built for an AMX CPU,
+        # ggml's AMX matmul crashes (SIGSEGV in ggml_backend_amx_mul_mat) on the embedded
+        # model's Q4_1 weights; without them the plain CPU matmuls run.
+        self.llm = load_llama(llama_cpp, extra_buffers=False, model_path=path, n_ctx=ctx, n_threads=threads,
+                              n_threads_batch=threads, n_batch=min(LLAMA_N_BATCH, ctx), logits_all=True,
+                              verbose=False, n_gpu_layers=-1 if offload else 0)
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", True)
+        self.bos_id: int | None = int(self.llm.token_bos()) if add_bos else None
+        self.version = getattr(llama_cpp, "__version__", None)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=False)]
+
+    def describe(self) -> dict[str, Any]:
+        import os
+
+        return {"kind": "llamacpp", "model": os.path.basename(self.path), "device": self.device,
+                "threads": self.threads, "llama_cpp_python": self.version}
+
+    def score(self, window: Sequence[int], k: int, probe: np.ndarray | None = None) -> Scores:
+        from ds4eval.bench.kldstats import scores_from_logits
+
+        inputs, targets = [int(t) for t in window[:-1]], [int(t) for t in window[1:]]
+        self.llm.reset()
+        try:
+            self.llm.eval(inputs)
+        except (RuntimeError, ValueError) as e:
+            raise StackError(f"llama.cpp could not evaluate a window of {len(inputs)} tokens: {e}") from None
+        logits = np.asarray(self.llm.scores[: len(inputs)], dtype=np.float32)
+        return scores_from_logits(logits, targets, k, probe)
+
+    def close(self) -> None:
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
+
+
+def llamacpp_stack(cfg: "KLDConfig") -> LlamaCppStack:
+    from ds4eval.bench.runners import LlamaCppMissing, default_threads
+    from engine.model import default_model_path
+
+    try:
+        return LlamaCppStack(cfg.model or default_model_path(), cfg.ctx, cfg.threads or default_threads(), cfg.device)
+    except LlamaCppMissing as e:
+        raise StackError(str(e)) from None
+
+
+STACKS: dict[str, Callable[["KLDConfig"], LogprobStack]] = {"engine": engine_stack, "openai": openai_stack,
+                                                             "llamacpp": llamacpp_stack}

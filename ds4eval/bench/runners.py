@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,6 +39,32 @@ def import_llama_cpp() -> Any:
     except ImportError:
         raise LlamaCppMissing(INSTALL_HINT) from None
     return llama_cpp
+
+
+_params_lock = threading.Lock()
+
+
+def load_llama(llama_cpp: Any, *, extra_buffers: bool = True, **kwargs: Any) -> Any:
+    """`llama_cpp.Llama(**kwargs)`; with `extra_buffers=False` the model is loaded without
+    ggml's extra buffer types (its repacked and AMX weight layouts: llama.cpp's `--no-repack`).
+    The binding has no argument for that model parameter, so its default-parameters function
+    is swapped for the one construction (under a lock, restored after)."""
+    if extra_buffers:
+        return llama_cpp.Llama(**kwargs)
+    binding = llama_cpp.llama_cpp
+    with _params_lock:
+        default = binding.llama_model_default_params
+
+        def without_extra_buffers() -> Any:
+            params = default()
+            params.use_extra_bufts = False
+            return params
+
+        binding.llama_model_default_params = without_extra_buffers
+        try:
+            return llama_cpp.Llama(**kwargs)
+        finally:
+            binding.llama_model_default_params = default
 
 
 def default_threads() -> int:

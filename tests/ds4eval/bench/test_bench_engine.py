@@ -282,3 +282,31 @@ def test_csv_write_is_atomic(tmp_path):
     with pytest.raises(ValueError):
         write_csv(path, ["a"], [{"a": 1, "unknown": 2}])
     assert path.read_text() == "previous\n"
+
+
+def test_load_llama_without_extra_buffers_swaps_the_default_params_for_one_load():
+    import types
+
+    from ds4eval.bench.runners import load_llama
+
+    class Params:
+        use_extra_bufts = True
+
+    binding = types.SimpleNamespace(llama_model_default_params=Params)
+    seen = []
+
+    class Llama:
+        def __init__(self, **kwargs):
+            seen.append((binding.llama_model_default_params().use_extra_bufts, kwargs))
+            if kwargs.get("fail"):
+                raise ValueError("cannot load")
+
+    fake = types.SimpleNamespace(llama_cpp=binding, Llama=Llama)
+    load_llama(fake, extra_buffers=False, model_path="m.gguf")
+    assert seen[-1] == (False, {"model_path": "m.gguf"})
+    assert binding.llama_model_default_params is Params  # restored
+    with pytest.raises(ValueError):
+        load_llama(fake, extra_buffers=False, fail=True)
+    assert binding.llama_model_default_params is Params  # restored after a failed load too
+    load_llama(fake, model_path="m.gguf")
+    assert seen[-1][0] is True

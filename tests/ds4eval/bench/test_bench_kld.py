@@ -331,6 +331,27 @@ def test_cli_base_then_candidate_then_refusals(tiny, tmp_path):
     assert "cannot read" in one_error(invoke(["kld", "--base", str(corpus), "-m", tiny]))
     r = invoke(["kld", "--base", str(base), "--stack", "openai", "--corpus", str(corpus), "--ctx", "32"])
     assert r.exit_code == 2 and "--url" in one_error(r)
+    r = invoke(["kld", "--base", str(base), "--stack", "llamacpp", "--weights", "float32", "-m", tiny,
+                "--corpus", str(corpus), "--ctx", "32"])
+    assert r.exit_code == 2 and "engine stack" in one_error(r)
+
+
+def test_the_llamacpp_stack_without_its_extra_is_a_one_line_error(tiny, tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_llama_cpp(name, *args, **kwargs):
+        if name == "llama_cpp":
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_llama_cpp)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 12, encoding="utf-8")
+    r = invoke(["kld", "--save-base", str(tmp_path / "b.npz"), "--stack", "llamacpp", "-m", tiny,
+                "--corpus", str(corpus), "--ctx", "32"])
+    assert r.exit_code != 0 and "llamacpp" in one_error(r) and not (tmp_path / "b.npz").exists()
 
 
 def test_the_shipped_corpus_is_packaged_and_mixed():
