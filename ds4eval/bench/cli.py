@@ -88,6 +88,9 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--compare", type=click.Choice(eb.COMPARE_ENGINES), default=None,
               help="Measure llama-cpp-python on the same GGUF too, interleaved, and print ratios.")
 @click.option("--threads", type=int, default=None, help="llama.cpp threads (default: torch.get_num_threads()).")
+@click.option("--llama-extra-buffers", is_flag=True,
+              help="Load llama.cpp with ggml's extra buffer types (repacked and AMX weights); off by default "
+                   "because llama-cpp-python 0.3.36 built for an AMX CPU crashes with them on Q4_1 files.")
 @click.option("--prompt-lengths", callback=_lengths, default=None, help="Prefill lengths, e.g. 512,2048.")
 @click.option("--decode-contexts", callback=_lengths, default=None,
               help="Context lengths to decode after, e.g. 16,2048.")
@@ -95,13 +98,14 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
 def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int, warmup: int,
-                   csv_path: str | None, compare: str | None, threads: int | None,
+                   csv_path: str | None, compare: str | None, threads: int | None, llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
                    decode_tokens: int | None, quick: bool, seed: int) -> int:
     """Load time, prefill and decode tokens/s, optionally side by side with llama.cpp."""
     cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, warmup=warmup,
                                csv=csv_path,
-                               compare=compare, threads=threads, prompt_lengths=prompt_lengths,
+                               compare=compare, threads=threads, llama_extra_buffers=llama_extra_buffers,
+                               prompt_lengths=prompt_lengths,
                                decode_contexts=decode_contexts, decode_tokens=decode_tokens, quick=quick, seed=seed)
     return run_engine(cfg)
 
@@ -121,7 +125,8 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
         runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights)]
         if cfg.compare == eb.LLAMA_CPP:
             threads = cfg.threads if cfg.threads is not None else default_threads()
-            runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device))
+            runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device,
+                                          extra_buffers=cfg.llama_extra_buffers))
     except (eb.BenchConfigError, LlamaCppMissing, ModelLoadError) as e:
         raise UsageFailure(str(e)) from None
 

@@ -98,6 +98,7 @@ class EngineBenchConfig:
     csv: str | None = None  # write one row per measurement here (atomically)
     compare: str | None = None  # "llama.cpp": measure llama-cpp-python on the same GGUF too
     threads: int | None = None  # llama.cpp n_threads; None: torch.get_num_threads(), as ds4 uses
+    llama_extra_buffers: bool = False  # --llama-extra-buffers: ggml's repacked/AMX weight layouts on
     prompt_lengths: tuple[int, ...] | None = None  # prefill lengths; None: 512, 2048 (or --quick's)
     decode_contexts: tuple[int, ...] | None = None  # contexts to decode after; None: 16, 2048
     decode_tokens: int | None = None  # tokens per decode measurement; None: 128 (or --quick's)

@@ -5,7 +5,9 @@
   back to the CPU after every step, so wall-clock times include any GPU work.
 - `LlamaCppRunner`: llama-cpp-python (the optional `llamacpp` extra) on the same GGUF:
   `Llama(model_path, n_ctx, n_threads, n_threads_batch, n_batch=512, logits_all=False)`,
-  prefill `reset()` + `eval(ids)`, decode `eval([token])` with an argmax over the last
+  loaded without ggml's extra buffer types unless `extra_buffers` (`--llama-extra-buffers`:
+  llama-cpp-python 0.3.36 built for an AMX CPU segfaults in ggml's AMX matmul with them on
+  the embedded model's Q4_1 file), prefill `reset()` + `eval(ids)`, decode `eval([token])` with an argmax over the last
   logits read from the context (`llama_get_logits_ith(ctx, -1)`: with logits_all off the
   wrapper keeps no score rows), the banned ids masked. The binding's other defaults stay
   as they are (no flash attention unless the binding turns it on).
@@ -125,8 +127,9 @@ class LlamaCppRunner:
     engine = LLAMA_CPP
     weights = "gguf"
 
-    def __init__(self, path: str, *, ctx: int, threads: int, device: str = "cpu"):
+    def __init__(self, path: str, *, ctx: int, threads: int, device: str = "cpu", extra_buffers: bool = False):
         self._llama_cpp = import_llama_cpp()
+        self.extra_buffers = extra_buffers
         self.path = path
         self.ctx = ctx
         self.threads = threads
@@ -137,7 +140,8 @@ class LlamaCppRunner:
         self._llm: Any = None
 
     def load(self) -> None:
-        self._llm = self._llama_cpp.Llama(
+        self._llm = load_llama(
+            self._llama_cpp, extra_buffers=self.extra_buffers,
             model_path=self.path, n_ctx=self.ctx, n_threads=self.threads, n_threads_batch=self.threads,
             n_batch=LLAMA_N_BATCH, logits_all=False, verbose=False, n_gpu_layers=-1 if self._offload else 0,
         )
