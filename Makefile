@@ -13,7 +13,7 @@ SPEED_THRESHOLD ?= 0.10
 PRODUCT_FLOOR ?= 0.90
 
 .PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
-        setup-browser test-browser screenshot setup-lmeval bench
+        setup-browser test-browser screenshot setup-lmeval setup-llamacpp bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -106,6 +106,12 @@ screenshot: setup
 # ds4-server as an lm-eval backend (tests/server/test_server_lmeval.py) runs only with it.
 setup-lmeval: setup
 	$(PY) -m pip install -q -e '.[dev,reference,lmeval]'
+
+# llama-cpp-python (the `llamacpp` extra, built from source: tens of minutes on 2 cores): the
+# llama.cpp side of `ds4-bench engine --compare llama.cpp` and `ds4-bench kld --stack llamacpp`,
+# whose tests run only with it.
+setup-llamacpp: setup
+	$(PY) -m pip install -q -e '.[dev,reference,llamacpp]'
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
