@@ -35,7 +35,7 @@ sandbox violation, a type error inside the template) raises `ChatTemplateError`
 whose message says what went wrong; `raise_exception` raises its subclass
 `ChatTemplateRejected` (the template refuses this conversation: the caller's input).
 
-Limits (`RenderLimits`, per template; `render(..., limits=...)` overrides them for one
+Limits (`RenderLimits`, given to `ChatTemplate(spec, limits)`, the same for every
 call): a template comes with the model file and may be hostile or broken, so a render is
 bounded in time and size. `range()` yields at most `max_range` items; `*` and `+` on strings
 and lists, `~` concatenation, `%` formatting, and `**` on numbers, refuse results beyond
