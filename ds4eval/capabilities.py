@@ -83,10 +83,19 @@ class Choice:
 FEATURES: dict[str, Feature] = {}
 
 
+Verdict = tuple[str, str]  # (a VERDICTS entry, its detail)
+
+
 def feature(name: str, what: str, requests: Callable[[str | None], list[Probe]]):
-    """Register `judge` as the feature `name` (the order of registration is the table's order)."""
-    def register(judge: Callable[[Sequence[Reply]], Finding]):
-        FEATURES[name] = Feature(name, what, requests, judge)
+    """Register `judge` as the feature `name` (the order of registration is the table's order).
+
+    `judge(replies)` reads replies that all came back usable and returns a `Verdict`; the
+    registered `Feature.judge` first turns a request that got no usable answer into the
+    finding (rejected for a 4xx, else failed), so no feature judges those itself."""
+    def register(judge: Callable[[Sequence[Reply]], Verdict]):
+        def judged(replies: Sequence[Reply]) -> Verdict:
+            return _problem(name, replies) or Finding(name, *judge(replies))
+        FEATURES[name] = Feature(name, what, requests, judged)
         return judge
     return register
 
@@ -165,132 +174,104 @@ def _chat(model: str | None, text: str, **fields: Any) -> Probe:
 
 @feature("streaming usage", "stream with stream_options.include_usage, max_tokens 2",
          lambda m: [_chat(m, SHORT_REPLY, max_tokens=2, stream=True, stream_options={"include_usage": True})])
-def _stream_usage(replies: Sequence[Reply]) -> Finding:
-    name = "streaming usage"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _stream_usage(replies: Sequence[Reply]) -> Verdict:
     r = replies[0]
     if not r.streamed:
-        return Finding(name, IGNORED, "asked for a stream, got one JSON reply")
+        return IGNORED, "asked for a stream, got one JSON reply"
     if not r.done:
-        return Finding(name, FAILED, "the stream ended without [DONE]")
+        return FAILED, "the stream ended without [DONE]"
     u = usage(r)
     if u is None:
-        return Finding(name, IGNORED, "the stream carried no usage chunk")
+        return IGNORED, "the stream carried no usage chunk"
     if not isinstance(u.get("completion_tokens"), int):
-        return Finding(name, FAILED, f"the usage chunk has no completion_tokens: {u}")
-    return Finding(name, SUPPORTED, f"usage chunk: {u.get('prompt_tokens')} prompt + "
-                                    f"{u['completion_tokens']} completion tokens")
+        return FAILED, f"the usage chunk has no completion_tokens: {u}"
+    return (SUPPORTED, f"usage chunk: {u.get('prompt_tokens')} prompt + "
+                       f"{u['completion_tokens']} completion tokens")
 
 
 @feature("token counts", "usage of a reply, max_tokens 3", lambda m: [_chat(m, SHORT_REPLY, max_tokens=3)])
-def _token_counts(replies: Sequence[Reply]) -> Finding:
-    name = "token counts"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _token_counts(replies: Sequence[Reply]) -> Verdict:
     u = usage(replies[0])
     if u is None:
-        return Finding(name, IGNORED, "the reply has no usage")
+        return IGNORED, "the reply has no usage"
     p, c, t = u.get("prompt_tokens"), u.get("completion_tokens"), u.get("total_tokens")
     if not isinstance(p, int) or not isinstance(c, int) or p <= 0 or not 0 <= c <= 3:
-        return Finding(name, FAILED, f"implausible usage for a short prompt and max_tokens 3: {p} prompt, "
-                                     f"{c} completion tokens")
+        return (FAILED, f"implausible usage for a short prompt and max_tokens 3: {p} prompt, "
+                        f"{c} completion tokens")
     if t is not None and t != p + c:
-        return Finding(name, FAILED, f"total_tokens {t} is not prompt_tokens {p} + completion_tokens {c}")
-    return Finding(name, SUPPORTED, f"{p} prompt + {c} completion tokens" + ("" if t is None else f" = {t}"))
+        return FAILED, f"total_tokens {t} is not prompt_tokens {p} + completion_tokens {c}"
+    return SUPPORTED, f"{p} prompt + {c} completion tokens" + ("" if t is None else f" = {t}")
 
 
 @feature("logprobs", "logprobs with top_logprobs 2, max_tokens 2",
          lambda m: [_chat(m, SHORT_REPLY, max_tokens=2, logprobs=True, top_logprobs=2)])
-def _logprobs(replies: Sequence[Reply]) -> Finding:
-    name = "logprobs"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _logprobs(replies: Sequence[Reply]) -> Verdict:
     lp = _first(replies[0]).logprobs
     content = lp.get("content") if isinstance(lp, dict) else None
     if not content:
-        return Finding(name, IGNORED, "the reply carries no log-probs")
+        return IGNORED, "the reply carries no log-probs"
     ok = [e for e in content if isinstance(e, dict) and isinstance(e.get("logprob"), (int, float))]
     if len(ok) != len(content):
-        return Finding(name, FAILED, "a log-prob entry without a number")
+        return FAILED, "a log-prob entry without a number"
     tops = [len(e.get("top_logprobs") or []) for e in ok]
     if not all(tops):
-        return Finding(name, IGNORED, f"log-probs of {len(ok)} token(s) without top_logprobs")
-    return Finding(name, SUPPORTED, f"{len(ok)} token(s), top {min(tops)}-{max(tops)} alternatives each")
+        return IGNORED, f"log-probs of {len(ok)} token(s) without top_logprobs"
+    return SUPPORTED, f"{len(ok)} token(s), top {min(tops)}-{max(tops)} alternatives each"
 
 
 @feature("echo", "completions: echo with logprobs 1, max_tokens 1",
          lambda m: [Probe("completions", {**({"model": m} if m else {}), "prompt": ECHO_PROMPT, "echo": True,
                                           "logprobs": 1, "max_tokens": 1, "temperature": 0})])
-def _echo(replies: Sequence[Reply]) -> Finding:
-    name = "echo"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _echo(replies: Sequence[Reply]) -> Verdict:
     ch = _first(replies[0])
     if not ch.text.startswith(ECHO_PROMPT):
-        return Finding(name, IGNORED, f"the text does not start with the prompt: {ch.text[:40]!r}")
+        return IGNORED, f"the text does not start with the prompt: {ch.text[:40]!r}"
     lp = ch.logprobs if isinstance(ch.logprobs, dict) else {}
     tokens = lp.get("tokens") or []
     scored = lp.get("token_logprobs") or []
     if not scored:
-        return Finding(name, IGNORED, "the prompt is echoed without its log-probs")
+        return IGNORED, "the prompt is echoed without its log-probs"
     if tokens and not "".join(map(str, tokens)).startswith(ECHO_PROMPT):
-        return Finding(name, IGNORED, "the log-probs do not start at the prompt")
+        return IGNORED, "the log-probs do not start at the prompt"
     if len(scored) < 3:
-        return Finding(name, IGNORED, f"log-probs of {len(scored)} token(s): the prompt's are missing")
-    return Finding(name, SUPPORTED, f"the prompt echoed with log-probs of {len(scored)} tokens")
+        return IGNORED, f"log-probs of {len(scored)} token(s): the prompt's are missing"
+    return SUPPORTED, f"the prompt echoed with log-probs of {len(scored)} tokens"
 
 
 @feature("seed", "sampled at temperature 1: seeds a, a, b, c; max_tokens 8",
          lambda m: [_chat(m, "Write a short random sentence.", max_tokens=8, temperature=1.0, top_p=1.0, seed=s)
                     for s in (SEEDS[0], *SEEDS)])
-def _seed(replies: Sequence[Reply]) -> Finding:
-    name = "seed"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _seed(replies: Sequence[Reply]) -> Verdict:
     same, *others = [_first(r).text for r in replies[1:]]
     first = _first(replies[0]).text
     if first != same:
-        return Finding(name, IGNORED, f"two requests with seed {SEEDS[0]} gave different text")
+        return IGNORED, f"two requests with seed {SEEDS[0]} gave different text"
     if all(o == first for o in others):
-        return Finding(name, UNVERIFIABLE, "every seed gave the same text: the reply does not vary here")
-    return Finding(name, SUPPORTED, "the same seed repeats its text, other seeds change it")
+        return UNVERIFIABLE, "every seed gave the same text: the reply does not vary here"
+    return SUPPORTED, "the same seed repeats its text, other seeds change it"
 
 
 @feature("n", "n=2 at temperature 1, max_tokens 2",
          lambda m: [_chat(m, "Write a short random sentence.", max_tokens=2, temperature=1.0, n=2)])
-def _n(replies: Sequence[Reply]) -> Finding:
-    name = "n"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _n(replies: Sequence[Reply]) -> Verdict:
     got = sorted(choices(replies[0]))
     if got == [0, 1]:
-        return Finding(name, SUPPORTED, "2 choices")
+        return SUPPORTED, "2 choices"
     if len(got) <= 1:
-        return Finding(name, IGNORED, f"asked for 2 choices, got {len(got)}")
-    return Finding(name, FAILED, f"asked for 2 choices, got indices {got}")
+        return IGNORED, f"asked for 2 choices, got {len(got)}"
+    return FAILED, f"asked for 2 choices, got indices {got}"
 
 
 @feature("ignore_eos", f"a short reply with and without ignore_eos, max_tokens {IGNORE_EOS_TOKENS}",
          lambda m: [_chat(m, SHORT_REPLY, max_tokens=IGNORE_EOS_TOKENS),
                     _chat(m, SHORT_REPLY, max_tokens=IGNORE_EOS_TOKENS, ignore_eos=True)])
-def _ignore_eos(replies: Sequence[Reply]) -> Finding:
-    name = "ignore_eos"
-    bad = _problem(name, replies)
-    if bad:
-        return bad
+def _ignore_eos(replies: Sequence[Reply]) -> Verdict:
     plain, forced = (_reached(r) for r in replies)
     if forced[0]:
         if plain[0]:
-            return Finding(name, UNVERIFIABLE, f"the reply runs to max_tokens {IGNORE_EOS_TOKENS} without it too")
-        return Finding(name, SUPPORTED, f"{forced[1]} (without it: {plain[1]})")
-    return Finding(name, IGNORED, f"the reply stopped early: {forced[1]}")
+            return UNVERIFIABLE, f"the reply runs to max_tokens {IGNORE_EOS_TOKENS} without it too"
+        return SUPPORTED, f"{forced[1]} (without it: {plain[1]})"
+    return IGNORED, f"the reply stopped early: {forced[1]}"
 
 
 def _reached(reply: Reply) -> tuple[bool, str]:
