@@ -100,6 +100,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 _LISTENING = re.compile(r"listening on http://127\.0\.0\.1:(\d+)")
 
 
+def interrupt(proc: subprocess.Popen, wait_s: float) -> None:
+    """Stop a server process as Ctrl-C would (so it shuts down cleanly); kill it after `wait_s`."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class ServerProcess:
     """`ds4-server` with the fake engine (`fake_server_cli.py`) as a subprocess on a port the
     system chooses (`--port 0`, read back from the banner); stdout and stderr go to `log_path`."""
@@ -142,13 +153,7 @@ class ServerProcess:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc, 30)
         self._log.close()
 
 
@@ -225,15 +230,7 @@ class ModelServerProcess:
         return self.status_kib("VmRSS")
 
     def stop(self) -> None:
-        import signal
-        import subprocess
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc, 20)
 
 
 @contextmanager
