@@ -46,13 +46,10 @@ def chunk_entries(model: Any, logits: torch.Tensor, targets: Sequence[int], k: i
     """Entries for one chunk: row i of `logits` is the distribution that `targets[i]` was drawn from."""
     # engine.logprobs is also the corpus KLD's reduction: a client scoring through the server
     # gets the in-process engine's log-probs to the last bit.
-    scored = score_rows(logits, targets, max(k, 1))
+    scored = score_rows(logits, targets, k)
     chosen = scored.target_logprobs.tolist()
-    if k > 0:
-        tops = [tuple((int(i), model.detokenize([int(i)]), float(v)) for v, i in zip(vs, is_))
-                for vs, is_ in zip(scored.top_logprobs.tolist(), scored.top_ids.tolist())]
-    else:
-        tops = [()] * len(chosen)
+    tops = [tuple((int(i), model.detokenize([int(i)]), float(v)) for v, i in zip(vs, is_))
+            for vs, is_ in zip(scored.top_logprobs.tolist(), scored.top_ids.tolist())]  # () per row when k is 0
     return [TokenLogprob(int(t), model.detokenize([int(t)]), float(lp), top)
             for t, lp, top in zip(targets, chosen, tops)]
 
