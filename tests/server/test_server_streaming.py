@@ -72,6 +72,11 @@ def _cancel_latency(path: str, body: dict, hang_up_after: bytes | None, model: F
             read_until(sock, hang_up_after)
         else:
             time.sleep(0.3)   # non-streaming: nothing to read until the end
+        # The first bytes can come before the loop takes the job (a loaded machine): hang up only
+        # once it runs, since a queued job is dropped without a cancel latency to measure.
+        deadline = time.monotonic() + 5
+        while not srv.worker.busy and time.monotonic() < deadline:
+            time.sleep(0.002)
         t0 = time.monotonic()
         sock.close()
         (stats,) = wait_for_stats(srv.worker, 1)
