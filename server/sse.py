@@ -108,11 +108,12 @@ async def job_events(queue: asyncio.Queue[Any], keepalive_sec: float, *, streams
     ended = 0
     try:
         while True:
-            if getter is None:
-                getter = asyncio.ensure_future(queue.get())
             if generating:
-                item = await getter
+                # No keepalives from here on: a plain wait, without a task per event.
+                item = await queue.get()
             else:
+                if getter is None:
+                    getter = asyncio.ensure_future(queue.get())
                 timeout = max(0.0, last_tick + keepalive_sec - time.monotonic())
                 done, _ = await asyncio.wait({getter}, timeout=timeout)
                 if not done:
@@ -120,7 +121,7 @@ async def job_events(queue: asyncio.Queue[Any], keepalive_sec: float, *, streams
                     yield None
                     continue
                 item = getter.result()
-            getter = None
+                getter = None
             event = event_of(item)
             if isinstance(event, TextDelta):
                 generating = True

@@ -11,7 +11,9 @@ alike), one greedy decode of the same chat prompt through:
   engine      the session API in a loop (sample, eval), as `ds4-bench engine` and the speed gate
   ds4-eval    the ds4-eval runner and engine backend on one fixed case of our own, serial
   server      one streaming /v1/chat/completions request to ds4-server (in-process uvicorn on
-              127.0.0.1, a light client reading the stream in this process)
+              127.0.0.1, configured as `ds4-server` configures it; the stream is read in this
+              process by `ds4eval.bench.rawstream`, a client light enough that its own CPU
+              time takes little from the engine's)
   server-xN   N concurrent streams to a ds4-server with `--batched-session N` (aggregate)
 
 All paths share one model and one `engine.threads.EngineThread`, as each product has one;
@@ -31,7 +33,6 @@ It does not compare commits (quality_testing.gate_speed does) nor measure prefil
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ import click
 
 from ds4eval.atomicfile import write_text_atomic
 from ds4eval.bench.errors import RunFailure, UsageFailure
+from ds4eval.bench.rawstream import RawStreamError, StampedStream, post_streams
 
 ENGINE, EVAL, SERVER = "engine", "ds4-eval", "server"
 SINGLE_STREAM_PATHS = (EVAL, SERVER)
@@ -239,22 +241,26 @@ class _Paths:
         app = create_app(self.model, ServerConfig(batched_session=streams if streams > 1 else 1),
                          engine_thread=self.thread)
         with _LiveServer(app) as base:
-            return asyncio.run(_streams(base, streams, self.cfg.decode_tokens))
+            return _streams(base, streams, self.cfg.decode_tokens)
 
 
 class _LiveServer:
-    """uvicorn on a free 127.0.0.1 port in a thread, stopped (and its worker with it) on exit."""
+    """uvicorn on a free 127.0.0.1 port in a thread, set up as `ds4-server` sets it up (its
+    event loop and HTTP edge, `server.edge.uvicorn_config`), stopped (and its worker with it)
+    on exit."""
 
     def __init__(self, app: Any) -> None:
         import socket
 
         import uvicorn
 
+        from server.edge import EdgeLimits, uvicorn_config
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(app, EdgeLimits(), log_level="warning",
+                                                    host="127.0.0.1", port=self.port))
         self.thread = threading.Thread(target=self.server.run, name="ds4-bench-uvicorn", daemon=True)
 
     def __enter__(self) -> str:
@@ -274,33 +280,35 @@ class _LiveServer:
 _CONTENT, _EMPTY_CONTENT, _USAGE = '"content":', '"content":""', '"usage":{'
 
 
-async def _one_stream(client: Any, base: str, tokens: int) -> tuple[list[float], int]:
+def _streams(base: str, n: int, tokens: int) -> tuple[int, float]:
+    """Decode rate of `n` concurrent chat streams read by the light client (`rawstream`)."""
     body = {"model": "default", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    stamps: list[float] = []
-    used = 0
-    async with client.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"ds4-server answered {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            # A light client: it stamps content chunks by their text and parses only the usage
-            # chunk, so that its own Python work takes as little GIL from the server as it can.
-            if _CONTENT in line and _EMPTY_CONTENT not in line:
-                stamps.append(time.perf_counter())
-            elif _USAGE in line and line.startswith("data: "):
-                usage = json.loads(line[6:]).get("usage") or {}
-                used = int(usage.get("completion_tokens") or 0)
-    return stamps, used or len(stamps)
-
-
-async def _streams(base: str, n: int, tokens: int) -> tuple[int, float]:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=600) as client:
-        results = await asyncio.gather(*(_one_stream(client, base, tokens) for _ in range(max(1, n))))
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    try:
+        streams = post_streams(host, int(port), "/v1/chat/completions", [body] * max(1, n))
+    except RawStreamError as e:
+        raise RuntimeError(f"ds4-server's stream: {e}") from None
+    results = [_content_stamps(s) for s in streams]
     if n <= 1:
         return decode_rate(*results[0])
     return aggregate_rate(results)
+
+
+def _content_stamps(stream: StampedStream) -> tuple[list[float], int]:
+    """The stamps of a stream's content chunks and its completion tokens (from its usage chunk).
+
+    Chunks are told apart by their text, and only the usage chunk is parsed, so that the
+    client's own work per token stays small."""
+    stamps: list[float] = []
+    used = 0
+    for data, t in zip(stream.events, stream.stamps):
+        if _CONTENT in data and _EMPTY_CONTENT not in data:
+            stamps.append(t)
+        elif _USAGE in data:
+            usage = json.loads(data).get("usage") or {}
+            used = int(usage.get("completion_tokens") or 0)
+    return stamps, used or len(stamps)
 
 
 class BusyProcesses:
