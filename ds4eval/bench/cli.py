@@ -1,6 +1,6 @@
 """`ds4-bench` command line: a click group, one subcommand per benchmark (seven in all).
 
-  ds4-bench engine [-m GGUF] [--compare llama.cpp] [--quick] [--csv FILE] ...
+  ds4-bench engine [-m GGUF] [--compare llama.cpp|transformers] [--quick] [--csv FILE] ...
   ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
   ds4-bench serve --url URL [--concurrency 1,8] ...
   ds4-bench kvcache [-m GGUF] [--prompt-tokens N] ...
@@ -86,7 +86,10 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
               help="Write one row per measurement (columns: see ds4eval/bench/engine_bench.py).")
 @click.option("--compare", type=click.Choice(eb.COMPARE_ENGINES), default=None,
-              help="Measure llama-cpp-python on the same GGUF too, interleaved, and print ratios.")
+              help="Measure llama-cpp-python on the same GGUF, or transformers on a random bfloat16 model "
+                   "of its shape, interleaved, and print ratios.")
+@click.option("--transformers-compile/--transformers-eager", default=True, show_default=True,
+              help="With --compare transformers: its one-token step under torch.compile, or eager.")
 @click.option("--threads", type=int, default=None, help="llama.cpp threads (default: torch.get_num_threads()).")
 @click.option("--llama-extra-buffers", is_flag=True,
               help="Load llama.cpp with ggml's extra buffer types (repacked and AMX weights); off by default "
@@ -98,22 +101,31 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
 def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int, warmup: int,
-                   csv_path: str | None, compare: str | None, threads: int | None, llama_extra_buffers: bool,
+                   csv_path: str | None, compare: str | None, transformers_compile: bool, threads: int | None,
+                   llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
                    decode_tokens: int | None, quick: bool, seed: int) -> int:
-    """Load time, prefill and decode tokens/s, optionally side by side with llama.cpp."""
+    """Load time, prefill and decode tokens/s, optionally side by side with llama.cpp or transformers."""
     cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, warmup=warmup,
-                               csv=csv_path,
-                               compare=compare, threads=threads, llama_extra_buffers=llama_extra_buffers,
+                               csv=csv_path, compare=compare, transformers_compile=transformers_compile,
+                               threads=threads, llama_extra_buffers=llama_extra_buffers,
                                prompt_lengths=prompt_lengths,
                                decode_contexts=decode_contexts, decode_tokens=decode_tokens, quick=quick, seed=seed)
     return run_engine(cfg)
 
 
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
 def run_engine(cfg: eb.EngineBenchConfig) -> int:
     from engine import ModelLoadError, default_model_path
 
-    from ds4eval.bench.runners import Ds4Runner, LlamaCppMissing, LlamaCppRunner, default_threads
+    from ds4eval.bench.runners import (Ds4Runner, LlamaCppMissing, LlamaCppRunner, TransformersRunner,
+                                       TransformersUnavailable, default_threads)
 
     try:
         cfg.validate()
@@ -127,7 +139,10 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
             threads = cfg.threads if cfg.threads is not None else default_threads()
             runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device,
                                           extra_buffers=cfg.llama_extra_buffers))
-    except (eb.BenchConfigError, LlamaCppMissing, ModelLoadError) as e:
+        elif cfg.compare == eb.TRANSFORMERS:
+            runners.append(TransformersRunner(path, ctx=cfg.load_ctx, device=cfg.device,
+                                              compile=cfg.transformers_compile, seed=cfg.seed))
+    except (eb.BenchConfigError, LlamaCppMissing, TransformersUnavailable, ModelLoadError) as e:
         raise UsageFailure(str(e)) from None
 
     click.echo(f"{eb.model_label(path)}: {eb.describe_plan(cfg)}; engines {', '.join(r.engine for r in runners)}",
@@ -142,7 +157,7 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
     engines = eb.engines_of(measurements)
     rows = eb.summarize(measurements, cfg.compare)
     click.echo(eb.render_table(rows, engines, cfg.compare))
-    checks = eb.check_bar(rows, cfg.compare)
+    checks = eb.check_bar(rows, cfg.compare, embedded=_same_file(path, default_model_path()))
     if checks:
         click.echo()
         for check in checks:

@@ -248,6 +248,16 @@ def test_bar_checks():
     assert [c.what for c in eb.check_bar(rows, None)] == ["ds4 load"]
 
 
+def test_the_load_bar_is_for_the_embedded_model_and_transformers_gets_no_bar():
+    rows = eb.summarize(sample_measurements(), "llama.cpp")
+    assert "ds4 load" not in {c.what for c in eb.check_bar(rows, "llama.cpp", embedded=False)}
+    against_hf = [eb.SummaryRow(r.metric, r.n_prompt, r.n_decode, r.unit,
+                                {("transformers" if k == "llama.cpp" else k): v for k, v in r.stats.items()}, r.ratio)
+                  for r in rows]
+    assert [c.what for c in eb.check_bar(against_hf, "transformers")] == ["ds4 load"]
+    assert eb.check_bar(against_hf, "transformers", embedded=False) == []
+
+
 # ---------------------------------------------------------------- CSV
 
 def test_csv_rows_have_the_documented_columns(tmp_path):

@@ -1,0 +1,119 @@
+"""`ds4-bench engine --compare transformers`: the transformers runner on tiny random GGUFs.
+
+The CPU tests run it eagerly (compiling takes about a minute on a 2-core machine); the
+compiled step, the way it is meant to be measured, is checked on a GPU."""
+from __future__ import annotations
+
+import builtins
+import csv
+
+import pytest
+from click.testing import CliRunner
+
+from ds4eval.bench import cli
+from ds4eval.bench.runners import TransformersRunner, TransformersUnavailable
+from engine.synthetic import RandomModelSpec, write_random_gguf
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.reference
+
+TINY_ARGS = ["--prompt-lengths", "8,24", "--decode-contexts", "4,24", "--decode-tokens", "3"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return write_random_gguf(tmp_path_factory.mktemp("hf") / "tiny.gguf", RandomModelSpec(seed=7))
+
+
+@pytest.mark.parametrize("spec", [
+    RandomModelSpec(seed=1),
+    RandomModelSpec(arch="qwen2", n_layer=3, n_embd=96, n_head=6, n_head_kv=3, tied_output=False, seed=2,
+                    rope_base=500000.0),
+])
+def test_the_model_has_the_shape_of_the_gguf(tmp_path, spec):
+    runner = TransformersRunner(write_random_gguf(tmp_path / "m.gguf", spec), ctx=64, compile=False)
+    runner.load()
+    try:
+        model = runner.model
+        cfg = model.config
+        assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (spec.n_layer, spec.n_embd, spec.n_ff)
+        assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (spec.n_head, spec.n_head_kv)
+        assert cfg.vocab_size == runner.shape.n_vocab and cfg.tie_word_embeddings == spec.tied_output
+        assert cfg.rope_parameters["rope_theta"] == spec.rope_base
+        assert type(model).__name__.lower().startswith(spec.arch)
+        assert next(model.parameters()).dtype.is_floating_point and str(next(model.parameters()).dtype) == "torch.bfloat16"
+        assert model.lm_head.weight.shape == (runner.shape.n_vocab, spec.n_embd)
+    finally:
+        runner.close()
+
+
+def test_decoding_is_greedy_repeatable_and_masks_the_banned_ids(tiny):
+    runner = TransformersRunner(tiny, ctx=64, compile=False)
+    runner.load()
+    try:
+        prompt = list(range(3, 30))
+        runner.prefill(prompt)
+        first = runner.decode(12, frozenset())
+        assert len(first) == 12
+        runner.prefill(prompt)
+        assert runner.decode(12, frozenset()) == first
+        banned = frozenset(first)
+        runner.prefill(prompt)
+        masked = runner.decode(12, banned)
+        assert len(masked) == 12 and not banned & set(masked)
+        # Decoding continues from where the last decode stopped: 6 + 6 tokens are the 12.
+        runner.prefill(prompt)
+        assert runner.decode(6, frozenset()) + runner.decode(6, frozenset()) == first
+    finally:
+        runner.close()
+
+
+def test_the_command_prints_ratios_against_transformers_without_a_bar(tiny, tmp_path):
+    out = tmp_path / "m.csv"
+    r = CliRunner().invoke(cli.main, ["engine", "--model", tiny, "--compare", "transformers", "--transformers-eager",
+                                      "--repeats", "1", "--warmup", "0", "--csv", str(out), *TINY_ARGS])
+    assert r.exit_code == 0, r.output
+    assert "ds4/transformers" in r.output
+    # No llama.cpp bar against transformers, and no 3 s load bar for a model other than the embedded one.
+    assert "PASS" not in r.output and "FAIL" not in r.output
+    rows = list(csv.DictReader(open(out)))
+    assert {row["engine"] for row in rows} == {"ds4", "transformers"}
+    hf = [row for row in rows if row["engine"] == "transformers"]
+    assert {row["weights"] for row in hf} == {"bf16-random"}
+    assert sorted((row["metric"], row["n_prompt"]) for row in hf) == [
+        ("decode", "24"), ("decode", "4"), ("load", "0"), ("prefill", "24"), ("prefill", "8")]
+
+
+def test_without_transformers_the_command_says_how_to_install_it(tiny, monkeypatch):
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    with pytest.raises(TransformersUnavailable, match=r"pip install 'ds4eval\[reference\]'"):
+        TransformersRunner(tiny, ctx=64)
+    r = CliRunner().invoke(cli.main, ["engine", "--model", tiny, "--compare", "transformers", *TINY_ARGS])
+    assert r.exit_code == 2
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ds4-bench: error: transformers is not installed")
+
+
+@pytest.mark.gpu
+def test_the_compiled_cuda_step_matches_eager_decoding(tiny):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    outputs = []
+    for compile in (False, True):
+        runner = TransformersRunner(tiny, ctx=64, device="cuda", compile=compile)
+        runner.load()
+        try:
+            runner.prefill(list(range(3, 30)))
+            outputs.append(runner.decode(16, frozenset()))
+        finally:
+            runner.close()
+    assert outputs[0] == outputs[1]
