@@ -24,7 +24,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -94,8 +94,10 @@ class GenRequest:
     on_token: Callable[[int], None] | None = None  # called on the scheduler's thread
     cancel: Callable[[], bool] | None = None
     slot: int | None = None  # preferred slot; None: the scheduler picks
-    # Picks each token from the logits instead of a Sampler(params) (e.g. greedy inside tool syntax).
-    choose: Callable[[torch.Tensor], int] | None = None
+    # Picks each token from the logits instead of a Sampler(params) (e.g. greedy inside tool
+    # syntax). It gets `Session.raw_logits`: a host tensor, or on CUDA a device row whose
+    # `host()` copies it, so that only a chooser that needs the whole row pays for the copy.
+    choose: Callable[[Any], int] | None = None
     # Results.
     output: list[int] = field(default_factory=list)
     finish: str | None = None  # "stop" | "length" | "cancelled" | "error"
@@ -115,7 +117,7 @@ class _Slot:
     session: Session
     request: GenRequest | None = None
     prefill: Prefill | None = None
-    sampler: Callable[[torch.Tensor], int] | None = None
+    sampler: Callable[[Any], int] | None = None
     last_used: float = 0.0
 
 
@@ -240,9 +242,8 @@ class BatchScheduler:
             if req.cancel is not None and req.cancel():
                 self._finish(slot, "cancelled")
                 continue
-            # A Sampler picks from the device row; a caller's `choose` gets the host tensor.
-            session = slot.session
-            token = slot.sampler(session.raw_logits if isinstance(slot.sampler, Sampler) else session.logits)
+            # The row where it lies: on CUDA a device row, copied to the host only if asked.
+            token = slot.sampler(slot.session.raw_logits)
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
             req.output.append(token)

@@ -315,19 +315,22 @@ class TokenDecoder:
     def done(self) -> bool:
         return self.reason is not None
 
-    def choose(self, logits: torch.Tensor, sample: Callable[[torch.Tensor], int]) -> int:
+    def choose(self, logits: Any, sample: Callable[[Any], int]) -> int:
+        """`logits` is the session's frontier row where it lies (`Session.raw_logits`: a host
+        tensor, or on CUDA a device row that `host()` copies); it is copied only for
+        logprobs or a token mask, so plain sampling on CUDA moves no row to the host."""
         if self.top_logprobs is not None:
-            self._logprob = logprob_entry(self.model, logits, self.top_logprobs)
+            self._logprob = logprob_entry(self.model, host_row(logits), self.top_logprobs)
         step = self.constraint.decide() if self.constraint is not None else None
         if step is not None:
             self.job.stats.n_constrained += 1
             if step.forced is not None:
                 return step.forced
             if step.allowed is not None:
-                logits = apply_mask(logits, step.allowed)
+                logits = apply_mask(host_row(logits), step.allowed)
         if self.splitter is not None and self.splitter.in_structure and not self.ignore_eos:
             self.job.stats.n_greedy += 1
-            return int(torch.argmax(logits))
+            return int(logits.argmax())
         return int(sample(logits))
 
     def accept(self, token: int) -> bool:
@@ -372,6 +375,11 @@ class TokenDecoder:
         self.job.stats.status = "done"
         self.job.stats.finish_reason = finish
         self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
+
+
+def host_row(logits: Any) -> torch.Tensor:
+    """A logits row as a tensor: itself, or a device row's host copy (`DeviceLogits.host()`)."""
+    return logits if isinstance(logits, torch.Tensor) else logits.host()
 
 
 def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], TokenLogprob]:

@@ -198,7 +198,7 @@ class SerialLoop:
             if pending is not None:
                 # Evaluated lazily so the last sampled token costs no forward pass.
                 session.eval(pending)
-            token = decoder.choose(session.logits, sample)
+            token = decoder.choose(session.raw_logits, sample)
             if not decoder.accept(token):
                 break
             pending = token

@@ -176,6 +176,11 @@ class FakeSession:
             return peaked_logits(vocab.n_vocab, vocab.eos_id, ord("."))
         return peaked_logits(vocab.n_vocab, nxt, vocab.eos_id)
 
+    @property
+    def raw_logits(self) -> torch.Tensor:
+        """As the CPU engine's sessions: the frontier row is a host tensor."""
+        return self.logits
+
     def eval(self, token: int) -> None:
         if self.n_past >= self.model.n_ctx:
             raise ValueError(f"{self.n_past + 1} tokens do not fit the context of {self.model.n_ctx}")
@@ -447,7 +452,7 @@ class FakeScheduler:
             if req.cancel is not None and req.cancel():
                 self._finish(slot, "cancelled")
                 continue
-            tok = (req.choose or FakeSampler(req.params, eos))(slot.session.logits)
+            tok = (req.choose or FakeSampler(req.params, eos))(slot.session.raw_logits)
             req.output.append(tok)
             if req.on_token is not None:
                 req.on_token(tok)
