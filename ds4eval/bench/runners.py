@@ -29,6 +29,7 @@ from nothing. It does not time anything; engine_bench does.
 from __future__ import annotations
 
 import gc
+import importlib
 import inspect
 import os
 import threading
@@ -220,7 +221,7 @@ class TransformersRunner:
             raise TransformersUnavailable(f"no transformers model for architecture {self.shape.arch!r} "
                                           f"(supported: {', '.join(sorted(TRANSFORMERS_CONFIGS))})")
         try:
-            import transformers  # noqa: F401 - only whether it imports
+            importlib.import_module("transformers")
         except ImportError:
             raise TransformersUnavailable(TRANSFORMERS_HINT) from None
         self.tied = "output.weight" not in contents.tensors

@@ -4,8 +4,8 @@ The CPU tests run it eagerly (compiling takes about a minute on a 2-core machine
 compiled step, the way it is meant to be measured, is checked on a GPU."""
 from __future__ import annotations
 
-import builtins
 import csv
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -85,14 +85,7 @@ def test_the_command_prints_ratios_against_transformers_without_a_bar(tiny, tmp_
 
 
 def test_without_transformers_the_command_says_how_to_install_it(tiny, monkeypatch):
-    real_import = builtins.__import__
-
-    def no_transformers(name, *args, **kwargs):
-        if name == "transformers" or name.startswith("transformers."):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
     with pytest.raises(TransformersUnavailable, match=r"pip install 'ds4eval\[reference\]'"):
         TransformersRunner(tiny, ctx=64)
     r = CliRunner().invoke(cli.main, ["engine", "--model", tiny, "--compare", "transformers", *TINY_ARGS])
