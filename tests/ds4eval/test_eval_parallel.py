@@ -122,6 +122,10 @@ class HistorySession:
     def logits(self):
         return peaked_logits(self.model.n_vocab, self.model.next_token(self.tokens), self.model.eos_id)
 
+    @property
+    def raw_logits(self):  # a CPU session's frontier row is its host tensor
+        return self.logits
+
     def sample(self, params=None):
         return self.model.next_token(self.tokens)
 
