@@ -96,6 +96,11 @@ class DeviceLogits:
         return int(torch.clamp(token, max=probs.shape[0] - 1))
 
 
+def host_row(logits: "torch.Tensor | DeviceLogits") -> torch.Tensor:
+    """A frontier row as a host-side tensor: a tensor as it is, a device row's host copy."""
+    return logits.host() if isinstance(logits, DeviceLogits) else logits
+
+
 class StepLogits:
     """The logits of one decoding step's N rows: a tensor [N, n_vocab] (CPU, or the device
     with `ids` [N, 2] on the host: greedy and eos-masked greedy per row)."""

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from engine import threads
-from engine.device_sampling import DeviceLogits
+from engine.device_sampling import DeviceLogits, host_row
 from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 
@@ -110,8 +110,7 @@ class Session:
 
     @property
     def logits(self) -> torch.Tensor:
-        raw = self.raw_logits
-        return raw.host() if isinstance(raw, DeviceLogits) else raw
+        return host_row(self.raw_logits)
 
     @property
     def raw_logits(self) -> torch.Tensor | DeviceLogits:

@@ -37,6 +37,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from engine.device_sampling import host_row
+
 from server.constraints import apply_mask
 from server.stops import StopMatcher
 
@@ -375,11 +377,6 @@ class TokenDecoder:
         self.job.stats.status = "done"
         self.job.stats.finish_reason = finish
         self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
-
-
-def host_row(logits: Any) -> torch.Tensor:
-    """A logits row as a tensor: itself, or a device row's host copy (`DeviceLogits.host()`)."""
-    return logits if isinstance(logits, torch.Tensor) else logits.host()
 
 
 def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], TokenLogprob]:

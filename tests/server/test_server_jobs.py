@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import torch
 
+from engine.device_sampling import DeviceLogits
 from server.jobs import GenerationRequest, Job, TextDelta, TokenDecoder
 from server_fake_engine import FakeModel
 
 
-class RowOnDevice:
-    """Stands in for `engine.device_sampling.DeviceLogits`: counts its copies to the host."""
+class RowOnDevice(DeviceLogits):
+    """A device row (on the CPU here) that counts its copies to the host."""
+
+    __slots__ = ("copies",)
 
     def __init__(self, row: torch.Tensor) -> None:
-        self.row, self.copies = row, 0
+        top = int(row.argmax())
+        super().__init__(row, top, top, frozenset())
+        self.copies = 0
 
     def host(self) -> torch.Tensor:
         self.copies += 1
-        return self.row
-
-    def argmax(self) -> int:
-        return int(self.row.argmax())
+        return super().host()
 
 
 def decoder_for(**request) -> tuple[TokenDecoder, list]:
