@@ -114,10 +114,13 @@ def engine_command(model: str | None, ctx: int | None, device: str, weights: str
     return run_engine(cfg)
 
 
-def _same_file(a: str, b: str) -> bool:
+def _is_embedded(path: str) -> bool:
+    """Whether `path` is the embedded model's file (False where that model is not installed)."""
+    from engine import ModelLoadError, default_model_path
+
     try:
-        return os.path.samefile(a, b)
-    except OSError:
+        return os.path.samefile(path, default_model_path())
+    except (OSError, ModelLoadError):
         return False
 
 
@@ -157,7 +160,7 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
     engines = eb.engines_of(measurements)
     rows = eb.summarize(measurements, cfg.compare)
     click.echo(eb.render_table(rows, engines, cfg.compare))
-    checks = eb.check_bar(rows, cfg.compare, embedded=_same_file(path, default_model_path()))
+    checks = eb.check_bar(rows, cfg.compare, embedded=_is_embedded(path))
     if checks:
         click.echo()
         for check in checks:

@@ -52,6 +52,18 @@ def test_engine_on_tiny_model_writes_csv_and_table(tiny, tmp_path):
             assert float(row["tokens_per_s"]) > 0
 
 
+def test_engine_with_a_model_runs_where_the_embedded_model_is_not_installed(tiny, monkeypatch):
+    import engine
+
+    def not_installed():
+        raise engine.ModelLoadError("the embedded model is not installed")
+
+    monkeypatch.setattr(engine, "default_model_path", not_installed)
+    r = invoke(["engine", "--model", tiny, "--repeats", "1", "--warmup", "0", *TINY_ARGS])
+    assert r.exit_code == 0, r.output
+    assert "decode 3 after 24" in r.output and "ds4 load" not in r.output
+
+
 def test_compare_without_llama_cpp_is_a_one_line_error(tiny, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
     out = tmp_path / "never.csv"
