@@ -11,12 +11,13 @@ the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Li
   rows; from there on (prefill chunks, wide batches), where the CPU has AMX, the tile kernel,
   which multiplies 16 rows at a time.  Within each kernel a row's result does not depend on
   the other rows; the two differ only in the order in which a group's 32 products are summed
-  (last bits of float32).  Elsewhere (CUDA, or a CPU or
-  build without the kernel) it is torch's groupwise int4 weight-only layout with
-  zero = min + 8*scale, nothing re-quantized; scale/zero are stored in bfloat16 (the
-  kernels' requirement) and activations enter the kernel as bfloat16.  On CUDA, from a
-  measured number of rows on (prefill, wide batches), the matrix is instead dequantized to
-  bfloat16 and multiplied by one GEMM (engine.cuda_dequant), which keeps the nibbles too.
+  (last bits of float32).  On CUDA it is engine.cuda_int4's Triton GEMM, which computes
+  the same way (activations rounded to bfloat16, exact group products, float32 scales) and
+  scales with the number of rows; from a measured number of rows on (prefill chunks of large
+  matrices) that module dequantizes to bfloat16 for cuBLAS instead.  Elsewhere (a CPU build
+  without the kernel, CUDA without Triton) it is torch's groupwise int4 weight-only layout
+  with zero = min + 8*scale, nothing re-quantized; scale/zero are stored in bfloat16 (the
+  kernels' requirement) and activations enter the kernel as bfloat16.
 - `Fp16Linear` (CPU): every other type is dequantized once to float16 and prepacked for
   FBGEMM's half-precision GEMM, which reads float16 weights but takes and returns float32
   activations.  Of torch's dense CPU kernels measured here it is the fastest for the few
@@ -43,7 +44,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine import cuda_dequant, kernels
+from engine import cuda_int4, kernels
 from engine.gguf_file import TensorRecord
 from engine.quants import BLOCK, GROUP, INT4_GROUPED, dequantize, unpack_int4_groups
 
@@ -154,7 +155,7 @@ def _cpu_layout_known() -> bool:
     return ref.dtype == torch.uint8 and np.array_equal(ref.numpy(), _cpu_pack_numpy(probe))
 
 
-def _cuda_inner_k_tiles(k: int) -> int:
+def cuda_inner_k_tiles(k: int) -> int:
     for tiles in (8, 4, 2):
         if k % (tiles * 16) == 0:
             return tiles
@@ -193,11 +194,14 @@ class Int4Linear(Linear):
             self.out_dtype = torch.float32
             self._tiles = kernels.int4_linear_tiles()
             return
-        q8 = None
+        if device.type == "cuda" and cuda_int4.AVAILABLE:
+            self._cuda = cuda_int4.Int4Weight(q, scale, minimum, device)
+            self.out_dtype = torch.float32
+            return
         if device.type == "cuda":
             # The CUDA kernel takes two nibbles per byte, even column in the high nibble.
             q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(q8, _cuda_inner_k_tiles(k))
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(q8, cuda_inner_k_tiles(k))
         elif n % 64 == 0 and _cpu_layout_known():
             self.packed = torch.from_numpy(_cpu_pack_numpy(q))  # same bytes, without int32 copies
         else:
@@ -207,11 +211,9 @@ class Int4Linear(Linear):
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
         self._mm = (torch.ops.aten._weight_int4pack_mm if device.type == "cuda"
                     else torch.ops.aten._weight_int4pack_mm_for_cpu)
-        # CUDA, many rows (prefill, wide batches): dequantize + GEMM (engine.cuda_dequant).
-        self._many = cuda_dequant.DequantMatmul(q8, self.scales_zeros) if q8 is not None and cuda_dequant.AVAILABLE else None
 
     out_dtype = torch.bfloat16
-    _many: "cuda_dequant.DequantMatmul | None" = None
+    _cuda: "cuda_int4.Int4Weight | None" = None
     _tiles = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -220,21 +222,24 @@ class Int4Linear(Linear):
                 x = x.float().contiguous()
             many = self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
             y = (self._tiles if many else self._op)(x, self.packed, self.scales_zeros)
-        elif self._many is not None and x.shape[0] >= self._many.min_rows:
-            y = self._many(x)
+        elif self._cuda is not None:
+            y = self._cuda(x)
         else:
             y = self._mm(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
         return y if self.bias is None else y.float() + self.bias
 
     @property
-    def dequant_matmul(self) -> "cuda_dequant.DequantMatmul | None":
-        """The many-rows path (CUDA), whose `min_rows` says from how many rows it is taken."""
-        return self._many
+    def cuda_weight(self) -> "cuda_int4.Int4Weight | None":
+        """The CUDA matrix (engine.cuda_int4), whose `gemm_rows` says from how many rows it
+        is dequantized for cuBLAS; None on CPU or without Triton."""
+        return self._cuda
 
     @property
     def nbytes(self) -> int:
-        many = 0 if self._many is None else self._many.nibbles.nbytes
-        return self.packed.nbytes + self.scales_zeros.nbytes + many + (0 if self.bias is None else self.bias.nbytes)
+        bias = 0 if self.bias is None else self.bias.nbytes
+        if self._cuda is not None:
+            return self._cuda.nbytes + bias
+        return self.packed.nbytes + self.scales_zeros.nbytes + bias
 
 
 def to_float(record: TensorRecord) -> np.ndarray:

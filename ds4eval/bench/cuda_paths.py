@@ -11,7 +11,7 @@ decoding of 128 tokens at batch 1 after 16 and after 2048 tokens; `decode_batch`
 tokens/s of N sessions of 128 tokens each, N in 1, 8, 64 (and 64 at 1024), 32 steps; kernels
 and launch calls per decoded token and the GPU's busy share, from torch's profiler over 8
 steps.  Where the engine has graph decoding, the eager CUDA path is measured beside it in the
-same process.  `--exactness` (SmolLM2 shape) compares greedy tokens of graph and eager
+same process (`--skip-eager` leaves it out).  `--exactness` (SmolLM2 shape) compares greedy tokens of graph and eager
 decoding and teacher-forced logits of each CUDA path against the CPU float32 path (top-1
 agreement, mean and max KL over 256 positions).
 
@@ -183,9 +183,14 @@ def profile_steps(m, n: int, n_vocab: int) -> dict:
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     calls = sum(1 for e in events if e.name in launches)
     graphs = sum(1 for e in events if e.name == "cudaGraphLaunch")
+    per_name: dict[str, float] = {}
+    for e in kernels:
+        per_name[e.name[:60]] = per_name.get(e.name[:60], 0.0) + e.time_range.elapsed_us() / 8
+    top = dict(sorted(per_name.items(), key=lambda kv: -kv[1])[:6])
     return {"kernels_per_step": len(kernels) / 8, "launch_calls_per_step": calls / 8,
             "graph_launches_per_step": graphs / 8, "gpu_busy_share": busy_us / (wall * 1e6),
-            "profiled_step_ms": wall / 8 * 1e3}
+            "profiled_step_ms": wall / 8 * 1e3, "gpu_us_per_step": busy_us / 8,
+            "top_kernels_us_per_step": {k: round(v, 1) for k, v in top.items()}}
 
 
 def exactness(m_graph, path: str, label: str) -> None:
@@ -241,13 +246,11 @@ def exactness(m_graph, path: str, label: str) -> None:
 
 
 def int4_crossover(m, label: str, name: str) -> None:
-    """Milliseconds of the int4 kernel against a bfloat16 matmul over the same (dequantized)
-    weights, for one gate/up matrix at growing row counts: where dequantize + GEMM would win."""
-    lin = m.net.blocks[0].w_gate_up
-    if not hasattr(lin, "scales_zeros"):
-        return
-    k = lin.in_features
-    w = lin(torch.eye(k, device="cuda", dtype=torch.bfloat16)).t().contiguous()  # [N, K]: exact dequantization
+    """Milliseconds per product of block 0's matrices at growing row counts: the engine's int4
+    GEMM (engine.cuda_int4), torch's int4 kernel over the same nibbles, dequantize + cuBLAS,
+    and a resident bfloat16 matrix; where each path pays."""
+    from engine.weights import cuda_inner_k_tiles
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def ms(fn) -> float:
@@ -258,25 +261,25 @@ def int4_crossover(m, label: str, name: str) -> None:
             fn()
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
+        return round(start.elapsed_time(end) / 20, 4)
 
-    many = getattr(lin, "dequant_matmul", None)
-    out = {}
-    for rows in (1, 8, 16, 32, 64, 128, 512, 2048):
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        row = []
-        if many is not None:
-            chosen, many.min_rows = many.min_rows, 1 << 30
-        row.append(round(ms(lambda: lin(x)), 4))  # the int4 kernel
-        row.append(round(ms(lambda: torch.nn.functional.linear(x, w)), 4))  # a resident bfloat16 matrix
-        if many is not None:
-            many.min_rows = 1
-            row.append(round(ms(lambda: lin(x)), 4))  # dequantize + GEMM
-            many.min_rows = chosen
-        out[rows] = tuple(row)
-    if many is not None:
-        emit(label, f"{name}.dequant_min_rows_gate_up", many.min_rows)
-    emit(label, f"{name}.ms_int4_bf16_dequant_gate_up_{tuple(w.shape)}", out)
+    blk = m.net.blocks[0]
+    for mat in ("wqkv", "w_gate_up", "w_down"):
+        w = getattr(getattr(blk, mat), "cuda_weight", None)
+        if w is None:
+            return
+        dense = w.weight().clone()  # [N, K] bfloat16
+        packed = torch.ops.aten._convert_weight_to_int4pack(w.nibbles, cuda_inner_k_tiles(w.k))
+        pairs = w.pairs.float()
+        sz = torch.stack([pairs[..., 0], pairs[..., 1] + 8 * pairs[..., 0]], -1).to(torch.bfloat16)
+        out = {}
+        for rows in (1, 8, 16, 32, 64, 128, 512, 2048):
+            x = torch.randn(rows, w.k, device="cuda", dtype=torch.bfloat16)
+            out[rows] = (ms(lambda: w.fused(x)),
+                         ms(lambda: torch.ops.aten._weight_int4pack_mm(x, packed, 32, sz)),
+                         ms(lambda: torch.nn.functional.linear(x, w.weight())),
+                         ms(lambda: torch.nn.functional.linear(x, dense)))
+        emit(label, f"{name}.ms_fused_torchint4_dequant_bf16.{mat}_{w.n}x{w.k}", out)
 
 
 def sdpa_probe(m) -> str:
@@ -305,6 +308,7 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--exactness", action="store_true")
+    ap.add_argument("--skip-eager", action="store_true", help="measure graph decoding only")
     a = ap.parse_args()
     os.makedirs(a.models, exist_ok=True)
     label = a.label
@@ -317,7 +321,7 @@ def main() -> int:
         emit(label, f"{name}.load_s", round(time.perf_counter() - t0, 2))
         n_vocab = m.n_vocab
         graphs = getattr(m.net, "decode_graphs", None)
-        paths = [("eager", None)] if graphs is None else [("graphs", True), ("eager", False)]
+        paths = [("eager", None)] if graphs is None else [("graphs", True)] + [("eager", False)] * (not a.skip_eager)
         emit(label, f"{name}.prefill_chunk", m.prefill_chunk)
         emit(label, f"{name}.sdpa_backends", sdpa_probe(m))
         emit(label, f"{name}.prefill2048_tok_s", fmt(bench_prefill(m, n_vocab, a.repeats)))

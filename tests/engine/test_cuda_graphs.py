@@ -124,29 +124,73 @@ def test_graph_teacher_forced_agrees_with_cpu_float32(tiny_gguf, arch, qtype):
     assert stats["graphs"][1] <= max(2 * stats["eager"][1], 1e-3)
 
 
-def _int4_linears(m: engine.Model):
-    return [lin for blk in m.net.blocks for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)
-            if getattr(lin, "dequant_matmul", None) is not None]
+def _int4_weights(m: engine.Model):
+    return [lin.cuda_weight for blk in m.net.blocks for lin in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)
+            if getattr(lin, "cuda_weight", None) is not None]
+
+
+def _random_int4(n: int, k: int, seed: int, big: bool = False):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    minimum = (-8 * scale + rng.standard_normal(scale.shape) * 1e-3).astype(np.float16).astype(np.float32)
+    if big:  # values float16 cannot hold: the pairs are kept in float32
+        scale[0, 0], minimum[0, 0] = 1e5, -1e6
+    dense = (q.reshape(n, -1, 32) * scale[..., None] + minimum[..., None]).reshape(n, k)
+    return q, scale, minimum, torch.from_numpy(dense).double()
+
+
+@pytest.mark.parametrize("n,k,big", [(960, 576, False), (3072, 2048, False), (576, 1536, True)])
+def test_int4_gemm_sums_exact_group_products(n, k, big):
+    """Against float64 over the same bfloat16-rounded activations: only float32 summation
+    separates them, at every row count of decoding batches and beyond (split and unsplit)."""
+    from engine.cuda_int4 import Int4Weight
+
+    q, scale, minimum, dense = _random_int4(n, k, seed=n, big=big)
+    w = Int4Weight(q, scale, minimum, torch.device("cuda"))
+    assert w.pairs.dtype == (torch.float32 if big else torch.float16)
+    torch.manual_seed(0)
+    for rows in (1, 3, 16, 17, 64, 65, 200):
+        x = torch.randn(rows, k, device="cuda")
+        want = x.bfloat16().double().cpu() @ dense.T
+        got = w(x).double().cpu()
+        assert got.dtype == torch.float64 and got.shape == (rows, n)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+        assert torch.equal(w(x.bfloat16()), w(x))  # the kernel rounds float32 input itself
+
+
+def test_int4_gemm_rows_of_a_batch_match_rows_computed_alone():
+    from engine.cuda_int4 import Int4Weight
+
+    q, scale, minimum, _ = _random_int4(2048, 2048, seed=3)
+    w = Int4Weight(q, scale, minimum, torch.device("cuda"))
+    x = torch.randn(64, 2048, device="cuda")
+    batch = w(x)
+    for rows in (1, 5, 32):
+        torch.testing.assert_close(w(x[:rows]), batch[:rows], rtol=1e-6, atol=1e-6 * float(batch.abs().max()))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q4_0"])
-def test_dequantized_gemm_matches_the_int4_kernel(tiny_gguf, qtype):
+def test_dequantized_cublas_path_matches_the_int4_gemm(tiny_gguf, qtype):
     m = engine.load_model(tiny_gguf("qwen2", qtype), device="cuda")
-    lins = _int4_linears(m)
-    assert lins and all(lin.dequant_matmul.min_rows > 16 for lin in lins)  # tiny matrices: never worth it
+    weights = _int4_weights(m)
+    assert weights and all(w.gemm_rows > 16 for w in weights)  # tiny matrices: never worth it
     torch.manual_seed(0)
-    for lin in lins:
+    for w in weights:
         for rows in (1, 7, 64):
-            x = torch.randn(rows, lin.in_features, device="cuda")
-            want = lin(x).float()
-            lin.dequant_matmul.min_rows = 1
-            got = lin(x).float()
-            lin.dequant_matmul.min_rows = 1 << 30
+            x = torch.randn(rows, w.k, device="cuda")
+            want = w(x)
+            w.gemm_rows = 1
+            got = w(x)
+            w.gemm_rows = 1 << 30
+            assert got.dtype == torch.float32
             torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
     ids = torch.tensor(TOKENS * 4, device="cuda")
     want = m.net.forward(ids, 0, m.new_session().cache, logits="all")
-    for lin in lins:
-        lin.dequant_matmul.min_rows = 1
+    for w in weights:
+        w.gemm_rows = 1
     got = m.net.forward(ids, 0, m.new_session().cache, logits="all")
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.9

@@ -1,0 +1,313 @@
+"""Int4 matrix products on CUDA: Triton kernels that read the 4-bit weights as they are.
+
+`Int4Weight(q, scale, minimum, device)` holds an N x K matrix of groups of 32 inputs whose
+values are q * scale + minimum (Q4_0, Q4_1, Q4_K): the nibbles, two per byte (even input in
+the high nibble), and per group and output column the pair (scale, minimum), in float16
+where that is exact for every group (Q4_0 and Q4_1, whose GGUF fields are float16) or where
+it is finite (Q4_K, whose scales are products of two fields: rounded to 11 bits), else
+float32.  `w(x)`: x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] float32.
+
+The products never form W.  Per group they multiply the activations, rounded to bfloat16,
+by the nibbles as integers: those products are exact and are summed in float32.  Then the
+group's scale is applied and minimum * (sum of the group's activations) added, both in
+float32.  That is the arithmetic of the CPU kernels (engine.kernels), so the CUDA and CPU
+packed paths round alike.  torch's own int4 kernel instead keeps scales in bfloat16 and
+rounds every weight to bfloat16; with it, greedy decoding of a random 135M-shape model
+agreed with the CPU float32 path at 98.05% of teacher-forced positions, against 100% (graph
+decoding) and 99.22% (eager) with these kernels, in the same measurement.
+
+One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores, several groups per
+loop step; two rows and more (`_int4_gemm`) on the tensor cores, one group per product.
+Measured on an H200 per product (CUDA-graph timings, random matrices of the SmolLM2-135M and
+Llama-3.2-1B shapes): at one row 4.2-15.4 us against 2.1-12.1 us for torch's kernel, which
+is faster there; at 64 rows, on the 1B shape's matrices, 16.5-44 us against 22-154 us; at
+64 rows on the 135M shape's small matrices 8.6-21 us against 4.3-11.9 us; at 2048 rows on
+those small matrices 21-61 us against 57-327 us.  The kernels stay well above the bandwidth
+floor (the 16384 x 2048 matrix: 15.4 us at one row, against about 4.4 us to read it once).
+`launch_for` and `DEFAULT_GEMV` hold the launch shapes those sweeps found fastest.
+
+Few output tiles cannot fill the GPU, so the input axis is split (`split_k`): each split
+writes float32 partial sums and one more kernel adds them in a fixed order, so results
+never depend on scheduling.  The split follows from the matrix, its number of output tiles
+and a cap that keeps the partial sums of many rows small, so a row decoded alone and the
+same row in a batch differ only in the order of float32 sums (the tests bound it).
+
+From `gemm_rows` rows on (prefill chunks of large matrices) the matrix is instead written
+out as bfloat16 by `_dequantize` into a scratch matrix and multiplied by cuBLAS, which is
+faster there although it rounds each weight to bfloat16.  The scratch matrix is shared by
+every matrix on a device (one stream runs them one after the other) and only grows; a
+buffer it outgrows is kept, because a captured CUDA graph may still write to it.
+
+Without Triton (`AVAILABLE` False) nothing here runs and engine.weights keeps torch's int4
+kernel.  It does not choose weight formats (see engine.weights).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.cuda_attention import AVAILABLE, tl, triton
+
+GROUP = 32
+BLOCK_N = 64  # output columns per program (default launch)
+MAX_BLOCK_M = 64  # rows per program; more rows take more row tiles
+# Dequantize + cuBLAS from this many rows on, for matrices of at least GEMM_MIN_ELEMENTS.
+GEMM_ROWS = 512
+GEMM_MIN_ELEMENTS = 4 * 2 ** 20
+NEVER = 1 << 62
+MIN_GROUPS_PER_SPLIT = 4
+
+
+def gemm_rows_for(n: int, k: int) -> int:
+    """Fewest rows from which an n x k matrix is dequantized for cuBLAS (NEVER: always fused)."""
+    return GEMM_ROWS if n * k >= GEMM_MIN_ELEMENTS else NEVER
+
+
+def block_m(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else MAX_BLOCK_M
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def split_k(n_groups: int, tiles: int, programs: int, max_split: int = 1 << 30) -> int:
+    """Splits of the input axis for `tiles` output tiles: about `programs` programs in all,
+    each split the same whole number of groups (a divisor of n_groups), at least
+    MIN_GROUPS_PER_SPLIT long unless the matrix has fewer groups, and at most `max_split`
+    (the float32 partial sums of many rows cost more than they save)."""
+    want = max(1, min(programs // max(tiles, 1), max_split))
+    fits = [s for s in range(1, n_groups + 1)
+            if n_groups % s == 0 and s <= want and n_groups // s >= MIN_GROUPS_PER_SPLIT]
+    return max(fits, default=1)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How `_int4_gemm` is launched: output columns per program, groups unrolled per loop
+    step, warps and pipeline stages per program, programs aimed at per multiprocessor (via
+    the split), and whether a group's activations are read as even and odd halves."""
+
+    bn: int = BLOCK_N
+    unroll: int = 4
+    warps: int = 4
+    stages: int = 3
+    waves: int = 8
+    even_odd: bool = False
+
+
+DEFAULT_LAUNCH = Launch()
+
+
+@dataclass(frozen=True)
+class GemvLaunch:
+    """How `_int4_gemv` (one row) is launched: columns per program, groups per loop step,
+    warps, pipeline stages and programs aimed at per multiprocessor."""
+
+    bn: int = 64
+    gb: int = 8
+    warps: int = 4
+    stages: int = 3
+    waves: int = 8
+
+
+DEFAULT_GEMV = GemvLaunch(bn=32, gb=8, waves=4)  # the fastest measured on an H200 for every shape
+
+
+def launch_for(rows: int, n: int, k: int) -> Launch:
+    """The launch measured fastest on an H200 for this kind of product (random int4
+    matrices of the SmolLM2-135M and Llama-3.2-1B shapes at 2 to 2048 rows)."""
+    if rows > MAX_BLOCK_M:  # prefill chunks: wide tiles, the weights re-read per 64 rows
+        return Launch(bn=128, unroll=4, waves=4)
+    if n * k < GEMM_MIN_ELEMENTS:  # small matrices: narrow tiles keep enough programs
+        return Launch(bn=32, unroll=4, waves=4) if k >= 2 * n else Launch(bn=16, unroll=4, warps=2, waves=16)
+    if n >= 4 * k:  # wide (gate/up)
+        return Launch(bn=128, unroll=1, waves=4)
+    if k >= 4 * n:  # long (down)
+        return Launch(bn=64, unroll=4 if rows > 16 else 1, waves=4)
+    return Launch(bn=32, unroll=4, waves=4) if rows > 16 else Launch(bn=64, unroll=1, waves=4)
+
+
+def scale_pairs(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
+    """[N, K/32] scales and minimums -> [K/32, N, 2] (scale, minimum), float16 where finite."""
+    pairs = np.stack([scale, minimum], axis=-1).transpose(1, 0, 2)
+    half = pairs.astype(np.float16)
+    return np.ascontiguousarray(half if np.isfinite(half).all() else pairs.astype(np.float32))
+
+
+# The tensor cores' operand type: activations are rounded to it (the nibbles are exact in it).
+OPERAND = tl.bfloat16 if AVAILABLE else None
+
+_SCRATCH: dict[str, list[torch.Tensor]] = {}
+
+
+def _scratch(numel: int, device: torch.device) -> torch.Tensor:
+    held = _SCRATCH.setdefault(str(device), [])
+    if not held or held[-1].numel() < numel:
+        held.append(torch.empty(numel, dtype=torch.bfloat16, device=device))
+    return held[-1]
+
+
+if AVAILABLE:
+    @triton.jit
+    def _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x,
+                       OPERAND: tl.constexpr, EVEN_ODD: tl.constexpr):
+        """One group's contribution to the [BM, BN] tile: scale * (x . q) + minimum * sum(x)."""
+        half = tl.arange(0, 16)  # the 16 bytes of a group
+        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
+        pair = sm_ptr + (g * N + n) * 2
+        scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
+        minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+        row = x_ptr + m[:, None] * stride_x + g * 32
+        # byte j holds inputs 2j (high nibble) and 2j + 1 (low)
+        if EVEN_ODD:
+            xe = tl.load(row + 2 * half[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
+            xo = tl.load(row + 2 * half[None, :] + 1, mask=mm[:, None], other=0.0).to(OPERAND)
+            dot = tl.dot(xe, tl.trans((qb >> 4).to(OPERAND))) + tl.dot(xo, tl.trans((qb & 15).to(OPERAND)))
+            xsum = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
+        else:
+            x = tl.load(row + tl.arange(0, 32)[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
+            q = tl.reshape(tl.join(qb >> 4, qb & 15), (qb.shape[0], 32)).to(OPERAND)  # the group in order
+            dot = tl.dot(x, tl.trans(q))  # exact products, float32 sums
+            xsum = tl.sum(x.to(tl.float32), axis=1)
+        return dot * scale[None, :] + xsum[:, None] * minimum[None, :]
+
+    @triton.jit
+    def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
+                   BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, OPERAND: tl.constexpr,
+                   EVEN_ODD: tl.constexpr):
+        m = tl.program_id(0) * BM + tl.arange(0, BM)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        split = tl.program_id(2)
+        mm = m < M
+        nm = n < N
+        g0 = split * groups_per_split
+        acc = tl.zeros([BM, BN], tl.float32)
+        for c in range(0, groups_per_split // UNROLL):
+            for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
+                acc += _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
+                                      OPERAND, EVEN_ODD)
+        out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
+        tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+
+    @triton.jit
+    def _int4_gemv(x_ptr, q_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
+                   BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+        """One row: the same sums as _int4_gemm on the CUDA cores, GB groups per loop step."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        split = tl.program_id(1)
+        nm = n < N
+        gb = tl.arange(0, GB)
+        half = tl.arange(0, 16)
+        g0 = split * groups_per_split
+        acc = tl.zeros([BN], tl.float32)
+        for c in range(0, groups_per_split // GB):
+            g = g0 + c * GB + gb  # [GB]
+            byte = (g * 16)[:, None] + half[None, :]  # [GB, 16]
+            qb = tl.load(q_ptr + n[:, None, None] * (K // 2) + byte[None, :, :], mask=nm[:, None, None], other=0)
+            xe = tl.load(x_ptr + 2 * byte).to(OPERAND).to(tl.float32)  # [GB, 16]: inputs 2j
+            xo = tl.load(x_ptr + 2 * byte + 1).to(OPERAND).to(tl.float32)  # inputs 2j + 1
+            # exact products (bfloat16 x 4-bit integer) summed in float32
+            dot = tl.sum((qb >> 4).to(tl.float32) * xe[None] + (qb & 15).to(tl.float32) * xo[None], axis=2)
+            xsum = tl.sum(xe + xo, axis=1)  # [GB]
+            pair = sm_ptr + (g[None, :] * N + n[:, None]) * 2  # [BN, GB]
+            scale = tl.load(pair, mask=nm[:, None], other=0.0).to(tl.float32)
+            minimum = tl.load(pair + 1, mask=nm[:, None], other=0.0).to(tl.float32)
+            acc += tl.sum(dot * scale + xsum[None, :] * minimum, axis=1)
+        tl.store(out_ptr + split * N + n, acc, mask=nm)
+
+    @triton.jit
+    def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = i < total
+        acc = tl.load(part_ptr + i, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):  # a fixed order: the same sums every time
+            acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+        tl.store(out_ptr + i, acc, mask=mask)
+
+    @triton.jit
+    def _dequantize(q_ptr, sm_ptr, out_ptr, N, K, BN: tl.constexpr, BB: tl.constexpr):
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        byte = tl.program_id(1) * BB + tl.arange(0, BB)  # byte j holds inputs 2j (high) and 2j+1 (low)
+        mask = (n < N)[:, None] & (byte < K // 2)[None, :]
+        q = tl.load(q_ptr + n[:, None] * (K // 2) + byte[None, :], mask=mask, other=0).to(tl.int32)
+        pair = sm_ptr + (((2 * byte) // 32)[None, :] * N + n[:, None]) * 2
+        scale = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+        minimum = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
+        row = out_ptr + n[:, None] * K + 2 * byte[None, :]
+        tl.store(row, ((q >> 4).to(tl.float32) * scale + minimum).to(tl.bfloat16), mask=mask)
+        tl.store(row + 1, ((q & 15).to(tl.float32) * scale + minimum).to(tl.bfloat16), mask=mask)
+
+
+class Int4Weight:
+    """An int4 matrix on a CUDA device; `w(x)` is x @ W^T in float32 (see the module docstring)."""
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, device: torch.device):
+        self.n, self.k = q.shape
+        if self.k % GROUP:
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {self.k}")
+        self.nibbles = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
+        self.pairs = torch.from_numpy(scale_pairs(scale, minimum)).to(device)
+        self.gemm_rows = gemm_rows_for(self.n, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.nibbles.nbytes + self.pairs.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        if rows >= self.gemm_rows:
+            return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight()).float()
+        return self.gemv(x) if rows == 1 else self.fused(x)
+
+    def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None) -> torch.Tensor:
+        """x [1, K] -> [1, N] float32 (x's one row contiguous)."""
+        cfg = launch or DEFAULT_GEMV
+        n_groups = self.k // GROUP
+        tiles = triton.cdiv(self.n, cfg.bn)
+        splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
+        per = n_groups // splits
+        gb = next(g for g in (cfg.gb, 4, 2, 1) if per % g == 0)
+        out = torch.empty((1, self.n), dtype=torch.float32, device=x.device)
+        part = out if splits == 1 else torch.empty((splits, 1, self.n), dtype=torch.float32, device=x.device)
+        _int4_gemv[(tiles, splits)](x, self.nibbles, self.pairs, part, self.n, self.k, per, BN=cfg.bn, GB=gb,
+                                    OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
+        if splits > 1:
+            total, block = self.n, 1024
+            _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, num_warps=4)
+        return out
+
+    def fused(self, x: torch.Tensor, launch: "Launch | None" = None) -> torch.Tensor:
+        rows = x.shape[0]
+        cfg = launch or launch_for(rows, self.n, self.k)
+        bm = block_m(rows)
+        tiles_m, tiles_n = triton.cdiv(rows, bm), triton.cdiv(self.n, cfg.bn)
+        n_groups = self.k // GROUP
+        splits = split_k(n_groups, tiles_m * tiles_n, cfg.waves * multiprocessors(x.device),
+                         max_split=max(1, self.k // (16 * rows)))
+        per = n_groups // splits
+        unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
+        out = torch.empty((rows, self.n), dtype=torch.float32, device=x.device)
+        part = out if splits == 1 else torch.empty((splits, rows, self.n), dtype=torch.float32, device=x.device)
+        _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
+                                               x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
+                                               OPERAND=OPERAND, EVEN_ODD=cfg.even_odd,
+                                               num_warps=cfg.warps, num_stages=cfg.stages)
+        if splits > 1:
+            total, block = rows * self.n, 1024
+            _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, num_warps=4)
+        return out
+
+    def weight(self) -> torch.Tensor:
+        """W as bfloat16 [N, K] in the shared scratch (valid until the next call on this device)."""
+        out = _scratch(self.n * self.k, self.nibbles.device)[: self.n * self.k].view(self.n, self.k)
+        bn, bb = 32, 64
+        grid = (triton.cdiv(self.n, bn), triton.cdiv(self.k // 2, bb))
+        _dequantize[grid](self.nibbles, self.pairs, out, self.n, self.k, BN=bn, BB=bb)
+        return out
