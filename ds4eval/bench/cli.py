@@ -1,6 +1,6 @@
 """`ds4-bench` command line: a click group, one subcommand per benchmark (seven in all).
 
-  ds4-bench engine [-m GGUF] [--compare llama.cpp|transformers] [--quick] [--csv FILE] ...
+  ds4-bench engine [-m GGUF] [--compare llama.cpp|transformers] [--batch-sizes 1,64] [--quick] [--csv FILE] ...
   ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
   ds4-bench serve --url URL [--concurrency 1,8] ...
   ds4-bench kvcache [-m GGUF] [--prompt-tokens N] ...
@@ -98,19 +98,27 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--decode-contexts", callback=_lengths, default=None,
               help="Context lengths to decode after, e.g. 16,2048.")
 @click.option("--decode-tokens", type=int, default=None, help="Tokens per decode measurement (default 128).")
+@click.option("--batch-sizes", callback=_lengths, default="",
+              help="Also decode this many sequences at once, e.g. 1,8,64: --decode-tokens steps of all rows, "
+                   "aggregate tokens/s (ds4 and transformers; not with --compare llama.cpp).")
+@click.option("--batch-context", type=int, default=128, show_default=True,
+              help="Ids each batch row holds before its timed steps.")
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
 def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int, warmup: int,
                    csv_path: str | None, compare: str | None, transformers_compile: bool, threads: int | None,
                    llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
-                   decode_tokens: int | None, quick: bool, seed: int) -> int:
-    """Load time, prefill and decode tokens/s, optionally side by side with llama.cpp or transformers."""
+                   decode_tokens: int | None, batch_sizes: tuple[int, ...], batch_context: int, quick: bool,
+                   seed: int) -> int:
+    """Load time, prefill and decode tokens/s (and batched decode with --batch-sizes), optionally side by
+    side with llama.cpp or transformers."""
     cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, warmup=warmup,
                                csv=csv_path, compare=compare, transformers_compile=transformers_compile,
                                threads=threads, llama_extra_buffers=llama_extra_buffers,
                                prompt_lengths=prompt_lengths,
-                               decode_contexts=decode_contexts, decode_tokens=decode_tokens, quick=quick, seed=seed)
+                               decode_contexts=decode_contexts, decode_tokens=decode_tokens,
+                               batch_sizes=batch_sizes, batch_context=batch_context, quick=quick, seed=seed)
     return run_engine(cfg)
 
 

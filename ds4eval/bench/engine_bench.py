@@ -9,8 +9,13 @@ the same ids):
   decode   after a fresh context of C ids (default C = 16 and 2048), K greedy tokens
            (default 128) with the end-of-generation ids masked so that every run makes
            exactly K tokens; tokens/s = K / seconds, the context's prefill excluded
+  decode_batch  only with `batch_sizes`, for each N: N sequences decoded together, each
+           row holding C = `batch_context` ids (default 128; row i the benchmark sequence
+           of seed `seed + 1 + i`), prefilled untimed, then K greedy steps of all rows at
+           once (end-of-generation ids masked per row); tokens/s = N * K / seconds, the
+           aggregate rate of the batch
 When a decode context length is also a prefill length, decoding continues from that timed
-prefill instead of repeating it.
+prefill instead of repeating it. The batches come after the other steps of a repetition.
 
 Before the timed repetitions each engine runs `warmup` (default 1) untimed ones, the same
 steps with nothing recorded: the first repetition of a process pays one-off costs (CUDA
@@ -32,18 +37,21 @@ wants one. It is meaningless text on purpose: the speed of a transformer does no
 on which ids it sees, and fixed ids make runs comparable.
 
 CSV columns (one row per measurement):
-  engine        "ds4" or "llama.cpp"
+  engine        "ds4", "llama.cpp" or "transformers"
   model         the GGUF file name
   device        "cpu" or "cuda"
   weights       ds4's weight format ("packed" or "float32"); "gguf" for llama.cpp
   threads       CPU threads the engine computes with
   ctx           context size the model was loaded with
-  metric        "load", "prefill" or "decode"
-  n_prompt      prompt length (prefill), context length before decoding (decode), 0 (load)
-  n_decode      tokens generated (decode), else 0
+  metric        "load", "prefill", "decode" or "decode_batch"
+  n_prompt      prompt length (prefill), context length before decoding (decode, decode_batch:
+                per row), 0 (load)
+  n_decode      tokens generated (decode; decode_batch: per row), else 0
+  batch         rows decoded together (decode_batch), else 1
   repeat        repetition index, from 0
   seconds       wall-clock seconds of the measured step
-  tokens_per_s  n_prompt / seconds (prefill), n_decode / seconds (decode), empty (load)
+  tokens_per_s  n_prompt / seconds (prefill), n_decode / seconds (decode), batch * n_decode /
+                seconds (decode_batch), empty (load)
 
 It does not load models (see `ds4eval.bench.runners`), parse flags (see `ds4eval.bench.cli`)
 or write files (see `ds4eval.bench.csvfile`).
@@ -77,7 +85,7 @@ QUICK_DECODE_TOKENS = 16
 TOKEN_TYPE_NORMAL = 1  # GGUF tokenizer.ggml.token_type value of ordinary vocabulary
 
 CSV_COLUMNS = ("engine", "model", "device", "weights", "threads", "ctx", "metric", "n_prompt", "n_decode",
-               "repeat", "seconds", "tokens_per_s")
+               "batch", "repeat", "seconds", "tokens_per_s")
 
 # The first speed bar, side by side with llama.cpp on the same machine and GGUF.
 BAR_DECODE_RATIO = 0.7
@@ -107,6 +115,8 @@ class EngineBenchConfig:
     prompt_lengths: tuple[int, ...] | None = None  # prefill lengths; None: 512, 2048 (or --quick's)
     decode_contexts: tuple[int, ...] | None = None  # contexts to decode after; None: 16, 2048
     decode_tokens: int | None = None  # tokens per decode measurement; None: 128 (or --quick's)
+    batch_sizes: tuple[int, ...] = ()  # rows decoded together, one measurement each; (): none
+    batch_context: int = 128  # ids each batch row holds before its timed steps
     quick: bool = False  # short default lengths for smoke tests; explicit lengths still win
     seed: int = 0  # seed of the benchmark token sequence
 
@@ -131,7 +141,8 @@ class EngineBenchConfig:
     @property
     def required_ctx(self) -> int:
         longest_decode = max(self.context_lengths) + self.n_decode if self.context_lengths else 0
-        return max(max(self.prefill_lengths, default=0), longest_decode)
+        batch = self.batch_context + self.n_decode if self.batch_sizes else 0
+        return max(max(self.prefill_lengths, default=0), longest_decode, batch)
 
     @property
     def load_ctx(self) -> int:
@@ -156,11 +167,17 @@ class EngineBenchConfig:
             raise BenchConfigError(f"--threads must be at least 1, not {self.threads}")
         if not self.prefill_lengths and not self.context_lengths:
             raise BenchConfigError("nothing to measure: give --prompt-lengths or --decode-contexts")
-        for flag, values in (("--prompt-lengths", self.prefill_lengths), ("--decode-contexts", self.context_lengths)):
+        for flag, values in (("--prompt-lengths", self.prefill_lengths), ("--decode-contexts", self.context_lengths),
+                             ("--batch-sizes", self.batch_sizes)):
             if any(v < 1 for v in values):
-                raise BenchConfigError(f"{flag} must be positive token counts, not {list(values)}")
+                raise BenchConfigError(f"{flag} must be positive counts, not {list(values)}")
         if self.n_decode < 1:
             raise BenchConfigError(f"--decode-tokens must be at least 1, not {self.n_decode}")
+        if self.batch_context < 1:
+            raise BenchConfigError(f"--batch-context must be at least 1, not {self.batch_context}")
+        if self.batch_sizes and self.compare == LLAMA_CPP:
+            raise BenchConfigError("--batch-sizes cannot be measured with --compare llama.cpp: "
+                                   "llama-cpp-python decodes one sequence at a time")
         if self.ctx is not None and self.ctx < self.required_ctx:
             raise BenchConfigError(f"--ctx {self.ctx} is too small: the longest step needs {self.required_ctx} "
                                    f"tokens (prompt or context + decode tokens)")
@@ -207,6 +224,11 @@ def benchmark_ids(vocab: Vocab, n: int, seed: int) -> list[int]:
     return (head + [rng.choice(vocab.ordinary) for _ in range(n)])[:n]
 
 
+def batch_rows(vocab: Vocab, n_rows: int, length: int, seed: int) -> list[list[int]]:
+    """The rows of a batch measurement: row i is the benchmark sequence of seed `seed + 1 + i`."""
+    return [benchmark_ids(vocab, length, seed + 1 + i) for i in range(n_rows)]
+
+
 # ---------------------------------------------------------------- measuring
 
 class Runner(Protocol):
@@ -227,6 +249,11 @@ class Runner(Protocol):
 
     def decode(self, n: int, banned: frozenset[int]) -> list[int]: ...  # n greedy tokens, banned ids masked
 
+    # Only with `batch_sizes` (llama.cpp has neither; the config refuses that pairing).
+    def prefill_batch(self, rows: Sequence[Sequence[int]]) -> None: ...  # fresh contexts, row i holding rows[i]
+
+    def decode_batch(self, n: int, banned: frozenset[int]) -> list[list[int]]: ...  # n greedy steps of every row
+
     def close(self) -> None: ...
 
 
@@ -238,15 +265,18 @@ class Measurement:
     weights: str
     threads: int
     ctx: int
-    metric: str  # "load" | "prefill" | "decode"
+    metric: str  # "load" | "prefill" | "decode" | "decode_batch"
     n_prompt: int
     n_decode: int
     repeat: int
     seconds: float
+    batch: int = 1  # rows decoded together (decode_batch)
 
     @property
     def tokens(self) -> int:
-        return self.n_decode if self.metric == "decode" else self.n_prompt if self.metric == "prefill" else 0
+        if self.metric in ("decode", "decode_batch"):
+            return self.batch * self.n_decode
+        return self.n_prompt if self.metric == "prefill" else 0
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -258,7 +288,8 @@ class Measurement:
         tps = self.tokens_per_s
         return {"engine": self.engine, "model": self.model, "device": self.device, "weights": self.weights,
                 "threads": self.threads, "ctx": self.ctx, "metric": self.metric, "n_prompt": self.n_prompt,
-                "n_decode": self.n_decode, "repeat": self.repeat, "seconds": f"{self.seconds:.6f}",
+                "n_decode": self.n_decode, "batch": self.batch, "repeat": self.repeat,
+                "seconds": f"{self.seconds:.6f}",
                 "tokens_per_s": "" if tps is None else f"{tps:.3f}"}
 
 
@@ -276,6 +307,17 @@ def plan_steps(cfg: EngineBenchConfig) -> list[Step]:
     return [Step(n, n in prefill, n in contexts) for n in sorted(prefill | contexts)]
 
 
+def metric_label(metric: str, n_prompt: int, n_decode: int, batch: int = 1) -> str:
+    """How tables and progress lines name a measurement, e.g. "decode 128 after 16", "decode x64 after 128"."""
+    if metric == "prefill":
+        return f"prefill {n_prompt}"
+    if metric == "decode":
+        return f"decode {n_decode} after {n_prompt}"
+    if metric == "decode_batch":
+        return f"decode x{batch} after {n_prompt}"
+    return metric
+
+
 def describe_plan(cfg: EngineBenchConfig) -> str:
     """One line saying what a run will measure, e.g. for a progress header."""
     parts = []
@@ -284,6 +326,7 @@ def describe_plan(cfg: EngineBenchConfig) -> str:
         if step.decode_after:
             done.append(f"decode {cfg.n_decode} after {step.length}")
         parts.append(" + ".join(done))
+    parts += [f"decode {cfg.n_decode} x{n} after {cfg.batch_context}" for n in cfg.batch_sizes]
     warm = f"{cfg.warmup} untimed + " if cfg.warmup else ""
     return f"{warm}{cfg.repeats} x (load, {', '.join(parts)}), ctx {cfg.load_ctx}"
 
@@ -294,9 +337,9 @@ IdsFor = Callable[["Runner"], tuple[list[int], Vocab]]  # the benchmark ids and 
 def measure_engine(runner: Runner, cfg: EngineBenchConfig, repeat: int, ids_for: IdsFor,
                    clock: Callable[[], float] = time.perf_counter) -> Iterable[Measurement]:
     """One repetition on one engine: load, then every step of the plan; the model is closed after."""
-    def record(metric: str, n_prompt: int, n_decode: int, seconds: float) -> Measurement:
+    def record(metric: str, n_prompt: int, n_decode: int, seconds: float, batch: int = 1) -> Measurement:
         return Measurement(runner.engine, runner.model_name, runner.device, runner.weights, runner.threads,
-                           runner.ctx, metric, n_prompt, n_decode, repeat, seconds)
+                           runner.ctx, metric, n_prompt, n_decode, repeat, seconds, batch)
 
     try:
         t0 = clock()
@@ -313,6 +356,11 @@ def measure_engine(runner: Runner, cfg: EngineBenchConfig, repeat: int, ids_for:
                 t0 = clock()
                 runner.decode(cfg.n_decode, vocab.eos_ids)
                 yield record("decode", step.length, cfg.n_decode, clock() - t0)
+        for n in cfg.batch_sizes:
+            runner.prefill_batch(batch_rows(vocab, n, cfg.batch_context, cfg.seed))
+            t0 = clock()
+            runner.decode_batch(cfg.n_decode, vocab.eos_ids)
+            yield record("decode_batch", cfg.batch_context, cfg.n_decode, clock() - t0, n)
     finally:
         runner.close()
 
@@ -347,10 +395,10 @@ def run_engine_bench(cfg: EngineBenchConfig, runners: Sequence[Runner],
 
 
 def progress_line(m: Measurement) -> str:
-    what = {"load": "load", "prefill": f"prefill {m.n_prompt}", "decode": f"decode {m.n_decode} after {m.n_prompt}"}
     tps = m.tokens_per_s
     speed = f" {tps:9.1f} tok/s" if tps is not None else ""
-    return f"[{m.repeat}] {m.engine:<9} {what[m.metric]:<22} {m.seconds:8.3f} s{speed}"
+    what = metric_label(m.metric, m.n_prompt, m.n_decode, m.batch)
+    return f"[{m.repeat}] {m.engine:<9} {what:<22} {m.seconds:8.3f} s{speed}"
 
 
 # ---------------------------------------------------------------- summary
@@ -375,14 +423,11 @@ class SummaryRow:
     unit: str  # "s" for load, "tok/s" otherwise
     stats: dict[str, Stat]  # engine -> statistics of its values
     ratio: float | None  # ds4 median / compared engine's median, when both exist
+    batch: int = 1
 
     @property
     def label(self) -> str:
-        if self.metric == "prefill":
-            return f"prefill {self.n_prompt}"
-        if self.metric == "decode":
-            return f"decode {self.n_decode} after {self.n_prompt}"
-        return self.metric
+        return metric_label(self.metric, self.n_prompt, self.n_decode, self.batch)
 
 
 def metric_value(m: Measurement) -> float:
@@ -391,7 +436,7 @@ def metric_value(m: Measurement) -> float:
     return m.seconds if m.metric == "load" or tps is None else tps
 
 
-_METRIC_ORDER = {"load": 0, "prefill": 1, "decode": 2}
+_METRIC_ORDER = {"load": 0, "prefill": 1, "decode": 2, "decode_batch": 3}
 
 
 def engines_of(measurements: Sequence[Measurement]) -> list[str]:
@@ -399,18 +444,19 @@ def engines_of(measurements: Sequence[Measurement]) -> list[str]:
 
 
 def summarize(measurements: Sequence[Measurement], other: str | None = None) -> list[SummaryRow]:
-    """Per (metric, n_prompt, n_decode): each engine's median/min/max and ds4/other of the medians."""
-    groups: dict[tuple[str, int, int], dict[str, list[float]]] = {}
+    """Per (metric, n_prompt, n_decode, batch): each engine's median/min/max and ds4/other of the medians."""
+    groups: dict[tuple[str, int, int, int], dict[str, list[float]]] = {}
     for m in measurements:
-        groups.setdefault((m.metric, m.n_prompt, m.n_decode), {}).setdefault(m.engine, []).append(metric_value(m))
+        key = (m.metric, m.n_prompt, m.n_decode, m.batch)
+        groups.setdefault(key, {}).setdefault(m.engine, []).append(metric_value(m))
     rows = []
     ordered = sorted(groups.items(), key=lambda kv: (_METRIC_ORDER.get(kv[0][0], 9), kv[0][1:]))
-    for (metric, n_prompt, n_decode), per_engine in ordered:
+    for (metric, n_prompt, n_decode, batch), per_engine in ordered:
         stats = {engine: Stat.of(values) for engine, values in per_engine.items()}
         ratio = None
         if other is not None and OURS in stats and other in stats and stats[other].median > 0:
             ratio = stats[OURS].median / stats[other].median
-        rows.append(SummaryRow(metric, n_prompt, n_decode, "s" if metric == "load" else "tok/s", stats, ratio))
+        rows.append(SummaryRow(metric, n_prompt, n_decode, "s" if metric == "load" else "tok/s", stats, ratio, batch))
     return rows
 
 
@@ -452,7 +498,8 @@ class BarCheck:
 def check_bar(rows: Sequence[SummaryRow], other: str | None, *, embedded: bool = True) -> list[BarCheck]:
     """The first speed bar: decode >= 0.7x and prefill >= 1.0x llama.cpp, and ds4 loading the
     embedded model (`embedded`) in under 3 s. Against transformers there is no bar, only ratios;
-    another model's load time is shown without one (a larger file takes longer to map)."""
+    another model's load time is shown without one (a larger file takes longer to map), and
+    batched decoding has none either."""
     checks = []
     for row in rows:
         if row.metric == "load" and OURS in row.stats:

@@ -1,8 +1,12 @@
 """The engines `ds4-bench engine` measures, behind the `Runner` interface of engine_bench.
 
 - `Ds4Runner`: the in-process engine through its public API (`load_model`, sessions,
-  `generate` with `SamplingParams(argmax_ignoring_eos=True)`). The session's logits come
-  back to the CPU after every step, so wall-clock times include any GPU work.
+  `generate` with `SamplingParams(argmax_ignoring_eos=True)`). Every step ends with its
+  greedy ids on the host (on CUDA the logits stay on the device), so wall-clock times
+  include any GPU work. A batch is `Model.new_sessions(N)` (one KV pool), each row synced to
+  all but its last id and that id run through one `engine.batch.decode_batch` step, so the
+  CUDA graph for N rows is captured untimed; each timed step picks every row's greedy id
+  the way `generate` does and runs one `decode_batch` for all rows.
 - `LlamaCppRunner`: llama-cpp-python (the optional `llamacpp` extra) on the same GGUF:
   `Llama(model_path, n_ctx, n_threads, n_threads_batch, n_batch=512, logits_all=False)`,
   loaded without ggml's extra buffer types unless `extra_buffers` (`--llama-extra-buffers`:
@@ -21,7 +25,12 @@
   ids; decode takes each argmax on the device (banned ids masked), feeds it back without a
   copy to the host and synchronises once at the end, which is the best case for it. `load()` includes compiling: it runs one
   prefill and two decode steps, so compile time shows in the load figure and not in a
-  timed step.
+  timed step. A batch of N rows gets a `StaticCache` of its own, an eager prefill [N, C]
+  and steps of input [N, 1], all rows at one shared position, argmax per row on the
+  device. The compiled step specialises to each N (one graph per N, `dynamic=False`):
+  before the prefill, `prefill_batch` runs it twice on the new cache, which compiles for N
+  the first time in the process (the warm-up repetition, `--warmup`) and captures the CUDA
+  graph for that cache every time, so neither falls in the timed steps.
 
 Each runner holds at most one loaded model; `close()` frees it so that repetitions start
 from nothing. It does not time anything; engine_bench does.
@@ -33,6 +42,7 @@ import importlib
 import inspect
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -107,6 +117,7 @@ class Ds4Runner:
         self.model_name = os.path.basename(path)
         self._model: Any = None
         self._session: Any = None
+        self._batch: list[Any] | None = None  # the sessions of a batch measurement
 
     def load(self) -> None:
         from engine import load_model
@@ -131,15 +142,44 @@ class Ds4Runner:
         params = SamplingParams(argmax_ignoring_eos=True)
         return list(generate(self._session, params, n))
 
-    def close(self) -> None:
-        device = self.device
-        self._session = None
-        self._model = None
+    def prefill_batch(self, rows: Sequence[Sequence[int]]) -> None:
+        from engine.batch import decode_batch
+
+        self._free_sessions()
+        self._batch = self._model.new_sessions(len(rows))  # one KV pool for all rows
+        # Each row's last id goes through one batched step, as the timed ones will: on CUDA it
+        # captures the decoding graph for this many rows outside the timing.
+        for session, ids in zip(self._batch, rows):
+            if len(ids) > 1:
+                session.sync(list(ids[:-1]))
+        decode_batch(self._batch, [int(ids[-1]) for ids in rows])
+
+    def decode_batch(self, n: int, banned: frozenset[int]) -> list[list[int]]:
+        from engine import Sampler, SamplingParams
+        from engine.batch import decode_batch
+
+        # What `generate` does per token, for every row: the greedy id without `banned` (from
+        # the ids a CUDA step already copied to the host when `banned` is the model's eos set),
+        # then one forward pass for all rows.
+        sampler = Sampler(SamplingParams(argmax_ignoring_eos=True), banned)
+        steps = []
+        for _ in range(n):
+            tokens = [sampler(s.raw_logits) for s in self._batch]
+            decode_batch(self._batch, tokens)
+            steps.append(tokens)
+        return [list(row) for row in zip(*steps)]
+
+    def _free_sessions(self) -> None:
+        self._session = self._batch = None
         gc.collect()
-        if device == "cuda":
+        if self.device == "cuda":
             import torch
 
             torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        self._model = None
+        self._free_sessions()
 
 
 class LlamaCppRunner:
@@ -204,6 +244,34 @@ class TransformersUnavailable(RuntimeError):
     """transformers is missing or has no model of this architecture; the message says which."""
 
 
+@dataclass
+class _Rows:
+    """Rows decoding together in one static cache, all holding the same number of ids."""
+
+    cache: Any
+    logits: Any = None  # float32 [rows, n_vocab] after each row's last id, on the device
+    pos: int = 0  # ids each row holds
+
+
+def static_cache(config: Any, n_rows: int, ctx: int) -> Any:
+    """A transformers `StaticCache` of ctx positions for n_rows rows. Versions whose constructor
+    takes `max_batch_size` size it then; later ones at the first forward pass (lazily)."""
+    from transformers import StaticCache
+
+    sized = "max_batch_size" in inspect.signature(StaticCache.__init__).parameters
+    return StaticCache(config=config, max_cache_len=ctx, **({"max_batch_size": n_rows} if sized else {}))
+
+
+def allow_recompiles(n: int) -> None:
+    """Let torch.compile keep at least n graphs of one function (`recompile_limit`, called
+    `cache_size_limit` in older torch): past the limit a `fullgraph` compile fails."""
+    import torch._dynamo.config as dynamo
+
+    name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    if hasattr(dynamo, name):
+        setattr(dynamo, name, max(getattr(dynamo, name), n))
+
+
 class TransformersRunner:
     engine = TRANSFORMERS
     weights = "bf16-random"
@@ -229,11 +297,11 @@ class TransformersRunner:
         self.threads = default_threads()
         self.model_name = os.path.basename(path)
         self._model: Any = None
-        self._cache: Any = None
         self._step: Any = None
-        self._logits: Any = None  # after the last evaluated position, on the device
+        self._one: _Rows | None = None  # prefill / decode
+        self._batch: _Rows | None = None  # prefill_batch / decode_batch
         self._cache_arg = "past_key_values"
-        self._pos = 0
+        self._batch_sizes: set[int] = set()  # row counts the compiled step has been given, over all loads
 
     @property
     def model(self) -> Any:
@@ -254,20 +322,21 @@ class TransformersRunner:
 
     def load(self) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, StaticCache
+        from transformers import AutoModelForCausalLM
 
         torch.manual_seed(self.seed)
         config = self.config()
         with torch.device(self.device):
             self._model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-        self._cache = StaticCache(config=config, max_cache_len=self.ctx)
+        self._one = _Rows(static_cache(config, 1, self.ctx))
         # Newer transformers name the cache argument `cache`; older ones `past_key_values`.
         params = inspect.signature(self._model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         forward = self._model.forward
         if self.compile:
             mode = "reduce-overhead" if self.device == "cuda" else None
-            forward = torch.compile(forward, mode=mode, fullgraph=True)
+            # dynamic=False: one graph specialised to each batch shape, never a shape-generic one.
+            forward = torch.compile(forward, mode=mode, fullgraph=True, dynamic=False)
         self._step = forward
         # Compile (and capture) now, inside the load figure.
         self.prefill([0, 1])
@@ -276,50 +345,86 @@ class TransformersRunner:
     def vocab(self) -> Vocab:
         return Vocab(tuple(range(self.shape.n_vocab)), None, False, frozenset())
 
-    def _forward(self, ids: Any, positions: Any, step: Any) -> Any:
-        out = step(input_ids=ids, position_ids=positions.unsqueeze(0), cache_position=positions,
-                   use_cache=True, logits_to_keep=1, **{self._cache_arg: self._cache})
-        return out.logits[0, -1].float()
-
     def prefill(self, ids: Sequence[int]) -> None:
         import torch
 
         with torch.inference_mode():
-            self._prefill(ids)
-
-    def _prefill(self, ids: Sequence[int]) -> None:
-        import torch
-
-        self._cache.reset()
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
-        positions = torch.arange(len(ids), device=self.device)
-        # Prompts of every length run eagerly: a compiled graph per length would compile per step.
-        self._logits = self._forward(tokens, positions, self._model.forward)
-        self._pos = len(ids)
-        self._sync()
+            self._prefill(self._one, [ids])
 
     def decode(self, n: int, banned: frozenset[int]) -> list[int]:
         import torch
 
         with torch.inference_mode():
-            return self._decode(n, banned)
+            return self._decode(self._one, n, banned)[0]
 
-    def _decode(self, n: int, banned: frozenset[int]) -> list[int]:
+    def prefill_batch(self, rows: Sequence[Sequence[int]]) -> None:
+        import torch
+
+        self._batch = None  # the last batch's cache goes before the next one is made
+        # Made outside inference mode, as load() makes the one-row cache: the compiled step's
+        # guards tell the two kinds of tensor apart, so N = 1 reuses the one-row graph.
+        batch = _Rows(static_cache(self._model.config, len(rows), self.ctx))
+        with torch.inference_mode():
+            if self.compile:
+                self._warm(batch.cache, len(rows))
+            self._prefill(batch, rows)
+        self._batch = batch
+
+    def decode_batch(self, n: int, banned: frozenset[int]) -> list[list[int]]:
+        import torch
+
+        with torch.inference_mode():
+            return self._decode(self._batch, n, banned)
+
+    def _warm(self, cache: Any, n_rows: int) -> None:
+        """Compile the step for n_rows (once per process) and capture it on this cache (CUDA graphs
+        are recorded per cache), untimed: an eager step sizes the cache, then two compiled ones,
+        each at position 0 of an emptied cache."""
+        import torch
+
+        self._batch_sizes.add(n_rows)
+        allow_recompiles(len(self._batch_sizes) + 8)  # one graph per row count, and torch's usual headroom
+        ids = torch.zeros((n_rows, 1), dtype=torch.long, device=self.device)
+        start = torch.zeros(1, dtype=torch.long, device=self.device)
+        for step in (self._model.forward, self._step, self._step):
+            cache.reset()
+            self._forward(ids, start, step, cache)
+        cache.reset()
+
+    def _forward(self, ids: Any, positions: Any, step: Any, cache: Any) -> Any:
+        """ids [rows, T] at positions [T] (the same for every row) -> float32 logits [rows, n_vocab]
+        after each row's last id."""
+        out = step(input_ids=ids, position_ids=positions.expand(ids.shape[0], -1), cache_position=positions,
+                   use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+        return out.logits[:, -1].float()
+
+    def _prefill(self, rows: _Rows, ids: Sequence[Sequence[int]]) -> None:
+        import torch
+
+        rows.cache.reset()
+        tokens = torch.tensor([list(r) for r in ids], dtype=torch.long, device=self.device)  # [rows, T]
+        positions = torch.arange(tokens.shape[1], device=self.device)
+        # Prompts of every length run eagerly: a compiled graph per length would compile per step.
+        rows.logits = self._forward(tokens, positions, self._model.forward, rows.cache)
+        rows.pos = tokens.shape[1]
+        self._sync()
+
+    def _decode(self, rows: _Rows, n: int, banned: frozenset[int]) -> list[list[int]]:
         import torch
 
         mask = torch.tensor(sorted(banned), dtype=torch.long, device=self.device) if banned else None
         out = []
-        logits = self._logits
+        logits = rows.logits
         for _ in range(n):
             if mask is not None:
-                logits = logits.index_fill(0, mask, float("-inf"))
-            token = torch.argmax(logits).reshape(1, 1)
-            out.append(token)
-            logits = self._forward(token, torch.tensor([self._pos], device=self.device), self._step)
-            self._pos += 1
-        self._logits = logits
+                logits = logits.index_fill(1, mask, float("-inf"))
+            tokens = logits.argmax(-1, keepdim=True)  # [rows, 1], left on the device
+            out.append(tokens)
+            logits = self._forward(tokens, torch.tensor([rows.pos], device=self.device), self._step, rows.cache)
+            rows.pos += 1
+        rows.logits = logits
         self._sync()
-        return [int(t) for t in torch.cat(out).flatten().tolist()]
+        return torch.cat(out, dim=1).tolist()
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -328,7 +433,7 @@ class TransformersRunner:
             torch.cuda.synchronize()
 
     def close(self) -> None:
-        self._model = self._cache = self._step = self._logits = None
+        self._model = self._step = self._one = self._batch = None
         gc.collect()
         if self.device == "cuda":
             import torch

@@ -1,4 +1,5 @@
-"""ds4-bench command line on a tiny random GGUF (no real weights): engine, random-gguf, errors."""
+"""ds4-bench command line on a tiny random GGUF (no real weights): engine, random-gguf, errors;
+and the ds4 runner's batched decoding."""
 from __future__ import annotations
 
 import csv
@@ -52,6 +53,57 @@ def test_engine_on_tiny_model_writes_csv_and_table(tiny, tmp_path):
             assert float(row["tokens_per_s"]) > 0
 
 
+def test_engine_measures_batches(tiny, tmp_path):
+    out = tmp_path / "bench.csv"
+    r = invoke(["engine", "-m", tiny, "--repeats", "1", "--warmup", "0", "--csv", str(out), *TINY_ARGS,
+                "--batch-sizes", "1,3", "--batch-context", "30"])
+    assert r.exit_code == 0, r.output
+    assert "decode 3 x1 after 30, decode 3 x3 after 30" in r.output  # the plan line
+    assert any(line.startswith("decode x3 after 30") for line in r.output.splitlines())  # the table
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 5 + 2
+    batched = [row for row in rows if row["metric"] == "decode_batch"]
+    assert [(row["batch"], row["n_prompt"], row["n_decode"]) for row in batched] == [("1", "30", "3"), ("3", "30", "3")]
+    assert {int(row["ctx"]) for row in rows} == {33}  # the batch context + decode tokens is the longest step
+    for row in batched:
+        tps = float(row["tokens_per_s"])
+        assert tps == pytest.approx(int(row["batch"]) * 3 / float(row["seconds"]), rel=1e-3)
+    assert {row["batch"] for row in rows if row["metric"] != "decode_batch"} == {"1"}
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> str:
+    """A model whose greedy tokens vary (a tied random one mostly repeats its last id)."""
+    spec = RandomModelSpec(seed=3, tied_output=False, qtype="Q8_0")
+    return write_random_gguf(tmp_path_factory.mktemp("bench") / "untied.gguf", spec)
+
+
+@pytest.mark.parametrize("length", [1, 9])
+def test_ds4_batched_greedy_tokens_equal_each_row_decoded_alone(untied, length):
+    from ds4eval.bench.runners import Ds4Runner
+
+    runner = Ds4Runner(untied, ctx=32)
+    runner.load()
+    try:
+        vocab = runner.vocab()
+        rows = eb.batch_rows(vocab, 3, length, seed=0)
+        runner.prefill_batch(rows)
+        batched = runner.decode_batch(12, vocab.eos_ids)
+        alone = []
+        for ids in rows:
+            runner.prefill(ids)
+            alone.append(runner.decode(12, vocab.eos_ids))
+        assert batched == alone  # on the CPU each row's logits are bitwise those of decoding it alone
+        assert len({t for row in batched for t in row}) > 6  # the rows really decode different tokens
+        banned = frozenset(batched[0][:4]) | vocab.eos_ids
+        runner.prefill_batch(rows)
+        masked = runner.decode_batch(12, banned)
+        assert all(len(row) == 12 and not banned & set(row) for row in masked)
+    finally:
+        runner.close()
+
+
 def test_engine_with_a_model_runs_where_the_embedded_model_is_not_installed(tiny, monkeypatch):
     import engine
 
@@ -81,6 +133,8 @@ def test_compare_without_llama_cpp_is_a_one_line_error(tiny, monkeypatch, tmp_pa
     (["--device", "tpu"], "tpu"),
     (["--compare", "vllm"], "vllm"),
     (["--csv", "/nonexistent-dir/x.csv"], "directory does not exist"),
+    (["--batch-sizes", "0,2"], "--batch-sizes must be positive"),
+    (["--batch-sizes", "4", "--compare", "llama.cpp"], "llama-cpp-python decodes one sequence"),
 ])
 def test_bad_flags_are_one_line_errors(tiny, args, words):
     r = invoke(["engine", "--model", tiny, *TINY_ARGS, *args])

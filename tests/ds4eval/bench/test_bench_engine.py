@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 
 import pytest
@@ -22,10 +23,12 @@ class FakeRunner:
     """Advances a shared fake clock by fixed costs, so every timing is known exactly."""
 
     def __init__(self, engine: str, clock: FakeClock, log: list, load_s: float, prefill_tok_s: float,
-                 decode_tok_s: float, vocab: eb.Vocab | None = None):
+                 decode_tok_s: float, vocab: eb.Vocab | None = None, batch_step_s: float = 0.01):
         self.engine, self.clock, self.log = engine, clock, log
         self.device, self.weights, self.threads, self.ctx, self.model_name = "cpu", "packed", 2, 4096, "m.gguf"
         self.load_s, self.prefill_tok_s, self.decode_tok_s = load_s, prefill_tok_s, decode_tok_s
+        self.batch_step_s = batch_step_s  # one step of all rows, whatever their number
+        self.batches: list[list[list[int]]] = []
         self._vocab = vocab or eb.Vocab(tuple(range(10, 50)), 1, True, frozenset({2}))
         self.loaded = False
         self.fed: list[list[int]] = []
@@ -52,6 +55,18 @@ class FakeRunner:
         self.clock.now += n / self.decode_tok_s
         self.log.append((self.engine, "decode", n))
         return [11] * n
+
+    def prefill_batch(self, rows):
+        assert self.loaded
+        self.batches.append([list(r) for r in rows])
+        self.clock.now += sum(map(len, rows)) / self.prefill_tok_s
+        self.log.append((self.engine, "prefill_batch", len(rows)))
+
+    def decode_batch(self, n, banned):
+        self.banned.append(banned)
+        self.clock.now += n * self.batch_step_s
+        self.log.append((self.engine, "decode_batch", n))
+        return [[11] * n for _ in self.batches[-1]]
 
     def close(self):
         self.loaded = False
@@ -86,6 +101,9 @@ def test_quick_shortens_defaults_but_explicit_values_win():
     ({"weights": "int8"}, "--weights"),
     ({"threads": 0}, "--threads"),
     ({"prompt_lengths": (), "decode_contexts": ()}, "nothing to measure"),
+    ({"batch_sizes": (4, 0)}, "--batch-sizes"),
+    ({"batch_sizes": (4,), "batch_context": 0}, "--batch-context"),
+    ({"batch_sizes": (4,), "compare": "llama.cpp"}, "llama-cpp-python decodes one sequence"),
 ])
 def test_validation_errors_are_one_line(kwargs, words):
     with pytest.raises(eb.BenchConfigError) as e:
@@ -98,6 +116,15 @@ def test_ctx_must_cover_context_plus_decoded_tokens():
     with pytest.raises(eb.BenchConfigError):
         cfg.validate()
     eb.EngineBenchConfig(prompt_lengths=(100,), decode_contexts=(90,), decode_tokens=20, ctx=110).validate()
+
+
+def test_batches_are_off_by_default_and_need_their_context():
+    assert eb.EngineBenchConfig().batch_sizes == ()
+    cfg = eb.EngineBenchConfig(batch_sizes=(1, 64), batch_context=4000, decode_tokens=100)
+    assert cfg.required_ctx == 4100 and cfg.sequence_length == 2048  # batch rows are drawn apart
+    with pytest.raises(eb.BenchConfigError, match="--ctx 4099 is too small"):
+        eb.EngineBenchConfig(batch_sizes=(2,), batch_context=4000, decode_tokens=100, ctx=4099).validate()
+    eb.EngineBenchConfig(batch_sizes=(2,), compare="transformers").validate()
 
 
 def test_parse_lengths():
@@ -182,6 +209,40 @@ def test_warmup_repetitions_run_first_and_are_not_recorded():
         small_cfg(warmup=-1).validate()
 
 
+def test_batches_follow_the_steps_of_each_repetition_and_time_only_their_steps():
+    clock, log = FakeClock(), []
+    vocab = eb.Vocab(tuple(range(10, 50)), 1, True, frozenset({2}))
+    ours = FakeRunner("ds4", clock, log, load_s=2.0, prefill_tok_s=512, decode_tok_s=100, vocab=vocab,
+                      batch_step_s=0.02)
+    other = FakeRunner("transformers", clock, log, load_s=0.5, prefill_tok_s=256, decode_tok_s=200,
+                       batch_step_s=0.05)
+    cfg = small_cfg(batch_sizes=(1, 4), batch_context=12, warmup=1)
+    ms = eb.run_engine_bench(cfg, [ours, other], clock=clock)
+    one_rep = [x[1:] for x in log if x[0] == "ds4"][:11]
+    assert one_rep == [("load",), ("vocab",), ("prefill", 8), ("decode", 10), ("prefill", 64), ("prefill", 256),
+                       ("decode", 10), ("prefill_batch", 1), ("decode_batch", 10), ("prefill_batch", 4),
+                       ("decode_batch", 10)]
+    assert ours.log[-1] == ("transformers", "close")
+    # Row i: the benchmark sequence of seed + 1 + i, batch_context ids; both engines fed the same.
+    rows = ours.batches[1]
+    assert rows == [eb.benchmark_ids(vocab, 12, cfg.seed + 1 + i) for i in range(4)]
+    assert rows[0] == ours.batches[0][0] and len({tuple(r) for r in rows}) == 4 and rows[0][0] == 1
+    assert ours.batches == other.batches and len(ours.batches) == 2 * (cfg.warmup + cfg.repeats)
+    assert all(b == frozenset({2}) for b in ours.banned + other.banned)
+
+    assert len(ms) == 2 * 2 * (1 + 2 + 2 + 2)
+    batch = {(m.engine, m.batch, m.repeat): m for m in ms if m.metric == "decode_batch"}
+    assert len(batch) == 2 * 2 * 2
+    x4 = batch[("ds4", 4, 1)]
+    assert (x4.n_prompt, x4.n_decode) == (12, 10)
+    assert x4.seconds == pytest.approx(10 * 0.02)  # the rows' prefill is not timed
+    assert x4.tokens_per_s == pytest.approx(4 * 10 / (10 * 0.02))
+    assert batch[("transformers", 1, 0)].tokens_per_s == pytest.approx(10 / (10 * 0.05))
+    assert {m.batch for m in ms if m.metric != "decode_batch"} == {1}
+    assert "decode 10 x4 after 12" in eb.describe_plan(cfg)
+    assert eb.progress_line(x4).startswith("[1] ds4       decode x4 after 12")
+
+
 def test_runner_is_closed_when_a_step_fails():
     class Broken(FakeRunner):
         def prefill(self, ids):
@@ -196,8 +257,9 @@ def test_runner_is_closed_when_a_step_fails():
 
 # ---------------------------------------------------------------- summary, table, bar
 
-def m(engine, metric, n_prompt, n_decode, repeat, seconds):
-    return eb.Measurement(engine, "m.gguf", "cpu", "packed", 2, 4096, metric, n_prompt, n_decode, repeat, seconds)
+def m(engine, metric, n_prompt, n_decode, repeat, seconds, batch=1):
+    return eb.Measurement(engine, "m.gguf", "cpu", "packed", 2, 4096, metric, n_prompt, n_decode, repeat, seconds,
+                          batch)
 
 
 def sample_measurements():
@@ -238,6 +300,28 @@ def test_table_shows_medians_ranges_and_ratios():
     assert "2.000 [1.000, 3.000]" in next(line for line in lines if line.startswith("load"))
 
 
+def test_batch_rows_in_summary_and_table_have_ratios_and_no_bar():
+    out = sample_measurements()
+    for r, (a, b) in enumerate([(1.0, 2.0), (1.0, 2.0), (3.0, 2.0)]):  # seconds for 64 rows x 128 tokens
+        out += [m("ds4", "decode_batch", 128, 128, r, a, 64), m("transformers", "decode_batch", 128, 128, r, b, 64)]
+        out += [m("ds4", "decode_batch", 128, 128, r, 1.0, 8), m("transformers", "decode_batch", 128, 128, r, 4.0, 8)]
+    hf = [x for x in out if x.engine != "llama.cpp"]
+    rows = eb.summarize(hf, "transformers")
+    assert [r.label for r in rows] == ["load", "prefill 512", "decode 128 after 16",
+                                       "decode x8 after 128", "decode x64 after 128"]
+    x64 = rows[-1]
+    assert x64.batch == 64 and x64.unit == "tok/s"
+    assert x64.stats["ds4"].median == pytest.approx(64 * 128 / 1.0) and x64.ratio == pytest.approx(2.0)
+    assert rows[-2].ratio == pytest.approx(4.0)
+    text = eb.render_table(rows, ["ds4", "transformers"], "transformers")
+    line = next(line for line in text.splitlines() if line.startswith("decode x64 after 128"))
+    assert "8192.0 [2730.7, 8192.0]" in line and "2.00x" in line
+    # Even where the other engine has batch rows with ratios, only the one-sequence steps have a bar.
+    as_llama = [dataclasses.replace(x, engine="llama.cpp") if x.engine == "transformers" else x for x in out]
+    checks = eb.check_bar(eb.summarize(as_llama, "llama.cpp"), "llama.cpp")
+    assert [c.what for c in checks] == ["ds4 load", "prefill 512", "decode 128 after 16"]
+
+
 def test_bar_checks():
     rows = eb.summarize(sample_measurements(), "llama.cpp")
     checks = {c.what: c for c in eb.check_bar(rows, "llama.cpp")}
@@ -261,7 +345,7 @@ def test_the_load_bar_is_for_the_embedded_model_and_transformers_gets_no_bar():
 # ---------------------------------------------------------------- CSV
 
 def test_csv_rows_have_the_documented_columns(tmp_path):
-    ms = sample_measurements()
+    ms = sample_measurements() + [m("ds4", "decode_batch", 128, 16, 0, 0.5, 64)]
     path = tmp_path / "out.csv"
     write_csv(path, eb.CSV_COLUMNS, eb.csv_rows(ms))
     with open(path, newline="") as f:
@@ -274,6 +358,11 @@ def test_csv_rows_have_the_documented_columns(tmp_path):
     assert load["metric"] == "load" and load["tokens_per_s"] == ""
     dec = next(r for r in rows if r["metric"] == "decode")
     assert float(dec["tokens_per_s"]) == pytest.approx(int(dec["n_decode"]) / float(dec["seconds"]), rel=1e-3)
+    assert {r["batch"] for r in rows if r["metric"] != "decode_batch"} == {"1"}
+    batched = rows[-1]
+    assert (batched["metric"], batched["batch"], batched["n_prompt"], batched["n_decode"]) == ("decode_batch", "64",
+                                                                                               "128", "16")
+    assert float(batched["tokens_per_s"]) == pytest.approx(64 * 16 / 0.5)
     assert os.listdir(tmp_path) == ["out.csv"]
 
 

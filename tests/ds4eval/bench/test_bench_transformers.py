@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4eval.bench import cli
+from ds4eval.bench import engine_bench as eb
 from ds4eval.bench.runners import TransformersRunner, TransformersUnavailable
 from engine.synthetic import RandomModelSpec, write_random_gguf
 
@@ -68,20 +69,57 @@ def test_decoding_is_greedy_repeatable_and_masks_the_banned_ids(tiny):
         runner.close()
 
 
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> str:
+    """A model whose greedy tokens vary (a tied random one mostly repeats its last id)."""
+    spec = RandomModelSpec(seed=3, tied_output=False, qtype="Q8_0")
+    return write_random_gguf(tmp_path_factory.mktemp("hf") / "untied.gguf", spec)
+
+
+@pytest.mark.parametrize("length", [1, 9])
+def test_batched_decoding_equals_each_row_alone_and_masks_the_banned_ids(untied, length):
+    runner = TransformersRunner(untied, ctx=32, compile=False)
+    runner.load()
+    try:
+        rows = eb.batch_rows(runner.vocab(), 3, length, seed=0)
+        runner.prefill_batch(rows)
+        batched = runner.decode_batch(12, frozenset())
+        alone = []
+        for ids in rows:
+            runner.prefill(ids)
+            alone.append(runner.decode(12, frozenset()))
+        assert batched == alone
+        assert len({t for row in batched for t in row}) > 6  # the rows really decode different tokens
+        banned = frozenset(t for row in batched for t in row[:3])
+        runner.prefill_batch(rows)
+        masked = runner.decode_batch(12, banned)
+        assert all(len(row) == 12 and not banned & set(row) for row in masked)
+        # A batch of a new size gets a cache of its own; decoding continues from where it stopped.
+        runner.prefill_batch(rows[:2])
+        assert runner.decode_batch(6, frozenset()) == [row[:6] for row in batched[:2]]
+        assert runner.decode_batch(6, frozenset()) == [row[6:] for row in batched[:2]]
+    finally:
+        runner.close()
+
+
 def test_the_command_prints_ratios_against_transformers_without_a_bar(tiny, tmp_path):
     out = tmp_path / "m.csv"
     r = CliRunner().invoke(cli.main, ["engine", "--model", tiny, "--compare", "transformers", "--transformers-eager",
-                                      "--repeats", "1", "--warmup", "0", "--csv", str(out), *TINY_ARGS])
+                                      "--repeats", "1", "--warmup", "0", "--csv", str(out), *TINY_ARGS,
+                                      "--batch-sizes", "1,3", "--batch-context", "6"])
     assert r.exit_code == 0, r.output
     assert "ds4/transformers" in r.output
+    x3 = next(line for line in r.output.splitlines() if line.startswith("decode x3 after 6"))
+    assert x3.endswith("x")  # the ratio column
     # No llama.cpp bar against transformers, and no 3 s load bar for a model other than the embedded one.
     assert "PASS" not in r.output and "FAIL" not in r.output
     rows = list(csv.DictReader(open(out)))
     assert {row["engine"] for row in rows} == {"ds4", "transformers"}
     hf = [row for row in rows if row["engine"] == "transformers"]
     assert {row["weights"] for row in hf} == {"bf16-random"}
-    assert sorted((row["metric"], row["n_prompt"]) for row in hf) == [
-        ("decode", "24"), ("decode", "4"), ("load", "0"), ("prefill", "24"), ("prefill", "8")]
+    assert sorted((row["metric"], row["n_prompt"], row["batch"]) for row in hf) == [
+        ("decode", "24", "1"), ("decode", "4", "1"), ("decode_batch", "6", "1"), ("decode_batch", "6", "3"),
+        ("load", "0", "1"), ("prefill", "24", "1"), ("prefill", "8", "1")]
 
 
 def test_without_transformers_the_command_says_how_to_install_it(tiny, monkeypatch):
@@ -106,7 +144,11 @@ def test_the_compiled_cuda_step_matches_eager_decoding(tiny):
         runner.load()
         try:
             runner.prefill(list(range(3, 30)))
-            outputs.append(runner.decode(16, frozenset()))
+            decoded = [runner.decode(16, frozenset())]
+            for n in (3, 1, 3):  # a new batch size compiles, a repeated one reuses its graph
+                runner.prefill_batch([list(range(3 + i, 30 + i)) for i in range(n)])
+                decoded.append(runner.decode_batch(16, frozenset()))
+            outputs.append(decoded)
         finally:
             runner.close()
     assert outputs[0] == outputs[1]
