@@ -188,15 +188,22 @@ class Int4Linear(Linear):
         self.out_features, self.in_features = n, k
         self.bias = bias
         self.device = device
-        self._op = kernels.int4_linear() if device.type == "cpu" and n % 16 == 0 and k % GROUP == 0 else None
+        if device.type == "cuda" and cuda_int4.AVAILABLE:
+            self._cuda = cuda_int4.Int4Weight(q, scale, minimum, device)
+            self.out_dtype = torch.float32
+            return
+        # The CPU kernels and torch's int4 layouts take outputs in blocks of 16: a matrix of
+        # another height (a head over a vocabulary of 32001, say) gets zero rows, sliced off.
+        self._pad = -n % 16
+        if self._pad:
+            q, scale, minimum = (np.concatenate([a, np.zeros((self._pad, a.shape[1]), a.dtype)])
+                                 for a in (q, scale, minimum))
+            n += self._pad
+        self._op = kernels.int4_linear() if device.type == "cpu" and k % GROUP == 0 else None
         if self._op is not None:
             self.packed, self.scales_zeros = int4_pack(q, scale, minimum)
             self.out_dtype = torch.float32
             self._tiles = kernels.int4_linear_tiles()
-            return
-        if device.type == "cuda" and cuda_int4.AVAILABLE:
-            self._cuda = cuda_int4.Int4Weight(q, scale, minimum, device)
-            self.out_dtype = torch.float32
             return
         if device.type == "cuda":
             # The CUDA kernel takes two nibbles per byte, even column in the high nibble.
@@ -215,6 +222,7 @@ class Int4Linear(Linear):
     out_dtype = torch.bfloat16
     _cuda: "cuda_int4.Int4Weight | None" = None
     _tiles = None
+    _pad = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:
@@ -226,6 +234,8 @@ class Int4Linear(Linear):
             y = self._cuda(x)
         else:
             y = self._mm(x.to(torch.bfloat16), self.packed, GROUP, self.scales_zeros)
+        if self._pad:
+            y = y[:, : self.out_features].contiguous()
         return y if self.bias is None else y.float() + self.bias
 
     @property

@@ -73,6 +73,17 @@ def test_memory_accounting(tiny_gguf):
     assert s.cache.nbytes <= 128 * m.kv_bytes_per_token
 
 
+def test_an_int4_head_over_a_vocabulary_of_any_size_loads(tmp_path):
+    path = write_random_gguf(tmp_path / "untied.gguf", RandomModelSpec(seed=3, tied_output=False, qtype="Q4_1"))
+    packed, exact = engine.load_model(path), engine.load_model(path, weights="float32")
+    assert packed.n_vocab % 16 != 0
+    ids = torch.tensor([5, 77, 130, 2, 250, 9])
+    got = packed.net.forward(ids, 0, packed.new_session().cache, logits="all")
+    want = exact.net.forward(ids, 0, exact.new_session().cache, logits="all")
+    assert got.shape == want.shape == (6, packed.n_vocab)
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
+
+
 def test_prompt_ids_adds_bos_once_when_the_model_wants_it(tiny_gguf):
     m = engine.load_model(tiny_gguf("llama", "Q4_1"), ctx=128)
     bos = m.bos_id

@@ -57,6 +57,20 @@ def test_int4_linear_matches_dequantized_matmul(qtype):
     assert (got - ref).abs().max() <= 2e-2 * ref.abs().max()
 
 
+@pytest.mark.parametrize("rows", [40, 259])
+def test_int4_linear_of_any_height(rows):
+    """Heights that are not a multiple of 16 (a vocabulary of 32001, say) load and compute
+    like the others: the kernels' padding rows never show."""
+    raw = encoded(QT.Q4_1, rows=rows, cols=256, seed=4)
+    lin = build_linear([TensorRecord("w", QT.Q4_1, (rows, 256), raw)], "packed", torch.device("cpu"))
+    assert isinstance(lin, Int4Linear) and lin.out_features == rows
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    got = lin(x)
+    assert got.shape == (3, rows) and got.is_contiguous()
+    ref = x.bfloat16().double() @ torch.from_numpy(gq.dequantize(raw, QT.Q4_1).reshape(rows, 256)).double().T
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_fused_rows_and_permutation():
     a = TensorRecord("a", QT.Q4_1, (32, 64), encoded(QT.Q4_1, 32, 64, 1))
     b = TensorRecord("b", QT.Q8_0, (32, 64), encoded(QT.Q8_0, 32, 64, 2))
