@@ -72,13 +72,6 @@ def test_engine_measures_batches(tiny, tmp_path):
     assert {row["batch"] for row in rows if row["metric"] != "decode_batch"} == {"1"}
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory) -> str:
-    """A model whose greedy tokens vary (a tied random one mostly repeats its last id)."""
-    spec = RandomModelSpec(seed=3, tied_output=False, qtype="Q8_0")
-    return write_random_gguf(tmp_path_factory.mktemp("bench") / "untied.gguf", spec)
-
-
 @pytest.mark.parametrize("length", [1, 9])
 def test_ds4_batched_greedy_tokens_equal_each_row_decoded_alone(untied, length):
     from ds4eval.bench.runners import Ds4Runner

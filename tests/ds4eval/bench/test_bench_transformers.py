@@ -69,13 +69,6 @@ def test_decoding_is_greedy_repeatable_and_masks_the_banned_ids(tiny):
         runner.close()
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory) -> str:
-    """A model whose greedy tokens vary (a tied random one mostly repeats its last id)."""
-    spec = RandomModelSpec(seed=3, tied_output=False, qtype="Q8_0")
-    return write_random_gguf(tmp_path_factory.mktemp("hf") / "untied.gguf", spec)
-
-
 @pytest.mark.parametrize("length", [1, 9])
 def test_batched_decoding_equals_each_row_alone_and_masks_the_banned_ids(untied, length):
     runner = TransformersRunner(untied, ctx=32, compile=False)
