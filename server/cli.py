@@ -112,6 +112,9 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
 @click.option("--device", default="cpu", show_default=True, help="Torch device: cpu, cuda, cuda:1 ...")
 @click.option("--keepalive-sec", type=float, default=5.0, show_default=True,
               help="Seconds between ': prefill' SSE comments while waiting for the first token.")
+@click.option("--stream-interval-ms", type=float, default=ServerConfig.stream_interval_ms, show_default=True,
+              help="Text made within this many ms of the last piece sent waits for the next token "
+                   "(fewer wakeups of the HTTP loop for fast models); 0: every token at once.")
 @click.option("--max-body-mb", type=float, default=64.0, show_default=True,
               help="Largest request body in MiB (larger: HTTP 413).")
 @click.option("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS, show_default=True,

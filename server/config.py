@@ -44,6 +44,9 @@ class ServerConfig:
     """Torch device the engine runs on (cpu, cuda, cuda:1, ...)."""
     keepalive_sec: float = 5.0
     """Interval of `: prefill` SSE comments while a streamed request waits for its first token."""
+    stream_interval_ms: float = 10.0
+    """Text generated within this many milliseconds of the last piece passed to the HTTP loop
+    waits and goes out with the next token (server.jobs.CoalescingSink); 0: every token at once."""
     max_body_mb: float = 64.0
     """Largest accepted request body in MiB; larger bodies get 413."""
     max_tokens_default: int = DEFAULT_MAX_TOKENS
@@ -83,6 +86,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.keepalive_sec <= 0:
             raise ValueError(f"keepalive_sec must be positive, got {self.keepalive_sec}")
+        if not 0 <= self.stream_interval_ms <= 1000:
+            raise ValueError(f"stream_interval_ms must be in 0..1000, got {self.stream_interval_ms}")
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb must be positive, got {self.max_body_mb}")
         self.request_defaults  # validates its fields

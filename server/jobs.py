@@ -18,6 +18,10 @@
   finished, each batched step), e.g. by `server.metrics.ServerMetrics`; the ledger, its jobs
   and the `TokenDecoder` call it on the worker thread. `NO_OBSERVER` watches nothing.
   `ServingLoad` is what the loop holds at one moment (running, waiting, KV cache tokens).
+- `CoalescingSink(sink, interval)`: a job's sink that merges text deltas coming within
+  `interval` seconds of the last one it passed on into the next event, so that a fast
+  model wakes the HTTP loop (which shares the process, its GIL and the engine's cores)
+  at most about once per interval; the first delta and every other event go out at once.
 - `default_engine()`: the `engine` package, the object that provides `SamplingParams`,
   `Sampler`, `Cancelled`, `BatchScheduler` and `GenRequest` unless a test injects another.
 
@@ -259,6 +263,58 @@ class Job:
         except RuntimeError:
             # The handler's event loop is gone (server shutting down): nobody listens.
             self.cancel()
+
+
+def joined_events(earlier: tuple[Any, ...], later: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Splitter events of two deltas in order, the seam joined where both sides are events of
+    one type that can be merged (`a.merge(b)`: content or reasoning text)."""
+    if earlier and later and type(earlier[-1]) is type(later[0]) and hasattr(earlier[-1], "merge"):
+        return earlier[:-1] + (earlier[-1].merge(later[0]),) + later[1:]
+    return earlier + later
+
+
+class CoalescingSink:
+    """Passes a job's events on to `sink`, merging text deltas that come too fast.
+
+    A `TextDelta` within `interval` seconds (by `clock`) of the last event passed on is
+    held, and later deltas are appended to it (text, log-probs and splitter events in order,
+    adjacent text events joined: `joined_events`).
+    The held delta goes out with the next delta that comes `interval` or more after the last
+    event passed on, or just before any other event (`Finished`, `Failed`), so a held text
+    waits at most until the next token, and nothing is reordered or lost. Called on the
+    worker thread only.
+    """
+
+    def __init__(self, sink: Callable[[Event], None], interval: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.sink = sink
+        self.interval = interval
+        self.clock = clock
+        self._held: TextDelta | None = None
+        self._last_sent = float("-inf")
+
+    def __call__(self, event: Event) -> None:
+        if not isinstance(event, TextDelta):
+            self._flush()
+            self.sink(event)
+            return
+        if self._held is not None:
+            held = self._held
+            event = TextDelta(held.text + event.text, held.logprobs + event.logprobs,
+                              joined_events(held.events, event.events))
+        now = self.clock()
+        if now - self._last_sent < self.interval:
+            self._held = event
+            return
+        self._held = None
+        self._last_sent = now
+        self.sink(event)
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._last_sent = self.clock()
+            self.sink(held)
 
 
 class JobCancelled(Exception):

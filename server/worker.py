@@ -27,8 +27,8 @@ from typing import Any, Callable
 
 from engine.threads import EngineThread
 from server.batching import BatchedLoop
-from server.jobs import (NO_OBSERVER, Event, GenerationRequest, Job, JobLedger, JobObserver, JobStats, ServingLoad,
-                         default_engine)
+from server.jobs import (NO_OBSERVER, CoalescingSink, Event, GenerationRequest, Job, JobLedger, JobObserver,
+                         JobStats, ServingLoad, default_engine)
 from server.kvstore import KVStore
 from server.serial import SerialLoop
 
@@ -47,12 +47,14 @@ class InferenceWorker:
     def __init__(self, model: Any, engine: Any = None, *,
                  history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
                  clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None,
-                 observer: JobObserver = NO_OBSERVER) -> None:
+                 observer: JobObserver = NO_OBSERVER, stream_interval: float = 0.0) -> None:
         """`engine` provides the engine's types (`SamplingParams`, `Sampler`, `Cancelled`; default:
         the `engine` package). `engine_thread` is the thread the model was loaded on (see
         `engine.threads`); the worker's loop runs there. Without one the worker starts its own
-        and ends it in `stop()`. `observer` watches every job (`server.jobs.JobObserver`)."""
+        and ends it in `stop()`. `observer` watches every job (`server.jobs.JobObserver`).
+        `stream_interval` > 0 wraps each job's sink in a `server.jobs.CoalescingSink`."""
         self.model = model
+        self.stream_interval = stream_interval
         self.engine = engine if engine is not None else default_engine()
         self.kv = kv
         self.jobs = JobLedger(history, observer)
@@ -110,6 +112,8 @@ class InferenceWorker:
     # submission
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Job:
+        if self.stream_interval > 0:
+            sink = CoalescingSink(sink, self.stream_interval)
         return self.jobs.submit(request, sink)
 
     @property

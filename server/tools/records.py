@@ -79,10 +79,17 @@ class Message:
 class ContentDelta:
     text: str
 
+    def merge(self, later: "ContentDelta") -> "ContentDelta":
+        """One delta for two adjacent ones (what a stream merging fast tokens sends)."""
+        return ContentDelta(self.text + later.text)
+
 
 @dataclass(frozen=True)
 class ReasoningDelta:
     text: str
+
+    def merge(self, later: "ReasoningDelta") -> "ReasoningDelta":
+        return ReasoningDelta(self.text + later.text)
 
 
 @dataclass(frozen=True)

@@ -209,3 +209,30 @@ def test_a_failure_inside_the_stream_writer_ends_with_an_error_event(monkeypatch
     assert b'"type":"server_error"' in data
     assert b"writer bug" not in data
     assert stats.status in ("cancelled", "done")
+
+
+def _content_chunks(port: int) -> list[str]:
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+    sock = raw_request(port, "POST", "/v1/chat/completions", body)
+    data = read_until(sock, b"data: [DONE]")
+    sock.close()
+    pieces = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                if choice["delta"].get("content"):
+                    pieces.append(choice["delta"]["content"])
+    return pieces
+
+
+def test_text_made_faster_than_the_stream_interval_goes_out_in_fewer_chunks():
+    with live_server(fake_app(FakeModel(), stream_interval_ms=0)) as srv:
+        every = _content_chunks(srv.port)
+    with live_server(fake_app(FakeModel(), stream_interval_ms=500)) as srv:
+        merged = _content_chunks(srv.port)
+    with live_server(fake_app(FakeModel(decode_delay=0.02), stream_interval_ms=5)) as srv:
+        slow = _content_chunks(srv.port)
+    assert "".join(every) == "".join(merged) == "".join(slow) == DEFAULT_REPLY
+    assert len(every) > 20  # a chunk per token
+    assert len(merged) == 2  # the first token at once, the rest with the end of the generation
+    assert slow == every  # tokens 20 ms apart: nothing held
