@@ -61,12 +61,14 @@ def test_help_lists_the_flags():
     for flag in ("--model", "--ctx", "--host", "--port", "--cors", "--chdir", "--device",
                  "--keepalive-sec", "--max-body-mb", "--log-level", "--tool-syntax", "--tool-memory-max-ids",
                  "--disable-exact-tool-replay", "--api-key", "DS4_API_KEY", "--insecure-no-auth", "--allowed-host",
-                 "--max-connections", "--header-timeout-sec", "--body-timeout-sec", "--verbose-paths"):
+                 "--max-connections", "--header-timeout-sec", "--body-timeout-sec", "--verbose-paths",
+                 "--stream-interval-ms"):
         assert flag in out
 
 
 @pytest.mark.parametrize("args,fragment", [
     (["--keepalive-sec", "0"], "keepalive_sec must be positive"),
+    (["--stream-interval-ms", "-1"], "stream_interval_ms must be in 0..1000"),
     (["--max-body-mb", "-1"], "max_body_mb must be positive"),
     (["--port", "70000"], "port must be in"),
     (["--ctx", "2"], "ctx must be at least"),
