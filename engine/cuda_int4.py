@@ -78,6 +78,7 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=4096)  # asked for on every eager product (prefill): a few shapes, many calls
 def split_k(n_groups: int, tiles: int, programs: int, max_split: int = 1 << 30) -> int:
     """Splits of the input axis for `tiles` output tiles: about `programs` programs in all,
     each split the same whole number of groups (a divisor of n_groups), at least
@@ -93,9 +94,8 @@ def split_k(n_groups: int, tiles: int, programs: int, max_split: int = 1 << 30) 
 class Launch:
     """How `_int4_gemm` is launched: output columns per program, groups unrolled per loop
     step, warps and pipeline stages per program, programs aimed at per multiprocessor (via
-    the split), whether the split is capped by the rows' partial sums (`split_cap`: at most
-    K / (16 * rows) splits), and whether a group's activations are read as even and odd
-    halves."""
+    the split), and whether the split is capped by the rows' partial sums (`split_cap`: at
+    most K / (16 * rows) splits)."""
 
     bn: int = BLOCK_N
     unroll: int = 4
@@ -103,10 +103,6 @@ class Launch:
     stages: int = 3
     waves: int = 8
     split_cap: bool = True
-    even_odd: bool = False
-
-
-DEFAULT_LAUNCH = Launch()
 
 
 @dataclass(frozen=True)
@@ -162,8 +158,7 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 if AVAILABLE:
     @triton.jit
-    def _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x,
-                       OPERAND: tl.constexpr, EVEN_ODD: tl.constexpr):
+    def _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, OPERAND: tl.constexpr):
         """One group's contribution to the [BM, BN] tile: scale * (x . q) + minimum * sum(x)."""
         half = tl.arange(0, 16)  # the 16 bytes of a group
         qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
@@ -171,23 +166,16 @@ if AVAILABLE:
         scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
         minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
         row = x_ptr + m[:, None] * stride_x + g * 32
-        # byte j holds inputs 2j (high nibble) and 2j + 1 (low)
-        if EVEN_ODD:
-            xe = tl.load(row + 2 * half[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
-            xo = tl.load(row + 2 * half[None, :] + 1, mask=mm[:, None], other=0.0).to(OPERAND)
-            dot = tl.dot(xe, tl.trans((qb >> 4).to(OPERAND))) + tl.dot(xo, tl.trans((qb & 15).to(OPERAND)))
-            xsum = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
-        else:
-            x = tl.load(row + tl.arange(0, 32)[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
-            q = tl.reshape(tl.join(qb >> 4, qb & 15), (qb.shape[0], 32)).to(OPERAND)  # the group in order
-            dot = tl.dot(x, tl.trans(q))  # exact products, float32 sums
-            xsum = tl.sum(x.to(tl.float32), axis=1)
+        x = tl.load(row + tl.arange(0, 32)[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
+        # byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order
+        q = tl.reshape(tl.join(qb >> 4, qb & 15), (qb.shape[0], 32)).to(OPERAND)
+        dot = tl.dot(x, tl.trans(q))  # exact products, float32 sums
+        xsum = tl.sum(x.to(tl.float32), axis=1)
         return dot * scale[None, :] + xsum[:, None] * minimum[None, :]
 
     @triton.jit
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
-                   BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, OPERAND: tl.constexpr,
-                   EVEN_ODD: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, OPERAND: tl.constexpr):
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         split = tl.program_id(2)
@@ -198,7 +186,7 @@ if AVAILABLE:
         for c in range(0, groups_per_split // UNROLL):
             for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
                 acc += _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
-                                      OPERAND, EVEN_ODD)
+                                      OPERAND)
         out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
         tl.store(out, acc, mask=mm[:, None] & nm[None, :])
 
@@ -251,6 +239,20 @@ if AVAILABLE:
         tl.store(row + 1, ((q & 15).to(tl.float32) * scale + minimum).to(tl.bfloat16), mask=mask)
 
 
+def _outputs(rows: int, n: int, splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product's float32 [rows, n] output and where the kernel writes: the output itself,
+    or [splits, rows, n] partial sums."""
+    out = torch.empty((rows, n), dtype=torch.float32, device=device)
+    return out, (out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=device))
+
+
+def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
+    if splits > 1:
+        total, block = out.numel(), 1024
+        _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, num_warps=4)
+    return out
+
+
 class Int4Weight:
     """An int4 matrix on a CUDA device; `w(x)` is x @ W^T in float32 (see the module docstring)."""
 
@@ -282,14 +284,10 @@ class Int4Weight:
         splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
         per = n_groups // splits
         gb = next(g for g in (cfg.gb, 4, 2, 1) if per % g == 0)
-        out = torch.empty((1, self.n), dtype=torch.float32, device=x.device)
-        part = out if splits == 1 else torch.empty((splits, 1, self.n), dtype=torch.float32, device=x.device)
+        out, part = _outputs(1, self.n, splits, x.device)
         _int4_gemv[(tiles, splits)](x, self.nibbles, self.pairs, part, self.n, self.k, per, BN=cfg.bn, GB=gb,
                                     OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
-        if splits > 1:
-            total, block = self.n, 1024
-            _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, num_warps=4)
-        return out
+        return _add_up(part, out, splits)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None) -> torch.Tensor:
         rows = x.shape[0]
@@ -301,16 +299,11 @@ class Int4Weight:
                          max_split=max(1, self.k // (16 * rows)) if cfg.split_cap else 1 << 30)
         per = n_groups // splits
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
-        out = torch.empty((rows, self.n), dtype=torch.float32, device=x.device)
-        part = out if splits == 1 else torch.empty((splits, rows, self.n), dtype=torch.float32, device=x.device)
+        out, part = _outputs(rows, self.n, splits, x.device)
         _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
-                                               OPERAND=OPERAND, EVEN_ODD=cfg.even_odd,
-                                               num_warps=cfg.warps, num_stages=cfg.stages)
-        if splits > 1:
-            total, block = rows * self.n, 1024
-            _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, num_warps=4)
-        return out
+                                               OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
+        return _add_up(part, out, splits)
 
     def weight(self) -> torch.Tensor:
         """W as bfloat16 [N, K] in the shared scratch (valid until the next call on this device)."""
