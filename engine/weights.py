@@ -221,6 +221,7 @@ class Int4Linear(Linear):
 
     out_dtype = torch.bfloat16
     _cuda: "cuda_int4.Int4Weight | None" = None
+    _op = None  # set only where the CPU kernel runs
     _tiles = None
     _pad = 0
 
