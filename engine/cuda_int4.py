@@ -5,7 +5,9 @@ values are q * scale + minimum (Q4_0, Q4_1, Q4_K): the nibbles, two per byte (ev
 the high nibble), and per group and output column the pair (scale, minimum), in float16
 where that is exact for every group (Q4_0 and Q4_1, whose GGUF fields are float16) or where
 it is finite (Q4_K, whose scales are products of two fields: rounded to 11 bits), else
-float32.  `w(x)`: x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] float32.
+float32.  `w(x)`: x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] float32; `w(x, into=r)`
+adds the product to r (the residual stream) in the product's last kernel instead, up to
+`ADD_IN_KERNEL_ROWS` rows: the same one float32 addition, one kernel and one tensor fewer.
 
 The products never form W.  Per group they multiply the activations, rounded to bfloat16,
 by the nibbles as integers: those products are exact and are summed in float32.  Then the
@@ -14,20 +16,24 @@ float32.  That is the arithmetic of the CPU kernels (engine.kernels), so the CUD
 packed paths round alike.  torch's own int4 kernel instead keeps scales in bfloat16 and
 rounds every weight to bfloat16; with it, greedy decoding of a random 135M-shape model
 agreed with the CPU float32 path at 98.05% of teacher-forced positions, against 100% (graph
-decoding) and 99.22% (eager) with these kernels, in the same measurement.
+decoding and eager) with these kernels.
 
-One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores, several groups per
-loop step; two rows and more (`_int4_gemm`) on the tensor cores, one group per product.
-Measured on an H200 per product (CUDA-graph timings, random matrices of the SmolLM2-135M and
-Llama-3.2-1B shapes): at one row 4.2-15.4 us against 2.1-12.1 us for torch's kernel, which
-is faster there; at 64 rows, on the 1B shape's matrices, 16.5-44 us against 22-154 us; at
-64 rows on the 135M shape's small matrices 8.6-21 us against 4.3-11.9 us; at 2048 rows on
-those small matrices 21-61 us against 57-327 us.  The kernels stay well above the bandwidth
-floor (the 16384 x 2048 matrix: 15.4 us at one row, against about 4.4 us to read it once).
-`launch_for` and `DEFAULT_GEMV` hold the launch shapes those sweeps found fastest, except
-for small matrices at more than 16 rows: the sweep capped their split, and whole 64-row
-decoding steps of the 135M shape ran at 25,006 tokens/s with an uncapped split against
-18,587 with the sweep's choice (the products took 1.0 against 2.0 ms of a step).
+One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
+as int32 words, four to a group, so each thread sums a whole group of a column alone, and
+turns nibbles into floats by OR-ing them into the mantissa of 2**23.  Two rows and more
+(`_int4_gemm`) run on the tensor cores, one group per product.  Measured on an H200 per
+product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
+at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
+earlier, split version 4.1-5.2 us) and 4.2-14.7 us on the 1B shape's (torch 3.4-12.0); at 64
+rows, on the 1B shape's matrices, 16.5-44 us against 22-154 us; at 64 rows on the 135M
+shape's small matrices 8.6-21 us against 4.3-11.9 us; at 2048 rows on those small matrices
+21-61 us against 57-327 us.  The one-row kernel stays well above the bandwidth floor (the
+16384 x 2048 matrix: 14.7 us against about 4.4 us to read it once); neither reading the
+activations as vectors nor the float conversion changed that in a sweep.  `launch_for` and
+`gemv_launch_for` hold the launch shapes the sweeps found fastest, except for small matrices
+at more than 16 rows: the sweep capped their split, and whole 64-row decoding steps of the
+135M shape ran at 25,006 tokens/s with an uncapped split against 18,587 with the sweep's
+choice (the products took 1.0 against 2.0 ms of a step).
 
 Few output tiles cannot fill the GPU, so the input axis is split (`split_k`): each split
 writes float32 partial sums and one more kernel adds them in a fixed order, so results
@@ -57,6 +63,7 @@ from engine.cuda_attention import AVAILABLE, tl, triton
 GROUP = 32
 BLOCK_N = 64  # output columns per program (default launch)
 MAX_BLOCK_M = 64  # rows per program; more rows take more row tiles
+ADD_IN_KERNEL_ROWS = MAX_BLOCK_M  # `into` is added by the product's kernel up to this many rows
 # Dequantize + cuBLAS from this many rows on, for matrices of at least GEMM_MIN_ELEMENTS.
 GEMM_ROWS = 512
 GEMM_MIN_ELEMENTS = 4 * 2 ** 20
@@ -117,7 +124,20 @@ class GemvLaunch:
     waves: int = 8
 
 
-DEFAULT_GEMV = GemvLaunch(bn=32, gb=8, waves=4)  # the fastest measured on an H200 for every shape
+LARGE_GEMV_ELEMENTS = 16 * 2 ** 20
+
+
+def gemv_launch_for(n: int, k: int) -> GemvLaunch:
+    """The one-row launch measured fastest on an H200 for this kind of matrix (random int4
+    matrices of the SmolLM2-135M and Llama-3.2-1B shapes): for the two largest (gate/up and
+    down of the 1B shape) one warp per program, 16 groups per step, columns held in the
+    thread, and the long matrix split; else eight columns and 32 groups per step of eight
+    warps, unsplit."""
+    if n * k >= LARGE_GEMV_ELEMENTS:
+        if k >= 4 * n:  # long (down)
+            return GemvLaunch(bn=8, gb=16, warps=1, waves=16)
+        return GemvLaunch(bn=16, gb=16, warps=1, waves=1)
+    return GemvLaunch(bn=8, gb=32, warps=8, waves=1)
 
 
 def launch_for(rows: int, n: int, k: int) -> Launch:
@@ -175,7 +195,8 @@ if AVAILABLE:
 
     @triton.jit
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
-                   BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, OPERAND: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
+                   OPERAND: tl.constexpr):
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         split = tl.program_id(2)
@@ -188,41 +209,65 @@ if AVAILABLE:
                 acc += _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
                                       OPERAND)
         out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
-        tl.store(out, acc, mask=mm[:, None] & nm[None, :])
+        mask = mm[:, None] & nm[None, :]
+        if ADD:  # out += x @ W^T (one split)
+            acc += tl.load(out, mask=mask, other=0.0)
+        tl.store(out, acc, mask=mask)
 
     @triton.jit
-    def _int4_gemv(x_ptr, q_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
-                   BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
-        """One row: the same sums as _int4_gemm on the CUDA cores, GB groups per loop step."""
+    def _nibble(words, shift: tl.constexpr):
+        """The 4-bit integers at `shift` of int32 words as float32, without a conversion
+        instruction: OR-ed into the mantissa of 2**23 they are 2**23 + q, exactly."""
+        return (((words >> shift) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+    @triton.jit
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
+                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, OPERAND: tl.constexpr):
+        """One row: the same sums as _int4_gemm on the CUDA cores.  The nibbles are read as int32
+        words, four per group, so a thread holds a whole group of a column and sums its 32
+        products alone; GB groups per loop step (the last step masked)."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         split = tl.program_id(1)
         nm = n < N
-        gb = tl.arange(0, GB)
-        half = tl.arange(0, 16)
+        gi = tl.arange(0, GB)
+        wi = tl.arange(0, 4)
+        words_per_row = K // 8
         g0 = split * groups_per_split
-        acc = tl.zeros([BN], tl.float32)
-        for c in range(0, groups_per_split // GB):
-            g = g0 + c * GB + gb  # [GB]
-            byte = (g * 16)[:, None] + half[None, :]  # [GB, 16]
-            qb = tl.load(q_ptr + n[:, None, None] * (K // 2) + byte[None, :, :], mask=nm[:, None, None], other=0)
-            xe = tl.load(x_ptr + 2 * byte).to(OPERAND).to(tl.float32)  # [GB, 16]: inputs 2j
-            xo = tl.load(x_ptr + 2 * byte + 1).to(OPERAND).to(tl.float32)  # inputs 2j + 1
-            # exact products (bfloat16 x 4-bit integer) summed in float32
-            dot = tl.sum((qb >> 4).to(tl.float32) * xe[None] + (qb & 15).to(tl.float32) * xo[None], axis=2)
-            xsum = tl.sum(xe + xo, axis=1)  # [GB]
+        acc = tl.zeros([BN, GB], tl.float32)
+        for c in range(0, groups_per_split, GB):
+            gm = c + gi < groups_per_split
+            g = g0 + c + gi  # [GB]
+            word = g[:, None] * 4 + wi[None, :]  # [GB, 4]; word i holds inputs 8i .. 8i+7
+            w = tl.load(w_ptr + n[:, None, None] * words_per_row + word[None, :, :],
+                        mask=nm[:, None, None] & gm[None, :, None], other=0)
+            dot = tl.zeros([BN, GB, 4], tl.float32)
+            xsum = tl.zeros([GB, 4], tl.float32)
+            for b in tl.static_range(4):  # byte b of a word: inputs 8i+2b (high nibble), 8i+2b+1 (low)
+                xh = tl.load(x_ptr + word * 8 + 2 * b, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+                xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+                # exact products (bfloat16 x 4-bit integer) summed in float32
+                dot += _nibble(w, 8 * b + 4) * xh[None] + _nibble(w, 8 * b) * xl[None]
+                xsum += xh + xl
             pair = sm_ptr + (g[None, :] * N + n[:, None]) * 2  # [BN, GB]
-            scale = tl.load(pair, mask=nm[:, None], other=0.0).to(tl.float32)
-            minimum = tl.load(pair + 1, mask=nm[:, None], other=0.0).to(tl.float32)
-            acc += tl.sum(dot * scale + xsum[None, :] * minimum, axis=1)
-        tl.store(out_ptr + split * N + n, acc, mask=nm)
+            pm = nm[:, None] & gm[None, :]
+            scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
+            minimum = tl.load(pair + 1, mask=pm, other=0.0).to(tl.float32)
+            acc += tl.sum(dot, axis=2) * scale + tl.sum(xsum, axis=1)[None, :] * minimum
+        y = tl.sum(acc, axis=1)
+        out = out_ptr + split * N + n
+        if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
+            y += tl.load(out, mask=nm, other=0.0)
+        tl.store(out, y, mask=nm)
 
     @triton.jit
-    def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
         acc = tl.load(part_ptr + i, mask=mask, other=0.0)
         for s in tl.static_range(1, SPLITS):  # a fixed order: the same sums every time
             acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+        if ADD:  # added to what the output held, after the product's own sum
+            acc += tl.load(out_ptr + i, mask=mask, other=0.0)
         tl.store(out_ptr + i, acc, mask=mask)
 
     @triton.jit
@@ -239,18 +284,25 @@ if AVAILABLE:
         tl.store(row + 1, ((q & 15).to(tl.float32) * scale + minimum).to(tl.bfloat16), mask=mask)
 
 
-def _outputs(rows: int, n: int, splits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The product's float32 [rows, n] output and where the kernel writes: the output itself,
-    or [splits, rows, n] partial sums."""
-    out = torch.empty((rows, n), dtype=torch.float32, device=device)
+def _outputs(rows: int, n: int, splits: int, device: torch.device,
+             into: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product's float32 [rows, n] output (`into`, where the product is added to it) and
+    where the kernel writes: the output itself, or [splits, rows, n] partial sums."""
+    out = torch.empty((rows, n), dtype=torch.float32, device=device) if into is None else into
     return out, (out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=device))
 
 
-def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
+def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int, add: bool) -> torch.Tensor:
     if splits > 1:
         total, block = out.numel(), 1024
-        _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, num_warps=4)
+        _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, ADD=add,
+                                                  num_warps=4)
     return out
+
+
+def _accepts(into: torch.Tensor | None, rows: int, n: int) -> bool:
+    return (into is not None and into.dtype == torch.float32 and into.shape == (rows, n)
+            and into.is_contiguous())
 
 
 class Int4Weight:
@@ -261,6 +313,7 @@ class Int4Weight:
         if self.k % GROUP:
             raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {self.k}")
         self.nibbles = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
+        self.words = self.nibbles.view(torch.int32)  # the same bytes, four to a word (one-row products)
         self.pairs = torch.from_numpy(scale_pairs(scale, minimum)).to(device)
         self.gemm_rows = gemm_rows_for(self.n, self.k)
 
@@ -268,28 +321,38 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.nibbles.nbytes + self.pairs.nbytes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] -> x @ W^T [M, N] float32; with `into` ([M, N] float32), into += x @ W^T
+        (in the product's last kernel where `into` is contiguous) and `into` is returned."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
+        # Prefill-sized products add afterwards: with the output tile loaded too, the wide
+        # tiles of many rows ran slower than the separate addition costs.
+        if into is not None and (rows > ADD_IN_KERNEL_ROWS or not _accepts(into, rows, self.n)):
+            into += self(x)
+            return into
         if rows >= self.gemm_rows:
-            return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight()).float()
-        return self.gemv(x) if rows == 1 else self.fused(x)
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
+            return y.float() if into is None else into.add_(y)
+        return self.gemv(x, into=into) if rows == 1 else self.fused(x, into=into)
 
-    def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None) -> torch.Tensor:
-        """x [1, K] -> [1, N] float32 (x's one row contiguous)."""
-        cfg = launch or DEFAULT_GEMV
+    def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None,
+             into: torch.Tensor | None = None) -> torch.Tensor:
+        """x [1, K] -> [1, N] float32 (x's one row contiguous), or added to `into`."""
+        cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
         tiles = triton.cdiv(self.n, cfg.bn)
         splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
-        per = n_groups // splits
-        gb = next(g for g in (cfg.gb, 4, 2, 1) if per % g == 0)
-        out, part = _outputs(1, self.n, splits, x.device)
-        _int4_gemv[(tiles, splits)](x, self.nibbles, self.pairs, part, self.n, self.k, per, BN=cfg.bn, GB=gb,
-                                    OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
-        return _add_up(part, out, splits)
+        out, part = _outputs(1, self.n, splits, x.device, into)
+        add = into is not None
+        _int4_gemv[(tiles, splits)](x, self.words, self.pairs, part, self.n, self.k, n_groups // splits,
+                                    BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1, OPERAND=OPERAND,
+                                    num_warps=cfg.warps, num_stages=cfg.stages)
+        return _add_up(part, out, splits, add)
 
-    def fused(self, x: torch.Tensor, launch: "Launch | None" = None) -> torch.Tensor:
+    def fused(self, x: torch.Tensor, launch: "Launch | None" = None,
+              into: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         cfg = launch or launch_for(rows, self.n, self.k)
         bm = block_m(rows)
@@ -299,11 +362,13 @@ class Int4Weight:
                          max_split=max(1, self.k // (16 * rows)) if cfg.split_cap else 1 << 30)
         per = n_groups // splits
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
-        out, part = _outputs(rows, self.n, splits, x.device)
+        out, part = _outputs(rows, self.n, splits, x.device, into)
+        add = into is not None
         _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
-                                               OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
-        return _add_up(part, out, splits)
+                                               ADD=add and splits == 1, OPERAND=OPERAND,
+                                               num_warps=cfg.warps, num_stages=cfg.stages)
+        return _add_up(part, out, splits, add)
 
     def weight(self) -> torch.Tensor:
         """W as bfloat16 [N, K] in the shared scratch (valid until the next call on this device)."""

@@ -63,6 +63,11 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out += x @ W^T for a float32 `out` (the residual stream); kernels that can add in
+        their last step do so, saving a kernel and a tensor."""
+        out += self(x)
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -238,6 +243,12 @@ class Int4Linear(Linear):
         if self._pad:
             y = y[:, : self.out_features].contiguous()
         return y if self.bias is None else y.float() + self.bias
+
+    def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        if self._cuda is not None and self.bias is None:
+            self._cuda(x, into=out)
+        else:
+            out += self(x)
 
     @property
     def cuda_weight(self) -> "cuda_int4.Int4Weight | None":
