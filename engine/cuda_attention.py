@@ -7,7 +7,8 @@ row attends to positions 0..p) and where its cache lies: the element offset of l
 head 0, position 0 from `kv_base` (any tensor of the caches' dtype; the caches themselves may
 be separate allocations or slots of one pool), the layer stride, the offset from K to V and
 the head stride (positions are D apart, elements contiguous).  The new key and value are
-stored at position p and the row's attention output [B, H * D] float32 is returned.
+stored at position p and the row's attention output [B, H * D] is returned (float32, or the
+dtype the workspace was made for).
 
 Because every address and length is read from device memory, one launch shape serves any mix
 of sessions and lengths, so a decoding step that calls this can be captured once in a CUDA
@@ -57,13 +58,14 @@ class Workspace:
     """Per-launch-shape scratch for the partial results (kept by a captured graph)."""
 
     def __init__(self, n_rows: int, n_head: int, head_dim: int, n_ctx: int, n_head_kv: int,
-                 device: torch.device):
+                 device: torch.device, out_dtype: torch.dtype = torch.float32):
         self.split = split_size(n_rows, n_head_kv, n_ctx)
         self.n_split = -(-n_ctx // self.split)
         self.dp = max(triton.next_power_of_2(head_dim), 16) if AVAILABLE else head_dim
         self.part = torch.empty((n_rows, n_head, self.n_split, self.dp), dtype=torch.float32, device=device)
         self.stat = torch.empty((n_rows, n_head, self.n_split, 2), dtype=torch.float32, device=device)
-        self.out = torch.empty((n_rows, n_head * head_dim), dtype=torch.float32, device=device)
+        # The output projection's input dtype: bfloat16 where it rounds its input to that anyway.
+        self.out = torch.empty((n_rows, n_head * head_dim), dtype=out_dtype, device=device)
 
 
 if AVAILABLE:
@@ -155,12 +157,12 @@ if AVAILABLE:
         acc = tl.load(part_ptr + where[:, None] * DP + d[None, :], mask=sm[:, None], other=0.0)
         num = tl.sum(w[:, None] * acc, axis=0)
         den = tl.sum(w * l, axis=0)
-        tl.store(out_ptr + b * (H * D) + hh * D + d, num / den, mask=d < D)
+        tl.store(out_ptr + b * (H * D) + hh * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
                      work: Workspace, n_head: int, n_head_kv: int, head_dim: int) -> torch.Tensor:
-    """[B, H * D] float32 attention outputs (work.out, overwritten by the next call)."""
+    """[B, H * D] attention outputs in work.out's dtype (overwritten by the next call)."""
     B = qkv.shape[0]
     H, Hkv, D = n_head, n_head_kv, head_dim
     G = H // Hkv

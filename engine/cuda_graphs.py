@@ -18,8 +18,11 @@ cache, and their outputs are dropped.
 
 The rest of the step is the model's own code (`LlamaModel.decode_layers`), so the graph runs the
 same kernels as eager decoding except attention, where the Triton kernels replace the torch
-ops, and RMSNorm, one Triton kernel instead of six (`engine.cuda_norm`; `fused_norm = False`
-keeps torch's, for graphs captured after the change).  Tests compare greedy tokens and logits
+ops (writing bfloat16, which the output projection rounds its input to anyway), and RMSNorm
+and SwiGLU, one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
+`fused = False` keeps torch's, for graphs captured after the change).  With the residual
+adds inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is
+about 310 kernels (520 before those changes).  Tests compare greedy tokens and logits
 with the eager CUDA path and the CPU float32 path.  Graphs share one memory pool; each step's outputs
 are copied out before the next replay.  A bucket's first step captures it (tens of
 milliseconds after a one-off Triton compile); `capture_seconds` sums that time.
@@ -37,7 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import cuda_attention, cuda_norm
+from engine import cuda_attention, cuda_elementwise
 from engine.device_sampling import StepLogits, eos_tensor, greedy_pair
 from engine.kvcache import KVCache
 
@@ -80,11 +83,26 @@ class _Captured:
         self.ids = ids  # int64 [B, 2]: argmax, argmax with eos masked
 
 
+class _FusedKernels:
+    """`LlamaModel.decode_layers`' StepKernels as engine.cuda_elementwise kernels, writing the
+    dtype the following matmul computes in."""
+
+    def __init__(self, eps: float, out_dtype: torch.dtype):
+        self.eps = eps
+        self.out_dtype = out_dtype
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return cuda_elementwise.rms_norm(x, weight, self.eps, self.out_dtype)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cuda_elementwise.swiglu(gate_up, self.out_dtype)
+
+
 class DecodeGraphs:
     def __init__(self, net: "LlamaModel"):
         self.net = net
         self.enabled = True
-        self.fused_norm = True  # RMSNorm as one Triton kernel (engine.cuda_norm); read at capture
+        self.fused = True  # RMSNorm and SwiGLU as Triton kernels (engine.cuda_elementwise); read at capture
         self.disabled_reason: str | None = None
         self.capture_seconds = 0.0
         self.replays = 0
@@ -125,6 +143,10 @@ class DecodeGraphs:
         cap.host.copy_(torch.tensor(rows, dtype=torch.long))
         cap.table.copy_(cap.host, non_blocking=True)
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the model's matmuls take their inputs in (where fused kernels write)."""
+        return torch.float32 if self.net.fmt == "float32" else torch.bfloat16
+
     # --- capture ---
     def _step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
               eos_index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,14 +158,8 @@ class DecodeGraphs:
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D)
 
-        # One kernel per RMSNorm, in the dtype the following matmul computes in.
-        out_dtype = torch.float32 if net.fmt == "float32" else torch.bfloat16
-        eps = cfg.norm_eps
-
-        def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return cuda_norm.rms_norm(x, w, eps, out_dtype)
-
-        logits = net.decode_layers(tokens, rope, attend, norm if self.fused_norm else None)  # [B, n_vocab]
+        kernels = _FusedKernels(cfg.norm_eps, self._compute_dtype()) if self.fused else None
+        logits = net.decode_layers(tokens, rope, attend, kernels)  # [B, n_vocab]
         return logits, greedy_pair(logits, eos_index)
 
     def _capture(self, b: int, dtype: torch.dtype, eos_ids: frozenset[int], n_ctx: int) -> _Captured:
@@ -153,7 +169,8 @@ class DecodeGraphs:
         base = self._base(dtype)
         table = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long, device=device)
         host = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long).pin_memory()
-        work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device)
+        work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device,
+                                        self._compute_dtype() if self.fused else torch.float32)
         eos_index = eos_tensor(eos_ids, device)
         cap = _Captured(None, table, host, None, None, work, eos_index)  # type: ignore[arg-type]
         self._fill(cap, [], [], base)  # every row padding: warm-up and capture write only scratch
@@ -180,7 +197,7 @@ class DecodeGraphs:
         b = bucket_for(n)
         dtype = caches[0].kv.dtype
         n_ctx = max(c.n_ctx for c in caches)
-        key = (b, dtype, eos_ids, n_ctx, self.fused_norm)
+        key = (b, dtype, eos_ids, n_ctx, self.fused)
         cap = self._graphs.get(key)
         if cap is None:
             try:

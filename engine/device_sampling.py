@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine import cuda_elementwise
 from engine.sampling import filtered_probs
 
 if TYPE_CHECKING:
@@ -29,7 +30,10 @@ if TYPE_CHECKING:
 
 
 def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Tensor:
-    """[N, 2] int64 on rows' device: each row's argmax, and its argmax with `eos_index` masked."""
+    """[N, 2] int64 on rows' device: each row's argmax, and its argmax with `eos_index` masked
+    (on CUDA with Triton in engine.cuda_elementwise's two kernels)."""
+    if rows.is_cuda and cuda_elementwise.AVAILABLE and rows.dtype == torch.float32:
+        return cuda_elementwise.greedy_pair(rows, eos_index)
     plain = rows.argmax(-1)
     if eos_index is None:
         return torch.stack([plain, plain], dim=1)

@@ -34,7 +34,7 @@ It reads no files beyond the given records and knows nothing of tokens' text or 
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import numpy as np
 import torch
@@ -49,6 +49,15 @@ from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 Norm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, n], weight [n]) -> normed x
+
+
+class StepKernels(Protocol):
+    """Replacements for a decoding step's elementwise work (e.g. engine.cuda_graphs' fused
+    kernels): the block and output RMSNorms (not qwen3's per-head ones) and the SwiGLU."""
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
@@ -192,10 +201,14 @@ class LlamaModel:
         torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
-    def _ffn(self, blk: Block, x: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    def _ffn(self, blk: Block, x: torch.Tensor, kernels: StepKernels | None = None) -> None:
+        """x += the block's SwiGLU FFN of x."""
+        if kernels is not None:
+            blk.w_down.accumulate(x, kernels.swiglu(blk.w_gate_up(kernels.norm(x, blk.ffn_norm))))
+            return
         n_ff = self.cfg.n_ff
-        gate_up = blk.w_gate_up((norm or self._norm)(x, blk.ffn_norm))
-        return blk.w_down(F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
+        gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm))
+        blk.w_down.accumulate(x, F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -285,16 +298,18 @@ class LlamaModel:
         return logits
 
     def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor,
-                      attend: Callable[[int, torch.Tensor], torch.Tensor], norm: Norm | None = None) -> torch.Tensor:
+                      attend: Callable[[int, torch.Tensor], torch.Tensor],
+                      kernels: StepKernels | None = None) -> torch.Tensor:
         """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position and
         attend(layer, qkv [N, ...]) -> [N, H * D] (which stores the new keys and values) ->
-        logits [N, n_vocab] float32.  `norm(x, weight)` replaces the block and output RMSNorms
-        (not qwen3's per-head ones), e.g. by a fused kernel.  It launches no host
-        synchronisation, so a CUDA graph can capture it (engine.cuda_graphs)."""
+        logits [N, n_vocab] float32.  `kernels` replaces the norms and the SwiGLU, e.g. by
+        fused kernels.  It launches no host synchronisation, so a CUDA graph can capture it
+        (engine.cuda_graphs)."""
         x = self.embed(tokens)  # [N, n_embd] residual stream, float32
+        norm = None if kernels is None else kernels.norm
         for li, blk in enumerate(self.blocks):
-            x += blk.wo(attend(li, self._qkv(blk, x, rope, norm)))
-            x += self._ffn(blk, x, norm)
+            blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, norm)))
+            self._ffn(blk, x, kernels)
         if norm is None:
             return self.head(x)
         return self.output(norm(x, self.out_norm)).float()
@@ -354,8 +369,8 @@ class LlamaModel:
             q = qkv[:, : H * D].view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
             att = F.scaled_dot_product_attention(q, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
                                                  is_causal=causal, enable_gqa=True)  # [1, H, T, D]
-            x += blk.wo(att[0].transpose(0, 1).reshape(T, H * D))
-            x += self._ffn(blk, x)
+            blk.wo.accumulate(x, att[0].transpose(0, 1).reshape(T, H * D))
+            self._ffn(blk, x)
         cache.n = end
         if logits == "last":
             return self.head(x[-1:])[0]

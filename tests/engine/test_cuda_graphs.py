@@ -142,7 +142,8 @@ def _random_int4(n: int, k: int, seed: int, big: bool = False):
     return q, scale, minimum, torch.from_numpy(dense).double()
 
 
-@pytest.mark.parametrize("n,k,big", [(960, 576, False), (3072, 2048, False), (576, 1536, True)])
+@pytest.mark.parametrize("n,k,big", [(960, 576, False), (3072, 2048, False), (576, 1536, True),
+                                     (576, 576, False), (2048, 8192, False)])
 def test_int4_gemm_sums_exact_group_products(n, k, big):
     """Against float64 over the same bfloat16-rounded activations: only float32 summation
     separates them, at every row count of decoding batches and beyond (split and unsplit)."""
@@ -159,6 +160,64 @@ def test_int4_gemm_sums_exact_group_products(n, k, big):
         assert got.dtype == torch.float64 and got.shape == (rows, n)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
         assert torch.equal(w(x.bfloat16()), w(x))  # the kernel rounds float32 input itself
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (3072, 2048)])
+def test_int4_products_added_into_an_output_equal_adding_the_product(n, k):
+    """`into` (the residual stream) is added in the product's last kernel: the same one
+    float32 addition as adding the product afterwards, for one row, the split GEMM and
+    (3072 x 2048 from 512 rows) the cuBLAS path."""
+    from engine.cuda_int4 import Int4Weight
+
+    q, scale, minimum, _ = _random_int4(n, k, seed=k)
+    w = Int4Weight(q, scale, minimum, torch.device("cuda"))
+    torch.manual_seed(1)
+    for rows in (1, 3, 64, 600):
+        x, r = torch.randn(rows, k, device="cuda"), torch.randn(rows, n, device="cuda")
+        into = r.clone()
+        assert w(x, into=into) is into
+        assert torch.equal(into, r + w(x))
+        strided = torch.randn(rows, 2 * n, device="cuda")[:, :n]  # not contiguous: added afterwards
+        want = strided + w(x)
+        w(x, into=strided)
+        assert torch.equal(strided, want)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_fused_norm_and_swiglu_match_torch(out_dtype):
+    import torch.nn.functional as F
+
+    from engine import cuda_elementwise as ce
+
+    torch.manual_seed(0)
+    for rows, n, n_ff in ((1, 576, 1536), (64, 2048, 8192), (3, 100, 3000)):
+        x, w = torch.randn(rows, n, device="cuda"), torch.randn(n, device="cuda")
+        want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w).to(out_dtype)
+        got = ce.rms_norm(x, w, 1e-5, out_dtype)
+        assert got.dtype == out_dtype
+        torch.testing.assert_close(got, want, rtol=1e-5 if out_dtype == torch.float32 else 1e-2, atol=1e-5)
+        for dtype in (torch.float32, torch.bfloat16):  # the outputs of int4 and of dense products
+            gate_up = (torch.randn(rows, 2 * n_ff, device="cuda") * 4).to(dtype)
+            want = (F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:]).to(out_dtype)
+            got = ce.swiglu(gate_up, out_dtype)
+            assert got.dtype == out_dtype and got.shape == (rows, n_ff)
+            assert torch.equal(got, want)  # torch's own arithmetic: graph and eager steps agree here
+
+
+@pytest.mark.parametrize("n_vocab", [49152, 128256, 5000])
+def test_greedy_pair_kernel_matches_torch_argmax(n_vocab):
+    from engine import cuda_elementwise as ce
+
+    torch.manual_seed(n_vocab)
+    rows = torch.randn(5, n_vocab, device="cuda")
+    rows[0, 17] = rows[0, 4097] = rows[0, n_vocab - 1] = 50.0  # a tie across chunks: the lowest id wins
+    rows[1, :] = float("-inf")  # nothing finite: id 0, like torch
+    rows[2, 4096] = 60.0
+    for eos in ([17, 4096, 3], [n_vocab - 1], []):
+        index = torch.tensor(eos, dtype=torch.long, device="cuda") if eos else None
+        masked = rows if index is None else rows.index_fill(1, index, float("-inf"))
+        want = torch.stack([rows.argmax(-1), masked.argmax(-1)], dim=1)
+        assert torch.equal(ce.greedy_pair(rows, index), want)
 
 
 def test_int4_gemm_rows_of_a_batch_match_rows_computed_alone():

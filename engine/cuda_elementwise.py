@@ -1,0 +1,134 @@
+"""The elementwise steps of a CUDA decoding step, one Triton kernel each, writing the dtype
+the next matmul reads.
+
+- `rms_norm(x, w, eps, out_dtype)`: x [N, n] float32 (contiguous rows), w [n] float32 ->
+  x * rsqrt(mean(x^2) + eps) * w, one program per row, float32 arithmetic.  The torch
+  expression (`LlamaModel._norm`, then the matmul's cast) is five elementwise and reduction
+  kernels and a cast.  The mean square is summed in another order than torch's, so results
+  differ in the last bits.
+- `swiglu(gate_up, out_dtype)`: gate_up [N, 2 * n_ff] (gate, then up; float32 from int4
+  products, bfloat16 from dense ones) -> silu(gate) * up [N, n_ff], computed as torch computes
+  `F.silu(gate) * up` on tensors of that dtype (float32 arithmetic, each op's result rounded to
+  the dtype), so eager and graph steps agree bitwise up to here; torch's is a slice, two
+  kernels and a cast.  Rounding to bfloat16 here is the rounding the int4 products apply to
+  their inputs anyway.
+
+- `greedy_pair(rows, eos_index)`: each row's argmax, plain and with end-of-generation ids
+  masked (engine.device_sampling's greedy ids), in two kernels.
+
+In a graph-replayed decoding step (engine.cuda_graphs), where each kernel costs a few
+microseconds whatever its size, kernels saved are time saved.  Without Triton
+(`cuda_attention.AVAILABLE` False) nothing here is used.  It knows nothing of models.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.cuda_attention import AVAILABLE, tl, triton
+
+if AVAILABLE:
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        m = c < n
+        x = tl.load(x_ptr + r * n + c, mask=m, other=0.0)
+        w = tl.load(w_ptr + c, mask=m, other=0.0)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        tl.store(out_ptr + r * n + c, (x * inv * w).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr):
+        r = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = c < n_ff
+        gate = tl.load(gu_ptr + r * 2 * n_ff + c, mask=m, other=0.0)
+        up = tl.load(gu_ptr + r * 2 * n_ff + n_ff + c, mask=m, other=0.0).to(tl.float32)
+        # torch's silu, x / (1 + exp(-x)) with the accurate exp and a correctly rounded
+        # division, rounded to the input's dtype as torch rounds each op's result
+        g = gate.to(tl.float32)
+        silu = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype).to(tl.float32)
+        product = (silu * up).to(gate.dtype)
+        tl.store(out_ptr + r * n_ff + c, product.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _chunk_argmax(rows_ptr, eos_ptr, val_ptr, idx_ptr, n_vocab, stride, n_chunks,
+                      E: tl.constexpr, HAS_EOS: tl.constexpr, BLOCK: tl.constexpr):
+        """Per (row, chunk of the vocabulary): the max and its lowest index, plain and with the
+        end-of-generation ids masked."""
+        r = tl.program_id(0)
+        c = tl.program_id(1)
+        i = c * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(rows_ptr + r * stride + i, mask=i < n_vocab, other=float("-inf"))
+        v0, i0 = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        if HAS_EOS:
+            eos = tl.load(eos_ptr + tl.arange(0, E))  # padded with -1
+            hit = tl.max((i[:, None] == eos[None, :]).to(tl.int32), axis=1)
+            v1, i1 = tl.max(tl.where(hit > 0, float("-inf"), x), axis=0, return_indices=True,
+                            return_indices_tie_break_left=True)
+        else:
+            v1, i1 = v0, i0
+        at = (r * n_chunks + c) * 2
+        tl.store(val_ptr + at, v0)
+        tl.store(val_ptr + at + 1, v1)
+        tl.store(idx_ptr + at, c * BLOCK + i0)
+        tl.store(idx_ptr + at + 1, c * BLOCK + i1)
+
+    @triton.jit
+    def _merge_argmax(val_ptr, idx_ptr, out_ptr, n_chunks, NC: tl.constexpr):
+        r = tl.program_id(0)
+        k = tl.program_id(1)  # 0: plain, 1: eos masked
+        c = tl.arange(0, NC)
+        m = c < n_chunks
+        at = (r * n_chunks + c) * 2 + k
+        v = tl.load(val_ptr + at, mask=m, other=float("-inf"))
+        idx = tl.load(idx_ptr + at, mask=m, other=0)
+        _, best = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)  # lowest chunk
+        tl.store(out_ptr + r * 2 + k, tl.sum(tl.where(c == best, idx, 0), axis=0).to(tl.int64))
+
+
+ARGMAX_BLOCK = 4096
+
+
+def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Tensor:
+    """rows [N, n_vocab] float32 -> [N, 2] int64: each row's argmax, and its argmax with the
+    ids in `eos_index` masked; ties go to the lowest id, as torch.argmax's do.  Two kernels
+    (chunks of the vocabulary, then their merge) where torch takes a copy, two one-block
+    reductions and a stack."""
+    n, n_vocab = rows.shape
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    chunks = triton.cdiv(n_vocab, ARGMAX_BLOCK)
+    vals = torch.empty((n, chunks, 2), dtype=torch.float32, device=rows.device)
+    idx = torch.empty((n, chunks, 2), dtype=torch.int32, device=rows.device)
+    out = torch.empty((n, 2), dtype=torch.int64, device=rows.device)
+    has_eos = eos_index is not None and eos_index.numel() > 0
+    e = triton.next_power_of_2(eos_index.numel()) if has_eos else 1
+    eos = eos_index if has_eos and eos_index.numel() == e else (
+        torch.cat([eos_index, eos_index.new_full((e - eos_index.numel(),), -1)]) if has_eos else rows)
+    _chunk_argmax[(n, chunks)](rows, eos, vals, idx, n_vocab, rows.stride(0), chunks, E=e, HAS_EOS=has_eos,
+                               BLOCK=ARGMAX_BLOCK, num_warps=8)
+    _merge_argmax[(n, 2)](vals, idx, out, chunks, NC=triton.next_power_of_2(chunks), num_warps=1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    rows, n = x.shape
+    if x.stride(1) != 1 or x.stride(0) != n:
+        x = x.contiguous()
+    out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
+    block = triton.next_power_of_2(n)
+    _rms_norm[(rows,)](x, w, out, n, eps, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out
+
+
+def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    rows, width = gate_up.shape
+    n_ff = width // 2
+    gate_up = gate_up.contiguous()
+    out = torch.empty((rows, n_ff), dtype=out_dtype, device=gate_up.device)
+    block = min(triton.next_power_of_2(n_ff), 2048)
+    _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    return out
