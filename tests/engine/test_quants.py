@@ -82,6 +82,19 @@ def test_fused_rows_and_permutation():
     torch.testing.assert_close(lin(x), x @ torch.from_numpy(full[perm]).T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype,fmt", [(QT.Q4_1, "packed"), (QT.Q4_0, "packed"), (QT.Q8_0, "packed"),
+                                       (QT.Q4_1, "float32")])
+def test_accumulate_adds_the_product_to_the_residual(qtype, fmt):
+    bias = TensorRecord("b", QT.F32, (48,), np.linspace(-1, 1, 48, dtype=np.float32).view(np.uint8))
+    for biases in (None, [bias]):
+        lin = build_linear([TensorRecord("w", qtype, (48, 256), encoded(qtype, 48, 256, 5))], fmt,
+                           torch.device("cpu"), biases=biases)
+        x, r = torch.randn(3, 256), torch.randn(3, 48)
+        out = r.clone()
+        lin.accumulate(out, x)
+        assert torch.equal(out, r + lin(x))
+
+
 @pytest.mark.skipif(not fbgemm_available(), reason="this torch build has no FBGEMM")
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32])
 def test_dense_types_use_fp16_kernel_with_float32_activations(qtype):
