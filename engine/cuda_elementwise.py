@@ -105,9 +105,11 @@ def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Ten
     idx = torch.empty((n, chunks, 2), dtype=torch.int32, device=rows.device)
     out = torch.empty((n, 2), dtype=torch.int64, device=rows.device)
     has_eos = eos_index is not None and eos_index.numel() > 0
-    e = triton.next_power_of_2(eos_index.numel()) if has_eos else 1
-    eos = eos_index if has_eos and eos_index.numel() == e else (
-        torch.cat([eos_index, eos_index.new_full((e - eos_index.numel(),), -1)]) if has_eos else rows)
+    eos, e = rows, 1  # without ids the kernel never reads `eos`
+    if has_eos:
+        e = triton.next_power_of_2(eos_index.numel())
+        pad = e - eos_index.numel()
+        eos = torch.cat([eos_index, eos_index.new_full((pad,), -1)]) if pad else eos_index
     _chunk_argmax[(n, chunks)](rows, eos, vals, idx, n_vocab, rows.stride(0), chunks, E=e, HAS_EOS=has_eos,
                                BLOCK=ARGMAX_BLOCK, num_warps=8)
     _merge_argmax[(n, 2)](vals, idx, out, chunks, NC=triton.next_power_of_2(chunks), num_warps=1)
