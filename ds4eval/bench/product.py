@@ -24,7 +24,8 @@ Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of th
 so prefill and time to first token are left out; the aggregate of N streams is all their
 tokens after each stream's first over the span from the first stream's first token to the
 last token.  The summary gives each path's median and its ratio to the engine: the median over rounds
-of the path's rate over the engine's rate in the same round;
+of the path's rate over the engine's rate in the same round, with the lowest and highest of
+those ratios (on a shared machine single rounds stray by tens of percent);
 `product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
 `--busy N` measures beside N child processes that each spin on a core (a competing load, for
 the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
@@ -130,6 +131,8 @@ class PathSummary:
     low_tps: float
     high_tps: float
     ratio: float | None  # median over rounds of tps / the engine's tps in that round; None for the engine
+    ratio_low: float | None = None  # the lowest and highest of those same-round ratios: how far
+    ratio_high: float | None = None  # single rounds strayed, so a reader can tell noise from a change
 
 
 def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSummary]:
@@ -141,8 +144,11 @@ def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSumma
     for p in paths:
         v = by_path.get(p) or [0.0]
         per_round = [s.tps / engine_in[s.round] for s in samples if s.path == p and s.round in engine_in]
-        ratio = None if p == ENGINE or not per_round else statistics.median(per_round)
-        out.append(PathSummary(p, statistics.median(v), min(v), max(v), ratio))
+        if p == ENGINE or not per_round:
+            out.append(PathSummary(p, statistics.median(v), min(v), max(v), None))
+        else:
+            out.append(PathSummary(p, statistics.median(v), min(v), max(v), statistics.median(per_round),
+                                   min(per_round), max(per_round)))
     return out
 
 
@@ -155,11 +161,16 @@ def product_failures(summary: Sequence[PathSummary], floor: float) -> list[str]:
 def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
     from tabulate import tabulate
 
-    rows = [[s.path, f"{s.median_tps:.1f}", f"[{s.low_tps:.1f}, {s.high_tps:.1f}]",
-             "1.000" if s.ratio is None else f"{s.ratio:.3f}"] for s in summary]
+    def ratio(s: PathSummary) -> str:
+        if s.ratio is None:
+            return "1.000"
+        spread = "" if s.ratio_low is None or s.ratio_high is None else f" [{s.ratio_low:.2f}, {s.ratio_high:.2f}]"
+        return f"{s.ratio:.3f}{spread}"
+
+    rows = [[s.path, f"{s.median_tps:.1f}", f"[{s.low_tps:.1f}, {s.high_tps:.1f}]", ratio(s)] for s in summary]
     single = next((s for s in summary if s.path == SERVER), None)
-    lines = [tabulate(rows, headers=["path", "decode tok/s (median)", f"[min, max] of {rounds}", "x engine"],
-                      disable_numparse=True)]
+    lines = [tabulate(rows, headers=["path", "decode tok/s (median)", f"[min, max] of {rounds}",
+                                     "x engine [min, max of rounds]"], disable_numparse=True)]
     for s in summary:
         if s.path.startswith("server-x") and single is not None and single.median_tps > 0:
             lines.append(f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream")

@@ -42,6 +42,8 @@ def test_summary_ratios_are_medians_of_same_round_ratios():
     assert by["ds4-eval"].ratio == pytest.approx(0.95)  # 0.95, 0.873, 1.044 by round
     assert (by["server"].low_tps, by["server"].median_tps, by["server"].high_tps) == (80, 85, 90)
     assert by["server"].ratio == pytest.approx(0.8)  # 0.8, 0.773, 1.0
+    assert (by["server"].ratio_low, by["server"].ratio_high) == (pytest.approx(85 / 110), pytest.approx(1.0))
+    assert by["engine"].ratio_low is None and by["engine"].ratio_high is None
     assert by["server-x8"].ratio == pytest.approx(3.0)
     # Only the single-stream product paths are held to the floor.
     assert pb.product_failures(summary, 0.9) == ["server decodes at 0.800x the engine (floor 0.90x)"]
@@ -62,7 +64,7 @@ def test_render_table_names_the_ratios():
     s = samples(engine=[100, 110, 90], ds4_eval=[95, 96, 94], server=[80, 85, 90], server_x8=[300, 310, 320])
     summary = pb.summarize(s, ("engine", "ds4-eval", "server", "server-x8"))
     table = pb.render_table(summary, 3)
-    assert "ds4-eval" in table and "0.950" in table
+    assert "ds4-eval" in table and "0.950 [0.87, 1.04]" in table  # the median and the rounds' spread
     assert "server-x8: 3.65x the server's single stream" in table
 
 
