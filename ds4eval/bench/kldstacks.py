@@ -308,12 +308,12 @@ class LlamaCppStack:
     """llama-cpp-python over one GGUF, every position's logits kept (`logits_all`)."""
 
     def __init__(self, path: str, ctx: int, threads: int, device: str = "cpu"):
-        from ds4eval.bench.runners import LLAMA_N_BATCH, import_llama_cpp, load_llama
+        from ds4eval.bench.runners import LLAMA_N_BATCH, import_llama_cpp, llama_offloads, load_llama
         from engine.gguf_file import read_gguf
 
         llama_cpp = import_llama_cpp()
         self.path = path
-        offload = device == "cuda" and bool(llama_cpp.llama_supports_gpu_offload())
+        offload = llama_offloads(llama_cpp, device)
         self.device = "cuda" if offload else "cpu"
         self.threads = threads
         meta = read_gguf(path).metadata

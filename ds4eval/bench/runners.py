@@ -75,6 +75,12 @@ def import_llama_cpp() -> Any:
 _params_lock = threading.Lock()
 
 
+def llama_offloads(llama_cpp: Any, device: str) -> bool:
+    """Whether llama.cpp runs on the GPU: only when asked for CUDA and the installed build
+    can offload (a CPU-only build then runs on the CPU)."""
+    return device == "cuda" and bool(llama_cpp.llama_supports_gpu_offload())
+
+
 def load_llama(llama_cpp: Any, *, extra_buffers: bool = True, **kwargs: Any) -> Any:
     """`llama_cpp.Llama(**kwargs)`; with `extra_buffers=False` the model is loaded without
     ggml's extra buffer types (its repacked and AMX weight layouts: llama.cpp's `--no-repack`).
@@ -192,8 +198,7 @@ class LlamaCppRunner:
         self.path = path
         self.ctx = ctx
         self.threads = threads
-        # Offload only when asked for the GPU and the installed build can do it.
-        self._offload = device == "cuda" and bool(self._llama_cpp.llama_supports_gpu_offload())
+        self._offload = llama_offloads(self._llama_cpp, device)
         self.device = "cuda" if self._offload else "cpu"
         self.model_name = os.path.basename(path)
         self._llm: Any = None

@@ -409,3 +409,15 @@ def test_load_llama_without_extra_buffers_swaps_the_default_params_for_one_load(
     assert binding.llama_model_default_params is Params  # restored after a failed load too
     load_llama(fake, model_path="m.gguf")
     assert seen[-1][0] is True
+
+
+def test_llama_cpp_offloads_only_to_a_cuda_device_its_build_supports():
+    from types import SimpleNamespace
+
+    from ds4eval.bench.runners import llama_offloads
+
+    gpu_build = SimpleNamespace(llama_supports_gpu_offload=lambda: True)
+    cpu_build = SimpleNamespace(llama_supports_gpu_offload=lambda: False)
+    assert llama_offloads(gpu_build, "cuda")
+    assert not llama_offloads(cpu_build, "cuda")
+    assert not llama_offloads(gpu_build, "cpu")
