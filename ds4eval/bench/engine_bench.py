@@ -289,7 +289,7 @@ class Measurement:
         return {"engine": self.engine, "model": self.model, "device": self.device, "weights": self.weights,
                 "threads": self.threads, "ctx": self.ctx, "metric": self.metric, "n_prompt": self.n_prompt,
                 "n_decode": self.n_decode, "batch": self.batch, "repeat": self.repeat,
-                "seconds": f"{self.seconds:.6f}",
+                "seconds": f"{self.seconds:.9f}",
                 "tokens_per_s": "" if tps is None else f"{tps:.3f}"}
 
 

@@ -282,7 +282,7 @@ def csv_rows(result: SessionsBenchResult) -> list[dict[str, object]]:
             rows.append({**common, **mem, "status": "skipped: memory"})
         for m in ms:
             rows.append({**common, **mem, "decode_tokens": m.decode_tokens, "repeat": m.repeat,
-                         "seconds": f"{m.seconds:.6f}", "aggregate_tokens_per_s": f"{m.aggregate:.3f}",
+                         "seconds": f"{m.seconds:.9f}", "aggregate_tokens_per_s": f"{m.aggregate:.3f}",
                          "per_session_tokens_per_s": f"{m.per_session:.3f}", "status": "ok"})
     return rows
 
