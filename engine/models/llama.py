@@ -48,16 +48,30 @@ from engine.device_sampling import DeviceLogits, StepLogits
 from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
-Norm = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, n], weight [n]) -> normed x
-
-
 class StepKernels(Protocol):
-    """Replacements for a decoding step's elementwise work (e.g. engine.cuda_graphs' fused
-    kernels): the block and output RMSNorms (not qwen3's per-head ones) and the SwiGLU."""
+    """A forward pass's elementwise work: the block and output RMSNorms (not qwen3's per-head
+    ones) and the SwiGLU.  `TorchKernels` is the model's own; engine.cuda_graphs passes fused
+    kernels to `LlamaModel.decode_layers` instead."""
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchKernels:
+    """StepKernels in torch ops, float32 (the CPU path, prefill and eager CUDA decoding)."""
+
+    def __init__(self, eps: torch.Tensor, n_ff: int):
+        self.eps = eps  # a device scalar: no host value enters the expression
+        self.n_ff = n_ff
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # mean(x^2) + eps as |x|^2 / n + eps: two fused operations instead of four.
+        ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate_up[:, : self.n_ff]) * gate_up[:, self.n_ff:]
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
@@ -125,7 +139,7 @@ class LlamaModel:
             self.output: Linear = DenseLinear(self.embed.table)
         else:
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device)
-        self._eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
+        self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff)
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
         # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
@@ -181,34 +195,26 @@ class LlamaModel:
         cfg = self.cfg
         return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self._norm(h, self.out_norm)).float()
+    def head(self, h: torch.Tensor, ops: StepKernels | None = None) -> torch.Tensor:
+        return self.output((ops or self.torch_kernels).norm(h, self.out_norm)).float()
 
-    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # mean(x^2) + eps as |x|^2 / n + eps: two fused operations instead of four.
-        ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        return x * torch.addcmul(self._eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * w
-
-    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor, ops: StepKernels) -> torch.Tensor:
         """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        qkv = blk.wqkv((norm or self._norm)(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
+        qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None:
-            qkv[:, : H * D] = self._norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
-            qkv[:, H * D: (H + Hkv) * D] = self._norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
-                                                      blk.k_norm).view(T, Hkv * D)
+            norm = self.torch_kernels.norm
+            qkv[:, : H * D] = norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
+            qkv[:, H * D: (H + Hkv) * D] = norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
+                                                blk.k_norm).view(T, Hkv * D)
         torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
-    def _ffn(self, blk: Block, x: torch.Tensor, kernels: StepKernels | None = None) -> None:
+    @staticmethod
+    def _ffn(blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x."""
-        if kernels is not None:
-            blk.w_down.accumulate(x, kernels.swiglu(blk.w_gate_up(kernels.norm(x, blk.ffn_norm))))
-            return
-        n_ff = self.cfg.n_ff
-        gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm))
-        blk.w_down.accumulate(x, F.silu(gate_up[:, :n_ff]) * gate_up[:, n_ff:])
+        blk.w_down.accumulate(x, ops.swiglu(blk.w_gate_up(ops.norm(x, blk.ffn_norm))))
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
@@ -299,20 +305,18 @@ class LlamaModel:
 
     def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor,
                       attend: Callable[[int, torch.Tensor], torch.Tensor],
-                      kernels: StepKernels | None = None) -> torch.Tensor:
+                      ops: StepKernels | None = None) -> torch.Tensor:
         """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position and
         attend(layer, qkv [N, ...]) -> [N, H * D] (which stores the new keys and values) ->
-        logits [N, n_vocab] float32.  `kernels` replaces the norms and the SwiGLU, e.g. by
-        fused kernels.  It launches no host synchronisation, so a CUDA graph can capture it
-        (engine.cuda_graphs)."""
+        logits [N, n_vocab] float32.  `ops` replaces the norms and the SwiGLU (default: the
+        model's torch ops), e.g. by fused kernels.  It launches no host synchronisation, so a
+        CUDA graph can capture it (engine.cuda_graphs)."""
+        ops = ops or self.torch_kernels
         x = self.embed(tokens)  # [N, n_embd] residual stream, float32
-        norm = None if kernels is None else kernels.norm
         for li, blk in enumerate(self.blocks):
-            blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, norm)))
-            self._ffn(blk, x, kernels)
-        if norm is None:
-            return self.head(x)
-        return self.output(norm(x, self.out_norm)).float()
+            blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
+            self._ffn(blk, x, ops)
+        return self.head(x, ops)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
@@ -361,7 +365,7 @@ class LlamaModel:
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
-            qkv = self._qkv(blk, x, rope)
+            qkv = self._qkv(blk, x, rope, self.torch_kernels)
             cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
             keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
             if self.device.type == "cpu" and keys.dtype != torch.float32:  # float16 cache: attend in float32
@@ -370,7 +374,7 @@ class LlamaModel:
             att = F.scaled_dot_product_attention(q, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
                                                  is_causal=causal, enable_gqa=True)  # [1, H, T, D]
             blk.wo.accumulate(x, att[0].transpose(0, 1).reshape(T, H * D))
-            self._ffn(blk, x)
+            self._ffn(blk, x, self.torch_kernels)
         cache.n = end
         if logits == "last":
             return self.head(x[-1:])[0]
