@@ -19,8 +19,7 @@ agreed with the CPU float32 path at 98.05% of teacher-forced positions, against 
 decoding and eager) with these kernels.
 
 One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
-as int32 words, four to a group, so each thread sums a whole group of a column alone, and
-turns nibbles into floats by OR-ing them into the mantissa of 2**23.  Two rows and more
+as int32 words, four to a group, so each thread sums a whole group of a column alone.  Two rows and more
 (`_int4_gemm`) run on the tensor cores, one group per product.  Measured on an H200 per
 product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
 at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
@@ -29,7 +28,8 @@ rows, on the 1B shape's matrices, 16.5-44 us against 22-154 us; at 64 rows on th
 shape's small matrices 8.6-21 us against 4.3-11.9 us; at 2048 rows on those small matrices
 21-61 us against 57-327 us.  The one-row kernel stays well above the bandwidth floor (the
 16384 x 2048 matrix: 14.7 us against about 4.4 us to read it once); neither reading the
-activations as vectors nor the float conversion changed that in a sweep.  `launch_for` and
+activations as vectors nor turning nibbles into floats by bit tricks (OR-ed into the
+mantissa of 2**23) changed that in a sweep.  `launch_for` and
 `gemv_launch_for` hold the launch shapes the sweeps found fastest, except for small matrices
 at more than 16 rows: the sweep capped their split, and whole 64-row decoding steps of the
 135M shape ran at 25,006 tokens/s with an uncapped split against 18,587 with the sweep's
@@ -216,9 +216,8 @@ if AVAILABLE:
 
     @triton.jit
     def _nibble(words, shift: tl.constexpr):
-        """The 4-bit integers at `shift` of int32 words as float32, without a conversion
-        instruction: OR-ed into the mantissa of 2**23 they are 2**23 + q, exactly."""
-        return (((words >> shift) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        """The 4-bit integers at `shift` of int32 words, as float32."""
+        return ((words >> shift) & 15).to(tl.float32)
 
     @triton.jit
     def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
@@ -300,9 +299,8 @@ def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int, add: bool) -> to
     return out
 
 
-def _accepts(into: torch.Tensor | None, rows: int, n: int) -> bool:
-    return (into is not None and into.dtype == torch.float32 and into.shape == (rows, n)
-            and into.is_contiguous())
+def _accepts(into: torch.Tensor, rows: int, n: int) -> bool:
+    return into.dtype == torch.float32 and into.shape == (rows, n) and into.is_contiguous()
 
 
 class Int4Weight:
