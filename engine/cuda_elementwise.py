@@ -3,7 +3,7 @@ the next matmul reads.
 
 - `rms_norm(x, w, eps, out_dtype)`: x [N, n] float32 (contiguous rows), w [n] float32 ->
   x * rsqrt(mean(x^2) + eps) * w, one program per row, float32 arithmetic.  The torch
-  expression (`LlamaModel._norm`, then the matmul's cast) is five elementwise and reduction
+  expression (`engine.models.llama.TorchKernels.norm`, then the matmul's cast) is five elementwise and reduction
   kernels and a cast.  The mean square is summed in another order than torch's, so results
   differ in the last bits.
 - `swiglu(gate_up, out_dtype)`: gate_up [N, 2 * n_ff] (gate, then up; float32 from int4
