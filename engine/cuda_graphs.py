@@ -27,6 +27,12 @@ with the eager CUDA path and the CPU float32 path.  Graphs share one memory pool
 are copied out before the next replay.  A bucket's first step captures it (tens of
 milliseconds after a one-off Triton compile); `capture_seconds` sums that time.
 
+`run` waits for its step; `launch` only enqueues it and returns a `PendingStep` that settles
+later, and a launched step may take its token from an earlier step's greedy ids on the device,
+so a session can keep steps going ahead of the host (engine.session's run-ahead).  The pinned
+buffers the host fills and reads form a ring of RING launches per graph; a launch waits only
+for the one that last used its buffers.
+
 Not used on CPU, for more rows than the largest bucket, or where Triton is missing
 (`usable`); `LlamaModel.decode` then runs the eager step, as it does from then on when a
 capture fails (`disabled_reason` says why).  It does not prefill, sample or
@@ -67,20 +73,66 @@ def bucket_for(n: int) -> int | None:
     return None
 
 
+RING = 4  # launches of one graph whose pinned host buffers may still be in use
+
+
+class PendingStep:
+    """A replayed step whose greedy ids may still be on their way to the host.  `rows` (its
+    logits) and `ids` (its greedy ids on the device, kept where a later step takes its token
+    from them) are its own copies; `result()` waits for the step."""
+
+    __slots__ = ("rows", "ids", "eos_ids", "_event", "_host", "_ids")
+
+    def __init__(self, rows: torch.Tensor, ids: torch.Tensor | None, event: torch.cuda.Event,
+                 host_ids: torch.Tensor, eos_ids: frozenset[int]):
+        self.rows = rows  # float32 [N, n_vocab] on the device
+        self.ids = ids  # int64 [N, 2] on the device, or None
+        self.eos_ids = eos_ids
+        self._event = event
+        self._host = host_ids  # pinned [N, 2], filled once the event has completed
+        self._ids: list[list[int]] | None = None
+
+    def settle(self) -> None:
+        """Wait for the step and take its ids off the pinned buffer (which is then free)."""
+        if self._ids is None:
+            self._event.synchronize()
+            self._ids = self._host.tolist()
+
+    def result(self) -> StepLogits:
+        self.settle()
+        return StepLogits(self.rows, self._ids, self.eos_ids)
+
+
 class _Captured:
     """One bucket's graph with every tensor it reads or writes: the graph holds raw addresses,
-    so each must live as long as the graph does."""
+    so each must live as long as the graph does.  The pinned buffers the host fills and reads
+    form a ring of RING launches, so a launch need not wait for the one before it."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, table: torch.Tensor, host: torch.Tensor,
+    def __init__(self, graph: torch.cuda.CUDAGraph, table: torch.Tensor, b: int,
                  logits: torch.Tensor, ids: torch.Tensor, work: cuda_attention.Workspace,
                  eos_index: torch.Tensor | None):
         self.graph = graph
         self.work = work
         self.eos_index = eos_index
         self.table = table  # int64 [B, ROW_FIELDS] on the device, read by the graph
-        self.host = host  # pinned twin of `table`
         self.logits = logits  # float32 [B, n_vocab], written by each replay
         self.ids = ids  # int64 [B, 2]: argmax, argmax with eos masked
+        self.hosts = [torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long).pin_memory()
+                      for _ in range(RING)]  # pinned twins of `table`
+        self.host_ids = [torch.zeros((b, 2), dtype=torch.long).pin_memory() for _ in range(RING)]
+        self.events = [torch.cuda.Event() for _ in range(RING)]
+        self.owners: list[PendingStep | None] = [None] * RING
+        self.turn = 0
+
+    def next_slot(self) -> int:
+        """The ring's next buffers, once the launch that used them last has completed."""
+        i = self.turn
+        self.turn = (i + 1) % RING
+        owner = self.owners[i]
+        if owner is not None:
+            owner.settle()
+            self.owners[i] = None
+        return i
 
 
 class _FusedKernels:
@@ -136,12 +188,14 @@ class DecodeGraphs:
             raise ValueError("cache memory is not aligned to its element size")
         return offset, kv.stride(0), kv.stride(1), kv.stride(2)
 
-    def _fill(self, cap: _Captured, tokens: list[int], caches: list[KVCache], base: torch.Tensor) -> None:
-        rows = [[t, c.n, *self._place(c.kv, base)] for t, c in zip(tokens, caches)]
+    def _fill(self, cap: _Captured, slot: int, tokens: list[int], caches: list[KVCache],
+              base: torch.Tensor, ahead: int = 0) -> None:
+        rows = [[t, c.n + ahead, *self._place(c.kv, base)] for t, c in zip(tokens, caches)]
         pad = [0, 0, *self._place(base, base)]
         rows += [pad] * (cap.table.shape[0] - len(rows))
-        cap.host.copy_(torch.tensor(rows, dtype=torch.long))
-        cap.table.copy_(cap.host, non_blocking=True)
+        host = cap.hosts[slot]
+        host.copy_(torch.tensor(rows, dtype=torch.long))
+        cap.table.copy_(host, non_blocking=True)
 
     def _compute_dtype(self) -> torch.dtype:
         """The dtype the model's matmuls take their inputs in (where fused kernels write)."""
@@ -168,12 +222,11 @@ class DecodeGraphs:
         cfg = self.net.cfg
         base = self._base(dtype)
         table = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long, device=device)
-        host = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long).pin_memory()
         work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device,
                                         self._compute_dtype() if self.fused else torch.float32)
         eos_index = eos_tensor(eos_ids, device)
-        cap = _Captured(None, table, host, None, None, work, eos_index)  # type: ignore[arg-type]
-        self._fill(cap, [], [], base)  # every row padding: warm-up and capture write only scratch
+        cap = _Captured(None, table, b, None, None, work, eos_index)  # type: ignore[arg-type]
+        self._fill(cap, cap.next_slot(), [], [], base)  # every row padding: warm-up and capture write only scratch
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compiles the Triton kernels, creates library handles
@@ -190,11 +243,8 @@ class DecodeGraphs:
         return cap
 
     # --- a step ---
-    def run(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
-        """One token for each of N caches (N <= the largest bucket): stores their keys and
-        values, advances each cache by one and returns the step's logits."""
-        n = len(caches)
-        b = bucket_for(n)
+    def _graph_for(self, caches: list[KVCache], eos_ids: frozenset[int]) -> _Captured:
+        b = bucket_for(len(caches))
         dtype = caches[0].kv.dtype
         n_ctx = max(c.n_ctx for c in caches)
         key = (b, dtype, eos_ids, n_ctx, self.fused)
@@ -206,16 +256,42 @@ class DecodeGraphs:
                 self.enabled = False
                 self.disabled_reason = f"{type(e).__name__}: {e}"[:300]
                 raise GraphsUnavailable(self.disabled_reason) from e
+        return cap
+
+    def launch(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset(),
+               ahead: int = 0, after: PendingStep | None = None, column: int = 0,
+               keep_ids: bool = False) -> PendingStep:
+        """Enqueue one step for each of N caches (N <= the largest bucket) and return without
+        waiting for it: row i evaluates tokens[i] or, with `after`, column `column` of that
+        earlier step's greedy ids (a token the host does not know yet), at position
+        cache.n + ahead, storing its key and value there.  The caches' lengths are left as
+        they are (`run` advances them); `keep_ids` keeps the step's ids on the device for a
+        later step's `after`."""
+        cap = self._graph_for(caches, eos_ids)
+        n = len(caches)
         for c in caches:
-            c.reserve(c.n + 1)
-        self._fill(cap, tokens, caches, self._base(dtype))
+            c.reserve(c.n + ahead + 1, written=c.n + ahead)
+        slot = cap.next_slot()
+        self._fill(cap, slot, tokens, caches, self._base(caches[0].kv.dtype), ahead)
+        if after is not None:
+            cap.table[:n, cuda_attention.TOKEN].copy_(after.ids[:n, column])
         cap.graph.replay()
         self.replays += 1
-        rows = cap.logits[:n].clone()  # the next replay overwrites the static output
-        ids = cap.ids[:n].tolist()  # waits for the step
+        rows = cap.logits[:n].clone()  # the next replay overwrites the static outputs
+        ids = cap.ids[:n].clone() if keep_ids else cap.ids[:n]
+        host = cap.host_ids[slot][:n]
+        host.copy_(ids, non_blocking=True)
+        cap.events[slot].record()
+        step = cap.owners[slot] = PendingStep(rows, ids if keep_ids else None, cap.events[slot], host, eos_ids)
+        return step
+
+    def run(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
+        """One token for each of N caches (N <= the largest bucket): stores their keys and
+        values, advances each cache by one and returns the step's logits."""
+        out = self.launch(tokens, caches, eos_ids).result()
         for c in caches:
             c.n += 1
-        return StepLogits(rows, ids, eos_ids)
+        return out
 
     @property
     def captured_buckets(self) -> set[int]:

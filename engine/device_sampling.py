@@ -80,18 +80,25 @@ class DeviceLogits:
     def argmax(self) -> int:
         return self.greedy
 
-    def pick(self, sampler: "Sampler") -> int:
-        """The token `sampler` draws from this row, without copying the row to the host."""
+    def greedy_column(self, sampler: "Sampler") -> int | None:
+        """Which of the step's greedy ids `sampler` draws from this row: 0 (plain argmax), 1
+        (eos masked), or None where it draws otherwise (sampling, other masked ids)."""
         p = sampler.params
         if p.argmax_ignoring_eos:
             if not sampler.eos_ids:
-                return self.greedy
-            if sampler.eos_ids == self.eos_ids:
-                return self.greedy_no_eos
+                return 0
+            return 1 if sampler.eos_ids == self.eos_ids else None
+        return 0 if p.temperature == 0.0 else None
+
+    def pick(self, sampler: "Sampler") -> int:
+        """The token `sampler` draws from this row, without copying the row to the host."""
+        column = self.greedy_column(sampler)
+        if column is not None:
+            return self.greedy_no_eos if column else self.greedy
+        p = sampler.params
+        if p.argmax_ignoring_eos:  # eos ids other than the step's
             banned = torch.tensor(sorted(sampler.eos_ids), dtype=torch.long, device=self.row.device)
             return int(self.row.index_fill(0, banned, float("-inf")).argmax())
-        if p.temperature == 0.0:
-            return self.greedy
         probs = filtered_probs(self.row, p)
         u = torch.rand((), generator=sampler.generator, dtype=torch.float64)
         cdf = torch.cumsum(probs.double(), dim=0)

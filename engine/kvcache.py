@@ -54,16 +54,20 @@ class KVCache:
     def capacity(self) -> int:
         return self.kv.shape[3]
 
-    def reserve(self, n: int) -> None:
+    def reserve(self, n: int, written: int | None = None) -> None:
+        """Room for n positions.  A reallocation keeps the first `written` positions: by default
+        the valid ones (`self.n`); more where steps launched ahead of the frontier already
+        stored keys past it (engine.session's run-ahead)."""
         if not _must_grow(n, self.capacity, self.n_ctx):
             return
         if self.pool is not None:
             self.pool.reserve(n)
             return
         old = self.kv
-        # Positions past `n` are written before they are read, so the new tail needs no zeroing.
+        keep = min(self.n if written is None else max(self.n, written), old.shape[3])
+        # Positions past `keep` are written before they are read, so the new tail needs no zeroing.
         new = old.new_empty(*old.shape[:3], _grown(old.shape[3], n, self.n_ctx), old.shape[4])
-        new[:, :, :, : self.n] = old[:, :, :, : self.n]
+        new[:, :, :, :keep] = old[:, :, :, :keep]
         self._attach(new)
 
     @property

@@ -202,7 +202,7 @@ def generate(session: Session, params: SamplingParams, max_tokens: int,
     for _ in range(max_tokens):
         if cancel is not None and cancel():
             return
-        token = sampler(session.raw_logits)
+        token = session.choose(sampler)
         yield token
         if token in session.model.eos_ids and not params.argmax_ignoring_eos:
             return

@@ -173,5 +173,10 @@ class Network(Protocol):
     def decode_frontier(self, token: int, cache: "KVCache", eos_ids: frozenset[int] = frozenset(),
                         cancel: Callable[[], bool] | None = None) -> Any: ...
 
+    # Launch a one-row step at cache.n + ahead without waiting (a pending step), or None where
+    # the device cannot (CPU): a greedy session's run-ahead (engine.session).
+    def decode_ahead(self, token: int | None, cache: "KVCache", eos_ids: frozenset[int], ahead: int,
+                     after: Any = None, column: int = 0) -> Any: ...
+
 
 __all__ = ["EngineAPI", "ModelLike", "Network", "SessionLike", "TextStreamLike"]

@@ -14,6 +14,19 @@ prefill chunks), the same computation as that re-evaluation and as `load_payload
 repeated request or a restored cache gives bitwise the same logits, hence the same greedy
 continuation, as the first time.
 
+Run-ahead (CUDA graph decoding, greedy samplers): when `sample` or `choose` picks a token
+from a device row, the session also launches that token's step and the step of its greedy
+successor, whose token the GPU takes from the first step's ids without the host, and returns
+without waiting.  `eval` of the same token then only waits for a step already under way, so
+the host's work between tokens (detokenizing, stop checks, streaming) overlaps the GPU's
+instead of adding to it.  The launched steps are the same graph replays at the same
+positions as `eval` would run, so the logits are bitwise the same.  What the caller sees
+never runs ahead: `tokens`, the cache's length and `logits` change only on `eval`; steps
+launched ahead store keys and values past the cache's valid length, and any other change
+(another token, truncate, sync, a restore, a batched step) drops them unused: later work on
+the same stream overwrites what they stored.  A step ahead of an end-of-generation token or
+of the context's end is never launched.
+
 Cancellation is cooperative: `cancel()` is polled before each prefill chunk and between the
 layers of a chunk's forward pass; when it returns True `Cancelled` is raised with the session
 valid at the last complete chunk (keys and values a cancelled chunk wrote lie beyond the
@@ -45,6 +58,7 @@ from engine.errors import Cancelled
 from engine.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
+    from engine.cuda_graphs import PendingStep
     from engine.kvcache import KVCache
     from engine.model import Model
 
@@ -89,6 +103,21 @@ class Prefill:
         return len(part)
 
 
+RUN_AHEAD = 2  # decoding steps a greedy session keeps launched past its frontier
+
+
+class _Ahead:
+    """A step launched past the frontier: it evaluates `token` (None until the step before it
+    is adopted) at the frontier's position plus its place in the list."""
+
+    __slots__ = ("token", "column", "step")
+
+    def __init__(self, token: int | None, column: int, step: "PendingStep"):
+        self.token = token
+        self.column = column  # which greedy id of the step before it is its token
+        self.step = step
+
+
 class Session:
     def __init__(self, model: "Model", cache: "KVCache | None" = None):
         self.model = model
@@ -96,9 +125,11 @@ class Session:
         self.tokens: list[int] = []
         self._logits: torch.Tensor | DeviceLogits | None = None
         self._sampler: Sampler | None = None
+        self._ahead: list[_Ahead] = []  # steps launched past the frontier, oldest first
 
     def reset(self) -> None:
         """Forget everything; the cache's memory is kept for reuse."""
+        self._ahead.clear()
         self.tokens = []
         self.cache.n = 0
         self._logits = None
@@ -121,6 +152,7 @@ class Session:
 
     def truncate(self, n: int) -> None:
         if n < len(self.tokens):
+            self._ahead.clear()
             self.tokens = self.tokens[:n]
             self.cache.n = n
             self._logits = None
@@ -135,6 +167,7 @@ class Session:
         if not 0 <= n <= len(other.tokens):
             raise ValueError(f"cannot copy {n} tokens of a session that holds {len(other.tokens)}")
         self.check_fits(n)
+        self._ahead.clear()
         self.cache.copy_prefix(other.cache, n)
         self.tokens = list(other.tokens[:n])
         self._logits = None
@@ -149,6 +182,7 @@ class Session:
         """Record `token` as evaluated, with the next-token `logits` its step produced: for a
         caller that ran the decode step itself and already stored the token's keys and values
         in this session's cache (engine.batch.decode_batch)."""
+        self._ahead.clear()
         self.tokens.append(int(token))
         self._logits = logits
 
@@ -156,6 +190,7 @@ class Session:
         """Evaluate `ids` after the cached tokens.  With `frontier` the last token runs as a
         one-row decode step and sets `logits`; without, no logits are computed (an inner chunk)."""
         net, device = self.model.net, self.model.device
+        self._ahead.clear()
         threads.before_forward()
         body = ids[:-1] if frontier else ids
         if body:
@@ -188,6 +223,7 @@ class Session:
             raise ValueError("extend_logits needs at least one token")
         self.check_fits(len(self.tokens) + len(ids))
         net, device, step = self.model.net, self.model.device, self.model.prefill_chunk
+        self._ahead.clear()
         self._logits = None
         for start in range(0, len(ids), step):
             if cancel is not None and cancel():
@@ -225,13 +261,52 @@ class Session:
 
     def eval(self, token: int) -> None:
         self.check_fits(len(self.tokens) + 1)
-        self._run([int(token)])
+        token = int(token)
+        if self._ahead and self._ahead[0].token == token:
+            self._adopt()
+        else:
+            self._run([token])
 
     def sample(self, params: SamplingParams) -> int:
         """Sample the next token; the same params object continues one random stream."""
         if self._sampler is None or self._sampler.params is not params:
             self._sampler = Sampler(params, self.model.eos_ids)
-        return self._sampler(self.raw_logits)
+        return self.choose(self._sampler)
+
+    def choose(self, sampler: Sampler) -> int:
+        """`sampler`'s token for the frontier.  Where the frontier is a device row and the
+        sampler greedy, the steps of that token and of its greedy successor are launched before
+        this returns (run-ahead, see the module docstring)."""
+        logits = self.raw_logits
+        token = sampler(logits)
+        column = logits.greedy_column(sampler) if isinstance(logits, DeviceLogits) else None
+        if column is None or (token in self.model.eos_ids and not sampler.params.argmax_ignoring_eos):
+            self._ahead.clear()  # the caller samples, or stops here
+        else:
+            self._run_ahead(token, column)
+        return token
+
+    def _run_ahead(self, token: int, column: int) -> None:
+        ahead = self._ahead
+        if ahead and (ahead[0].token != token or ahead[0].column != column):
+            ahead.clear()
+        while len(ahead) < RUN_AHEAD and len(self.tokens) + len(ahead) < self.cache.n_ctx:
+            after = ahead[-1].step if ahead else None
+            step = self.model.net.decode_ahead(None if ahead else token, self.cache, self.model.eos_ids,
+                                               len(ahead), after, column)
+            if step is None:
+                return
+            ahead.append(_Ahead(None if ahead else token, column, step))
+
+    def _adopt(self) -> None:
+        """The oldest step launched ahead becomes the frontier (its key and value are stored)."""
+        done = self._ahead.pop(0)
+        logits = done.step.result().row(0)
+        self.cache.n += 1
+        self.tokens.append(done.token)
+        self._logits = logits
+        if self._ahead:  # the next step evaluates the greedy id this one produced
+            self._ahead[0].token = logits.greedy_no_eos if done.column else logits.greedy
 
     def save_payload(self) -> bytes:
         k, v = self.cache.state()
@@ -259,6 +334,7 @@ class Session:
         off = _HEADER.size
         if len(data) != off + 4 * n + 2 * kv_bytes:
             raise ValueError("KV payload length does not match its header")
+        self._ahead.clear()
         tokens = np.frombuffer(data, dtype="<i4", count=n, offset=off).tolist()
         off += 4 * n
         shape = (n_layer, n_kv, n, hd)

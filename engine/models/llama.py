@@ -345,6 +345,21 @@ class LlamaModel:
         tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
         return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
 
+    def decode_ahead(self, token: int | None, cache: KVCache, eos_ids: frozenset[int], ahead: int,
+                     after: "cuda_graphs.PendingStep | None" = None,
+                     column: int = 0) -> "cuda_graphs.PendingStep | None":
+        """Launch the one-row step of `token` (or of `after`'s greedy id in `column`) at position
+        cache.n + ahead without waiting for it, where a captured graph takes this cache; None
+        where none does (the caller decodes as usual).  The cache's length is not changed."""
+        g = self.decode_graphs
+        if g is None or not g.accepts([cache]) or cache.n + ahead >= cache.n_ctx:
+            return None
+        try:
+            return g.launch([0 if token is None else int(token)], [cache], eos_ids, ahead=ahead,
+                            after=after, column=column, keep_ids=True)
+        except cuda_graphs.GraphsUnavailable:
+            return None
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
                 cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:

@@ -274,3 +274,116 @@ def test_device_logits_cross_only_when_read_and_sample_on_the_device(tiny_gguf):
     sampler = engine.Sampler(SamplingParams(temperature=1.5, top_k=20, seed=1), graphs.eos_ids)
     assert {sampler(raw) for _ in range(50)} <= allowed
     assert engine.Sampler(SamplingParams(temperature=1.0, top_k=1, seed=0))(raw) == raw.greedy
+
+
+# --- run-ahead: greedy sessions launch the next steps before the caller evaluates them ---
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 250, (n,), generator=g).tolist()
+
+
+def _script(m: engine.Model, monkeypatch, ahead: int, ops) -> list:
+    """Run `ops(session, record)` with RUN_AHEAD = ahead; record() keeps tokens and logits."""
+    import engine.session as es
+
+    monkeypatch.setattr(es, "RUN_AHEAD", ahead)
+    seen: list = []
+    s = m.new_session()
+
+    def record(*extra) -> None:
+        seen.append((list(s.tokens), s.cache.n, s.logits.clone(), *extra))
+
+    ops(s, record)
+    seen.append(s.save_payload())
+    return seen
+
+
+def _same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a[:-1], b[:-1]):
+        assert x[0] == y[0] and x[1] == y[1] and x[3:] == y[3:]
+        assert torch.equal(x[2], y[2])  # bitwise: the same graph replays at the same positions
+    assert a[-1] == b[-1]  # the valid keys and values too
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(argmax_ignoring_eos=True), SamplingParams(temperature=0.0)])
+def test_run_ahead_decodes_bitwise_like_stepping_across_cache_growth(tiny_gguf, monkeypatch, sampling):
+    m = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=1024), device="cuda")
+    prompt = _prompt(250, 1)  # the cache's first 256 positions fill up while steps run ahead
+
+    def ops(s, record):
+        s.sync(prompt)
+        for _ in range(24):
+            t = s.sample(sampling)
+            if t in m.eos_ids and not sampling.argmax_ignoring_eos:
+                break
+            s.eval(t)
+            record(t)
+    replays = m.net.decode_graphs.replays
+    ahead = _script(m, monkeypatch, 2, ops)
+    launched = m.net.decode_graphs.replays - replays
+    _same(ahead, _script(m, monkeypatch, 0, ops))
+    # the sync's frontier step, one step per record, and at most RUN_AHEAD steps never adopted
+    assert len(ahead) > 5 and launched <= 1 + (len(ahead) - 1) + 2
+
+
+def test_run_ahead_is_dropped_by_another_token_truncate_sync_and_restore(tiny_gguf, monkeypatch):
+    m = engine.load_model(tiny_gguf("qwen2", "Q4_0"), device="cuda")
+    saved: list[bytes] = []
+
+    def ops(s, record):
+        s.sync(TOKENS)
+        t = s.sample(GREEDY)
+        s.eval((t + 1) % 200)  # not the token the steps ahead evaluate
+        record()
+        for _ in range(3):
+            s.eval(s.sample(GREEDY))
+            record()
+        s.sample(GREEDY)
+        s.truncate(len(TOKENS) + 1)  # no frontier logits now: evaluate a given token
+        s.eval(TOKENS[3])
+        record()
+        s.eval(s.sample(GREEDY))
+        record()
+        s.sample(GREEDY)
+        saved.append(s.save_payload())
+        s.sync(TOKENS[:5] + [7, 8])
+        record()
+        s.eval(s.sample(GREEDY))
+        record()
+        s.sample(GREEDY)
+        s.load_payload(saved[-1])
+        record()
+        s.eval(s.sample(GREEDY))
+        record()
+    _same(_script(m, monkeypatch, 2, ops), _script(m, monkeypatch, 0, ops))
+
+
+def test_run_ahead_of_interleaved_sessions_and_up_to_the_context_end(tiny_gguf, monkeypatch):
+    m = engine.load_model(tiny_gguf("llama", "Q4_K"), device="cuda")  # n_ctx 256
+
+    def ops(s, record):
+        other = m.new_session()
+        s.sync(_prompt(240, 2))
+        other.sync(_prompt(30, 3))
+        while s.n_past < m.n_ctx:
+            s.eval(s.sample(GREEDY))
+            other.eval(other.sample(GREEDY))  # four steps ahead in flight: the ring of host buffers wraps
+            record(list(other.tokens))
+    _same(_script(m, monkeypatch, 2, ops), _script(m, monkeypatch, 0, ops))
+
+
+def test_sampling_and_generate_without_run_ahead_launch_nothing_extra(tiny_gguf, monkeypatch):
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"), device="cuda")
+    s = m.new_session()
+    s.sync(TOKENS)
+    g = m.net.decode_graphs
+    before = g.replays
+    hot = SamplingParams(temperature=0.8, seed=3)
+    for _ in range(5):
+        s.eval(s.sample(hot))
+    assert g.replays - before == 5  # a sampled token is never guessed ahead
+    before = g.replays
+    out = list(generate(s, GREEDY, 10))
+    assert len(out) == 10 and g.replays - before <= 9 + 2
