@@ -203,3 +203,171 @@ def test_a_copied_prefix_continues_exactly_like_a_prefilled_one(model):
     torch.testing.assert_close(b.logits, plain.logits, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="holds 40"):
         b.copy_prefix_from(a, 41)
+
+
+# --- run-ahead's bookkeeping, on the CPU ---
+# The real steps ahead are CUDA graph replays (tests/engine/test_cuda_graphs.py compares them
+# on a GPU). Here the network's frontier and steps ahead are the CPU model's own decode steps,
+# returned the way the CUDA path returns them (device-style rows with their greedy ids), so
+# the session's rules run where CI runs: which steps it launches, adopts and drops.
+
+class _StepAhead:
+    def __init__(self, rows: torch.Tensor, eos_ids: frozenset[int]):
+        from engine.device_sampling import greedy_pair
+
+        self.rows = rows
+        self.ids = greedy_pair(rows, None if not eos_ids else torch.tensor(sorted(eos_ids))).tolist()
+        self.eos_ids = eos_ids
+
+    def result(self):
+        from engine.device_sampling import StepLogits
+
+        return StepLogits(self.rows, self.ids, self.eos_ids)
+
+
+class _AheadNet:
+    """The CPU network with `decode_ahead`: a step at cache.n + ahead, the length kept."""
+
+    def __init__(self, net):
+        self.inner = net
+        self.launched = 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def _step(self, token: int, cache, pos: int, eos_ids) -> _StepAhead:
+        n = cache.n
+        cache.n = pos  # what is stored past the frontier is kept if the cache grows
+        rows = self.inner.forward(torch.tensor([int(token)]), pos, cache).unsqueeze(0)
+        cache.n = n
+        return _StepAhead(rows, eos_ids)
+
+    def decode_frontier(self, token, cache, eos_ids=frozenset(), cancel=None):
+        step = self._step(token, cache, cache.n, eos_ids)
+        cache.n += 1
+        return step.result().row(0)
+
+    def decode_ahead(self, token, cache, eos_ids, ahead, after=None, column=0):
+        if cache.n + ahead >= cache.n_ctx:
+            return None
+        self.launched += 1
+        return self._step(token if after is None else after.ids[0][column], cache, cache.n + ahead, eos_ids)
+
+
+@pytest.fixture
+def ahead_model(tiny_gguf):
+    m = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=512))
+    m.net = _AheadNet(m.net)
+    return m
+
+
+def _run_script(m, monkeypatch, ahead: int, ops) -> list:
+    import engine.session as es
+
+    monkeypatch.setattr(es, "RUN_AHEAD", ahead)
+    seen: list = []
+    s = m.new_session()
+
+    def record() -> None:
+        seen.append((list(s.tokens), s.cache.n, s.logits.clone()))
+
+    ops(s, record)
+    seen.append(s.save_payload())
+    return seen
+
+
+def _assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a[:-1], b[:-1]):
+        assert x[:2] == y[:2]
+        assert torch.equal(x[2], y[2])
+    assert a[-1] == b[-1]
+
+
+GREEDY = SamplingParams(argmax_ignoring_eos=True)
+
+
+def test_run_ahead_adopts_its_steps_and_changes_nothing_a_caller_sees(ahead_model, monkeypatch):
+    m = ahead_model
+    prompt = [(7 * i) % 200 + 3 for i in range(250)]  # the cache grows past 256 while steps run ahead
+
+    def ops(s, record):
+        s.sync(prompt)
+        for _ in range(12):
+            t = s.sample(GREEDY)
+            assert s.n_past == len(s.tokens) == s.cache.n  # nothing visible ran ahead
+            s.eval(t)
+            record()
+    m.net.launched = 0
+    with_ahead = _run_script(m, monkeypatch, 2, ops)
+    assert m.net.launched == 12 + 1  # one per adopted token, plus the successor never adopted
+    _assert_same(with_ahead, _run_script(m, monkeypatch, 0, ops))
+
+
+def test_run_ahead_is_dropped_by_every_other_change(ahead_model, monkeypatch):
+    m = ahead_model
+    saved: list[bytes] = []
+
+    def ops(s, record):
+        s.sync(IDS)
+        s.eval((s.sample(GREEDY) + 1) % 200)  # not the token launched ahead
+        record()
+        s.eval(s.sample(GREEDY))
+        record()
+        s.sample(GREEDY)
+        s.truncate(len(IDS) + 1)
+        s.eval(IDS[3])
+        record()
+        s.sample(GREEDY)
+        saved.append(s.save_payload())
+        s.sync(IDS[:5] + [7, 8])
+        record()
+        s.sample(GREEDY)
+        s.load_payload(saved[-1])
+        record()
+        s.eval(s.sample(GREEDY))
+        record()
+        s.sample(GREEDY)
+        s.reset()
+        s.sync(IDS[:9])
+        s.eval(s.sample(GREEDY))
+        record()
+    _assert_same(_run_script(m, monkeypatch, 2, ops), _run_script(m, monkeypatch, 0, ops))
+
+
+def test_no_step_ahead_of_a_sampled_token_an_end_token_or_the_context_end(ahead_model, monkeypatch):
+    m = ahead_model
+    s = m.new_session()
+    s.sync(IDS)
+    m.net.launched = 0
+    s.sample(SamplingParams(temperature=0.9, seed=1))
+    assert m.net.launched == 0
+    eos = next(iter(m.eos_ids))
+    plain = SamplingParams(temperature=0.0)
+    monkeypatch.setattr(engine.sampling.Sampler, "__call__", lambda self, logits: eos)
+    assert s.sample(plain) == eos and m.net.launched == 0  # a plain greedy caller stops at eos
+    monkeypatch.undo()
+    full = m.new_session()
+    full.sync([5] * (m.n_ctx - 1))
+    m.net.launched = 0
+    full.sample(GREEDY)
+    assert m.net.launched == 1  # the last position only: nothing past the context
+
+
+def test_a_different_token_for_the_same_frontier_launches_its_own_steps(ahead_model, monkeypatch):
+    m = ahead_model
+    s = m.new_session()
+    s.sync(IDS)
+    m.net.launched = 0
+    greedy = s.sample(GREEDY)
+    assert m.net.launched == 2
+    other = (greedy + 1) % 200
+    monkeypatch.setattr(engine.sampling.Sampler, "__call__", lambda self, logits: other)
+    assert s.sample(GREEDY) == other
+    assert m.net.launched == 4  # the steps of the greedy token were dropped, the new token's launched
+    monkeypatch.undo()
+    s.eval(other)
+    assert m.net.launched == 4 and s.tokens[-1] == other  # adopted: no step of its own
+    ref = m.new_session()
+    ref.sync(IDS + [other])
+    assert torch.equal(s.logits, ref.logits)
