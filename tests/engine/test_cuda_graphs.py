@@ -8,6 +8,7 @@ import torch
 import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
+from run_ahead_scripts import assert_same, dropping_ops, run_script
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -283,30 +284,6 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(3, 250, (n,), generator=g).tolist()
 
 
-def _script(m: engine.Model, monkeypatch, ahead: int, ops) -> list:
-    """Run `ops(session, record)` with RUN_AHEAD = ahead; record() keeps tokens and logits."""
-    import engine.session as es
-
-    monkeypatch.setattr(es, "RUN_AHEAD", ahead)
-    seen: list = []
-    s = m.new_session()
-
-    def record(*extra) -> None:
-        seen.append((list(s.tokens), s.cache.n, s.logits.clone(), *extra))
-
-    ops(s, record)
-    seen.append(s.save_payload())
-    return seen
-
-
-def _same(a: list, b: list) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a[:-1], b[:-1]):
-        assert x[0] == y[0] and x[1] == y[1] and x[3:] == y[3:]
-        assert torch.equal(x[2], y[2])  # bitwise: the same graph replays at the same positions
-    assert a[-1] == b[-1]  # the valid keys and values too
-
-
 @pytest.mark.parametrize("sampling", [SamplingParams(argmax_ignoring_eos=True), SamplingParams(temperature=0.0)])
 def test_run_ahead_decodes_bitwise_like_stepping_across_cache_growth(tiny_gguf, monkeypatch, sampling):
     m = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=1024), device="cuda")
@@ -321,43 +298,17 @@ def test_run_ahead_decodes_bitwise_like_stepping_across_cache_growth(tiny_gguf, 
             s.eval(t)
             record(t)
     replays = m.net.decode_graphs.replays
-    ahead = _script(m, monkeypatch, 2, ops)
+    ahead = run_script(m, monkeypatch, 2, ops)
     launched = m.net.decode_graphs.replays - replays
-    _same(ahead, _script(m, monkeypatch, 0, ops))
+    assert_same(ahead, run_script(m, monkeypatch, 0, ops))
     # the sync's frontier step, one step per record, and at most RUN_AHEAD steps never adopted
     assert len(ahead) > 5 and launched <= 1 + (len(ahead) - 1) + 2
 
 
-def test_run_ahead_is_dropped_by_another_token_truncate_sync_and_restore(tiny_gguf, monkeypatch):
+def test_run_ahead_is_dropped_by_another_token_truncate_sync_restore_and_reset(tiny_gguf, monkeypatch):
     m = engine.load_model(tiny_gguf("qwen2", "Q4_0"), device="cuda")
-    saved: list[bytes] = []
-
-    def ops(s, record):
-        s.sync(TOKENS)
-        t = s.sample(GREEDY)
-        s.eval((t + 1) % 200)  # not the token the steps ahead evaluate
-        record()
-        for _ in range(3):
-            s.eval(s.sample(GREEDY))
-            record()
-        s.sample(GREEDY)
-        s.truncate(len(TOKENS) + 1)  # no frontier logits now: evaluate a given token
-        s.eval(TOKENS[3])
-        record()
-        s.eval(s.sample(GREEDY))
-        record()
-        s.sample(GREEDY)
-        saved.append(s.save_payload())
-        s.sync(TOKENS[:5] + [7, 8])
-        record()
-        s.eval(s.sample(GREEDY))
-        record()
-        s.sample(GREEDY)
-        s.load_payload(saved[-1])
-        record()
-        s.eval(s.sample(GREEDY))
-        record()
-    _same(_script(m, monkeypatch, 2, ops), _script(m, monkeypatch, 0, ops))
+    ops = dropping_ops(TOKENS)
+    assert_same(run_script(m, monkeypatch, 2, ops), run_script(m, monkeypatch, 0, ops))
 
 
 def test_run_ahead_of_interleaved_sessions_and_up_to_the_context_end(tiny_gguf, monkeypatch):
@@ -371,7 +322,7 @@ def test_run_ahead_of_interleaved_sessions_and_up_to_the_context_end(tiny_gguf, 
             s.eval(s.sample(GREEDY))
             other.eval(other.sample(GREEDY))  # four steps ahead in flight: the ring of host buffers wraps
             record(list(other.tokens))
-    _same(_script(m, monkeypatch, 2, ops), _script(m, monkeypatch, 0, ops))
+    assert_same(run_script(m, monkeypatch, 2, ops), run_script(m, monkeypatch, 0, ops))
 
 
 def test_sampling_and_generate_without_run_ahead_launch_nothing_extra(tiny_gguf, monkeypatch):

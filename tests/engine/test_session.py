@@ -6,6 +6,7 @@ import torch
 
 import engine
 from engine import Cancelled, SamplingParams, generate
+from run_ahead_scripts import assert_same, dropping_ops, run_script
 
 
 @pytest.fixture(scope="module")
@@ -261,29 +262,6 @@ def ahead_model(tiny_gguf):
     return m
 
 
-def _run_script(m, monkeypatch, ahead: int, ops) -> list:
-    import engine.session as es
-
-    monkeypatch.setattr(es, "RUN_AHEAD", ahead)
-    seen: list = []
-    s = m.new_session()
-
-    def record() -> None:
-        seen.append((list(s.tokens), s.cache.n, s.logits.clone()))
-
-    ops(s, record)
-    seen.append(s.save_payload())
-    return seen
-
-
-def _assert_same(a: list, b: list) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a[:-1], b[:-1]):
-        assert x[:2] == y[:2]
-        assert torch.equal(x[2], y[2])
-    assert a[-1] == b[-1]
-
-
 GREEDY = SamplingParams(argmax_ignoring_eos=True)
 
 
@@ -299,40 +277,14 @@ def test_run_ahead_adopts_its_steps_and_changes_nothing_a_caller_sees(ahead_mode
             s.eval(t)
             record()
     m.net.launched = 0
-    with_ahead = _run_script(m, monkeypatch, 2, ops)
+    with_ahead = run_script(m, monkeypatch, 2, ops)
     assert m.net.launched == 12 + 1  # one per adopted token, plus the successor never adopted
-    _assert_same(with_ahead, _run_script(m, monkeypatch, 0, ops))
+    assert_same(with_ahead, run_script(m, monkeypatch, 0, ops))
 
 
 def test_run_ahead_is_dropped_by_every_other_change(ahead_model, monkeypatch):
-    m = ahead_model
-    saved: list[bytes] = []
-
-    def ops(s, record):
-        s.sync(IDS)
-        s.eval((s.sample(GREEDY) + 1) % 200)  # not the token launched ahead
-        record()
-        s.eval(s.sample(GREEDY))
-        record()
-        s.sample(GREEDY)
-        s.truncate(len(IDS) + 1)
-        s.eval(IDS[3])
-        record()
-        s.sample(GREEDY)
-        saved.append(s.save_payload())
-        s.sync(IDS[:5] + [7, 8])
-        record()
-        s.sample(GREEDY)
-        s.load_payload(saved[-1])
-        record()
-        s.eval(s.sample(GREEDY))
-        record()
-        s.sample(GREEDY)
-        s.reset()
-        s.sync(IDS[:9])
-        s.eval(s.sample(GREEDY))
-        record()
-    _assert_same(_run_script(m, monkeypatch, 2, ops), _run_script(m, monkeypatch, 0, ops))
+    ops = dropping_ops(IDS)
+    assert_same(run_script(ahead_model, monkeypatch, 2, ops), run_script(ahead_model, monkeypatch, 0, ops))
 
 
 def test_no_step_ahead_of_a_sampled_token_an_end_token_or_the_context_end(ahead_model, monkeypatch):
