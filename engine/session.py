@@ -290,13 +290,12 @@ class Session:
         ahead = self._ahead
         if ahead and (ahead[0].token != token or ahead[0].column != column):
             ahead.clear()
-        while len(ahead) < RUN_AHEAD and len(self.tokens) + len(ahead) < self.cache.n_ctx:
-            after = ahead[-1].step if ahead else None
-            step = self.model.net.decode_ahead(None if ahead else token, self.cache, self.model.eos_ids,
-                                               len(ahead), after, column)
+        while len(ahead) < RUN_AHEAD:  # the network declines a step past the context's end
+            known, after = (None, ahead[-1].step) if ahead else (token, None)
+            step = self.model.net.decode_ahead(known, self.cache, self.model.eos_ids, len(ahead), after, column)
             if step is None:
                 return
-            ahead.append(_Ahead(None if ahead else token, column, step))
+            ahead.append(_Ahead(known, column, step))
 
     def _adopt(self) -> None:
         """The oldest step launched ahead becomes the frontier (its key and value are stored)."""
