@@ -27,6 +27,11 @@ last token.  The summary gives each path's median and its ratio to the engine: t
 of the path's rate over the engine's rate in the same round, with the lowest and highest of
 those ratios (on a shared machine single rounds stray by tens of percent);
 `product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
+Where each token of a path came from one of the network's one-row decode steps (the CPU path;
+not batched steps, nor CUDA's run-ahead), the table also splits its time per token into the
+step's and the rest (`StepClock`): a path that lost speed around the step spends its time on
+per-token work of its own, one that lost it inside the step had its cores taken or met a
+slower moment of the host.
 `--busy N` measures beside N child processes that each spin on a core (a competing load, for
 the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
 machine; absolute figures are context.
@@ -95,10 +100,28 @@ class Sample:
     round: int
     tokens: int  # tokens after the first one, over which the rate is taken
     seconds: float
+    steps: int = 0  # the network's one-row decode steps in the whole measurement (StepClock)
+    step_seconds: float = 0.0  # their time on the engine thread
 
     @property
     def tps(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def step_ms(self) -> float | None:
+        """Mean time of one decode step, or None where the tokens did not each come from one
+        (batched steps, or CUDA's run-ahead, whose steps return before their work is done)."""
+        if self.steps < self.tokens or self.steps == 0:
+            return None
+        return self.step_seconds / self.steps * 1e3
+
+    @property
+    def outside_ms(self) -> float | None:
+        """Time per token outside the decode step: the path's own per-token work (and waits)."""
+        step = self.step_ms
+        if step is None or self.tokens < 1:
+            return None
+        return self.seconds / self.tokens * 1e3 - step
 
 
 def decode_rate(stamps: Sequence[float], tokens: int | None = None) -> tuple[int, float]:
@@ -133,6 +156,13 @@ class PathSummary:
     ratio: float | None  # median over rounds of tps / the engine's tps in that round; None for the engine
     ratio_low: float | None = None  # the lowest and highest of those same-round ratios: how far
     ratio_high: float | None = None  # single rounds strayed, so a reader can tell noise from a change
+    step_ms: float | None = None  # medians over rounds of Sample.step_ms and Sample.outside_ms:
+    outside_ms: float | None = None  # whether a slower path lost its time in the step or around it
+
+
+def _median_of(values: Sequence[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSummary]:
@@ -143,12 +173,15 @@ def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSumma
     out = []
     for p in paths:
         v = by_path.get(p) or [0.0]
-        per_round = [s.tps / engine_in[s.round] for s in samples if s.path == p and s.round in engine_in]
+        mine = [s for s in samples if s.path == p]
+        split = {"step_ms": _median_of([s.step_ms for s in mine]),
+                 "outside_ms": _median_of([s.outside_ms for s in mine])}
+        per_round = [s.tps / engine_in[s.round] for s in mine if s.round in engine_in]
         if p == ENGINE or not per_round:
-            out.append(PathSummary(p, statistics.median(v), min(v), max(v), None))
+            out.append(PathSummary(p, statistics.median(v), min(v), max(v), None, **split))
         else:
             out.append(PathSummary(p, statistics.median(v), min(v), max(v), statistics.median(per_round),
-                                   min(per_round), max(per_round)))
+                                   min(per_round), max(per_round), **split))
     return out
 
 
@@ -167,10 +200,15 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
         spread = "" if s.ratio_low is None or s.ratio_high is None else f" [{s.ratio_low:.2f}, {s.ratio_high:.2f}]"
         return f"{s.ratio:.3f}{spread}"
 
-    rows = [[s.path, f"{s.median_tps:.1f}", f"[{s.low_tps:.1f}, {s.high_tps:.1f}]", ratio(s)] for s in summary]
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    rows = [[s.path, f"{s.median_tps:.1f}", f"[{s.low_tps:.1f}, {s.high_tps:.1f}]", ratio(s), ms(s.step_ms),
+             ms(s.outside_ms)] for s in summary]
     single = next((s for s in summary if s.path == SERVER), None)
     lines = [tabulate(rows, headers=["path", "decode tok/s (median)", f"[min, max] of {rounds}",
-                                     "x engine [min, max of rounds]"], disable_numparse=True)]
+                                     "x engine [min, max of rounds]", "step ms", "outside ms/token"],
+                      disable_numparse=True)]
     for s in summary:
         if s.path.startswith("server-x") and single is not None and single.median_tps > 0:
             lines.append(f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream")
@@ -192,6 +230,41 @@ class _Stamps:
         if isinstance(event, Progress) and event.gen_tokens > self.last:
             self.last = event.gen_tokens
             self.times.append(time.perf_counter())
+
+
+class StepClock:
+    """Counts and times a network's one-row decode steps (`decode_frontier`) while held.
+
+    A path slower than the engine either spends longer per token outside the step (its own
+    per-token work: text, stops, events, streaming) or runs the step itself slower (other
+    threads taking the engine's cores, a host getting slower); the two call for different
+    fixes, and the rate alone cannot tell them apart.  Entering wraps the network's bound
+    method for that object only (two clock reads per step, the same on every path); leaving
+    restores it.  The steps run on the engine thread, and the counts are read after the path
+    has finished with it."""
+
+    def __init__(self, net: Any) -> None:
+        self.net = net
+        self.steps = 0
+        self.seconds = 0.0
+
+    def __enter__(self) -> "StepClock":
+        step = self.net.decode_frontier
+        clock = time.perf_counter
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = clock()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.seconds += clock() - t
+                self.steps += 1
+
+        self.net.decode_frontier = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.net.decode_frontier  # the instance attribute; the class's method shows again
 
 
 class _Paths:
@@ -356,13 +429,15 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
     for r in range(cfg.rounds):
         k = r % len(order)
         for p in order[k:] + order[:k]:
-            n, sec = paths.run(p)
+            with StepClock(model.net) as steps:
+                n, sec = paths.run(p)
             if n < 1 or sec <= 0:
                 raise RuntimeError(f"the {p} path gave fewer than two timed output pieces: nothing to measure "
                                    "(a case skipped for its context, or output held back until the end)")
-            s = Sample(p, r, n, sec)
+            s = Sample(p, r, n, sec, steps.steps, steps.seconds)
             samples.append(s)
-            report(f"[{r}] {p:<10} {s.tps:8.1f} tok/s ({n} tokens in {sec:.2f} s)")
+            split = "" if s.step_ms is None else f"; step {s.step_ms:.3f} ms, outside {s.outside_ms:.3f} ms/token"
+            report(f"[{r}] {p:<10} {s.tps:8.1f} tok/s ({n} tokens in {sec:.2f} s{split})")
     return samples
 
 

@@ -68,6 +68,54 @@ def test_render_table_names_the_ratios():
     assert "server-x8: 3.65x the server's single stream" in table
 
 
+def test_a_sample_splits_its_time_per_token_into_the_step_and_the_rest():
+    s = pb.Sample("server", 0, 100, 1.0, steps=102, step_seconds=0.918)
+    assert s.step_ms == pytest.approx(9.0) and s.outside_ms == pytest.approx(1.0)
+    # Fewer steps than tokens: the tokens came from batched steps (or ran ahead on CUDA), so
+    # a step's time is not a token's and nothing is split.
+    assert pb.Sample("server-x8", 0, 800, 1.0, steps=3, step_seconds=0.1).step_ms is None
+    assert pb.Sample("server-x8", 0, 800, 1.0, steps=3, step_seconds=0.1).outside_ms is None
+    assert pb.Sample("engine", 0, 10, 1.0).step_ms is None
+
+
+def test_summary_and_table_carry_the_split():
+    s = [pb.Sample("engine", r, 100, 1.0, 101, 0.909 + r * 0.101) for r in range(3)]
+    s += [pb.Sample("server", r, 100, 1.0, 100, 0.8) for r in range(3)]
+    s += [pb.Sample("server-x8", r, 800, 1.0, 2, 0.01) for r in range(3)]
+    by = {x.path: x for x in pb.summarize(s, ("engine", "server", "server-x8"))}
+    assert by["engine"].step_ms == pytest.approx(10.0)  # the middle round: 1.01 s / 101 steps
+    assert by["engine"].outside_ms == pytest.approx(0.0, abs=1e-9)
+    assert (by["server"].step_ms, by["server"].outside_ms) == (pytest.approx(8.0), pytest.approx(2.0))
+    assert by["server-x8"].step_ms is None and by["server-x8"].outside_ms is None
+    table = pb.render_table(list(by.values()), 3)
+    assert "outside ms/token" in table and "8.000" in table and "2.000" in table
+    row = next(line for line in table.splitlines() if line.startswith("server-x8"))
+    assert row.split()[-2:] == ["-", "-"]
+
+
+class _Net:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def decode_frontier(self, token: int, cache=None, eos_ids=frozenset(), cancel=None):
+        if token < 0:
+            raise ValueError("no such token")
+        self.calls.append(token)
+        return token * 2
+
+
+def test_step_clock_counts_and_times_every_step_and_leaves_the_network_as_it_was():
+    net = _Net()
+    with pb.StepClock(net) as clock:
+        assert [net.decode_frontier(t) for t in (1, 2, 3)] == [2, 4, 6]
+        with pytest.raises(ValueError):
+            net.decode_frontier(-1)  # a failed step is still a step that took time
+    assert clock.steps == 4 and clock.seconds > 0 and net.calls == [1, 2, 3]
+    assert "decode_frontier" not in vars(net)  # the class's own method again
+    net.decode_frontier(5)
+    assert clock.steps == 4
+
+
 @pytest.mark.parametrize("args,message", [
     (["--rounds", "0"], "--rounds must be >= 1"),
     (["--decode-tokens", "4"], "--decode-tokens must be >= 8"),
@@ -109,6 +157,11 @@ def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
     assert sorted(s["path"] for s in doc["samples"]) == sorted(paths * 2)
     assert all(s["tokens"] >= 5 and s["tps"] > 0 for s in doc["samples"])
     assert doc["summary"][0]["ratio"] is None and all(s["ratio"] > 0 for s in doc["summary"][1:])
+    # Single streams decode one step per token on the CPU, so their time splits; the batched
+    # server's tokens come from batched steps, so its does not.
+    by = {s["path"]: s for s in doc["summary"]}
+    assert all(by[p]["step_ms"] > 0 and by[p]["outside_ms"] is not None for p in paths[:3])
+    assert by["server-x2"]["step_ms"] is None
     assert "x engine" in r.output and "server-x2" in r.output
     assert doc["config"]["busy"] == 1
 
