@@ -11,8 +11,12 @@ truncated back to C tokens, so all N and repetitions start from the same state; 
 sessions of the largest N are prefilled once per context and the smaller N use the first
 ones. Each N first runs a few untimed steps (one-off costs of a new batch shape).
 Repetitions interleave the N values (N = 1, 2, ..., then again) so that slow phases of a
-shared machine hit all alike; the summary reports the median [min, max]. On a busy machine
-with few cores, `--threads 1` often beats torch's default (intra-op threads thrash).
+shared machine hit all alike; the summary reports the median [min, max]. The model is loaded
+and decoded on the calling thread (one OpenMP pool, see engine.threads) with a fixed thread
+count, torch's or `--threads`, so that every cell runs with the same one; the engine thread's
+load-following count is left out on purpose.  A pool as large as the machine spin-waits for
+a descheduled thread when another process keeps a core busy, so on a shared machine give
+`--threads` the cores that are free.
 
 Memory: a cell (N, C) runs only when `engine.batch.capacity_need(model, N, C + K)` (the
 engine's own accounting of KV and working buffers beyond the resident weights) plus a 10%
