@@ -31,7 +31,10 @@ Where each token of a path came from one of the network's one-row decode steps (
 not batched steps, nor CUDA's run-ahead), the table also splits its time per token into the
 step's and the rest (`StepClock`): a path that lost speed around the step spends its time on
 per-token work of its own, one that lost it inside the step had its cores taken or met a
-slower moment of the host.
+slower moment of the host.  A line per single-stream path then gives its time outside the step
+beyond the engine's loop as a share of the engine's time per token (`own_work_lines`): both
+parts of a split come from one measurement, so this share does not move with the host's speed
+the way a ratio of two measurements does.
 `--busy N` measures beside N child processes that each spin on a core (a competing load, for
 the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
 machine; absolute figures are context.
@@ -212,7 +215,29 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
     for s in summary:
         if s.path.startswith("server-x") and single is not None and single.median_tps > 0:
             lines.append(f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream")
+    lines += own_work_lines(summary)
     return "\n".join(lines)
+
+
+def own_work_lines(summary: Sequence[PathSummary]) -> list[str]:
+    """For each single-stream path with a split: its time per token outside the step beyond the
+    engine's, as a share of the engine's time per token.
+
+    Both parts of a split come from the same measurement, so a host that is faster or slower
+    from one measurement to the next moves them together; this share is therefore far steadier
+    than the rate ratio, and it is what the path itself costs (work inside the step that other
+    threads take from it shows in the step column instead)."""
+    engine = next((s for s in summary if s.path == ENGINE), None)
+    if engine is None or engine.step_ms is None or engine.outside_ms is None:
+        return []
+    per_token = engine.step_ms + engine.outside_ms
+    out = []
+    for s in summary:
+        if s.path in SINGLE_STREAM_PATHS and s.outside_ms is not None:
+            extra = s.outside_ms - engine.outside_ms
+            out.append(f"{s.path}: {extra:+.3f} ms per token outside the step against the engine's loop "
+                       f"({extra / per_token:+.1%} of its {per_token:.2f} ms per token)")
+    return out
 
 
 # ---------------------------------------------------------------- the paths

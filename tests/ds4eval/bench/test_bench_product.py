@@ -91,6 +91,13 @@ def test_summary_and_table_carry_the_split():
     assert "outside ms/token" in table and "8.000" in table and "2.000" in table
     row = next(line for line in table.splitlines() if line.startswith("server-x8"))
     assert row.split()[-2:] == ["-", "-"]
+    # The server spends 2 ms per token around the step where the engine's loop spends none: a
+    # fifth of the engine's 10 ms token, whatever the host did between the measurements.
+    assert pb.own_work_lines(list(by.values())) == [
+        "server: +2.000 ms per token outside the step against the engine's loop (+20.0% of its 10.00 ms per token)"]
+    assert "server: +2.000 ms per token" in table
+    # Without the engine's split there is nothing to set the others against.
+    assert pb.own_work_lines([by["server"], by["server-x8"]]) == []
 
 
 class _Net:
