@@ -219,9 +219,10 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
     return "\n".join(lines)
 
 
-def own_work_lines(summary: Sequence[PathSummary]) -> list[str]:
-    """For each single-stream path with a split: its time per token outside the step beyond the
-    engine's, as a share of the engine's time per token.
+def own_work_shares(summary: Sequence[PathSummary]) -> dict[str, float]:
+    """Each single-stream path's time per token outside the step beyond the engine's loop, as a
+    fraction of the engine's time per token; paths without a split (or with no engine split)
+    are left out.
 
     Both parts of a split come from the same measurement, so a host that is faster or slower
     from one measurement to the next moves them together; this share is therefore far steadier
@@ -229,15 +230,27 @@ def own_work_lines(summary: Sequence[PathSummary]) -> list[str]:
     threads take from it shows in the step column instead)."""
     engine = next((s for s in summary if s.path == ENGINE), None)
     if engine is None or engine.step_ms is None or engine.outside_ms is None:
+        return {}
+    per_token = engine.step_ms + engine.outside_ms
+    return {s.path: (s.outside_ms - engine.outside_ms) / per_token
+            for s in summary if s.path in SINGLE_STREAM_PATHS and s.outside_ms is not None}
+
+
+def own_work_lines(summary: Sequence[PathSummary]) -> list[str]:
+    """`own_work_shares` in words, a line per path, with the milliseconds behind each share."""
+    engine = next((s for s in summary if s.path == ENGINE), None)
+    shares = own_work_shares(summary)
+    if engine is None or not shares:
         return []
     per_token = engine.step_ms + engine.outside_ms
-    out = []
-    for s in summary:
-        if s.path in SINGLE_STREAM_PATHS and s.outside_ms is not None:
-            extra = s.outside_ms - engine.outside_ms
-            out.append(f"{s.path}: {extra:+.3f} ms per token outside the step against the engine's loop "
-                       f"({extra / per_token:+.1%} of its {per_token:.2f} ms per token)")
-    return out
+    return [f"{path}: {share * per_token:+.3f} ms per token outside the step against the engine's loop "
+            f"({share:+.1%} of its {per_token:.2f} ms per token)" for path, share in shares.items()]
+
+
+def own_work_failures(summary: Sequence[PathSummary], limit: float) -> list[str]:
+    """One line for each single-stream path whose own per-token work exceeds `limit` of a token."""
+    return [f"{path} spends {share:.1%} of a token on its own work outside the step (limit {limit:.1%})"
+            for path, share in own_work_shares(summary).items() if share > limit]
 
 
 # ---------------------------------------------------------------- the paths

@@ -65,11 +65,22 @@ def test_speed_gate_runs_against_head(embedded_path):
 
 @pytest.mark.model
 def test_product_step_measures_the_working_tree(embedded_path):
-    cfg = gs.SpeedGateConfig(model=embedded_path, product_floor=0.01, product_rounds=1, product_tokens=12,
-                             product_streams=0)
+    cfg = gs.SpeedGateConfig(model=embedded_path, product_floor=0.01, product_own_max=0.9, product_rounds=1,
+                             product_tokens=12, product_streams=0)
     lines = []
     res = gs.run_product(cfg, echo=lines.append)
     assert "ds4eval.bench.cli product" in lines[0]
     for path in ("engine", "ds4-eval", "server"):
         assert path in res.table
     assert res.failures == ()
+    assert "ms per token outside the step" in res.table  # the own-work share the gate judges
+
+
+@pytest.mark.parametrize("flag", ["--product-floor", "--product-own-max"])
+@pytest.mark.parametrize("value", ["1.5", "-0.1"])
+def test_product_limits_out_of_range_are_usage_errors(flag, value):
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(gs.main, ["--base", "HEAD", flag, value])
+    assert r.exit_code == 2
+    assert f"{flag} must be in [0, 1)" in r.output and "Traceback" not in r.output

@@ -98,6 +98,11 @@ def test_summary_and_table_carry_the_split():
     assert "server: +2.000 ms per token" in table
     # Without the engine's split there is nothing to set the others against.
     assert pb.own_work_lines([by["server"], by["server-x8"]]) == []
+    assert pb.own_work_shares(list(by.values())) == {"server": pytest.approx(0.2)}
+    assert pb.own_work_failures(list(by.values()), 0.25) == []
+    assert pb.own_work_failures(list(by.values()), 0.1) == [
+        "server spends 20.0% of a token on its own work outside the step (limit 10.0%)"]
+    assert pb.own_work_failures([by["server"]], 0.1) == []  # nothing to judge without the engine's split
 
 
 class _Net:
