@@ -258,9 +258,9 @@ def main(base, threshold, repeats, trials, prefill_tokens, decode_context, decod
             click.echo(render(res, cfg))
         product = run_product(cfg) if cfg.product_floor > 0 else None
         if product is not None and product.failures:
-            # A path below the floor is measured once more, in a fresh process, and that run is
-            # the verdict: on a shared host one run's rounds can all land on a slow moment, and
-            # a real slowdown fails both runs.
+            # A failing run is measured once more, in a fresh process, and that run is the
+            # verdict: on a shared host one run's rounds can all land on a slow moment, and a
+            # real slowdown fails both runs.
             click.echo("product paths, first run (failed: measured again):")
             click.echo(product.table)
             for line in product.failures:
