@@ -219,12 +219,12 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
     return "\n".join(lines)
 
 
-def _engine_token_ms(summary: Sequence[PathSummary]) -> float | None:
-    """The engine's time per token (its step plus the rest), where its split is known."""
+def _engine_split(summary: Sequence[PathSummary]) -> tuple[float, float] | None:
+    """The engine's (time per token, time outside the step per token), where its split is known."""
     engine = next((s for s in summary if s.path == ENGINE), None)
     if engine is None or engine.step_ms is None or engine.outside_ms is None:
         return None
-    return engine.step_ms + engine.outside_ms
+    return engine.step_ms + engine.outside_ms, engine.outside_ms
 
 
 def own_work_shares(summary: Sequence[PathSummary]) -> dict[str, float]:
@@ -236,17 +236,20 @@ def own_work_shares(summary: Sequence[PathSummary]) -> dict[str, float]:
     from one measurement to the next moves them together; this share is therefore far steadier
     than the rate ratio, and it is what the path itself costs (work inside the step that other
     threads take from it shows in the step column instead)."""
-    per_token = _engine_token_ms(summary)
-    if per_token is None:
+    engine = _engine_split(summary)
+    if engine is None:
         return {}
-    engine_outside = next(s.outside_ms for s in summary if s.path == ENGINE)
-    return {s.path: (s.outside_ms - engine_outside) / per_token
+    per_token, outside = engine
+    return {s.path: (s.outside_ms - outside) / per_token
             for s in summary if s.path in SINGLE_STREAM_PATHS and s.outside_ms is not None}
 
 
 def own_work_lines(summary: Sequence[PathSummary]) -> list[str]:
     """`own_work_shares` in words, a line per path, with the milliseconds behind each share."""
-    per_token = _engine_token_ms(summary)
+    engine = _engine_split(summary)
+    if engine is None:
+        return []
+    per_token = engine[0]
     return [f"{path}: {share * per_token:+.3f} ms per token outside the step against the engine's loop "
             f"({share:+.1%} of its {per_token:.2f} ms per token)" for path, share in own_work_shares(summary).items()]
 
