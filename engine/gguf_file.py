@@ -5,7 +5,8 @@ memory-maps the file so tensor data stays a zero-copy uint8 view until a loader 
 it.  Metadata values come back as plain Python values, the same as
 `gguf.GGUFReader(path).fields[key].contents()` (the tests hold this reader to that oracle);
 the parsing is done here because GGUFReader builds a numpy view per array element, which
-takes seconds on a 49K-token vocabulary, against milliseconds here.  Type codes and block
+takes seconds on a 49K-token vocabulary, against milliseconds here (strings are cut from a
+bytes copy of the file's head, an array of them in one loop).  Type codes and block
 sizes come from the `gguf` package.  Errors (missing file, not a GGUF, truncated or
 malformed) surface as `GGUFError` with the path in the message; a file cut short says so in
 file terms ("file ends at byte N but tensor X needs bytes up to M: truncated download?").
@@ -30,6 +31,8 @@ It does not interpret the tensors; see engine.quants and engine.weights.
 """
 from __future__ import annotations
 
+import functools
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -76,29 +79,74 @@ class Truncated(ValueError):
         super().__init__(f"file ends at byte {size} but {what} needs bytes up to {needed}: truncated download?")
 
 
+# How much of the file's head the cursor copies at first; it doubles while the metadata and
+# tensor table run past it (a 49K-token vocabulary takes about 2 MB).
+_HEAD_BYTES = 1 << 20
+
+_U64 = struct.Struct("<Q")
+_struct = functools.cache(struct.Struct)
+
+
 class _Cursor:
-    def __init__(self, buf: memoryview):
-        self.buf = buf
+    """Reads the metadata and the tensor table from a bytes copy of the file's head.
+
+    Slicing and decoding a bytes object is the fastest way Python has to cut tens of
+    thousands of strings out of a buffer, faster than slicing the memory map itself.  The
+    copy doubles on demand, so it holds at most twice what the parser has read: the head,
+    never the bulk of the tensor data.
+    """
+
+    def __init__(self, file: memoryview):
+        self.file = file
+        self.size = len(file)
+        self.head = bytes(file[:_HEAD_BYTES])
         self.pos = 0
 
     def need(self, n: int, what: str) -> None:
-        """Raise a truncation error in file terms when `what` needs n bytes past the cursor."""
-        if self.pos + n > len(self.buf):
-            raise Truncated(len(self.buf), what, self.pos + n)
+        """Raise a truncation error in file terms when `what` needs n bytes past the cursor;
+        otherwise make sure the head copy holds them."""
+        end = self.pos + n
+        if end > len(self.head):
+            if end > self.size:
+                raise Truncated(self.size, what, end)
+            self.head = bytes(self.file[:max(end, 2 * len(self.head))])
 
     def take(self, fmt: str, what: str = "the header") -> Any:
-        self.need(struct.calcsize(fmt), what)
-        value = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
+        form = _struct(fmt)
+        self.need(form.size, what)
+        value = form.unpack_from(self.head, self.pos)
+        self.pos += form.size
         return value[0] if len(value) == 1 else value
 
     def string(self) -> str:
-        n = self.take("<Q")
-        self.need(n, "a metadata string")
-        end = self.pos + n
-        s = bytes(self.buf[self.pos:end]).decode("utf-8", errors="replace")
-        self.pos = end
-        return s
+        return self.strings(1)[0]
+
+    def strings(self, count: int) -> list[str]:
+        """`count` strings stored back to back (u64 length + UTF-8 bytes each), invalid UTF-8
+        replaced by U+FFFD.  One loop on local names: a vocabulary is ~100K strings, and a
+        method call per string would cost more than the decoding."""
+        out: list[str] = []
+        append = out.append
+        unpack = _U64.unpack_from
+        head, pos = self.head, self.pos
+        limit = len(head)
+        for _ in range(count):
+            if pos + 8 > limit:
+                self.pos = pos
+                self.need(8, "the header")
+                head = self.head
+                limit = len(head)
+            (n,) = unpack(head, pos)
+            start = pos + 8
+            pos = start + n
+            if pos > limit:
+                self.pos = start
+                self.need(pos - start, "a metadata string")
+                head = self.head
+                limit = len(head)
+            append(head[start:pos].decode("utf-8", "replace"))
+        self.pos = pos
+        return out
 
     def value(self, vtype: int) -> Any:
         if vtype == _STRING:
@@ -106,21 +154,21 @@ class _Cursor:
         if vtype == _ARRAY:
             etype, count = self.take("<I"), self.take("<Q")
             if etype == _STRING:
-                return [self.string() for _ in range(count)]
+                return self.strings(count)
             if etype == _ARRAY:
                 return [self.value(_ARRAY) for _ in range(count)]
             if etype not in _SCALARS:
                 raise ValueError(f"unknown metadata array element type {etype}")
             dt = np.dtype(_SCALARS[etype])
             self.need(count * dt.itemsize, "a metadata array")
-            arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos)
+            arr = np.frombuffer(self.head, dtype=dt, count=count, offset=self.pos)
             self.pos += count * dt.itemsize
             return [bool(x) for x in arr] if etype == _BOOL else arr.tolist()
         if vtype not in _SCALARS:
             raise ValueError(f"unknown metadata value type {vtype}")
         dt = np.dtype(_SCALARS[vtype])
         self.need(dt.itemsize, "a metadata value")
-        v = np.frombuffer(self.buf, dtype=dt, count=1, offset=self.pos)[0]
+        v = np.frombuffer(self.head, dtype=dt, count=1, offset=self.pos)[0]
         self.pos += dt.itemsize
         return bool(v) if vtype == _BOOL else v.item()
 
@@ -157,7 +205,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFContents:
         tensors = {}
         for name, dims, qtype, offset in infos:
             block, nbytes = GGML_QUANT_SIZES[qtype]
-            n_elem = int(np.prod(dims)) if dims else 1
+            n_elem = math.prod(dims)
             length = n_elem // block * nbytes
             begin = start + offset
             if begin + length > size:

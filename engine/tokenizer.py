@@ -46,11 +46,14 @@ know about chat formats (see `engine.chat_template`).
 
 from __future__ import annotations
 
+import bisect
 import codecs
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+import numpy as np
 from tokenizers import Regex
 from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
@@ -238,8 +241,82 @@ CHAR_TO_BYTE: Mapping[str, int] = {c: b for b, c in BYTE_TO_CHAR.items()}
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
+# Token types whose text is their UTF-8 spelling in either vocabulary kind.
+_LITERAL_KINDS = frozenset({TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN})
+
+
+def _byte_of_code() -> np.ndarray:
+    """Code point -> the one byte it stands for in a byte-level token, -1 where that is not
+    one byte (the last entry stands for every code point beyond the table)."""
+    table = np.full(max(map(ord, BYTE_TO_CHAR.values())) + 2, -1, dtype=np.int16)
+    for b, c in BYTE_TO_CHAR.items():
+        table[ord(c)] = b
+    for c in range(0x80):  # outside the alphabet, ASCII is still its own UTF-8 byte
+        if table[c] < 0:
+            table[c] = c
+    return table
+
+
+_BYTE_OF_CODE = _byte_of_code()
+
+
+def _token_bytes(text: str, kind: int, spm: bool) -> bytes:
+    if kind in _LITERAL_KINDS:
+        return text.encode("utf-8")
+    if spm:
+        if kind == TOKEN_BYTE:
+            m = _BYTE_TOKEN.fullmatch(text)
+            if m:
+                return bytes([int(m.group(1), 16)])
+        return text.replace(SPM_SPACE, " ").encode("utf-8")
+    # Byte-level: each character stands for one byte; anything outside the
+    # alphabet (not expected in a well-formed vocabulary) is kept as UTF-8.
+    out = bytearray()
+    for ch in text:
+        b = CHAR_TO_BYTE.get(ch)
+        if b is None:
+            out += ch.encode("utf-8")
+        else:
+            out.append(b)
+    return bytes(out)
+
+
+def vocabulary_bytes(tokens: Sequence[str], token_types: Sequence[int], spm: bool) -> list[bytes]:
+    """The bytes each token contributes to decoded text (SentencePiece when `spm`, else
+    byte-level): control, user-defined and unknown tokens as their UTF-8 text; SentencePiece
+    tokens with "▁" as a space and `<0xNN>` byte tokens as that byte; byte-level tokens
+    through the byte alphabet, a character outside it as its UTF-8.
+
+    A byte-level vocabulary is mapped all at once (its characters through a code point ->
+    byte table, then cut at the tokens' lengths) rather than character by character;
+    the few tokens with a character outside the alphabet take the per-character way.
+    """
+    n = len(tokens)
+    if spm:
+        out = [t.replace(SPM_SPACE, " ").encode("utf-8") for t in tokens]
+        for i in itertools.compress(range(n), map(TOKEN_BYTE.__eq__, token_types)):
+            out[i] = _token_bytes(tokens[i], TOKEN_BYTE, True)
+    else:
+        codes = np.frombuffer("".join(tokens).encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        byte_of = _BYTE_OF_CODE[np.minimum(codes, len(_BYTE_OF_CODE) - 1)]
+        raw = byte_of.astype(np.uint8).tobytes()
+        ends = list(itertools.accumulate(map(len, tokens)))
+        out = [raw[a:b] for a, b in zip([0, *ends], ends)]
+        for i in {bisect.bisect_right(ends, at) for at in np.flatnonzero(byte_of < 0).tolist()}:
+            out[i] = _token_bytes(tokens[i], token_types[i], False)
+    for i in itertools.compress(range(n), map(_LITERAL_KINDS.__contains__, token_types)):
+        out[i] = tokens[i].encode("utf-8")
+    return out
+
 
 # --- parsed metadata ---------------------------------------------------------------
+
+def _tuple_of(kind: type, values: Iterable[Any]) -> tuple[Any, ...]:
+    # Metadata arrays are nearly always of the right type already: checking the types is
+    # about twice as fast as converting every element of a 50K-entry array.
+    values = tuple(values)
+    return values if set(map(type, values)) <= {kind} else tuple(map(kind, values))
+
 
 @dataclass(frozen=True)
 class VocabSpec:
@@ -273,18 +350,18 @@ class VocabSpec:
         tokens = meta.get(KEY_TOKENS)
         if not tokens:
             raise TokenizerError(f"GGUF metadata has no {KEY_TOKENS!r}")
-        tokens = tuple(str(t) for t in tokens)
+        tokens = _tuple_of(str, tokens)
         n = len(tokens)
         types = meta.get(KEY_TOKEN_TYPE)
-        types = tuple(int(t) for t in types) if types is not None else (TOKEN_NORMAL,) * n
+        types = _tuple_of(int, types) if types is not None else (TOKEN_NORMAL,) * n
         if len(types) != n:
             raise TokenizerError(f"{KEY_TOKEN_TYPE} has {len(types)} entries for {n} tokens")
         scores = meta.get(KEY_SCORES)
-        scores = tuple(float(s) for s in scores) if scores is not None else None
+        scores = _tuple_of(float, scores) if scores is not None else None
         if scores is not None and len(scores) != n:
             raise TokenizerError(f"{KEY_SCORES} has {len(scores)} entries for {n} tokens")
         merges = meta.get(KEY_MERGES)
-        merges = tuple(str(m) for m in merges) if merges is not None else None
+        merges = _tuple_of(str, merges) if merges is not None else None
 
         pre = meta.get(KEY_PRE)
         pre = str(pre) if pre is not None else None
@@ -340,9 +417,30 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:cut], merge[cut + 1:]
 
 
+# One merge per line: the first character, then up to the first space, then the rest.
+_MERGE_LINE = re.compile(r"^(.[^ \n]*) (.*)$", re.MULTILINE)
+
+
+def split_merges(merges: Sequence[str]) -> list[tuple[str, str]]:
+    """Each "left right" merge as (left, right), cut at the first space after the first
+    character; `TokenizerError` names a merge that has no such space.
+
+    A vocabulary has ~50K merges: one regular-expression pass over them all, joined by
+    newlines, does the cutting without a Python call per merge.  It stands only when no
+    merge holds a newline and every merge matched; otherwise each merge is cut on its own,
+    which also finds the malformed one.
+    """
+    joined = "\n".join(merges)
+    if joined.count("\n") == len(merges) - 1:
+        pairs = _MERGE_LINE.findall(joined)
+        if len(pairs) == len(merges):
+            return pairs
+    return [_split_merge(m) for m in merges]
+
+
 def _vocab_dict(tokens: Sequence[str]) -> dict[str, int]:
     # Later duplicates win, matching llama.cpp's text -> id table.
-    return {t: i for i, t in enumerate(tokens)}
+    return dict(zip(tokens, range(len(tokens))))
 
 
 def spm_merges_from_scores(
@@ -381,7 +479,7 @@ def pre_tokenize(pre: str, text: str) -> list[str]:
 
 
 def _byte_level_backend(spec: VocabSpec) -> _Backend:
-    merges = [_split_merge(m) for m in spec.merges or ()]
+    merges = split_merges(spec.merges or ())
     name = spec.pre if spec.pre is not None else "default"
     bpe = _models.BPE(
         vocab=_vocab_dict(spec.tokens),
@@ -397,7 +495,7 @@ def _byte_level_backend(spec: VocabSpec) -> _Backend:
 
 def _spm_backend(spec: VocabSpec) -> _Backend:
     if spec.merges is not None:
-        merges = [_split_merge(m) for m in spec.merges]
+        merges = split_merges(spec.merges)
         vocab = _vocab_dict(spec.tokens)
     else:
         mergeable = [t == TOKEN_NORMAL for t in spec.token_types]
@@ -428,9 +526,9 @@ class Tokenizer:
         self._spm = spec.model == "llama"
         self._backend = _spm_backend(spec) if self._spm else _byte_level_backend(spec)
 
-        types = spec.token_types
-        self._control = frozenset(i for i, t in enumerate(types) if t == TOKEN_CONTROL)
-        self._special = frozenset(i for i, t in enumerate(types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED))
+        types, ids = spec.token_types, range(self.n_vocab)
+        self._control = frozenset(itertools.compress(ids, map(TOKEN_CONTROL.__eq__, types)))
+        self._special = frozenset(itertools.compress(ids, map({TOKEN_CONTROL, TOKEN_USER_DEFINED}.__contains__, types)))
         eos = {i for i in (spec.eos_id, spec.eot_id, spec.eom_id) if i is not None}
         eos |= {i for i in self._control if spec.tokens[i] in END_OF_TURN_TEXTS}
         self.eos_ids: frozenset[int] = frozenset(eos)
@@ -445,11 +543,11 @@ class Tokenizer:
         self._user_re = alternation(i for i in self._special if i not in self._control)
         self._special_id = {spec.tokens[i]: i for i in sorted(self._special)}
         self.prompt_text = PromptText(spec.tokens[i] for i in self._control)
-        self._bytes = [self._token_bytes(i) for i in range(self.n_vocab)]
+        self._bytes = vocabulary_bytes(spec.tokens, types, self._spm)
         # No token spells more bytes than this, so a text of n bytes has at least
         # ceil(n / max_token_bytes) tokens: a size check that needs no tokenizing. SentencePiece's
         # space prefix only adds bytes; at least 1 keeps the bound defined for odd vocabularies.
-        self.max_token_bytes: int = max(1, max((len(b) for b in self._bytes), default=1))
+        self.max_token_bytes: int = max(1, max(map(len, self._bytes), default=1))
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
@@ -539,28 +637,6 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     # -- decoding --
-
-    def _token_bytes(self, token_id: int) -> bytes:
-        text = self.spec.tokens[token_id]
-        kind = self.spec.token_types[token_id]
-        if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN):
-            return text.encode("utf-8")
-        if self._spm:
-            if kind == TOKEN_BYTE:
-                m = _BYTE_TOKEN.fullmatch(text)
-                if m:
-                    return bytes([int(m.group(1), 16)])
-            return text.replace(SPM_SPACE, " ").encode("utf-8")
-        # Byte-level: each character stands for one byte; anything outside the
-        # alphabet (not expected in a well-formed vocabulary) is kept as UTF-8.
-        out = bytearray()
-        for ch in text:
-            b = CHAR_TO_BYTE.get(ch)
-            if b is None:
-                out += ch.encode("utf-8")
-            else:
-                out.append(b)
-        return bytes(out)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes this token contributes to decoded text."""

@@ -1,6 +1,8 @@
 """engine.gguf_file against gguf-py's GGUFReader, the reference parser."""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGUFReader
@@ -64,3 +66,40 @@ def test_truncation_is_reported_in_file_terms(tiny_gguf, tmp_path):
     p.write_bytes(data[:-100])
     with pytest.raises(GGUFError, match=f"tensor {last.name} needs bytes up to {len(data)}"):
         read_gguf(p)
+
+
+def _gguf_string(raw: bytes) -> bytes:
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _metadata_only_gguf(strings: list[bytes]) -> bytes:
+    """A GGUF v3 file with no tensors and two keys: "strings", an array of `strings`, then
+    "after", a plain string (the parser has to land exactly behind the array)."""
+    array = struct.pack("<IQ", 8, len(strings)) + b"".join(map(_gguf_string, strings))
+    return (b"GGUF" + struct.pack("<IQQ", 3, 0, 2)
+            + _gguf_string(b"strings") + struct.pack("<I", 9) + array
+            + _gguf_string(b"after") + struct.pack("<I", 8) + _gguf_string(b"end"))
+
+
+def test_string_arrays(tmp_path):
+    """Empty strings, non-ASCII UTF-8 and invalid UTF-8 (replaced, as `bytes.decode` with
+    errors="replace" does) read the same at any position of an array, also one too long for
+    the first copy of the file's head."""
+    odd = [b"", b"plain", "é日😀Ġ".encode(), b"\xff\xfe", b"cut \xe6\x97", b"\xc3", b"\x80x", b"\x00 nul"]
+    strings = odd + [b"%d" % i * (i % 7) for i in range(300_000)] + odd
+    p = tmp_path / "strings.gguf"
+    data = _metadata_only_gguf(strings)
+    assert len(data) > 2 << 20
+    p.write_bytes(data)
+    meta = read_gguf(p).metadata
+    assert meta["strings"] == [s.decode("utf-8", errors="replace") for s in strings]
+    assert meta["after"] == "end"
+    assert meta["strings"][3:8] == ["\ufffd\ufffd", "cut \ufffd", "\ufffd", "\ufffdx", "\x00 nul"]
+
+    # Cut inside a string and inside a length, both past the first head copy.
+    array_at = 24 + len(_gguf_string(b"strings")) + 4 + 12  # header, key, value type, element type + count
+    end = array_at + sum(8 + len(s) for s in strings[:-4])  # the fourth string from the end: its length
+    for cut, what, needed in ((end - 1, "a metadata string", end), (end + 3, "the header", end + 8)):
+        p.write_bytes(data[:cut])
+        with pytest.raises(GGUFError, match=f"file ends at byte {cut} but {what} needs bytes up to {needed}:"):
+            read_gguf(p)

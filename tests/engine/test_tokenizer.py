@@ -27,7 +27,9 @@ from engine.tokenizer import (
     Tokenizer,
     TokenizerError,
     pre_tokenize,
+    split_merges,
     spm_merges_from_scores,
+    vocabulary_bytes,
 )
 
 # --- synthetic byte-level vocabulary ------------------------------------------------
@@ -199,6 +201,32 @@ def test_metadata_errors(overrides, message):
 def test_missing_tokenizer_model():
     with pytest.raises(TokenizerError, match="no 'tokenizer.ggml.model'"):
         Tokenizer.from_gguf_metadata({})
+
+
+def test_split_merges_cuts_at_the_first_space_after_the_first_character():
+    merges = ["h e", "  x", "▁ ▁▁", "a b c", "Ġ Ġ", "x ", "é 日😀"]
+    assert split_merges(merges) == [("h", "e"), (" ", "x"), ("▁", "▁▁"), ("a", "b c"), ("Ġ", "Ġ"), ("x", ""),
+                                    ("é", "日😀")]
+    # A newline inside a merge is kept as part of it, like any other character.
+    assert split_merges(["a\nb c", "d e\n"]) == [("a\nb", "c"), ("d", "e\n")]
+    assert split_merges([]) == []
+    for bad in (["ab"], ["a b", " "], ["a b", ""], ["a b", "c\nd"]):
+        with pytest.raises(TokenizerError, match="malformed merge"):
+            split_merges(bad)
+
+
+def test_vocabulary_bytes():
+    alphabet = "".join(BYTE_TO_CHAR[b] for b in range(256))
+    tokens = ["", alphabet, "Ġhello", "<|im_end|>", "Ġ日", " \x85\xad", "é", "<unk>", "\u0143"]
+    types = [TOKEN_NORMAL, TOKEN_NORMAL, TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_NORMAL,
+             TOKEN_USER_DEFINED, TOKEN_UNKNOWN, TOKEN_NORMAL]
+    assert vocabulary_bytes(tokens, types, spm=False) == [
+        b"", bytes(range(256)), b" hello", b"<|im_end|>",
+        b" " + "日".encode(),  # characters outside the byte alphabet are kept as UTF-8
+        b" \xc2\x85\xc2\xad", "é".encode(), b"<unk>", b"\xad"]
+    tokens = ["▁hello", "<0x41>", "<0xZZ>", "<s>", "<0x0A>", "a▁▁b", ""]
+    types = [TOKEN_NORMAL, TOKEN_BYTE, TOKEN_BYTE, TOKEN_CONTROL, TOKEN_NORMAL, TOKEN_NORMAL, TOKEN_NORMAL]
+    assert vocabulary_bytes(tokens, types, spm=True) == [b" hello", b"A", b"<0xZZ>", b"<s>", b"<0x0A>", b"a  b", b""]
 
 
 # --- synthetic SentencePiece vocabulary ------------------------------------------------
