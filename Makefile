@@ -72,11 +72,11 @@ ci-speed: setup
 	else echo "gate-speed: no previous commit, skipped"; fi
 
 # Benchmarks (pytest-benchmark; measured, not asserted): the JSON-constraint mask step, the
-# ds4-eval --compare path, the CPU int4 kernels by row count, plus the embedded model's
+# ds4-eval --compare path, the CPU matmul kernels of every path by row count, plus the embedded model's
 # decoding speed with and without a schema.
 bench: setup
 	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-only tests/server/test_constraints_bench.py \
-		tests/ds4eval/test_eval_compare_bench.py tests/engine/test_int4_kernels_bench.py
+		tests/ds4eval/test_eval_compare_bench.py tests/engine/test_cpu_kernels_bench.py
 
 # The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
 test: setup

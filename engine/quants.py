@@ -1,6 +1,6 @@
 """GGML block formats: unpack raw GGUF tensor bytes into numbers.
 
-Two entry points, both pure (numpy in, numpy out, no torch, no I/O):
+Three entry points, all pure (numpy in, numpy out, no torch, no I/O):
 
 - `dequantize(qtype, raw, n_cols)` -> float32 [rows, n_cols]; the oracle in the tests is
   `gguf.quants.dequantize`, which this must equal exactly.
@@ -8,6 +8,9 @@ Two entry points, both pure (numpy in, numpy out, no torch, no I/O):
   whose values are exactly `q * scale + minimum` over groups of 32 columns with 4-bit `q`
   (Q4_0, Q4_1, Q4_K).  The engine feeds these to torch's groupwise int4 matmul kernels
   without re-quantizing anything.
+- `unpack_int8_groups(qtype, raw, n_cols)` -> `Int8Groups(q, scale, group)` for the formats
+  whose values are exactly `q * scale` with 8-bit signed `q` over groups of 32 (Q8_0) or 16
+  (Q6_K: scale = d * sc, a product of a float16 and an int8, exact in float32).
 
 Block layouts (little-endian, one row = n_cols / block_size blocks):
   Q4_0  [d:f16][qs:16B]            w = d * (q - 8); q low nibbles are elements 0..15, high 16..31
@@ -32,6 +35,8 @@ SUPPORTED = frozenset({QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4
 # qtype -> (elements per block, bytes per block), as gguf defines them
 BLOCK = {q: GGML_QUANT_SIZES[q] for q in SUPPORTED}
 INT4_GROUPED = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+INT8_GROUPS = {QT.Q8_0: 32, QT.Q6_K: 16}  # 8-bit grouped types -> inputs per scale
+INT8_GROUPED = frozenset(INT8_GROUPS)
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,15 @@ class Int4Groups:
     q: np.ndarray  # uint8 [rows, cols], values 0..15
     scale: np.ndarray  # float32 [rows, cols // 32]
     minimum: np.ndarray  # float32 [rows, cols // 32]
+
+
+@dataclass(frozen=True)
+class Int8Groups:
+    """w[r, c] == q[r, c] * scale[r, c // group], exactly."""
+
+    q: np.ndarray  # int8 [rows, cols]
+    scale: np.ndarray  # float32 [rows, cols // group]
+    group: int
 
 
 def _blocks(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
@@ -100,19 +114,32 @@ def unpack_int4_groups(qtype: QT, raw: np.ndarray, n_cols: int) -> Int4Groups:
     )
 
 
-def _dequant_q6_k(b: np.ndarray) -> np.ndarray:
+def _q6_k_parts(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K blocks -> (q - 32 as int8 [rows, 256 * nb], d * sc as float32 [rows, 16 * nb])."""
     rows, nb = b.shape[:2]
     ql = b[..., 0:128].reshape(rows, nb, 2, 64)
     qh = b[..., 128:192].reshape(rows, nb, 2, 32)
-    sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(rows, nb, 2, 8)
+    sc = b[..., 192:208].view(np.int8).astype(np.float32).reshape(rows, nb, 16)
     d = _f16(b[..., 208:210])
-    # Each 128-element half: four runs of 32 built from ql (low 4 bits) and qh (2 high bits).
+    # Each 128-element half: four runs of 32 built from ql (low 4 bits) and qh (2 high bits);
+    # each run of 32 holds two sub-blocks of 16, in element order.
     lo = np.stack([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
     hi = np.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=3)
-    q = (lo | (hi << 4)).astype(np.float32) - 32.0  # [rows, nb, 2, 4, 32]
-    q = q.reshape(rows, nb, 2, 4, 2, 16)  # each run of 32 has two sub-blocks of 16
-    scale = sc.reshape(rows, nb, 2, 4, 2)[..., None]
-    return (d[:, :, None, None, None, None] * scale * q).reshape(rows, -1)
+    q = ((lo | (hi << 4)).astype(np.int16) - 32).astype(np.int8)  # [rows, nb, 2, 4, 32]
+    return q.reshape(rows, -1), (d[:, :, None] * sc).reshape(rows, -1)
+
+
+def unpack_int8_groups(qtype: QT, raw: np.ndarray, n_cols: int) -> Int8Groups:
+    b = _blocks(qtype, raw, n_cols)
+    rows = b.shape[0]
+    if qtype == QT.Q8_0:
+        q = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(rows, n_cols)
+        return Int8Groups(q=q, scale=np.ascontiguousarray(_f16(b[..., 0:2])), group=INT8_GROUPS[qtype])
+    if qtype == QT.Q6_K:
+        q, scale = _q6_k_parts(b)
+        return Int8Groups(q=np.ascontiguousarray(q), scale=np.ascontiguousarray(scale, dtype=np.float32),
+                          group=INT8_GROUPS[qtype])
+    raise ValueError(f"{qtype.name} is not an 8-bit grouped format")
 
 
 def dequantize(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
@@ -134,10 +161,9 @@ def dequantize(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
             return (g.scale[..., None] * (q - 8.0)).reshape(rows, n_cols)
         return (g.scale[..., None] * q + g.minimum[..., None]).reshape(rows, n_cols)
     b = _blocks(qtype, raw, n_cols)
-    if qtype == QT.Q8_0:
-        d = _f16(b[..., 0:2])
-        q = b[..., 2:34].view(np.int8).astype(np.float32)
-        return (d[..., None] * q).reshape(b.shape[0], n_cols)
-    if qtype == QT.Q6_K:
-        return _dequant_q6_k(b)
+    if qtype in INT8_GROUPED:
+        g = unpack_int8_groups(qtype, raw, n_cols)
+        rows = g.q.shape[0]
+        q = g.q.reshape(rows, -1, g.group).astype(np.float32)
+        return (g.scale[..., None] * q).reshape(rows, n_cols)
     raise AssertionError(qtype)

@@ -1,40 +1,44 @@
-"""Weight matrices in the form torch has fast kernels for.
+"""Weight matrices in the form the engine's kernels take.
 
-`build_linear(records, fmt, device)` turns one or more GGUF matrices (concatenated along
-the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Linear`:
+`build_linear(records, fmt, device, cpu=...)` turns one or more GGUF matrices (concatenated
+along the output dimension, so q/k/v or gate/up run as one matmul) into a callable `Linear`.
+On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load (`cpu`):
 
 - `Int4Linear`: Q4_0 / Q4_1 / Q4_K stay 4-bit.  Their values are exactly q*scale + min over
-  groups of 32.  On CPU the compiled kernels (engine.kernels) take them with float32 scales:
-  activations are rounded to bfloat16, each group's dot product is exact products summed in
-  float32, and the output is float32.  Below `TILE_MIN_ROWS` rows (decoding, narrow batches)
-  the AVX512-BF16 vector kernel runs, about twice as fast as torch's int4 kernel at 1 and 8
-  rows; from there on (prefill chunks, wide batches), where the CPU has AMX, the tile kernel,
-  which multiplies 16 rows at a time.  Within each kernel a row's result does not depend on
-  the other rows; the two differ only in the order in which a group's 32 products are summed
-  (last bits of float32).  On CUDA it is engine.cuda_int4's Triton GEMM, which computes
-  the same way (activations rounded to bfloat16, exact group products, float32 scales) and
-  scales with the number of rows; from a measured number of rows on (prefill chunks of large
-  matrices) that module dequantizes to bfloat16 for cuBLAS instead.  Elsewhere (a CPU build
-  without the kernel, CUDA without Triton) it is torch's groupwise int4 weight-only layout
-  with zero = min + 8*scale, nothing re-quantized; scale/zero are stored in bfloat16 (the
-  kernels' requirement) and activations enter the kernel as bfloat16.
-- `Fp16Linear` (CPU): every other type is dequantized once to float16 and prepacked for
-  FBGEMM's half-precision GEMM, which reads float16 weights but takes and returns float32
-  activations.  Of torch's dense CPU kernels measured here it is the fastest for the few
-  rows of decoding (1.4 ms for SmolLM2's 49152 x 576 output head at 1 row, 2.8 ms at 8 rows,
-  against 1.8 and 13.5 ms for a plain float16 matmul) and more exact than a bfloat16 one:
-  the weights keep 11 mantissa bits, the activations and the result stay float32, and each
-  row's result does not depend on how many rows are in the batch.
-- `DenseLinear`: bfloat16 on CUDA (or on a CPU build without FBGEMM), float32 everywhere when
-  `fmt == "float32"`.
+  groups of 32.  On CPU the compiled kernels take them with float32 scales: activations are
+  rounded to bfloat16, each group's dot product is exact products summed in float32, and the
+  output is float32.  Below `TILE_MIN_ROWS` rows (decoding, narrow batches) the path's vector
+  kernel runs (AVX512-BF16, AVX2 or portable; the first two compute the same bits); from there
+  on (prefill chunks, wide batches), on the `amx` path, the tile kernel, which multiplies 16
+  rows at a time and differs from the vector kernel only in the order in which a group's 32
+  products are summed (last bits of float32).  On CUDA it is engine.cuda_int4's Triton GEMM,
+  which computes the same way (activations rounded to bfloat16, exact group products, float32
+  scales) and scales with the number of rows; from a measured number of rows on (prefill
+  chunks of large matrices) that module dequantizes to bfloat16 for cuBLAS instead.  CUDA
+  without Triton runs torch's groupwise int4 weight-only layout with zero = min + 8*scale.
+- `Int8Linear` (CPU): Q8_0 and Q6_K stay 8-bit with their float32 group scales (exactly the
+  file's weights; the embedded model's output head is Q8_0), float32 activations and output.
+- `F16Linear` (CPU): every other type is dequantized once to float16 (11 mantissa bits kept),
+  float32 activations and output.
+- `DenseLinear`: bfloat16 on CUDA, float32 everywhere when `fmt == "float32"`.
+- `RowByRow` (CPU, the `torch` path, where no kernel is compiled): every type dequantized once
+  to float16 for FBGEMM's GEMM (float32 where the torch build has no FBGEMM: aarch64), called
+  once per row, because their result for a row depends on how many rows they are given; slow
+  for prefill and 4 to 8 times the memory of 4-bit weights, but the contract below holds, and
+  closer to float32 than torch's int4 kernel, whose scales are bfloat16.
 - `Embedding`: token rows as float32.  On CPU the packed format dequantizes just the rows it
   is asked for from the file's own bytes, so a model whose head is tied to its embedding
   keeps one copy of the table in memory (the head's).
 
+The CPU contract, on every path: a row's result depends on that row alone (the number of
+rows, the other rows and the thread count do not change a bit of it), so batched decoding
+reproduces single decoding and a prefill chunk's matmuls equal a decoding step's (the `amx`
+path's tile kernel aside, which stays within the last bits).
 `fmt == "float32"` dequantizes everything to float32: the slow, exact reference path.
 Inputs are [T, in] in any float dtype (converted to the kernel's); outputs are [T, out] in the
 compute dtype (`out_dtype`), so callers add them into a float32 residual without another copy.
-It does not decide which tensors a model needs (see engine.models).
+It does not decide which tensors a model needs (see engine.models) nor which CPU path runs
+(see engine.kernels).
 """
 from __future__ import annotations
 
@@ -44,9 +48,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from engine import cuda_int4, kernels
+from engine import cuda_int4
 from engine.gguf_file import TensorRecord
-from engine.quants import BLOCK, GROUP, INT4_GROUPED, dequantize, unpack_int4_groups
+from engine.kernels import CpuKernels
+from engine.quants import BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, dequantize, unpack_int4_groups, unpack_int8_groups
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -54,6 +59,7 @@ WEIGHT_FORMATS = ("packed", "float32")
 # the vector kernel is as fast or faster (measured on the embedded model's shapes), and decoding
 # batches of up to 16 rows keep one kernel, so a batched row computes like a row decoded alone.
 TILE_MIN_ROWS = 32
+COLUMNS = 16  # the CPU kernels' output columns per block: other heights are padded with zeros
 
 
 class Linear:
@@ -98,7 +104,8 @@ def fbgemm_available() -> bool:
 
 
 class Fp16Linear(Linear):
-    """float16 weights prepacked for FBGEMM; float32 in, float32 out (CPU only)."""
+    """float16 weights prepacked for FBGEMM; float32 in, float32 out (the CPU `torch` path,
+    inside RowByRow: its result for a row depends on the number of rows)."""
 
     out_dtype = torch.float32
 
@@ -114,6 +121,101 @@ class Fp16Linear(Linear):
     @property
     def nbytes(self) -> int:
         return 2 * self.out_features * self.in_features + (0 if self.bias is None else self.bias.nbytes)
+
+
+class RowByRow(Linear):
+    """`inner` called on one row at a time: a row's result is then the one-row result whatever
+    the batch, for kernels whose result depends on the number of rows (torch's)."""
+
+    def __init__(self, inner: Linear):
+        self.inner = inner
+        self.out_features, self.in_features = inner.out_features, inner.in_features
+        self.out_dtype = getattr(inner, "out_dtype", torch.float32)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return self.inner(x)
+        return torch.cat([self.inner(x[i: i + 1]) for i in range(x.shape[0])])
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+
+def _pad_rows(n: int, *arrays: np.ndarray) -> list[np.ndarray]:
+    """Arrays of n rows padded with zero rows to a multiple of COLUMNS."""
+    pad = -n % COLUMNS
+    return [np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)]) if pad else a for a in arrays]
+
+
+def _column_blocks(a: np.ndarray, group: int) -> np.ndarray:
+    """[N, K] -> [N/16, ceil(K/group), group, 16]: the CPU kernels' layout, one block of 16
+    output columns over one group of inputs with the columns contiguous (K zero-padded)."""
+    n, k = a.shape
+    kb = -(-k // group)
+    if kb * group != k:
+        a = np.concatenate([a, np.zeros((n, kb * group - k), a.dtype)], axis=1)
+    return np.ascontiguousarray(a.reshape(n // COLUMNS, COLUMNS, kb, group).transpose(0, 2, 3, 1))
+
+
+class _CpuKernelLinear(Linear):
+    """A CPU kernel of a CpuKernels path over weights laid out in blocks of 16 columns; outputs
+    of padding columns are sliced off, biases added after."""
+
+    out_dtype = torch.float32
+
+    def __init__(self, n: int, k: int, bias: torch.Tensor | None):
+        self.out_features, self.in_features = n, k
+        self.bias = bias
+        self._pad = -n % COLUMNS
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.stride(-1) != 1:
+            x = x.float().contiguous()
+        y = self._product(x)
+        if self._pad:
+            y = y[:, : self.out_features].contiguous()
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(_CpuKernelLinear):
+    """Q8_0 / Q6_K on CPU: int8 q and float32 scales per group, engine/kernels/dense_linear.cpp."""
+
+    def __init__(self, q: np.ndarray, scale: np.ndarray, group: int, op, bias: torch.Tensor | None = None):
+        n, k = q.shape
+        super().__init__(n, k, bias)
+        q, scale = _pad_rows(n, q, scale)
+        self.q = torch.from_numpy(_column_blocks(q, group))
+        self.scales = torch.from_numpy(_column_blocks(scale, 1)[:, :, 0])
+        self._op = op
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.q, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
+class F16Linear(_CpuKernelLinear):
+    """Any other type on CPU: float16 weights, engine/kernels/dense_linear.cpp."""
+
+    def __init__(self, weight: np.ndarray, op, bias: torch.Tensor | None = None):
+        n, k = weight.shape
+        super().__init__(n, k, bias)
+        (w,) = _pad_rows(n, weight.astype(np.float16))
+        self.w = torch.from_numpy(_column_blocks(w, GROUP))
+        self._op = op
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.w)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.nbytes + (0 if self.bias is None else self.bias.nbytes)
 
 
 class Embedding:
@@ -144,22 +246,6 @@ class Embedding:
         return 0 if self.table is None else self.table.nbytes
 
 
-def _cpu_pack_numpy(q: np.ndarray) -> np.ndarray:
-    """torch's CPU int4 layout, built directly: per 64 output rows, for each column k, 32 bytes
-    whose low nibbles are rows 0..31 and high nibbles rows 32..63 of that block."""
-    n, k = q.shape
-    blocks = q.reshape(n // 64, 2, 32, k)
-    return np.ascontiguousarray((blocks[:, 0] | (blocks[:, 1] << 4)).transpose(0, 2, 1)).reshape(n, k // 2)
-
-
-@functools.cache
-def _cpu_layout_known() -> bool:
-    """Whether _cpu_pack_numpy reproduces this torch build's packing (checked once on a probe)."""
-    probe = np.random.default_rng(0).integers(0, 16, size=(128, 64), dtype=np.uint8)
-    ref = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(probe.astype(np.int32)), 1)
-    return ref.dtype == torch.uint8 and np.array_equal(ref.numpy(), _cpu_pack_numpy(probe))
-
-
 def cuda_inner_k_tiles(k: int) -> int:
     for tiles in (8, 4, 2):
         if k % (tiles * 16) == 0:
@@ -188,7 +274,7 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
 
 class Int4Linear(Linear):
     def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, device: torch.device,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, cpu: CpuKernels | None = None):
         n, k = q.shape
         self.out_features, self.in_features = n, k
         self.bias = bias
@@ -199,30 +285,24 @@ class Int4Linear(Linear):
             return
         # The CPU kernels and torch's int4 layouts take outputs in blocks of 16: a matrix of
         # another height (a head over a vocabulary of 32001, say) gets zero rows, sliced off.
-        self._pad = -n % 16
-        if self._pad:
-            q, scale, minimum = (np.concatenate([a, np.zeros((self._pad, a.shape[1]), a.dtype)])
-                                 for a in (q, scale, minimum))
-            n += self._pad
-        self._op = kernels.int4_linear() if device.type == "cpu" and k % GROUP == 0 else None
-        if self._op is not None:
+        self._pad = -n % COLUMNS
+        q, scale, minimum = _pad_rows(n, q, scale, minimum)
+        n += self._pad
+        if device.type == "cpu":
+            if cpu is None or cpu.int4 is None or k % GROUP:
+                raise ValueError("int4 matrices on CPU need a compiled kernel path and inputs in groups of 32")
+            self._op = cpu.int4
             self.packed, self.scales_zeros = int4_pack(q, scale, minimum)
             self.out_dtype = torch.float32
-            self._tiles = kernels.int4_linear_tiles()
+            self._tiles = cpu.int4_tiles
             return
-        if device.type == "cuda":
-            # The CUDA kernel takes two nibbles per byte, even column in the high nibble.
-            q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(q8, cuda_inner_k_tiles(k))
-        elif n % 64 == 0 and _cpu_layout_known():
-            self.packed = torch.from_numpy(_cpu_pack_numpy(q))  # same bytes, without int32 copies
-        else:
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
-        # [K/G, N, 2]: (scale, zero) per group, the layout both kernels read.
+        # CUDA without Triton: the CUDA kernel takes two nibbles per byte, even column in the high nibble.
+        q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack(q8, cuda_inner_k_tiles(k))
+        # [K/G, N, 2]: (scale, zero) per group, the layout the kernel reads.
         sz = np.stack([scale, minimum + 8.0 * scale], axis=-1).transpose(1, 0, 2)
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
-        self._mm = (torch.ops.aten._weight_int4pack_mm if device.type == "cuda"
-                    else torch.ops.aten._weight_int4pack_mm_for_cpu)
+        self._mm = torch.ops.aten._weight_int4pack_mm
 
     out_dtype = torch.bfloat16
     _cuda: "cuda_int4.Int4Weight | None" = None
@@ -271,11 +351,12 @@ def to_float(record: TensorRecord) -> np.ndarray:
 
 def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device,
                  biases: Sequence[TensorRecord] | None = None,
-                 row_perm: np.ndarray | None = None) -> Linear:
+                 row_perm: np.ndarray | None = None, cpu: CpuKernels | None = None) -> Linear:
     """One Linear computing the concatenation of `records` along the output dimension.
 
     `row_perm` (over the concatenated rows) reorders outputs; the rope code uses it to turn
-    neox-style q/k into the adjacent-pair layout.
+    neox-style q/k into the adjacent-pair layout.  `cpu` is the CPU kernel path (required on
+    CPU with the packed format; ignored elsewhere).
     """
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r} (expected one of {WEIGHT_FORMATS})")
@@ -289,19 +370,37 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
             b = b[row_perm]
         bias = torch.from_numpy(np.ascontiguousarray(b)).to(device)
     k = in_features.pop()
-    if fmt == "packed" and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
+    packed_cpu = fmt == "packed" and device.type == "cpu"
+    if packed_cpu and cpu is None:
+        raise ValueError("the packed format on CPU needs a CPU kernel path (engine.kernels.cpu_kernels)")
+    compiled = packed_cpu and cpu.int4 is not None
+    if fmt == "packed" and (compiled or device.type != "cpu") and all(r.qtype in INT4_GROUPED for r in records) \
+            and k % 64 == 0:
         parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in records]
         q = np.concatenate([p.q for p in parts])
         scale = np.concatenate([p.scale for p in parts])
         minimum = np.concatenate([p.minimum for p in parts])
         if row_perm is not None:
             q, scale, minimum = q[row_perm], scale[row_perm], minimum[row_perm]
-        return Int4Linear(q, scale, minimum, device, bias)
+        return Int4Linear(q, scale, minimum, device, bias, cpu=cpu)
+    groups = {INT8_GROUPS.get(r.qtype) for r in records}
+    if packed_cpu and cpu.int8 is not None and len(groups) == 1 and None not in groups:
+        parts8 = [unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records]
+        q8 = np.concatenate([p.q for p in parts8])
+        scale8 = np.concatenate([p.scale for p in parts8])
+        if row_perm is not None:
+            q8, scale8 = q8[row_perm], scale8[row_perm]
+        return Int8Linear(q8, scale8, groups.pop(), cpu.int8, bias)
     w = np.concatenate([to_float(r).reshape(-1, k) for r in records])
     if row_perm is not None:
         w = w[row_perm]
     w = np.ascontiguousarray(w)
-    if fmt == "packed" and device.type == "cpu" and fbgemm_available():
-        return Fp16Linear(w, bias)
+    if packed_cpu and cpu.f16 is not None:
+        return F16Linear(w, cpu.f16, bias)
+    if packed_cpu:  # the torch path: torch's float16 (FBGEMM) or float32 matmul, one row at a time
+        if fbgemm_available():
+            return RowByRow(Fp16Linear(w, bias))
+        return RowByRow(DenseLinear(torch.from_numpy(w), bias))
     dtype = torch.float32 if fmt == "float32" else torch.bfloat16
     return DenseLinear(torch.from_numpy(w).to(device=device, dtype=dtype), bias)
+

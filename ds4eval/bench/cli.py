@@ -79,6 +79,9 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--device", type=click.Choice(eb.DEVICES), default="cpu", show_default=True)
 @click.option("--weights", type=click.Choice(eb.WEIGHT_FORMATS), default="packed", show_default=True,
               help="ds4 weight format.")
+@click.option("--cpu-kernels", type=click.Choice(eb.CPU_KERNEL_PATHS), default=None,
+              help="ds4's CPU kernel path (default: $DS4_CPU_KERNELS, else the best this CPU runs); "
+                   "e.g. avx2 on an AVX512 host.")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="Repetitions; the summary shows median [min, max].")
 @click.option("--warmup", type=int, default=1, show_default=True,
@@ -105,7 +108,8 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
               help="Ids each batch row holds before its timed steps.")
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
-def engine_command(model: str | None, ctx: int | None, device: str, weights: str, repeats: int, warmup: int,
+def engine_command(model: str | None, ctx: int | None, device: str, weights: str, cpu_kernels: str | None,
+                   repeats: int, warmup: int,
                    csv_path: str | None, compare: str | None, transformers_compile: bool, threads: int | None,
                    llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
@@ -113,7 +117,8 @@ def engine_command(model: str | None, ctx: int | None, device: str, weights: str
                    seed: int) -> int:
     """Load time, prefill and decode tokens/s (and batched decode with --batch-sizes), optionally side by
     side with llama.cpp or transformers."""
-    cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, repeats=repeats, warmup=warmup,
+    cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, cpu_kernels=cpu_kernels,
+                               repeats=repeats, warmup=warmup,
                                csv=csv_path, compare=compare, transformers_compile=transformers_compile,
                                threads=threads, llama_extra_buffers=llama_extra_buffers,
                                prompt_lengths=prompt_lengths,
@@ -145,7 +150,8 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
             raise UsageFailure(f"model file not found: {path}")
         if cfg.csv and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.csv))):
             raise UsageFailure(f"--csv {cfg.csv}: its directory does not exist")
-        runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights)]
+        runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights,
+                                              cpu_kernels=cfg.cpu_kernels)]
         if cfg.compare == eb.LLAMA_CPP:
             threads = cfg.threads if cfg.threads is not None else default_threads()
             runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device,
@@ -158,6 +164,11 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
 
     click.echo(f"{eb.model_label(path)}: {eb.describe_plan(cfg)}; engines {', '.join(r.engine for r in runners)}",
                err=True)
+    for r in runners:
+        try:
+            click.echo(f"{r.engine} kernels: {r.kernels()}", err=True)
+        except ModelLoadError as e:  # a --cpu-kernels path this machine cannot run
+            raise UsageFailure(str(e)) from None
     try:
         measurements = eb.run_engine_bench(cfg, runners, report=lambda m: click.echo(eb.progress_line(m), err=True))
     except ModelLoadError as e:

@@ -73,6 +73,8 @@ TRANSFORMERS = "transformers"
 COMPARE_ENGINES = (LLAMA_CPP, TRANSFORMERS)
 DEVICES = ("cpu", "cuda")
 WEIGHT_FORMATS = ("packed", "float32")
+# engine.kernels.PATHS, named here so that this module imports no torch (a test holds them equal)
+CPU_KERNEL_PATHS = ("amx", "avx512", "avx2", "portable", "torch")
 
 DEFAULT_PROMPT_LENGTHS = (512, 2048)
 DEFAULT_DECODE_CONTEXTS = (16, 2048)
@@ -105,6 +107,7 @@ class EngineBenchConfig:
     ctx: int | None = None  # context to load with; None: just enough for the longest step
     device: str = "cpu"  # ds4's device; llama.cpp offloads to the GPU too when built for it
     weights: str = "packed"  # ds4 weight format: "packed" (int4 kernels) or "float32"
+    cpu_kernels: str | None = None  # ds4's CPU kernel path (engine.kernels); None: the engine's choice
     repeats: int = 3  # repetitions of every measurement; the summary reports median, min, max
     warmup: int = 1  # untimed repetitions per engine before the timed ones
     csv: str | None = None  # write one row per measurement here (atomically)
@@ -157,6 +160,9 @@ class EngineBenchConfig:
             raise BenchConfigError(f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if self.weights not in WEIGHT_FORMATS:
             raise BenchConfigError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {self.weights!r}")
+        if self.cpu_kernels is not None and self.cpu_kernels not in CPU_KERNEL_PATHS:
+            raise BenchConfigError(f"--cpu-kernels must be one of {', '.join(CPU_KERNEL_PATHS)}, "
+                                   f"not {self.cpu_kernels!r}")
         if self.compare is not None and self.compare not in COMPARE_ENGINES:
             raise BenchConfigError(f"--compare supports {', '.join(COMPARE_ENGINES)}, not {self.compare!r}")
         if self.repeats < 1:
@@ -240,6 +246,8 @@ class Runner(Protocol):
     threads: int
     ctx: int
     model_name: str
+
+    def kernels(self) -> str: ...  # which kernels it computes with on this machine, one line
 
     def load(self) -> None: ...
 

@@ -114,21 +114,36 @@ def default_threads() -> int:
 class Ds4Runner:
     engine = OURS
 
-    def __init__(self, path: str, *, ctx: int, device: str = "cpu", weights: str = "packed"):
+    def __init__(self, path: str, *, ctx: int, device: str = "cpu", weights: str = "packed",
+                 cpu_kernels: str | None = None):
         self.path = path
         self.ctx = ctx
         self.device = device
         self.weights = weights
+        self.cpu_kernels = cpu_kernels
         self.threads = default_threads()
         self.model_name = os.path.basename(path)
         self._model: Any = None
         self._session: Any = None
         self._batch: list[Any] | None = None  # the sessions of a batch measurement
 
+    def kernels(self) -> str:
+        """The engine's CPU kernel path and why (engine.kernels); ModelLoadError for a named path
+        this machine cannot run."""
+        from engine import ModelLoadError, kernels
+
+        if self.device != "cpu":
+            return f"{self.device} (engine.cuda_int4 and CUDA graphs where they apply)"
+        try:
+            return kernels.cpu_kernels(self.cpu_kernels).describe()
+        except kernels.KernelsUnavailable as e:
+            raise ModelLoadError(str(e)) from None
+
     def load(self) -> None:
         from engine import load_model
 
-        self._model = load_model(self.path, ctx=self.ctx, device=self.device, weights=self.weights)
+        self._model = load_model(self.path, ctx=self.ctx, device=self.device, weights=self.weights,
+                                 cpu_kernels=self.cpu_kernels)
 
     def vocab(self) -> Vocab:
         m = self._model
@@ -202,6 +217,11 @@ class LlamaCppRunner:
         self.device = "cuda" if self._offload else "cpu"
         self.model_name = os.path.basename(path)
         self._llm: Any = None
+
+    def kernels(self) -> str:
+        """What this llama.cpp build computes with (ggml's own report)."""
+        info = self._llama_cpp.llama_print_system_info()
+        return " ".join((info.decode() if isinstance(info, bytes) else str(info)).split())
 
     def load(self) -> None:
         self._llm = load_llama(
@@ -312,6 +332,14 @@ class TransformersRunner:
     def model(self) -> Any:
         """The transformers model between `load()` and `close()` (None otherwise)."""
         return self._model
+
+    def kernels(self) -> str:
+        """torch's own kernels: its CPU dispatch level (ATEN_CPU_CAPABILITY) or the device."""
+        import torch
+
+        if self.device != "cpu":
+            return f"torch {torch.__version__} on {self.device}"
+        return f"torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
     def config(self) -> Any:
         """The transformers config of the GGUF's shape."""

@@ -1,25 +1,36 @@
-"""Compiled CPU kernels for the engine's hot paths, built on first use.
+"""Compiled CPU kernels for the engine's hot paths: one set per instruction set, chosen at load.
 
-`decode_attention()`, `int4_linear()` and `int4_linear_tiles()` return the ops
-`torch.ops.ds4.decode_attention`, `torch.ops.ds4.int4_linear` and `torch.ops.ds4.int4_linear_tiles`
-(contracts in the .cpp files), or None where the library cannot be built or loaded here
-(`unavailable_reason()` then says why in one line), where the CPU lacks the instructions
-(AVX512-BF16 for int4_linear, AMX-BF16 for int4_linear_tiles) or, for the tile op, where the
-operating system refuses the tile state; callers then keep their other paths.
+`cpu_kernels(name=None)` returns a `CpuKernels`: the ops the engine runs on this CPU and why
+they were chosen.  The paths, best first:
 
-The C++ sources are compiled once per machine with the host's vector instructions
-(-march=native) into `$XDG_CACHE_HOME/ds4eval/kernels/ds4_kernels_<tag>.so` (default
-`~/.cache/...`), where the tag hashes the sources, the torch version and the CPU's model and
-flags, so a home directory shared by different machines never loads code built for another CPU.
-A build takes a few seconds; later loads only open the library.  Each build runs in a private
-temporary directory and the finished library is renamed into place, so processes never wait on
-each other's build: an interrupted build (Ctrl-C, kill -9) leaves only a temporary directory,
-removed by a later build once it is an hour old, never a lock that hangs later starts.  Two
-checkouts of the same sources share one library.  Building needs a C++ compiler; ninja comes
-with this package.
-OpenMP threads are torch's own (the kernel links the libgomp torch has loaded), so
-`torch.set_num_threads` governs it like any torch op.
-It does not decide when a kernel is used; see engine.models.llama.
+| path       | needs (x86 /proc/cpuinfo flags)                 | int4 products            | other matmuls, attention |
+|------------|-------------------------------------------------|--------------------------|--------------------------|
+| `amx`      | avx512 + amx_tile, amx_bf16, the OS's leave      | AVX512-BF16; AMX tiles from 32 rows | AVX512 |
+| `avx512`   | avx2 + avx512f/bw/vl/dq, avx512_bf16             | AVX512-BF16 vectors      | AVX512                   |
+| `avx2`     | avx2, fma, f16c                                  | AVX2 + FMA               | AVX2 + FMA + F16C        |
+| `portable` | a C++ compiler (any CPU: NEON on aarch64)        | the compiler's vectors   | the compiler's vectors   |
+| `torch`    | nothing                                          | torch's own kernels, one row at a time (see engine.weights) |
+
+Without a name, `$DS4_CPU_KERNELS` picks one (the documented override, for testing another
+path on one machine: `DS4_CPU_KERNELS=avx2` runs the AVX2 code on an AVX512 host); unset, the
+best path this CPU runs and this machine can build is taken, falling down the table when a
+build fails.  A path asked for by name that the CPU cannot execute or that does not build is
+an error (`KernelsUnavailable`), never a silent substitute.  `host_paths()` lists what the CPU
+executes, for tests that run every path.  The ops and their contracts are in the .cpp files:
+`attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_tiles` (int4_linear.cpp), `int8` and `f16`
+(dense_linear.cpp).  Every op computes a row's result from that row alone, in a fixed order.
+
+Each path's sources are compiled once per machine with that instruction set's flags (isa.h
+names the ops per set, so libraries for several sets load side by side in one process) into
+`$XDG_CACHE_HOME/ds4eval/kernels/ds4_kernels_<set>_<tag>.so` (default `~/.cache/...`), where the
+tag hashes the sources, the flags, the torch version and the CPU's model and flags.  A build
+takes seconds; later loads only open the library.  Each build runs in a private temporary
+directory and the finished library is renamed into place, so processes never wait on each
+other's build: an interrupted build leaves only a temporary directory, removed by a later
+build once it is an hour old.  Building needs a C++ compiler; ninja comes with this package.
+OpenMP threads are torch's own (the kernels link the libgomp torch has loaded), so
+`torch.set_num_threads` governs them like any torch op.
+It does not decide which kernel a matrix uses; see engine.weights and engine.models.llama.
 """
 from __future__ import annotations
 
@@ -31,14 +42,108 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("decode_attention.cpp", "int4_linear.cpp")]
+ENV_VAR = "DS4_CPU_KERNELS"
+PATHS = ("amx", "avx512", "avx2", "portable", "torch")  # best first
+
+_HERE = Path(__file__).resolve().parent
+_ALL_SOURCES = ("decode_attention.cpp", "int4_linear.cpp", "dense_linear.cpp")
+_AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+_AVX512_FLAGS = _AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
+
+
+@dataclass(frozen=True)
+class Library:
+    """One compiled library: its sources and flags; its ops are ds4::<op>_<name>."""
+
+    name: str
+    sources: tuple[str, ...]
+    flags: tuple[str, ...]
+
+
+LIBRARIES = {
+    "avx512": Library("avx512", _ALL_SOURCES, _AVX512_FLAGS + ("-DDS4_ISA_AVX512",)),
+    "amx": Library("amx", ("int4_linear.cpp",), _AVX512_FLAGS + ("-mamx-tile", "-mamx-bf16", "-DDS4_ISA_AMX")),
+    "avx2": Library("avx2", _ALL_SOURCES, _AVX2_FLAGS + ("-DDS4_ISA_AVX2",)),
+    "portable": Library("portable", _ALL_SOURCES, ()),
+}
+
+# What each path needs of an x86 CPU (flag names as in /proc/cpuinfo) and which libraries it loads.
+_X86_NEEDS = {
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}),
+    "amx": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
+                      "amx_tile", "amx_bf16"}),
+}
+_PATH_LIBRARIES = {"amx": ("avx512", "amx"), "avx512": ("avx512",), "avx2": ("avx2",), "portable": ("portable",),
+                   "torch": ()}
+
+
+class KernelsUnavailable(Exception):
+    """A CPU kernel path asked for by name cannot run here (CPU, compiler or operating system)."""
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The CPU ops of one path; None where the path has no such op (the caller keeps torch's)."""
+
+    name: str
+    reason: str  # why this path: chosen by CPU features, or named by the override
+    attention: Callable[..., torch.Tensor] | None = None
+    prefill_attention: Callable[..., torch.Tensor] | None = None
+    int4: Callable[..., torch.Tensor] | None = None
+    int4_tiles: Callable[..., torch.Tensor] | None = None
+    int8: Callable[..., torch.Tensor] | None = None
+    f16: Callable[..., torch.Tensor] | None = None
+
+    def describe(self) -> str:
+        """One line for banners: the path and why."""
+        return f"{self.name} ({self.reason})"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (x86 `flags`, arm `Features`)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return frozenset(value.split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "i386")
+
+
+def missing_features(path: str, flags: frozenset[str] | None = None, x86: bool | None = None) -> list[str]:
+    """What this CPU lacks for `path` (empty when it can execute it)."""
+    if path not in PATHS:
+        raise ValueError(f"unknown CPU kernel path {path!r} (expected one of {', '.join(PATHS)})")
+    if path not in _X86_NEEDS:
+        return []
+    if not (_is_x86() if x86 is None else x86):
+        return [f"an x86-64 CPU (this is {platform.machine()})"]
+    return sorted(_X86_NEEDS[path] - (cpu_flags() if flags is None else flags))
+
+
+def host_paths() -> list[str]:
+    """The paths whose instructions this CPU executes, best first (whether they build is not
+    checked here)."""
+    return [p for p in PATHS if not missing_features(p)]
+
+
+# ------------------------------------------------------------------------ building and loading
+
 _lock = threading.Lock()
-_loaded: dict[str, object] = {}
+_loaded: dict[str, str | None] = {}  # library name -> None when loaded, else why it is not
 
 
 def _cpu_signature() -> str:
@@ -53,13 +158,6 @@ def _cpu_signature() -> str:
     except OSError:
         pass
     return platform.machine() + "|" + "|".join(f"{k}={v}" for k, v in sorted(fields.items()))
-
-
-def _tag(source: bytes) -> str:
-    h = hashlib.sha256(source)
-    h.update(torch.__version__.encode())
-    h.update(_cpu_signature().encode())
-    return h.hexdigest()[:16]
 
 
 def build_dir() -> Path:
@@ -83,10 +181,15 @@ def _ensure_ninja() -> None:
 STALE_BUILD_S = 3600  # a temporary build directory this old belongs to a build that died
 
 
-def library_path() -> Path:
-    """Where the library for these sources, this torch and this CPU lives once built."""
-    source = b"".join(p.read_bytes() for p in _SOURCES)
-    return build_dir() / f"ds4_kernels_{_tag(source)}.so"
+def library_path(lib: Library) -> Path:
+    """Where `lib` for these sources, this torch and this CPU lives once built."""
+    h = hashlib.sha256()
+    for name in sorted({*lib.sources, "isa.h"}):
+        h.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
+    h.update(" ".join(lib.flags).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_signature().encode())
+    return build_dir() / f"ds4_kernels_{lib.name}_{h.hexdigest()[:16]}.so"
 
 
 def remove_stale_builds(root: Path, now: float) -> None:
@@ -98,7 +201,7 @@ def remove_stale_builds(root: Path, now: float) -> None:
             pass
 
 
-def build_library(target: Path) -> None:
+def build_library(lib: Library, target: Path) -> None:
     """Compile into a private directory, then rename the library to `target` (atomic)."""
     from torch.utils import cpp_extension
 
@@ -109,68 +212,107 @@ def build_library(target: Path) -> None:
     try:
         _ensure_ninja()
         name = target.stem
-        cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], build_directory=str(work),
-                           extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
+        cpp_extension.load(name=name, sources=[str(_HERE / s) for s in lib.sources], build_directory=str(work),
+                           extra_cflags=["-O3", "-fopenmp", *lib.flags], extra_ldflags=["-fopenmp"],
+                           extra_include_paths=[str(_HERE)], is_python_module=False, verbose=False)
         os.replace(work / f"{name}.so", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _load() -> None:
-    target = library_path()
-    if target.is_file():
-        torch.ops.load_library(str(target))
-    else:
-        build_library(target)  # cpp_extension.load has loaded it already
+def _short_reason(e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return f"{type(e).__name__}: {(errors or lines or ['no message'])[0]}"[:300]
 
 
-def _built() -> bool:
-    """Build or load the library once per process; False (with a reason) if that failed."""
+def load_library(name: str) -> str | None:
+    """Build or load one library once per process; None when its ops are registered, else why
+    not (one line)."""
     with _lock:
-        if "ok" not in _loaded:
+        if name not in _loaded:
+            lib = LIBRARIES[name]
             try:
-                _load()
-                _loaded["ok"] = True
-            except Exception as e:  # any build or load failure means: use the torch paths
-                lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-                errors = [ln for ln in lines if "error" in ln.lower()]
-                _loaded["ok"] = False
-                _loaded["reason"] = f"{type(e).__name__}: {(errors or lines or ['no message'])[0]}"[:300]
-        return bool(_loaded["ok"])
+                target = library_path(lib)
+                if target.is_file():
+                    torch.ops.load_library(str(target))
+                else:
+                    build_library(lib, target)  # cpp_extension.load has loaded it already
+                _loaded[name] = None
+            except Exception as e:  # any build or load failure means: this path is not available
+                _loaded[name] = _short_reason(e)
+        return _loaded[name]
 
 
-def decode_attention() -> Callable[..., torch.Tensor] | None:
-    """The decode-attention op; None if the library cannot be built or loaded here."""
-    return torch.ops.ds4.decode_attention if _built() else None
+def _op(name: str, lib: str) -> Callable[..., torch.Tensor]:
+    return getattr(torch.ops.ds4, f"{name}_{lib}")
 
 
-def int4_linear() -> Callable[..., torch.Tensor] | None:
-    """The 4-bit grouped matmul op; None without the library or where the compiler does not
-    target AVX512-BF16 (the op is then not part of the library)."""
-    if not _built():
-        return None
+def _tiles_usable(op: Callable[..., torch.Tensor]) -> str | None:
+    """None when the operating system grants the tile state (tried once on a small product)."""
     try:
-        return torch.ops.ds4.int4_linear
-    except (AttributeError, RuntimeError):
-        return None
-
-
-@functools.cache
-def int4_linear_tiles() -> Callable[..., torch.Tensor] | None:
-    """The 4-bit grouped matmul op on AMX tiles (same contract as int4_linear); None without
-    the library, AMX-BF16 or the operating system's leave to use the tiles (tried once on a
-    small product)."""
-    if not _built():
-        return None
-    try:
-        op = torch.ops.ds4.int4_linear_tiles
         op(torch.zeros(1, 32), torch.zeros(1, 1, 8, 32, dtype=torch.uint8), torch.zeros(1, 1, 2, 16))
-    except (AttributeError, RuntimeError):
-        return None
-    return op
+    except RuntimeError as e:
+        return _short_reason(e)
+    return None
 
 
-def unavailable_reason() -> str | None:
-    """Why the library could not be built or loaded (None if it was not asked for or is loaded)."""
-    return _loaded.get("reason")  # type: ignore[return-value]
+def _build_path(name: str, reason: str) -> CpuKernels:
+    """The ops of path `name`; KernelsUnavailable when the CPU lacks it or it does not build."""
+    missing = missing_features(name)
+    if missing:
+        raise KernelsUnavailable(f"CPU kernels {name!r} need {', '.join(missing)}, which this CPU lacks "
+                                 f"(it runs: {', '.join(host_paths())})")
+    for lib in _PATH_LIBRARIES[name]:
+        why = load_library(lib)
+        if why is not None:
+            raise KernelsUnavailable(f"CPU kernels {name!r} could not be built: {why}")
+    if name == "torch":
+        return CpuKernels(name, reason)
+    vec = "avx512" if name == "amx" else name
+    tiles = None
+    if name == "amx":
+        tiles = _op("int4_linear", "amx")
+        why = _tiles_usable(tiles)
+        if why is not None:
+            raise KernelsUnavailable(f"CPU kernels 'amx': the operating system refuses the AMX tile state ({why})")
+    return CpuKernels(name, reason, attention=_op("decode_attention", vec),
+                      prefill_attention=_op("prefill_attention", vec), int4=_op("int4_linear", vec),
+                      int4_tiles=tiles, int8=_op("int8_linear", vec), f16=_op("f16_linear", vec))
+
+
+_chosen: dict[tuple[str | None, str], CpuKernels] = {}
+
+
+def cpu_kernels(name: str | None = None) -> CpuKernels:
+    """The CPU kernel path `name`, else $DS4_CPU_KERNELS's, else the best that runs and builds
+    here (cached per process).  KernelsUnavailable for a named path that cannot run here."""
+    requested = name or os.environ.get(ENV_VAR, "").strip().lower() or None
+    how = "named by the caller" if name else f"{ENV_VAR}={requested}" if requested else "auto"
+    key = (requested, how)
+    if key in _chosen:
+        return _chosen[key]
+    if requested is not None:
+        if requested not in PATHS:
+            raise KernelsUnavailable(f"unknown CPU kernel path {requested!r} (expected one of {', '.join(PATHS)})")
+        chosen = _build_path(requested, how)
+    else:
+        skipped: list[str] = []
+        for path in host_paths():
+            try:
+                reason = "the best this CPU runs" if not skipped else f"the best that builds here; {'; '.join(skipped)}"
+                chosen = _build_path(path, reason)
+                break
+            except KernelsUnavailable as e:
+                skipped.append(str(e))
+    _chosen[key] = chosen
+    return chosen
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why path `name` cannot run here (None when it can); builds it if needed."""
+    try:
+        cpu_kernels(name)
+    except KernelsUnavailable as e:
+        return str(e)
+    return None

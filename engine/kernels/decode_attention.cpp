@@ -1,6 +1,6 @@
 // Decode attention on CPU: one new token per sequence, against that sequence's own cache.
 //
-// ds4::decode_attention(qkv, kv, positions, scale) -> out
+// ds4::decode_attention_<isa>(qkv, kv, positions, scale) -> out     (isa: see isa.h)
 //   qkv        [N, (H + 2 Hkv) D] float32: each row's rotated queries, keys and values; rows
 //              may be strided, each row contiguous
 //   kv         N distinct tensors [2, Hkv, capacity, D], float32 or float16 (K then V), each position's
@@ -10,20 +10,36 @@
 //   out        [N, H D] float32, scaled dot-product attention with scale `scale`
 // Query head j reads kv head j / (H / Hkv) (grouped-query attention).
 //
+// ds4::prefill_attention_<isa>(q, kv, start, scale) -> out
+//   q          [T, H D] float32: the rotated queries of positions start .. start + T - 1 (rows
+//              may be strided, each row contiguous)
+//   kv         one cache [2, Hkv, capacity, D] that already holds positions [0, start + T)
+//   out        [T, H D] float32: row i attends to positions [0, start + i], by the very
+//              operations decode_attention runs for a row at position start + i
+// So a prompt prefilled in chunks and the same tokens decoded one by one attend alike, bit
+// for bit: the difference that the activations' rounding to bfloat16 would otherwise amplify
+// into visibly different log-probabilities.
+//
 // Each (row, kv head) pair is one job that one thread runs start to finish, in an order of
 // operations fixed by that row's length alone: a row's result is bitwise the same whatever the
 // other rows, their number and the thread count.  That is what lets batched decoding reproduce
 // single-row decoding exactly while still reading each cache once per step, without padding.
 // Softmax runs in float32 with a vectorised exp (within 2 ulp) and the usual max shift.
+// The code is written once in the compiler's generic vectors of 16 floats, which each library
+// lowers to its instruction set (isa.h); float16 caches are widened with AVX512F or F16C where
+// the build has them.  Builds for different instruction sets may round differently in the
+// last bits (fused multiply-adds, the exp polynomial); each is row-independent on its own.
 // It does not mask, take more than one query position per row, or read bfloat16 caches.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
+
+#include "isa.h"
 
 #include <cstdint>
 #include <cstring>
@@ -45,6 +61,13 @@ inline vf load(const at::Half* p) {
   __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   vf r;
   std::memcpy(&r, &v, sizeof r);
+  return r;
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vf r;
+  std::memcpy(&r, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<float*>(&r) + 8, &hi, sizeof hi);
   return r;
 #else
   vf r;
@@ -115,7 +138,7 @@ inline vf vexp(vf x) {
 template <typename T>
 struct Job {
   const float* q;      // G * D query values of this kv head's group
-  const float* new_k;  // D values to store at position len - 1
+  const float* new_k;  // D values to store at position len - 1 (null: already stored)
   const float* new_v;
   T* k;                // position l's key at k + l * D
   T* v;
@@ -147,8 +170,10 @@ template <int NV, typename T>
 void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
   constexpr int D = NV * W;
   const int64_t L = job.len, Lp = (L + W - 1) / W * W;
-  store_row(job.k + (L - 1) * D, job.new_k, D);
-  store_row(job.v + (L - 1) * D, job.new_v, D);
+  if (job.new_k != nullptr) {
+    store_row(job.k + (L - 1) * D, job.new_k, D);
+    store_row(job.v + (L - 1) * D, job.new_v, D);
+  }
   sc.scores.resize(G * Lp / W);
   sc.qacc.resize(G * NV);
   sc.tmp.resize(VB * NV);
@@ -230,6 +255,25 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
 }
 
 template <typename T>
+void run_jobs(const std::vector<Job<T>>& jobs, int64_t G, int64_t D, float scale) {
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t j = begin; j < end; ++j) {
+      switch (D / W) {
+        case 1: attend<1>(jobs[j], G, scale, scratch); break;
+        case 2: attend<2>(jobs[j], G, scale, scratch); break;
+        case 3: attend<3>(jobs[j], G, scale, scratch); break;
+        case 4: attend<4>(jobs[j], G, scale, scratch); break;
+        case 5: attend<5>(jobs[j], G, scale, scratch); break;
+        case 6: attend<6>(jobs[j], G, scale, scratch); break;
+        case 7: attend<7>(jobs[j], G, scale, scratch); break;
+        default: attend<8>(jobs[j], G, scale, scratch); break;
+      }
+    }
+  });
+}
+
+template <typename T>
 void run(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, float scale, int64_t H,
          int64_t Hkv, int64_t D, at::Tensor& out) {
   const int64_t N = qkv.size(0), G = H / Hkv;
@@ -250,22 +294,9 @@ void run(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, fl
       jobs.push_back({row + h * G * D, row + (H + h) * D, row + (H + Hkv + h) * D, base + h * t.stride(1),
                       base + t.stride(0) + h * t.stride(1), out0 + i * H * D + h * G * D, positions[i] + 1});
   }
-  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
-    for (int64_t j = begin; j < end; ++j) {
-      switch (D / W) {
-        case 1: attend<1>(jobs[j], G, scale, scratch); break;
-        case 2: attend<2>(jobs[j], G, scale, scratch); break;
-        case 3: attend<3>(jobs[j], G, scale, scratch); break;
-        case 4: attend<4>(jobs[j], G, scale, scratch); break;
-        case 5: attend<5>(jobs[j], G, scale, scratch); break;
-        case 6: attend<6>(jobs[j], G, scale, scratch); break;
-        case 7: attend<7>(jobs[j], G, scale, scratch); break;
-        default: attend<8>(jobs[j], G, scale, scratch); break;
-      }
-    }
-  });
+  run_jobs(jobs, G, D, scale);
 }
+
 
 at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, double scale) {
   const int64_t N = qkv.size(0);
@@ -288,12 +319,52 @@ at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArr
   return out;
 }
 
+template <typename T>
+void run_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t start, float scale, int64_t H, int64_t Hkv,
+                 int64_t D, at::Tensor& out) {
+  const int64_t N = q.size(0), G = H / Hkv;
+  const float* const q0 = q.data_ptr<float>();
+  float* const out0 = out.data_ptr<float>();
+  T* base = kv.data_ptr<T>();
+  std::vector<Job<T>> jobs;
+  jobs.reserve(N * Hkv);
+  for (int64_t i = 0; i < N; ++i)
+    for (int64_t h = 0; h < Hkv; ++h)
+      jobs.push_back({q0 + i * q.stride(0) + h * G * D, nullptr, nullptr, base + h * kv.stride(1),
+                      base + kv.stride(0) + h * kv.stride(1), out0 + i * H * D + h * G * D, start + i + 1});
+  run_jobs(jobs, G, D, scale);
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, int64_t start, double scale) {
+  TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.stride(3) == 1 && kv.stride(2) == kv.size(3),
+              "prefill_attention: the cache must be [2, Hkv, capacity, D] with contiguous positions");
+  const int64_t Hkv = kv.size(1), D = kv.size(3), N = q.size(0);
+  TORCH_CHECK(D % W == 0 && D <= 8 * W, "prefill_attention: head dim must be a multiple of 16 up to 128, not ", D);
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.stride(1) == 1 && q.size(1) % D == 0,
+              "prefill_attention: q must be [T, H D] float32 with contiguous rows");
+  const int64_t H = q.size(1) / D;
+  TORCH_CHECK(H >= Hkv && H % Hkv == 0, "prefill_attention: q's heads do not fit the cache's");
+  TORCH_CHECK(start >= 0 && start + N <= kv.size(2), "prefill_attention: positions ", start, " .. ", start + N,
+              " are outside the cache of capacity ", kv.size(2));
+  at::Tensor out = at::empty({N, H * D}, q.options());
+  if (N == 0) return out;
+  const float s = static_cast<float>(scale);
+  switch (kv.scalar_type()) {
+    case at::kFloat: run_prefill<float>(q, kv, start, s, H, Hkv, D, out); break;
+    case at::kHalf: run_prefill<at::Half>(q, kv, start, s, H, Hkv, D, out); break;
+    default: TORCH_CHECK(false, "prefill_attention: the cache must be float32 or float16, not ", kv.scalar_type());
+  }
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(ds4, m) {
-  m.def("decode_attention(Tensor qkv, Tensor(a!)[] kv, int[] positions, float scale) -> Tensor");
+TORCH_LIBRARY_FRAGMENT(ds4, m) {
+  m.def(DS4_OP("decode_attention") "(Tensor qkv, Tensor(a!)[] kv, int[] positions, float scale) -> Tensor");
+  m.def(DS4_OP("prefill_attention") "(Tensor q, Tensor kv, int start, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
+  m.impl(DS4_OP("decode_attention"), &decode_attention);
+  m.impl(DS4_OP("prefill_attention"), &prefill_attention);
 }

@@ -1,55 +1,57 @@
-// 4-bit grouped matmul on CPU with bfloat16 dot products: AVX512-BF16 vectors, and AMX tiles
-// for many rows.
+// 4-bit grouped matmul on CPU: one contract, one implementation per instruction set.
 //
-// ds4::int4_linear(x, packed, scales) -> y          (AVX512-BF16)
-// ds4::int4_linear_tiles(x, packed, scales) -> y    (AMX-BF16; same contract)
+// ds4::int4_linear_<isa>(x, packed, scales) -> y
+//   isa     avx512 (AVX512-BF16 vectors), amx (AMX-BF16 tiles), avx2 (AVX2 + FMA), portable
+//           (the compiler's own vectors: NEON on aarch64, SSE2 on a bare x86-64)
 //   x       [M, K] float32, rows may be strided, each row contiguous; rounded to bfloat16
-//           (nearest even) on entry, as torch's own int4 kernels take it
+//           (nearest even, subnormals to zero) on entry
 //   packed  uint8 [N / 16, K / 32, 8, 32]: the 4-bit values q of 16 output columns over one
 //           group of 32 inputs (layout: see int4_pack in engine/weights.py)
 //   scales  float32 [N / 16, K / 32, 2, 16]: per column and group, scale and minimum, so that
 //           w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
-// Q4_0, Q4_1 and Q4_K all have this form; scales stay float32, more exact than the bfloat16
-// scales of torch's int4 kernels.
+// Q4_0, Q4_1 and Q4_K all have this form; scales stay float32.
 //
-// Per group, one bfloat16 dot product of x with q (exact products, float32 sums) and two fused
-// multiply-adds: y += scale * (x . q) + minimum * sum(x).  A row's result depends on that row
-// alone, in one fixed order of operations per op: the same whatever the number of rows (one
-// decoding row or a prefill chunk), the other rows and the thread count.  The two ops sum a
-// group's 32 products in different orders (four interleaved accumulators; the tile unit's
-// own order), so their results can differ in the last bits of a group's dot product.
+// Per group, one dot product of the rounded x with q and two fused multiply-adds:
+// y += scale * (x . q) + minimum * sum(x).  The products x * q are exact in float32 (8 by 4
+// significant bits).  The avx512, avx2 and portable ops sum them in one order: for input pairs
+// p = 0..15, accumulator p % 4 takes the odd input's product, then the even one's, each with
+// one rounding (what VDPBF16PS specifies), and the group's dot product is (a0 + a1) + (a2 + a3).
+// With fused multiply-adds (avx512, avx2, and the portable build where the target has them)
+// those ops compute the same bits, subnormal intermediates aside (VDPBF16PS flushes them).
+// The tile op sums a group's 32 products in the tile unit's own order, so its results can
+// differ from the others' in the last bits of a group's dot product.  sum(x) per group is a
+// fixed tree over the rounded values (round_rows), the same for every op.
 //
-// The vector op spends most of its time on the products of few rows: it is the one for
-// decoding.  The tile op multiplies 16 rows by 16 columns over a group in one instruction, and
-// only the per-group scaling runs on vectors; it needs rows to fill its tiles (prefill chunks,
-// wide batches).  Work is split over groups of 16 output columns in both.  Each op is built
-// only where the compiler targets its instructions; elsewhere it does not exist and the engine
-// keeps another path.  The tile op asks the kernel for permission to use the tile registers
-// (Linux arch_prctl) and raises if that is refused.  Neither adds biases or handles K not
-// divisible by 32.
+// A row's result depends on that row alone, in one fixed order of operations per op: the
+// same whatever the number of rows (one decoding row or a prefill chunk), the other rows and
+// the thread count.  Work is split over groups of 16 output columns.  Each op exists only in
+// the library built for its instruction set (isa.h).  The tile op asks the kernel for
+// permission to use the tile registers (Linux arch_prctl) and raises if that is refused.
+// None adds biases or handles K not divisible by 32.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
-
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "isa.h"
+
+#if defined(DS4_ISA_AVX512) || defined(DS4_ISA_AMX) || defined(DS4_ISA_AVX2)
+#include <immintrin.h>
+#endif
+#if defined(DS4_ISA_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define DS4_HAVE_AMX 1
 #endif
 
 namespace {
 
 constexpr int64_t G = 32;  // inputs per group
-constexpr int64_t C = 16;  // output columns per zmm
+constexpr int64_t C = 16;  // output columns per column group
 
 void check_arguments(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
@@ -64,35 +66,93 @@ void check_arguments(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "int4_linear: scales must be contiguous float32 [N/16, K/32, 2, 16]");
 }
 
-// x rounded to bfloat16 (pairs packed in 32 bits), and each row's per-group sums of those
-// rounded values in a fixed order ([rows, K / 32]).  The pairs are laid out by rows ([rows,
-// K / 2]) or, with `tile_rows`, by tiles: for each block of tile_rows rows and each group, the
-// block's rows over that group, contiguous (so a row tile's groups stream in order).  Rows
-// from M to `rows` (padding) are zero.
+// float32 -> bfloat16 bits in the high half: nearest even, subnormal inputs to signed zero
+// (as VCVTNE2PS2BF16 does), NaN kept a quiet NaN.  Branch-free, so loops over it vectorise.
+inline uint32_t bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t mag = b & 0x7FFFFFFFu;
+  uint32_t r = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
+  r = mag > 0x7F800000u ? ((b | 0x00400000u) & 0xFFFF0000u) : r;
+  r = mag < 0x00800000u ? (b & 0x80000000u) : r;
+  return r;
+}
+
+inline float bits_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// Sum of a group's 32 rounded values: a fixed tree (halves, then 8, 4, 2, 1 lanes), the one
+// every op uses.
+inline float group_sum(const float* v) {
+  float s[16], t[8], u[4];
+  for (int i = 0; i < 16; ++i) s[i] = v[i] + v[16 + i];
+  for (int i = 0; i < 8; ++i) t[i] = s[i] + s[8 + i];
+  for (int i = 0; i < 4; ++i) u[i] = t[i] + t[4 + i];
+  return (u[0] + u[2]) + (u[1] + u[3]);
+}
+
+// x rounded to bfloat16, stored as T (uint16_t: the bfloat16 bits; float: the rounded value),
+// and each row's per-group sums of the rounded values ([rows, K / 32]).  Values are laid out
+// by rows ([rows, K]) or, with `tile_rows`, by tiles: for each block of tile_rows rows and
+// each group, the block's rows over that group, contiguous.  Rows from M to `rows` (padding)
+// are zero.
+template <typename T>
 struct RoundedRows {
-  std::vector<uint32_t> pairs;
+  std::vector<T> values;
   std::vector<float> sums;
 };
 
-RoundedRows round_rows(const at::Tensor& x, int64_t rows, int64_t tile_rows = 0) {
+template <typename T>
+RoundedRows<T> round_rows(const at::Tensor& x, int64_t rows, int64_t tile_rows = 0) {
   const int64_t M = x.size(0), K = x.size(1), KB = K / G;
-  RoundedRows out{std::vector<uint32_t>(rows * K / 2, 0u), std::vector<float>(rows * KB, 0.0f)};
+  RoundedRows<T> out{std::vector<T>(rows * K, T(0)), std::vector<float>(rows * KB, 0.0f)};
   const float* x0 = x.data_ptr<float>();
+  float rounded[G];
   for (int64_t r = 0; r < M; ++r) {
     const float* row = x0 + r * x.stride(0);
     for (int64_t b = 0; b < KB; ++b) {
-      __m512bh lo = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + b * G + 16), _mm512_loadu_ps(row + b * G));
-      const int64_t at = tile_rows ? ((r / tile_rows) * KB + b) * tile_rows * G / 2 + (r % tile_rows) * G / 2
-                                   : (r * K + b * G) / 2;
-      _mm512_storeu_si512(out.pairs.data() + at, (__m512i)lo);
-      __m512 a = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256((__m512i)lo));
-      __m512 c = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64((__m512i)lo, 1));
-      out.sums[r * KB + b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+      for (int e = 0; e < G; ++e) rounded[e] = bits_float(bf16_bits(row[b * G + e]));
+      const int64_t at = tile_rows ? ((r / tile_rows) * KB + b) * tile_rows * G + (r % tile_rows) * G : r * K + b * G;
+      T* dst = out.values.data() + at;
+      for (int e = 0; e < G; ++e) {
+        if constexpr (sizeof(T) == 2) {
+          uint32_t bits;
+          std::memcpy(&bits, rounded + e, 4);
+          dst[e] = static_cast<T>(bits >> 16);
+        } else {
+          dst[e] = rounded[e];
+        }
+      }
+      out.sums[r * KB + b] = group_sum(rounded);
     }
   }
   return out;
 }
 
+// The loop every op shares: column groups split over threads, each group's 16 running outputs
+// per row accumulated over the input groups, then written out.  `group(g, b, acc)` adds input
+// group b of column group g into acc ([M, 16]).
+template <typename Group>
+at::Tensor run_groups(const at::Tensor& x, const at::Tensor& packed, Group group) {
+  const int64_t M = x.size(0), NG = packed.size(0), KB = packed.size(1);
+  at::Tensor y = at::empty({M, NG * C}, x.options());
+  if (M == 0) return y;
+  float* y0 = y.data_ptr<float>();
+  at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(M * C);
+    for (int64_t g = begin; g < end; ++g) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < KB; ++b) group(g, b, acc.data());
+      for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, acc.data() + r * C, C * sizeof(float));
+    }
+  });
+  return y;
+}
+
+#if defined(DS4_ISA_AVX512) || defined(DS4_ISA_AMX)
 // The 16 (input pair, column) bfloat16 operand vectors of one column group over one input
 // group: w[p] holds, for each of the 16 columns, q at inputs 2p and 2p + 1.
 struct NibbleWidener {
@@ -100,12 +160,7 @@ struct NibbleWidener {
   NibbleWidener() {
     // bfloat16 of 0..15, indexed by a nibble; exact, small integers fit bfloat16.
     alignas(64) uint16_t table[32] = {};
-    for (int i = 0; i < 16; ++i) {
-      float f = static_cast<float>(i);
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      table[i] = static_cast<uint16_t>(bits >> 16);
-    }
+    for (int i = 0; i < 16; ++i) table[i] = static_cast<uint16_t>(bf16_bits(static_cast<float>(i)) >> 16);
     lut = _mm512_load_si512(table);
     low4 = _mm512_set1_epi16(0x0F);
   }
@@ -117,49 +172,183 @@ struct NibbleWidener {
     }
   }
 };
+#endif
+
+#if defined(DS4_ISA_AVX512)
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_arguments(x, packed, scales);
+  const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
+  const RoundedRows<uint16_t> xr = round_rows<uint16_t>(x, M);
+  const NibbleWidener widener;
+  const uint8_t* q0 = packed.data_ptr<uint8_t>();
+  const float* s0 = scales.data_ptr<float>();
+  return run_groups(x, packed, [&](int64_t g, int64_t b, float* acc_y) {
+    __m512bh w[16];
+    widener.widen(q0 + (g * KB + b) * 256, w);
+    const float* sc = s0 + (g * KB + b) * 2 * C;
+    const __m512 scale = _mm512_loadu_ps(sc), minimum = _mm512_loadu_ps(sc + C);
+    for (int64_t r = 0; r < M; ++r) {
+      const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.values.data() + r * K + b * G);
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int t = 0; t < 16; t += 4) {
+        a0 = _mm512_dpbf16_ps(a0, w[t], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t])));
+        a1 = _mm512_dpbf16_ps(a1, w[t + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t + 1])));
+        a2 = _mm512_dpbf16_ps(a2, w[t + 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t + 2])));
+        a3 = _mm512_dpbf16_ps(a3, w[t + 3], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t + 3])));
+      }
+      const __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+      float* yr = acc_y + r * C;
+      __m512 acc = _mm512_fmadd_ps(scale, dot, _mm512_loadu_ps(yr));
+      _mm512_storeu_ps(yr, _mm512_fmadd_ps(minimum, _mm512_set1_ps(xr.sums[r * KB + b]), acc));
+    }
+  });
+}
+#endif  // DS4_ISA_AVX512
+
+#if defined(DS4_ISA_AVX2)
+// One column group's 32 x 16 nibbles as float32, w[k * 16 + j] for input k and column j.  In
+// the packed layout a 16-byte half of a chunk holds 8 columns' (even, odd) input pairs, so
+// widening its 16-bit words to 32 bits gives each column's pair in one lane.
+inline void widen_group(const uint8_t* q, float* w) {
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  const __m256i low8 = _mm256_set1_epi32(0xFF);
+  for (int c = 0; c < 8; ++c) {
+    for (int h = 0; h < 2; ++h) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 32 + h * 16));
+      const __m128i nibbles[2] = {_mm_and_si128(v, low4), _mm_and_si128(_mm_srli_epi16(v, 4), low4)};
+      for (int s = 0; s < 2; ++s) {  // s = 0: pair c, s = 1: pair c + 8
+        const __m256i pairs = _mm256_cvtepu16_epi32(nibbles[s]);
+        float* dst = w + 2 * (c + 8 * s) * C + 8 * h;
+        _mm256_store_ps(dst, _mm256_cvtepi32_ps(_mm256_and_si256(pairs, low8)));
+        _mm256_store_ps(dst + C, _mm256_cvtepi32_ps(_mm256_srli_epi32(pairs, 8)));
+      }
+    }
+  }
+}
+
+// y += scale * dot + minimum * sum for one row's 16 outputs, from the 4 x 2 accumulators.
+inline void finish_group(__m256 a[4][2], const float* sc, float sum, float* yr) {
+  const __m256 s = _mm256_set1_ps(sum);
+  for (int h = 0; h < 2; ++h) {
+    const __m256 dot = _mm256_add_ps(_mm256_add_ps(a[0][h], a[1][h]), _mm256_add_ps(a[2][h], a[3][h]));
+    const __m256 acc = _mm256_fmadd_ps(_mm256_loadu_ps(sc + 8 * h), dot, _mm256_loadu_ps(yr + 8 * h));
+    _mm256_storeu_ps(yr + 8 * h, _mm256_fmadd_ps(_mm256_loadu_ps(sc + C + 8 * h), s, acc));
+  }
+}
+
+// One row (decoding): each chunk's nibbles are widened in registers and used at once.  The
+// low nibbles (pairs 0..7) are all taken before the high ones (pairs 8..15), so that each
+// accumulator sees its pairs in the order of the contract.
+inline void group_one_row(const uint8_t* q, const float* xv, const float* sc, float sum, float* yr) {
+  const __m256i low4 = _mm256_set1_epi32(0x0F);
+  __m256 a[4][2];
+  for (auto& ah : a) ah[0] = ah[1] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+  for (int s = 0; s < 2; ++s) {
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const int p = c + 8 * s;
+      const __m256 odd = _mm256_broadcast_ss(xv + 2 * p + 1), even = _mm256_broadcast_ss(xv + 2 * p);
+      for (int h = 0; h < 2; ++h) {
+        __m256i pairs = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 32 + h * 16)));
+        if (s) pairs = _mm256_srli_epi32(pairs, 4);
+        const __m256 qe = _mm256_cvtepi32_ps(_mm256_and_si256(pairs, low4));
+        const __m256 qo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(pairs, 8), low4));
+        a[c & 3][h] = _mm256_fmadd_ps(odd, qo, a[c & 3][h]);
+        a[c & 3][h] = _mm256_fmadd_ps(even, qe, a[c & 3][h]);
+      }
+    }
+  }
+  finish_group(a, sc, sum, yr);
+}
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   check_arguments(x, packed, scales);
-  const int64_t M = x.size(0), K = x.size(1), NG = packed.size(0), KB = packed.size(1);
-  at::Tensor y = at::empty({M, NG * C}, x.options());
-  if (M == 0) return y;
-  const RoundedRows xr = round_rows(x, M);
-  const NibbleWidener widener;
-
+  const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
+  const RoundedRows<float> xr = round_rows<float>(x, M);
   const uint8_t* q0 = packed.data_ptr<uint8_t>();
   const float* s0 = scales.data_ptr<float>();
-  float* y0 = y.data_ptr<float>();
-  at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_y(M * C);  // each row's 16 running outputs
-    for (int64_t g = begin; g < end; ++g) {
-      std::fill(acc_y.begin(), acc_y.end(), 0.0f);
-      for (int64_t b = 0; b < KB; ++b) {
-        __m512bh w[16];
-        widener.widen(q0 + (g * KB + b) * 256, w);
-        const float* sc = s0 + (g * KB + b) * 2 * C;
-        const __m512 scale = _mm512_loadu_ps(sc), minimum = _mm512_loadu_ps(sc + C);
-        for (int64_t r = 0; r < M; ++r) {
-          const uint32_t* xp = xr.pairs.data() + (r * K + b * G) / 2;
-          __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int t = 0; t < 16; t += 4) {
-            a0 = _mm512_dpbf16_ps(a0, w[t], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t])));
-            a1 = _mm512_dpbf16_ps(a1, w[t + 1], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t + 1])));
-            a2 = _mm512_dpbf16_ps(a2, w[t + 2], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t + 2])));
-            a3 = _mm512_dpbf16_ps(a3, w[t + 3], (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[t + 3])));
-          }
-          const __m512 dot = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-          float* yr = acc_y.data() + r * C;
-          __m512 acc = _mm512_fmadd_ps(scale, dot, _mm512_loadu_ps(yr));
-          _mm512_storeu_ps(yr, _mm512_fmadd_ps(minimum, _mm512_set1_ps(xr.sums[r * KB + b]), acc));
+  return run_groups(x, packed, [&](int64_t g, int64_t b, float* acc_y) {
+    const uint8_t* q = q0 + (g * KB + b) * 256;
+    const float* sc = s0 + (g * KB + b) * 2 * C;
+    if (M == 1) {
+      group_one_row(q, xr.values.data() + b * G, sc, xr.sums[b], acc_y);
+      return;
+    }
+    // Several rows: the group's weights are widened once into a buffer every row reads.
+    alignas(32) float w[G * C];
+    widen_group(q, w);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xv = xr.values.data() + r * K + b * G;
+      __m256 a[4][2];
+      for (auto& ah : a) ah[0] = ah[1] = _mm256_setzero_ps();
+#pragma GCC unroll 16  // fully: the accumulators stay in registers
+      for (int p = 0; p < 16; ++p) {
+        const __m256 odd = _mm256_broadcast_ss(xv + 2 * p + 1), even = _mm256_broadcast_ss(xv + 2 * p);
+        for (int h = 0; h < 2; ++h) {
+          a[p & 3][h] = _mm256_fmadd_ps(odd, _mm256_load_ps(w + (2 * p + 1) * C + 8 * h), a[p & 3][h]);
+          a[p & 3][h] = _mm256_fmadd_ps(even, _mm256_load_ps(w + 2 * p * C + 8 * h), a[p & 3][h]);
         }
       }
-      for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, acc_y.data() + r * C, C * sizeof(float));
+      finish_group(a, sc, xr.sums[r * KB + b], acc_y + r * C);
     }
   });
-  return y;
+}
+#endif  // DS4_ISA_AVX2
+
+#if !defined(DS4_ISA_AVX512) && !defined(DS4_ISA_AMX) && !defined(DS4_ISA_AVX2)
+// The compiler's generic vectors of 16 floats: it lowers them to the target's own registers
+// (NEON on aarch64, SSE2 on a bare x86-64) and fuses a * b + c where the target has fused
+// multiply-adds (GCC's default -ffp-contract=fast), as the other ops do.
+typedef float vf __attribute__((vector_size(C * sizeof(float))));
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
 }
 
-#ifdef DS4_HAVE_AMX
+// Same layout and meaning as the AVX2 op's widen_group, in plain loops the compiler
+// vectorises (its generic vector conversions would convert lane by lane).
+inline void widen_group(const uint8_t* q, float* w) {
+  for (int c = 0; c < 8; ++c)
+    for (int s = 0; s < 2; ++s)
+      for (int e = 0; e < 2; ++e) {
+        float* dst = w + (2 * (c + 8 * s) + e) * C;
+        for (int j = 0; j < C; ++j) dst[j] = static_cast<float>((q[c * 32 + 2 * j + e] >> (4 * s)) & 0x0F);
+      }
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_arguments(x, packed, scales);
+  const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
+  const RoundedRows<float> xr = round_rows<float>(x, M);
+  const uint8_t* q0 = packed.data_ptr<uint8_t>();
+  const float* s0 = scales.data_ptr<float>();
+  return run_groups(x, packed, [&](int64_t g, int64_t b, float* acc_y) {
+    alignas(64) float w[G * C];
+    widen_group(q0 + (g * KB + b) * 256, w);
+    const float* sc = s0 + (g * KB + b) * 2 * C;
+    const vf scale = loadv(sc), minimum = loadv(sc + C);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xv = xr.values.data() + r * K + b * G;
+      vf a[4] = {};
+#pragma GCC unroll 16  // fully: the accumulators stay in registers
+      for (int p = 0; p < 16; ++p) {
+        a[p & 3] += xv[2 * p + 1] * loadv(w + (2 * p + 1) * C);
+        a[p & 3] += xv[2 * p] * loadv(w + 2 * p * C);
+      }
+      const vf dot = (a[0] + a[1]) + (a[2] + a[3]);
+      float* yr = acc_y + r * C;
+      vf acc = scale * dot + loadv(yr);
+      acc = minimum * xr.sums[r * KB + b] + acc;
+      std::memcpy(yr, &acc, sizeof acc);
+    }
+  });
+}
+#endif  // the portable op
+
+#if defined(DS4_ISA_AMX)
 constexpr int64_t TR = 16;  // rows per tile
 constexpr int64_t GB = 8;   // column groups per block (128 output columns)
 
@@ -196,14 +385,14 @@ inline void scale_group(__m512 acc[TR], const float* dots, const float* sc, cons
   }
 }
 
-at::Tensor int4_linear_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   check_arguments(x, packed, scales);
-  TORCH_CHECK(tiles_permitted(), "int4_linear_tiles: the kernel refused the AMX tile state (arch_prctl)");
+  TORCH_CHECK(tiles_permitted(), "int4_linear_amx: the kernel refused the AMX tile state (arch_prctl)");
   const int64_t M = x.size(0), K = x.size(1), NG = packed.size(0), KB = packed.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
   const int64_t MT = (M + TR - 1) / TR;  // row tiles; the last one padded with zero rows
-  const RoundedRows xr = round_rows(x, MT * TR, TR);
+  const RoundedRows<uint16_t> xr = round_rows<uint16_t>(x, MT * TR, TR);
   const NibbleWidener widener;
   const TileConfig config;
 
@@ -222,7 +411,7 @@ at::Tensor int4_linear_tiles(const at::Tensor& x, const at::Tensor& packed, cons
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t b = 0; b < KB; ++b) widener.widen(q0 + (g * KB + b) * 256, wt.data() + ((g - g0) * KB + b) * 16);
       for (int64_t mt = 0; mt < MT; ++mt) {
-        const uint32_t* xt = xr.pairs.data() + mt * TR * K / 2;  // this row tile's groups, 1 KB each
+        const uint16_t* xt = xr.values.data() + mt * TR * K;  // this row tile's groups, 1 KB each
         const float* st = xr.sums.data() + mt * TR * KB;
         const int64_t valid = std::min<int64_t>(TR, M - mt * TR);
         for (int64_t g = g0; g < g1; ++g) {
@@ -236,13 +425,13 @@ at::Tensor int4_linear_tiles(const at::Tensor& x, const at::Tensor& packed, cons
           auto products = [&](int64_t b) {
             if ((b & 1) == 0) {
               _tile_zero(0);
-              _tile_loadd(1, xt + b * TR * G / 2, 64);
+              _tile_loadd(1, xt + b * TR * G, 64);
               _tile_loadd(2, wg + b * 16, 64);
               _tile_dpbf16ps(0, 1, 2);
               _tile_stored(0, dots[0], C * sizeof(float));
             } else {
               _tile_zero(3);
-              _tile_loadd(4, xt + b * TR * G / 2, 64);
+              _tile_loadd(4, xt + b * TR * G, 64);
               _tile_loadd(5, wg + b * 16, 64);
               _tile_dpbf16ps(3, 4, 5);
               _tile_stored(3, dots[1], C * sizeof(float));
@@ -261,22 +450,14 @@ at::Tensor int4_linear_tiles(const at::Tensor& x, const at::Tensor& packed, cons
   });
   return y;
 }
-#endif  // DS4_HAVE_AMX
+#endif  // DS4_ISA_AMX
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
-  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
-#ifdef DS4_HAVE_AMX
-  m.def("int4_linear_tiles(Tensor x, Tensor packed, Tensor scales) -> Tensor");
-#endif
+  m.def(DS4_OP("int4_linear") "(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
-  m.impl("int4_linear", &int4_linear);
-#ifdef DS4_HAVE_AMX
-  m.impl("int4_linear_tiles", &int4_linear_tiles);
-#endif
+  m.impl(DS4_OP("int4_linear"), &int4_linear);
 }
-
-#endif

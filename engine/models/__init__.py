@@ -19,7 +19,7 @@ class Architecture:
     """One registry entry: where its network class lives and the family's variant switches."""
 
     module: str  # engine.models.<module>
-    network: str  # the class, called as network(cfg, gguf_contents, weights_format, device)
+    network: str  # the class, called as network(cfg, gguf_contents, weights_format, device, cpu_kernels)
     # "norm" rotates adjacent pairs (llama.cpp's LLAMA_ROPE_TYPE_NORM, which the llama converter
     # prepares q/k weights for); "neox" rotates dimension i with i + head_dim/2.
     rope_style: str = "norm"

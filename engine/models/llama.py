@@ -21,9 +21,13 @@ its own length (its kernels block the key axis by its size), and the activations
 bfloat16 at the int4 matmuls amplifies a last-bit difference into other greedy tokens within
 a few dozen steps.  On CPU the compiled kernel (engine.kernels) stores and attends every row
 of a layer in one call, each (row, kv head) on one thread; where it cannot be built, torch
-matmuls attend row by row.  Either way batched and single decoding agree exactly.  On CUDA
-(where no kernel is bitwise row-invariant anyway) rows of one `KVPool` attend in one masked
-batch.  Caches may hold float16 (see engine.model.kv_cache_dtype); CPU attention reads them
+matmuls attend row by row.  Either way batched and single decoding agree exactly.  A prefill
+chunk's rows attend the same way on CPU (the kernel's prefill op, or the torch-ops rows), and
+its matmuls are the same row-independent kernels, so a prompt prefilled in chunks, scored
+position by position or decoded token by token gives the same logits bit for bit (the `amx`
+path aside, whose tile kernel for 32 rows and more sums in another order).  On CUDA (where no
+kernel is bitwise row-invariant anyway) rows of one `KVPool` attend in one masked batch, and a
+prefill chunk in one scaled-dot-product call.  Caches may hold float16 (see engine.model.kv_cache_dtype); CPU attention reads them
 into float32.
 Residual stream, norms, rope and attention run in float32; matmuls in the weights' own
 compute dtype (see engine.weights).  Decoding is dispatch-bound on CPU (a token of SmolLM2 is
@@ -43,8 +47,9 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine import cuda_graphs, kernels
+from engine import cuda_graphs
 from engine.device_sampling import DeviceLogits, StepLogits
+from engine.kernels import CpuKernels
 from engine.kvcache import KVCache, KVPool
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
@@ -82,7 +87,8 @@ def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
 
 
 class Block:
-    def __init__(self, cfg: ModelConfig, t: dict[str, TensorRecord], i: int, fmt: str, device: torch.device):
+    def __init__(self, cfg: ModelConfig, t: dict[str, TensorRecord], i: int, fmt: str, device: torch.device,
+                 cpu: CpuKernels | None):
         p = f"blk.{i}."
 
         def vec(name: str) -> torch.Tensor:
@@ -96,10 +102,11 @@ class Block:
             perm = np.concatenate([q_perm, k_perm, v_rows])
         qkv = [t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]]
         biases = [t[p + f"attn_{x}.bias"] for x in "qkv"] if cfg.qkv_bias else None
-        self.wqkv: Linear = build_linear(qkv, fmt, device, biases=biases, row_perm=perm)
-        self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device)
-        self.w_gate_up: Linear = build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device)
-        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device)
+        self.wqkv: Linear = build_linear(qkv, fmt, device, biases=biases, row_perm=perm, cpu=cpu)
+        self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
+        self.w_gate_up: Linear = build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device,
+                                              cpu=cpu)
+        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
         self.attn_norm = vec("attn_norm.weight")
         self.ffn_norm = vec("ffn_norm.weight")
         self.q_norm = self.k_norm = None
@@ -116,7 +123,8 @@ class Block:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device):
+    def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
+                 cpu_kernels: CpuKernels | None = None):
         if cfg.rope_dim != cfg.head_dim:
             raise UnsupportedModel(f"partial rotary embeddings (rope dim {cfg.rope_dim} < head dim {cfg.head_dim})")
         t = dict(gguf.tensors)
@@ -127,8 +135,12 @@ class LlamaModel:
         self.cfg = cfg
         self.device = device
         self.fmt = fmt
+        # The CPU path's kernels (engine.kernels); None on other devices.
+        self.cpu_kernels = cpu_kernels if device.type == "cpu" else None
+        if device.type == "cpu" and cpu_kernels is None:
+            raise ValueError("a CPU model needs a CPU kernel path (engine.kernels.cpu_kernels)")
         try:
-            self.blocks = [Block(cfg, t, i, fmt, device) for i in range(cfg.n_layer)]
+            self.blocks = [Block(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
         except KeyError as e:
             raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
         self.embed = Embedding(t["token_embd.weight"], fmt, device)
@@ -138,12 +150,13 @@ class LlamaModel:
         if self.head_is_table:
             self.output: Linear = DenseLinear(self.embed.table)
         else:
-            self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device)
+            self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
+                                       cpu=self.cpu_kernels)
         self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff)
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
         # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
-        self.attention_kernel = kernels.decode_attention() if fits else None
+        self.attention_kernel = self.cpu_kernels.attention if fits and self.cpu_kernels else None
         self._rope_tables(t.get("rope_freqs.weight"))
         # CUDA: decoding steps replay captured graphs (engine.cuda_graphs); None decodes eagerly.
         self.decode_graphs = cuda_graphs.DecodeGraphs(self) if cuda_graphs.usable(device) else None
@@ -160,13 +173,19 @@ class LlamaModel:
     def attention_path(self) -> str:
         """How decode steps attend, for banners and benchmark headers."""
         if self.attention_kernel is not None:
-            return "compiled CPU kernel"
+            return f"compiled CPU kernel ({self.cpu_kernels.name})"
         if self.decode_graphs is not None and self.decode_graphs.enabled:
             return f"Triton kernels in CUDA graphs ({self.device.type})"
         if self.device.type != "cpu":
             return f"torch ops ({self.device.type})"
-        why = kernels.unavailable_reason() or f"no kernel for head dim {self.cfg.head_dim}"
-        return f"torch ops ({why})"
+        if self.cpu_kernels is not None and self.cpu_kernels.attention is None:
+            return f"torch ops (CPU kernels {self.cpu_kernels.describe()})"
+        return f"torch ops (no kernel for head dim {self.cfg.head_dim})"
+
+    @property
+    def kernel_path(self) -> str:
+        """Which CPU kernels run and why (engine.kernels), or the device, for banners."""
+        return self.cpu_kernels.describe() if self.cpu_kernels is not None else self.device.type
 
     @property
     def weight_bytes(self) -> int:
@@ -360,6 +379,28 @@ class LlamaModel:
         except cuda_graphs.GraphsUnavailable:
             return None
 
+    def _prefill_attention(self, li: int, q: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor | None,
+                           causal: bool) -> torch.Tensor:
+        """[T, H * D] attention of q's T rows (positions start..) to the cache, which holds their
+        keys and values already.  On CPU each row attends exactly as a decoding step at its
+        position would (the compiled kernel's prefill op, or the torch-ops path row by row), so
+        a prompt's prefill and its tokens decoded one by one give the same numbers; on other
+        devices one scaled-dot-product call."""
+        T = q.shape[0]
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
+        end = start + T
+        if self.device.type == "cpu":
+            if self.attention_kernel is not None and cache.kv.dtype in (torch.float32, torch.float16):
+                return self.cpu_kernels.prefill_attention(q, cache.layer_kv[li], start, D ** -0.5)
+            rows = (q * D ** -0.5).view(T, Hkv, H // Hkv, D)
+            return torch.stack([self._attend_one(rows[i], cache.layer_k[li][:, : start + i + 1],
+                                                 cache.layer_v[li][:, : start + i + 1]) for i in range(T)]).view(T, H * D)
+        keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
+        qh = q.view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
+        att = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
+                                             is_causal=causal, enable_gqa=True)  # [1, H, T, D]
+        return att[0].transpose(0, 1).reshape(T, H * D)
+
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
                 cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:
@@ -373,7 +414,7 @@ class LlamaModel:
         cache.reserve(end)
         rope = self.rope[start:end].unsqueeze(1)  # [T, 1, D/2]
         mask, causal = None, T > 1 and start == 0
-        if T > 1 and start > 0:  # causal with the past visible: row i sees positions <= start + i
+        if T > 1 and start > 0 and self.device.type != "cpu":  # causal, the past visible: row i sees <= start + i
             pos = torch.arange(end, device=self.device)
             mask = pos[None, :] <= (start + torch.arange(T, device=self.device))[:, None]
         x = self.embed(tokens)  # [T, n_embd] residual stream, float32
@@ -382,13 +423,7 @@ class LlamaModel:
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
             qkv = self._qkv(blk, x, rope, self.torch_kernels)
             cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
-            keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
-            if self.device.type == "cpu" and keys.dtype != torch.float32:  # float16 cache: attend in float32
-                keys, vals = keys.float(), vals.float()
-            q = qkv[:, : H * D].view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
-            att = F.scaled_dot_product_attention(q, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
-                                                 is_causal=causal, enable_gqa=True)  # [1, H, T, D]
-            blk.wo.accumulate(x, att[0].transpose(0, 1).reshape(T, H * D))
+            blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
             self._ffn(blk, x, self.torch_kernels)
         cache.n = end
         if logits == "last":

@@ -5,22 +5,29 @@ import pytest
 import torch
 
 import engine
-from engine import SamplingParams, generate
+from engine import SamplingParams, generate, kernels
 from engine.batch import BatchScheduler, CapacityError, GenRequest, check_capacity, decode_batch
 
 GREEDY = SamplingParams(argmax_ignoring_eos=True)
 
 
-@pytest.fixture(scope="module", params=[("llama", "kernel"), ("qwen3", "kernel"), ("llama", "torch-ops"),
-                                        ("qwen3", "kernel-f32"), ("qwen3", "torch-ops-f32")],
-                ids=lambda p: "-".join(p))
+def variants() -> list[tuple[str, str, str]]:
+    """(arch, CPU kernel path, attention): both families on every path this CPU runs, plus the
+    torch-ops attention (where no kernel fits the head size) and float32 caches on one path."""
+    out = [(arch, path, "kernel") for path in kernels.host_paths() for arch in ("llama", "qwen3")]
+    best = kernels.host_paths()[0]
+    return out + [("llama", best, "torch-ops"), ("qwen3", best, "kernel-f32"), ("qwen3", best, "torch-ops-f32")]
+
+
+@pytest.fixture(scope="module", params=variants(), ids=lambda p: "-".join(p))
 def model(request, tiny_gguf):
-    arch, attention = request.param
-    m = engine.load_model(tiny_gguf(arch, "Q4_1", n_ctx=512), kv_type="f32" if attention.endswith("f32") else None)
-    if attention.startswith("torch-ops"):  # the path taken where the compiled kernel is unavailable
+    arch, path, attention = request.param
+    m = engine.load_model(tiny_gguf(arch, "Q4_1", n_ctx=512), kv_type="f32" if attention.endswith("f32") else None,
+                          cpu_kernels=path)
+    if attention.startswith("torch-ops"):  # the path taken where no compiled kernel fits
         m.net.attention_kernel = None
     else:
-        assert m.net.attention_kernel is not None
+        assert (m.net.attention_kernel is not None) == (path != "torch")
     m.prefill_chunk = 16
     return m
 

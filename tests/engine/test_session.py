@@ -5,13 +5,16 @@ import pytest
 import torch
 
 import engine
+from engine import kernels
 from engine import Cancelled, SamplingParams, generate
 from run_ahead_scripts import assert_same, dropping_ops, run_script
 
 
-@pytest.fixture(scope="module")
-def model(tiny_gguf):
-    m = engine.load_model(tiny_gguf("llama", "Q4_1"))
+@pytest.fixture(scope="module", params=kernels.host_paths())
+def model(tiny_gguf, request):
+    """The tiny model on every CPU kernel path this CPU runs: prefill chunks, decoding steps and
+    payloads keep the same contract on each."""
+    m = engine.load_model(tiny_gguf("llama", "Q4_1"), cpu_kernels=request.param)
     m.prefill_chunk = 8
     return m
 

@@ -34,6 +34,9 @@ class FakeRunner:
         self.fed: list[list[int]] = []
         self.banned: list[frozenset] = []
 
+    def kernels(self):
+        return f"{self.engine}'s fake kernels"
+
     def load(self):
         assert not self.loaded, "load twice without close"
         self.loaded = True
@@ -421,3 +424,14 @@ def test_llama_cpp_offloads_only_to_a_cuda_device_its_build_supports():
     assert llama_offloads(gpu_build, "cuda")
     assert not llama_offloads(cpu_build, "cuda")
     assert not llama_offloads(gpu_build, "cpu")
+
+
+def test_cpu_kernel_paths_are_the_engines():
+    from engine import kernels
+
+    assert eb.CPU_KERNEL_PATHS == kernels.PATHS
+
+
+def test_an_unknown_cpu_kernel_path_is_a_config_error():
+    with pytest.raises(eb.BenchConfigError, match="--cpu-kernels must be one of"):
+        eb.EngineBenchConfig(cpu_kernels="sse9").validate()

@@ -23,10 +23,14 @@ def read_rows(path) -> list[dict]:
 
 @pytest.mark.model
 def test_quick_run_on_the_embedded_model(tmp_path):
+    from engine import kernels
+
     out = tmp_path / "quick.csv"
-    p = run_bench("engine", "--quick", "--repeats", "1", "--csv", str(out))
+    path = "portable"  # compiled on every CPU; not the default where a better path runs
+    p = run_bench("engine", "--quick", "--repeats", "1", "--cpu-kernels", path, "--csv", str(out))
     assert p.returncode == 0, p.stderr
     assert "decode 16 after 128" in p.stdout and "ds4 load" in p.stdout
+    assert f"ds4 kernels: {path} (named by the caller)" in p.stderr
     rows = read_rows(out)
     plan = eb.plan_steps(eb.EngineBenchConfig(quick=True))
     assert len(rows) == 1 + sum(s.timed_prefill + s.decode_after for s in plan)
@@ -83,3 +87,15 @@ def test_llama_cpp_runner_reads_the_frontier_logits():
     finally:
         ours.close()
         theirs.close()
+
+
+@pytest.mark.model
+def test_a_cpu_kernel_path_this_cpu_lacks_is_a_one_line_usage_error():
+    from engine import kernels
+
+    lacking = [p for p in kernels.PATHS if p not in kernels.host_paths()]
+    if not lacking:
+        pytest.skip("this CPU runs every path")
+    p = run_bench("engine", "--quick", "--repeats", "1", "--cpu-kernels", lacking[0])
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert f"CPU kernels {lacking[0]!r} need" in p.stderr

@@ -1,0 +1,189 @@
+// Matmuls on CPU for the weight types that are not 4-bit: 8-bit groups with float32 scales
+// (Q8_0, Q6_K) and float16 (every other type, rounded once at load).
+//
+// ds4::int8_linear_<isa>(x, q, scales) -> y          (isa: see isa.h)
+//   x       [M, K] float32, rows may be strided, each row contiguous; used as they are
+//   q       int8 [N / 16, K / G, G, 16]: 16 output columns over one group of G inputs (G = 16
+//           or 32), the columns contiguous
+//   scales  float32 [N / 16, K / G, 16], so that w = q * scale per column and group
+//   y       [M, N] float32 = x @ w.T
+// ds4::f16_linear_<isa>(x, w) -> y
+//   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
+//           K in the last group are ignored (zero-padded)
+//
+// Q8_0 (w = d * q, int8 q, groups of 32) and Q6_K (w = d * sc * (q - 32), groups of 16, d * sc
+// exact in float32) keep their own numbers: the int8 op computes with exactly the file's
+// weights, at a byte and an eighth (Q8_0) per weight, half of what float16 reads.
+//
+// Per group, the dot product of x with the group's weights in four accumulators (input k goes
+// to accumulator k % 4, in input order), (a0 + a1) + (a2 + a3), then y += scale * dot (y += dot
+// for float16), groups in order.  A row's result depends on that row alone, in that fixed order:
+// the same whatever the number of rows, the other rows and the thread count.  The code is
+// written once in the compiler's generic vectors of 16 floats, lowered per instruction set, with
+// a * b + c fused where the target has fused multiply-adds (GCC's default -ffp-contract=fast).
+// Work is split over groups of 16 output columns; each group's weights are widened to float32
+// once and used by every row.  Neither op adds biases.
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "isa.h"
+
+namespace {
+
+constexpr int64_t C = 16;  // output columns per column group
+typedef float vf __attribute__((vector_size(C * sizeof(float))));
+
+inline vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Widening by intrinsics where the build has them: GCC lowers a generic int8 -> float vector
+// conversion to one scalar conversion per lane.
+inline vf widen(const int8_t* p) {
+  vf r;
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  std::memcpy(&r, &v, sizeof r);
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  std::memcpy(&r, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<float*>(&r) + 8, &hi, sizeof hi);
+#else
+  float f[C];
+  for (int i = 0; i < C; ++i) f[i] = static_cast<float>(p[i]);
+  std::memcpy(&r, f, sizeof r);
+#endif
+  return r;
+}
+
+inline vf widen(const at::Half* p) {
+#if defined(__AVX512F__)
+  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vf r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vf r;
+  std::memcpy(&r, &lo, sizeof lo);
+  std::memcpy(reinterpret_cast<float*>(&r) + 8, &hi, sizeof hi);
+  return r;
+#else
+  vf r;
+  for (int i = 0; i < C; ++i) r[i] = static_cast<float>(p[i]);
+  return r;
+#endif
+}
+
+// One group's dot products for 16 columns: input k into accumulator k % 4, in input order.
+// `Widened` gives input k's 16 weights as floats (from a buffer, or widened on the spot).
+template <int G, typename Widened>
+inline vf group_dot(const float* xv, Widened w) {
+  vf a0{}, a1{}, a2{}, a3{};
+#pragma GCC unroll 32  // fully: the accumulators stay in registers
+  for (int k = 0; k < G; k += 4) {
+    a0 += xv[k] * w(k);
+    a1 += xv[k + 1] * w(k + 1);
+    a2 += xv[k + 2] * w(k + 2);
+    a3 += xv[k + 3] * w(k + 3);
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// y = x @ w.T over column groups of 16 and input groups of G; `s0` null for float16.  A
+// last group shorter than G (float16 only) reads x through a zero-padded copy; the padded
+// weights are zero, so the padding adds exact zeros.
+template <typename W, int G>
+at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, int64_t NG, int64_t KB) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, NG * C}, x.options());
+  if (M == 0) return y;
+  const float* x0 = x.data_ptr<float>();
+  const int64_t xs = x.stride(0), tail = K - (KB - 1) * G;
+  std::vector<float> padded(M * G, 0.0f);  // each row's last, partial group
+  if (tail < G)
+    for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * G, x0 + r * xs + (KB - 1) * G, tail * sizeof(float));
+  float* y0 = y.data_ptr<float>();
+  at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
+    std::vector<vf> acc(M);
+    std::vector<vf> wf(M > 1 ? G : 0);
+    for (int64_t g = begin; g < end; ++g) {
+      std::fill(acc.begin(), acc.end(), vf{});
+      for (int64_t b = 0; b < KB; ++b) {
+        const W* wg = w0 + (g * KB + b) * G * C;
+        const vf scale = s0 ? loadv(s0 + (g * KB + b) * C) : vf{};
+        auto xrow = [&](int64_t r) {
+          return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
+        };
+        if (M == 1) {  // decoding: widen in registers, no buffer
+          const vf dot = group_dot<G>(xrow(0), [&](int k) { return widen(wg + k * C); });
+          acc[0] = s0 ? scale * dot + acc[0] : dot + acc[0];
+          continue;
+        }
+        for (int k = 0; k < G; ++k) wf[k] = widen(wg + k * C);
+        for (int64_t r = 0; r < M; ++r) {
+          const vf dot = group_dot<G>(xrow(r), [&](int k) { return wf[k]; });
+          acc[r] = s0 ? scale * dot + acc[r] : dot + acc[r];
+        }
+      }
+      for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, &acc[r], sizeof(vf));
+    }
+  });
+  return y;
+}
+
+void check_x(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, op,
+              ": x must be [M, K] float32 with contiguous rows");
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  check_x(x, "int8_linear");
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(3) == C &&
+                  (q.size(2) == 16 || q.size(2) == 32),
+              "int8_linear: q must be contiguous int8 [N/16, K/G, G, 16] with G 16 or 32");
+  const int64_t NG = q.size(0), KB = q.size(1), Gq = q.size(2);
+  TORCH_CHECK(x.size(1) == KB * Gq, "int8_linear: x has ", x.size(1), " inputs, the weights ", KB * Gq);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
+                  scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == C,
+              "int8_linear: scales must be contiguous float32 [N/16, K/G, 16]");
+  const int8_t* w = q.data_ptr<int8_t>();
+  const float* s = scales.data_ptr<float>();
+  return Gq == 32 ? grouped_linear<int8_t, 32>(x, w, s, NG, KB) : grouped_linear<int8_t, 16>(x, w, s, NG, KB);
+}
+
+at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
+  check_x(x, "f16_linear");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == at::kHalf && w.is_contiguous() && w.size(2) == 32 && w.size(3) == C,
+              "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
+  const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
+  TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
+  return grouped_linear<at::Half, 32>(x, w.data_ptr<at::Half>(), nullptr, NG, KB);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ds4, m) {
+  m.def(DS4_OP("int8_linear") "(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def(DS4_OP("f16_linear") "(Tensor x, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ds4, CPU, m) {
+  m.impl(DS4_OP("int8_linear"), &int8_linear);
+  m.impl(DS4_OP("f16_linear"), &f16_linear);
+}
