@@ -43,10 +43,12 @@ It does not decide which tensors a model needs (see engine.models) nor which CPU
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Sequence
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine import cuda_int4
 from engine.gguf_file import TensorRecord
@@ -186,11 +188,21 @@ class Int8Linear(_CpuKernelLinear):
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, group: int, op, bias: torch.Tensor | None = None):
         n, k = q.shape
-        super().__init__(n, k, bias)
         q, scale = _pad_rows(n, q, scale)
-        self.q = torch.from_numpy(_column_blocks(q, group))
-        self.scales = torch.from_numpy(_column_blocks(scale, 1)[:, :, 0])
-        self._op = op
+        self._layout(torch.from_numpy(_column_blocks(q, group)),
+                     torch.from_numpy(_column_blocks(scale, 1)[:, :, 0]), n, op, bias)
+
+    def _layout(self, q: torch.Tensor, scales: torch.Tensor, n: int, op, bias: torch.Tensor | None) -> None:
+        super().__init__(n, q.shape[1] * q.shape[2], bias)
+        self.q, self.scales, self._op = q, scales, op
+
+    @classmethod
+    def from_layout(cls, q: torch.Tensor, scales: torch.Tensor, out_features: int, op,
+                    bias: torch.Tensor | None = None) -> "Int8Linear":
+        """A matrix already in the kernel's layout (e.g. from CpuKernels.repack_q8_0)."""
+        self = cls.__new__(cls)
+        self._layout(q, scales, out_features, op, bias)
+        return self
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.q, self.scales)
@@ -291,10 +303,7 @@ class Int4Linear(Linear):
         if device.type == "cpu":
             if cpu is None or cpu.int4 is None or k % GROUP:
                 raise ValueError("int4 matrices on CPU need a compiled kernel path and inputs in groups of 32")
-            self._op = cpu.int4
-            self.packed, self.scales_zeros = int4_pack(q, scale, minimum)
-            self.out_dtype = torch.float32
-            self._tiles = cpu.int4_tiles
+            self._cpu_layout(*int4_pack(q, scale, minimum), cpu)
             return
         # CUDA without Triton: the CUDA kernel takes two nibbles per byte, even column in the high nibble.
         q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
@@ -303,6 +312,22 @@ class Int4Linear(Linear):
         sz = np.stack([scale, minimum + 8.0 * scale], axis=-1).transpose(1, 0, 2)
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
         self._mm = torch.ops.aten._weight_int4pack_mm
+
+    def _cpu_layout(self, packed: torch.Tensor, scales: torch.Tensor, cpu: CpuKernels) -> None:
+        self.packed, self.scales_zeros = packed, scales
+        self._op, self._tiles = cpu.int4, cpu.int4_tiles
+        self.out_dtype = torch.float32
+
+    @classmethod
+    def from_cpu_layout(cls, packed: torch.Tensor, scales: torch.Tensor, out_features: int, cpu: CpuKernels,
+                        bias: torch.Tensor | None = None) -> "Int4Linear":
+        """A CPU matrix already in the kernels' layout (int4_pack's, e.g. from cpu.repack_int4)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
+        self.bias, self.device = bias, torch.device("cpu")
+        self._pad = packed.shape[0] * COLUMNS - out_features
+        self._cpu_layout(packed, scales, cpu)
+        return self
 
     out_dtype = torch.bfloat16
     _cuda: "cuda_int4.Int4Weight | None" = None
@@ -344,6 +369,20 @@ class Int4Linear(Linear):
         return self.packed.nbytes + self.scales_zeros.nbytes + bias
 
 
+def _raw_rows(record: TensorRecord) -> torch.Tensor:
+    """A matrix's file bytes as uint8 [rows, row bytes], a view of the mapping (not a copy)."""
+    raw = np.ascontiguousarray(record.data).view(np.uint8).reshape(record.shape[0], -1)
+    with warnings.catch_warnings():  # the mapping is read-only, and the repacking ops only read it
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(raw)
+
+
+def _row_order(records: Sequence[TensorRecord], row_perm: np.ndarray | None) -> torch.Tensor:
+    """int64 [N]: which row of the concatenated records each output row is."""
+    n = sum(r.shape[0] for r in records)
+    return torch.from_numpy(np.arange(n, dtype=np.int64) if row_perm is None else row_perm.astype(np.int64))
+
+
 def to_float(record: TensorRecord) -> np.ndarray:
     """Dequantize a record to float32 with its torch-order shape."""
     return dequantize(record.qtype, record.data, record.n_cols).reshape(record.shape)
@@ -374,8 +413,11 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     if packed_cpu and cpu is None:
         raise ValueError("the packed format on CPU needs a CPU kernel path (engine.kernels.cpu_kernels)")
     compiled = packed_cpu and cpu.int4 is not None
-    if fmt == "packed" and (compiled or device.type != "cpu") and all(r.qtype in INT4_GROUPED for r in records) \
-            and k % 64 == 0:
+    if compiled and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
+        packed, scales = cpu.repack_int4([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
+                                         _row_order(records, row_perm), k, COLUMNS)
+        return Int4Linear.from_cpu_layout(packed, scales, sum(r.shape[0] for r in records), cpu, bias)
+    if fmt == "packed" and device.type != "cpu" and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
         parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in records]
         q = np.concatenate([p.q for p in parts])
         scale = np.concatenate([p.scale for p in parts])
@@ -384,6 +426,9 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
             q, scale, minimum = q[row_perm], scale[row_perm], minimum[row_perm]
         return Int4Linear(q, scale, minimum, device, bias, cpu=cpu)
     groups = {INT8_GROUPS.get(r.qtype) for r in records}
+    if packed_cpu and cpu.int8 is not None and all(r.qtype == QT.Q8_0 for r in records):
+        q8, scale8 = cpu.repack_q8_0([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
+        return Int8Linear.from_layout(q8, scale8, sum(r.shape[0] for r in records), cpu.int8, bias)
     if packed_cpu and cpu.int8 is not None and len(groups) == 1 and None not in groups:
         parts8 = [unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records]
         q8 = np.concatenate([p.q for p in parts8])

@@ -18,7 +18,8 @@ build fails.  A path asked for by name that the CPU cannot execute or that does 
 an error (`KernelsUnavailable`), never a silent substitute.  `host_paths()` lists what the CPU
 executes, for tests that run every path.  The ops and their contracts are in the .cpp files:
 `attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_tiles` (int4_linear.cpp), `int8` and `f16`
-(dense_linear.cpp).  Every op computes a row's result from that row alone, in a fixed order.
+(dense_linear.cpp), and `repack_int4` / `repack_q8_0` (repack.cpp), which lay GGUF blocks out
+for them at load.  Every op computes a row's result from that row alone, in a fixed order.
 
 Each path's sources are compiled once per machine with that instruction set's flags (isa.h
 names the ops per set, so libraries for several sets load side by side in one process) into
@@ -52,7 +53,7 @@ ENV_VAR = "DS4_CPU_KERNELS"
 PATHS = ("amx", "avx512", "avx2", "portable", "torch")  # best first
 
 _HERE = Path(__file__).resolve().parent
-_ALL_SOURCES = ("decode_attention.cpp", "int4_linear.cpp", "dense_linear.cpp")
+_ALL_SOURCES = ("all.cpp",)  # includes every source: one compilation per library
 _AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
 _AVX512_FLAGS = _AVX2_FLAGS + ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16")
 
@@ -100,6 +101,8 @@ class CpuKernels:
     int4_tiles: Callable[..., torch.Tensor] | None = None
     int8: Callable[..., torch.Tensor] | None = None
     f16: Callable[..., torch.Tensor] | None = None
+    repack_int4: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # GGUF blocks -> int4 layout
+    repack_q8_0: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # GGUF Q8_0 -> int8 layout
 
     def describe(self) -> str:
         """One line for banners: the path and why."""
@@ -184,8 +187,8 @@ STALE_BUILD_S = 3600  # a temporary build directory this old belongs to a build 
 def library_path(lib: Library) -> Path:
     """Where `lib` for these sources, this torch and this CPU lives once built."""
     h = hashlib.sha256()
-    for name in sorted({*lib.sources, "isa.h"}):
-        h.update(name.encode() + b"\0" + (_HERE / name).read_bytes())
+    for path in sorted([*_HERE.glob("*.cpp"), *_HERE.glob("*.h")]):  # what all.cpp includes, and more
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
     h.update(" ".join(lib.flags).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_signature().encode())
@@ -278,7 +281,8 @@ def _build_path(name: str, reason: str) -> CpuKernels:
             raise KernelsUnavailable(f"CPU kernels 'amx': the operating system refuses the AMX tile state ({why})")
     return CpuKernels(name, reason, attention=_op("decode_attention", vec),
                       prefill_attention=_op("prefill_attention", vec), int4=_op("int4_linear", vec),
-                      int4_tiles=tiles, int8=_op("int8_linear", vec), f16=_op("f16_linear", vec))
+                      int4_tiles=tiles, int8=_op("int8_linear", vec), f16=_op("f16_linear", vec),
+                      repack_int4=_op("repack_int4", vec), repack_q8_0=_op("repack_q8_0", vec))
 
 
 _chosen: dict[tuple[str | None, str], CpuKernels] = {}

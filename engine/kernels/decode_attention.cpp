@@ -46,6 +46,7 @@
 #include <vector>
 
 namespace {
+namespace attention {  // named, so that all.cpp can include every source in one unit
 
 constexpr int W = 16;  // floats per vector
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
@@ -357,6 +358,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, int64_t 
   return out;
 }
 
+}  // namespace attention
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
@@ -365,6 +367,6 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
-  m.impl(DS4_OP("decode_attention"), &decode_attention);
-  m.impl(DS4_OP("prefill_attention"), &prefill_attention);
+  m.impl(DS4_OP("decode_attention"), &attention::decode_attention);
+  m.impl(DS4_OP("prefill_attention"), &attention::prefill_attention);
 }

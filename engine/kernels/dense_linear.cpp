@@ -40,6 +40,7 @@
 #include "isa.h"
 
 namespace {
+namespace dense {  // named, so that all.cpp can include every source in one unit
 
 constexpr int64_t C = 16;  // output columns per column group
 typedef float vf __attribute__((vector_size(C * sizeof(float))));
@@ -176,6 +177,7 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
   return grouped_linear<at::Half, 32>(x, w.data_ptr<at::Half>(), nullptr, NG, KB);
 }
 
+}  // namespace dense
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
@@ -184,6 +186,6 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
-  m.impl(DS4_OP("int8_linear"), &int8_linear);
-  m.impl(DS4_OP("f16_linear"), &f16_linear);
+  m.impl(DS4_OP("int8_linear"), &dense::int8_linear);
+  m.impl(DS4_OP("f16_linear"), &dense::f16_linear);
 }

@@ -49,6 +49,7 @@
 #endif
 
 namespace {
+namespace int4 {  // named, so that all.cpp can include every source in one unit
 
 constexpr int64_t G = 32;  // inputs per group
 constexpr int64_t C = 16;  // output columns per column group
@@ -452,6 +453,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }
 #endif  // DS4_ISA_AMX
 
+}  // namespace int4
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
@@ -459,5 +461,5 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
-  m.impl(DS4_OP("int4_linear"), &int4_linear);
+  m.impl(DS4_OP("int4_linear"), &int4::int4_linear);
 }

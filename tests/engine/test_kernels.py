@@ -534,3 +534,58 @@ def test_an_installed_library_is_loaded_without_building(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
 
+
+
+# ---------------------------------------------------------------- repacking GGUF blocks at load
+
+
+def raw_matrix(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
+    from engine.synthetic import _encode
+
+    rng = np.random.default_rng(seed)
+    return _encode(rng.standard_normal((rows, cols)).astype(np.float32) * 0.3, qtype, rng).reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtypes", [("Q4_0",), ("Q4_1", "Q4_1"), ("Q4_K",), ("Q4_0", "Q4_1")])
+def test_repack_int4_equals_unpacking_then_packing(path, qtypes):
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.quants import unpack_int4_groups
+
+    cols = 512
+    raws = [raw_matrix(QT[t], 24 + 8 * i, cols, seed=i) for i, t in enumerate(qtypes)]
+    parts = [unpack_int4_groups(QT[t], r, cols) for t, r in zip(qtypes, raws)]
+    n = sum(r.shape[0] for r in raws)
+    order = np.random.default_rng(9).permutation(n)
+    q, scale, minimum = (np.concatenate([getattr(p, f) for p in parts])[order] for f in ("q", "scale", "minimum"))
+    pad = -n % 16
+    want = int4_pack(*(np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for a in (q, scale, minimum)))
+    got = path.repack_int4([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes],
+                           torch.from_numpy(order.astype(np.int64)), cols, 16)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_repack_q8_0_equals_the_numpy_layout(path):
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.quants import unpack_int8_groups
+
+    raw = raw_matrix(QT.Q8_0, 40, 256, seed=3)
+    g = unpack_int8_groups(QT.Q8_0, raw, 256)
+    order = np.arange(40)[::-1].copy()
+    q, scale = np.concatenate([g.q[order], np.zeros((8, 256), np.int8)]), np.concatenate([g.scale[order],
+                                                                                          np.zeros((8, 8), np.float32)])
+    got_q, got_s = path.repack_q8_0([torch.from_numpy(raw)], torch.from_numpy(order), 256, 16)
+    assert torch.equal(got_q, blocks(q, 32)) and torch.equal(got_s, blocks(scale, 1)[:, :, 0])
+
+
+def test_repack_refuses_rows_of_the_wrong_size(path):
+    from gguf import GGMLQuantizationType as QT
+
+    raw = torch.from_numpy(raw_matrix(QT.Q4_0, 16, 256, seed=1))
+    with pytest.raises(RuntimeError, match="rows of 144 bytes, not 288"):
+        path.repack_int4([raw], [int(QT.Q4_0)], torch.arange(16), 512, 16)
+    with pytest.raises(RuntimeError, match="outside the 16 rows"):
+        path.repack_int4([raw], [int(QT.Q4_0)], torch.tensor([16]), 256, 16)
+    with pytest.raises(RuntimeError, match="not Q4_0/Q4_1/Q4_K"):
+        path.repack_int4([raw], [8], torch.arange(16), 256, 16)
