@@ -6,7 +6,7 @@ Modules (run the scripts with `python -m quality_testing.<name>` from the reposi
   longtext                deterministic generator of the long-context prompts
   render_references       reference logits from transformers (float32) on the same GGUF
   compare_frontier_logits the engine against the stored references; non-zero exit past a threshold
-  golden                  greedy 64-token continuations stored as token ids, and their check
+  golden                  greedy 64-token continuations with each step's top-8 log-probs, checked teacher-forced
   validate_scores         scorer coverage of every suite's answer kinds and cases
   gate_speed              engine speed of the working tree against a git ref, interleaved
   gate_quality            the greedy sanity suite case by case against the baseline trace (ds4eval.compare)
