@@ -180,6 +180,12 @@ class Model:
         return [Session(self, cache) for cache in pool.caches]
 
     @property
+    def cpu_kernel_path(self) -> str | None:
+        """The name of the CPU kernel path the model runs on (engine.kernels), None off the CPU."""
+        ks = getattr(self.net, "cpu_kernels", None)
+        return ks.name if ks is not None else None
+
+    @property
     def weight_bytes(self) -> int:
         return self.net.weight_bytes
 

@@ -5,7 +5,11 @@
 
 The suite runs through ds4-eval's own command line (`ds4-eval --suite sanity --plain --temp 0
 --tokens 128 --trace FILE`, engine backend, embedded model unless --model), so the gate
-measures exactly what a user runs. The run is then compared with `sanity_baseline.trace`
+measures exactly what a user runs.  It runs on the reference CPU path (`reference_environment`):
+on an x86-64 CPU with AVX2 the engine's avx2 kernels and torch's own AVX2 code
+(DS4_CPU_KERNELS=avx2, ATEN_CPU_CAPABILITY=avx2), the same instructions, and so the same bits,
+on every such CPU, AVX2-only or AVX512, Intel or AMD: a baseline made on one holds on the
+others.  `--cpu-kernels` runs another path (whose greedy tokens may differ at near-ties). The run is then compared with `sanity_baseline.trace`
 (`ds4eval.compare`, strict): greedy decoding of one model file is deterministic, so any
 pass->fail flip fails the gate (exit 1), as does a significant drop; a baseline made on another
 model file is refused before anything runs (exit 2). The markdown comparison is printed either
@@ -17,6 +21,7 @@ It does not grade anything itself.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -47,17 +52,37 @@ class QualityGateConfig:
 
     rebaseline: bool = False  # write the run's trace as the new baseline instead of judging
     model: str | None = None  # GGUF; None: the embedded model
+    cpu_kernels: str | None = None  # engine.kernels path; None: the reference path (reference_environment)
     tokens: int = TOKENS  # ds4-eval -n budget per case
     baseline: str = str(BASELINE)
 
 
+REFERENCE_PATH = "avx2"
+
+
+def reference_environment(cpu_kernels: str | None, host_paths: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The environment the suite runs in: `cpu_kernels` if given; else, where the CPU runs the
+    avx2 path, that path with torch's own ops on AVX2 too; else `env` as it is.  Pure."""
+    env = dict(env)
+    if cpu_kernels is not None:
+        env["DS4_CPU_KERNELS"] = cpu_kernels
+    elif REFERENCE_PATH in host_paths:
+        env["DS4_CPU_KERNELS"] = REFERENCE_PATH
+        env["ATEN_CPU_CAPABILITY"] = "avx2"
+    return env
+
+
 def run_suite(cfg: QualityGateConfig, trace: Path) -> None:
     """A greedy sanity run through ds4-eval, its trace written to `trace`."""
+    from engine import kernels
+
     exe = Path(sys.executable).with_name("ds4-eval")
     cmd = [str(exe), "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens), "--trace", str(trace)]
     if cfg.model:
         cmd += ["--model", cfg.model]
-    p = subprocess.run(cmd, stdout=sys.stderr)  # the run's own report goes to stderr, live
+    env = reference_environment(cfg.cpu_kernels, kernels.host_paths(), dict(os.environ))
+    # the run's own report goes to stderr, live
+    p = subprocess.run(cmd, stdout=sys.stderr, env=env)
     if not trace.is_file():  # a run cut short still has a trace; the comparison then counts what is missing
         raise QualityGateError(f"ds4-eval exited with {p.returncode} and wrote no trace")
 
@@ -84,11 +109,15 @@ def _read_run(path: Path, label: str) -> cmp.Run:
 @click.option("--model", default=None, help="GGUF file (default: the embedded model).")
 @click.option("--tokens", type=int, default=TOKENS, show_default=True, help="Generation budget per case (ds4-eval -n).")
 @click.option("--baseline", default=str(BASELINE), show_default=True, help="The baseline trace.")
-def main(rebaseline: bool, model: str | None, tokens: int, baseline: str) -> None:
+@click.option("--cpu-kernels", type=click.Choice(["amx", "avx512", "avx2", "portable", "torch"]), default=None,
+              help="Engine CPU kernel path (default: avx2 with torch's AVX2 code where the CPU runs it, the "
+                   "path whose bits every such CPU shares).")
+def main(rebaseline: bool, model: str | None, tokens: int, baseline: str, cpu_kernels: str | None) -> None:
     """Run the sanity suite greedily and compare it case by case with the baseline trace."""
     from engine import ModelLoadError, default_model_path
 
-    cfg = QualityGateConfig(rebaseline=rebaseline, model=model, tokens=tokens, baseline=baseline)
+    cfg = QualityGateConfig(rebaseline=rebaseline, model=model, tokens=tokens, baseline=baseline,
+                            cpu_kernels=cpu_kernels)
     path = Path(cfg.baseline)
     try:
         old = _read_run(path, path.name) if path.is_file() else None

@@ -303,7 +303,8 @@ class EngineBackend:
 
     def provenance(self) -> dict[str, str]:
         """What this backend knows about how it runs the model (see ds4eval.provenance): the
-        model file, the chat template's hash, BOS/EOS handling, device and KV cache type."""
+        model file, the chat template's hash, BOS/EOS handling, device (with the engine's CPU
+        kernel path, e.g. "cpu:avx2") and KV cache type."""
         m = self.model
         meta = getattr(m, "metadata", None)
         template = meta.get("tokenizer.chat_template") if meta is not None else None
@@ -311,7 +312,8 @@ class EngineBackend:
         return {"model_path": str(getattr(m, "path", "") or ""),
                 "chat_template_sha256": text_sha256(str(template)) if template else ("" if meta is None else "none"),
                 "bos_eos": f"add_bos={'yes' if getattr(m, 'add_bos', False) else 'no'} bos={m.bos_id} eos={eos}",
-                "device": str(getattr(m, "device", "") or ""),
+                "device": ":".join(x for x in (str(getattr(m, "device", "") or ""),
+                                                getattr(m, "cpu_kernel_path", None) or "") if x),
                 "kv_type": str(getattr(m, "kv_dtype", "") or "").removeprefix("torch.")}
 
     def render(self, job: GenerationJob, think: bool) -> str:

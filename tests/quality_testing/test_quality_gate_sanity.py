@@ -100,3 +100,13 @@ def test_rebaseline_prints_the_comparison_then_writes(tmp_path, monkeypatch):
     assert baseline.read_text() != before and len(after) == 41
     passed = sum(x.status == "PASSED" for x in tr.read_trace(gq.BASELINE).records)
     assert sum(x.status == "PASSED" for x in after) == passed + 1
+
+
+def test_the_suite_runs_on_the_path_every_avx2_cpu_shares():
+    env = gq.reference_environment(None, ["avx512", "avx2", "portable", "torch"], {"PATH": "/bin"})
+    assert env == {"PATH": "/bin", "DS4_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    # a CPU without AVX2 (aarch64): the environment as it is, the engine's own choice
+    assert gq.reference_environment(None, ["portable", "torch"], {"DS4_CPU_KERNELS": "torch"}) == \
+        {"DS4_CPU_KERNELS": "torch"}
+    # a path named on the command line wins, and torch's own dispatch is left alone
+    assert gq.reference_environment("portable", ["avx2"], {}) == {"DS4_CPU_KERNELS": "portable"}
