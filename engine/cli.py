@@ -68,7 +68,40 @@ def run(cfg: GenerateConfig, out=sys.stdout, err=sys.stderr) -> int:
     return 0
 
 
+def version_lines() -> tuple[str, bool]:
+    """The package's version, torch's, and the CPU kernels the engine would run here and why
+    (engine.kernels; building them on first use); False when the path asked for by
+    $DS4_CPU_KERNELS cannot run here."""
+    import importlib.metadata
+
+    import torch
+
+    from engine import kernels
+
+    try:
+        version = importlib.metadata.version("ds4eval")
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed)"
+    try:
+        chosen = kernels.cpu_kernels()
+        cpu, name, ok = chosen.describe(), chosen.name, True
+    except kernels.KernelsUnavailable as e:
+        cpu, name, ok = f"unavailable: {e}", None, False
+    others = [p for p in kernels.host_paths() if p != name]
+    return (f"ds4 {version}, torch {torch.__version__}\nCPU kernels: {cpu}\n"
+            f"other paths this CPU runs ({kernels.ENV_VAR}=...): {', '.join(others)}"), ok
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        text, ok = version_lines()
+        click.echo(text)
+        ctx.exit(0 if ok else 1)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Print the version and the CPU kernels this machine runs, then exit.")
 @click.option("-p", "--prompt", required=True, help="Prompt text (a user message unless --raw).")
 @click.option("-m", "--model", default=None, help="GGUF file (default: $DS4_MODEL or the embedded SmolLM2-135M).")
 @click.option("--ctx", type=int, default=None, help="Context size in tokens (default: the model's).")

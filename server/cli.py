@@ -66,6 +66,8 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
         f"ds4-server: device {config.device}, context {n_ctx} tokens"
         + (f", CPU threads {config.threads}" if config.threads is not None else ", CPU threads auto")
         + (f", decode attention: {model.net.attention_path}" if hasattr(model, "net") else ""),  # type: ignore[attr-defined]
+        *([f"ds4-server: CPU kernels {model.net.kernel_path}"]  # type: ignore[attr-defined]
+          if getattr(getattr(model, "net", None), "cpu_kernels", None) is not None else []),
         f"ds4-server: tool syntax {model_syntax(model, config.tools.tool_syntax).name}, exact tool replay "
         + ("off" if config.tools.disable_exact_tool_replay else f"on (up to {config.tools.tool_memory_max_ids} ids)"),
         f"ds4-server: memory {_mib(total)} (weights {_mib(weights)}, KV cache {_mib(total - weights)}"

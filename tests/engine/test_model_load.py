@@ -121,3 +121,25 @@ def test_cli_bad_model_is_one_line_error(tmp_path):
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [f"ds4: error: model file not found: {tmp_path / 'missing.gguf'}"]
     assert "Traceback" not in r.stderr
+
+
+def test_cli_version_says_which_cpu_kernels_run_and_why():
+    from engine import kernels
+
+    r = run_cli("--version", env={kernels.ENV_VAR: "portable"})
+    assert r.returncode == 0, r.stderr
+    assert "CPU kernels: portable (DS4_CPU_KERNELS=portable)" in r.stdout
+    assert "other paths this CPU runs" in r.stdout and "torch" in r.stdout.splitlines()[-1]
+
+
+def test_cli_version_fails_for_a_path_this_cpu_cannot_run(monkeypatch):
+    r = run_cli("--version", env={"DS4_CPU_KERNELS": "no-such-path"})
+    assert r.returncode == 1 and "unknown CPU kernel path 'no-such-path'" in r.stdout
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_bad_kernel_override_is_one_line_error(tiny_gguf):
+    r = run_cli("-m", tiny_gguf("llama", "Q4_1"), "-p", "hi", env={"DS4_CPU_KERNELS": "no-such-path"})
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == ["ds4: error: unknown CPU kernel path 'no-such-path' "
+                                             "(expected one of amx, avx512, avx2, portable, torch)"]
