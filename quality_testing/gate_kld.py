@@ -36,10 +36,9 @@ class Bounds:
     max_real_flips_share: float  # real flips / positions
 
 
-# Measured (CPU, float16 cache, 2,044 positions, the avx512 and avx2 paths alike, which compute
-# the same int4 products): mean KL 4.2e-5, p99.9 5.8e-4, same top 0.997, perplexity ratio
-# 1.0001, no real flips; the portable path (no fused multiply-adds on a bare x86-64) 3.7e-5 on
-# 1,022 positions, the torch path (float16 weights) 1.3e-6.  The mean KL bound is the engine's
+# Measured (CPU, float16 cache, 2,044 positions, avx512 path): mean KL 4.2e-5, p99.9 5.8e-4,
+# same top 0.997, perplexity ratio 1.0001, no real flips; on 1,022 positions avx512 3.8e-5,
+# avx2 3.7e-5, portable 3.7e-5, torch (float16 weights) 1.3e-6.  The mean KL bound is the engine's
 # promise for every CPU path (2e-4, about five times the compiled paths'); the others are about
 # ten times the measured values, so that a kernel whose rounding moves slightly does not fail
 # the gate, while a broken one (KL of 0.01 and more, a few percent of flipped tokens) does.

@@ -48,7 +48,16 @@
 namespace {
 namespace attention {  // named, so that all.cpp can include every source in one unit
 
-constexpr int W = 16;  // floats per vector
+// Floats per vector: the instruction set's own register width, so that every vector operation,
+// shuffles included, is one instruction (AVX2 lowers 16-float shuffles badly).  The width fixes
+// the order of the sums, so the avx2 build rounds differently from the others.
+#if defined(DS4_ISA_AVX2)
+constexpr int W = 8;
+#elif defined(DS4_ISA_AVX512) || defined(DS4_ISA_AMX)
+constexpr int W = 16;
+#else
+constexpr int W = 4;  // the portable build: NEON's and SSE2's 128-bit registers
+#endif
 typedef float vf __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 typedef float vf8 __attribute__((vector_size(8 * sizeof(float))));
@@ -59,16 +68,16 @@ inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 // float16 caches: W values widened to float32, and float32 rounded to nearest even on store.
 inline vf load(const at::Half* p) {
 #if defined(__AVX512F__)
+  static_assert(W == 16);
   __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   vf r;
   std::memcpy(&r, &v, sizeof r);
   return r;
-#elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+#elif defined(__F16C__) && defined(DS4_ISA_AVX2)
+  static_assert(W == 8);
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   vf r;
-  std::memcpy(&r, &lo, sizeof lo);
-  std::memcpy(reinterpret_cast<float*>(&r) + 8, &hi, sizeof hi);
+  std::memcpy(&r, &v, sizeof r);
   return r;
 #else
   vf r;
@@ -84,6 +93,36 @@ inline void store_row(at::Half* dst, const float* src, int64_t n) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 
+#if !defined(DS4_ISA_AVX2) && !defined(DS4_ISA_AVX512) && !defined(DS4_ISA_AMX)
+inline float hsum(vf v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+
+// r[j] = sum of a[j]'s lanes for j < 4, by a fixed tree of pairwise lane additions.
+inline vf transpose_sum(vf* a) {
+  vf b[2];
+  for (int j = 0; j < 2; ++j)
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 4, 5) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 2, 3, 6, 7);
+  return __builtin_shufflevector(b[0], b[1], 0, 2, 4, 6) + __builtin_shufflevector(b[0], b[1], 1, 3, 5, 7);
+}
+#elif defined(DS4_ISA_AVX2)
+inline float hsum(vf v) {
+  vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// r[j] = sum of a[j]'s lanes for j < 8, by a fixed tree of pairwise lane additions.
+inline vf transpose_sum(vf* a) {
+  vf b[4], c[2];
+  for (int j = 0; j < 4; ++j)
+    b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 2; ++j)
+    c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#else
 inline float hsum(vf v) {
   vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -106,6 +145,8 @@ inline vf transpose_sum(vf* a) {
   return __builtin_shufflevector(d[0], d[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
          __builtin_shufflevector(d[0], d[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
+
+#endif
 
 inline float hmax(vf v) {
   float m = v[0];
@@ -255,21 +296,22 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
     for (int c = 0; c < NV; ++c) store(job.out + g * D + c * W, acc[g * NV + c] * inv[g]);
 }
 
+// attend<nv> for the head dim's nv vectors (1 <= nv <= NV).
+template <int NV, typename T>
+void attend_width(int64_t nv, const Job<T>& job, int64_t G, float scale, Scratch& sc) {
+  if (nv == NV) {
+    attend<NV>(job, G, scale, sc);
+  } else if constexpr (NV > 1) {
+    attend_width<NV - 1>(nv, job, G, scale, sc);
+  }
+}
+
 template <typename T>
 void run_jobs(const std::vector<Job<T>>& jobs, int64_t G, int64_t D, float scale) {
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t j = begin; j < end; ++j) {
-      switch (D / W) {
-        case 1: attend<1>(jobs[j], G, scale, scratch); break;
-        case 2: attend<2>(jobs[j], G, scale, scratch); break;
-        case 3: attend<3>(jobs[j], G, scale, scratch); break;
-        case 4: attend<4>(jobs[j], G, scale, scratch); break;
-        case 5: attend<5>(jobs[j], G, scale, scratch); break;
-        case 6: attend<6>(jobs[j], G, scale, scratch); break;
-        case 7: attend<7>(jobs[j], G, scale, scratch); break;
-        default: attend<8>(jobs[j], G, scale, scratch); break;
-      }
+      attend_width<128 / W>(D / W, jobs[j], G, scale, scratch);
     }
   });
 }
@@ -304,7 +346,7 @@ at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArr
   TORCH_CHECK(N > 0 && static_cast<int64_t>(kv.size()) == N && static_cast<int64_t>(positions.size()) == N,
               "decode_attention: needs rows, and one cache and one position per row");
   const int64_t Hkv = kv[0].size(1), D = kv[0].size(3);
-  TORCH_CHECK(D % W == 0 && D <= 8 * W, "decode_attention: head dim must be a multiple of 16 up to 128, not ", D);
+  TORCH_CHECK(D % 16 == 0 && D <= 128, "decode_attention: head dim must be a multiple of 16 up to 128, not ", D);
   const int64_t H = qkv.size(1) / D - 2 * Hkv;
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
               "decode_attention: qkv must be [N, (H + 2 Hkv) D] float32 with contiguous rows");
@@ -340,7 +382,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, int64_t 
   TORCH_CHECK(kv.dim() == 4 && kv.size(0) == 2 && kv.stride(3) == 1 && kv.stride(2) == kv.size(3),
               "prefill_attention: the cache must be [2, Hkv, capacity, D] with contiguous positions");
   const int64_t Hkv = kv.size(1), D = kv.size(3), N = q.size(0);
-  TORCH_CHECK(D % W == 0 && D <= 8 * W, "prefill_attention: head dim must be a multiple of 16 up to 128, not ", D);
+  TORCH_CHECK(D % 16 == 0 && D <= 128, "prefill_attention: head dim must be a multiple of 16 up to 128, not ", D);
   TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kFloat && q.stride(1) == 1 && q.size(1) % D == 0,
               "prefill_attention: q must be [T, H D] float32 with contiguous rows");
   const int64_t H = q.size(1) / D;
