@@ -12,10 +12,11 @@ GREEDY = SamplingParams(argmax_ignoring_eos=True)
 
 
 def variants() -> list[tuple[str, str, str]]:
-    """(arch, CPU kernel path, attention): both families on every path this CPU runs, plus the
-    torch-ops attention (where no kernel fits the head size) and float32 caches on one path."""
-    out = [(arch, path, "kernel") for path in kernels.host_paths() for arch in ("llama", "qwen3")]
-    best = kernels.host_paths()[0]
+    """(arch, CPU kernel path, attention): both families on the best path this CPU runs and
+    llama on every other one, plus the torch-ops attention (where no kernel fits the head
+    size) and float32 caches on the best path."""
+    best, *others = kernels.host_paths()
+    out = [("llama", best, "kernel"), ("qwen3", best, "kernel")] + [("llama", p, "kernel") for p in others]
     return out + [("llama", best, "torch-ops"), ("qwen3", best, "kernel-f32"), ("qwen3", best, "torch-ops-f32")]
 
 
