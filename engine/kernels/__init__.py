@@ -35,7 +35,6 @@ It does not decide which kernel a matrix uses; see engine.weights and engine.mod
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import os
 import platform
