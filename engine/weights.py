@@ -184,25 +184,14 @@ class _CpuKernelLinear(Linear):
 
 
 class Int8Linear(_CpuKernelLinear):
-    """Q8_0 / Q6_K on CPU: int8 q and float32 scales per group, engine/kernels/dense_linear.cpp."""
+    """Q8_0 / Q6_K on CPU: int8 q [N/16, K/G, G, 16] and float32 scales [N/16, K/G, 16] per
+    group (the layout of engine/kernels/dense_linear.cpp; `int8_layout` or
+    CpuKernels.repack_q8_0 makes it), whose rows past `out_features` are padding."""
 
-    def __init__(self, q: np.ndarray, scale: np.ndarray, group: int, op, bias: torch.Tensor | None = None):
-        n, k = q.shape
-        q, scale = _pad_rows(n, q, scale)
-        self._layout(torch.from_numpy(_column_blocks(q, group)),
-                     torch.from_numpy(_column_blocks(scale, 1)[:, :, 0]), n, op, bias)
-
-    def _layout(self, q: torch.Tensor, scales: torch.Tensor, n: int, op, bias: torch.Tensor | None) -> None:
-        super().__init__(n, q.shape[1] * q.shape[2], bias)
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, out_features: int, op,
+                 bias: torch.Tensor | None = None):
+        super().__init__(out_features, q.shape[1] * q.shape[2], bias)
         self.q, self.scales, self._op = q, scales, op
-
-    @classmethod
-    def from_layout(cls, q: torch.Tensor, scales: torch.Tensor, out_features: int, op,
-                    bias: torch.Tensor | None = None) -> "Int8Linear":
-        """A matrix already in the kernel's layout (e.g. from CpuKernels.repack_q8_0)."""
-        self = cls.__new__(cls)
-        self._layout(q, scales, out_features, op, bias)
-        return self
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.q, self.scales)
@@ -210,6 +199,12 @@ class Int8Linear(_CpuKernelLinear):
     @property
     def nbytes(self) -> int:
         return self.q.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
+def int8_layout(q: np.ndarray, scale: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 q [N, K] and scales [N, K/group] in Int8Linear's layout, rows padded to whole blocks."""
+    q, scale = _pad_rows(q.shape[0], q, scale)
+    return torch.from_numpy(_column_blocks(q, group)), torch.from_numpy(_column_blocks(scale, 1)[:, :, 0])
 
 
 class F16Linear(_CpuKernelLinear):
@@ -270,7 +265,9 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
     output columns and group of 32 inputs, 8 chunks of 32 bytes: byte 2j + e of chunk c holds
     column j's input 2c + e in its low nibble and input 2(c + 8) + e in its high one, so that
     widening a chunk to 16-bit lanes gives two vectors of (input pair, column) bfloat16 operands.
-    Scales and minimums become float32 [N/16, K/32, 2, 16]."""
+    Scales and minimums become float32 [N/16, K/32, 2, 16].  The readable statement of the
+    layout: the engine builds it from the file's blocks with CpuKernels.repack_int4, which the
+    tests hold to this function."""
     n, k = q.shape
     ng, kb = n // 16, k // GROUP
     qq = q.reshape(ng, 16, kb, 16, 2).transpose(0, 2, 3, 1, 4)  # [ng, kb, pair, column, e]
@@ -285,8 +282,13 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
 
 
 class Int4Linear(Linear):
+    """A 4-bit matrix.  On CPU it is built in the compiled kernels' layout (`from_cpu_layout`,
+    from CpuKernels.repack_int4); `Int4Linear(q, scale, minimum, device)` builds it on CUDA."""
+
     def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, device: torch.device,
-                 bias: torch.Tensor | None = None, cpu: CpuKernels | None = None):
+                 bias: torch.Tensor | None = None):
+        if device.type == "cpu":
+            raise ValueError("int4 matrices on CPU come from Int4Linear.from_cpu_layout")
         n, k = q.shape
         self.out_features, self.in_features = n, k
         self.bias = bias
@@ -295,17 +297,11 @@ class Int4Linear(Linear):
             self._cuda = cuda_int4.Int4Weight(q, scale, minimum, device)
             self.out_dtype = torch.float32
             return
-        # The CPU kernels and torch's int4 layouts take outputs in blocks of 16: a matrix of
-        # another height (a head over a vocabulary of 32001, say) gets zero rows, sliced off.
+        # CUDA without Triton: torch's layout takes outputs in blocks of 16 (a head over a
+        # vocabulary of 32001, say, gets zero rows, sliced off) and two nibbles per byte, even
+        # column in the high nibble.
         self._pad = -n % COLUMNS
         q, scale, minimum = _pad_rows(n, q, scale, minimum)
-        n += self._pad
-        if device.type == "cpu":
-            if cpu is None or cpu.int4 is None or k % GROUP:
-                raise ValueError("int4 matrices on CPU need a compiled kernel path and inputs in groups of 32")
-            self._cpu_layout(*int4_pack(q, scale, minimum), cpu)
-            return
-        # CUDA without Triton: the CUDA kernel takes two nibbles per byte, even column in the high nibble.
         q8 = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
         self.packed = torch.ops.aten._convert_weight_to_int4pack(q8, cuda_inner_k_tiles(k))
         # [K/G, N, 2]: (scale, zero) per group, the layout the kernel reads.
@@ -313,20 +309,18 @@ class Int4Linear(Linear):
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
         self._mm = torch.ops.aten._weight_int4pack_mm
 
-    def _cpu_layout(self, packed: torch.Tensor, scales: torch.Tensor, cpu: CpuKernels) -> None:
-        self.packed, self.scales_zeros = packed, scales
-        self._op, self._tiles = cpu.int4, cpu.int4_tiles
-        self.out_dtype = torch.float32
-
     @classmethod
     def from_cpu_layout(cls, packed: torch.Tensor, scales: torch.Tensor, out_features: int, cpu: CpuKernels,
                         bias: torch.Tensor | None = None) -> "Int4Linear":
-        """A CPU matrix already in the kernels' layout (int4_pack's, e.g. from cpu.repack_int4)."""
+        """A CPU matrix in the kernels' layout (int4_pack's; CpuKernels.repack_int4 makes it),
+        whose rows past `out_features` are padding."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
         self.bias, self.device = bias, torch.device("cpu")
         self._pad = packed.shape[0] * COLUMNS - out_features
-        self._cpu_layout(packed, scales, cpu)
+        self.packed, self.scales_zeros = packed, scales
+        self._op, self._tiles = cpu.int4, cpu.int4_tiles
+        self.out_dtype = torch.float32
         return self
 
     out_dtype = torch.bfloat16
@@ -412,11 +406,11 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     packed_cpu = fmt == "packed" and device.type == "cpu"
     if packed_cpu and cpu is None:
         raise ValueError("the packed format on CPU needs a CPU kernel path (engine.kernels.cpu_kernels)")
-    compiled = packed_cpu and cpu.int4 is not None
-    if compiled and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
+    n = sum(r.shape[0] for r in records)
+    if packed_cpu and cpu.int4 is not None and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
         packed, scales = cpu.repack_int4([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                          _row_order(records, row_perm), k, COLUMNS)
-        return Int4Linear.from_cpu_layout(packed, scales, sum(r.shape[0] for r in records), cpu, bias)
+        return Int4Linear.from_cpu_layout(packed, scales, n, cpu, bias)
     if fmt == "packed" and device.type != "cpu" and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
         parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in records]
         q = np.concatenate([p.q for p in parts])
@@ -424,18 +418,18 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
         minimum = np.concatenate([p.minimum for p in parts])
         if row_perm is not None:
             q, scale, minimum = q[row_perm], scale[row_perm], minimum[row_perm]
-        return Int4Linear(q, scale, minimum, device, bias, cpu=cpu)
-    groups = {INT8_GROUPS.get(r.qtype) for r in records}
+        return Int4Linear(q, scale, minimum, device, bias)
     if packed_cpu and cpu.int8 is not None and all(r.qtype == QT.Q8_0 for r in records):
         q8, scale8 = cpu.repack_q8_0([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
-        return Int8Linear.from_layout(q8, scale8, sum(r.shape[0] for r in records), cpu.int8, bias)
-    if packed_cpu and cpu.int8 is not None and len(groups) == 1 and None not in groups:
+        return Int8Linear(q8, scale8, n, cpu.int8, bias)
+    groups = {INT8_GROUPS.get(r.qtype) for r in records}
+    if packed_cpu and cpu.int8 is not None and len(groups) == 1 and None not in groups:  # Q6_K
         parts8 = [unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records]
         q8 = np.concatenate([p.q for p in parts8])
         scale8 = np.concatenate([p.scale for p in parts8])
         if row_perm is not None:
             q8, scale8 = q8[row_perm], scale8[row_perm]
-        return Int8Linear(q8, scale8, groups.pop(), cpu.int8, bias)
+        return Int8Linear(*int8_layout(q8, scale8, groups.pop()), n, cpu.int8, bias)
     w = np.concatenate([to_float(r).reshape(-1, k) for r in records])
     if row_perm is not None:
         w = w[row_perm]

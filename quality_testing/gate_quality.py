@@ -36,6 +36,7 @@ from ds4eval import compare as cmp
 from ds4eval import compare_report
 from ds4eval.atomicfile import atomic_path
 from ds4eval.provenance import file_sha256
+from engine import kernels
 
 BASELINE = Path(__file__).resolve().parent / "sanity_baseline.trace"
 SUITE = "sanity"
@@ -74,8 +75,6 @@ def reference_environment(cpu_kernels: str | None, host_paths: list[str], env: d
 
 def run_suite(cfg: QualityGateConfig, trace: Path) -> None:
     """A greedy sanity run through ds4-eval, its trace written to `trace`."""
-    from engine import kernels
-
     exe = Path(sys.executable).with_name("ds4-eval")
     cmd = [str(exe), "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens), "--trace", str(trace)]
     if cfg.model:
@@ -109,7 +108,7 @@ def _read_run(path: Path, label: str) -> cmp.Run:
 @click.option("--model", default=None, help="GGUF file (default: the embedded model).")
 @click.option("--tokens", type=int, default=TOKENS, show_default=True, help="Generation budget per case (ds4-eval -n).")
 @click.option("--baseline", default=str(BASELINE), show_default=True, help="The baseline trace.")
-@click.option("--cpu-kernels", type=click.Choice(["amx", "avx512", "avx2", "portable", "torch"]), default=None,
+@click.option("--cpu-kernels", type=click.Choice(kernels.PATHS), default=None,
               help="Engine CPU kernel path (default: avx2 with torch's AVX2 code where the CPU runs it, the "
                    "path whose bits every such CPU shares).")
 def main(rebaseline: bool, model: str | None, tokens: int, baseline: str, cpu_kernels: str | None) -> None:

@@ -116,7 +116,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, int
   if (M == 0) return y;
   const float* x0 = x.data_ptr<float>();
   const int64_t xs = x.stride(0), tail = K - (KB - 1) * G;
-  std::vector<float> padded(M * G, 0.0f);  // each row's last, partial group
+  std::vector<float> padded(tail < G ? M * G : 0, 0.0f);  // each row's last, partial group
   if (tail < G)
     for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * G, x0 + r * xs + (KB - 1) * G, tail * sizeof(float));
   float* y0 = y.data_ptr<float>();

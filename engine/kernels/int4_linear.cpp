@@ -133,20 +133,25 @@ RoundedRows<T> round_rows(const at::Tensor& x, int64_t rows, int64_t tile_rows =
   return out;
 }
 
-// The loop every op shares: column groups split over threads, each group's 16 running outputs
-// per row accumulated over the input groups, then written out.  `group(g, b, acc)` adds input
-// group b of column group g into acc ([M, 16]).
-template <typename Group>
-at::Tensor run_groups(const at::Tensor& x, const at::Tensor& packed, Group group) {
+// The shell of the vector ops: arguments checked, x rounded (stored as T), column groups split
+// over threads, each group's 16 running outputs per row accumulated over the input groups,
+// then written out.  `group(q, sc, xr, b, acc)` adds input group b into acc ([M, 16]), with q
+// its 256 packed bytes and sc its 16 scales then 16 minimums.
+template <typename T, typename Group>
+at::Tensor vector_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, Group group) {
+  check_arguments(x, packed, scales);
   const int64_t M = x.size(0), NG = packed.size(0), KB = packed.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
+  const RoundedRows<T> xr = round_rows<T>(x, M);
+  const uint8_t* q0 = packed.data_ptr<uint8_t>();
+  const float* s0 = scales.data_ptr<float>();
   float* y0 = y.data_ptr<float>();
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * C);
     for (int64_t g = begin; g < end; ++g) {
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t b = 0; b < KB; ++b) group(g, b, acc.data());
+      for (int64_t b = 0; b < KB; ++b) group(q0 + (g * KB + b) * 256, s0 + (g * KB + b) * 2 * C, xr, b, acc.data());
       for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, acc.data() + r * C, C * sizeof(float));
     }
   });
@@ -177,16 +182,12 @@ struct NibbleWidener {
 
 #if defined(DS4_ISA_AVX512)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_arguments(x, packed, scales);
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  const RoundedRows<uint16_t> xr = round_rows<uint16_t>(x, M);
   const NibbleWidener widener;
-  const uint8_t* q0 = packed.data_ptr<uint8_t>();
-  const float* s0 = scales.data_ptr<float>();
-  return run_groups(x, packed, [&](int64_t g, int64_t b, float* acc_y) {
+  return vector_op<uint16_t>(x, packed, scales, [&](const uint8_t* q, const float* sc,
+                                                    const RoundedRows<uint16_t>& xr, int64_t b, float* acc_y) {
     __m512bh w[16];
-    widener.widen(q0 + (g * KB + b) * 256, w);
-    const float* sc = s0 + (g * KB + b) * 2 * C;
+    widener.widen(q, w);
     const __m512 scale = _mm512_loadu_ps(sc), minimum = _mm512_loadu_ps(sc + C);
     for (int64_t r = 0; r < M; ++r) {
       const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.values.data() + r * K + b * G);
@@ -264,14 +265,9 @@ inline void group_one_row(const uint8_t* q, const float* xv, const float* sc, fl
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_arguments(x, packed, scales);
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  const RoundedRows<float> xr = round_rows<float>(x, M);
-  const uint8_t* q0 = packed.data_ptr<uint8_t>();
-  const float* s0 = scales.data_ptr<float>();
-  return run_groups(x, packed, [&](int64_t g, int64_t b, float* acc_y) {
-    const uint8_t* q = q0 + (g * KB + b) * 256;
-    const float* sc = s0 + (g * KB + b) * 2 * C;
+  return vector_op<float>(x, packed, scales, [&](const uint8_t* q, const float* sc, const RoundedRows<float>& xr,
+                                                 int64_t b, float* acc_y) {
     if (M == 1) {
       group_one_row(q, xr.values.data() + b * G, sc, xr.sums[b], acc_y);
       return;
@@ -321,15 +317,11 @@ inline void widen_group(const uint8_t* q, float* w) {
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_arguments(x, packed, scales);
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  const RoundedRows<float> xr = round_rows<float>(x, M);
-  const uint8_t* q0 = packed.data_ptr<uint8_t>();
-  const float* s0 = scales.data_ptr<float>();
-  return run_groups(x, packed, [&](int64_t g, int64_t b, float* acc_y) {
+  return vector_op<float>(x, packed, scales, [&](const uint8_t* q, const float* sc, const RoundedRows<float>& xr,
+                                                 int64_t b, float* acc_y) {
     alignas(64) float w[G * C];
-    widen_group(q0 + (g * KB + b) * 256, w);
-    const float* sc = s0 + (g * KB + b) * 2 * C;
+    widen_group(q, w);
     const vf scale = loadv(sc), minimum = loadv(sc + C);
     for (int64_t r = 0; r < M; ++r) {
       const float* xv = xr.values.data() + r * K + b * G;

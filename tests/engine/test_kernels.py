@@ -569,14 +569,20 @@ def test_repack_q8_0_equals_the_numpy_layout(path):
     from gguf import GGMLQuantizationType as QT
 
     from engine.quants import unpack_int8_groups
+    from engine.weights import int8_layout
 
     raw = raw_matrix(QT.Q8_0, 40, 256, seed=3)
     g = unpack_int8_groups(QT.Q8_0, raw, 256)
     order = np.arange(40)[::-1].copy()
-    q, scale = np.concatenate([g.q[order], np.zeros((8, 256), np.int8)]), np.concatenate([g.scale[order],
-                                                                                          np.zeros((8, 8), np.float32)])
+    want_q, want_s = int8_layout(g.q[order], g.scale[order], 32)
     got_q, got_s = path.repack_q8_0([torch.from_numpy(raw)], torch.from_numpy(order), 256, 16)
-    assert torch.equal(got_q, blocks(q, 32)) and torch.equal(got_s, blocks(scale, 1)[:, :, 0])
+    assert got_q.shape == (3, 8, 32, 16)  # 40 rows padded to 48
+    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    # and the layout is the one the int8 kernel reads: the product of the dequantized rows
+    x = torch.randn(3, 256)
+    want = x.double() @ torch.from_numpy(g.q[order].astype(np.float64) * np.repeat(g.scale[order], 32, axis=1)).T
+    got = path.int8(x, got_q, got_s)[:, :40]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
 def test_repack_refuses_rows_of_the_wrong_size(path):
