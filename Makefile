@@ -76,7 +76,7 @@ ci-speed: setup
 # decoding speed with and without a schema.
 bench: setup
 	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-only tests/server/test_constraints_bench.py \
-		tests/ds4eval/test_eval_compare_bench.py tests/engine/test_cpu_kernels_bench.py
+		tests/ds4eval/verdict/test_eval_compare_bench.py tests/engine/test_cpu_kernels_bench.py
 
 # The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
 test: setup
@@ -103,7 +103,7 @@ test-browser: setup
 #   make screenshot BASE_TRACE=f16.trace NEW_TRACE=f32.trace OUT=report.png [VIEW=status=pass-fail]
 screenshot: setup
 	@test -n "$(BASE_TRACE)" || { echo "usage: make screenshot BASE_TRACE=a.trace [NEW_TRACE=b.trace] [OUT=report.png] [VIEW=status=FAILED]"; exit 2; }
-	$(PY) -m ds4eval.screenshot $(BASE_TRACE) $(NEW_TRACE) $(or $(OUT),report.png) $(if $(VIEW),--view '$(VIEW)')
+	$(PY) -m ds4eval.reports.screenshot $(BASE_TRACE) $(NEW_TRACE) $(or $(OUT),report.png) $(if $(VIEW),--view '$(VIEW)')
 
 # lm-evaluation-harness with its API clients (the `lmeval` extra): the end-to-end test of
 # ds4-server as an lm-eval backend (tests/server/test_server_lmeval.py) runs only with it.

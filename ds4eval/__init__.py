@@ -1,13 +1,22 @@
-"""ds4eval — the `ds4-eval` regression harness (and `ds4-bench` in `ds4eval.bench`).
+"""ds4eval — the `ds4-eval` regression harness (`ds4-bench` lives in the `ds4bench` package).
 
-Pipeline: suite manifest + data dir -> `suites.load_suite` -> `cases.Case` -> `prompts` -> backend
-(`backends.engine_backend` in-process, or `backends.openai_backend` over HTTP) driven by
-`runner.Runner` (events + controls) -> `extract` -> `grade` -> `trace` block (with `provenance`)
--> `report` / JSON summary. Everything that differs between answer kinds (extractor, key
-parser, comparison, prompt instruction) is one record per kind in `answerkinds`. `regrade`
-re-enters at extraction from a trace alone; `compare` (statistics in `stats`, rendering in
-`compare_report`) sets two traces or summaries side by side. `cli` only maps flags onto
-`config.EvalConfig`.
+Layout, by concern:
+  cases/    what is asked and how an answer is judged: `case` (the Case record), `manifest`,
+            `suites`, `datapull`, `answerkinds` (one record per answer kind), `prompts`,
+            `extract`, `grade` and the extractors' `selftest`. Pure, apart from reading data.
+  run/      running a suite: `runner` (events and controls), `backends` (in-process engine or an
+            OpenAI-compatible server), `tui`, `trace` and `provenance` (what a run writes),
+            `summary` (totals and the `--plain` lines), and talking to servers: `capabilities`,
+            `probe`, `sse`, `httperrors`, `tokencount`, `stopsignals`.
+  verdict/  what two runs or K repeats say: `compare`, `stats`, `repeats`, `regrade`.
+  reports/  rendering traces and comparisons: `run` and `comparison` (tables), `html`,
+            `formats` (which renderer writes which file) and `screenshot`.
+  cli, config, atomicfile: the command line, its settings, and the file-writing helper.
+
+Pipeline: manifest + data dir -> `cases.suites.load_suite` -> `Case` -> `cases.prompts` -> backend
+driven by `run.runner.Runner` -> `cases.extract` -> `cases.grade` -> `run.trace` block (with
+`run.provenance`) -> `run.summary`. `verdict.regrade` re-enters at extraction from a trace alone;
+`verdict.compare` sets two traces or summaries side by side; `reports` renders either.
 
 This package imports `engine` only inside the engine backend and never reaches into `server`.
 """

@@ -5,8 +5,8 @@ Modes (at most one): run a suite (default), --list-cases, --validate-cases,
 capability table of the server at --url; exit 1 when it cannot be reached), --compare
 (exit status 1 for a regression, 2 for input it cannot compare), --report-from (a report of an
 existing trace). --report FILE writes the report of a run (rendered from the trace it wrote),
-of --compare or of --report-from (`ds4eval.reports`).
-A run shows the live terminal UI (`ds4eval.tui`) when stdin and stdout are terminals and
+of --compare or of --report-from (`ds4eval.reports.formats`).
+A run shows the live terminal UI (`ds4eval.run.tui`) when stdin and stdout are terminals and
 --plain is not given; otherwise it prints one line per finished case. Both end with the same
 report. Errors are one line on stderr with exit status 2 (bad input) or 1 (a check failed); no
 traceback. A run exits 0 when every selected case was graded (PASSED or FAILED), 3 when any
@@ -28,15 +28,20 @@ from pathlib import Path
 
 import click
 
-from ds4eval import answerkinds
-from ds4eval import cases as cs
-from ds4eval import grade, manifest, regrade, report, selftest, trace
 from ds4eval.atomicfile import write_text_atomic
-from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
+from ds4eval.cases import answerkinds
+from ds4eval.cases import case as cs
+from ds4eval.cases import grade
+from ds4eval.cases import manifest
+from ds4eval.cases import selftest
+from ds4eval.cases.suites import DataMissing, load_suite
 from ds4eval.config import ALLOWED_DIFFS, COMPARE_FORMATS, KV_TYPES
-from ds4eval.provenance import run_provenance
-from ds4eval.stopsignals import EXIT_INTERRUPTED, StopSignals
-from ds4eval.suites import DataMissing, load_suite
+from ds4eval.config import BACKENDS, DEFAULT_TOKENS, ConfigError, EvalConfig
+from ds4eval.run import summary as report
+from ds4eval.run import trace
+from ds4eval.run.provenance import run_provenance
+from ds4eval.run.stopsignals import EXIT_INTERRUPTED, StopSignals
+from ds4eval.verdict import regrade
 
 
 class UsageFailure(Exception):
@@ -141,7 +146,7 @@ def cmd_validate(cfg: EvalConfig) -> int:
 
 
 def cmd_data_pull(cfg: EvalConfig) -> int:
-    from ds4eval import datapull
+    from ds4eval.cases import datapull
 
     data_dir = cs.resolve_data_dir(cfg.data_dir)
     try:
@@ -188,7 +193,7 @@ def _not_graded_line(totals: dict) -> str:
 
 def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repeats) -> tuple[list, float, bool, str]:
     """Run without the terminal UI; a signal stops the run at the next token boundary."""
-    from ds4eval.runner import Runner
+    from ds4eval.run.runner import Runner
 
     listener = report.PlainListener(len(selected) * (cfg.repeats if repeats is None else 1))
     runner = Runner(cfg, selected, backend, [listener], numbers=numbers, repeats=repeats)
@@ -207,7 +212,7 @@ def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repea
     with StopSignals() as signals:
         worker.start()
         stopping = False
-        # Wait on an event, never in Thread.join with a signal pending (see ds4eval.stopsignals).
+        # Wait on an event, never in Thread.join with a signal pending (see ds4eval.run.stopsignals).
         while not done.wait(0.2):
             if signals.fired is not None and not stopping:
                 stopping = True
@@ -222,7 +227,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
               repeats: list[int] | None = None, report_whole_trace: bool = False) -> int:
     """Run the cases; with --report, the report covers the records this run appends to the trace
     (the whole trace with `report_whole_trace`, as a retry completes the run it retries)."""
-    from ds4eval.backends import BackendUnavailable, create_backend
+    from ds4eval.run.backends import BackendUnavailable, create_backend
 
     report_offset = 0 if report_whole_trace or not cfg.report else _file_size(cfg.trace)
 
@@ -233,7 +238,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
         return EXIT_NOT_GRADED
     except Exception as e:  # model loading and connection set-up report one line
         raise UsageFailure(f"cannot start the {cfg.backend} backend: {type(e).__name__}: {e}") from None
-    from ds4eval import tui
+    from ds4eval.run import tui
 
     try:
         if not cfg.plain and tui.terminal_ui_available():
@@ -317,8 +322,8 @@ def _read_trace(path: str) -> trace.ParsedTrace:
 
 
 def cmd_compare(cfg: EvalConfig) -> int:
-    from ds4eval import compare as cmp
-    from ds4eval import reports
+    from ds4eval.verdict import compare as cmp
+    from ds4eval.reports import formats as reports
 
     base_path, new_path = cfg.compare
     with cmp.collector_paused():
@@ -367,7 +372,7 @@ def _write_report(path: str, text: str) -> None:
 
 def _write_run_report(cfg: EvalConfig, offset: int) -> None:
     """The report of the records the run appended to its trace from `offset` on."""
-    from ds4eval import reports
+    from ds4eval.reports import formats as reports
 
     data = _read_bytes(cfg.trace) if os.path.exists(cfg.trace) else b""
     parsed = trace.parse_trace_bytes(data[offset:])
@@ -376,7 +381,7 @@ def _write_run_report(cfg: EvalConfig, offset: int) -> None:
 
 
 def cmd_report_from(cfg: EvalConfig) -> int:
-    from ds4eval import reports
+    from ds4eval.reports import formats as reports
 
     path = cfg.report_from
     parsed = _read_trace(path)
@@ -395,7 +400,8 @@ def cmd_report_from(cfg: EvalConfig) -> int:
 
 def cmd_probe(cfg: EvalConfig) -> int:
     """The capability table of the server at --url: exit 0 once printed, 1 when it cannot be reached."""
-    from ds4eval import capabilities, endpoint_probe
+    from ds4eval.run import capabilities
+    from ds4eval.run import probe as endpoint_probe
 
     try:
         result = endpoint_probe.run_probe(cfg.url, list(capabilities.FEATURES), cfg.served_model, cfg.api_key,

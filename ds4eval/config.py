@@ -15,7 +15,7 @@ KV_TYPES = ("f32", "f16", "bf16")
 COMPARE_FORMATS = ("text", "markdown", "json", "html")
 ALLOWED_DIFFS = ("model", "prompt", "sampling")
 DEFAULT_TOKENS = 16000
-# Pinned upstream revision that --data-pull fetches (see ds4eval/datapull.py).
+# Pinned upstream revision that --data-pull fetches (see ds4eval/cases/datapull.py).
 DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
 
 
@@ -94,7 +94,7 @@ class EvalConfig:
 
     no_probe: bool = False
     """--no-probe: skip the capability probe before a run against a server (one cheap request
-    per request feature the run needs; see ds4eval.endpoint_probe)."""
+    per request feature the run needs; see ds4eval.run.probe)."""
 
     # --- output
     plain: bool = False
@@ -120,7 +120,7 @@ class EvalConfig:
     probe: bool = False
     """--probe: print what the server at --url does with each request feature, and exit."""
 
-    # --- --compare BASE NEW (ds4eval.compare)
+    # --- --compare BASE NEW (ds4eval.verdict.compare)
     compare: tuple[str, str] | None = None
     """--compare BASE NEW: two traces (or summaries) to compare case by case."""
     alpha: float = 0.05
@@ -133,7 +133,7 @@ class EvalConfig:
     """--allow-diff model|prompt|sampling: differences that are the change under test, so
     the cases they touch stay in the verdict (by default they are excluded with a warning)."""
 
-    # --- reports (ds4eval.reports)
+    # --- reports (ds4eval.reports.formats)
     report: str | None = None
     """--report FILE: write the report of the run, of --compare or of --report-from there; HTML
     (one self-contained page), or markdown when FILE ends in .md. A run needs --trace: its

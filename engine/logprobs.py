@@ -3,7 +3,7 @@
 `log_normalizer(logits)` is each row's log-sum-exp as float64; `score_rows(logits, targets, k)`
 gives, for rows [T, V] of logits and the token that followed each row, the normaliser, the
 targets' log-probs and the k most likely tokens with theirs (`RowScores`, torch tensors on the
-CPU).  The corpus KLD (ds4eval.bench.kldstacks) and the server's prompt log-probs
+CPU).  The corpus KLD (ds4bench.kldstacks) and the server's prompt log-probs
 (server.scoring) both reduce through it, so the two report the same numbers for the same
 logits, to the last bit.
 

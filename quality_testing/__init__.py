@@ -9,6 +9,6 @@ Modules (run the scripts with `python -m quality_testing.<name>` from the reposi
   golden                  greedy 64-token continuations with each step's top-8 log-probs, checked teacher-forced
   validate_scores         scorer coverage of every suite's answer kinds and cases
   gate_speed              engine speed of the working tree against a git ref, interleaved
-  gate_quality            the greedy sanity suite case by case against the baseline trace (ds4eval.compare)
+  gate_quality            the greedy sanity suite case by case against the baseline trace (ds4eval.verdict.compare)
 This package judges the engine and the scorers from outside; neither imports it.
 """

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import click
 
-from ds4eval.bench import kld
+from ds4bench import kld
 from engine import kernels
-from ds4eval.bench.kldstacks import EngineStack
-from ds4eval.bench.kldstats import KLDSummary, summarize, window_rows
+from ds4bench.kldstacks import EngineStack
+from ds4bench.kldstats import KLDSummary, summarize, window_rows
 
 DEFAULT_TOKENS = 2048
 

@@ -10,7 +10,7 @@ on an x86-64 CPU with AVX2 the engine's avx2 kernels and torch's own AVX2 code
 (DS4_CPU_KERNELS=avx2, ATEN_CPU_CAPABILITY=avx2), the same instructions, and so the same bits,
 on every such CPU, AVX2-only or AVX512, Intel or AMD: a baseline made on one holds on the
 others.  `--cpu-kernels` runs another path (whose greedy tokens may differ at near-ties). The run is then compared with `sanity_baseline.trace`
-(`ds4eval.compare`, strict): greedy decoding of one model file is deterministic, so any
+(`ds4eval.verdict.compare`, strict): greedy decoding of one model file is deterministic, so any
 pass->fail flip fails the gate (exit 1), as does a significant drop; a baseline made on another
 model file is refused before anything runs (exit 2). The markdown comparison is printed either
 way. Cases that now pass where the baseline failed are reported with a reminder to re-baseline
@@ -32,10 +32,10 @@ from pathlib import Path
 
 import click
 
-from ds4eval import compare as cmp
-from ds4eval import compare_report
 from ds4eval.atomicfile import atomic_path
-from ds4eval.provenance import file_sha256
+from ds4eval.reports import comparison as compare_report
+from ds4eval.run.provenance import file_sha256
+from ds4eval.verdict import compare as cmp
 from engine import kernels
 
 BASELINE = Path(__file__).resolve().parent / "sanity_baseline.trace"

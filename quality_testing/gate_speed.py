@@ -15,7 +15,7 @@
    printed with every measurement; the gate fails (exit 1) when a ratio is below
    1 - threshold. Absolute speeds are shown but never judged: on a shared machine only
    same-run ratios mean anything.
-5. The product paths: `ds4-bench product` (ds4eval/bench/product.py) runs in a subprocess on
+5. The product paths: `ds4-bench product` (ds4bench/product.py) runs in a subprocess on
    the working tree and measures, interleaved in one process, the engine's raw decode, the
    ds4-eval engine backend and a ds4-server single stream (and N streams with
    `--batched-session N`); the gate prints its table and fails when a single-stream product
@@ -23,7 +23,7 @@
    speed users get, or spends more than `--product-own-max` (default 0.05) of the engine's time
    per token on its own work outside the network's decode step: a share taken within each
    measurement, so that it does not move with the host the way the rate ratio does, and that
-   catches a costlier job loop which the ratio's noise would hide (`ds4eval.bench.product`'s
+   catches a costlier job loop which the ratio's noise would hide (`ds4bench.product`'s
    `own_work_shares`; judged only where the steps are timed one per token, on the CPU). A run
    that fails either is printed and measured once more in a fresh process; the second run is
    the verdict. `--product-floor 0` leaves this step out, `--product-own-max 0` the share.
@@ -186,11 +186,11 @@ class ProductResult:
 
 def run_product(cfg: SpeedGateConfig, echo=click.echo) -> ProductResult:
     """`ds4-bench product` on the working tree, in its own process; its progress goes to stderr."""
-    from ds4eval.bench import product as pb
+    from ds4bench import product as pb
 
     with tempfile.TemporaryDirectory(prefix="ds4-gate-product-") as tmp:
         out = Path(tmp) / "product.json"
-        cmd = [sys.executable, "-m", "ds4eval.bench.cli", "product", "--json", str(out),
+        cmd = [sys.executable, "-m", "ds4bench.cli", "product", "--json", str(out),
                "--rounds", str(cfg.product_rounds), "--decode-tokens", str(cfg.product_tokens),
                "--streams", str(cfg.product_streams)] + (["--model", cfg.model] if cfg.model else [])
         echo(f"product paths: {' '.join(cmd[1:])}")

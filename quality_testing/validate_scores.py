@@ -3,12 +3,12 @@
     python -m quality_testing.validate_scores [--data-dir DIR]
 
 Checks, in order:
-  1. the extractor self-test table passes (`ds4eval.selftest.run_self_test`);
+  1. the extractor self-test table passes (`ds4eval.cases.selftest.run_self_test`);
   2. every answer kind used by any suite whose cases are available has self-test rows
-     (`ds4eval.selftest.covered_kinds`);
-  3. every case file parses without problems (`ds4eval.cases.parse_cases`), and every case
-     has a scorer: its kind is in the `ds4eval.answerkinds` registry and its key and aliases
-     parse with `ds4eval.grade.parse_key`;
+     (`ds4eval.cases.selftest.covered_kinds`);
+  3. every case file parses without problems (`ds4eval.cases.case.parse_cases`), and every case
+     has a scorer: its kind is in the `ds4eval.cases.answerkinds` registry and its key and aliases
+     parse with `ds4eval.cases.grade.parse_key`;
   4. the sanity suite's keys grade as correct when fed back as the model output, both bare
      ("B") and on an answer line ("Answer: B"), and for cases with options a wrong letter
      does not.
@@ -26,10 +26,10 @@ from typing import Mapping, Sequence
 
 import click
 
-from ds4eval import answerkinds
-from ds4eval import cases as cs
-from ds4eval import grade
-from ds4eval import selftest
+from ds4eval.cases import answerkinds
+from ds4eval.cases import case as cs
+from ds4eval.cases import grade
+from ds4eval.cases import selftest
 
 SANITY = "sanity"
 

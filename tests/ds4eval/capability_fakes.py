@@ -2,7 +2,7 @@
 or be refused, for the capability-probe tests (http.server on 127.0.0.1, no model).
 
 `FakeCapabilities(modes={"seed": "ignore", ...}, delay_s=0)`: each feature of
-`ds4eval.capabilities.FEATURES` is "support" (the default), "ignore" (accepted without effect)
+`ds4eval.run.capabilities.FEATURES` is "support" (the default), "ignore" (accepted without effect)
 or "reject" (HTTP 400); "token counts" also takes "broken" (usage whose total does not add up)
 and "seed" "constant" (the same text whatever the seed). Chat requests are answered as JSON or
 as a stream, completions as JSON. Request bodies are kept in `bodies`.

@@ -3,8 +3,8 @@ a pair of runs with flips, and repeated runs."""
 
 from __future__ import annotations
 
-from ds4eval import compare
-from ds4eval import trace as tr
+from ds4eval.run import trace as tr
+from ds4eval.verdict import compare
 
 HOSTILE = '</script><img src=x onerror="alert(1)">&amp;'
 

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from ds4eval import cli
-from ds4eval import trace as tr
+from ds4eval.run import trace as tr
 
 
 def invoke(*args, env=None):
@@ -16,7 +16,7 @@ def invoke(*args, env=None):
 def test_self_test_extractors_exit_status(monkeypatch):
     r = invoke("--self-test-extractors")
     assert r.exit_code == 0 and "extractor self-tests passed" in r.output
-    from ds4eval import selftest
+    from ds4eval.cases import selftest
 
     bad = selftest.SelfTestCase("wrong on purpose", "integer", "5", "Answer: 6", "6", True)
     monkeypatch.setattr(selftest, "SELF_TEST_CASES", selftest.SELF_TEST_CASES + (bad,))
@@ -89,7 +89,7 @@ def test_run_and_retry_incomplete_through_the_cli(tmp_path, monkeypatch):
     """A full run with a fake engine model: plain lines, report, summary, trace; then a retry."""
     from engine_fakes import FAKE_ENGINE, FakeModel
 
-    from ds4eval.backends import engine_backend
+    from ds4eval.run.backends import engine_backend
 
     answers = {"What is 2 + 3?": "Answer: 5", "What is 10 + 20?": "Answer: 30"}
 
@@ -180,7 +180,7 @@ def test_retry_incomplete_runs_cases_that_never_started(tmp_path):
 def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_path, monkeypatch):
     from engine_fakes import FAKE_ENGINE, FakeModel
 
-    from ds4eval.backends import engine_backend
+    from ds4eval.run.backends import engine_backend
 
     calls = {"n": 0}
 
@@ -224,7 +224,7 @@ def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_
 def test_greedy_repeats_report_a_non_deterministic_case(tmp_path, monkeypatch):
     from engine_fakes import FAKE_ENGINE, FakeModel
 
-    from ds4eval.backends import engine_backend
+    from ds4eval.run.backends import engine_backend
 
     calls = {"n": 0}
 

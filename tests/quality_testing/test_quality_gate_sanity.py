@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from ds4eval import cases as cs
-from ds4eval import compare as cmp
-from ds4eval import trace as tr
-from ds4eval.suites import load_suite
+from ds4eval.cases import case as cs
+from ds4eval.cases.suites import load_suite
+from ds4eval.run import trace as tr
+from ds4eval.verdict import compare as cmp
 from quality_testing import gate_quality as gq
 
 
@@ -32,7 +32,7 @@ def test_the_baseline_pins_the_current_sanity_suite():
 
 
 def test_the_baseline_was_made_on_the_embedded_model(embedded_path):
-    from ds4eval.provenance import file_sha256
+    from ds4eval.run.provenance import file_sha256
 
     assert gq.baseline_model(cmp.read_run(gq.BASELINE.read_text(encoding="utf-8"), "b")) == file_sha256(embedded_path)
 

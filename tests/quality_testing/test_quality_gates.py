@@ -69,7 +69,7 @@ def test_product_step_measures_the_working_tree(embedded_path):
                              product_tokens=12, product_streams=0)
     lines = []
     res = gs.run_product(cfg, echo=lines.append)
-    assert "ds4eval.bench.cli product" in lines[0]
+    assert "ds4bench.cli product" in lines[0]
     for path in ("engine", "ds4-eval", "server"):
         assert path in res.table
     assert res.failures == ()

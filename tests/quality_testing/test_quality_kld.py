@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ds4eval.bench.kldstats import Interval, KLDSummary
+from ds4bench.kldstats import Interval, KLDSummary
 from quality_testing import gate_kld as gk
 
 GOOD = KLDSummary(positions=2000, windows=4, kl_mean=Interval(1e-4, 8e-5, 1.2e-4), kl_median=5e-5, kl_p99=1e-3,

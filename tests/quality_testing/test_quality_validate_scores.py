@@ -5,8 +5,8 @@ import json
 import os
 from pathlib import Path
 
-from ds4eval import cases as cs
-from ds4eval import selftest
+from ds4eval.cases import case as cs
+from ds4eval.cases import selftest
 from quality_testing import validate_scores as vs
 
 

@@ -68,10 +68,10 @@ def test_a_stream_with_n_carries_every_index_and_one_usage(client, path, body):
 
 
 def test_ds4_eval_repeats_go_to_ds4_server_as_one_request_with_n():
-    from ds4eval.backends.openai_backend import OpenAIBackend
-    from ds4eval.cases import parse_case
+    from ds4eval.run.backends.openai_backend import OpenAIBackend
+    from ds4eval.cases.case import parse_case
     from ds4eval.config import EvalConfig
-    from ds4eval.runner import Runner
+    from ds4eval.run.runner import Runner
 
     cases = [parse_case({"source": "toy", "id": name, "question": f"[{name}] what?", "answer": "4",
                          "answer_kind": "integer"}) for name in ("a", "b")]

@@ -1,0 +1,341 @@
+"""One run's report, built from its trace records alone: what `ds4-eval --report` shows for a run. Pure.
+
+Contract
+- `latest_records(records) -> (records, superseded)`: the latest record of each (source, id,
+  repeat), in the order the cases first appear (retries append, and the last record counts,
+  as in `compare` and `repeats`). A record from a trace that predates statuses is graded
+  from its own output and key (`regrade`), so old traces report like new ones.
+- `build(records, label="", written="") -> RunReport`: provenance (the value most records
+  share, with a note when they differ), pass rates per source and in total with their 95%
+  interval, status counts, generated lengths, and, when any case was recorded more than once
+  (`--repeats K`), the repeat summary of `ds4eval.verdict.repeats` (classes, pass@1 with its interval,
+  pass@K, pass^K, flaky and non-deterministic cases).
+- Pass rate: passed / graded (PASSED or FAILED), the same footing as `--compare`; cases that
+  ended SKIPPED, STOPPED or ERROR are counted apart. Without repeats the interval is the
+  Wilson score interval; with repeats a case's repeats are not independent draws, so the
+  figure is pass@1 (each case's share of passing repeats, averaged over cases) with the
+  bootstrap interval over cases.
+- `render_markdown(report) -> str`: the report without per-case outputs, sized for a CI log or
+  a pull-request comment (long case lists are cut at MARKDOWN_ROWS rows, saying how many more).
+It reads no files (the CLI passes the trace's records and modification time) and does not
+render HTML (`reports.html`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from ds4eval.run.trace import TraceRecord
+from ds4eval.verdict import regrade as rg
+from ds4eval.verdict import repeats as rp
+from ds4eval.verdict import stats
+
+GRADED = ("PASSED", "FAILED")
+STATUSES = ("PASSED", "FAILED", "SKIPPED", "STOPPED", "ERROR")
+MARKDOWN_ROWS = 50  # rows of a case list in the markdown report before "and N more"
+
+
+def latest_records(records: Iterable[TraceRecord]) -> tuple[list[TraceRecord], int]:
+    latest: dict[tuple[str, str, int], TraceRecord] = {}
+    seen = 0
+    for r in records:
+        seen += 1
+        latest[(r.source, r.id, r.repeat)] = r  # a dict keeps the first position, takes the last value
+    out = [_with_status(r) for r in latest.values()]
+    return out, seen - len(out)
+
+
+def _with_status(r: TraceRecord) -> TraceRecord:
+    if r.status is not None:
+        return r
+    rep = rg.regrade([r])
+    if not rep.cases:
+        return dataclasses.replace(r, status="")
+    return dataclasses.replace(r, status=rep.cases[0].new_status, picked=rep.cases[0].new_picked)
+
+
+@dataclass(frozen=True)
+class SourceRate:
+    """Pass rate of one source (or of all: source "TOTAL")."""
+
+    source: str
+    cases: int        # distinct cases
+    records: int      # records: cases x repeats
+    passed: int       # passing records
+    graded: int       # graded records (PASSED or FAILED)
+    no_answer: int    # failed records that found no answer at all
+    rate: float | None  # passed / graded, or pass@1 with repeats; None when nothing was graded
+    low: float | None
+    high: float | None
+
+    @property
+    def ungraded(self) -> int:
+        return self.records - self.graded
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    count: int
+    total: int
+    mean: float
+    median: float
+    p90: float
+    max: int
+    at_budget: int  # records that generated their whole budget (max_tokens)
+
+
+@dataclass(frozen=True)
+class RunReport:
+    label: str
+    written: str                   # when the trace was last written, if known
+    records: tuple[TraceRecord, ...]  # the latest record of each case and repeat
+    superseded: int                # earlier records of the same case and repeat (retries)
+    provenance: tuple[tuple[str, str], ...]
+    sources: tuple[SourceRate, ...]
+    total: SourceRate
+    statuses: dict[str, int]       # status -> records
+    think_close: dict[str, int]    # think_close -> records, for records that thought
+    lengths: LengthStats
+    repeats: rp.RepeatSummary | None  # None unless some case was recorded more than once
+
+    @property
+    def repeated(self) -> bool:
+        return self.repeats is not None
+
+    def method(self) -> str:
+        if self.repeated:
+            return (f"pass@1: each case's share of passing repeats, averaged over cases; 95% CI: bootstrap "
+                    f"over cases, {stats.BOOTSTRAP_RESAMPLES:,} resamples, seed {stats.BOOTSTRAP_SEED}; "
+                    f"passed and graded count repeats")
+        return "pass rate = passed / graded; 95% CI: Wilson score interval"
+
+    def headline(self) -> str:
+        t = self.total
+        if t.rate is None:
+            return f"no case was graded ({t.records} recorded)"
+        what = "pass@1" if self.repeated else f"passed {t.passed} of {t.graded} graded"
+        line = f"{what}: {pct(t.rate)} (95% CI {pct(t.low)}–{pct(t.high)})"
+        if t.ungraded:
+            line += f"; {t.ungraded} not graded"
+        return line
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+# ---------------------------------------------------------------- building
+
+def common(values: Sequence[str]) -> str:
+    """The value most records share ("-" for empty), noting how many others there are."""
+    if not values:
+        return "-"
+    counts = Counter(values)
+    value, n = counts.most_common(1)[0]
+    shown = value or "-"
+    return shown if n == len(values) else f"{shown} (+{len(counts) - 1} other value(s))"
+
+
+def _sampling(r: TraceRecord) -> str:
+    if not r.temperature:
+        return "greedy"
+    return f"temperature {r.temperature:g}, top-p {r.top_p:g}, min-p {r.min_p:g}"
+
+
+def _seeds(records: Sequence[TraceRecord]) -> str:
+    seeds = sorted({r.seed for r in records if r.seed is not None})
+    if not seeds:
+        return ""
+    return str(seeds[0]) if len(seeds) == 1 else f"{seeds[0]}..{seeds[-1]} ({len(seeds)} values)"
+
+
+def _version(r: TraceRecord) -> str:
+    if not r.git_commit:
+        return r.ds4eval_version
+    dirty = "+dirty" if r.git_commit.endswith("+dirty") else ""
+    return f"{r.ds4eval_version} @ {r.git_commit[:12]}{dirty}"
+
+
+# (row name, value of one record); rows whose value is empty in every record are left out.
+_PROVENANCE = (
+    ("suite", lambda r: r.suite),
+    ("model", lambda r: r.model),
+    ("model sha256", lambda r: r.model_sha256),
+    ("backend", lambda r: r.backend),
+    ("endpoint", lambda r: r.endpoint),
+    ("served model", lambda r: r.served_model),
+    ("device", lambda r: r.device),
+    ("kv cache", lambda r: r.kv_type),
+    ("sampling", _sampling),
+    ("thinking", lambda r: "yes" if r.thinking else "no"),
+    ("budget (max tokens)", lambda r: str(r.max_tokens or "")),
+    ("ds4eval", _version),
+    ("extractor", lambda r: r.extractor_version),
+    ("chat template sha256", lambda r: r.chat_template_sha256),
+    ("BOS/EOS", lambda r: r.bos_eos),
+)
+
+
+def _provenance(records: Sequence[TraceRecord], written: str, k: int) -> tuple[tuple[str, str], ...]:
+    rows = []
+    for name, value in _PROVENANCE:
+        values = [value(r) for r in records]
+        if any(values):
+            rows.append((name, common(values)))
+    seeds = _seeds(records)
+    if seeds:
+        rows.append(("seed", seeds))
+    if k > 1:
+        rows.append(("repeats", str(k)))
+    if written:
+        rows.append(("trace written", written))
+    return tuple(rows)
+
+
+def _rate(source: str, records: Sequence[TraceRecord], cases: Sequence[rp.CaseRepeats] | None) -> SourceRate:
+    graded = [r for r in records if r.status in GRADED]
+    passed = sum(r.status == "PASSED" for r in graded)
+    no_answer = sum(r.status == "FAILED" and not r.picked for r in graded)
+    ncases = len({(r.source, r.id) for r in records})
+    rate = low = high = None
+    if cases is not None:
+        rates = [c.rate for c in cases if c.graded]
+        if rates:
+            iv = stats.bootstrap_mean(rates)
+            rate, low, high = iv.mean, iv.low, iv.high
+    elif graded:
+        iv = stats.wilson(passed, len(graded))
+        rate, low, high = iv.rate, iv.low, iv.high
+    return SourceRate(source, ncases, len(records), passed, len(graded), no_answer, rate, low, high)
+
+
+def _lengths(records: Sequence[TraceRecord]) -> LengthStats:
+    values = [r.gen_tokens for r in records]
+    if not values:
+        return LengthStats(0, 0, 0.0, 0.0, 0.0, 0, 0)
+    ordered = sorted(values)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return LengthStats(len(values), sum(values), statistics.fmean(values), statistics.median(values), float(p90),
+                       ordered[-1], sum(1 for r in records if r.max_tokens and r.gen_tokens >= r.max_tokens))
+
+
+def build(records: Iterable[TraceRecord], label: str = "", written: str = "") -> RunReport:
+    recs, superseded = latest_records(records)
+    by_case = rp.group(recs)
+    k = max((c.repeats for c in by_case), default=0)
+    summary = rp.summarize(by_case) if k > 1 else None
+    by_source: dict[str, list[TraceRecord]] = {}
+    for r in recs:
+        by_source.setdefault(r.source, []).append(r)
+    cases_of: dict[str, list[rp.CaseRepeats]] = {}
+    for c in by_case:
+        cases_of.setdefault(c.source, []).append(c)
+    sources = tuple(_rate(s, rs, cases_of[s] if summary else None) for s, rs in by_source.items())
+    total = _rate("TOTAL", recs, by_case if summary else None)
+    statuses = Counter(r.status or "?" for r in recs)
+    think = Counter(r.think_close for r in recs if r.think_close != "none")
+    return RunReport(label=label, written=written, records=tuple(recs), superseded=superseded,
+                     provenance=_provenance(recs, written, k), sources=sources, total=total,
+                     statuses={s: statuses[s] for s in (*STATUSES, *sorted(set(statuses) - set(STATUSES)))
+                               if statuses[s]},
+                     think_close=dict(think), lengths=_lengths(recs), repeats=summary)
+
+
+# ---------------------------------------------------------------- shared row builders (markdown and HTML)
+
+def rate_rows(report: RunReport) -> list[dict]:
+    shown = list(report.sources) if len(report.sources) > 1 else []
+    rows = []
+    for s in shown + [report.total]:
+        rows.append({"source": s.source, "cases": s.cases, **({"records": s.records} if report.repeated else {}),
+                     "passed": s.passed, "graded": s.graded, "not graded": s.ungraded, "no answer": s.no_answer,
+                     "pass@1" if report.repeated else "pass rate": pct(s.rate),
+                     "95% CI": "-" if s.rate is None else f"[{pct(s.low)}, {pct(s.high)}]"})
+    return rows
+
+
+def length_row(report: RunReport) -> dict:
+    n = report.lengths
+    return {"records": n.count, "total": n.total, "mean": f"{n.mean:.1f}", "median": f"{n.median:g}",
+            "90th percentile": f"{n.p90:g}", "max": n.max, "used the whole budget": n.at_budget}
+
+
+def repeat_line(s: rp.RepeatSummary) -> str:
+    counts = ", ".join(f"{name} {s.counts[name]}" for name in rp.CLASSES)
+    parts = [counts]
+    if s.pass_at_1 is not None:
+        p = s.pass_at_1
+        parts.append(f"pass@1 {pct(p.mean)} (95% CI {pct(p.low)}–{pct(p.high)})")
+    if s.pass_at_k is not None:
+        parts.append(f"pass@{s.repeats} {pct(s.pass_at_k)}, pass^{s.repeats} {pct(s.pass_hat_k)} "
+                     f"over the {s.full_cases} case(s) graded {s.repeats} times")
+    return "; ".join(parts)
+
+
+_LETTER = {"PASSED": "P", "FAILED": "F"}
+
+
+def flaky_rows(s: rp.RepeatSummary) -> list[dict]:
+    return [{"case": c.name, "passed": f"{c.passed}/{c.graded}", "repeats": c.repeats,
+             "pass rate": pct(c.rate), "statuses": " ".join(_LETTER.get(r.status or "", "-") for r in c.records)}
+            for c in s.flaky()]
+
+
+def nondeterministic_rows(s: rp.RepeatSummary) -> list[dict]:
+    rows = []
+    for c in s.nondeterministic:
+        d = c.difference
+        rows.append({"case": c.name, "repeat": d.repeat, "token": d.token, "char": d.char,
+                     "repeat 0 from there": d.base_text, f"repeat {d.repeat} from there": d.other_text})
+    return rows
+
+
+# ---------------------------------------------------------------- markdown
+
+def _cell(value: object) -> str:
+    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r", "\\r").replace("\n", "\\n")
+    return text.replace("`", "\\`")
+
+
+def markdown_table(rows: Sequence[dict], limit: int | None = None) -> list[str]:
+    """A pipe table of dict rows (every cell escaped), cut at `limit` rows with a note."""
+    if not rows:
+        return []
+    heads = list(rows[0])
+    shown = rows if limit is None else rows[:limit]
+    lines = ["| " + " | ".join(_cell(h) for h in heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(_cell(row.get(h, "")) for h in heads) + " |" for row in shown]
+    if len(rows) > len(shown):
+        lines += ["", f"... and {len(rows) - len(shown)} more"]
+    return lines
+
+
+def render_markdown(report: RunReport) -> str:
+    title = f"## ds4-eval report: `{report.label}`" if report.label else "## ds4-eval report"
+    lines = [title, "", f"**{report.headline()}**", "", "### Run", ""]
+    lines += markdown_table([{"field": k, "value": v} for k, v in report.provenance])
+    lines += ["", "### Pass rates", ""]
+    lines += markdown_table(rate_rows(report))
+    lines += ["", report.method(), "",
+              "statuses: " + ", ".join(f"{s} {n}" for s, n in report.statuses.items())
+              + (f"; {report.superseded} earlier record(s) superseded by retries" if report.superseded else "")]
+    lines += ["", "### Generated tokens", ""]
+    lines += markdown_table([length_row(report)])
+    if report.think_close:
+        lines += ["", "thinking closed: " + ", ".join(f"{k} {v}" for k, v in sorted(report.think_close.items()))]
+    if report.repeats is not None:
+        s = report.repeats
+        lines += ["", f"### Repeats (K = {s.repeats})", "", repeat_line(s)]
+        flaky = flaky_rows(s)
+        if flaky:
+            lines += ["", "Flaky cases (statuses by repeat: P passed, F failed, - not graded):", ""]
+            lines += markdown_table(flaky, MARKDOWN_ROWS)
+        nondet = nondeterministic_rows(s)
+        if nondet:
+            lines += ["", "Greedy cases whose repeats differ (first differing token):", ""]
+            lines += markdown_table(nondet, MARKDOWN_ROWS)
+    return "\n".join(lines) + "\n"

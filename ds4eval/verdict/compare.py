@@ -1,0 +1,770 @@
+"""Comparing two runs case by case: the regression verdict behind `ds4-eval --compare BASE NEW`.
+
+Contract
+- `read_run(text, label) -> Run` reads a trace (`traces/README.md`) or a JSON summary that
+  holds per-case verdicts (`report.build_summary`); anything else raises `CompareInputError`
+  with a one-line message. A case recorded more than once (retries append) counts by its last
+  record. Traces from before statuses were recorded are graded from their own outputs and keys.
+- `compare(base, new, alpha=, strict=, allow=) -> Comparison` is pure. Cases are matched by
+  (source, id) and must carry the same content hash (else, in older traces, the same answer
+  key). A matched case stays out of the verdict, with a warning, when it is graded on one side
+  only, its pin differs, or, unless `allow` names the difference as the change under test, it
+  ran on a different model (model file SHA-256, else model name), with a different prompt (the
+  rendered prompt's token hash, else the prompt texts), or with different sampling settings
+  (greedy runs compare as greedy whatever their top-p, min-p and seed). Cases present on one
+  side only are warned about too. Other differences in provenance (KV cache type, budget,
+  backend, extractor or ds4eval version...) are listed as notes: they are what the comparison
+  is usually about.
+- On the comparable cases: passed/graded per source and in total, the paired bootstrap
+  interval of the pass-rate delta and the exact McNemar test (`stats`), every flip (a flip to
+  "no answer found" counted apart from a wrong answer), token/time/tokens-per-second deltas and
+  the largest changes in generated length. When prompt hashes differ, `render_diffs` locate the
+  first differing token and keep a few tokens of text around it on both sides.
+- Verdict, on all comparable cases together: exit status 1 for a significant regression
+  (McNemar exact p < alpha with more pass->fail than fail->pass flips) or, with `strict`, any
+  pass->fail flip or lost pass (a case that passed in BASE and has no verdict in NEW, or is
+  missing from it); else 0. Nothing comparable at all raises `CompareInputError` (the CLI's
+  exit status 2).
+- Repeated runs (`--repeats K`, either side): each case's first repeat stands for it in the
+  provenance checks and the repeat-0 tables, and the verdict moves to the pass counts
+  (`RepeatComparison`): a sign test over cases (how many passed less often against more often;
+  with one repeat a side it is McNemar's test) decides a significant regression, each case gets
+  Fisher's exact test on its k/K counts, and `--strict` fails on any significant per-case drop.
+  A case flaky on BASE that passes less often on NEW without a significant drop is listed apart,
+  not counted as a regression; cases that became or stopped being flaky are listed too.
+- `collector_paused()`: a context that pauses Python's cyclic garbage collector (reading and
+  pairing build about a million acyclic objects for two 10,000-case traces); `read_run` and
+  `compare` use it, and so does the CLI around the whole command.
+It reads no files and prints nothing: `reports.comparison` renders a Comparison.
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import json
+from contextlib import contextmanager
+from collections import Counter
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Iterable, Sequence
+
+import pandas as pd
+
+from ds4eval.config import ALLOWED_DIFFS
+from ds4eval.run.provenance import split_tokens
+from ds4eval.run.trace import TraceRecord, parse_trace
+from ds4eval.verdict import regrade
+from ds4eval.verdict import repeats
+from ds4eval.verdict import stats
+
+GRADED = ("PASSED", "FAILED")
+# Provenance and settings whose differences are reported as notes, never excluded.
+NOTE_FIELDS = ("backend", "endpoint", "served_model", "device", "kv_type", "max_tokens", "tokens", "thinking",
+               "chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
+CONTEXT_TOKENS = 4  # tokens of text shown on each side of a render difference
+LISTED_CASES = 8  # case names listed in one warning before "and N more"
+
+
+class CompareInputError(ValueError):
+    """The input cannot be compared; the message is one line."""
+
+
+# ---------------------------------------------------------------- one side
+
+@dataclass(slots=True)
+class CaseRun:
+    """One case as one run recorded it (not frozen: a frozen dataclass is several times slower
+    to build, and a comparison builds one per case and side)."""
+
+    source: str
+    id: str
+    status: str  # PASSED, FAILED, SKIPPED, STOPPED, ERROR, or "" when unknown
+    picked: str | None
+    expected: str
+    key: tuple  # the answer key as the run saw it (kind, expected, aliases, options): the pin of old traces
+    case_hash: str
+    model: str
+    model_sha256: str
+    sampling: tuple
+    prompt_sha256: str
+    prompt_text: str  # system and question prompt; "" when the run did not record them
+    rendered_prompt: str  # the prompt the model saw and where each of its tokens ends ("" if unknown)
+    rendered_token_ends: str
+    prompt_tokens: int
+    gen_tokens: int
+    elapsed_s: float
+    settings: tuple[str, ...]  # one value per NOTE_FIELDS entry, "" when unknown
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}/{self.id}"
+
+    @property
+    def graded(self) -> bool:
+        return self.status in GRADED
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "PASSED"
+
+    @property
+    def no_answer(self) -> bool:
+        return not self.picked
+
+    def setting(self, name: str) -> str:
+        return self.settings[NOTE_FIELDS.index(name)]
+
+    def prompt_tokens_text(self) -> list[str]:
+        return split_tokens(self.rendered_prompt, self.rendered_token_ends)
+
+
+@dataclass
+class Run:
+    label: str
+    kind: str  # "trace" or "summary"
+    cases: dict[tuple[str, str], CaseRun]
+    repeated: int = 0  # cases recorded more than once (the last record counts)
+    problems: list[str] = field(default_factory=list)
+    suite: str = ""
+    repeats: int = 1  # --repeats K of the run: the most repeats any case has
+    tallies: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # case -> (passed, graded repeats)
+
+
+def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | None) -> tuple:
+    """Settings that change what a sampler draws; greedy decoding ignores all but temperature."""
+    if not temperature:
+        return ("greedy",)
+    return ("sampled", float(temperature), float(top_p), float(min_p), seed)
+
+
+# A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between).
+_RUN_SETTINGS = attrgetter("backend", "endpoint", "served_model", "device", "kv_type")
+_RUN_PROVENANCE = attrgetter("chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
+
+
+def _record_case(r: TraceRecord) -> CaseRun:
+    status, picked = r.status or "", r.picked
+    if r.status is None:  # a trace from before statuses: grade it from its own output and key
+        rep = regrade.regrade([r])
+        if rep.cases:
+            status, picked = rep.cases[0].new_status, rep.cases[0].new_picked
+    settings = (*_RUN_SETTINGS(r), str(r.max_tokens or ""), "", "yes" if r.thinking else "no", *_RUN_PROVENANCE(r))
+    return CaseRun(
+        source=r.source, id=r.id, status=status, picked=picked, expected=r.expected,
+        key=(r.answer_kind, r.expected, tuple(r.aliases), r.nchoices),
+        case_hash=r.case_hash, model=r.model, model_sha256=r.model_sha256,
+        sampling=sampling_key(r.temperature, r.top_p, r.min_p, r.seed), prompt_sha256=r.prompt_sha256,
+        prompt_text=r.system_prompt + "\n" + r.question_prompt if (r.system_prompt or r.question_prompt) else "",
+        rendered_prompt=r.rendered_prompt, rendered_token_ends=r.rendered_token_ends,
+        prompt_tokens=r.prompt_tokens, gen_tokens=r.gen_tokens,
+        elapsed_s=r.elapsed_s, settings=settings)
+
+
+def _summary_cases(obj: dict, label: str) -> list[CaseRun]:
+    rows = obj.get("cases")
+    if not isinstance(rows, list) or not rows:
+        raise CompareInputError(f"{label}: the summary holds no per-case verdicts")
+    prov = obj.get("provenance") if isinstance(obj.get("provenance"), dict) else {}
+    st = obj.get("settings") if isinstance(obj.get("settings"), dict) else {}
+    try:
+        sampling = sampling_key(float(st.get("temperature") or 0.0), float(st.get("top_p", 1.0)),
+                                float(st.get("min_p") or 0.0), st.get("seed"))
+    except (TypeError, ValueError):
+        raise CompareInputError(f"{label}: the summary's sampling settings are not numbers") from None
+    values = {k: str(prov.get(k) or "") for k in NOTE_FIELDS if k in prov}
+    values.update(backend=str(obj.get("backend") or ""), tokens=str(st.get("tokens") or ""),
+                  thinking={True: "yes", False: "no"}.get(st.get("think"), ""))
+    settings = tuple(values.get(k, "") for k in NOTE_FIELDS)
+    out = []
+    for i, c in enumerate(rows):
+        if not isinstance(c, dict) or not isinstance(c.get("source"), str) or not isinstance(c.get("id"), str) \
+                or not isinstance(c.get("status"), str):
+            raise CompareInputError(f"{label}: summary case {i + 1} lacks source, id or status")
+        try:
+            out.append(CaseRun(
+                source=c["source"], id=c["id"], status=c["status"], picked=c.get("picked"),
+                expected=str(c.get("expected") or ""), key=(str(c.get("expected") or ""),),
+                case_hash=str(c.get("case_hash") or ""), model=str(obj.get("model") or ""),
+                model_sha256=str(prov.get("model_sha256") or ""), sampling=sampling,
+                prompt_sha256=str(c.get("prompt_sha256") or ""), prompt_text="", rendered_prompt="",
+                rendered_token_ends="",
+                prompt_tokens=int(c.get("prompt_tokens") or 0), gen_tokens=int(c.get("gen_tokens") or 0),
+                elapsed_s=float(c.get("elapsed_s") or 0.0), settings=settings))
+        except (TypeError, ValueError):
+            raise CompareInputError(f"{label}: summary case {i + 1} has a count that is not a number") from None
+    return out
+
+
+@contextmanager
+def collector_paused():
+    """Reading a trace and pairing its cases build tens of thousands of objects in a burst, none
+    of them in a reference cycle; the cyclic collector would scan them over and over as they pile
+    up (a fifth of the time of comparing two 10,000-case traces). Restored on the way out."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def read_run(text: str, label: str) -> Run:
+    """A trace or a JSON summary (see the module docstring)."""
+    with collector_paused():
+        return _read_run(text, label)
+
+
+def _read_run(text: str, label: str) -> Run:
+    if text.lstrip().startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CompareInputError(f"{label}: not a ds4-eval summary (invalid JSON: {e.msg})") from None
+        if not isinstance(obj, dict) or obj.get("format") != "ds4eval-summary":
+            raise CompareInputError(f"{label}: JSON that is not a ds4-eval summary")
+        found, kind, problems, suite = _summary_cases(obj, label), "summary", [], str(obj.get("suite") or "")
+    else:
+        parsed = parse_trace(text)
+        if not parsed.records:
+            why = f" ({parsed.problems[0]})" if parsed.problems else " (no case blocks)"
+            raise CompareInputError(f"{label}: not a ds4-eval trace{why}")
+        if any(r.repeat for r in parsed.records):
+            return _repeated_run(parsed.records, label, list(parsed.problems))
+        found, kind, problems = [_record_case(r) for r in parsed.records], "trace", list(parsed.problems)
+        suite = parsed.records[-1].suite
+    cases: dict[tuple[str, str], CaseRun] = {}
+    for c in found:
+        cases[(c.source, c.id)] = c
+    return Run(label, kind, cases, repeated=len(found) - len(cases), problems=problems, suite=suite)
+
+
+def _repeated_run(records: list[TraceRecord], label: str, problems: list[str]) -> Run:
+    """A trace of --repeats K: each case's first repeat stands for it in the per-record tables
+    (provenance, flips of repeat 0), and its pass count over all repeats goes to `tallies`."""
+    grouped = repeats.group(records)
+    cases, tallies = {}, {}
+    for g in grouped:
+        first = _record_case(g.records[0])
+        cases[(g.source, g.id)] = first
+        tallies[(g.source, g.id)] = (g.passed, g.graded)
+    kept = sum(len(g.records) for g in grouped)
+    return Run(label, "trace", cases, repeated=len(records) - kept, problems=problems, suite=records[-1].suite,
+               repeats=max(g.repeats for g in grouped), tallies=tallies)
+
+
+# ---------------------------------------------------------------- the comparison
+
+@dataclass(frozen=True)
+class Flip:
+    source: str
+    id: str
+    direction: str  # "pass->fail" or "fail->pass"
+    base_picked: str | None
+    new_picked: str | None
+    base_expected: str
+    new_expected: str
+    no_answer: bool  # the failing side found no answer
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}/{self.id}"
+
+
+@dataclass(frozen=True)
+class SourceStats:
+    """Comparable cases of one source (or of all: source "TOTAL")."""
+
+    source: str
+    cases: int
+    base_passed: int
+    new_passed: int
+    pass_fail: int
+    fail_pass: int
+    pass_fail_no_answer: int  # pass->fail flips where NEW found no answer
+    fail_pass_no_answer: int  # fail->pass flips where BASE had found no answer
+    base_no_answer: int
+    new_no_answer: int
+    interval: stats.Interval
+    test: stats.McNemar
+    base_gen_tokens: int
+    new_gen_tokens: int
+    base_gen_s: float
+    new_gen_s: float
+    base_prompt_tokens: int
+    new_prompt_tokens: int
+
+    @property
+    def base_rate(self) -> float:
+        return self.base_passed / self.cases
+
+    @property
+    def new_rate(self) -> float:
+        return self.new_passed / self.cases
+
+    @property
+    def delta(self) -> float:
+        return self.interval.delta
+
+    @property
+    def base_tok_s(self) -> float:
+        return self.base_gen_tokens / self.base_gen_s if self.base_gen_s > 0 else 0.0
+
+    @property
+    def new_tok_s(self) -> float:
+        return self.new_gen_tokens / self.new_gen_s if self.new_gen_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LengthChange:
+    source: str
+    id: str
+    base_gen_tokens: int
+    new_gen_tokens: int
+    base_status: str
+    new_status: str
+
+    @property
+    def delta(self) -> int:
+        return self.new_gen_tokens - self.base_gen_tokens
+
+
+@dataclass(frozen=True)
+class Issue:
+    """A warning: cases that are out of the verdict, or something that weakens it."""
+
+    kind: str  # only_base, only_new, pin, model, prompt, sampling, ungraded, repeated, trace, provenance
+    message: str
+    cases: tuple[str, ...] = ()
+    excluded: bool = True
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A setting or provenance field that differs between matched cases (a note)."""
+
+    field: str
+    base: str
+    new: str
+    cases: int
+
+
+@dataclass(frozen=True)
+class RenderDiff:
+    """Where the rendered prompts of one or more cases first differ."""
+
+    cases: tuple[str, ...]
+    position: int | None  # first differing token; None when the token texts cannot show it
+    base_tokens: int
+    new_tokens: int
+    context_start: int
+    base_context: tuple[str, ...]
+    new_context: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class RepeatCase:
+    """One comparable case's pass counts over its repeats on both sides."""
+
+    source: str
+    id: str
+    base_passed: int
+    base_graded: int
+    new_passed: int
+    new_graded: int
+    p_drop: float  # Fisher's exact test, one-sided: NEW's pass share is lower than BASE's
+    p_rise: float  # ... higher
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}/{self.id}"
+
+    @property
+    def base_rate(self) -> float:
+        return self.base_passed / self.base_graded if self.base_graded else 0.0
+
+    @property
+    def new_rate(self) -> float:
+        return self.new_passed / self.new_graded if self.new_graded else 0.0
+
+    @property
+    def base_class(self) -> str:
+        return repeats.klass(self.base_passed, self.base_graded)
+
+    @property
+    def new_class(self) -> str:
+        return repeats.klass(self.new_passed, self.new_graded)
+
+    @property
+    def p(self) -> float:
+        """Fisher's one-sided p in the direction the pass share moved (the smaller of the two:
+        the test against the move seen is never the smaller one); with no move, still the smaller."""
+        return min(self.p_drop, self.p_rise)
+
+
+@dataclass(frozen=True)
+class RepeatComparison:
+    """The verdict's basis when either run has repeats: every comparable case's k of K."""
+
+    base_repeats: int
+    new_repeats: int
+    cases: tuple[RepeatCase, ...]
+    base_pass_at_1: float  # mean over cases of the share of passing repeats
+    new_pass_at_1: float
+    interval: stats.MeanInterval  # bootstrap interval of the mean per-case change (NEW - BASE)
+    test: stats.McNemar  # sign test: b = cases whose share fell, c = cases whose share rose
+    drops: tuple[RepeatCase, ...]          # significant per-case drops (Fisher p_drop < alpha)
+    rises: tuple[RepeatCase, ...]          # significant per-case rises
+    flaky_drops: tuple[RepeatCase, ...]    # flaky on BASE, lower on NEW, not significantly
+    became_flaky: tuple[RepeatCase, ...]   # stable on BASE, flaky on NEW
+    stopped_flaky: tuple[RepeatCase, ...]  # flaky on BASE, stable on NEW
+
+    def change(self, r: RepeatCase) -> str:
+        """What happened to case `r`, in words: "regressed" / "improved" (a significant drop or
+        rise), "became flaky" / "stopped being flaky", "lower" / "higher" (a move that is
+        neither), joined by ", " when several hold; "" when its pass share did not move."""
+        words = ["regressed"] if r in self.drops else ["improved"] if r in self.rises else []
+        if r in self.became_flaky:
+            words.append("became flaky")
+        elif r in self.stopped_flaky:
+            words.append("stopped being flaky")
+        if not words and r.new_rate != r.base_rate:
+            words.append("lower" if r.new_rate < r.base_rate else "higher")
+        return ", ".join(words)
+
+    def ranked(self) -> list[RepeatCase]:
+        """Every case, the smallest Fisher p first (ties: the larger move, then by name)."""
+        return sorted(self.cases, key=lambda r: (r.p, -abs(r.new_rate - r.base_rate), r.name))
+
+
+def _repeat_comparison(comparable: list[tuple[CaseRun, CaseRun]], base: Run, new: Run, alpha: float,
+                       resamples: int, seed: int) -> RepeatComparison:
+    rows = []
+    for b, n in comparable:
+        bp, bg = base.tallies.get((b.source, b.id), (int(b.passed), int(b.graded)))
+        np_, ng = new.tallies.get((n.source, n.id), (int(n.passed), int(n.graded)))
+        f = stats.fisher_exact(bp, bg - bp, np_, ng - np_)
+        rows.append(RepeatCase(b.source, b.id, bp, bg, np_, ng, p_drop=f.p_greater, p_rise=f.p_less))
+    deltas = [r.new_rate - r.base_rate for r in rows]
+    down = sum(d < 0 for d in deltas)
+    up = sum(d > 0 for d in deltas)
+    drops = tuple(r for r in rows if r.new_rate < r.base_rate and r.p_drop < alpha)
+    return RepeatComparison(
+        base_repeats=base.repeats, new_repeats=new.repeats, cases=tuple(rows),
+        base_pass_at_1=sum(r.base_rate for r in rows) / len(rows),
+        new_pass_at_1=sum(r.new_rate for r in rows) / len(rows),
+        interval=stats.bootstrap_mean(deltas, resamples=resamples, seed=seed), test=stats.mcnemar(down, up),
+        drops=drops, rises=tuple(r for r in rows if r.new_rate > r.base_rate and r.p_rise < alpha),
+        flaky_drops=tuple(r for r in rows if r.base_class == "flaky" and r.new_rate < r.base_rate
+                          and r not in drops),
+        became_flaky=tuple(r for r in rows if r.base_class in ("stable pass", "stable fail")
+                           and r.new_class == "flaky"),
+        stopped_flaky=tuple(r for r in rows if r.base_class == "flaky"
+                            and r.new_class in ("stable pass", "stable fail")))
+
+
+@dataclass
+class Comparison:
+    base: Run
+    new: Run
+    alpha: float
+    strict: bool
+    allowed: tuple[str, ...]
+    cases: pd.DataFrame  # one row per matched case: both sides and why it is excluded, if it is
+    sources: list[SourceStats]
+    total: SourceStats
+    flips: list[Flip]
+    lost_passes: list[str]
+    length_changes: list[LengthChange]
+    issues: list[Issue]
+    differences: list[Difference]
+    render_diffs: list[RenderDiff]
+    regression: bool
+    exit_status: int
+    verdict: str
+    repeats: RepeatComparison | None = None  # set when either run has --repeats K > 1
+
+
+def _names(keys: Iterable[tuple[str, str]]) -> tuple[str, ...]:
+    return tuple(f"{s}/{i}" for s, i in keys)
+
+
+def _listing(names: Sequence[str]) -> str:
+    shown = ", ".join(names[:LISTED_CASES])
+    return shown + (f" and {len(names) - LISTED_CASES} more" if len(names) > LISTED_CASES else "")
+
+
+def _exclusions(b: CaseRun, n: CaseRun) -> list[str]:
+    why = []
+    if b.case_hash and n.case_hash:
+        pin_differs = b.case_hash != n.case_hash
+    else:  # an older trace or summary: the answer keys stand in for the content hash
+        pin_differs = b.key != n.key if len(b.key) == len(n.key) else b.expected != n.expected
+    if pin_differs:
+        why.append("pin")
+    if (b.model_sha256 != n.model_sha256) if (b.model_sha256 and n.model_sha256) else (b.model != n.model):
+        why.append("model")
+    if b.prompt_sha256 and n.prompt_sha256:
+        if b.prompt_sha256 != n.prompt_sha256:
+            why.append("prompt")
+    elif b.prompt_text and n.prompt_text and b.prompt_text != n.prompt_text:
+        why.append("prompt")
+    if b.sampling != n.sampling:
+        why.append("sampling")
+    if not (b.graded and n.graded):
+        why.append("ungraded")
+    return why
+
+
+def first_difference(a: Sequence, b: Sequence) -> int | None:
+    """Index of the first differing element (the shorter length when one is a prefix); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def render_diff(b: CaseRun, n: CaseRun) -> RenderDiff:
+    """Where the prompts of one case differ: token texts when both runs recorded them, else
+    the prompt texts character by character."""
+    names = (b.name,)
+    if b.rendered_token_ends and n.rendered_token_ends:
+        bp, np_ = b.prompt_tokens_text(), n.prompt_tokens_text()
+        pos = first_difference(bp, np_)
+        if pos is None:
+            return RenderDiff(names, None, len(bp), len(np_), 0, (), (),
+                              "the token texts are equal but the token ids differ (another vocabulary?)")
+        start = max(0, pos - CONTEXT_TOKENS)
+        return RenderDiff(names, pos, len(bp), len(np_), start, tuple(bp[start:pos + CONTEXT_TOKENS + 1]),
+                          tuple(np_[start:pos + CONTEXT_TOKENS + 1]))
+    if b.prompt_text and n.prompt_text and b.prompt_text != n.prompt_text:
+        pos = first_difference(b.prompt_text, n.prompt_text)
+        start = max(0, pos - 24)
+        return RenderDiff(names, None, b.prompt_tokens, n.prompt_tokens, start,
+                          (b.prompt_text[start:pos + 24],), (n.prompt_text[start:pos + 24],),
+                          f"no token texts recorded; the prompt texts first differ at character {pos}")
+    return RenderDiff(names, None, b.prompt_tokens, n.prompt_tokens, 0, (), (),
+                      "the prompt token hashes differ; neither token texts nor prompt texts show where")
+
+
+def _group_render_diffs(diffs: list[RenderDiff]) -> list[RenderDiff]:
+    """One entry per distinct difference, listing the cases that share it (a template or BOS
+    change moves every case the same way)."""
+    groups: dict[tuple, list[RenderDiff]] = {}
+    for d in diffs:
+        groups.setdefault((d.position, d.base_context, d.new_context, d.note), []).append(d)
+    out = []
+    for ds in groups.values():
+        d = ds[0]
+        out.append(RenderDiff(tuple(x.cases[0] for x in ds), d.position, d.base_tokens, d.new_tokens,
+                              d.context_start, d.base_context, d.new_context, d.note))
+    return sorted(out, key=lambda d: -len(d.cases))
+
+
+def _source_stats(source: str, rows: pd.DataFrame, resamples: int, seed: int) -> SourceStats:
+    bp, np_ = rows["base_pass"].to_numpy(), rows["new_pass"].to_numpy()
+    pf, fp = int((bp & ~np_).sum()), int((~bp & np_).sum())
+    return SourceStats(
+        source=source, cases=len(rows), base_passed=int(bp.sum()), new_passed=int(np_.sum()),
+        pass_fail=pf, fail_pass=fp,
+        pass_fail_no_answer=int((bp & ~np_ & rows["new_no_answer"].to_numpy()).sum()),
+        fail_pass_no_answer=int((~bp & np_ & rows["base_no_answer"].to_numpy()).sum()),
+        base_no_answer=int((~bp & rows["base_no_answer"].to_numpy()).sum()),
+        new_no_answer=int((~np_ & rows["new_no_answer"].to_numpy()).sum()),
+        interval=stats.paired_bootstrap(bp, np_, resamples=resamples, seed=seed),
+        test=stats.mcnemar(pf, fp),
+        base_gen_tokens=int(rows["base_gen_tokens"].sum()), new_gen_tokens=int(rows["new_gen_tokens"].sum()),
+        base_gen_s=float(rows["base_gen_s"].sum()), new_gen_s=float(rows["new_gen_s"].sum()),
+        base_prompt_tokens=int(rows["base_prompt_tokens"].sum()),
+        new_prompt_tokens=int(rows["new_prompt_tokens"].sum()))
+
+
+_ISSUE_TEXT = {
+    "pin": "content hash differs (the question or its key changed)",
+    "model": "ran on different models",
+    "prompt": "rendered prompts differ",
+    "sampling": "sampling settings differ",
+    "ungraded": "not graded on both sides (SKIPPED, STOPPED or ERROR)",
+}
+
+
+def _model_label(c: CaseRun) -> str:
+    return f"{c.model} ({c.model_sha256[:12]})" if c.model_sha256 else (c.model or "?")
+
+
+def _sampling_label(key: tuple) -> str:
+    if key == ("greedy",):
+        return "greedy"
+    _, t, p, m, s = key
+    return f"temp {t:g}, top-p {p:g}, min-p {m:g}, seed {'-' if s is None else s}"
+
+
+def _pair_issue(kind: str, pairs: list[tuple[CaseRun, CaseRun]], allowed: bool) -> Issue:
+    names = tuple(b.name for b, _ in pairs)
+    text = f"{len(names)} case(s): {_ISSUE_TEXT[kind]}"
+    b, n = pairs[0]
+    if kind == "model":
+        text += f": BASE {_model_label(b)}, NEW {_model_label(n)}"
+    elif kind == "sampling":
+        text += f": BASE {_sampling_label(b.sampling)}, NEW {_sampling_label(n.sampling)}"
+    elif kind == "ungraded":
+        text += " (" + ", ".join(f"{b.name} {b.status or '?'} -> {n.status or '?'}"
+                                 for b, n in pairs[:LISTED_CASES]) + ")"
+    if kind != "ungraded":
+        text += f" [{_listing(names)}]"
+    if allowed:
+        text += f"; kept in the verdict (--allow-diff {kind})"
+    elif kind in ALLOWED_DIFFS:
+        text += f"; excluded (--allow-diff {kind} keeps them if this is the change under test)"
+    else:
+        text += "; excluded"
+    return Issue(kind, text, names, excluded=not allowed)
+
+
+def _differences(pairs: list[tuple[CaseRun, CaseRun]]) -> list[Difference]:
+    seen: Counter = Counter()
+    for b, n in pairs:
+        if b.settings == n.settings:
+            continue
+        for k, bv, nv in zip(NOTE_FIELDS, b.settings, n.settings):
+            if bv and nv and bv != nv:
+                seen[(k, bv, nv)] += 1
+    return [Difference(k, bv, nv, count) for (k, bv, nv), count in
+            sorted(seen.items(), key=lambda kv: (NOTE_FIELDS.index(kv[0][0]), -kv[1]))]
+
+
+def _provenance_gap(run: Run) -> bool:
+    return any(not c.model_sha256 and not c.setting("extractor_version") for c in run.cases.values())
+
+
+def compare(base: Run, new: Run, *, alpha: float = 0.05, strict: bool = False, allow: Iterable[str] = (),
+            resamples: int = stats.BOOTSTRAP_RESAMPLES, seed: int = stats.BOOTSTRAP_SEED,
+            top_lengths: int = 5) -> Comparison:
+    with collector_paused():
+        return _compare(base, new, alpha=alpha, strict=strict, allow=allow, resamples=resamples, seed=seed,
+                        top_lengths=top_lengths)
+
+
+def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable[str], resamples: int, seed: int,
+             top_lengths: int) -> Comparison:
+    allowed = tuple(sorted(set(allow)))
+    if set(allowed) - set(ALLOWED_DIFFS):
+        raise ValueError(f"allow takes {', '.join(ALLOWED_DIFFS)}")
+    only_base = [k for k in base.cases if k not in new.cases]
+    only_new = [k for k in new.cases if k not in base.cases]
+    matched = [(base.cases[k], new.cases[k]) for k in base.cases if k in new.cases]
+
+    # 1. Why each matched case would stay out of the verdict.
+    by_kind: dict[str, list[tuple[CaseRun, CaseRun]]] = {}
+    rows, comparable, render, lost = [], [], [], []
+    for b, n in matched:
+        why = _exclusions(b, n)
+        if b.passed and not n.graded and "pin" not in why:
+            lost.append(b.name)  # passed in BASE, no verdict in NEW
+        for kind in why:
+            by_kind.setdefault(kind, []).append((b, n))
+        if "prompt" in why:
+            render.append(render_diff(b, n))
+        excluded = [k for k in why if k not in allowed]
+        rows.append((b.source, b.id, b.status, n.status, b.picked, n.picked, b.expected, n.expected,
+                     b.gen_tokens, n.gen_tokens, b.elapsed_s, n.elapsed_s, b.prompt_tokens, n.prompt_tokens,
+                     b.no_answer, n.no_answer, ",".join(excluded)))
+        if not excluded:
+            comparable.append((b, n))
+    cases = pd.DataFrame(rows, columns=[
+        "source", "id", "base_status", "new_status", "base_picked", "new_picked", "base_expected",
+        "new_expected", "base_gen_tokens", "new_gen_tokens", "base_gen_s", "new_gen_s", "base_prompt_tokens",
+        "new_prompt_tokens", "base_no_answer", "new_no_answer", "excluded"])
+
+    # 2. Warnings.
+    issues = []
+    for run in (base, new):
+        for p in run.problems:
+            issues.append(Issue("trace", f"{run.label}: {p}", excluded=False))
+        if run.repeated:
+            issues.append(Issue("repeated", f"{run.label}: {run.repeated} case record(s) superseded by later "
+                                             f"records of the same case; the last one counts", excluded=False))
+    if only_base:
+        issues.append(Issue("only_base", f"{len(only_base)} case(s) only in BASE [{_listing(_names(only_base))}]; "
+                                         f"excluded", _names(only_base)))
+    if only_new:
+        issues.append(Issue("only_new", f"{len(only_new)} case(s) only in NEW [{_listing(_names(only_new))}]; "
+                                        f"excluded", _names(only_new)))
+    for kind in ("pin", "model", "prompt", "sampling", "ungraded"):
+        if kind in by_kind:
+            issues.append(_pair_issue(kind, by_kind[kind], kind in allowed))
+    for run in (base, new):
+        if _provenance_gap(run):
+            issues.append(Issue("provenance", f"{run.label} has cases without provenance (an older trace or "
+                                               f"summary): model file, template and settings differences "
+                                               f"cannot all be seen", excluded=False))
+
+    if not comparable:
+        reasons = ", ".join(f"{len(v)} {k}" for k, v in by_kind.items() if k not in allowed)
+        if not matched:
+            raise CompareInputError(f"nothing to compare: BASE ({len(base.cases)} cases) and NEW "
+                                    f"({len(new.cases)} cases) have no case in common")
+        hint = "; --allow-diff model|prompt|sampling keeps cases whose difference is the change under test" \
+            if set(by_kind) & (set(ALLOWED_DIFFS) - set(allowed)) else ""
+        raise CompareInputError(f"nothing to compare: none of the {len(matched)} matched cases is comparable "
+                                f"({reasons}){hint}")
+
+    # 3. Statistics on the comparable cases.
+    ok = cases[cases["excluded"] == ""].copy()
+    ok["base_pass"] = ok["base_status"] == "PASSED"
+    ok["new_pass"] = ok["new_status"] == "PASSED"
+    sources = [_source_stats(src, grp, resamples, seed) for src, grp in ok.groupby("source", sort=False)]
+    total = _source_stats("TOTAL", ok, resamples, seed)
+
+    flips = [Flip(b.source, b.id, "pass->fail" if b.passed else "fail->pass", b.picked, n.picked, b.expected,
+                  n.expected, n.no_answer if b.passed else b.no_answer)
+             for b, n in comparable if b.passed != n.passed]
+    flips.sort(key=lambda f: (f.direction != "pass->fail", f.source, f.id))
+    lost += [base.cases[k].name for k in only_base if base.cases[k].passed]
+
+    moved = heapq.nsmallest(top_lengths, ((b, n) for b, n in comparable if b.gen_tokens != n.gen_tokens),
+                            key=lambda p: (-abs(p[1].gen_tokens - p[0].gen_tokens), p[0].source, p[0].id))
+    changes = [LengthChange(b.source, b.id, b.gen_tokens, n.gen_tokens, b.status, n.status) for b, n in moved]
+
+    # 4. The verdict: on the repeats' pass counts when there are repeats, else on the flips.
+    rc = (_repeat_comparison(comparable, base, new, alpha, resamples, seed)
+          if max(base.repeats, new.repeats) > 1 else None)
+    t = total.test if rc is None else rc.test
+    regression = t.p_exact < alpha and t.b > t.c
+    strict_fail = strict and ((t.b > 0 if rc is None else bool(rc.drops)) or bool(lost))
+    if rc is not None:
+        verdict = _repeat_verdict(rc, regression, strict_fail, lost, alpha)
+    elif regression:
+        verdict = (f"significant regression: {t.b} pass→fail against {t.c} fail→pass of {total.cases} comparable "
+                   f"cases (McNemar exact p = {t.p_exact:.4g} < alpha {alpha:g})")
+    elif strict_fail:
+        parts = [f"{t.b} pass→fail flip(s)"] if t.b else []
+        parts += [f"{len(lost)} lost pass(es)"] if lost else []
+        verdict = (f"regression under --strict: {' and '.join(parts)} (McNemar exact p = {t.p_exact:.4g}, "
+                   f"not significant at alpha {alpha:g})")
+    else:
+        direction = "significant improvement" if t.p_exact < alpha and t.c > t.b else "no significant regression"
+        verdict = (f"{direction}: {t.b} pass→fail, {t.c} fail→pass of {total.cases} comparable cases "
+                   f"(McNemar exact p = {t.p_exact:.4g}, alpha {alpha:g})")
+    return Comparison(
+        base=base, new=new, alpha=alpha, strict=strict, allowed=allowed, cases=cases, sources=sources, total=total,
+        flips=flips, lost_passes=lost, length_changes=changes, issues=issues,
+        differences=_differences(matched), render_diffs=_group_render_diffs(render), regression=regression,
+        exit_status=1 if regression or strict_fail else 0, verdict=verdict, repeats=rc)
+
+
+def _repeat_verdict(rc: RepeatComparison, regression: bool, strict_fail: bool, lost: list[str],
+                    alpha: float) -> str:
+    t = rc.test
+    counts = (f"{t.b} case(s) passed less often, {t.c} more often, of {len(rc.cases)} comparable cases "
+              f"(sign test over cases, exact p = {t.p_exact:.4g}")
+    if regression:
+        return f"significant regression: {counts} < alpha {alpha:g})"
+    if strict_fail:
+        parts = [f"{len(rc.drops)} case(s) with a significant drop (Fisher p < {alpha:g})"] if rc.drops else []
+        parts += [f"{len(lost)} lost pass(es)"] if lost else []
+        return f"regression under --strict: {' and '.join(parts)}; {counts}, not significant overall)"
+    direction = "significant improvement" if t.p_exact < alpha and t.c > t.b else "no significant regression"
+    return f"{direction}: {counts}, alpha {alpha:g})"

@@ -1,0 +1,89 @@
+"""ds4eval.reports.run: one run's figures from its trace records and the markdown report."""
+
+import pytest
+from report_fakes import HOSTILE, greedy_nondeterministic, rec, repeated_records, run_records
+
+from ds4eval.reports import run as run_report
+from ds4eval.verdict import stats
+
+
+def test_rates_per_source_and_total_with_wilson_intervals():
+    rep = run_report.build(run_records(), "toy.trace")
+    by = {s.source: s for s in rep.sources}
+    assert (by["alpha"].passed, by["alpha"].graded) == (4, 6)
+    beta = by["beta"]
+    assert (beta.cases, beta.passed, beta.graded, beta.ungraded) == (7, 4, 6, 1)
+    t = rep.total
+    iv = stats.wilson(8, 12)
+    assert (t.passed, t.graded, t.records) == (8, 12, 13) and (t.rate, t.low, t.high) == (iv.rate, iv.low, iv.high)
+    assert rep.statuses == {"PASSED": 8, "FAILED": 4, "ERROR": 1} and not rep.repeated
+    assert rep.headline() == "passed 8 of 12 graded: 66.7% (95% CI 39.1%–86.2%); 1 not graded"
+    assert rep.think_close == {"natural": 1}
+
+
+def test_provenance_takes_the_common_value_and_notes_others():
+    records = run_records()
+    records[3].kv_type = "float32"
+    rep = run_report.build(records, written="2026-05-01")
+    prov = dict(rep.provenance)
+    assert prov["kv cache"] == "float16 (+1 other value(s))" and prov["model"] == "Toy 1B"
+    assert prov["ds4eval"] == "0.1.0 @ ffffffffffff" and prov["trace written"] == "2026-05-01"
+    assert "endpoint" not in prov  # empty in every record
+
+
+def test_the_latest_record_of_a_case_counts():
+    records = [rec(1, "ERROR", None), rec(2), rec(1, "PASSED")]
+    recs, superseded = run_report.latest_records(records)
+    assert [(r.id, r.status) for r in recs] == [("c1", "PASSED"), ("c2", "PASSED")] and superseded == 1
+
+
+def test_records_without_status_are_graded_from_their_output():
+    old = rec(1, status=None, picked=None, output="so... Answer: 4")
+    recs, _ = run_report.latest_records([old])
+    assert recs[0].status == "PASSED" and recs[0].picked == "4"
+
+
+def test_repeats_use_pass_at_1_with_a_bootstrap_interval():
+    rep = run_report.build(repeated_records())
+    assert rep.repeated and rep.repeats.repeats == 3
+    t = rep.total
+    assert t.rate == pytest.approx((1 + 0 + 2 / 3) / 3) and t.records == 9 and t.cases == 3
+    iv = stats.bootstrap_mean([1.0, 0.0, 2 / 3])
+    assert (t.low, t.high) == (iv.low, iv.high)
+    assert "bootstrap" in rep.method() and dict(rep.provenance)["seed"] == "10..12 (3 values)"
+    assert dict(rep.provenance)["repeats"] == "3"
+
+
+def test_markdown_report_has_tables_and_no_outputs():
+    md = run_report.render_markdown(run_report.build(run_records(), "toy.trace"))
+    assert md.startswith("## ds4-eval report: `toy.trace`\n")
+    assert "| source | cases | passed | graded | not graded | no answer | pass rate | 95% CI |" in md
+    assert "| TOTAL | 13 | 8 | 12 | 1 | 0 | 66.7% | [39.1%, 86.2%] |" in md
+    assert "| alpha |" in md and "| beta |" in md and "Wilson" in md
+    assert "THINKING-TEXT" not in md and "What is" not in md and HOSTILE not in md
+    assert "### Repeats" not in md
+
+
+def test_markdown_escapes_pipes_and_lists_flaky_and_non_deterministic_cases():
+    records = repeated_records() + greedy_nondeterministic()
+    for r in records:
+        if r.id == "c3":
+            r.source = "a|b"
+    md = run_report.render_markdown(run_report.build(records))
+    assert "### Repeats (K = 3)" in md and "flaky 2" in md and "pass@3" in md
+    assert "| a\\|b/c3 | 2/3 | 3 | 66.7% | P F P |" in md
+    assert "gamma/c7" in md and "total is 5." in md
+    # Markdown rows are single lines even when a text holds a newline.
+    assert all(line.count("|") >= 2 for line in md.splitlines() if line.startswith("| gamma"))
+
+
+def test_long_lists_are_cut_for_markdown():
+    rows = [{"case": f"c{i}"} for i in range(run_report.MARKDOWN_ROWS + 7)]
+    lines = run_report.markdown_table(rows, run_report.MARKDOWN_ROWS)
+    assert len(lines) == 2 + run_report.MARKDOWN_ROWS + 2 and lines[-1] == "... and 7 more"
+
+
+def test_nothing_recorded():
+    rep = run_report.build([])
+    assert rep.total.rate is None and rep.headline() == "no case was graded (0 recorded)"
+    assert "no case was graded" in run_report.render_markdown(rep)

@@ -1,0 +1,35 @@
+"""ds4-eval on the real embedded model (needs the weights: marked `model`)."""
+
+import pytest
+
+from ds4eval.cases.suites import load_suite
+from ds4eval.config import EvalConfig
+from ds4eval.run.runner import Runner, Status
+from ds4eval.run.trace import TraceRecord
+
+
+@pytest.mark.model
+def test_three_sanity_cases_on_the_embedded_model(tmp_path):
+    import engine
+
+    from ds4eval.run.backends.engine_backend import EngineBackend
+
+    model = engine.load_model()
+    backend = EngineBackend(model, engine)
+    assert not backend.supports_thinking  # SmolLM2 has no thinking tokens
+    picked = {c.id: c for c in load_suite("sanity", tmp_path)}
+    selected = [picked["choice-capital-france"], picked["int-add-small"], picked["text-sky-colour"]]
+    cfg = EvalConfig(tokens=96, trace=str(tmp_path / "t.trace"))
+    runner = Runner(cfg, selected, backend)
+    states = runner.run()
+    for st in states:
+        assert st.status in (Status.PASSED, Status.FAILED), st.error
+        assert 0 < st.gen_tokens <= 96 and st.prompt_tokens > 0 and st.output
+        assert st.prompt_tokens + st.gen_tokens <= model.n_ctx
+    from ds4eval.run.trace import read_trace
+
+    records = read_trace(tmp_path / "t.trace").records
+    assert len(records) == 3 and all(isinstance(r, TraceRecord) and r.model_output for r in records)
+    # Greedy decoding is deterministic: a second run of the same case gives the same output.
+    again = Runner(cfg, selected[:1], backend).run()[0]
+    assert again.output == states[0].output

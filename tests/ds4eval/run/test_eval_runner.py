@@ -1,0 +1,156 @@
+"""Runner + engine backend against a scripted fake model: statuses, budgets, controls, traces."""
+
+import threading
+import time
+
+import pytest
+
+from ds4eval.cases.case import parse_case
+from ds4eval.config import EvalConfig
+from ds4eval.run import trace as tr
+from ds4eval.run.backends.engine_backend import EngineBackend
+from ds4eval.run.runner import CaseFinished, Runner, Status, StatusChanged, TextDelta
+from ds4eval.run.summary import PlainListener, build_summary, render_report
+
+from engine_fakes import FAKE_ENGINE, FakeModel
+
+
+def case(i, answer="4", kind="integer", max_tokens=None, question=None):
+    return parse_case({"source": "toy", "id": f"c{i}", "domain": "math", "question": question or f"What is {i}?",
+                       "answer": answer, "answer_kind": kind, "max_tokens": max_tokens})
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+        self.lock = threading.Lock()
+
+    def on_event(self, e):
+        with self.lock:
+            self.events.append(e)
+
+    def statuses(self, index):
+        return [e.status for e in self.events if isinstance(e, StatusChanged) and e.index == index]
+
+
+def make(script=None, cases=None, cfg=None, **model_kw):
+    model = FakeModel(script, **model_kw)
+    rec = Recorder()
+    runner = Runner(cfg or EvalConfig(), cases or [case(1), case(2, "5")], EngineBackend(model, FAKE_ENGINE), [rec])
+    return runner, rec, model
+
+
+def test_statuses_grades_and_prefix_reuse(tmp_path):
+    cfg = EvalConfig(trace=str(tmp_path / "t.trace"))
+    runner, rec, model = make(cfg=cfg)
+    states = runner.run()
+    assert [s.status for s in states] == [Status.PASSED, Status.FAILED]
+    assert rec.statuses(0) == [Status.PREFILL, Status.THINKING, Status.PASSED]
+    assert "".join(e.text for e in rec.events if isinstance(e, TextDelta) and e.index == 0) == "Answer: 4"
+    assert states[0].gen_tokens == len("Answer: 4") + 1  # the EOS is sampled too
+    assert len(model.sessions) == 1  # one session reused: the system prompt prefix is not prefilled twice
+    records = tr.read_trace(tmp_path / "t.trace").records
+    assert [(r.index, r.status, r.picked, r.expected) for r in records] == [(1, "PASSED", "4", "4"),
+                                                                           (2, "FAILED", "4", "5")]
+    assert records[0].system_prompt and "What is 1?" in records[0].question_prompt
+    assert records[0].question_prompt.endswith('"Answer: N", where N is the final integer.')
+
+
+def test_budget_is_min_of_tokens_case_and_context():
+    long_reply = lambda p: "x" * 500  # noqa: E731
+    runner, _, model = make(long_reply, [case(1, max_tokens=40)], EvalConfig(tokens=100))
+    assert runner.run()[0].gen_tokens == 40
+    runner, _, _ = make(long_reply, [case(1)], EvalConfig(tokens=30))
+    assert runner.run()[0].gen_tokens == 30
+    # Context: the prompt plus the answer must fit; the fake raises if the KV cache would overflow.
+    runner, _, model = make(long_reply, [case(1)], EvalConfig(tokens=16000), n_ctx=400)
+    st = runner.run()[0]
+    assert st.status is Status.FAILED and st.prompt_tokens + st.gen_tokens == 400
+    runner, _, _ = make(long_reply, [case(1, question="q" * 500)], EvalConfig(), n_ctx=400)
+    st = runner.run()[0]
+    assert st.status is Status.SKIPPED and "no room" in st.error
+
+
+def test_backend_exception_is_an_error_status_not_a_crash():
+    def boom(prompt):
+        raise RuntimeError("kaput")
+    runner, _, _ = make(boom)
+    states = runner.run()
+    assert {s.status for s in states} == {Status.ERROR} and "kaput" in states[0].error
+
+
+def test_thinking_closed_by_the_model_and_forced_close():
+    natural = lambda p: "let me see</think>\nAnswer: 4"  # noqa: E731
+    runner, rec, _ = make(natural, [case(1)], thinking=True)
+    st = runner.run()[0]
+    assert st.status is Status.PASSED and st.think_close == "natural" and st.output.startswith("<think>")
+    assert any(e.thinking for e in rec.events if isinstance(e, TextDelta))
+    # Thinks forever: at the soft reserve it is nudged, at the hard reserve the block is closed.
+    endless = lambda p: "hmm " * 1000  # noqa: E731
+    runner, _, _ = make(endless, [case(1, max_tokens=2000)], thinking=True)
+    st = runner.run()[0]
+    assert st.think_close == "hard" and "</think>" in st.output and "running out of time" in st.output
+    assert st.status is Status.FAILED
+    runner, _, _ = make(endless, [case(1, max_tokens=2000)], EvalConfig(think=False), thinking=True)
+    st = runner.run()[0]
+    assert st.think_close == "none" and not st.output.startswith("<think>")
+
+
+def test_pause_resume_and_stop_at_token_boundary(tmp_path):
+    cfg = EvalConfig(trace=str(tmp_path / "t.trace"))
+    runner, rec, _ = make(lambda p: "y" * 2000, [case(1), case(2)], cfg, decode_delay=0.001)
+    th = threading.Thread(target=runner.run)
+    th.start()
+    _wait(lambda: rec.statuses(0)[-1:] == [Status.THINKING])
+    runner.pause()
+    time.sleep(0.05)
+    n = runner.snapshot()[0].gen_tokens
+    time.sleep(0.1)
+    assert runner.snapshot()[0].gen_tokens == n  # paused: no tokens
+    runner.resume()
+    _wait(lambda: runner.snapshot()[0].gen_tokens > n)
+    runner.stop()
+    th.join(5)
+    states = runner.snapshot()
+    assert states[0].status is Status.STOPPED and states[1].status is Status.PENDING
+    assert [r.status for r in tr.read_trace(tmp_path / "t.trace").records] == ["STOPPED"]
+
+
+def test_run_next_switches_the_running_case_and_rerun():
+    runner, rec, _ = make(lambda p: "Answer: 4" if "What is 3?" in p else "z" * 300,
+                          [case(1), case(2), case(3)], EvalConfig(tokens=300), decode_delay=0.002)
+    runner.keep_alive = True
+    th = threading.Thread(target=runner.run)
+    th.start()
+    _wait(lambda: rec.statuses(0)[-1:] == [Status.THINKING])
+    assert runner.run_next(2)
+    _wait(lambda: runner.snapshot()[2].status is Status.PASSED)
+    assert Status.SWITCHED in rec.statuses(0)
+    _wait(lambda: all(s.status.finished for s in runner.snapshot()))
+    order = [e.state.index for e in rec.events if isinstance(e, CaseFinished)]
+    assert order == [2, 0, 1]  # chosen case first, the switched one right after it
+    assert runner.rerun(2)
+    _wait(lambda: len([e for e in rec.events if isinstance(e, CaseFinished)]) == 4)
+    runner.stop()
+    th.join(5)
+    assert runner.snapshot()[2].runs == 2
+
+
+def test_report_and_summary(capsys):
+    runner, _, _ = make()
+    runner.listeners.append(PlainListener(2))
+    states = runner.run()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[1/2 eta 0:00] PASSED  toy/c1") and "FAILED" in out[1]
+    summary = build_summary(states, runner.wall_s, {"suite": "toy", "backend": "engine", "model": "fake"})
+    assert summary["totals"]["passed"] == 1 and summary["sources"][0]["cases"] == 2
+    text = render_report(summary)
+    assert "toy" in text and "TOTAL" in text and "passed 1/2" in text and "wall time" in text
+
+
+def _wait(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            pytest.fail("condition not reached")
+        time.sleep(0.005)
