@@ -141,7 +141,7 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
     from engine import ModelLoadError, default_model_path
 
     from ds4bench.runners import (Ds4Runner, LlamaCppMissing, LlamaCppRunner, TransformersRunner,
-                                       TransformersUnavailable, default_threads)
+                                  TransformersUnavailable, default_threads)
 
     try:
         cfg.validate()

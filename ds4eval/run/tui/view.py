@@ -21,8 +21,8 @@ from typing import Sequence
 
 from ds4eval.cases.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.run.runner import (CaseFinished, CaseState, Paused, Progress, RunFinished, RunStarted,
+                                StatusChanged, TextDelta)
 from ds4eval.run.summary import eta_s
-                            StatusChanged, TextDelta)
 
 RUNNING = ("PREFILL", "THINKING")
 FINISHED = ("PASSED", "FAILED", "SKIPPED", "STOPPED", "ERROR")
