@@ -8,7 +8,7 @@ libgomp counts more managed threads than CPUs and switches every pool from spin-
 its throttled, near-passive wait, so each of the hundreds of parallel regions per token
 pays a futex wake-up.  Measured on the embedded model (2 cores, same run): decoding on the
 thread that loaded the model runs at the speed of OMP_WAIT_POLICY=PASSIVE only when another
-thread loaded it (see the README's "Threads").  Keeping every torch call of a process on one
+thread loaded it (see docs/engine.md, "Threads").  Keeping every torch call of a process on one
 thread keeps one pool and the fast wait.
 
 The same spin-waiting makes a pool of N threads on N cores collapse when another process

@@ -13,7 +13,7 @@
   request whose body was at least `threshold` bytes (by its Content-Length) has been answered;
   trims of overlapping requests are coalesced into one.
 
-Measured in the README ("Hostile requests and model files"). Elsewhere than glibc (musl, macOS)
+Measured in docs/server.md ("Hostile requests and model files"). Elsewhere than glibc (musl, macOS)
 every function is a no-op. It does not bound memory: the body limit, the preparation pool
 and the caches' budgets do (`server.prepare`, `server.tools.replay`, `server.kvstore`).
 """

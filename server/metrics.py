@@ -4,7 +4,7 @@ Names and labels follow vLLM's `vllm:` family where vLLM has the quantity (its s
 latency histograms that llama.cpp's `llamacpp:` set lacks), so a dashboard built for vLLM
 needs few changes; quantities vLLM has no name for are `ds4:`, and the HTTP counter is the
 `http_requests_total{handler,method,status}` of the FastAPI instrumentation vLLM ships.
-Every engine metric carries `model_name`. The README lists them with their meaning.
+Every engine metric carries `model_name`. docs/server.md lists them with their meaning.
 
 How values arrive:
 - Jobs: `ServerMetrics` is the worker's `server.jobs.JobObserver`. The loops call

@@ -5,7 +5,7 @@ One client opens N connections that never send a request, asking `/health` on a 
 connection every 500 connections; then it counts how each connection was answered (503, closed
 without an answer, still served), the server's open file descriptors, and how long a new
 connection waits for `/health` to answer 200 again. A measurement, not a test: pytest does not
-collect it. The README's figures under "Security" come from it.
+collect it. The figures in docs/server.md under "Security" come from it.
 """
 
 from __future__ import annotations

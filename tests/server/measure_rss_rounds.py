@@ -7,8 +7,8 @@ that the client drops after their first event, a long prompt that is accepted, a
 request and its replay, and a raw completion; four clients at a time. After each round it
 prints the server's VmRSS and VmHWM (`/proc/<pid>/status`). The environment is passed on, so
 `MALLOC_ARENA_MAX=2 python tests/server/measure_rss_rounds.py` measures the server under that
-allocator setting. A measurement, not a test: pytest does not collect it. The README's
-figures under "Hostile requests and model files" come from it.
+allocator setting. A measurement, not a test: pytest does not collect it. The figures in docs/server.md
+under "Hostile requests and model files" come from it.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 
 CLIENTS = 16
 LOAD_S = 15.0
-# Measured with tests/server/measure_rss_rounds.py and this test (README, "Hostile requests and
+# Measured with tests/server/measure_rss_rounds.py and this test (docs/server.md, "Hostile requests and
 # model files"): the server's RSS settles within the first requests and grows by a few MiB
 # afterwards; the bound leaves room for allocator noise on a busy machine.
 RSS_GROWTH_MIB = 96
