@@ -23,8 +23,10 @@ Contract
 - A backend sees one case through a `CaseContext` (progress, text, token boundaries); the
   contexts and the runner share one `_RunControl` (the run's lock, pause clock, stop flag and
   listeners) and touch nothing else of each other.
-- Each finished case (PASSED, FAILED, SKIPPED, STOPPED, ERROR) is graded with the pure
-  extractors and appended to the trace, if one is configured, with the run's provenance
+- `outcome(case, result)` (pure) settles each ended generation: its status, and its output
+  extracted and graded exactly once with the pure extractors (`ds4eval.cases.grade`); a
+  SWITCHED case is not graded, as it runs again. Each finished case (PASSED, FAILED, SKIPPED,
+  STOPPED, ERROR) is appended to the trace, if one is configured, with the run's provenance
   (`ds4eval.run.provenance`), the case's content hash and rendered-prompt hash and its repeat
   index; `run()` first writes the trace's run header (every selected case's number, source
   and id, and K).
@@ -204,6 +206,29 @@ class Backend(Protocol):
     max_concurrency: int
 
     def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult: ...
+
+
+# ---------------------------------------------------------------- outcomes
+
+def outcome(case: Case, res: GenerationResult) -> tuple[Status, str | None]:
+    """The status one generation ends in and the answer picked from its output, which is
+    extracted and graded exactly once.
+
+    What stopped the generation decides first, in this order: a switch (SWITCHED, not graded:
+    the case runs again), a stop (STOPPED), a skip (SKIPPED), an error (ERROR); only an output
+    that ran to its end gets a verdict (PASSED or FAILED). STOPPED, SKIPPED and ERROR still get
+    the picked answer, to show what the model had committed to so far.
+    """
+    if res.interrupted == "switch":
+        return Status.SWITCHED, None
+    verdict = grade.grade_output(case.answer_kind, case.answer, res.output, case.aliases, case.nchoices)
+    if res.interrupted == "stop":
+        return Status.STOPPED, verdict.picked
+    if res.skipped:
+        return Status.SKIPPED, verdict.picked
+    if res.error:
+        return Status.ERROR, verdict.picked
+    return (Status.PASSED if verdict.passed else Status.FAILED), verdict.picked
 
 
 # ---------------------------------------------------------------- the runner
@@ -531,6 +556,11 @@ class Runner:
             self._finish(st, ctx, res)
 
     def _finish(self, state: CaseState, ctx: _Ctx, res: GenerationResult) -> None:
+        elapsed = ctx.elapsed()
+        # Graded before taking the lock: `outcome` is pure and reads only this worker's result
+        # and the (frozen) case, and extracting from a long output should not hold up the other
+        # workers' tokens or a snapshot.
+        status, picked = outcome(state.case, res)
         with self._lock:
             state.output = res.output
             state.prompt_tokens = res.prompt_tokens
@@ -538,29 +568,14 @@ class Runner:
             state.tokens_known = res.tokens_known
             state.think_close = res.think_close
             state.thinking = res.thinking
-            state.elapsed_s = ctx.elapsed()
+            state.elapsed_s = elapsed
             state.error = res.error or res.skipped
             state.prompt = res.prompt
-            if res.interrupted == "switch":
-                state.status = Status.SWITCHED
+            state.status, state.picked = status, picked
+            if status is Status.SWITCHED:
                 # Back into the queue right after the case that asked to run now.
                 pos = 1 if self._queue else 0
                 self._queue.insert(pos, state.index)
-            elif res.interrupted == "stop":
-                state.status = Status.STOPPED
-            elif res.skipped:
-                state.status = Status.SKIPPED
-            elif res.error:
-                state.status = Status.ERROR
-            else:
-                v = grade.grade_output(state.case.answer_kind, state.case.answer, res.output,
-                                       state.case.aliases, state.case.nchoices)
-                state.picked = v.picked
-                state.status = Status.PASSED if v.passed else Status.FAILED
-            if state.status in (Status.STOPPED, Status.ERROR, Status.SKIPPED):
-                # Still show what the model had committed to so far; the verdict stays unset.
-                state.picked = grade.grade_output(state.case.answer_kind, state.case.answer, res.output,
-                                                  state.case.aliases, state.case.nchoices).picked
             final = copy.copy(state)
         self._control.emit(StatusChanged(state.index, final.status))
         if final.status is Status.SWITCHED:
