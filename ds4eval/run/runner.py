@@ -494,8 +494,11 @@ class Runner:
                     self._run_group([self.states[i] for i in group], ctxs)
             finally:
                 with self._cond:
-                    for i in group:
-                        self._running.pop(i, None)
+                    for i, ctx in zip(group, ctxs):
+                        # Only our own entry: a case switched out is back in the queue, and
+                        # another worker may already have taken it up again.
+                        if self._running.get(i) is ctx:
+                            del self._running[i]
                     self._cond.notify_all()
 
     def _take_group(self, index: int) -> list[int]:
