@@ -12,6 +12,7 @@ from ds4eval.run import trace as tr
 from ds4eval.run.backends.engine_backend import EngineBackend
 from ds4eval.run.runner import (CaseFinished, GenerationResult, Runner, Status, StatusChanged, TextDelta,
                                 outcome)
+from engine.threads import EngineThread
 from ds4eval.run.summary import PlainListener, build_summary, render_report
 
 from engine_fakes import FAKE_ENGINE, FakeModel
@@ -204,6 +205,17 @@ def test_outcome_precedence_switch_stop_skip_error_verdict():
     assert outcome(c, GenerationResult(output="Answer: 4", error="e")) == (Status.ERROR, "4")
     assert outcome(c, GenerationResult(output="Answer: 4")) == (Status.PASSED, "4")
     assert outcome(c, GenerationResult(output="no answer")) == (Status.FAILED, None)
+
+
+def test_the_backend_closes_only_an_engine_thread_it_owns():
+    lent = EngineThread("lent")
+    try:
+        EngineBackend(FakeModel(), FAKE_ENGINE, engine_thread=lent).close()
+        assert not lent.closed
+        EngineBackend(FakeModel(), FAKE_ENGINE, engine_thread=lent, own_thread=True).close()
+        assert lent.closed
+    finally:
+        lent.close()
 
 
 def _wait(cond, timeout=5.0):
