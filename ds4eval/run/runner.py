@@ -4,9 +4,10 @@ and obeys controls.
 Contract
 - `Runner(config, cases, backend, listeners)`; `run()` blocks until every case finished or
   `stop()` was called (call it from a worker thread when a UI owns the main thread).
-- Events (dataclasses below) go to every listener's `on_event(event)`, from worker threads:
-  listeners must be thread-safe and quick. Per case the order is StatusChanged(PREFILL),
-  Progress/TextDelta..., StatusChanged(THINKING), TextDelta/Progress..., CaseFinished.
+- Events (dataclasses below) go to every listener's `on_event(event)`, from worker threads and
+  never under the runner's lock: listeners must be thread-safe and quick. Per case the order is
+  StatusChanged(PREFILL), Progress/TextDelta..., StatusChanged(THINKING), TextDelta/Progress...,
+  CaseFinished.
 - Controls, callable from any thread: `pause()`, `resume()` (the per-case clocks stop while
   paused), `stop()` (running cases end STOPPED at the next token boundary; pending ones stay
   PENDING; a backend's optional `interrupt()` is called to wake cases blocked between
@@ -14,12 +15,18 @@ Contract
   interrupted, marked SWITCHED and queued again right after i), `rerun(i)` (a finished case
   is queued again). With `keep_alive=True`, `run()` waits for more work after the queue
   drains until `stop()`, so a UI can keep re-running cases.
-- `snapshot()` returns copies of every case's state for display.
+- `snapshot()` returns copies of every case's state for display; `job(state)` is the
+  GenerationJob a case runs with.
 - With `config.repeats` K > 1 every case runs K times (states index each (case, repeat); the
   repeats of a case are adjacent in the queue), repeat r with seed `config.seed + r` when a seed
   is set. `repeats=` runs each given case once at the given repeat index (retries).
-- Each finished case (PASSED, FAILED, SKIPPED, STOPPED, ERROR) is graded with the pure
-  extractors and appended to the trace, if one is configured, with the run's provenance
+- A backend sees one case through a `CaseContext` (progress, text, token boundaries); the
+  contexts and the runner share one `_RunControl` (the run's lock, pause clock, stop flag and
+  listeners) and touch nothing else of each other.
+- `outcome(case, result)` (pure) settles each ended generation: its status, and its output
+  extracted and graded exactly once with the pure extractors (`ds4eval.cases.grade`); a
+  SWITCHED case is not graded, as it runs again. Each finished case (PASSED, FAILED, SKIPPED,
+  STOPPED, ERROR) is appended to the trace, if one is configured, with the run's provenance
   (`ds4eval.run.provenance`), the case's content hash and rendered-prompt hash and its repeat
   index; `run()` first writes the trace's run header (every selected case's number, source
   and id, and K).
@@ -34,7 +41,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from ds4eval.cases import grade
 from ds4eval.cases import prompts
@@ -201,53 +208,154 @@ class Backend(Protocol):
     def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult: ...
 
 
+# ---------------------------------------------------------------- outcomes
+
+def outcome(case: Case, res: GenerationResult) -> tuple[Status, str | None]:
+    """The status one generation ends in and the answer picked from its output, which is
+    extracted and graded exactly once.
+
+    What stopped the generation decides first, in this order: a switch (SWITCHED, not graded:
+    the case runs again), a stop (STOPPED), a skip (SKIPPED), an error (ERROR); only an output
+    that ran to its end gets a verdict (PASSED or FAILED). STOPPED, SKIPPED and ERROR still get
+    the picked answer, to show what the model had committed to so far.
+    """
+    if res.interrupted == "switch":
+        return Status.SWITCHED, None
+    verdict = grade.grade_output(case.answer_kind, case.answer, res.output, case.aliases, case.nchoices)
+    if res.interrupted == "stop":
+        return Status.STOPPED, verdict.picked
+    if res.skipped:
+        return Status.SKIPPED, verdict.picked
+    if res.error:
+        return Status.ERROR, verdict.picked
+    return (Status.PASSED if verdict.passed else Status.FAILED), verdict.picked
+
+
 # ---------------------------------------------------------------- the runner
 
-class _Ctx:
-    """CaseContext implementation bound to one running case."""
+class _RunControl:
+    """What every thread of one run shares: its lock, the pause clock, the stop flag and the
+    listeners.
 
-    def __init__(self, runner: "Runner", state: CaseState):
-        self.r, self.state = runner, state
-        self.interrupt: str | None = None
+    `lock` (re-entrant, with `cond` on it) is the run's one lock. It guards the flags here and,
+    for the runner and its case contexts, the queue, the running cases and every CaseState, so
+    that `snapshot()` never copies a case half-updated and a control never races a worker that
+    is picking its next case. `emit` takes no lock and is called with it released: a listener
+    may hold a lock of its own while another thread (a UI) calls `snapshot()`, and the two
+    must not wait on each other.
+    """
+
+    def __init__(self, listeners: Sequence[Listener]):
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.listeners = list(listeners)
+        self._paused = False
+        self._pause_started = 0.0
+        self._paused_s = 0.0
+        self._stopped = False
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def pause(self) -> None:
+        with self.cond:
+            if not self._paused:
+                self._paused = True
+                self._pause_started = time.monotonic()
+
+    def resume(self) -> None:
+        with self.cond:
+            if self._paused:
+                self._paused = False
+                self._paused_s += time.monotonic() - self._pause_started
+                self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopped = True
+            self.cond.notify_all()
+
+    def paused_total(self) -> float:
+        """Seconds this run has spent paused so far, a pause in progress included."""
+        with self.lock:
+            return self._paused_s + (time.monotonic() - self._pause_started if self._paused else 0.0)
+
+    def token_boundary(self, interrupt: Callable[[], str | None]) -> str | None:
+        """A running case's token boundary: wait while the run is paused, until it resumes, stops
+        or the case is interrupted; then "stop" when the run is stopping, else `interrupt()` (the
+        case's own interrupt, None to go on). `interrupt` is called under the lock, which is
+        where `Runner.run_next` sets it."""
+        with self.cond:
+            while self._paused and not self._stopped and interrupt() is None:
+                self.cond.wait(0.2)
+            if self._stopped:
+                return "stop"
+            return interrupt()
+
+    def emit(self, event: object) -> None:
+        # A copy: a listener added meanwhile gets the next event, not half of this one.
+        for listener in list(self.listeners):
+            listener.on_event(event)
+
+
+class _Ctx:
+    """CaseContext implementation bound to one running case.
+
+    While a case runs, the worker running it is the only writer of its state. A status goes
+    under the run's lock together with the fields a snapshot must see agree with it, and so does
+    the growing output; the token counters are single stores of an int, which a snapshot may
+    see a token late, and stay off the lock on the per-token path.
+    """
+
+    def __init__(self, control: _RunControl, state: CaseState):
+        self.control, self.state = control, state
+        self.interrupt: str | None = None   # "switch", set under the run's lock by Runner.run_next
         self._clock_start = time.monotonic()
-        self._paused_s_at_start = runner._paused_total()
-        self._thinking_status_sent = False
+        self._paused_s_at_start = control.paused_total()
 
     def elapsed(self) -> float:
-        return time.monotonic() - self._clock_start - (self.r._paused_total() - self._paused_s_at_start)
+        """Seconds this case has run, the run's pauses since it started left out."""
+        paused = self.control.paused_total() - self._paused_s_at_start
+        return time.monotonic() - self._clock_start - paused
 
     def prefill(self, done: int, total: int) -> None:
         self.state.prompt_tokens = total
-        self.r._emit(Progress(self.state.index, total, done, self.state.gen_tokens, self.elapsed()))
+        self.control.emit(Progress(self.state.index, total, done, self.state.gen_tokens, self.elapsed()))
 
     def started(self, prompt_tokens: int) -> None:
-        with self.r._lock:
+        with self.control.lock:
             self.state.prompt_tokens = prompt_tokens
             self.state.status = Status.THINKING
-        self.r._emit(StatusChanged(self.state.index, Status.THINKING))
+        self.control.emit(StatusChanged(self.state.index, Status.THINKING))
 
     def text(self, delta: str, thinking: bool) -> None:
         if delta:
-            with self.r._lock:
+            with self.control.lock:
                 self.state.output += delta
-            self.r._emit(TextDelta(self.state.index, delta, thinking))
+            self.control.emit(TextDelta(self.state.index, delta, thinking))
 
     def token(self, n: int = 1) -> None:
         self.state.gen_tokens += n
-        self.r._emit(Progress(self.state.index, self.state.prompt_tokens, self.state.prompt_tokens,
-                              self.state.gen_tokens, self.elapsed()))
+        self.control.emit(Progress(self.state.index, self.state.prompt_tokens, self.state.prompt_tokens,
+                                   self.state.gen_tokens, self.elapsed()))
 
     def checkpoint(self) -> str | None:
-        return self.r._checkpoint(self)
+        return self.control.token_boundary(lambda: self.interrupt)
 
 
 class Runner:
+    """Runs cases through a backend; see the module docstring for the contract."""
+
     def __init__(self, config: EvalConfig, cases: Sequence[Case], backend: Backend,
                  listeners: Sequence[Listener] = (), *, numbers: Sequence[int] | None = None,
                  repeats: Sequence[int] | None = None, keep_alive: bool = False):
         self.config = config
         self.backend = backend
-        self.listeners = list(listeners)
         self.keep_alive = keep_alive
         nums = list(numbers) if numbers is not None else list(range(1, len(cases) + 1))
         if len(nums) != len(cases) or (repeats is not None and len(repeats) != len(cases)):
@@ -257,43 +365,35 @@ class Runner:
         todo = ([(c, n, r) for c, n, r in zip(cases, nums, repeats)] if repeats is not None else
                 [(c, n, r) for c, n in zip(cases, nums) for r in range(config.repeats)])
         self.states = [CaseState(index=i, number=n, case=c, repeat=r) for i, (c, n, r) in enumerate(todo)]
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._control = _RunControl(listeners)
+        self._lock, self._cond = self._control.lock, self._control.cond
         self._queue: collections.deque[int] = collections.deque(range(len(self.states)))
         self._running: dict[int, _Ctx] = {}
-        self._paused = False
-        self._pause_started = 0.0
-        self._paused_s = 0.0
-        self._stop = False
         self._trace = TraceWriter(config.trace) if config.trace else None
         self.wall_s = 0.0
         self._provenance: dict[str, str] | None = None
 
+    @property
+    def listeners(self) -> list[Listener]:
+        """The live list of listeners: one appended before `run()` gets every event."""
+        return self._control.listeners
+
     # ------------------------------------------------------------ controls
 
     def pause(self) -> None:
-        with self._cond:
-            if not self._paused:
-                self._paused = True
-                self._pause_started = time.monotonic()
-        self._emit(Paused(True))
+        self._control.pause()
+        self._control.emit(Paused(True))
 
     def resume(self) -> None:
-        with self._cond:
-            if self._paused:
-                self._paused = False
-                self._paused_s += time.monotonic() - self._pause_started
-                self._cond.notify_all()
-        self._emit(Paused(False))
+        self._control.resume()
+        self._control.emit(Paused(False))
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._control.paused
 
     def stop(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
+        self._control.stop()
         interrupt = getattr(self.backend, "interrupt", None)
         if interrupt is not None:  # optional: wakes a backend blocked between tokens (a silent server)
             interrupt()
@@ -323,7 +423,7 @@ class Runner:
             self._reset(st)
             self._queue.appendleft(index)
             self._cond.notify_all()
-        self._emit(StatusChanged(index, Status.PENDING))
+        self._control.emit(StatusChanged(index, Status.PENDING))
         return True
 
     def snapshot(self) -> list[CaseState]:
@@ -339,8 +439,8 @@ class Runner:
             # in full, cases that never started included.
             cases = tuple(dict.fromkeys((st.number, st.case.source, st.case.id) for st in self.states))
             self._trace.write_header(RunHeader(self.config.suite, cases, self.config.repeats))
-        self._emit(RunStarted(len(self.states), self.backend.name, self.backend.model_name,
-                              self.backend.n_ctx))
+        self._control.emit(RunStarted(len(self.states), self.backend.name, self.backend.model_name,
+                                      self.backend.n_ctx))
         workers = [threading.Thread(target=self._worker, name=f"ds4eval-worker-{i}", daemon=True)
                    for i in range(self._slots())]
         try:
@@ -354,11 +454,9 @@ class Runner:
         finally:
             if self._trace:
                 self._trace.close()
-        with self._lock:
-            paused = self._paused_s + (time.monotonic() - self._pause_started if self._paused else 0.0)
-        self.wall_s = time.monotonic() - start - paused
+        self.wall_s = time.monotonic() - start - self._control.paused_total()
         states = self.snapshot()
-        self._emit(RunFinished(tuple(states), self.wall_s, self._stop))
+        self._control.emit(RunFinished(tuple(states), self.wall_s, self._control.stopped))
         return states
 
     def _slots(self) -> int:
@@ -370,9 +468,9 @@ class Runner:
         while True:
             with self._cond:
                 while True:
-                    if self._stop:
+                    if self._control.stopped:
                         return
-                    if self._queue and not self._paused:
+                    if self._queue and not self._control.paused:
                         index = self._queue.popleft()
                         break
                     if not self._queue and not self._running and not self.keep_alive:
@@ -383,12 +481,12 @@ class Runner:
                 ctxs = []
                 for i in group:
                     state = self.states[i]
-                    ctxs.append(_Ctx(self, state))
+                    ctxs.append(_Ctx(self._control, state))
                     self._running[i] = ctxs[-1]
                     state.status = Status.PREFILL
                     state.runs += 1
             for i in group:
-                self._emit(StatusChanged(i, Status.PREFILL))
+                self._control.emit(StatusChanged(i, Status.PREFILL))
             try:
                 if len(group) == 1:
                     self._run_one(self.states[index], ctxs[0])
@@ -396,8 +494,11 @@ class Runner:
                     self._run_group([self.states[i] for i in group], ctxs)
             finally:
                 with self._cond:
-                    for i in group:
-                        self._running.pop(i, None)
+                    for i, ctx in zip(group, ctxs):
+                        # Only our own entry: a case switched out is back in the queue, and
+                        # another worker may already have taken it up again.
+                        if self._running.get(i) is ctx:
+                            del self._running[i]
                     self._cond.notify_all()
 
     def _take_group(self, index: int) -> list[int]:
@@ -415,7 +516,9 @@ class Runner:
                 self._queue.remove(j)
         return group
 
-    def _job(self, state: CaseState) -> GenerationJob:
+    def job(self, state: CaseState) -> GenerationJob:
+        """What the backend is given to run `state`'s case: its prompts, its token budget
+        (--tokens capped by the case's max_tokens) and the sampling settings of its repeat."""
         c, cfg = state.case, self.config
         budget = min(cfg.tokens, c.max_tokens) if c.max_tokens else cfg.tokens
         return GenerationJob(
@@ -426,7 +529,7 @@ class Runner:
             think_hard_reserve=cfg.think_hard_reserve)
 
     def _start(self, state: CaseState) -> GenerationJob:
-        job = self._job(state)
+        job = self.job(state)
         with self._lock:
             state.system_prompt, state.question_prompt = job.system_prompt, job.question_prompt
             state.output = ""
@@ -456,6 +559,11 @@ class Runner:
             self._finish(st, ctx, res)
 
     def _finish(self, state: CaseState, ctx: _Ctx, res: GenerationResult) -> None:
+        elapsed = ctx.elapsed()
+        # Graded before taking the lock: `outcome` is pure and reads only this worker's result
+        # and the (frozen) case, and extracting from a long output should not hold up the other
+        # workers' tokens or a snapshot.
+        status, picked = outcome(state.case, res)
         with self._lock:
             state.output = res.output
             state.prompt_tokens = res.prompt_tokens
@@ -463,36 +571,21 @@ class Runner:
             state.tokens_known = res.tokens_known
             state.think_close = res.think_close
             state.thinking = res.thinking
-            state.elapsed_s = ctx.elapsed()
+            state.elapsed_s = elapsed
             state.error = res.error or res.skipped
             state.prompt = res.prompt
-            if res.interrupted == "switch":
-                state.status = Status.SWITCHED
+            state.status, state.picked = status, picked
+            if status is Status.SWITCHED:
                 # Back into the queue right after the case that asked to run now.
                 pos = 1 if self._queue else 0
                 self._queue.insert(pos, state.index)
-            elif res.interrupted == "stop":
-                state.status = Status.STOPPED
-            elif res.skipped:
-                state.status = Status.SKIPPED
-            elif res.error:
-                state.status = Status.ERROR
-            else:
-                v = grade.grade_output(state.case.answer_kind, state.case.answer, res.output,
-                                       state.case.aliases, state.case.nchoices)
-                state.picked = v.picked
-                state.status = Status.PASSED if v.passed else Status.FAILED
-            if state.status in (Status.STOPPED, Status.ERROR, Status.SKIPPED):
-                # Still show what the model had committed to so far; the verdict stays unset.
-                state.picked = grade.grade_output(state.case.answer_kind, state.case.answer, res.output,
-                                                  state.case.aliases, state.case.nchoices).picked
             final = copy.copy(state)
-        self._emit(StatusChanged(state.index, final.status))
+        self._control.emit(StatusChanged(state.index, final.status))
         if final.status is Status.SWITCHED:
             return
         if self._trace:
             self._trace.write(self.trace_record(final))
-        self._emit(CaseFinished(final))
+        self._control.emit(CaseFinished(final))
 
     def trace_record(self, st: CaseState) -> TraceRecord:
         cfg = self.config
@@ -523,7 +616,7 @@ class Runner:
     def provenance_fields(self, st: CaseState) -> dict:
         """The provenance fields of one case's trace record."""
         prompt = st.prompt
-        return {**self.provenance(), "case_hash": case_hash(st.case), "max_tokens": self._job(st).max_tokens,
+        return {**self.provenance(), "case_hash": case_hash(st.case), "max_tokens": self.job(st).max_tokens,
                 "prompt_sha256": prompt.sha256 if prompt else "",
                 "rendered_prompt": prompt.text if prompt else "",
                 "rendered_token_ends": prompt.ends_field if prompt else ""}
@@ -538,19 +631,3 @@ class Runner:
         st.gen_tokens = 0
         st.think_close = "none"
         st.tokens_known = True
-
-    def _paused_total(self) -> float:
-        with self._lock:
-            return self._paused_s + (time.monotonic() - self._pause_started if self._paused else 0.0)
-
-    def _checkpoint(self, ctx: _Ctx) -> str | None:
-        with self._cond:
-            while self._paused and not self._stop and ctx.interrupt is None:
-                self._cond.wait(0.2)
-            if self._stop:
-                return "stop"
-            return ctx.interrupt
-
-    def _emit(self, event: object) -> None:
-        for listener in list(self.listeners):
-            listener.on_event(event)

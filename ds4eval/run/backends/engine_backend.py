@@ -1,10 +1,10 @@
 """Engine backend: runs cases in-process through the `engine` package's public API.
 
 Contract
-- `EngineBackend(model, engine=None, parallel=None, engine_thread=None)` wraps a model
-  (`engine.protocols.ModelLike`, load_model's result) and takes the engine's types from
-  `engine`, any object satisfying `engine.protocols.EngineAPI` (default: the `engine`
-  package; tests pass a fake); `EngineBackend.load(config)` loads one.
+- `EngineBackend(model, engine=None, parallel=None, engine_thread=None, *, own_thread=False)`
+  wraps a model (`engine.protocols.ModelLike`, load_model's result) and takes the engine's
+  types from `engine`, any object satisfying `engine.protocols.EngineAPI` (default: the
+  `engine` package; tests pass a fake); `EngineBackend.load(config)` loads one.
 - Threads: every engine call, from loading the model to the last token, runs on one
   `engine.threads.EngineThread` (torch's OpenMP pool is per calling thread, and two pools on
   the same cores make every kernel wait passively; engine/threads.py says why).  The runner's
@@ -259,11 +259,12 @@ class EngineBackend:
     name = "engine"
 
     def __init__(self, model: ModelLike, engine: EngineAPI | None = None, parallel: int | None = None,
-                 engine_thread: EngineThread | None = None):
+                 engine_thread: EngineThread | None = None, *, own_thread: bool = False):
         """`engine` provides SamplingParams and Cancelled (default: the `engine` package);
         `parallel` N uses its BatchScheduler, GenRequest and Sampler too.  All engine work runs
         on `engine_thread` (the thread the model was loaded on, see `load`); without one the
-        backend starts its own and closes it in `close()`."""
+        backend starts its own and closes it in `close()`, and `own_thread=True` hands it a
+        given one to close the same way."""
         if engine is None:
             import engine
         self.engine = engine
@@ -273,7 +274,7 @@ class EngineBackend:
         self.supports_thinking = model_supports_thinking(model)
         self.parallel = parallel
         self.max_concurrency = 1 if parallel is None else parallel
-        self._owns_thread = engine_thread is None
+        self._owns_thread = engine_thread is None or own_thread
         self.engine_thread = engine_thread or EngineThread("ds4eval-engine")
         self._session = None
         self._scheduler = (SchedulerThread(engine, model, parallel, model.n_ctx, self.engine_thread)
@@ -287,11 +288,10 @@ class EngineBackend:
         try:
             model = thread.call(engine.load_model, config.model, ctx=config.ctx, device=config.device,
                                 kv_type=config.kv_type)
-            backend = cls(model, engine, parallel=config.parallel, engine_thread=thread)
+            backend = cls(model, engine, parallel=config.parallel, engine_thread=thread, own_thread=True)
         except BaseException:
             thread.close()
             raise
-        backend._owns_thread = True
         return backend
 
     def close(self) -> None:

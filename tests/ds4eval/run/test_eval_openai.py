@@ -196,7 +196,7 @@ def test_request_extra_and_chat_template_kwargs_are_merged_into_the_body():
                      chat_template_kwargs='{"reasoning_effort": "low"}')
     backend = OpenAIBackend(cfg)
     runner = Runner(cfg, [case("x")], backend)
-    body = backend.request_body(runner._job(runner.states[0]))
+    body = backend.request_body(runner.job(runner.states[0]))
     backend.close()
     assert body["repeat_penalty"] == 1.0 and body["temperature"] == 0.3  # --request-extra wins
     assert body["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "low", "x": 1}

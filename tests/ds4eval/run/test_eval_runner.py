@@ -5,11 +5,14 @@ import time
 
 import pytest
 
+from ds4eval.cases import grade
 from ds4eval.cases.case import parse_case
 from ds4eval.config import EvalConfig
 from ds4eval.run import trace as tr
 from ds4eval.run.backends.engine_backend import EngineBackend
-from ds4eval.run.runner import CaseFinished, Runner, Status, StatusChanged, TextDelta
+from ds4eval.run.runner import (CaseFinished, GenerationResult, Runner, Status, StatusChanged, TextDelta,
+                                outcome)
+from engine.threads import EngineThread
 from ds4eval.run.summary import PlainListener, build_summary, render_report
 
 from engine_fakes import FAKE_ENGINE, FakeModel
@@ -146,6 +149,73 @@ def test_report_and_summary(capsys):
     assert summary["totals"]["passed"] == 1 and summary["sources"][0]["cases"] == 2
     text = render_report(summary)
     assert "toy" in text and "TOTAL" in text and "passed 1/2" in text and "wall time" in text
+
+
+class ScriptedBackend:
+    """Ends each run of a case with the next result of its script, as a backend would."""
+
+    name, model_name, n_ctx, max_concurrency = "scripted", "scripted-model", 100, 1
+
+    def __init__(self, script):
+        self.script = {i: list(results) for i, results in script.items()}
+
+    def run_case(self, job, ctx):
+        ctx.started(3)
+        return self.script[job.index].pop(0)
+
+
+def test_each_outcome_is_graded_exactly_once(tmp_path, monkeypatch):
+    graded = []
+    real = grade.grade_output
+
+    def counting(kind, answer, output, *rest):
+        graded.append(output)
+        return real(kind, answer, output, *rest)
+
+    monkeypatch.setattr(grade, "grade_output", counting)
+    script = {0: [GenerationResult(output="Answer: 1", interrupted="switch"), GenerationResult(output="Answer: 4")],
+              1: [GenerationResult(output="Answer: 3")],
+              2: [GenerationResult(output="Answer: 6", interrupted="stop")],
+              3: [GenerationResult(output="Answer: 7", error="boom")],
+              4: [GenerationResult(output="Answer: 8", skipped="no room")]}
+    rec = Recorder()
+    cfg = EvalConfig(trace=str(tmp_path / "t.trace"))
+    states = Runner(cfg, [case(1), case(2, "5"), case(3), case(4), case(5)], ScriptedBackend(script), [rec]).run()
+    assert [(s.status, s.picked) for s in states] == [
+        (Status.PASSED, "4"), (Status.FAILED, "3"), (Status.STOPPED, "6"), (Status.ERROR, "7"),
+        (Status.SKIPPED, "8")]
+    # One grading per finished case, in the order they finished; the switched-out output never.
+    finished = [e.state.index for e in rec.events if isinstance(e, CaseFinished)]
+    assert finished == [1, 0, 2, 3, 4]
+    assert graded == ["Answer: 3", "Answer: 4", "Answer: 6", "Answer: 7", "Answer: 8"]
+    assert rec.statuses(0) == [Status.PREFILL, Status.THINKING, Status.SWITCHED,
+                               Status.PREFILL, Status.THINKING, Status.PASSED]
+    records = tr.read_trace(tmp_path / "t.trace").records
+    assert [(r.index, r.status, r.picked, r.error) for r in records] == [
+        (2, "FAILED", "3", ""), (1, "PASSED", "4", ""), (3, "STOPPED", "6", ""), (4, "ERROR", "7", "boom"),
+        (5, "SKIPPED", "8", "no room")]
+
+
+def test_outcome_precedence_switch_stop_skip_error_verdict():
+    c = case(1)
+    both = dict(output="Answer: 4", skipped="s", error="e")
+    assert outcome(c, GenerationResult(interrupted="switch", **both)) == (Status.SWITCHED, None)
+    assert outcome(c, GenerationResult(interrupted="stop", **both)) == (Status.STOPPED, "4")
+    assert outcome(c, GenerationResult(**both)) == (Status.SKIPPED, "4")
+    assert outcome(c, GenerationResult(output="Answer: 4", error="e")) == (Status.ERROR, "4")
+    assert outcome(c, GenerationResult(output="Answer: 4")) == (Status.PASSED, "4")
+    assert outcome(c, GenerationResult(output="no answer")) == (Status.FAILED, None)
+
+
+def test_the_backend_closes_only_an_engine_thread_it_owns():
+    lent = EngineThread("lent")
+    try:
+        EngineBackend(FakeModel(), FAKE_ENGINE, engine_thread=lent).close()
+        assert not lent.closed
+        EngineBackend(FakeModel(), FAKE_ENGINE, engine_thread=lent, own_thread=True).close()
+        assert lent.closed
+    finally:
+        lent.close()
 
 
 def _wait(cond, timeout=5.0):
