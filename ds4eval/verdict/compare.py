@@ -5,6 +5,8 @@ Contract
   holds per-case verdicts (`report.build_summary`); anything else raises `CompareInputError`
   with a one-line message. A case recorded more than once (retries append) counts by its last
   record. Traces from before statuses were recorded are graded from their own outputs and keys.
+  A Run keeps every record of its trace (`Run.records`; none for a summary), so reports that
+  show questions and outputs take them from the Comparison and no trace is parsed twice.
 - `compare(base, new, alpha=, strict=, allow=) -> Comparison` is pure. Cases are matched by
   (source, id) and must carry the same content hash (else, in older traces, the same answer
   key). A matched case stays out of the verdict, with a warning, when it is graded on one side
@@ -37,7 +39,7 @@ Contract
   `compare` use it, and so does the CLI around the whole command.
 - `compare` runs in four phases, one function each: `_match` (pair the cases, find why each
   would stay out), `_warnings`, `_statistics` (on the comparable cases) and `_verdict`.
-It reads no files and prints nothing: `reports.comparison` renders a Comparison.
+It reads no files and prints nothing: `ds4eval.reports` builds and renders a Comparison's reports.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class Run:
     suite: str = ""
     repeats: int = 1  # --repeats K of the run: the most repeats any case has
     tallies: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # case -> (passed, graded repeats)
+    # Every record of the trace as parsed (retries and repeats included), for reports that show
+    # questions and outputs; none for a summary, which holds verdicts only.
+    records: tuple[TraceRecord, ...] = ()
 
 
 def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | None) -> tuple:
@@ -227,6 +232,7 @@ def _read_run(text: str, label: str) -> Run:
         if not isinstance(obj, dict) or obj.get("format") != "ds4eval-summary":
             raise CompareInputError(f"{label}: JSON that is not a ds4-eval summary")
         found, kind, problems, suite = _summary_cases(obj, label), "summary", [], str(obj.get("suite") or "")
+        records: tuple[TraceRecord, ...] = ()
     else:
         parsed = parse_trace(text)
         if not parsed.records:
@@ -235,11 +241,11 @@ def _read_run(text: str, label: str) -> Run:
         if any(r.repeat for r in parsed.records):
             return _repeated_run(parsed.records, label, list(parsed.problems))
         found, kind, problems = [_record_case(r) for r in parsed.records], "trace", list(parsed.problems)
-        suite = parsed.records[-1].suite
+        suite, records = parsed.records[-1].suite, tuple(parsed.records)
     cases: dict[tuple[str, str], CaseRun] = {}
     for c in found:
         cases[(c.source, c.id)] = c
-    return Run(label, kind, cases, repeated=len(found) - len(cases), problems=problems, suite=suite)
+    return Run(label, kind, cases, repeated=len(found) - len(cases), problems=problems, suite=suite, records=records)
 
 
 def _repeated_run(records: list[TraceRecord], label: str, problems: list[str]) -> Run:
@@ -253,7 +259,7 @@ def _repeated_run(records: list[TraceRecord], label: str, problems: list[str]) -
         tallies[(g.source, g.id)] = (g.passed, g.graded)
     kept = sum(len(g.records) for g in grouped)
     return Run(label, "trace", cases, repeated=len(records) - kept, problems=problems, suite=records[-1].suite,
-               repeats=max(g.repeats for g in grouped), tallies=tallies)
+               repeats=max(g.repeats for g in grouped), tallies=tallies, records=tuple(records))
 
 
 # ---------------------------------------------------------------- the comparison
