@@ -33,7 +33,7 @@ from pathlib import Path
 import click
 
 from ds4eval.atomicfile import atomic_path
-from ds4eval.reports import comparison as compare_report
+from ds4eval.reports import formats as reports
 from ds4eval.run.provenance import file_sha256
 from ds4eval.verdict import compare as cmp
 from engine import kernels
@@ -141,7 +141,7 @@ def main(rebaseline: bool, model: str | None, tokens: int, baseline: str, cpu_ke
                         raise
                     click.echo(f"no comparison with the old baseline: {e}")
             if result is not None:
-                click.echo(compare_report.render(result, "markdown"))
+                click.echo(reports.render_comparison(result, "markdown"))
             if cfg.rebaseline:
                 with atomic_path(path) as out:
                     shutil.copyfile(trace, out)

@@ -1,49 +1,66 @@
-"""Which renderer writes which report: the registry behind `--report FILE`, `--report-from TRACE`
-and `--compare --format`. Pure.
+"""Which document and which renderer make each report: the registry behind `--report FILE`,
+`--report-from TRACE` and `--compare --format`. Pure.
 
 Contract
 - `report_format(path) -> "markdown" | "html"`: a report file ending in `.md` is markdown,
   anything else is the HTML page.
-- `render_run(records, fmt, label="", written="") -> str`: one run from its trace records,
-  fmt "html" (`reports.html.render_run_html`) or "markdown" (`reports.run.render_markdown`).
-- `render_comparison(cmp, fmt, base_records=(), new_records=(), written=("", "")) -> str`: fmt
-  "text", "markdown" or "json" (`reports.comparison`, which needs the Comparison only) or "html"
-  (`reports.html.render_compare_html`, which also shows the traces' questions and outputs).
-- `trace_records(text) -> list[TraceRecord]`: the records of a trace's text, none for a JSON
-  summary (a summary holds verdicts, not outputs).
-A new format is one entry in RUN_RENDERERS or COMPARE_RENDERERS. It reads and writes no files.
+- `render_run(records, fmt, label="", written="") -> str`: one run from its trace records
+  (`reports.run.build`, once), fmt "markdown" (the summary, cells escaped) or "html" (the page).
+- `render_comparison(cmp, fmt, written=("", "")) -> str`: fmt "text", "markdown", "json" or
+  "html"; the page's questions and outputs are the records the Comparison's runs were read
+  from (`compare.Run.records`), so no trace is read or parsed again here.
+  `base_records` and `new_records` (the two positional slots before `written`) are not used:
+  they remain for callers that parsed the traces a second time to pass them in.
+- `trace_records(trace_text) -> list[TraceRecord]`: the records of a trace's text, none for a JSON
+  summary; kept for those callers too, nothing here uses it.
+A new format is one entry in RUN_FORMATS or COMPARISON_FORMATS. It reads and writes no files.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Callable, Iterable
 
-from ds4eval.reports import comparison as compare_report
-from ds4eval.reports import html as html_report
-from ds4eval.reports import run as run_report
+from ds4eval.reports import comparison, html, markdown, run, text
 from ds4eval.run.trace import TraceRecord, parse_trace
 from ds4eval.verdict.compare import Comparison
 
 
-def _run_markdown(records: Iterable[TraceRecord], label: str, written: str) -> str:
-    return run_report.render_markdown(run_report.build(records, label, written))
+def _run_markdown(report: run.RunReport) -> str:
+    return markdown.render(run.summary_document(report), markdown.escaped_table)
 
 
-RUN_RENDERERS: dict[str, Callable[[Iterable[TraceRecord], str, str], str]] = {
-    "html": html_report.render_run_html,
+def _run_html(report: run.RunReport) -> str:
+    return html.render(run.page(report))
+
+
+RUN_FORMATS: dict[str, Callable[[run.RunReport], str]] = {
     "markdown": _run_markdown,
+    "html": _run_html,
 }
 
 
-def _from_comparison(fmt: str):
-    def render(cmp: Comparison, base_records, new_records, written) -> str:
-        return compare_report.render(cmp, fmt)
-    return render
+def _comparison_text(cmp: Comparison, written: tuple[str, str]) -> str:
+    return text.render(comparison.text_document(cmp))
 
 
-COMPARE_RENDERERS: dict[str, Callable[..., str]] = {
-    **{fmt: _from_comparison(fmt) for fmt in compare_report.RENDERERS},
-    "html": html_report.render_compare_html,
+def _comparison_markdown(cmp: Comparison, written: tuple[str, str]) -> str:
+    return markdown.render(comparison.markdown_document(cmp), markdown.aligned_table)
+
+
+def _comparison_json(cmp: Comparison, written: tuple[str, str]) -> str:
+    return json.dumps(comparison.as_json(cmp), indent=1, ensure_ascii=False) + "\n"
+
+
+def _comparison_html(cmp: Comparison, written: tuple[str, str]) -> str:
+    return html.render(comparison.page(cmp, written))
+
+
+COMPARISON_FORMATS: dict[str, Callable[[Comparison, tuple[str, str]], str]] = {
+    "text": _comparison_text,
+    "markdown": _comparison_markdown,
+    "json": _comparison_json,
+    "html": _comparison_html,
 }
 
 
@@ -52,15 +69,15 @@ def report_format(path: str) -> str:
 
 
 def render_run(records: Iterable[TraceRecord], fmt: str, label: str = "", written: str = "") -> str:
-    return RUN_RENDERERS[fmt](records, label, written)
+    return RUN_FORMATS[fmt](run.build(records, label, written))
 
 
 def render_comparison(cmp: Comparison, fmt: str, base_records: Iterable[TraceRecord] = (),
                       new_records: Iterable[TraceRecord] = (), written: tuple[str, str] = ("", "")) -> str:
-    return COMPARE_RENDERERS[fmt](cmp, base_records, new_records, written)
+    return COMPARISON_FORMATS[fmt](cmp, written)
 
 
-def trace_records(text: str) -> list[TraceRecord]:
-    if text.lstrip().startswith("{"):
+def trace_records(trace_text: str) -> list[TraceRecord]:
+    if trace_text.lstrip().startswith("{"):
         return []
-    return parse_trace(text).records
+    return parse_trace(trace_text).records

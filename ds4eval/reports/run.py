@@ -1,4 +1,5 @@
-"""One run's report, built from its trace records alone: what `ds4-eval --report` shows for a run. Pure.
+"""One run's report, built from its trace records alone: the figures (`RunReport`) and the
+tables and documents that `ds4-eval --report` and `--report-from` show. Pure.
 
 Contract
 - `latest_records(records) -> (records, superseded)`: the latest record of each (source, id,
@@ -15,20 +16,28 @@ Contract
   Wilson score interval; with repeats a case's repeats are not independent draws, so the
   figure is pass@1 (each case's share of passing repeats, averaged over cases) with the
   bootstrap interval over cases.
-- `render_markdown(report) -> str`: the report without per-case outputs, sized for a CI log or
-  a pull-request comment (long case lists are cut at MARKDOWN_ROWS rows, saying how many more).
-It reads no files (the CLI passes the trace's records and modification time) and does not
-render HTML (`reports.html`).
+- Tables (`reports.document`), shared by every medium and by the comparison's page:
+  `provenance_table`, `rates_table`, `length_table`, `flaky_table`, `nondeterministic_table`,
+  `case_list`, `repeat_blocks`; cells `status_cell`, `source_cell`, `picked_text`.
+- Documents: `summary_document(report)` without per-case outputs, sized for a CI log or a
+  pull-request comment (lists of cases cut at MARKDOWN_ROWS rows, saying how many more);
+  `page(report)` with plots and every case's question and output.
+It reads no files (the CLI passes the trace's records and modification time) and renders
+nothing: `reports.markdown` and `reports.html` write the documents.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+from urllib.parse import quote
 
+from ds4eval.reports.document import (Block, CaseDetail, CaseList, CaseRow, Cell, Code, Document, Heading, Histogram,
+                                      IntervalPlot, Output, Section, Series, Table, Text, Title, row)
 from ds4eval.run.trace import TraceRecord
 from ds4eval.verdict import regrade as rg
 from ds4eval.verdict import repeats as rp
@@ -245,23 +254,50 @@ def build(records: Iterable[TraceRecord], label: str = "", written: str = "") ->
                      think_close=dict(think), lengths=_lengths(recs), repeats=summary)
 
 
-# ---------------------------------------------------------------- shared row builders (markdown and HTML)
+# ---------------------------------------------------------------- cells and tables (every medium)
 
-def rate_rows(report: RunReport) -> list[dict]:
+def status_cell(status: str | None) -> Cell:
+    shown = status or "?"
+    return Cell(shown, style="status", tag=shown if shown in STATUSES else "other")
+
+
+def source_cell(source: str) -> Cell:
+    """A source's name, pointing at the view of its cases; the TOTAL row's name emphasised."""
+    if source == "TOTAL":
+        return Cell(source, style="strong")
+    return Cell(source, link="source=" + quote(source, safe=""))
+
+
+def picked_text(value: object) -> str:
+    """A picked answer for display: "(none)" when none was found (None, empty, or a missing
+    value of the comparison's table)."""
+    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+        return "(none)"
+    return str(value)
+
+
+def provenance_table(report: RunReport) -> Table:
+    return Table(("field", "value"), tuple(row(k, v) for k, v in report.provenance), "provenance-table", "kv")
+
+
+def rates_table(report: RunReport) -> Table:
+    """Pass rates per source (when there are several) and in total, with their intervals."""
+    repeated = report.repeated
+    columns = ("source", "cases", *(("records",) if repeated else ()), "passed", "graded", "not graded",
+               "no answer", "pass@1" if repeated else "pass rate", "95% CI")
     shown = list(report.sources) if len(report.sources) > 1 else []
-    rows = []
-    for s in shown + [report.total]:
-        rows.append({"source": s.source, "cases": s.cases, **({"records": s.records} if report.repeated else {}),
-                     "passed": s.passed, "graded": s.graded, "not graded": s.ungraded, "no answer": s.no_answer,
-                     "pass@1" if report.repeated else "pass rate": pct(s.rate),
-                     "95% CI": "-" if s.rate is None else f"[{pct(s.low)}, {pct(s.high)}]"})
-    return rows
+    rows = tuple(row(source_cell(s.source), s.cases, *((s.records,) if repeated else ()), s.passed, s.graded,
+                     s.ungraded, s.no_answer, pct(s.rate),
+                     "-" if s.rate is None else f"[{pct(s.low)}, {pct(s.high)}]")
+                 for s in shown + [report.total])
+    return Table(columns, rows, "rate-table")
 
 
-def length_row(report: RunReport) -> dict:
+def length_table(report: RunReport) -> Table:
     n = report.lengths
-    return {"records": n.count, "total": n.total, "mean": f"{n.mean:.1f}", "median": f"{n.median:g}",
-            "90th percentile": f"{n.p90:g}", "max": n.max, "used the whole budget": n.at_budget}
+    return Table(("records", "total", "mean", "median", "90th percentile", "max", "used the whole budget"),
+                 (row(n.count, n.total, f"{n.mean:.1f}", f"{n.median:g}", f"{n.p90:g}", n.max, n.at_budget),),
+                 "length-table")
 
 
 def repeat_line(s: rp.RepeatSummary) -> str:
@@ -279,63 +315,128 @@ def repeat_line(s: rp.RepeatSummary) -> str:
 _LETTER = {"PASSED": "P", "FAILED": "F"}
 
 
-def flaky_rows(s: rp.RepeatSummary) -> list[dict]:
-    return [{"case": c.name, "passed": f"{c.passed}/{c.graded}", "repeats": c.repeats,
-             "pass rate": pct(c.rate), "statuses": " ".join(_LETTER.get(r.status or "", "-") for r in c.records)}
-            for c in s.flaky()]
+def flaky_table(s: rp.RepeatSummary, key: str = "flaky-table") -> Table:
+    """The flaky cases, with each repeat's status as a letter (P passed, F failed, - not graded)."""
+    rows = tuple(row(c.name, f"{c.passed}/{c.graded}", c.repeats, pct(c.rate),
+                     " ".join(_LETTER.get(r.status or "", "-") for r in c.records))
+                 for c in s.flaky())
+    return Table(("case", "passed", "repeats", "pass rate", "statuses"), rows, key)
 
 
-def nondeterministic_rows(s: rp.RepeatSummary) -> list[dict]:
+def nondeterministic_table(s: rp.RepeatSummary, key: str = "nondeterministic-table") -> Table:
+    """Greedy cases whose repeats differ: where the first differing repeat departs from repeat 0."""
+    found = [c.difference.repeat for c in s.nondeterministic]
+    # One heading serves every row, so it names the differing repeat only when all cases share it.
+    other = f"repeat {found[0]} from there" if len(set(found)) == 1 else "differing repeat from there"
+    rows = tuple(row(c.name, c.difference.repeat, c.difference.token, c.difference.char,
+                     Cell(c.difference.base_text, style="code"), Cell(c.difference.other_text, style="code"))
+                 for c in s.nondeterministic)
+    return Table(("case", "repeat", "token", "char", "repeat 0 from there", other), rows, key)
+
+
+def capped(table: Table, limit: int) -> tuple[Table | Text, ...]:
+    """The table cut at `limit` rows, followed by a line saying how many more there are."""
+    if len(table.rows) <= limit:
+        return (table,)
+    return (dataclasses.replace(table, rows=table.rows[:limit]), Text((f"... and {len(table.rows) - limit} more",)))
+
+
+def case_list(report: RunReport) -> CaseList:
+    """A row per case and repeat, each with its question and output."""
+    columns = ("#", "case", *(("repeat",) if report.repeated else ()), "status", "picked", "expected", "tokens",
+               "think")
     rows = []
-    for c in s.nondeterministic:
-        d = c.difference
-        rows.append({"case": c.name, "repeat": d.repeat, "token": d.token, "char": d.char,
-                     "repeat 0 from there": d.base_text, f"repeat {d.repeat} from there": d.other_text})
-    return rows
+    for k, r in enumerate(report.records, 1):
+        cells = row(r.index, f"{r.source}/{r.id}", *((r.repeat,) if report.repeated else ()), status_cell(r.status),
+                    picked_text(r.picked), r.expected, r.gen_tokens,
+                    "" if r.think_close == "none" else r.think_close).cells
+        detail = CaseDetail(r.question_prompt, (Output("Output", r.model_output, r.error),))
+        rows.append(CaseRow(f"case-{k}", r.source, r.status or "?", cells, detail))
+    present = [s for s in STATUSES if s in report.statuses] + [s for s in report.statuses if s not in STATUSES]
+    statuses = tuple((s, s) for s in dict.fromkeys([*STATUSES[:2], *present]))
+    return CaseList(columns, tuple(rows), tuple(dict.fromkeys(r.source for r in report.records)), (("", statuses),))
 
 
-# ---------------------------------------------------------------- markdown
-
-def _cell(value: object) -> str:
-    text = str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\r", "\\r").replace("\n", "\\n")
-    return text.replace("`", "\\`")
-
-
-def markdown_table(rows: Sequence[dict], limit: int | None = None) -> list[str]:
-    """A pipe table of dict rows (every cell escaped), cut at `limit` rows with a note."""
-    if not rows:
-        return []
-    heads = list(rows[0])
-    shown = rows if limit is None else rows[:limit]
-    lines = ["| " + " | ".join(_cell(h) for h in heads) + " |", "|" + "---|" * len(heads)]
-    lines += ["| " + " | ".join(_cell(row.get(h, "")) for h in heads) + " |" for row in shown]
-    if len(rows) > len(shown):
-        lines += ["", f"... and {len(rows) - len(shown)} more"]
-    return lines
+def repeat_blocks(s: rp.RepeatSummary, side: str = "") -> tuple[Block, ...]:
+    """A page's account of one run's repeats; `side` ("base", "new") names the run in a comparison."""
+    prefix = f"{side}-" if side else ""
+    blocks: list[Block] = [Text((repeat_line(s),))]
+    flaky = flaky_table(s, f"{prefix}flaky-table")
+    if flaky.rows:
+        blocks += [Heading(f"{side + ' ' if side else ''}flaky cases"),
+                   Text(("statuses by repeat: P passed, F failed, - not graded",), note=True), flaky]
+    else:
+        blocks.append(Text(("no flaky case: every case passed all its graded repeats or none",), note=True))
+    nondet = nondeterministic_table(s, f"{prefix}nondeterministic-table")
+    if nondet.rows:
+        blocks += [Heading("greedy cases whose repeats differ"), nondet]
+    return tuple(blocks)
 
 
-def render_markdown(report: RunReport) -> str:
-    title = f"## ds4-eval report: `{report.label}`" if report.label else "## ds4-eval report"
-    lines = [title, "", f"**{report.headline()}**", "", "### Run", ""]
-    lines += markdown_table([{"field": k, "value": v} for k, v in report.provenance])
-    lines += ["", "### Pass rates", ""]
-    lines += markdown_table(rate_rows(report))
-    lines += ["", report.method(), "",
-              "statuses: " + ", ".join(f"{s} {n}" for s, n in report.statuses.items())
-              + (f"; {report.superseded} earlier record(s) superseded by retries" if report.superseded else "")]
-    lines += ["", "### Generated tokens", ""]
-    lines += markdown_table([length_row(report)])
-    if report.think_close:
-        lines += ["", "thinking closed: " + ", ".join(f"{k} {v}" for k, v in sorted(report.think_close.items()))]
+# ---------------------------------------------------------------- documents
+
+def _title(report: RunReport) -> Title:
+    return ("ds4-eval report: ", Code(report.label)) if report.label else ("ds4-eval report",)
+
+
+def _statuses_line(report: RunReport) -> str:
+    line = "statuses: " + ", ".join(f"{s} {n}" for s, n in report.statuses.items())
+    if report.superseded:
+        line += f"; {report.superseded} earlier record(s) superseded by retries"
+    return line
+
+
+def _thinking_line(report: RunReport) -> str:
+    return ("thinking closed: " + ", ".join(f"{k} {v}" for k, v in sorted(report.think_close.items()))
+            if report.think_close else "")
+
+
+def _provenance_blocks(report: RunReport) -> tuple[Block, ...]:
+    table = provenance_table(report)
+    return (table,) if table.rows else ()
+
+
+def summary_document(report: RunReport) -> Document:
+    """The report without per-case outputs, sized for a CI log or a pull-request comment: lists
+    of cases are cut at MARKDOWN_ROWS rows."""
+    think = _thinking_line(report)
+    sections = [
+        Section("Run", _provenance_blocks(report)),
+        Section("Pass rates", (rates_table(report), Text((report.method(),)), Text((_statuses_line(report),)))),
+        Section("Generated tokens", (length_table(report), *((Text((think,)),) if think else ()))),
+    ]
+    s = report.repeats
+    if s is not None:
+        blocks: list[Block] = [Text((repeat_line(s),))]
+        flaky = flaky_table(s)
+        if flaky.rows:
+            blocks += [Text(("Flaky cases (statuses by repeat: P passed, F failed, - not graded):",)),
+                       *capped(flaky, MARKDOWN_ROWS)]
+        nondet = nondeterministic_table(s)
+        if nondet.rows:
+            blocks += [Text(("Greedy cases whose repeats differ (first differing token):",)),
+                       *capped(nondet, MARKDOWN_ROWS)]
+        sections.append(Section(f"Repeats (K = {s.repeats})", tuple(blocks)))
+    return Document(_title(report), tuple(sections), Cell(report.headline(), style="headline"))
+
+
+def page(report: RunReport) -> Document:
+    """The whole run on one page: the figures, their plots and every case with its output."""
+    shown = (list(report.sources) if len(report.sources) > 1 else []) + [report.total]
+    plotted = tuple((s.source, s.rate, s.low, s.high) for s in shown if s.rate is not None)
+    think = _thinking_line(report)
+    sections = [
+        Section("Run", _provenance_blocks(report), "provenance"),
+        Section("Pass rates", (rates_table(report), Text((report.method(),), note=True),
+                               Text((_statuses_line(report),), note=True),
+                               *((IntervalPlot("rate-plot", "pass rate with its 95% interval", plotted, 0.0, 1.0),)
+                                 if plotted else ())), "rates"),
+        Section("Generated tokens", (length_table(report), *((Text((think,), note=True),) if think else ()),
+                                     Histogram("length-histogram", "generated tokens per case",
+                                               (Series("cases", tuple(r.gen_tokens for r in report.records),
+                                                       "run"),))), "lengths"),
+    ]
     if report.repeats is not None:
-        s = report.repeats
-        lines += ["", f"### Repeats (K = {s.repeats})", "", repeat_line(s)]
-        flaky = flaky_rows(s)
-        if flaky:
-            lines += ["", "Flaky cases (statuses by repeat: P passed, F failed, - not graded):", ""]
-            lines += markdown_table(flaky, MARKDOWN_ROWS)
-        nondet = nondeterministic_rows(s)
-        if nondet:
-            lines += ["", "Greedy cases whose repeats differ (first differing token):", ""]
-            lines += markdown_table(nondet, MARKDOWN_ROWS)
-    return "\n".join(lines) + "\n"
+        sections.append(Section(f"Repeats (K = {report.repeats.repeats})", repeat_blocks(report.repeats), "repeats"))
+    sections.append(Section("Cases", (case_list(report),), "cases"))
+    return Document(_title(report), tuple(sections), Cell(report.headline(), style="headline"))

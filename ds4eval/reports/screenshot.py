@@ -15,7 +15,9 @@ Contract
   `make setup-browser` installs them and the `browser` extra). It never downloads a browser
   or a driver. `BrowserMissing` says what is absent.
 - `screenshot(html_path, png_path, ...)` loads the file by its file:// URL and writes a PNG.
-It is a tool, not a library seam: the report itself is `reports.html`, and the CLI's
+- `render_html(traces, allow=())`: the page of one trace or of a comparison of two, through
+  `reports.formats`, each file read and parsed once.
+It is a tool, not a library seam: the page itself is `reports.html`'s, and the CLI's
 `--report` needs no browser.
 """
 
@@ -91,21 +93,21 @@ def set_viewport(drv, width: int, height: int) -> None:
                         {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
 
 
-def _render(traces: list[str], allow: tuple[str, ...] = ()) -> str:
-    from ds4eval.verdict import compare
-    from ds4eval.reports import html as html_report
+def render_html(traces: list[str], allow: tuple[str, ...] = ()) -> str:
+    """The HTML report of one trace, or of a comparison of two (traces or summaries); each file
+    is read and parsed once, and the comparison carries its runs' records to the page."""
+    from ds4eval.reports import formats
     from ds4eval.run import trace
+    from ds4eval.verdict import compare
 
     texts = []
     for p in traces:
         with open(p, encoding="utf-8", newline="") as f:
             texts.append(f.read())
     if len(traces) == 1:
-        return html_report.render_run_html(trace.parse_trace(texts[0]).records, traces[0])
+        return formats.render_run(trace.parse_trace(texts[0]).records, "html", traces[0])
     base, new = (compare.read_run(t, p) for t, p in zip(texts, traces))
-    result = compare.compare(base, new, allow=allow)
-    records = [trace.parse_trace(t).records if not t.lstrip().startswith("{") else [] for t in texts]
-    return html_report.render_compare_html(result, records[0], records[1])
+    return formats.render_comparison(compare.compare(base, new, allow=allow), "html")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -127,7 +129,7 @@ def main(paths, html_path, width, height, view, allow_diff) -> None:
     *traces, png = paths
     html_path = html_path or str(Path(png).with_suffix(".html"))
     try:
-        write_text_atomic(html_path, _render(traces, tuple(allow_diff)))
+        write_text_atomic(html_path, render_html(traces, tuple(allow_diff)))
         screenshot(html_path, png, width, height, view)
     except (OSError, UnicodeDecodeError, CompareInputError, BrowserMissing) as e:
         click.echo(f"ds4eval.reports.screenshot: error: {e}", err=True)

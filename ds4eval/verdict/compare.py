@@ -5,6 +5,8 @@ Contract
   holds per-case verdicts (`report.build_summary`); anything else raises `CompareInputError`
   with a one-line message. A case recorded more than once (retries append) counts by its last
   record. Traces from before statuses were recorded are graded from their own outputs and keys.
+  A Run keeps every record of its trace (`Run.records`; none for a summary), so reports that
+  show questions and outputs take them from the Comparison and no trace is parsed twice.
 - `compare(base, new, alpha=, strict=, allow=) -> Comparison` is pure. Cases are matched by
   (source, id) and must carry the same content hash (else, in older traces, the same answer
   key). A matched case stays out of the verdict, with a warning, when it is graded on one side
@@ -35,7 +37,9 @@ Contract
 - `collector_paused()`: a context that pauses Python's cyclic garbage collector (reading and
   pairing build about a million acyclic objects for two 10,000-case traces); `read_run` and
   `compare` use it, and so does the CLI around the whole command.
-It reads no files and prints nothing: `reports.comparison` renders a Comparison.
+- `compare` runs in four phases, one function each: `_match` (pair the cases, find why each
+  would stay out), `_warnings`, `_statistics` (on the comparable cases) and `_verdict`.
+It reads no files and prints nothing: `ds4eval.reports` builds and renders a Comparison's reports.
 """
 
 from __future__ import annotations
@@ -129,6 +133,9 @@ class Run:
     suite: str = ""
     repeats: int = 1  # --repeats K of the run: the most repeats any case has
     tallies: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # case -> (passed, graded repeats)
+    # Every record of the trace as parsed (retries and repeats included), for reports that show
+    # questions and outputs; none for a summary, which holds verdicts only.
+    records: tuple[TraceRecord, ...] = ()
 
 
 def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | None) -> tuple:
@@ -225,6 +232,7 @@ def _read_run(text: str, label: str) -> Run:
         if not isinstance(obj, dict) or obj.get("format") != "ds4eval-summary":
             raise CompareInputError(f"{label}: JSON that is not a ds4-eval summary")
         found, kind, problems, suite = _summary_cases(obj, label), "summary", [], str(obj.get("suite") or "")
+        records: tuple[TraceRecord, ...] = ()
     else:
         parsed = parse_trace(text)
         if not parsed.records:
@@ -233,11 +241,11 @@ def _read_run(text: str, label: str) -> Run:
         if any(r.repeat for r in parsed.records):
             return _repeated_run(parsed.records, label, list(parsed.problems))
         found, kind, problems = [_record_case(r) for r in parsed.records], "trace", list(parsed.problems)
-        suite = parsed.records[-1].suite
+        suite, records = parsed.records[-1].suite, tuple(parsed.records)
     cases: dict[tuple[str, str], CaseRun] = {}
     for c in found:
         cases[(c.source, c.id)] = c
-    return Run(label, kind, cases, repeated=len(found) - len(cases), problems=problems, suite=suite)
+    return Run(label, kind, cases, repeated=len(found) - len(cases), problems=problems, suite=suite, records=records)
 
 
 def _repeated_run(records: list[TraceRecord], label: str, problems: list[str]) -> Run:
@@ -251,7 +259,7 @@ def _repeated_run(records: list[TraceRecord], label: str, problems: list[str]) -
         tallies[(g.source, g.id)] = (g.passed, g.graded)
     kept = sum(len(g.records) for g in grouped)
     return Run(label, "trace", cases, repeated=len(records) - kept, problems=problems, suite=records[-1].suite,
-               repeats=max(g.repeats for g in grouped), tallies=tallies)
+               repeats=max(g.repeats for g in grouped), tallies=tallies, records=tuple(records))
 
 
 # ---------------------------------------------------------------- the comparison
@@ -647,17 +655,55 @@ def compare(base: Run, new: Run, *, alpha: float = 0.05, strict: bool = False, a
                         top_lengths=top_lengths)
 
 
-def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable[str], resamples: int, seed: int,
-             top_lengths: int) -> Comparison:
-    allowed = tuple(sorted(set(allow)))
-    if set(allowed) - set(ALLOWED_DIFFS):
-        raise ValueError(f"allow takes {', '.join(ALLOWED_DIFFS)}")
+Pair = tuple[CaseRun, CaseRun]
+
+
+@dataclass
+class _Matching:
+    """Phase 1: the cases of both runs paired, and why each pair would stay out of the verdict."""
+
+    only_base: list[tuple[str, str]]
+    only_new: list[tuple[str, str]]
+    matched: list[Pair]
+    comparable: list[Pair]             # the matched pairs the verdict counts
+    by_kind: dict[str, list[Pair]]     # exclusion kind -> its pairs (allowed kinds included)
+    cases: pd.DataFrame                # one row per matched pair (Comparison.cases)
+    render_diffs: list[RenderDiff]     # one per pair whose prompts differ, not yet grouped
+    lost: list[str]                    # matched cases that passed in BASE and have no verdict in NEW
+
+
+@dataclass
+class _Statistics:
+    """Phase 3: the figures of the comparable cases."""
+
+    sources: list[SourceStats]
+    total: SourceStats
+    flips: list[Flip]
+    lost: list[str]  # lost passes among matched cases and cases only in BASE
+    length_changes: list[LengthChange]
+
+
+@dataclass
+class _Verdict:
+    """Phase 4: what the comparison concludes."""
+
+    repeats: RepeatComparison | None
+    regression: bool
+    exit_status: int
+    text: str
+
+
+_CASE_COLUMNS = ["source", "id", "base_status", "new_status", "base_picked", "new_picked", "base_expected",
+                 "new_expected", "base_gen_tokens", "new_gen_tokens", "base_gen_s", "new_gen_s", "base_prompt_tokens",
+                 "new_prompt_tokens", "base_no_answer", "new_no_answer", "excluded"]
+
+
+def _match(base: Run, new: Run, allowed: tuple[str, ...]) -> _Matching:
+    """1. Pair the cases by (source, id) and find why each matched case would stay out of the verdict."""
     only_base = [k for k in base.cases if k not in new.cases]
     only_new = [k for k in new.cases if k not in base.cases]
     matched = [(base.cases[k], new.cases[k]) for k in base.cases if k in new.cases]
-
-    # 1. Why each matched case would stay out of the verdict.
-    by_kind: dict[str, list[tuple[CaseRun, CaseRun]]] = {}
+    by_kind: dict[str, list[Pair]] = {}
     rows, comparable, render, lost = [], [], [], []
     for b, n in matched:
         why = _exclusions(b, n)
@@ -673,12 +719,12 @@ def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable
                      b.no_answer, n.no_answer, ",".join(excluded)))
         if not excluded:
             comparable.append((b, n))
-    cases = pd.DataFrame(rows, columns=[
-        "source", "id", "base_status", "new_status", "base_picked", "new_picked", "base_expected",
-        "new_expected", "base_gen_tokens", "new_gen_tokens", "base_gen_s", "new_gen_s", "base_prompt_tokens",
-        "new_prompt_tokens", "base_no_answer", "new_no_answer", "excluded"])
+    return _Matching(only_base, only_new, matched, comparable, by_kind, pd.DataFrame(rows, columns=_CASE_COLUMNS),
+                     render, lost)
 
-    # 2. Warnings.
+
+def _warnings(base: Run, new: Run, m: _Matching, allowed: tuple[str, ...]) -> list[Issue]:
+    """2. Everything that keeps cases out of the verdict or weakens it, in the order a reader needs it."""
     issues = []
     for run in (base, new):
         for p in run.problems:
@@ -686,33 +732,40 @@ def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable
         if run.repeated:
             issues.append(Issue("repeated", f"{run.label}: {run.repeated} case record(s) superseded by later "
                                              f"records of the same case; the last one counts", excluded=False))
-    if only_base:
-        issues.append(Issue("only_base", f"{len(only_base)} case(s) only in BASE [{_listing(_names(only_base))}]; "
-                                         f"excluded", _names(only_base)))
-    if only_new:
-        issues.append(Issue("only_new", f"{len(only_new)} case(s) only in NEW [{_listing(_names(only_new))}]; "
-                                        f"excluded", _names(only_new)))
+    if m.only_base:
+        issues.append(Issue("only_base", f"{len(m.only_base)} case(s) only in BASE [{_listing(_names(m.only_base))}]; "
+                                         f"excluded", _names(m.only_base)))
+    if m.only_new:
+        issues.append(Issue("only_new", f"{len(m.only_new)} case(s) only in NEW [{_listing(_names(m.only_new))}]; "
+                                        f"excluded", _names(m.only_new)))
     for kind in ("pin", "model", "prompt", "sampling", "ungraded"):
-        if kind in by_kind:
-            issues.append(_pair_issue(kind, by_kind[kind], kind in allowed))
+        if kind in m.by_kind:
+            issues.append(_pair_issue(kind, m.by_kind[kind], kind in allowed))
     for run in (base, new):
         if _provenance_gap(run):
             issues.append(Issue("provenance", f"{run.label} has cases without provenance (an older trace or "
                                                f"summary): model file, template and settings differences "
                                                f"cannot all be seen", excluded=False))
+    return issues
 
-    if not comparable:
-        reasons = ", ".join(f"{len(v)} {k}" for k, v in by_kind.items() if k not in allowed)
-        if not matched:
-            raise CompareInputError(f"nothing to compare: BASE ({len(base.cases)} cases) and NEW "
-                                    f"({len(new.cases)} cases) have no case in common")
-        hint = "; --allow-diff model|prompt|sampling keeps cases whose difference is the change under test" \
-            if set(by_kind) & (set(ALLOWED_DIFFS) - set(allowed)) else ""
-        raise CompareInputError(f"nothing to compare: none of the {len(matched)} matched cases is comparable "
-                                f"({reasons}){hint}")
 
-    # 3. Statistics on the comparable cases.
-    ok = cases[cases["excluded"] == ""].copy()
+def _require_comparable(base: Run, new: Run, m: _Matching, allowed: tuple[str, ...]) -> None:
+    """CompareInputError, saying why, when no case is left for the verdict."""
+    if m.comparable:
+        return
+    if not m.matched:
+        raise CompareInputError(f"nothing to compare: BASE ({len(base.cases)} cases) and NEW "
+                                f"({len(new.cases)} cases) have no case in common")
+    reasons = ", ".join(f"{len(v)} {k}" for k, v in m.by_kind.items() if k not in allowed)
+    hint = "; --allow-diff model|prompt|sampling keeps cases whose difference is the change under test" \
+        if set(m.by_kind) & (set(ALLOWED_DIFFS) - set(allowed)) else ""
+    raise CompareInputError(f"nothing to compare: none of the {len(m.matched)} matched cases is comparable "
+                            f"({reasons}){hint}")
+
+
+def _statistics(base: Run, m: _Matching, resamples: int, seed: int, top_lengths: int) -> _Statistics:
+    """3. Pass rates, intervals and tests per source and in total, flips, lost passes and length changes."""
+    ok = m.cases[m.cases["excluded"] == ""].copy()
     ok["base_pass"] = ok["base_status"] == "PASSED"
     ok["new_pass"] = ok["new_status"] == "PASSED"
     sources = [_source_stats(src, grp, resamples, seed) for src, grp in ok.groupby("source", sort=False)]
@@ -720,39 +773,57 @@ def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable
 
     flips = [Flip(b.source, b.id, "pass->fail" if b.passed else "fail->pass", b.picked, n.picked, b.expected,
                   n.expected, n.no_answer if b.passed else b.no_answer)
-             for b, n in comparable if b.passed != n.passed]
+             for b, n in m.comparable if b.passed != n.passed]
     flips.sort(key=lambda f: (f.direction != "pass->fail", f.source, f.id))
-    lost += [base.cases[k].name for k in only_base if base.cases[k].passed]
+    lost = m.lost + [base.cases[k].name for k in m.only_base if base.cases[k].passed]
 
-    moved = heapq.nsmallest(top_lengths, ((b, n) for b, n in comparable if b.gen_tokens != n.gen_tokens),
+    moved = heapq.nsmallest(top_lengths, ((b, n) for b, n in m.comparable if b.gen_tokens != n.gen_tokens),
                             key=lambda p: (-abs(p[1].gen_tokens - p[0].gen_tokens), p[0].source, p[0].id))
     changes = [LengthChange(b.source, b.id, b.gen_tokens, n.gen_tokens, b.status, n.status) for b, n in moved]
+    return _Statistics(sources, total, flips, lost, changes)
 
-    # 4. The verdict: on the repeats' pass counts when there are repeats, else on the flips.
+
+def _verdict(base: Run, new: Run, comparable: list[Pair], st: _Statistics, *, alpha: float, strict: bool,
+             resamples: int, seed: int) -> _Verdict:
+    """4. The verdict: on the repeats' pass counts when there are repeats, else on the flips."""
     rc = (_repeat_comparison(comparable, base, new, alpha, resamples, seed)
           if max(base.repeats, new.repeats) > 1 else None)
+    total, lost = st.total, st.lost
     t = total.test if rc is None else rc.test
     regression = t.p_exact < alpha and t.b > t.c
     strict_fail = strict and ((t.b > 0 if rc is None else bool(rc.drops)) or bool(lost))
     if rc is not None:
-        verdict = _repeat_verdict(rc, regression, strict_fail, lost, alpha)
+        text = _repeat_verdict(rc, regression, strict_fail, lost, alpha)
     elif regression:
-        verdict = (f"significant regression: {t.b} pass→fail against {t.c} fail→pass of {total.cases} comparable "
-                   f"cases (McNemar exact p = {t.p_exact:.4g} < alpha {alpha:g})")
+        text = (f"significant regression: {t.b} pass→fail against {t.c} fail→pass of {total.cases} comparable "
+                f"cases (McNemar exact p = {t.p_exact:.4g} < alpha {alpha:g})")
     elif strict_fail:
         parts = [f"{t.b} pass→fail flip(s)"] if t.b else []
         parts += [f"{len(lost)} lost pass(es)"] if lost else []
-        verdict = (f"regression under --strict: {' and '.join(parts)} (McNemar exact p = {t.p_exact:.4g}, "
-                   f"not significant at alpha {alpha:g})")
+        text = (f"regression under --strict: {' and '.join(parts)} (McNemar exact p = {t.p_exact:.4g}, "
+                f"not significant at alpha {alpha:g})")
     else:
         direction = "significant improvement" if t.p_exact < alpha and t.c > t.b else "no significant regression"
-        verdict = (f"{direction}: {t.b} pass→fail, {t.c} fail→pass of {total.cases} comparable cases "
-                   f"(McNemar exact p = {t.p_exact:.4g}, alpha {alpha:g})")
+        text = (f"{direction}: {t.b} pass→fail, {t.c} fail→pass of {total.cases} comparable cases "
+                f"(McNemar exact p = {t.p_exact:.4g}, alpha {alpha:g})")
+    return _Verdict(rc, regression, 1 if regression or strict_fail else 0, text)
+
+
+def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable[str], resamples: int, seed: int,
+             top_lengths: int) -> Comparison:
+    allowed = tuple(sorted(set(allow)))
+    if set(allowed) - set(ALLOWED_DIFFS):
+        raise ValueError(f"allow takes {', '.join(ALLOWED_DIFFS)}")
+    m = _match(base, new, allowed)
+    issues = _warnings(base, new, m, allowed)
+    _require_comparable(base, new, m, allowed)
+    st = _statistics(base, m, resamples, seed, top_lengths)
+    v = _verdict(base, new, m.comparable, st, alpha=alpha, strict=strict, resamples=resamples, seed=seed)
     return Comparison(
-        base=base, new=new, alpha=alpha, strict=strict, allowed=allowed, cases=cases, sources=sources, total=total,
-        flips=flips, lost_passes=lost, length_changes=changes, issues=issues,
-        differences=_differences(matched), render_diffs=_group_render_diffs(render), regression=regression,
-        exit_status=1 if regression or strict_fail else 0, verdict=verdict, repeats=rc)
+        base=base, new=new, alpha=alpha, strict=strict, allowed=allowed, cases=m.cases, sources=st.sources,
+        total=st.total, flips=st.flips, lost_passes=st.lost, length_changes=st.length_changes, issues=issues,
+        differences=_differences(m.matched), render_diffs=_group_render_diffs(m.render_diffs),
+        regression=v.regression, exit_status=v.exit_status, verdict=v.text, repeats=v.repeats)
 
 
 def _repeat_verdict(rc: RepeatComparison, regression: bool, strict_fail: bool, lost: list[str],

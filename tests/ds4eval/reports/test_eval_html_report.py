@@ -1,20 +1,35 @@
-"""ds4eval.reports.html on hand-made traces: escaping of hostile text, folded thinking, filters,
-plots and tables on one run, a comparison and repeated runs, and linear size at 1,000 cases."""
+"""The HTML pages (`reports.run.page` and `reports.comparison.page` rendered by `reports.html`)
+on hand-made traces: escaping of hostile text, folded thinking, filters, plots and tables on one
+run, a comparison and repeated runs, and linear size at 1,000 cases."""
 
 import re
 import time
 from html.parser import HTMLParser
 from pathlib import Path
 
+import json
+
 import pytest
 from report_fakes import (HOSTILE, comparison, flip_pair, greedy_nondeterministic, rec, repeated_records,
                           run_records)
 
 from ds4eval.cases import extract
+from ds4eval.reports import formats
 from ds4eval.reports import html as html_report
+from ds4eval.reports import run as run_report
+from ds4eval.reports.document import Cell, Table, row
 from ds4eval.run import trace as tr
+from ds4eval.verdict import compare
 
 REPO = Path(__file__).resolve().parents[3]
+
+
+def run_page(records, label="", written=""):
+    return formats.render_run(records, "html", label, written)
+
+
+def compare_page(cmp, written=("", "")):
+    return formats.render_comparison(cmp, "html", written=written)
 
 
 class Outline(HTMLParser):
@@ -49,7 +64,7 @@ class Outline(HTMLParser):
 
 
 def test_hostile_text_is_escaped_everywhere():
-    page = html_report.render_run_html(run_records(), label=f"run {HOSTILE}")
+    page = run_page(run_records(), label=f"run {HOSTILE}")
     o = Outline(page)
     # One script (ours): the trace's "</script>" never closes it or opens another one.
     assert page.count("<script>") == 1 and page.count("</script>") == 1 and len(o.scripts) == 1
@@ -60,7 +75,7 @@ def test_hostile_text_is_escaped_everywhere():
 
 def test_hostile_source_names_stay_inside_their_attributes():
     records = [rec(1, source='x" onmouseover="alert(1)'), rec(2, "FAILED", "5", source="<b>bold</b>")]
-    page = html_report.render_run_html(records)
+    page = run_page(records)
     o = Outline(page)
     sources = {a["data-source"] for t, a in o.tags if t == "tr" and "data-source" in a}
     assert sources == {'x" onmouseover="alert(1)', "<b>bold</b>"}
@@ -84,7 +99,7 @@ def test_split_thinking_shows_what_the_extractors_read(output):
 
 
 def test_thinking_is_folded_and_dimmed_in_collapsed_details():
-    page = html_report.render_run_html(run_records())
+    page = run_page(run_records())
     m = re.search(r'<details class="think"><summary>thinking \([\d,]+ chars\)</summary><pre>([^<]*)</pre></details>'
                   r'<pre class="answer">([^<]*)</pre>', page)
     assert m and "THINKING-TEXT" in m[1] and m[2] == "\nAnswer: 4"
@@ -96,7 +111,7 @@ def test_thinking_is_folded_and_dimmed_in_collapsed_details():
 
 
 def test_run_page_sections_filters_and_plots():
-    page = html_report.render_run_html(run_records(), label="toy.trace", written="2026-05-01 10:00:00 +0000")
+    page = run_page(run_records(), label="toy.trace", written="2026-05-01 10:00:00 +0000")
     o = Outline(page)
     assert {"provenance-table", "rate-table", "rate-plot", "length-histogram", "case-table", "filter-status",
             "filter-source", "filter-count"} <= o.ids()
@@ -116,7 +131,7 @@ def test_run_page_sections_filters_and_plots():
 def test_comparison_page_flips_both_sides_and_overlaid_histograms():
     base, new = flip_pair()
     cmp = comparison(base, new)
-    page = html_report.render_compare_html(cmp, base, new, written=("2026-05-01", "2026-05-02"))
+    page = compare_page(cmp, ("2026-05-01", "2026-05-02"))
     o = Outline(page)
     assert {"runs-table", "provenance-table", "rate-table", "delta-plot", "length-histogram", "flip-table",
             "case-table", "time-table"} <= o.ids()
@@ -133,22 +148,37 @@ def test_comparison_page_flips_both_sides_and_overlaid_histograms():
     assert f"[{100 * iv.low:+.1f}, {100 * iv.high:+.1f}]" in page
 
 
-def test_comparison_of_summaries_renders_without_outputs(tmp_path):
+def _summary(records) -> str:
+    return json.dumps({"format": "ds4eval-summary", "version": 1, "suite": "toy", "model": "Toy 1B",
+                       "cases": [{"source": r.source, "id": r.id, "status": r.status, "picked": r.picked,
+                                  "expected": r.expected, "case_hash": r.case_hash} for r in records]})
+
+
+def test_comparison_of_summaries_renders_without_outputs():
+    base, new = flip_pair()
+    cmp = compare.compare(compare.read_run(_summary(base), "b.json"), compare.read_run(_summary(new), "n.json"))
+    assert cmp.base.records == () and cmp.new.records == ()
+    page = compare_page(cmp)
+    assert page.count('<tr class="case"') == 10 and "no output recorded" in page and "NEW-THINKING" not in page
+
+
+def test_comparison_page_shows_the_records_the_runs_were_read_from():
     base, new = flip_pair()
     cmp = comparison(base, new)
-    page = html_report.render_compare_html(cmp)
-    assert page.count('<tr class="case"') == 10 and "no output recorded" in page and "NEW-THINKING" not in page
+    assert [r.id for r in cmp.new.records] == [r.id for r in new]
+    page = compare_page(cmp)
+    assert "NEW-THINKING" in page and "no output recorded" not in page
 
 
 def test_excluded_cases_are_marked():
     base, new = flip_pair()
     new[4] = rec(5, source="alpha", case_hash="sha256:" + "9" * 64)
-    page = html_report.render_compare_html(comparison(base, new), base, new)
+    page = compare_page(comparison(base, new))
     assert "excluded (pin)" in page and re.search(r'data-status="PASSED base-PASSED excluded"', page)
 
 
 def test_repeats_show_classes_flaky_and_non_deterministic_cases():
-    page = html_report.render_run_html(repeated_records() + greedy_nondeterministic())
+    page = run_page(repeated_records() + greedy_nondeterministic())
     o = Outline(page)
     assert {"flaky-table", "nondeterministic-table", "repeats"} <= o.ids()
     assert "pass@1" in page and "pass@3" in page and "pass^3" in page and "flaky 2" in page
@@ -161,7 +191,7 @@ def test_repeats_show_classes_flaky_and_non_deterministic_cases():
 
 def test_comparison_of_repeated_runs_shows_each_sides_repeats():
     recs = repeated_records()
-    page = html_report.render_compare_html(comparison(recs, recs), recs, recs)
+    page = compare_page(comparison(recs, recs))
     assert "base-flaky-table" in page and "new-flaky-table" in page
 
 
@@ -172,11 +202,11 @@ def _many(n: int) -> list[tr.TraceRecord]:
 
 def test_a_thousand_cases_render_in_linear_size():
     t0 = time.perf_counter()
-    page = html_report.render_run_html(_many(1000))
+    page = run_page(_many(1000))
     elapsed = time.perf_counter() - t0
     print(f"1,000-case run page: {len(page):,} chars in {elapsed:.2f} s")
     # Each further case adds the same amount of page: no per-case part grows with the run.
-    sizes = {n: len(html_report.render_run_html(_many(n))) for n in (10, 100)}
+    sizes = {n: len(run_page(_many(n))) for n in (10, 100)}
     assert (len(page) - sizes[100]) / 900 == pytest.approx((sizes[100] - sizes[10]) / 90, rel=0.05)
     assert page.count('<tr class="case"') == 1000 and page.count("<details>") == 1000
     o = Outline(page)
@@ -184,23 +214,26 @@ def test_a_thousand_cases_render_in_linear_size():
     base, new = _many(1000), _many(1000)
     new[10] = rec(11, "FAILED", "9", source="src4")
     t0 = time.perf_counter()
-    cpage = html_report.render_compare_html(comparison(base, new), base, new)
+    cpage = compare_page(comparison(base, new))
     print(f"1,000-case comparison page: {len(cpage):,} chars in {time.perf_counter() - t0:.2f} s")
     assert cpage.count('<tr class="case"') == 1000
     assert len(cpage) < 3 * len(page)
 
 
 def test_table_cells_and_picked_values():
-    assert html_report.picked_text(None) == "(none)" and html_report.picked_text(float("nan")) == "(none)"
-    assert html_report.picked_text("") == "(none)" and html_report.picked_text("B") == "B"
-    t = html_report.table([{"a": "<x>", "b": html_report.Html("<i>y</i>")}], "t1")
-    assert "<td>&lt;x&gt;</td><td><i>y</i></td>" in t and 'id="t1"' in t
+    assert run_report.picked_text(None) == "(none)" and run_report.picked_text(float("nan")) == "(none)"
+    assert run_report.picked_text("") == "(none)" and run_report.picked_text("B") == "B"
+    # Every cell's text is escaped; markup comes only from its style and its link.
+    t = html_report.table(Table(("a", "b", "c"), (row("<x>", Cell("<i>y</i>", style="code"),
+                                                      Cell("x&y", link='case-1"><script>')),), "t1"))
+    assert "<td>&lt;x&gt;</td><td><code>&lt;i&gt;y&lt;/i&gt;</code></td>" in t and 'id="t1"' in t
+    assert '<td><a href="#case-1&quot;&gt;&lt;script&gt;">x&amp;y</a></td>' in t
 
 
 def test_no_network_resources():
     base, new = flip_pair()
-    for page in (html_report.render_run_html(run_records()),
-                 html_report.render_compare_html(comparison(base, new), base, new)):
+    for page in (run_page(run_records()),
+                 compare_page(comparison(base, new))):
         o = Outline(page)
         assert not [a for t, a in o.tags if "src" in a or (t == "link")]
         assert "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
@@ -208,5 +241,40 @@ def test_no_network_resources():
 
 
 def test_an_old_trace_without_statuses_is_graded_for_the_page():
-    page = html_report.render_run_html(tr.read_trace(REPO / "traces" / "sanity-smollm2-greedy.trace").records)
+    page = run_page(tr.read_trace(REPO / "traces" / "sanity-smollm2-greedy.trace").records)
     assert "passed 13 of 41 graded" in page and page.count('<tr class="case" id="case-1" data-status="FAILED"') == 1
+
+
+def test_the_screenshot_tool_parses_each_trace_once(tmp_path, monkeypatch):
+    from ds4eval.reports import screenshot
+    from ds4eval.verdict import compare as compare_mod
+
+    base, new = flip_pair()
+    paths = []
+    for name, recs in (("b.trace", base), ("n.trace", new)):
+        (tmp_path / name).write_text("".join(map(tr.format_record, recs)), encoding="utf-8")
+        paths.append(str(tmp_path / name))
+    parsed, parse = [], tr.parse_trace
+
+    def counting(text):
+        parsed.append(text)
+        return parse(text)
+
+    monkeypatch.setattr(compare_mod, "parse_trace", counting)
+    monkeypatch.setattr(formats, "parse_trace", counting)
+    monkeypatch.setattr(tr, "parse_trace", counting)
+    page = screenshot.render_html(paths)
+    assert len(parsed) == 2 and "NEW-THINKING" in page and page.count('<tr class="case"') == 10
+    parsed.clear()
+    page = screenshot.render_html(paths[:1])
+    assert len(parsed) == 1 and page.count('<tr class="case"') == 10
+
+
+def test_every_cell_style_of_the_model_has_its_markup():
+    from ds4eval.reports import document
+
+    assert set(html_report.CELL_STYLES) == set(document.STYLES)
+    assert html_report.cell_html(Cell("PASSED", style="status", tag="PASSED")) == \
+        '<span class="st st-PASSED">PASSED</span>'
+    marked = Cell("a|<b>", style="tokens", pieces=("a", "<b>"), marked=1)
+    assert html_report.cell_html(marked) == "<code>a|<mark>&lt;b&gt;</mark></code>"

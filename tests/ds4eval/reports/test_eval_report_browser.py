@@ -8,7 +8,7 @@ import struct
 import pytest
 from report_fakes import HOSTILE, comparison, flip_pair, repeated_records, run_records
 
-from ds4eval.reports import html as html_report
+from ds4eval.reports import formats
 from ds4eval.reports import screenshot
 
 pytestmark = pytest.mark.browser
@@ -44,7 +44,7 @@ def test_comparison_page_renders_filters_and_screenshots(driver, tmp_path):
 
     base, new = flip_pair()
     page = tmp_path / "compare.html"
-    page.write_text(html_report.render_compare_html(comparison(base, new), base, new), encoding="utf-8")
+    page.write_text(formats.render_comparison(comparison(base, new), "html"), encoding="utf-8")
     url = screenshot.file_url(page)
     driver.get(url)
 
@@ -94,7 +94,7 @@ def test_run_page_with_repeats_and_hostile_text(driver, tmp_path):
     from selenium.webdriver.support.ui import Select
 
     page = tmp_path / "run.html"
-    page.write_text(html_report.render_run_html(run_records() + repeated_records()), encoding="utf-8")
+    page.write_text(formats.render_run(run_records() + repeated_records(), "html"), encoding="utf-8")
     url = screenshot.file_url(page)
     driver.get(url)
     # The hostile text stayed text: no image was made from it, and the page shows it as written.
@@ -137,7 +137,7 @@ def test_per_case_repeat_table_sorts_by_a_clicked_heading(driver, tmp_path):
     base = counted_repeats({"b": 5, "a": 3, "c": 0, "d": 5})
     new = counted_repeats({"b": 0, "a": 1, "c": 0, "d": 4})
     page = tmp_path / "repeats.html"
-    page.write_text(html_report.render_compare_html(comparison(base, new), base, new), encoding="utf-8")
+    page.write_text(formats.render_comparison(comparison(base, new), "html"), encoding="utf-8")
     driver.get(screenshot.file_url(page))
 
     def cases() -> list[str]:

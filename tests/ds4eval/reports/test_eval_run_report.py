@@ -1,10 +1,16 @@
-"""ds4eval.reports.run: one run's figures from its trace records and the markdown report."""
+"""ds4eval.reports.run: one run's figures from its trace records, its tables and the markdown report."""
 
 import pytest
-from report_fakes import HOSTILE, greedy_nondeterministic, rec, repeated_records, run_records
+from report_fakes import HOSTILE, counted_repeats, greedy_nondeterministic, rec, repeated_records, run_records
 
+from ds4eval.reports import formats, markdown
 from ds4eval.reports import run as run_report
+from ds4eval.reports.document import Table, row
 from ds4eval.verdict import stats
+
+
+def render_markdown(report: run_report.RunReport) -> str:
+    return formats.RUN_FORMATS["markdown"](report)
 
 
 def test_rates_per_source_and_total_with_wilson_intervals():
@@ -55,7 +61,7 @@ def test_repeats_use_pass_at_1_with_a_bootstrap_interval():
 
 
 def test_markdown_report_has_tables_and_no_outputs():
-    md = run_report.render_markdown(run_report.build(run_records(), "toy.trace"))
+    md = render_markdown(run_report.build(run_records(), "toy.trace"))
     assert md.startswith("## ds4-eval report: `toy.trace`\n")
     assert "| source | cases | passed | graded | not graded | no answer | pass rate | 95% CI |" in md
     assert "| TOTAL | 13 | 8 | 12 | 1 | 0 | 66.7% | [39.1%, 86.2%] |" in md
@@ -69,7 +75,7 @@ def test_markdown_escapes_pipes_and_lists_flaky_and_non_deterministic_cases():
     for r in records:
         if r.id == "c3":
             r.source = "a|b"
-    md = run_report.render_markdown(run_report.build(records))
+    md = render_markdown(run_report.build(records))
     assert "### Repeats (K = 3)" in md and "flaky 2" in md and "pass@3" in md
     assert "| a\\|b/c3 | 2/3 | 3 | 66.7% | P F P |" in md
     assert "gamma/c7" in md and "total is 5." in md
@@ -78,12 +84,31 @@ def test_markdown_escapes_pipes_and_lists_flaky_and_non_deterministic_cases():
 
 
 def test_long_lists_are_cut_for_markdown():
-    rows = [{"case": f"c{i}"} for i in range(run_report.MARKDOWN_ROWS + 7)]
-    lines = run_report.markdown_table(rows, run_report.MARKDOWN_ROWS)
-    assert len(lines) == 2 + run_report.MARKDOWN_ROWS + 2 and lines[-1] == "... and 7 more"
+    table = Table(("case",), tuple(row(f"c{i}") for i in range(run_report.MARKDOWN_ROWS + 7)))
+    shown, more = run_report.capped(table, run_report.MARKDOWN_ROWS)
+    assert len(markdown.escaped_table(shown)) == 2 + run_report.MARKDOWN_ROWS and more.lines == ("... and 7 more",)
+    assert run_report.capped(shown, run_report.MARKDOWN_ROWS) == (shown,)
+    # In the report: the flaky cases' table stops at MARKDOWN_ROWS rows and says how many more.
+    flaky_cases = {f"c{i:03d}": 2 for i in range(run_report.MARKDOWN_ROWS + 7)}
+    md = render_markdown(run_report.build(counted_repeats(flaky_cases)))
+    flaky = md.split("Flaky cases", 1)[1]
+    assert sum(line.startswith("| s/c") for line in flaky.splitlines()) == run_report.MARKDOWN_ROWS
+    assert "\n\n... and 7 more\n" in flaky
+
+
+def test_greedy_cases_that_differ_at_different_repeats_each_show_their_text():
+    records = greedy_nondeterministic(3) + [
+        rec(8, "PASSED", "4", repeat=r, output=o, source="gamma")
+        for r, o in enumerate(["Sum: 4.\nAnswer: 4", "Total: 4.\nAnswer: 4", "Total: 4.\nAnswer: 4"])]
+    table = run_report.nondeterministic_table(run_report.build(records).repeats)
+    assert table.columns[-1] == "differing repeat from there"
+    assert [(r.cells[1].text, r.cells[-1].text) for r in table.rows] == [("2", "total is 5.\nAnswer: 5"),
+                                                                          ("1", "Total: 4.\nAnswer: 4")]
+    alone = run_report.nondeterministic_table(run_report.build(greedy_nondeterministic(3)).repeats)
+    assert alone.columns[-1] == "repeat 2 from there"
 
 
 def test_nothing_recorded():
     rep = run_report.build([])
     assert rep.total.rate is None and rep.headline() == "no case was graded (0 recorded)"
-    assert "no case was graded" in run_report.render_markdown(rep)
+    assert "no case was graded" in render_markdown(rep)
