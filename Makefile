@@ -29,11 +29,11 @@ setup: $(STAMP)
 
 # The main job: the sanity suite on the embedded model (terminal UI on a terminal, plain lines otherwise).
 run: setup
-	$(VENV)/bin/ds4-eval --suite sanity
+	$(VENV)/bin/ds4-eval run --suite sanity
 
 # Everything that needs no model weights.
 test-frontends: setup
-	$(VENV)/bin/ds4-eval --self-test-extractors
+	$(VENV)/bin/ds4-eval selftest
 	$(PY) -m pytest -q -m "not model and not gpu and not reference"
 
 # Unit and model tests (all but the quality set).
@@ -80,7 +80,7 @@ bench: setup
 
 # The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
 test: setup
-	$(VENV)/bin/ds4-eval --self-test-extractors
+	$(VENV)/bin/ds4-eval selftest
 	$(PY) -m pytest -q
 	$(PY) -m quality_testing.compare_frontier_logits
 	$(PY) -m quality_testing.gate_kld

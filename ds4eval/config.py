@@ -1,30 +1,51 @@
-"""EvalConfig: every setting of `ds4-eval`, one field per command-line flag.
+"""Settings of every `ds4-eval` command: one frozen dataclass per subcommand, one field per flag.
 
-Contract: a plain dataclass with defaults and `validate()`, which raises `ConfigError` with a
-one-line message for inconsistent settings. `cli` builds it from flags; library callers (the
-terminal UI, tests) build it directly. It performs no I/O.
+`EvalConfig` holds the settings of a run: what the runner, the backends and the terminal UI read.
+The other commands (retry, compare, regrade, grade, report, probe, data pull, selftest, list,
+validate) each have their own small config; `RetryConfig` carries a run's settings inside it.
+
+Contract: every config is an immutable dataclass with defaults (positional inputs excepted) and
+`validate()`, which raises `ConfigError` with a one-line message for inconsistent settings; the
+messages name the flags the user typed. `ds4eval.cli` builds them from flags; library callers
+(the terminal UI, tests, ds4-bench) build `EvalConfig` directly. Nothing here does I/O, parses a
+command line or knows which flag spelling built a config.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BACKENDS = ("engine", "openai")
 KV_TYPES = ("f32", "f16", "bf16")
 COMPARE_FORMATS = ("text", "markdown", "json", "html")
 ALLOWED_DIFFS = ("model", "prompt", "sampling")
 DEFAULT_TOKENS = 16000
-# Pinned upstream revision that --data-pull fetches (see ds4eval/cases/datapull.py).
+# Pinned upstream revision that `ds4-eval data pull` fetches (see ds4eval/cases/datapull.py).
 DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
+
+UNFLAGGED_RUN_FIELDS = ("think_soft_reserve", "think_hard_reserve")
+"""EvalConfig fields no flag sets: library callers tune them; a command-line run keeps the defaults."""
+RETRY_FROM_TRACE = ("case_ids", "domains", "sources", "repeats")
+"""EvalConfig fields a retry takes from the trace it retries, so `ds4-eval retry` has no flags for them."""
 
 
 class ConfigError(ValueError):
-    pass
+    """Settings that contradict each other or are out of range; the message is one line."""
 
 
-@dataclass
-class EvalConfig:
+@dataclass(frozen=True)
+class CommandConfig:
+    """What every command's config offers the command line: `validate()`."""
+
+    def validate(self) -> None:
+        """Raise ConfigError for inconsistent settings (a config with nothing to check accepts all)."""
+
+
+@dataclass(frozen=True)
+class EvalConfig(CommandConfig):
+    """`ds4-eval run`: the settings of one run of a suite."""
+
     # --- what to run
     suite: str = "sanity"
     """Suite name: sanity (committed), core, hard or hard-smoke (read from the data dir)."""
@@ -74,27 +95,31 @@ class EvalConfig:
     tokenizer: str | None = None
     """--tokenizer GGUF: count tokens with this model's tokenizer when a server sends no usage
     (openai backend); without it such counts are reported as unknown."""
+    no_probe: bool = False
+    """--no-probe: skip the capability probe before a run against a server (one cheap request
+    per request feature the run needs; see ds4eval.run.probe)."""
 
     # --- generation
     tokens: int = DEFAULT_TOKENS
     """-n/--tokens: generation budget per case (also capped by case max_tokens and context)."""
     temperature: float = 0.0
+    """--temp."""
     top_p: float = 1.0
+    """--top-p."""
     min_p: float = 0.0
+    """--min-p."""
     seed: int | None = None
+    """--seed: the sampler's seed (repeat r uses seed + r)."""
     repeats: int = 1
     """--repeats K: run every case K times, repeat r with seed `seed + r` (with --temp 0 the
     repeats check determinism); the report classes each case stable pass, stable fail or flaky."""
     think: bool = True
     """Thinking mode where the model supports it; --nothink turns it off."""
     think_soft_reserve: int = 1024
-    """When thinking and this many budget tokens are left, nudge the model to conclude."""
+    """When thinking and this many budget tokens are left, nudge the model to conclude (no flag)."""
     think_hard_reserve: int = 256
-    """When still thinking with this many left, close the thinking block and ask for the answer."""
-
-    no_probe: bool = False
-    """--no-probe: skip the capability probe before a run against a server (one cheap request
-    per request feature the run needs; see ds4eval.run.probe)."""
+    """When still thinking with this many left, close the thinking block and ask for the answer
+    (no flag)."""
 
     # --- output
     plain: bool = False
@@ -106,41 +131,9 @@ class EvalConfig:
     allow_errors: bool = False
     """--allow-errors: exit 0 even when cases ended ERROR, SKIPPED or STOPPED or were not run
     (otherwise such a run exits 3)."""
-
-    # --- modes that do not run a suite
-    list_cases: bool = False
-    validate_cases: bool = False
-    self_test_extractors: bool = False
-    grade_file: str | None = None
-    regrade: str | None = None
-    retry_incomplete: str | None = None
-    data_pull: bool = False
-    data_url: str = DEFAULT_DATA_URL
-    """--data-url: base URL that --data-pull fetches the C case tables from."""
-    probe: bool = False
-    """--probe: print what the server at --url does with each request feature, and exit."""
-
-    # --- --compare BASE NEW (ds4eval.verdict.compare)
-    compare: tuple[str, str] | None = None
-    """--compare BASE NEW: two traces (or summaries) to compare case by case."""
-    alpha: float = 0.05
-    """--alpha: McNemar p-value below which a drop in passes is a significant regression."""
-    strict: bool = False
-    """--strict: any pass->fail flip (or a lost pass) fails the comparison."""
-    compare_format: str = "text"
-    """--format: text, markdown, json or html (the page `--report FILE.html` writes)."""
-    allow_diff: tuple[str, ...] = ()
-    """--allow-diff model|prompt|sampling: differences that are the change under test, so
-    the cases they touch stay in the verdict (by default they are excluded with a warning)."""
-
-    # --- reports (ds4eval.reports.formats)
     report: str | None = None
-    """--report FILE: write the report of the run, of --compare or of --report-from there; HTML
-    (one self-contained page), or markdown when FILE ends in .md. A run needs --trace: its
-    report is rendered from the records it wrote to the trace."""
-    report_from: str | None = None
-    """--report-from TRACE: render the report of an existing trace (to --report FILE, else
-    markdown on stdout) without running anything."""
+    """--report FILE: write the report of the run there; HTML (one self-contained page), or
+    markdown when FILE ends in .md. It is rendered from the records the run wrote to --trace."""
 
     def request_extra_fields(self) -> dict:
         """--request-extra parsed (empty when not given); ConfigError when it is not an object."""
@@ -155,9 +148,7 @@ class EvalConfig:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
         if self.backend == "openai" and not self.url:
             raise ConfigError("--backend openai needs --url")
-        if self.url is not None and not _looks_like_http_url(self.url):
-            raise ConfigError(f"--url must be an http:// or https:// URL with a host, e.g. "
-                              f"http://127.0.0.1:8000 (got {self.url!r})")
+        check_url(self.url)
         self.request_extra_fields()
         self.template_kwargs()
         if self.backend == "engine":
@@ -191,40 +182,167 @@ class EvalConfig:
             raise ConfigError("--min-p must be in [0, 1)")
         if self.think_hard_reserve < 0 or self.think_soft_reserve < self.think_hard_reserve:
             raise ConfigError("think reserves must satisfy 0 <= hard <= soft")
-        modes = [self.list_cases, self.validate_cases, self.self_test_extractors, bool(self.grade_file),
-                 bool(self.regrade), bool(self.retry_incomplete), self.data_pull, bool(self.report_from), self.probe]
-        if sum(modes) > 1:
-            raise ConfigError("give at most one of --list-cases, --validate-cases, --self-test-extractors, "
-                              "--grade-file, --regrade, --retry-incomplete, --data-pull, --report-from, --probe")
-        if self.probe and not self.url:
-            raise ConfigError("--probe needs --url")
-        if self.probe and self.no_probe:
-            raise ConfigError("--probe and --no-probe contradict each other")
-        if self.compare is not None and sum(modes):
-            raise ConfigError("--compare runs alone: it takes no other mode")
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
             raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
         if self.kv_type is not None and self.backend != "engine":
             raise ConfigError("--kv-type applies to the engine backend")
-        if not 0 < self.alpha < 1:
-            raise ConfigError("--alpha must be in (0, 1)")
-        if self.compare_format not in COMPARE_FORMATS:
+        check_report_file(self.report)
+        if self.report is not None and not self.trace:
+            raise ConfigError("--report needs --trace FILE for a run: the report is rendered from the records "
+                              "the run writes to its trace")
+
+
+@dataclass(frozen=True)
+class RetryConfig(CommandConfig):
+    """`ds4-eval retry TRACE`: run again the cases and repeats of TRACE that did not finish graded."""
+
+    trace_file: str
+    """TRACE: the trace to complete; the retried cases append to it unless `run.trace` names another."""
+    run: EvalConfig = EvalConfig()
+    """The run flags. The case selection and the repeat count (RETRY_FROM_TRACE) come from TRACE."""
+
+    def run_settings(self, repeats: int) -> EvalConfig:
+        """The settings the retried cases run with: TRACE's repeat count, and TRACE as the trace
+        to append to unless --trace names another."""
+        return replace(self.run, trace=self.trace_file if self.run.trace is None else self.run.trace,
+                       repeats=repeats)
+
+    def validate(self) -> None:
+        self.run_settings(self.run.repeats).validate()
+
+
+@dataclass(frozen=True)
+class ListConfig(CommandConfig):
+    """`ds4-eval list`: the cases a run with the same selection flags would run."""
+
+    suite: str = "sanity"
+    """--suite."""
+    case_ids: tuple[str, ...] = ()
+    """--case-id (repeatable)."""
+    domains: tuple[str, ...] = ()
+    """--domain (repeatable)."""
+    sources: tuple[str, ...] = ()
+    """--source (repeatable)."""
+    data_dir: str | None = None
+    """--data-dir."""
+
+
+@dataclass(frozen=True)
+class ValidateConfig(CommandConfig):
+    """`ds4-eval validate`: check every case file against its committed manifest."""
+
+    data_dir: str | None = None
+    """--data-dir."""
+
+
+@dataclass(frozen=True)
+class SelfTestConfig(CommandConfig):
+    """`ds4-eval selftest`: the extractors' self-tests; it takes no settings."""
+
+
+@dataclass(frozen=True)
+class GradeConfig(CommandConfig):
+    """`ds4-eval grade FILE`: grade outputs made elsewhere, one JSON object per line."""
+
+    file: str
+    """FILE: JSON lines with answer_kind, answer, output (and aliases, nchoices)."""
+
+
+@dataclass(frozen=True)
+class RegradeConfig(CommandConfig):
+    """`ds4-eval regrade TRACE`: grade a trace's outputs again with today's extractors."""
+
+    trace_file: str
+    """TRACE: the trace to regrade."""
+    data_dir: str | None = None
+    """--data-dir: where the data cases the trace names live."""
+
+
+@dataclass(frozen=True)
+class ReportConfig(CommandConfig):
+    """`ds4-eval report TRACE`: the report of an existing trace."""
+
+    trace_file: str
+    """TRACE: the trace to report on."""
+    report: str | None = None
+    """--report FILE: write the report there (HTML, or markdown when FILE ends in .md); without
+    it the report is printed as markdown."""
+
+    def validate(self) -> None:
+        check_report_file(self.report)
+
+
+@dataclass(frozen=True)
+class CompareConfig(CommandConfig):
+    """`ds4-eval compare BASE NEW` (ds4eval.verdict.compare)."""
+
+    base: str
+    """BASE: the trace (or summary) compared against."""
+    new: str
+    """NEW: the trace (or summary) under test."""
+    alpha: float = 0.05
+    """--alpha: McNemar p-value below which a drop in passes is a significant regression."""
+    strict: bool = False
+    """--strict: any pass->fail flip (or a lost pass) fails the comparison."""
+    format: str = "text"
+    """--format: text, markdown, json or html (the page `--report FILE.html` writes)."""
+    allow_diff: tuple[str, ...] = ()
+    """--allow-diff model|prompt|sampling: differences that are the change under test, so
+    the cases they touch stay in the verdict (by default they are excluded with a warning)."""
+    report: str | None = None
+    """--report FILE: also write the comparison there (HTML, or markdown when FILE ends in .md)."""
+
+    def validate(self) -> None:
+        check_alpha(self.alpha)
+        if self.format not in COMPARE_FORMATS:
             raise ConfigError(f"--format must be one of {', '.join(COMPARE_FORMATS)}")
         if set(self.allow_diff) - set(ALLOWED_DIFFS):
             raise ConfigError(f"--allow-diff takes {', '.join(ALLOWED_DIFFS)}")
-        self._validate_report()
+        check_report_file(self.report)
 
-    def _validate_report(self) -> None:
-        if self.report is None:
-            return
-        if not self.report:
-            raise ConfigError("--report needs a file name")
-        if self.list_cases or self.validate_cases or self.self_test_extractors or self.grade_file \
-                or self.regrade or self.data_pull or self.probe:
-            raise ConfigError("--report applies to a run, --compare or --report-from")
-        if not (self.compare or self.report_from or self.trace or self.retry_incomplete):
-            raise ConfigError("--report needs --trace FILE for a run: the report is rendered from the records "
-                              "the run writes to its trace")
+
+@dataclass(frozen=True)
+class ProbeConfig(CommandConfig):
+    """`ds4-eval probe`: what the server at --url does with each request feature."""
+
+    url: str
+    """--url: the server's base URL."""
+    served_model: str | None = None
+    """--served-model: model name sent in the probe requests."""
+    api_key: str | None = None
+    """--api-key: bearer token for the server (also read from $DS4EVAL_API_KEY)."""
+
+    def validate(self) -> None:
+        check_url(self.url)
+
+
+@dataclass(frozen=True)
+class DataPullConfig(CommandConfig):
+    """`ds4-eval data pull`: fetch the upstream case tables into the data dir."""
+
+    data_url: str = DEFAULT_DATA_URL
+    """--data-url: base URL the C case tables are fetched from."""
+    data_dir: str | None = None
+    """--data-dir: where the case files are written."""
+
+
+def check_url(url: str | None) -> None:
+    """ConfigError unless `url` is None or an http(s) URL with a host."""
+    if url is not None and not _looks_like_http_url(url):
+        raise ConfigError(f"--url must be an http:// or https:// URL with a host, e.g. "
+                          f"http://127.0.0.1:8000 (got {url!r})")
+
+
+def check_alpha(alpha: float) -> None:
+    """ConfigError unless `alpha` is a significance level strictly between 0 and 1."""
+    if not 0 < alpha < 1:
+        raise ConfigError("--alpha must be in (0, 1)")
+
+
+def check_report_file(report: str | None) -> None:
+    """ConfigError when --report was given an empty file name."""
+    if report is not None and not report:
+        raise ConfigError("--report needs a file name")
 
 
 def _json_object(flag: str, raw: str | None) -> dict:

@@ -1,4 +1,5 @@
-"""The ds4-eval command line: modes, one-line errors, regrade and retry through the CLI."""
+"""The ds4-eval command line in its old single-command form (the subcommands' aliases): modes,
+one-line errors, regrade and retry through the CLI."""
 
 import json
 

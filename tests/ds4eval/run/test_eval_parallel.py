@@ -1,6 +1,8 @@
 """ds4-eval --parallel: batched cases through engine.batch give the traces of a one-at-a-time run."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -23,7 +25,7 @@ def case(i, answer="4", question=None):
 
 def run_trace(cfg: EvalConfig, cases, backend, tmp_path, name: str) -> tuple[list, list]:
     path = tmp_path / f"{name}.trace"
-    cfg.trace = str(path)
+    cfg = dataclasses.replace(cfg, trace=str(path))
     states = Runner(cfg, cases, backend).run()
     if hasattr(backend, "close"):
         backend.close()

@@ -1,0 +1,95 @@
+"""`ds4-eval` commands that read traces already written: regrade, report, compare.
+
+Each handler takes its config (`ds4eval.config`), prints on stdout (warnings about skipped trace
+blocks on stderr) and returns the exit status: 0, or for compare the verdict's status (1 for a
+regression). Input it cannot use raises `UsageFailure` (exit status 2). Regrading, comparing and
+rendering live in `ds4eval.verdict` and `ds4eval.reports`; this module only wires files to them.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ds4eval.cases import case as cs
+from ds4eval.cli import flags
+from ds4eval.cli.case_commands import available_cases
+from ds4eval.cli.command import Command
+from ds4eval.cli.inputs import UsageFailure, modified, read_text, read_trace, write_report
+from ds4eval.config import CompareConfig, RegradeConfig, ReportConfig
+from ds4eval.verdict import regrade as rg
+
+
+def regrade(cfg: RegradeConfig) -> int:
+    parsed = read_trace(cfg.trace_file)
+    known = available_cases(cs.resolve_data_dir(cfg.data_dir))
+    rep = rg.regrade(parsed.records, lambda s, i: known.get((s, i)))
+    for p in parsed.problems + rep.problems:
+        click.echo(f"warning: {p}", err=True)
+    click.echo(rep.summary_line())
+    for c in rep.changed:
+        old_picked = "-" if c.old_picked is None else repr(c.old_picked)
+        new_picked = "-" if c.new_picked is None else repr(c.new_picked)
+        click.echo(f"changed: #{c.index} {c.source}/{c.id}: {c.old_status} -> {c.new_status} "
+                   f"(picked {old_picked} -> {new_picked}, expected {c.expected!r})")
+    return 0
+
+
+def report(cfg: ReportConfig) -> int:
+    from ds4eval.reports import formats as reports
+
+    path = cfg.trace_file
+    parsed = read_trace(path)
+    for p in parsed.problems:
+        click.echo(f"warning: {path}: {p}", err=True)
+    if not parsed.records:
+        raise UsageFailure(f"{path}: no case blocks to report")
+    fmt = reports.report_format(cfg.report) if cfg.report else "markdown"
+    text = reports.render_run(parsed.records, fmt, path, modified(path))
+    if cfg.report:
+        write_report(cfg.report, text)
+    else:
+        click.echo(text, nl=False)
+    return 0
+
+
+def compare(cfg: CompareConfig) -> int:
+    from ds4eval.reports import formats as reports
+    from ds4eval.verdict import compare as cmp
+
+    with cmp.collector_paused():
+        base_text, new_text = read_text(cfg.base), read_text(cfg.new)
+        try:
+            base = cmp.read_run(base_text, cfg.base)
+            new = cmp.read_run(new_text, cfg.new)
+            result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
+        except cmp.CompareInputError as e:
+            raise UsageFailure(str(e)) from None
+        formats = {cfg.format} | ({reports.report_format(cfg.report)} if cfg.report else set())
+        # Only the HTML page shows outputs, so only it needs the traces read a second time, as records.
+        records = (reports.trace_records(base_text), reports.trace_records(new_text)) if "html" in formats \
+            else ([], [])
+        written = (modified(cfg.base), modified(cfg.new))
+        click.echo(reports.render_comparison(result, cfg.format, *records, written), nl=False)
+        if cfg.report:
+            write_report(cfg.report, reports.render_comparison(result, reports.report_format(cfg.report),
+                                                               *records, written))
+    return result.exit_status
+
+
+def _trace_argument():
+    return click.argument("trace_file", metavar="TRACE", type=click.Path(dir_okay=False))
+
+
+REGRADE = Command("regrade", "Grade a trace's outputs again with today's extractors.", RegradeConfig, regrade,
+                  (_trace_argument(), flags.data_dir),
+                  details="Prints the new totals and every case whose verdict changed; the trace is not modified.")
+REPORT = Command("report", "Render the report of an existing trace.", ReportConfig, report,
+                 (_trace_argument(),
+                  flags.report("Write the report here: HTML, or markdown if FILE ends in .md "
+                               "(default: markdown on stdout).")))
+COMPARE = Command("compare", "Compare two traces (or summaries) case by case.", CompareConfig, compare,
+                  (click.argument("base", metavar="BASE", type=click.Path(dir_okay=False)),
+                   click.argument("new", metavar="NEW", type=click.Path(dir_okay=False)),
+                   *flags.COMPARE,
+                   flags.report("Also write the comparison here: HTML, or markdown if FILE ends in .md.")),
+                  details="Exit status 0 when NEW holds up, 1 for a regression, 2 for input it cannot compare.")
