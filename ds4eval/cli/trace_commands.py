@@ -64,15 +64,10 @@ def compare(cfg: CompareConfig) -> int:
             result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
         except cmp.CompareInputError as e:
             raise UsageFailure(str(e)) from None
-        formats = {cfg.format} | ({reports.report_format(cfg.report)} if cfg.report else set())
-        # Only the HTML page shows outputs, so only it needs the traces read a second time, as records.
-        records = (reports.trace_records(base_text), reports.trace_records(new_text)) if "html" in formats \
-            else ([], [])
         written = (modified(cfg.base), modified(cfg.new))
-        click.echo(reports.render_comparison(result, cfg.format, *records, written), nl=False)
+        click.echo(reports.render_comparison(result, cfg.format, written), nl=False)
         if cfg.report:
-            write_report(cfg.report, reports.render_comparison(result, reports.report_format(cfg.report),
-                                                               *records, written))
+            write_report(cfg.report, reports.render_comparison(result, reports.report_format(cfg.report), written))
     return result.exit_status
 
 

@@ -9,10 +9,6 @@ Contract
 - `render_comparison(cmp, fmt, written=("", "")) -> str`: fmt "text", "markdown", "json" or
   "html"; the page's questions and outputs are the records the Comparison's runs were read
   from (`compare.Run.records`), so no trace is read or parsed again here.
-  `base_records` and `new_records` (the two positional slots before `written`) are not used:
-  they remain for callers that parsed the traces a second time to pass them in.
-- `trace_records(trace_text) -> list[TraceRecord]`: the records of a trace's text, none for a JSON
-  summary; kept for those callers too, nothing here uses it.
 A new format is one entry in RUN_FORMATS or COMPARISON_FORMATS. It reads and writes no files.
 """
 
@@ -22,7 +18,7 @@ import json
 from typing import Callable, Iterable
 
 from ds4eval.reports import comparison, html, markdown, run, text
-from ds4eval.run.trace import TraceRecord, parse_trace
+from ds4eval.run.trace import TraceRecord
 from ds4eval.verdict.compare import Comparison
 
 
@@ -72,12 +68,5 @@ def render_run(records: Iterable[TraceRecord], fmt: str, label: str = "", writte
     return RUN_FORMATS[fmt](run.build(records, label, written))
 
 
-def render_comparison(cmp: Comparison, fmt: str, base_records: Iterable[TraceRecord] = (),
-                      new_records: Iterable[TraceRecord] = (), written: tuple[str, str] = ("", "")) -> str:
+def render_comparison(cmp: Comparison, fmt: str, written: tuple[str, str] = ("", "")) -> str:
     return COMPARISON_FORMATS[fmt](cmp, written)
-
-
-def trace_records(trace_text: str) -> list[TraceRecord]:
-    if trace_text.lstrip().startswith("{"):
-        return []
-    return parse_trace(trace_text).records

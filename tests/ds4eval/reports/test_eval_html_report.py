@@ -245,7 +245,7 @@ def test_an_old_trace_without_statuses_is_graded_for_the_page():
     assert "passed 13 of 41 graded" in page and page.count('<tr class="case" id="case-1" data-status="FAILED"') == 1
 
 
-def test_the_screenshot_tool_parses_each_trace_once(tmp_path, monkeypatch):
+def test_the_screenshot_tool_and_the_cli_parse_each_trace_once(tmp_path, monkeypatch):
     from ds4eval.reports import screenshot
     from ds4eval.verdict import compare as compare_mod
 
@@ -261,13 +261,20 @@ def test_the_screenshot_tool_parses_each_trace_once(tmp_path, monkeypatch):
         return parse(text)
 
     monkeypatch.setattr(compare_mod, "parse_trace", counting)
-    monkeypatch.setattr(formats, "parse_trace", counting)
     monkeypatch.setattr(tr, "parse_trace", counting)
     page = screenshot.render_html(paths)
     assert len(parsed) == 2 and "NEW-THINKING" in page and page.count('<tr class="case"') == 10
     parsed.clear()
     page = screenshot.render_html(paths[:1])
     assert len(parsed) == 1 and page.count('<tr class="case"') == 10
+    # The command line too: text on stdout and the HTML page from one read of each trace.
+    from click.testing import CliRunner
+
+    from ds4eval.cli import main
+    parsed.clear()
+    result = CliRunner().invoke(main, ["compare", *paths, "--report", str(tmp_path / "r.html")])
+    assert result.exit_code in (0, 1) and len(parsed) == 2
+    assert (tmp_path / "r.html").read_text(encoding="utf-8").count('<tr class="case"') == 10
 
 
 def test_every_cell_style_of_the_model_has_its_markup():
