@@ -1,11 +1,14 @@
 """Anthropic Messages API (`POST /v1/messages`): schema, translation, responses.
 
 Request side: `MessagesRequest` validates the body (`max_tokens` is required, as in the
-original API); `messages_job` maps the top-level `system`, user/assistant content blocks,
-`thinking`, `tool_use` and `tool_result` blocks onto the neutral records
-(`server.tools.apis.messages_from_anthropic`), renders them with the model's tool syntax,
-tokenizes and applies the context-length rule (reported in Anthropic's error shape by the
-route).
+original API); `messages_job` reads the top-level `system`, user/assistant content blocks,
+`thinking`, `tool_use` and `tool_result` blocks into the neutral records
+(`server.tools.apis.messages_from_anthropic`), its tools and `tool_choice` into
+`OutputRules`, its sampling fields, `max_tokens` and `stop_sequences` into
+`GenerationSettings`, and hands them to the shared preparation path
+(`server.genrequest.prepare_chat`: render with the model's tool syntax, tokenize, the
+context-length rule on param `messages`); the route reports its errors in Anthropic's shape.
+`render_request` is the prompt alone, for `count_tokens`.
 
 Response side: `messages_response` builds the `message` object; `messages_stream` emits
 the Anthropic event sequence — `message_start`, `ping`, then per content block
@@ -35,14 +38,15 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field
 
 from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
-                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
-                            stop_list)
+                            new_id)
 from server.errors import ApiError, error_body
+from server.genrequest import ChatRequest, GenerationSettings, OutputRules, Sampling, TokenLimit, prepare_chat
 from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
-from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
-                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCallEnd,
+                              ToolCalling)
 from server.sse import KEEPALIVE, sse_event
-from server.structured import ToolChoice, anthropic_tool_choice, check, constraint_factory, tools_to_render
+from server.structured import ToolChoice, anthropic_tool_choice, tools_to_render
+from server.tools import Message, ToolSpec
 from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 
 # --- schemas --------------------------------------------------------------------------
@@ -102,37 +106,34 @@ class AnthropicContext:
     n_prompt: int
 
 
-def render_request(model: Any, req: Any, calling: ToolCalling, choice: ToolChoice = ToolChoice()) -> ChatPrompt:
-    """Prompt of a Messages (or count_tokens) request: system, messages and the tools `choice` shows."""
-    dump = [m.model_dump(exclude_none=True) for m in req.messages]
+def request_tools(req: Any) -> list[ToolSpec]:
+    return tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []])
+
+
+def request_messages(req: Any) -> list[Message]:
     system = req.system
     if isinstance(system, list):
         system = [b.model_dump(exclude_none=True) for b in system]
-    specs = tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []])
-    return calling.render(model, messages_from_anthropic(system, dump), tools_to_render(choice, specs))
+    return messages_from_anthropic(system, [m.model_dump(exclude_none=True) for m in req.messages])
+
+
+def render_request(model: Any, req: Any, calling: ToolCalling, choice: ToolChoice = ToolChoice()) -> ChatPrompt:
+    """Prompt of a Messages (or count_tokens) request: system, messages and the tools `choice` shows."""
+    tools = request_tools(req)
+    return calling.render(model, request_messages(req), tools_to_render(choice, tools))
 
 
 def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
                  defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, AnthropicContext]:
     """`defaults` does not apply: Messages requires `max_tokens`, as Anthropic's API does."""
-    ignore_eos = bool(req.ignore_eos)
-    choice = anthropic_tool_choice(req.tool_choice)
-    check(choice, None, tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []]),
-          ignore_eos=ignore_eos)
-    prompt = render_request(model, req, calling, choice)
-    check_prompt_size(model, prompt.text, "messages")
-    ids = prompt_ids(model, prompt.text)
-    check_context(len(ids), model.n_ctx, "messages")
-    max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), model.n_ctx, ignore_eos, "max_tokens")
-    gen = GenerationRequest(
-        prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-        max_tokens=max_tokens,
-        sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                               min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=stop_list(req.stop_sequences, "stop_sequences"),
-        new_splitter=lambda: calling.new_splitter(prompt, "anthropic"),
-        new_constraint=constraint_factory(choice, None, calling.syntax, prompt.tools))
-    return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(ids))
+    sampling = Sampling.of(req)
+    rules = OutputRules.checked(json_format=None, choice=anthropic_tool_choice(req.tool_choice),
+                                tools=request_tools(req), ignore_eos=sampling.ignore_eos)
+    settings = GenerationSettings(sampling, TokenLimit(req.max_tokens, None, "max_tokens"),
+                                  stop=req.stop_sequences, stop_param="stop_sequences")
+    messages = request_messages(req)
+    gen = prepare_chat(model, calling, ChatRequest("anthropic", messages, rules, settings, "messages"))
+    return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(gen.prompt_ids))
 
 
 # --- responses ------------------------------------------------------------------------

@@ -1,10 +1,14 @@
 """OpenAI Chat Completions and (legacy) Completions: schemas, translation, responses.
 
-Request side: `ChatCompletionRequest` / `CompletionRequest` validate the body;
-`chat_job` / `completion_job` turn a validated request into the neutral records
-(`server.tools.apis.messages_from_openai`, the one check of the messages beyond the
-schema), render it, tokenize, apply the context-length rule (param `messages` / `prompt`)
-and produce a `GenerationRequest` plus the `OpenAIContext` needed to answer.
+Request side: `ChatCompletionRequest` / `CompletionRequest` validate the body.
+`chat_job` reads a chat into the neutral records (`server.tools.apis.messages_from_openai`,
+the one check of the messages beyond the schema), its tools, `tool_choice`,
+`parallel_tool_calls` and `response_format` into `OutputRules` and its sampling fields,
+limit, stops and log-probs into `GenerationSettings`, and hands them to the shared
+preparation path (`server.genrequest.prepare_chat`: render, tokenize, the context-length rule
+on param `messages`). `completion_job` tokenizes its raw prompts itself and joins that path
+at `generation_request` (param `prompt`). Both return one `GenerationRequest` per choice plus
+the `OpenAIContext` needed to answer.
 
 Response side: `chat_response` / `completion_response` build the JSON body from the
 collected output; `chat_stream` / `completion_stream` turn worker events into
@@ -47,17 +51,18 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import Field
 
 from engine.prompt_text import from_rendered
-from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
-                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
-                            stop_list)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults,
+                            StrictModel, check_prompt_size, new_id)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
+from server.genrequest import (ChatRequest, GenerationSettings, OutputRules, PromptTokens, Sampling, TokenLimit,
+                               generation_request, prepare_chat)
 from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
-                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall, ToolCallEnd, ToolCalling,
+                              prompt_ids)
 from server.scoring import PromptScored, legacy_logprobs
 from server.sse import DONE, KEEPALIVE, sse_data
-from server.structured import check, constraint_factory, openai_response_format, openai_tool_choice, tools_to_render
+from server.structured import openai_response_format, openai_tool_choice
 from server.tools.apis import messages_from_openai, tools_from_openai
 
 # The Completions API's own default for `max_tokens` (OpenAI's documented value).
@@ -189,28 +194,19 @@ def _common_checks(req: _SamplingFields) -> None:
 def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
              defaults: RequestDefaults = RequestDefaults()) -> tuple[list[GenerationRequest], OpenAIContext]:
     _common_checks(req)
-    ignore_eos = bool(req.ignore_eos)
-    fmt = openai_response_format(req.response_format.model_dump() if req.response_format is not None else None)
-    choice = openai_tool_choice(req.tool_choice, req.parallel_tool_calls)
-    specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
-    check(choice, fmt, specs, ignore_eos=ignore_eos)
-    prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]),
-                            tools_to_render(choice, specs))
-    check_prompt_size(model, prompt.text, "messages")
-    ids = prompt_ids(model, prompt.text)
-    check_context(len(ids), model.n_ctx, "messages")
+    sampling = Sampling.of(req)
+    response_format = req.response_format.model_dump() if req.response_format is not None else None
+    rules = OutputRules.checked(json_format=openai_response_format(response_format),
+                                choice=openai_tool_choice(req.tool_choice, req.parallel_tool_calls),
+                                tools=tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []]),
+                                ignore_eos=sampling.ignore_eos)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, defaults.max_tokens_for(), len(ids), model.n_ctx, ignore_eos,
-                                    "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-    gen = GenerationRequest(
-        prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-        max_tokens=max_tokens,
-        sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                               min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=stop_list(req.stop, "stop"),
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        new_splitter=lambda: calling.new_splitter(prompt, "openai"),
-        new_constraint=constraint_factory(choice, fmt, calling.syntax, prompt.tools))
+    limit = TokenLimit(requested, defaults.max_tokens_for(),
+                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+    settings = GenerationSettings(sampling, limit, stop=req.stop,
+                                  top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    messages = messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages])
+    gen = prepare_chat(model, calling, ChatRequest("openai", messages, rules, settings, "messages"))
     n = req.n or 1
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
                         created=int(time.time()),
@@ -228,20 +224,20 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, str, list[int]]:
-    """(text, key text, ids) of one prompt; a token-id list is used as is. The key text is what
+def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, PromptTokens]:
+    """(text, tokens) of one prompt; a token-id list is used as is. The tokens' text is what
     prefix reuse and the disk cache match on (`engine.prompt_text`): a raw prompt is the caller's
-    own rendering, so every control-token spelling in it is meant as the token."""
+    own rendering, so every control-token spelling in it is meant as the token. The size check
+    names the prompt's place in the list, the context check the field."""
     if isinstance(prompt, str):
         check_prompt_size(model, prompt, param)
         key_text = from_rendered(prompt)
-        return prompt, key_text, prompt_ids(model, key_text)
+        return prompt, PromptTokens(key_text, tuple(prompt_ids(model, key_text)), "prompt")
     bad = [t for t in prompt if not 0 <= t < model.n_vocab]
     if bad:
         raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary "
                             f"(0..{model.n_vocab - 1})", param="prompt")
-    ids = list(prompt)
-    return model.detokenize(ids), model.detokenize_prompt(ids), ids
+    return model.detokenize(prompt), PromptTokens(model.detokenize_prompt(prompt), tuple(prompt), "prompt")
 
 
 def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | None = None,
@@ -261,24 +257,18 @@ def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | No
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices; "
                             f"at most {MAX_CHOICES} per request", param="n")
-    ignore_eos = bool(req.ignore_eos)
-    sampling = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                             min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
-    scored = req.logprobs if req.echo else None
+    limit = TokenLimit(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS), "max_tokens")
+    settings = GenerationSettings(Sampling.of(req), limit, stop=req.stop, top_logprobs=req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
+    settings.sampling.check()  # before any prompt is read: this API has always answered in this order
     gens: list[GenerationRequest] = []
     echoes: list[str] = []
     for p, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-        text, key_text, ids = _prompt_tokens(model, prompt, param)
-        if not ids:
+        text, tokens = _prompt_tokens(model, prompt, param)
+        if not tokens.ids:
             raise ApiError(400, f"{param} is empty", param="prompt")
-        check_context(len(ids), model.n_ctx, "prompt")
-        max_tokens = resolve_max_tokens(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS),
-                                        len(ids), model.n_ctx, ignore_eos, "max_tokens")
-        gen = GenerationRequest(prompt_text=key_text, prompt_ids=tuple(ids), max_tokens=max_tokens,
-                                sampling=sampling, stop=stop_list(req.stop, "stop"), top_logprobs=req.logprobs,
-                                prompt_logprobs=scored)
-        gens.extend(fan_out(gen, n))
+        gens.extend(fan_out(generation_request(model.n_ctx, tokens, settings), n))
         echoes.extend([text if req.echo else ""] * n)
     ctx = OpenAIContext(kind="completion", model_name=model.name, id=new_id("cmpl-"),
                         created=int(time.time()),

@@ -1,10 +1,13 @@
 """OpenAI Responses API (`POST /v1/responses`): schema, translation, responses.
 
-Request side: `ResponsesRequest` validates the body; `responses_job` turns `instructions`
+Request side: `ResponsesRequest` validates the body; `responses_job` reads `instructions`
 and `input` (a string, or items: messages with string or part content, `function_call`
-and `function_call_output` items passed back from earlier turns, `reasoning` items) onto
-the neutral records (`server.tools.apis.messages_from_responses`), renders them with the
-model's tool syntax, tokenizes and applies the context-length rule (param `input`).
+and `function_call_output` items passed back from earlier turns, `reasoning` items) into
+the neutral records (`server.tools.apis.messages_from_responses`), its tools, `tool_choice`,
+`parallel_tool_calls` and `text.format` into `OutputRules`, its sampling fields and
+`max_output_tokens` into `GenerationSettings`, and hands them to the shared preparation
+path (`server.genrequest.prepare_chat`: render with the model's tool syntax, tokenize, the
+context-length rule on param `input`).
 
 Response side: `response_object` builds the `response` object (output items `reasoning`,
 `message` with `output_text`, `function_call`); `responses_stream` emits the typed event
@@ -32,14 +35,14 @@ from typing import Any, AsyncIterator
 
 from pydantic import Field
 
-from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
-                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec)
+from server.apibase import MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel, new_id
 from server.errors import ApiError
+from server.genrequest import ChatRequest, GenerationSettings, OutputRules, Sampling, TokenLimit, prepare_chat
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
-from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
-                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall, ToolCallEnd,
+                              ToolCalling)
 from server.sse import KEEPALIVE, sse_event
-from server.structured import check, constraint_factory, openai_tool_choice, responses_text_format, tools_to_render
+from server.structured import openai_tool_choice, responses_text_format
 from server.tools.apis import messages_from_responses, tools_from_responses
 
 # --- schemas --------------------------------------------------------------------------
@@ -103,26 +106,18 @@ def responses_job(model: Any, req: ResponsesRequest, calling: ToolCalling,
     if req.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: this server stores no responses; "
                             "send the earlier output items back in 'input'", param="previous_response_id")
-    ignore_eos = bool(req.ignore_eos)
-    fmt = responses_text_format((req.text or {}).get("format"))
-    choice = openai_tool_choice(req.tool_choice, req.parallel_tool_calls)
+    sampling = Sampling.of(req)
     tool_dump = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    specs = tools_from_responses(tool_dump)
-    check(choice, fmt, specs, ignore_eos=ignore_eos)
+    rules = OutputRules.checked(json_format=responses_text_format((req.text or {}).get("format")),
+                                choice=openai_tool_choice(req.tool_choice, req.parallel_tool_calls),
+                                tools=tools_from_responses(tool_dump), ignore_eos=sampling.ignore_eos)
     items = req.input if isinstance(req.input, str) else [it.model_dump(exclude_none=True) for it in req.input]
-    prompt = calling.render(model, messages_from_responses(req.instructions, items), tools_to_render(choice, specs))
-    check_prompt_size(model, prompt.text, "input")
-    ids = prompt_ids(model, prompt.text)
-    check_context(len(ids), model.n_ctx, "input")
-    max_tokens = resolve_max_tokens(req.max_output_tokens, defaults.max_tokens_for(), len(ids), model.n_ctx,
-                                    ignore_eos, "max_output_tokens")
-    spec = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                         min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
-    gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-                            max_tokens=max_tokens, sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"),
-                            new_constraint=constraint_factory(choice, fmt, calling.syntax, prompt.tools))
+    settings = GenerationSettings(sampling, TokenLimit(req.max_output_tokens, defaults.max_tokens_for(),
+                                                       "max_output_tokens"))
+    gen = prepare_chat(model, calling, ChatRequest("responses", messages_from_responses(req.instructions, items),
+                                                   rules, settings, "input"))
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": spec.temperature, "top_p": spec.top_p,
+            "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": tool_dump}
