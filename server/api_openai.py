@@ -11,10 +11,12 @@ at `generation_request` (param `prompt`). Both return one `GenerationRequest` pe
 the `OpenAIContext` needed to answer.
 
 Response side: `chat_response` / `completion_response` build the JSON body from the
-collected output; `chat_stream` / `completion_stream` turn worker events into
-`chat.completion.chunk` / `text_completion` SSE chunks ending with `data: [DONE]`, with
-`: prefill` keepalive comments before the first token and an error chunk (not a broken
-stream) when inference fails after the headers were sent.
+collected output; `chat_stream` / `completion_stream` run a `ChatStreamWriter` /
+`CompletionStreamWriter`, which turn the choices' worker events into
+`chat.completion.chunk` / `text_completion` SSE chunks ending with `data: [DONE]` (after a
+usage chunk with `stream_options.include_usage`), with `: prefill` keepalive comments before
+the first token and an error chunk (nothing after it) when inference fails or the server
+shuts down after the headers were sent.
 
 A raw completion prompt is tokenized with special-token parsing, so a client may send an
 already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is used as is.
@@ -46,13 +48,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.prompt_text import from_rendered
-from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults,
-                            StrictModel, check_prompt_size, new_id)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, Frames, OpenModel,
+                            RequestDefaults, StreamWriter, StrictModel, check_prompt_size, new_id, writes)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
 from server.genrequest import (ChatRequest, GenerationSettings, OutputRules, PromptTokens, Sampling, TokenLimit,
@@ -61,7 +63,7 @@ from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLog
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall, ToolCallEnd, ToolCalling,
                               prompt_ids)
 from server.scoring import PromptScored, legacy_logprobs
-from server.sse import DONE, KEEPALIVE, sse_data
+from server.sse import DONE, sse_data
 from server.structured import openai_response_format, openai_tool_choice
 from server.tools.apis import messages_from_openai, tools_from_openai
 
@@ -353,53 +355,6 @@ def stream_error(message: str) -> bytes:
                                "openai"))
 
 
-CANCELLED = "the request was cancelled because the server is shutting down"
-
-
-async def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
-    base = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
-            "model": ctx.model_name, "system_fingerprint": None}
-    extra = {"usage": None} if ctx.include_usage else {}
-    usages: dict[int, Usage] = {}
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data(base | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish}]} | extra)
-
-    for index in range(ctx.n_choices):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    async for item in events:
-        if item is None:
-            yield KEEPALIVE
-            continue
-        index, event = item.index, item.event
-        if isinstance(event, TextDelta):
-            pieces = stream_deltas(event.events)
-            if ctx.logprobs and event.logprobs:
-                # Logprobs ride on the first chunk of the text their tokens produced.
-                lp = chat_logprobs_json(list(event.logprobs))
-                first = pieces.pop(0) if pieces else {"content": ""}
-                yield chunk(index, first, logprobs=lp)
-            for delta in pieces:
-                yield chunk(index, delta)
-        elif isinstance(event, Finished):
-            if event.finish_reason == "cancelled":
-                yield stream_error(CANCELLED)
-                return
-            parsed: ParsedOutput = event.output
-            for delta in stream_deltas(parsed.events):
-                yield chunk(index, delta)
-            yield chunk(index, {}, parsed.finish_reason)
-            usages[index] = event.usage
-        elif isinstance(event, Failed):
-            yield stream_error(event.message)
-            return
-    if ctx.include_usage:
-        total = total_usage([usages[i] for i in range(ctx.n_choices)], ctx.n)
-        yield sse_data(base | {"choices": [], "usage": usage_json(total)})
-    yield DONE
-
-
 def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
     """Chat chunk `delta` objects for splitter events; a call arrives whole, with its index."""
     out = []
@@ -413,47 +368,120 @@ def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
     return out
 
 
-async def completion_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
-    base = {"id": ctx.id, "object": "text_completion", "created": ctx.created,
-            "model": ctx.model_name, "system_fingerprint": None}
-    extra = {"usage": None} if ctx.include_usage else {}
-    offsets = [len(ctx.echo_text(i)) for i in range(ctx.n_choices)]
-    usages: dict[int, Usage] = {}
-    # Scored prompts are echoed with their log-probs once they are known; others at once.
-    waits_for_scores = ctx.logprobs and any(ctx.echo_texts)
+CANCELLED = "the request was cancelled because the server is shutting down"
 
-    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data(base | {"choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish}]} | extra)
 
-    if not waits_for_scores:
-        for index in range(ctx.n_choices):
-            if ctx.echo_text(index):
-                yield chunk(index, ctx.echo_text(index))
-    async for item in events:
-        if item is None:
-            yield KEEPALIVE
-            continue
-        index, event = item.index, item.event
-        if isinstance(event, PromptScored):
-            yield chunk(index, ctx.echo_text(index), logprobs=legacy_logprobs(event, (), 0, ctx.token_ids))
-        elif isinstance(event, TextDelta):
-            lp = None
-            if ctx.logprobs and event.logprobs:
-                lp = legacy_logprobs(None, event.logprobs, offsets[index], ctx.token_ids)
-            offsets[index] += len(event.text)
-            if event.text or lp is not None:
-                yield chunk(index, event.text, logprobs=lp)
-        elif isinstance(event, Finished):
-            if event.finish_reason == "cancelled":
-                yield stream_error(CANCELLED)
-                return
-            yield chunk(index, "", event.finish_reason)
-            usages[index] = event.usage
-        elif isinstance(event, Failed):
-            yield stream_error(event.message)
-            return
-    if ctx.include_usage:
-        total = total_usage([usages[i] for i in range(ctx.n_choices)], ctx.n)
-        yield sse_data(base | {"choices": [], "usage": usage_json(total)})
-    yield DONE
+class ChoicesStreamWriter(StreamWriter):
+    """What the chat and completion streams share: the choices' events, each dispatched with
+    its choice index; the end of each choice; the usage chunk and `[DONE]` after the last.
+    A subclass adds its API's chunks: its opening, its `TextDelta` method and `finish`."""
+
+    object_name: ClassVar[str] = ""
+
+    def __init__(self, ctx: OpenAIContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.base = {"id": ctx.id, "object": self.object_name, "created": ctx.created,
+                     "model": ctx.model_name, "system_fingerprint": None}
+        self.extra = {"usage": None} if ctx.include_usage else {}
+        self.usages: dict[int, Usage] = {}
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        return sse_data(self.base | {"choices": [choice]} | self.extra)
+
+    @writes(ChoiceEvent)
+    def choice_event(self, item: ChoiceEvent) -> Frames:
+        return self.write(item.event, item.index)
+
+    @writes(Finished)
+    def finished(self, event: Finished, index: int) -> Frames:
+        if event.finish_reason == "cancelled":
+            return self.end(stream_error(CANCELLED))
+        self.usages[index] = event.usage
+        return self.finish(event, index)
+
+    def finish(self, event: Finished, index: int) -> Frames:
+        """The last chunks of one choice."""
+        raise NotImplementedError
+
+    @writes(Failed)
+    def failed(self, event: Failed, index: int) -> Frames:
+        return self.end(stream_error(event.message))
+
+    def closing(self) -> Frames:
+        frames = []
+        if self.ctx.include_usage:
+            total = total_usage([self.usages[i] for i in range(self.ctx.n_choices)], self.ctx.n)
+            frames.append(sse_data(self.base | {"choices": [], "usage": usage_json(total)}))
+        return frames + [DONE]
+
+
+class ChatStreamWriter(ChoicesStreamWriter):
+    """`chat.completion.chunk`s: a role chunk per choice first, then a delta per splitter event."""
+
+    object_name = "chat.completion.chunk"
+
+    def delta(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+
+    def opening(self) -> Frames:
+        return [self.delta(index, {"role": "assistant", "content": ""}) for index in range(self.ctx.n_choices)]
+
+    @writes(TextDelta)
+    def text(self, event: TextDelta, index: int) -> Frames:
+        pieces = stream_deltas(event.events)
+        frames = []
+        if self.ctx.logprobs and event.logprobs:
+            # Logprobs ride on the first chunk of the text their tokens produced.
+            first = pieces.pop(0) if pieces else {"content": ""}
+            frames.append(self.delta(index, first, logprobs=chat_logprobs_json(list(event.logprobs))))
+        return frames + [self.delta(index, delta) for delta in pieces]
+
+    def finish(self, event: Finished, index: int) -> Frames:
+        parsed: ParsedOutput = event.output
+        return [self.delta(index, delta) for delta in stream_deltas(parsed.events)] + [
+            self.delta(index, {}, parsed.finish_reason)]
+
+
+class CompletionStreamWriter(ChoicesStreamWriter):
+    """`text_completion` chunks: the echoed prompt (at once, or with its scores when it is
+    scored), then the generated text with its offsets counted after the echo."""
+
+    object_name = "text_completion"
+
+    def __init__(self, ctx: OpenAIContext) -> None:
+        super().__init__(ctx)
+        self.offsets = [len(ctx.echo_text(i)) for i in range(ctx.n_choices)]
+
+    def text_chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        return self.chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+
+    def opening(self) -> Frames:
+        if self.ctx.logprobs and any(self.ctx.echo_texts):
+            return []  # scored prompts are echoed with their log-probs, once they are known
+        return [self.text_chunk(index, self.ctx.echo_text(index))
+                for index in range(self.ctx.n_choices) if self.ctx.echo_text(index)]
+
+    @writes(PromptScored)
+    def prompt_scored(self, event: PromptScored, index: int) -> Frames:
+        return [self.text_chunk(index, self.ctx.echo_text(index),
+                                logprobs=legacy_logprobs(event, (), 0, self.ctx.token_ids))]
+
+    @writes(TextDelta)
+    def text(self, event: TextDelta, index: int) -> Frames:
+        lp = None
+        if self.ctx.logprobs and event.logprobs:
+            lp = legacy_logprobs(None, event.logprobs, self.offsets[index], self.ctx.token_ids)
+        self.offsets[index] += len(event.text)
+        return [self.text_chunk(index, event.text, logprobs=lp)] if event.text or lp is not None else []
+
+    def finish(self, event: Finished, index: int) -> Frames:
+        return [self.text_chunk(index, "", event.finish_reason)]
+
+
+def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
+    return ChatStreamWriter(ctx).stream(events)
+
+
+def completion_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
+    return CompletionStreamWriter(ctx).stream(events)

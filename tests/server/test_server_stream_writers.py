@@ -1,4 +1,5 @@
-"""The SSE stream writers of the four APIs on scripted worker events: the exact bytes they send.
+"""The SSE stream writers of the four APIs on scripted worker events: the exact bytes they send;
+and the writer base that dispatches each event to its method.
 
 Each test feeds a fixed sequence of worker events (keepalive ticks, `PromptReady`, `TextDelta`s
 carrying splitter events, `Finished` / `Failed`) to an API's stream and compares what comes out
@@ -14,6 +15,7 @@ from typing import Any, AsyncIterator, Iterable
 import pytest
 
 from server import api_anthropic, api_openai, api_responses
+from server.apibase import StreamWriter, writes
 from server.choices import ChoiceEvent
 from server.jobs import Failed, Finished, PromptReady, TextDelta, TokenLogprob, Usage
 from server.prompting import ContentDelta, ParsedOutput, ReasoningDelta, ToolCallEnd
@@ -123,7 +125,8 @@ def test_messages_stream_started_by_the_end_when_no_prompt_ready_came():
 
 @pytest.mark.parametrize("end,kind,message", [
     (Failed("out of memory"), "api_error", "out of memory"),
-    (Finished("cancelled", USAGE), "overloaded_error", "the request was cancelled because the server is shutting down"),
+    (Finished("cancelled", USAGE), "overloaded_error",
+     "the request was cancelled because the server is shutting down"),
 ])
 def test_messages_stream_ends_with_one_error_event(end, kind, message):
     frames = anthropic([PromptReady(21, 0), text(ContentDelta("a")), end, text(ContentDelta("never"))])
@@ -153,7 +156,8 @@ def envelope(status: str, output: list[dict[str, Any]], usage: Usage | None = No
 
 def numbered(*pairs: tuple[str, dict[str, Any]]) -> list[bytes]:
     """Responses frames: each payload gets its type and the next sequence number first."""
-    return events(*((name, {"type": name, "sequence_number": i, **payload}) for i, (name, payload) in enumerate(pairs)))
+    return events(*((name, {"type": name, "sequence_number": i, **payload})
+                    for i, (name, payload) in enumerate(pairs)))
 
 
 START = (("response.created", {"response": envelope("in_progress", [])}),
@@ -209,7 +213,8 @@ def test_responses_stream_reasoning_then_text_at_the_limit_byte_for_byte(counted
 
 def test_responses_stream_a_call_between_two_texts(counted_ids):
     parsed = ParsedOutput(content="ab", tool_calls=[CALL], finish_reason="tool_calls", events=[ContentDelta("b")])
-    frames = responses([None, text(ContentDelta("a")), text(ToolCallEnd(0, CALL)), Finished("stop", USAGE, None, parsed)])
+    frames = responses([None, text(ContentDelta("a")), text(ToolCallEnd(0, CALL)),
+                        Finished("stop", USAGE, None, parsed)])
     part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     call_item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
                  "arguments": '{"city": "Paris"}', "status": "completed"}
@@ -288,7 +293,8 @@ def openai_ctx(kind: str, **kw: Any) -> api_openai.OpenAIContext:
     return api_openai.OpenAIContext(kind=kind, **fields)
 
 
-BASE_CHAT = {"id": "id-1", "object": "chat.completion.chunk", "created": 5, "model": "m", "system_fingerprint": None}
+BASE_CHAT = {"id": "id-1", "object": "chat.completion.chunk", "created": 5, "model": "m",
+             "system_fingerprint": None}
 BASE_COMPLETION = BASE_CHAT | {"object": "text_completion"}
 LOGPROB = TokenLogprob(7, "Hi", -0.25, ((7, "Hi", -0.25), (8, "Ho", -1.5)))
 
@@ -312,7 +318,8 @@ def test_chat_stream_two_choices_with_logprobs_and_usage():
         ChoiceEvent(0, Finished("stop", u0, None, ParsedOutput(tool_calls=[CALL], finish_reason="tool_calls"))),
     ])))
     lp = {"content": [{"token": "Hi", "logprob": -0.25, "bytes": [72, 105], "top_logprobs": [
-        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]}, {"token": "Ho", "logprob": -1.5, "bytes": [72, 111]}]}],
+        {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+        {"token": "Ho", "logprob": -1.5, "bytes": [72, 111]}]}],
           "refusal": None}
     call = {"index": 0, "id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
@@ -359,8 +366,8 @@ def test_completion_stream_echo_waits_for_the_prompt_scores():
     assert frames == [
         completion_chunk(0, "ab", logprobs={"tokens": ["a", "b"], "token_logprobs": [None, -0.5],
                                             "top_logprobs": [None, {"b": -0.5}], "text_offset": [0, 1]}),
-        completion_chunk(0, "c", logprobs={"tokens": ["c"], "token_logprobs": [-0.75], "top_logprobs": [{"c": -0.75}],
-                                           "text_offset": [2]}),
+        completion_chunk(0, "c", logprobs={"tokens": ["c"], "token_logprobs": [-0.75],
+                                           "top_logprobs": [{"c": -0.75}], "text_offset": [2]}),
         completion_chunk(0, "", "length"),
         DONE,
     ]
@@ -369,10 +376,63 @@ def test_completion_stream_echo_waits_for_the_prompt_scores():
 def test_completion_stream_echoes_at_once_without_logprobs_and_skips_empty_text():
     ctx = openai_ctx("completion", n_choices=2, echo_texts=("ab", ""))
     frames = written(api_openai.completion_stream(ctx, scripted([
-        ChoiceEvent(1, TextDelta("x")), ChoiceEvent(0, TextDelta("")), ChoiceEvent(0, Finished("cancelled", Usage(2, 0, 0))),
+        ChoiceEvent(1, TextDelta("x")), ChoiceEvent(0, TextDelta("")),
+        ChoiceEvent(0, Finished("cancelled", Usage(2, 0, 0))),
         ChoiceEvent(1, TextDelta("never"))])))
     assert frames == [
         completion_chunk(0, "ab"),
         completion_chunk(1, "x"),
         api_openai.stream_error(api_openai.CANCELLED),
     ]
+
+
+# --- the writer base (server.apibase.StreamWriter) -------------------------------------------
+
+class Tally(StreamWriter):
+    """A writer over plain values: ints are counted, strings end the stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def opening(self) -> list[bytes]:
+        return [b"open\n"]
+
+    def closing(self) -> list[bytes]:
+        return [b"total %d\n" % self.count]
+
+    @writes(int)
+    def number(self, n: int, *scale: int) -> list[bytes]:
+        self.count += n * (scale[0] if scale else 1)
+        return [b"n %d\n" % n]
+
+    @writes(tuple)
+    def scaled(self, pair: tuple[int, int]) -> list[bytes]:
+        return self.write(pair[0], pair[1])  # extra arguments reach the event's method
+
+    @writes(str)
+    def stop(self, text: str) -> list[bytes]:
+        return self.end(text.encode())
+
+
+def test_each_event_goes_to_its_method_and_unknown_kinds_are_skipped():
+    assert written(Tally().stream(scripted([1, None, 2.5, (2, 10), 3]))) == [
+        b"open\n", b"n 1\n", KEEPALIVE, b"n 2\n", b"n 3\n", b"total 24\n"]
+
+
+def test_a_method_that_ends_the_stream_drops_the_rest_and_the_closing():
+    assert written(Tally().stream(scripted([1, "failed\n", 2, None]))) == [b"open\n", b"n 1\n", b"failed\n"]
+
+
+class LoudTally(Tally):
+    @writes(int)
+    def loud(self, n: int, *scale: int) -> list[bytes]:
+        return [b"N %d\n" % n]
+
+    def stop(self, text: str) -> list[bytes]:  # an override of a registered method, by its name
+        return self.end(text.upper().encode())
+
+
+def test_a_subclass_method_replaces_its_base_for_that_kind_only():
+    assert written(LoudTally().stream(scripted([1, (2, 3), "end\n"]))) == [b"open\n", b"N 1\n", b"N 2\n", b"END\n"]
+    assert written(Tally().stream(scripted([1, "end\n"]))) == [b"open\n", b"n 1\n", b"end\n"]
