@@ -204,14 +204,15 @@ class ResponsesStreamWriter(StreamWriter):
         self.open_id = ""
         self.open_text = ""
 
-    def event(self, kind: str, **payload: Any) -> bytes:
+    def frame(self, kind: str, **payload: Any) -> bytes:
+        """One event of the sequence, with the next sequence number."""
         frame = sse_event(kind, {"type": kind, "sequence_number": self.seq, **payload})
         self.seq += 1
         return frame
 
     def opening(self) -> Frames:
-        return [self.event("response.created", response=_envelope(self.ctx, "in_progress", [], None)),
-                self.event("response.in_progress", response=_envelope(self.ctx, "in_progress", [], None))]
+        return [self.frame("response.created", response=_envelope(self.ctx, "in_progress", [], None)),
+                self.frame("response.in_progress", response=_envelope(self.ctx, "in_progress", [], None))]
 
     # --- worker events ---
 
@@ -228,17 +229,17 @@ class ResponsesStreamWriter(StreamWriter):
         frames = self.write_all(parsed.events)
         if not self.output and self.open_type is None:
             frames += self.open_message()
-        frames += self.close_item("incomplete" if status == "incomplete" else "completed")
+        frames += self.close_item(status)
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        return frames + [self.event(kind, response=_envelope(self.ctx, status, self.output, event.usage))]
+        return frames + [self.frame(kind, response=_envelope(self.ctx, status, self.output, event.usage))]
 
     @writes(Failed)
     def failed(self, event: Failed) -> Frames:
         return self.fail("server_error", event.message)
 
     def fail(self, code: str, message: str) -> Frames:
-        return self.end(self.event("error", code=code, message=message, param=None),
-                        self.event("response.failed", response=_envelope(
+        return self.end(self.frame("error", code=code, message=message, param=None),
+                        self.frame("response.failed", response=_envelope(
                             self.ctx, "failed", self.output, None, {"code": "server_error", "message": message})))
 
     # --- output items ---
@@ -249,16 +250,16 @@ class ResponsesStreamWriter(StreamWriter):
         idx, item_id, text = len(self.output), self.open_id, self.open_text
         if self.open_type == "message":
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            frames = [self.event("response.output_text.done", item_id=item_id, output_index=idx,
+            frames = [self.frame("response.output_text.done", item_id=item_id, output_index=idx,
                                  content_index=0, text=text, logprobs=[]),
-                      self.event("response.content_part.done", item_id=item_id, output_index=idx,
+                      self.frame("response.content_part.done", item_id=item_id, output_index=idx,
                                  content_index=0, part=part)]
             item = message_item(item_id, text, status)
         else:
-            frames = [self.event("response.reasoning_text.done", item_id=item_id, output_index=idx,
+            frames = [self.frame("response.reasoning_text.done", item_id=item_id, output_index=idx,
                                  content_index=0, text=text)]
             item = reasoning_item(item_id, text)
-        frames.append(self.event("response.output_item.done", output_index=idx, item=item))
+        frames.append(self.frame("response.output_item.done", output_index=idx, item=item))
         self.output.append(item)
         self.open_type, self.open_id, self.open_text = None, "", ""
         return frames
@@ -271,17 +272,17 @@ class ResponsesStreamWriter(StreamWriter):
     def open_message(self) -> Frames:
         frames = self.open_item("message", "msg_")
         idx = len(self.output)
-        frames.append(self.event("response.output_item.added", output_index=idx,
+        frames.append(self.frame("response.output_item.added", output_index=idx,
                                  item={"type": "message", "id": self.open_id, "status": "in_progress",
                                        "role": "assistant", "content": []}))
-        frames.append(self.event("response.content_part.added", item_id=self.open_id, output_index=idx,
+        frames.append(self.frame("response.content_part.added", item_id=self.open_id, output_index=idx,
                                  content_index=0,
                                  part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
         return frames
 
     def open_reasoning(self) -> Frames:
         frames = self.open_item("reasoning", "rs_")
-        frames.append(self.event("response.output_item.added", output_index=len(self.output),
+        frames.append(self.frame("response.output_item.added", output_index=len(self.output),
                                  item={"type": "reasoning", "id": self.open_id, "summary": [], "content": []}))
         return frames
 
@@ -289,14 +290,14 @@ class ResponsesStreamWriter(StreamWriter):
     def content(self, event: ContentDelta) -> Frames:
         frames = [] if self.open_type == "message" else self.open_message()
         self.open_text += event.text
-        return frames + [self.event("response.output_text.delta", item_id=self.open_id,
+        return frames + [self.frame("response.output_text.delta", item_id=self.open_id,
                                     output_index=len(self.output), content_index=0, delta=event.text, logprobs=[])]
 
     @writes(ReasoningDelta)
     def reasoning(self, event: ReasoningDelta) -> Frames:
         frames = [] if self.open_type == "reasoning" else self.open_reasoning()
         self.open_text += event.text
-        return frames + [self.event("response.reasoning_text.delta", item_id=self.open_id,
+        return frames + [self.frame("response.reasoning_text.delta", item_id=self.open_id,
                                     output_index=len(self.output), content_index=0, delta=event.text)]
 
     @writes(ToolCallEnd)
@@ -304,14 +305,14 @@ class ResponsesStreamWriter(StreamWriter):
         frames = self.close_item()
         idx, item_id, call = len(self.output), new_id("fc_"), event.call
         frames += [
-            self.event("response.output_item.added", output_index=idx,
+            self.frame("response.output_item.added", output_index=idx,
                        item=function_call_item(item_id, call, "in_progress") | {"arguments": ""}),
-            self.event("response.function_call_arguments.delta", item_id=item_id, output_index=idx,
+            self.frame("response.function_call_arguments.delta", item_id=item_id, output_index=idx,
                        delta=call.arguments_json),
-            self.event("response.function_call_arguments.done", item_id=item_id, output_index=idx,
+            self.frame("response.function_call_arguments.done", item_id=item_id, output_index=idx,
                        name=call.name, arguments=call.arguments_json)]
         item = function_call_item(item_id, call)
-        frames.append(self.event("response.output_item.done", output_index=idx, item=item))
+        frames.append(self.frame("response.output_item.done", output_index=idx, item=item))
         self.output.append(item)
         return frames
 
