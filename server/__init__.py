@@ -14,6 +14,8 @@ Modules, in the order a request meets them:
                per-API schema, validation, translation to a `GenerationRequest`, and the
                JSON / SSE answers in that API's field names and error shape.
 - `apibase`    what they share: strict schema base, field bounds, limits, defaults, ids.
+- `genrequest` the one preparation path they call: render, tokenize, context and token-limit
+               checks, sampling and stops -> `GenerationRequest`, the same errors for every API.
 - `choices`    `n` and several prompts: one job per choice, events merged by choice index.
 - `scoring`    prompt log-probs (`echo` with `logprobs`) in the legacy completions form.
 - `prompting`  the text seams: chat -> prompt text, generated text -> content/reasoning/tool calls.

@@ -1,17 +1,22 @@
 """Anthropic Messages API (`POST /v1/messages`): schema, translation, responses.
 
 Request side: `MessagesRequest` validates the body (`max_tokens` is required, as in the
-original API); `messages_job` maps the top-level `system`, user/assistant content blocks,
-`thinking`, `tool_use` and `tool_result` blocks onto the neutral records
-(`server.tools.apis.messages_from_anthropic`), renders them with the model's tool syntax,
-tokenizes and applies the context-length rule (reported in Anthropic's error shape by the
-route).
+original API); `messages_job` reads the top-level `system`, user/assistant content blocks,
+`thinking`, `tool_use` and `tool_result` blocks into the neutral records
+(`server.tools.apis.messages_from_anthropic`), its tools and `tool_choice` into
+`OutputRules`, its sampling fields, `max_tokens` and `stop_sequences` into
+`GenerationSettings`, and hands them to the shared preparation path
+(`server.genrequest.prepare_chat`: render with the model's tool syntax, tokenize, the
+context-length rule on param `messages`); the route reports its errors in Anthropic's shape.
+`render_request` is the prompt alone, for `count_tokens`.
 
-Response side: `messages_response` builds the `message` object; `messages_stream` emits
-the Anthropic event sequence — `message_start`, `ping`, then per content block
-`content_block_start` / `content_block_delta` / `content_block_stop`, then
-`message_delta` (stop reason and usage) and `message_stop` — with `: prefill` comments
-while waiting and an `error` event if inference fails after the stream started.
+Response side: `messages_response` builds the `message` object; `messages_stream` runs a
+`MessagesStreamWriter`, which emits the Anthropic event sequence — `message_start`, `ping`,
+then per content block `content_block_start` / `content_block_delta` /
+`content_block_stop`, then `message_delta` (stop reason and usage) and `message_stop` — with
+`: prefill` comments while waiting and an `error` event (nothing after it) if inference fails
+after the stream started. `message_start` goes out at `PromptReady`, or with the end if the
+prompt's readiness was never reported.
 
 Usage follows Anthropic's convention: `input_tokens` counts only prompt tokens that were
 computed, `cache_read_input_tokens` those reused from the KV cache (their sum is the
@@ -34,15 +39,15 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
-                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
-                            stop_list)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, Frames, OpenModel, RequestDefaults,
+                            StreamWriter, StrictModel, new_id, writes)
 from server.errors import ApiError, error_body
+from server.genrequest import ChatRequest, GenerationSettings, OutputRules, Sampling, TokenLimit, prepare_chat
 from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
-from server.prompting import (ChatPrompt, ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta,
-                              ToolCallEnd, ToolCalling, prompt_ids)
-from server.sse import KEEPALIVE, sse_event
-from server.structured import ToolChoice, anthropic_tool_choice, check, constraint_factory, tools_to_render
+from server.prompting import ChatPrompt, ContentDelta, ParsedOutput, ReasoningDelta, ToolCallEnd, ToolCalling
+from server.sse import sse_event
+from server.structured import ToolChoice, anthropic_tool_choice, tools_to_render
+from server.tools import Message, ToolSpec
 from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 
 # --- schemas --------------------------------------------------------------------------
@@ -102,37 +107,34 @@ class AnthropicContext:
     n_prompt: int
 
 
-def render_request(model: Any, req: Any, calling: ToolCalling, choice: ToolChoice = ToolChoice()) -> ChatPrompt:
-    """Prompt of a Messages (or count_tokens) request: system, messages and the tools `choice` shows."""
-    dump = [m.model_dump(exclude_none=True) for m in req.messages]
+def request_tools(req: Any) -> list[ToolSpec]:
+    return tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []])
+
+
+def request_messages(req: Any) -> list[Message]:
     system = req.system
     if isinstance(system, list):
         system = [b.model_dump(exclude_none=True) for b in system]
-    specs = tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []])
-    return calling.render(model, messages_from_anthropic(system, dump), tools_to_render(choice, specs))
+    return messages_from_anthropic(system, [m.model_dump(exclude_none=True) for m in req.messages])
+
+
+def render_request(model: Any, req: Any, calling: ToolCalling, choice: ToolChoice = ToolChoice()) -> ChatPrompt:
+    """Prompt of a Messages (or count_tokens) request: system, messages and the tools `choice` shows."""
+    tools = request_tools(req)
+    return calling.render(model, request_messages(req), tools_to_render(choice, tools))
 
 
 def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
                  defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, AnthropicContext]:
     """`defaults` does not apply: Messages requires `max_tokens`, as Anthropic's API does."""
-    ignore_eos = bool(req.ignore_eos)
-    choice = anthropic_tool_choice(req.tool_choice)
-    check(choice, None, tools_from_anthropic([t.model_dump(exclude_none=True) for t in req.tools or []]),
-          ignore_eos=ignore_eos)
-    prompt = render_request(model, req, calling, choice)
-    check_prompt_size(model, prompt.text, "messages")
-    ids = prompt_ids(model, prompt.text)
-    check_context(len(ids), model.n_ctx, "messages")
-    max_tokens = resolve_max_tokens(req.max_tokens, None, len(ids), model.n_ctx, ignore_eos, "max_tokens")
-    gen = GenerationRequest(
-        prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-        max_tokens=max_tokens,
-        sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                               min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=stop_list(req.stop_sequences, "stop_sequences"),
-        new_splitter=lambda: calling.new_splitter(prompt, "anthropic"),
-        new_constraint=constraint_factory(choice, None, calling.syntax, prompt.tools))
-    return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(ids))
+    sampling = Sampling.of(req)
+    rules = OutputRules.checked(json_format=None, choice=anthropic_tool_choice(req.tool_choice),
+                                tools=request_tools(req), ignore_eos=sampling.ignore_eos)
+    settings = GenerationSettings(sampling, TokenLimit(req.max_tokens, None, "max_tokens"),
+                                  stop=req.stop_sequences, stop_param="stop_sequences")
+    messages = request_messages(req)
+    gen = prepare_chat(model, calling, ChatRequest("anthropic", messages, rules, settings, "messages"))
+    return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(gen.prompt_ids))
 
 
 # --- responses ------------------------------------------------------------------------
@@ -175,91 +177,104 @@ def stream_error(message: str, kind: str = "api_error") -> bytes:
     return sse_event("error", body)
 
 
-async def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
-    index = -1
-    open_kind: str | None = None
-    started = False
+CANCELLED = "the request was cancelled because the server is shutting down"
 
-    def start_message(n_cached: int, n_written: int) -> list[bytes]:
-        message = {"id": ctx.id, "type": "message", "role": "assistant", "model": ctx.model_name,
+
+class MessagesStreamWriter(StreamWriter):
+    """The event sequence of one streamed message (see the module docstring).
+
+    Content blocks are numbered from 0 in the order they open; at most one is open, and a delta
+    of another kind (or a call, which is a block of its own) closes it first."""
+
+    def __init__(self, ctx: AnthropicContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.started = False
+        self.index = -1
+        """The number of the block opened last."""
+        self.open_kind: str | None = None
+        """The type of the open block ("text", "thinking", "tool_use"), None when none is open."""
+
+    # --- the message ---
+
+    def start(self, n_cached: int, n_written: int) -> Frames:
+        if self.started:
+            return []
+        self.started = True
+        message = {"id": self.ctx.id, "type": "message", "role": "assistant", "model": self.ctx.model_name,
                    "content": [], "stop_reason": None, "stop_sequence": None,
-                   "usage": usage_json(Usage(ctx.n_prompt, 0, n_cached, n_written))}
+                   "usage": usage_json(Usage(self.ctx.n_prompt, 0, n_cached, n_written))}
         return [sse_event("message_start", {"type": "message_start", "message": message}),
                 sse_event("ping", {"type": "ping"})]
 
-    def close_block() -> list[bytes]:
-        nonlocal open_kind
-        frames = []
-        if open_kind == "thinking":
-            frames.append(sse_event("content_block_delta", {
-                "type": "content_block_delta", "index": index,
-                "delta": {"type": "signature_delta", "signature": ""}}))
-        if open_kind is not None:
-            frames.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": index}))
-        open_kind = None
+    @writes(PromptReady)
+    def prompt_ready(self, event: PromptReady) -> Frames:
+        return self.start(event.n_cached, event.n_written)
+
+    @writes(TextDelta)
+    def text(self, event: TextDelta) -> Frames:
+        return self.write_all(event.events)
+
+    @writes(Finished)
+    def finished(self, event: Finished) -> Frames:
+        if event.finish_reason == "cancelled":
+            return self.end(stream_error(CANCELLED, "overloaded_error"))
+        parsed: ParsedOutput = event.output
+        frames = self.start(event.usage.cached_tokens, event.usage.cache_written_tokens)
+        frames += self.write_all(parsed.events) + self.close_block()
+        frames.append(sse_event("message_delta", {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(event, parsed),
+                      "stop_sequence": None if parsed.tool_calls else event.stop_sequence},
+            "usage": usage_json(event.usage)}))
+        frames.append(sse_event("message_stop", {"type": "message_stop"}))
         return frames
 
-    def open_block(kind: str, block: dict[str, Any]) -> list[bytes]:
-        nonlocal index, open_kind
-        frames = close_block()
-        index += 1
-        open_kind = kind
-        frames.append(sse_event("content_block_start", {"type": "content_block_start", "index": index,
+    @writes(Failed)
+    def failed(self, event: Failed) -> Frames:
+        return self.end(stream_error(event.message))
+
+    # --- content blocks ---
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return sse_event("content_block_delta",
+                         {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def close_block(self) -> Frames:
+        frames = []
+        if self.open_kind == "thinking":
+            frames.append(self.delta({"type": "signature_delta", "signature": ""}))
+        if self.open_kind is not None:
+            frames.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.open_kind = None
+        return frames
+
+    def open_block(self, block: dict[str, Any]) -> Frames:
+        frames = self.close_block()
+        self.index += 1
+        self.open_kind = block["type"]
+        frames.append(sse_event("content_block_start", {"type": "content_block_start", "index": self.index,
                                                         "content_block": block}))
         return frames
 
-    def frames_for(out_events: list[OutputEvent] | tuple[OutputEvent, ...]) -> list[bytes]:
-        frames: list[bytes] = []
-        for ev in out_events:
-            if isinstance(ev, ContentDelta):
-                if open_kind != "text":
-                    frames += open_block("text", {"type": "text", "text": ""})
-                frames.append(sse_event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "text_delta", "text": ev.text}}))
-            elif isinstance(ev, ReasoningDelta):
-                if open_kind != "thinking":
-                    frames += open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                frames.append(sse_event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "thinking_delta", "thinking": ev.text}}))
-            elif isinstance(ev, ToolCallEnd):
-                frames += open_block("tool_use", {"type": "tool_use", "id": ev.call.id,
-                                                  "name": ev.call.name, "input": {}})
-                frames.append(sse_event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": ev.call.arguments_json}}))
-                frames += close_block()
-        return frames
+    @writes(ContentDelta)
+    def content(self, event: ContentDelta) -> Frames:
+        frames = [] if self.open_kind == "text" else self.open_block({"type": "text", "text": ""})
+        return frames + [self.delta({"type": "text_delta", "text": event.text})]
 
-    async for event in events:
-        if event is None:
-            yield KEEPALIVE
-        elif isinstance(event, PromptReady):
-            if not started:
-                started = True
-                for frame in start_message(event.n_cached, event.n_written):
-                    yield frame
-        elif isinstance(event, TextDelta):
-            for frame in frames_for(event.events):
-                yield frame
-        elif isinstance(event, Finished):
-            if event.finish_reason == "cancelled":
-                yield stream_error("the request was cancelled because the server is shutting down",
-                                    "overloaded_error")
-                return
-            if not started:
-                for frame in start_message(event.usage.cached_tokens, event.usage.cache_written_tokens):
-                    yield frame
-            parsed: ParsedOutput = event.output
-            for frame in frames_for(parsed.events) + close_block():
-                yield frame
-            yield sse_event("message_delta", {
-                "type": "message_delta",
-                "delta": {"stop_reason": stop_reason(event, parsed),
-                          "stop_sequence": None if parsed.tool_calls else event.stop_sequence},
-                "usage": usage_json(event.usage)})
-            yield sse_event("message_stop", {"type": "message_stop"})
-        elif isinstance(event, Failed):
-            yield stream_error(event.message)
-            return
+    @writes(ReasoningDelta)
+    def reasoning(self, event: ReasoningDelta) -> Frames:
+        frames = ([] if self.open_kind == "thinking"
+                  else self.open_block({"type": "thinking", "thinking": "", "signature": ""}))
+        return frames + [self.delta({"type": "thinking_delta", "thinking": event.text})]
+
+    @writes(ToolCallEnd)
+    def tool_call(self, event: ToolCallEnd) -> Frames:
+        call = event.call
+        frames = self.open_block({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        frames.append(self.delta({"type": "input_json_delta", "partial_json": call.arguments_json}))
+        return frames + self.close_block()
+
+
+def messages_stream(ctx: AnthropicContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
+    return MessagesStreamWriter(ctx).stream(events)

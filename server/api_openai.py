@@ -1,16 +1,22 @@
 """OpenAI Chat Completions and (legacy) Completions: schemas, translation, responses.
 
-Request side: `ChatCompletionRequest` / `CompletionRequest` validate the body;
-`chat_job` / `completion_job` turn a validated request into the neutral records
-(`server.tools.apis.messages_from_openai`, the one check of the messages beyond the
-schema), render it, tokenize, apply the context-length rule (param `messages` / `prompt`)
-and produce a `GenerationRequest` plus the `OpenAIContext` needed to answer.
+Request side: `ChatCompletionRequest` / `CompletionRequest` validate the body.
+`chat_job` reads a chat into the neutral records (`server.tools.apis.messages_from_openai`,
+the one check of the messages beyond the schema), its tools, `tool_choice`,
+`parallel_tool_calls` and `response_format` into `OutputRules` and its sampling fields,
+limit, stops and log-probs into `GenerationSettings`, and hands them to the shared
+preparation path (`server.genrequest.prepare_chat`: render, tokenize, the context-length rule
+on param `messages`). `completion_job` tokenizes its raw prompts itself and joins that path
+at `generation_request` (param `prompt`). Both return one `GenerationRequest` per choice plus
+the `OpenAIContext` needed to answer.
 
 Response side: `chat_response` / `completion_response` build the JSON body from the
-collected output; `chat_stream` / `completion_stream` turn worker events into
-`chat.completion.chunk` / `text_completion` SSE chunks ending with `data: [DONE]`, with
-`: prefill` keepalive comments before the first token and an error chunk (not a broken
-stream) when inference fails after the headers were sent.
+collected output; `chat_stream` / `completion_stream` run a `ChatStreamWriter` /
+`CompletionStreamWriter`, which turn the choices' worker events into
+`chat.completion.chunk` / `text_completion` SSE chunks ending with `data: [DONE]` (after a
+usage chunk with `stream_options.include_usage`), with `: prefill` keepalive comments before
+the first token and an error chunk (nothing after it) when inference fails or the server
+shuts down after the headers were sent.
 
 A raw completion prompt is tokenized with special-token parsing, so a client may send an
 already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is used as is.
@@ -42,22 +48,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, ClassVar, Literal
 
 from pydantic import Field
 
 from engine.prompt_text import from_rendered
-from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
-                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec,
-                            stop_list)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, Frames, OpenModel,
+                            RequestDefaults, StreamWriter, StrictModel, check_prompt_size, new_id, writes)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
+from server.genrequest import (ChatRequest, GenerationSettings, OutputRules, PromptTokens, Sampling, TokenLimit,
+                               generation_request, prepare_chat)
 from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
-from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall,
-                              ToolCallEnd, ToolCalling, prompt_ids)
+from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall, ToolCallEnd, ToolCalling,
+                              prompt_ids)
 from server.scoring import PromptScored, legacy_logprobs
-from server.sse import DONE, KEEPALIVE, sse_data
-from server.structured import check, constraint_factory, openai_response_format, openai_tool_choice, tools_to_render
+from server.sse import DONE, sse_data
+from server.structured import openai_response_format, openai_tool_choice
 from server.tools.apis import messages_from_openai, tools_from_openai
 
 # The Completions API's own default for `max_tokens` (OpenAI's documented value).
@@ -189,28 +196,19 @@ def _common_checks(req: _SamplingFields) -> None:
 def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
              defaults: RequestDefaults = RequestDefaults()) -> tuple[list[GenerationRequest], OpenAIContext]:
     _common_checks(req)
-    ignore_eos = bool(req.ignore_eos)
-    fmt = openai_response_format(req.response_format.model_dump() if req.response_format is not None else None)
-    choice = openai_tool_choice(req.tool_choice, req.parallel_tool_calls)
-    specs = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []])
-    check(choice, fmt, specs, ignore_eos=ignore_eos)
-    prompt = calling.render(model, messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages]),
-                            tools_to_render(choice, specs))
-    check_prompt_size(model, prompt.text, "messages")
-    ids = prompt_ids(model, prompt.text)
-    check_context(len(ids), model.n_ctx, "messages")
+    sampling = Sampling.of(req)
+    response_format = req.response_format.model_dump() if req.response_format is not None else None
+    rules = OutputRules.checked(json_format=openai_response_format(response_format),
+                                choice=openai_tool_choice(req.tool_choice, req.parallel_tool_calls),
+                                tools=tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools or []]),
+                                ignore_eos=sampling.ignore_eos)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(requested, defaults.max_tokens_for(), len(ids), model.n_ctx, ignore_eos,
-                                    "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-    gen = GenerationRequest(
-        prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-        max_tokens=max_tokens,
-        sampling=sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                               min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos),
-        stop=stop_list(req.stop, "stop"),
-        top_logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-        new_splitter=lambda: calling.new_splitter(prompt, "openai"),
-        new_constraint=constraint_factory(choice, fmt, calling.syntax, prompt.tools))
+    limit = TokenLimit(requested, defaults.max_tokens_for(),
+                       "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+    settings = GenerationSettings(sampling, limit, stop=req.stop,
+                                  top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+    messages = messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages])
+    gen = prepare_chat(model, calling, ChatRequest("openai", messages, rules, settings, "messages"))
     n = req.n or 1
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
                         created=int(time.time()),
@@ -228,20 +226,20 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)  # type: ignore[arg-type]
 
 
-def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, str, list[int]]:
-    """(text, key text, ids) of one prompt; a token-id list is used as is. The key text is what
+def _prompt_tokens(model: Any, prompt: str | list[int], param: str) -> tuple[str, PromptTokens]:
+    """(text, tokens) of one prompt; a token-id list is used as is. The tokens' text is what
     prefix reuse and the disk cache match on (`engine.prompt_text`): a raw prompt is the caller's
-    own rendering, so every control-token spelling in it is meant as the token."""
+    own rendering, so every control-token spelling in it is meant as the token. The size check
+    names the prompt's place in the list, the context check the field."""
     if isinstance(prompt, str):
         check_prompt_size(model, prompt, param)
         key_text = from_rendered(prompt)
-        return prompt, key_text, prompt_ids(model, key_text)
+        return prompt, PromptTokens(key_text, tuple(prompt_ids(model, key_text)), "prompt")
     bad = [t for t in prompt if not 0 <= t < model.n_vocab]
     if bad:
         raise ApiError(400, f"{param}: token id {bad[0]} is outside the vocabulary "
                             f"(0..{model.n_vocab - 1})", param="prompt")
-    ids = list(prompt)
-    return model.detokenize(ids), model.detokenize_prompt(ids), ids
+    return model.detokenize(prompt), PromptTokens(model.detokenize_prompt(prompt), tuple(prompt), "prompt")
 
 
 def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | None = None,
@@ -261,24 +259,18 @@ def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | No
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(400, f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices; "
                             f"at most {MAX_CHOICES} per request", param="n")
-    ignore_eos = bool(req.ignore_eos)
-    sampling = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                             min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
-    scored = req.logprobs if req.echo else None
+    limit = TokenLimit(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS), "max_tokens")
+    settings = GenerationSettings(Sampling.of(req), limit, stop=req.stop, top_logprobs=req.logprobs,
+                                  prompt_logprobs=req.logprobs if req.echo else None)
+    settings.sampling.check()  # before any prompt is read: this API has always answered in this order
     gens: list[GenerationRequest] = []
     echoes: list[str] = []
     for p, prompt in enumerate(prompts):
         param = "prompt" if len(prompts) == 1 else f"prompt[{p}]"
-        text, key_text, ids = _prompt_tokens(model, prompt, param)
-        if not ids:
+        text, tokens = _prompt_tokens(model, prompt, param)
+        if not tokens.ids:
             raise ApiError(400, f"{param} is empty", param="prompt")
-        check_context(len(ids), model.n_ctx, "prompt")
-        max_tokens = resolve_max_tokens(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS),
-                                        len(ids), model.n_ctx, ignore_eos, "max_tokens")
-        gen = GenerationRequest(prompt_text=key_text, prompt_ids=tuple(ids), max_tokens=max_tokens,
-                                sampling=sampling, stop=stop_list(req.stop, "stop"), top_logprobs=req.logprobs,
-                                prompt_logprobs=scored)
-        gens.extend(fan_out(gen, n))
+        gens.extend(fan_out(generation_request(model.n_ctx, tokens, settings), n))
         echoes.extend([text if req.echo else ""] * n)
     ctx = OpenAIContext(kind="completion", model_name=model.name, id=new_id("cmpl-"),
                         created=int(time.time()),
@@ -363,53 +355,6 @@ def stream_error(message: str) -> bytes:
                                "openai"))
 
 
-CANCELLED = "the request was cancelled because the server is shutting down"
-
-
-async def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
-    base = {"id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created,
-            "model": ctx.model_name, "system_fingerprint": None}
-    extra = {"usage": None} if ctx.include_usage else {}
-    usages: dict[int, Usage] = {}
-
-    def chunk(index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data(base | {"choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                             "finish_reason": finish}]} | extra)
-
-    for index in range(ctx.n_choices):
-        yield chunk(index, {"role": "assistant", "content": ""})
-    async for item in events:
-        if item is None:
-            yield KEEPALIVE
-            continue
-        index, event = item.index, item.event
-        if isinstance(event, TextDelta):
-            pieces = stream_deltas(event.events)
-            if ctx.logprobs and event.logprobs:
-                # Logprobs ride on the first chunk of the text their tokens produced.
-                lp = chat_logprobs_json(list(event.logprobs))
-                first = pieces.pop(0) if pieces else {"content": ""}
-                yield chunk(index, first, logprobs=lp)
-            for delta in pieces:
-                yield chunk(index, delta)
-        elif isinstance(event, Finished):
-            if event.finish_reason == "cancelled":
-                yield stream_error(CANCELLED)
-                return
-            parsed: ParsedOutput = event.output
-            for delta in stream_deltas(parsed.events):
-                yield chunk(index, delta)
-            yield chunk(index, {}, parsed.finish_reason)
-            usages[index] = event.usage
-        elif isinstance(event, Failed):
-            yield stream_error(event.message)
-            return
-    if ctx.include_usage:
-        total = total_usage([usages[i] for i in range(ctx.n_choices)], ctx.n)
-        yield sse_data(base | {"choices": [], "usage": usage_json(total)})
-    yield DONE
-
-
 def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
     """Chat chunk `delta` objects for splitter events; a call arrives whole, with its index."""
     out = []
@@ -423,47 +368,120 @@ def stream_deltas(out_events: Any) -> list[dict[str, Any]]:
     return out
 
 
-async def completion_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
-    base = {"id": ctx.id, "object": "text_completion", "created": ctx.created,
-            "model": ctx.model_name, "system_fingerprint": None}
-    extra = {"usage": None} if ctx.include_usage else {}
-    offsets = [len(ctx.echo_text(i)) for i in range(ctx.n_choices)]
-    usages: dict[int, Usage] = {}
-    # Scored prompts are echoed with their log-probs once they are known; others at once.
-    waits_for_scores = ctx.logprobs and any(ctx.echo_texts)
+CANCELLED = "the request was cancelled because the server is shutting down"
 
-    def chunk(index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
-        return sse_data(base | {"choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                             "finish_reason": finish}]} | extra)
 
-    if not waits_for_scores:
-        for index in range(ctx.n_choices):
-            if ctx.echo_text(index):
-                yield chunk(index, ctx.echo_text(index))
-    async for item in events:
-        if item is None:
-            yield KEEPALIVE
-            continue
-        index, event = item.index, item.event
-        if isinstance(event, PromptScored):
-            yield chunk(index, ctx.echo_text(index), logprobs=legacy_logprobs(event, (), 0, ctx.token_ids))
-        elif isinstance(event, TextDelta):
-            lp = None
-            if ctx.logprobs and event.logprobs:
-                lp = legacy_logprobs(None, event.logprobs, offsets[index], ctx.token_ids)
-            offsets[index] += len(event.text)
-            if event.text or lp is not None:
-                yield chunk(index, event.text, logprobs=lp)
-        elif isinstance(event, Finished):
-            if event.finish_reason == "cancelled":
-                yield stream_error(CANCELLED)
-                return
-            yield chunk(index, "", event.finish_reason)
-            usages[index] = event.usage
-        elif isinstance(event, Failed):
-            yield stream_error(event.message)
-            return
-    if ctx.include_usage:
-        total = total_usage([usages[i] for i in range(ctx.n_choices)], ctx.n)
-        yield sse_data(base | {"choices": [], "usage": usage_json(total)})
-    yield DONE
+class ChoicesStreamWriter(StreamWriter):
+    """What the chat and completion streams share: the choices' events, each dispatched with
+    its choice index; the end of each choice; the usage chunk and `[DONE]` after the last.
+    A subclass adds its API's chunks: its opening, its `TextDelta` method and `finish`."""
+
+    object_name: ClassVar[str] = ""
+
+    def __init__(self, ctx: OpenAIContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.base = {"id": ctx.id, "object": self.object_name, "created": ctx.created,
+                     "model": ctx.model_name, "system_fingerprint": None}
+        self.extra = {"usage": None} if ctx.include_usage else {}
+        self.usages: dict[int, Usage] = {}
+
+    def chunk(self, choice: dict[str, Any]) -> bytes:
+        return sse_data(self.base | {"choices": [choice]} | self.extra)
+
+    @writes(ChoiceEvent)
+    def choice_event(self, item: ChoiceEvent) -> Frames:
+        return self.write(item.event, item.index)
+
+    @writes(Finished)
+    def finished(self, event: Finished, index: int) -> Frames:
+        if event.finish_reason == "cancelled":
+            return self.end(stream_error(CANCELLED))
+        self.usages[index] = event.usage
+        return self.finish(event, index)
+
+    def finish(self, event: Finished, index: int) -> Frames:
+        """The last chunks of one choice."""
+        raise NotImplementedError
+
+    @writes(Failed)
+    def failed(self, event: Failed, index: int) -> Frames:
+        return self.end(stream_error(event.message))
+
+    def closing(self) -> Frames:
+        frames = []
+        if self.ctx.include_usage:
+            total = total_usage([self.usages[i] for i in range(self.ctx.n_choices)], self.ctx.n)
+            frames.append(sse_data(self.base | {"choices": [], "usage": usage_json(total)}))
+        return frames + [DONE]
+
+
+class ChatStreamWriter(ChoicesStreamWriter):
+    """`chat.completion.chunk`s: a role chunk per choice first, then a delta per splitter event."""
+
+    object_name = "chat.completion.chunk"
+
+    def delta(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return self.chunk({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+
+    def opening(self) -> Frames:
+        return [self.delta(index, {"role": "assistant", "content": ""}) for index in range(self.ctx.n_choices)]
+
+    @writes(TextDelta)
+    def text(self, event: TextDelta, index: int) -> Frames:
+        pieces = stream_deltas(event.events)
+        frames = []
+        if self.ctx.logprobs and event.logprobs:
+            # Logprobs ride on the first chunk of the text their tokens produced.
+            first = pieces.pop(0) if pieces else {"content": ""}
+            frames.append(self.delta(index, first, logprobs=chat_logprobs_json(list(event.logprobs))))
+        return frames + [self.delta(index, delta) for delta in pieces]
+
+    def finish(self, event: Finished, index: int) -> Frames:
+        parsed: ParsedOutput = event.output
+        return [self.delta(index, delta) for delta in stream_deltas(parsed.events)] + [
+            self.delta(index, {}, parsed.finish_reason)]
+
+
+class CompletionStreamWriter(ChoicesStreamWriter):
+    """`text_completion` chunks: the echoed prompt (at once, or with its scores when it is
+    scored), then the generated text with its offsets counted after the echo."""
+
+    object_name = "text_completion"
+
+    def __init__(self, ctx: OpenAIContext) -> None:
+        super().__init__(ctx)
+        self.offsets = [len(ctx.echo_text(i)) for i in range(ctx.n_choices)]
+
+    def text_chunk(self, index: int, text: str, finish: str | None = None, logprobs: Any = None) -> bytes:
+        return self.chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish})
+
+    def opening(self) -> Frames:
+        if self.ctx.logprobs and any(self.ctx.echo_texts):
+            return []  # scored prompts are echoed with their log-probs, once they are known
+        return [self.text_chunk(index, self.ctx.echo_text(index))
+                for index in range(self.ctx.n_choices) if self.ctx.echo_text(index)]
+
+    @writes(PromptScored)
+    def prompt_scored(self, event: PromptScored, index: int) -> Frames:
+        return [self.text_chunk(index, self.ctx.echo_text(index),
+                                logprobs=legacy_logprobs(event, (), 0, self.ctx.token_ids))]
+
+    @writes(TextDelta)
+    def text(self, event: TextDelta, index: int) -> Frames:
+        lp = None
+        if self.ctx.logprobs and event.logprobs:
+            lp = legacy_logprobs(None, event.logprobs, self.offsets[index], self.ctx.token_ids)
+        self.offsets[index] += len(event.text)
+        return [self.text_chunk(index, event.text, logprobs=lp)] if event.text or lp is not None else []
+
+    def finish(self, event: Finished, index: int) -> Frames:
+        return [self.text_chunk(index, "", event.finish_reason)]
+
+
+def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
+    return ChatStreamWriter(ctx).stream(events)
+
+
+def completion_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:
+    return CompletionStreamWriter(ctx).stream(events)

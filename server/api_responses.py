@@ -1,18 +1,22 @@
 """OpenAI Responses API (`POST /v1/responses`): schema, translation, responses.
 
-Request side: `ResponsesRequest` validates the body; `responses_job` turns `instructions`
+Request side: `ResponsesRequest` validates the body; `responses_job` reads `instructions`
 and `input` (a string, or items: messages with string or part content, `function_call`
-and `function_call_output` items passed back from earlier turns, `reasoning` items) onto
-the neutral records (`server.tools.apis.messages_from_responses`), renders them with the
-model's tool syntax, tokenizes and applies the context-length rule (param `input`).
+and `function_call_output` items passed back from earlier turns, `reasoning` items) into
+the neutral records (`server.tools.apis.messages_from_responses`), its tools, `tool_choice`,
+`parallel_tool_calls` and `text.format` into `OutputRules`, its sampling fields and
+`max_output_tokens` into `GenerationSettings`, and hands them to the shared preparation
+path (`server.genrequest.prepare_chat`: render with the model's tool syntax, tokenize, the
+context-length rule on param `input`).
 
 Response side: `response_object` builds the `response` object (output items `reasoning`,
-`message` with `output_text`, `function_call`); `responses_stream` emits the typed event
-sequence — `response.created`, `response.in_progress`, per item `output_item.added`, the
-part/delta/done events, `output_item.done`, and finally `response.completed` (or
-`response.incomplete` when the token limit was hit) — each with a `sequence_number`,
-`: prefill` comments while waiting, and `error` plus `response.failed` if inference fails
-after the stream started.
+`message` with `output_text`, `function_call`); `responses_stream` runs a
+`ResponsesStreamWriter`, which emits the typed event sequence — `response.created`,
+`response.in_progress`, per item `output_item.added`, the part/delta/done events,
+`output_item.done`, and finally `response.completed` (or `response.incomplete` when the
+token limit was hit) — each with a `sequence_number`, `: prefill` comments while waiting,
+and `error` plus `response.failed` (nothing after them) if inference fails after the stream
+started. A response without any output still streams one empty message.
 
 The server keeps no conversation state: `previous_response_id` is rejected (send the
 earlier output items back in `input` instead), `store` is accepted and ignored. Reasoning
@@ -32,14 +36,14 @@ from typing import Any, AsyncIterator
 
 from pydantic import Field
 
-from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, OpenModel, RequestDefaults, StrictModel,
-                            check_context, check_prompt_size, new_id, resolve_max_tokens, sampling_spec)
+from server.apibase import (MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, Frames, OpenModel, RequestDefaults,
+                            StreamWriter, StrictModel, new_id, writes)
 from server.errors import ApiError
+from server.genrequest import ChatRequest, GenerationSettings, OutputRules, Sampling, TokenLimit, prepare_chat
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, Usage
-from server.prompting import (ContentDelta, OutputEvent, ParsedOutput, ReasoningDelta, ToolCall,
-                              ToolCallEnd, ToolCalling, prompt_ids)
-from server.sse import KEEPALIVE, sse_event
-from server.structured import check, constraint_factory, openai_tool_choice, responses_text_format, tools_to_render
+from server.prompting import ContentDelta, ParsedOutput, ReasoningDelta, ToolCall, ToolCallEnd, ToolCalling
+from server.sse import sse_event
+from server.structured import openai_tool_choice, responses_text_format
 from server.tools.apis import messages_from_responses, tools_from_responses
 
 # --- schemas --------------------------------------------------------------------------
@@ -103,26 +107,18 @@ def responses_job(model: Any, req: ResponsesRequest, calling: ToolCalling,
     if req.previous_response_id:
         raise ApiError(400, "previous_response_id is not supported: this server stores no responses; "
                             "send the earlier output items back in 'input'", param="previous_response_id")
-    ignore_eos = bool(req.ignore_eos)
-    fmt = responses_text_format((req.text or {}).get("format"))
-    choice = openai_tool_choice(req.tool_choice, req.parallel_tool_calls)
+    sampling = Sampling.of(req)
     tool_dump = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    specs = tools_from_responses(tool_dump)
-    check(choice, fmt, specs, ignore_eos=ignore_eos)
+    rules = OutputRules.checked(json_format=responses_text_format((req.text or {}).get("format")),
+                                choice=openai_tool_choice(req.tool_choice, req.parallel_tool_calls),
+                                tools=tools_from_responses(tool_dump), ignore_eos=sampling.ignore_eos)
     items = req.input if isinstance(req.input, str) else [it.model_dump(exclude_none=True) for it in req.input]
-    prompt = calling.render(model, messages_from_responses(req.instructions, items), tools_to_render(choice, specs))
-    check_prompt_size(model, prompt.text, "input")
-    ids = prompt_ids(model, prompt.text)
-    check_context(len(ids), model.n_ctx, "input")
-    max_tokens = resolve_max_tokens(req.max_output_tokens, defaults.max_tokens_for(), len(ids), model.n_ctx,
-                                    ignore_eos, "max_output_tokens")
-    spec = sampling_spec(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                         min_p=req.min_p, seed=req.seed, ignore_eos=ignore_eos)
-    gen = GenerationRequest(prompt_text=prompt.text, prompt_ids=tuple(ids), user_boundary=prompt.user_boundary,
-                            max_tokens=max_tokens, sampling=spec, new_splitter=lambda: calling.new_splitter(prompt, "responses"),
-                            new_constraint=constraint_factory(choice, fmt, calling.syntax, prompt.tools))
+    settings = GenerationSettings(sampling, TokenLimit(req.max_output_tokens, defaults.max_tokens_for(),
+                                                       "max_output_tokens"))
+    gen = prepare_chat(model, calling, ChatRequest("responses", messages_from_responses(req.instructions, items),
+                                                   rules, settings, "input"))
     echo = {"instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "temperature": spec.temperature, "top_p": spec.top_p,
+            "temperature": gen.sampling.temperature, "top_p": gen.sampling.top_p,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": tool_dump}
@@ -188,120 +184,138 @@ def stream_error(message: str) -> bytes:
                                "message": message, "param": None})
 
 
-async def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
-    seq = 0
-    output: list[dict[str, Any]] = []
-    open_item: dict[str, Any] | None = None
-    open_text = ""
+CANCELLED = "the request was cancelled because the server is shutting down"
 
-    def ev(kind: str, **payload: Any) -> bytes:
-        nonlocal seq
-        frame = sse_event(kind, {"type": kind, "sequence_number": seq, **payload})
-        seq += 1
+
+class ResponsesStreamWriter(StreamWriter):
+    """The typed event sequence of one streamed response (see the module docstring).
+
+    Text and reasoning deltas go to the open item, opening one of their type first (which
+    closes the other); a call is an item of its own, added and done at once. `output` holds the
+    items done so far, as the final response lists them."""
+
+    def __init__(self, ctx: ResponsesContext) -> None:
+        super().__init__()
+        self.ctx = ctx
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []
+        self.open_type: str | None = None
+        """"message" or "reasoning" while an item is open, else None."""
+        self.open_id = ""
+        self.open_text = ""
+
+    def frame(self, kind: str, **payload: Any) -> bytes:
+        """One event of the sequence, with the next sequence number."""
+        frame = sse_event(kind, {"type": kind, "sequence_number": self.seq, **payload})
+        self.seq += 1
         return frame
 
-    def close_item(status: str = "completed") -> list[bytes]:
-        nonlocal open_item, open_text
-        if open_item is None:
+    def opening(self) -> Frames:
+        return [self.frame("response.created", response=_envelope(self.ctx, "in_progress", [], None)),
+                self.frame("response.in_progress", response=_envelope(self.ctx, "in_progress", [], None))]
+
+    # --- worker events ---
+
+    @writes(TextDelta)
+    def text(self, event: TextDelta) -> Frames:
+        return self.write_all(event.events)
+
+    @writes(Finished)
+    def finished(self, event: Finished) -> Frames:
+        if event.finish_reason == "cancelled":
+            return self.fail("server_shutting_down", CANCELLED)
+        parsed: ParsedOutput = event.output
+        status = _status(parsed)
+        frames = self.write_all(parsed.events)
+        if not self.output and self.open_type is None:
+            frames += self.open_message()
+        frames += self.close_item(status)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return frames + [self.frame(kind, response=_envelope(self.ctx, status, self.output, event.usage))]
+
+    @writes(Failed)
+    def failed(self, event: Failed) -> Frames:
+        return self.fail("server_error", event.message)
+
+    def fail(self, code: str, message: str) -> Frames:
+        return self.end(self.frame("error", code=code, message=message, param=None),
+                        self.frame("response.failed", response=_envelope(
+                            self.ctx, "failed", self.output, None, {"code": "server_error", "message": message})))
+
+    # --- output items ---
+
+    def close_item(self, status: str = "completed") -> Frames:
+        if self.open_type is None:
             return []
-        idx = len(output)
-        item_id = open_item["id"]
-        frames = []
-        if open_item["type"] == "message":
-            part = {"type": "output_text", "text": open_text, "annotations": [], "logprobs": []}
-            frames.append(ev("response.output_text.done", item_id=item_id, output_index=idx,
-                             content_index=0, text=open_text, logprobs=[]))
-            frames.append(ev("response.content_part.done", item_id=item_id, output_index=idx,
-                             content_index=0, part=part))
-            item = message_item(item_id, open_text, status)
+        idx, item_id, text = len(self.output), self.open_id, self.open_text
+        if self.open_type == "message":
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            frames = [self.frame("response.output_text.done", item_id=item_id, output_index=idx,
+                                 content_index=0, text=text, logprobs=[]),
+                      self.frame("response.content_part.done", item_id=item_id, output_index=idx,
+                                 content_index=0, part=part)]
+            item = message_item(item_id, text, status)
         else:
-            frames.append(ev("response.reasoning_text.done", item_id=item_id, output_index=idx,
-                             content_index=0, text=open_text))
-            item = reasoning_item(item_id, open_text)
-        frames.append(ev("response.output_item.done", output_index=idx, item=item))
-        output.append(item)
-        open_item, open_text = None, ""
+            frames = [self.frame("response.reasoning_text.done", item_id=item_id, output_index=idx,
+                                 content_index=0, text=text)]
+            item = reasoning_item(item_id, text)
+        frames.append(self.frame("response.output_item.done", output_index=idx, item=item))
+        self.output.append(item)
+        self.open_type, self.open_id, self.open_text = None, "", ""
         return frames
 
-    def open_message() -> list[bytes]:
-        nonlocal open_item
-        frames = close_item()
-        open_item = {"type": "message", "id": new_id("msg_")}
-        idx = len(output)
-        frames.append(ev("response.output_item.added", output_index=idx,
-                         item={"type": "message", "id": open_item["id"], "status": "in_progress",
-                               "role": "assistant", "content": []}))
-        frames.append(ev("response.content_part.added", item_id=open_item["id"], output_index=idx,
-                         content_index=0,
-                         part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+    def open_item(self, item_type: str, prefix: str) -> Frames:
+        frames = self.close_item()
+        self.open_type, self.open_id = item_type, new_id(prefix)
         return frames
 
-    def open_reasoning() -> list[bytes]:
-        nonlocal open_item
-        frames = close_item()
-        open_item = {"type": "reasoning", "id": new_id("rs_")}
-        frames.append(ev("response.output_item.added", output_index=len(output),
-                         item={"type": "reasoning", "id": open_item["id"], "summary": [], "content": []}))
+    def open_message(self) -> Frames:
+        frames = self.open_item("message", "msg_")
+        idx = len(self.output)
+        frames.append(self.frame("response.output_item.added", output_index=idx,
+                                 item={"type": "message", "id": self.open_id, "status": "in_progress",
+                                       "role": "assistant", "content": []}))
+        frames.append(self.frame("response.content_part.added", item_id=self.open_id, output_index=idx,
+                                 content_index=0,
+                                 part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
         return frames
 
-    def frames_for(out_events: list[OutputEvent] | tuple[OutputEvent, ...]) -> list[bytes]:
-        nonlocal open_text
-        frames: list[bytes] = []
-        for oe in out_events:
-            if isinstance(oe, ContentDelta):
-                if open_item is None or open_item["type"] != "message":
-                    frames += open_message()
-                open_text += oe.text
-                frames.append(ev("response.output_text.delta", item_id=open_item["id"],
-                                 output_index=len(output), content_index=0, delta=oe.text, logprobs=[]))
-            elif isinstance(oe, ReasoningDelta):
-                if open_item is None or open_item["type"] != "reasoning":
-                    frames += open_reasoning()
-                open_text += oe.text
-                frames.append(ev("response.reasoning_text.delta", item_id=open_item["id"],
-                                 output_index=len(output), content_index=0, delta=oe.text))
-            elif isinstance(oe, ToolCallEnd):
-                frames += close_item()
-                idx = len(output)
-                item_id = new_id("fc_")
-                frames.append(ev("response.output_item.added", output_index=idx,
-                                 item=function_call_item(item_id, oe.call, "in_progress") | {"arguments": ""}))
-                frames.append(ev("response.function_call_arguments.delta", item_id=item_id,
-                                 output_index=idx, delta=oe.call.arguments_json))
-                frames.append(ev("response.function_call_arguments.done", item_id=item_id,
-                                 output_index=idx, name=oe.call.name, arguments=oe.call.arguments_json))
-                item = function_call_item(item_id, oe.call)
-                frames.append(ev("response.output_item.done", output_index=idx, item=item))
-                output.append(item)
+    def open_reasoning(self) -> Frames:
+        frames = self.open_item("reasoning", "rs_")
+        frames.append(self.frame("response.output_item.added", output_index=len(self.output),
+                                 item={"type": "reasoning", "id": self.open_id, "summary": [], "content": []}))
         return frames
 
-    yield ev("response.created", response=_envelope(ctx, "in_progress", [], None))
-    yield ev("response.in_progress", response=_envelope(ctx, "in_progress", [], None))
-    async for event in events:
-        if event is None:
-            yield KEEPALIVE
-        elif isinstance(event, TextDelta):
-            for frame in frames_for(event.events):
-                yield frame
-        elif isinstance(event, Finished):
-            if event.finish_reason == "cancelled":
-                message = "the request was cancelled because the server is shutting down"
-                yield ev("error", code="server_shutting_down", message=message, param=None)
-                yield ev("response.failed", response=_envelope(
-                    ctx, "failed", output, None, {"code": "server_error", "message": message}))
-                return
-            parsed: ParsedOutput = event.output
-            status = _status(parsed)
-            frames = frames_for(parsed.events)
-            if not output and open_item is None:
-                frames += open_message()
-            frames += close_item("incomplete" if status == "incomplete" else "completed")
-            for frame in frames:
-                yield frame
-            kind = "response.completed" if status == "completed" else "response.incomplete"
-            yield ev(kind, response=_envelope(ctx, status, output, event.usage))
-        elif isinstance(event, Failed):
-            yield ev("error", code="server_error", message=event.message, param=None)
-            yield ev("response.failed", response=_envelope(
-                ctx, "failed", output, None, {"code": "server_error", "message": event.message}))
-            return
+    @writes(ContentDelta)
+    def content(self, event: ContentDelta) -> Frames:
+        frames = [] if self.open_type == "message" else self.open_message()
+        self.open_text += event.text
+        return frames + [self.frame("response.output_text.delta", item_id=self.open_id,
+                                    output_index=len(self.output), content_index=0, delta=event.text, logprobs=[])]
+
+    @writes(ReasoningDelta)
+    def reasoning(self, event: ReasoningDelta) -> Frames:
+        frames = [] if self.open_type == "reasoning" else self.open_reasoning()
+        self.open_text += event.text
+        return frames + [self.frame("response.reasoning_text.delta", item_id=self.open_id,
+                                    output_index=len(self.output), content_index=0, delta=event.text)]
+
+    @writes(ToolCallEnd)
+    def tool_call(self, event: ToolCallEnd) -> Frames:
+        frames = self.close_item()
+        idx, item_id, call = len(self.output), new_id("fc_"), event.call
+        frames += [
+            self.frame("response.output_item.added", output_index=idx,
+                       item=function_call_item(item_id, call, "in_progress") | {"arguments": ""}),
+            self.frame("response.function_call_arguments.delta", item_id=item_id, output_index=idx,
+                       delta=call.arguments_json),
+            self.frame("response.function_call_arguments.done", item_id=item_id, output_index=idx,
+                       name=call.name, arguments=call.arguments_json)]
+        item = function_call_item(item_id, call)
+        frames.append(self.frame("response.output_item.done", output_index=idx, item=item))
+        self.output.append(item)
+        return frames
+
+
+def responses_stream(ctx: ResponsesContext, events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
+    return ResponsesStreamWriter(ctx).stream(events)

@@ -1,4 +1,4 @@
-"""Pieces shared by the three API modules: schema base class, validation, limits, ids.
+"""Pieces shared by the three API modules: schema base class, validation, limits, ids, stream writers.
 
 - `StrictModel`: pydantic base for request schemas. Unknown members are ignored (clients
   send vendor extras such as `user` or `metadata`); known members are type-checked
@@ -16,20 +16,29 @@
   `top_p: 0`) is a 400 naming the field on every endpoint, never a 500 from the sampler.
 - `stop_list(value, param)`: the stop sequences of a request, bounded in count and length.
 - `new_id(prefix)`: response and item ids from a CSPRNG.
+- `StreamWriter` and `@writes(kind, ...)`: the base of every API's SSE stream writer. A writer
+  keeps its stream's state in attributes and has one method per event kind it answers (worker
+  events such as `TextDelta` or `Finished`, and the splitter's `ContentDelta`, `ReasoningDelta`,
+  `ToolCallEnd`), registered by type with `@writes` (a subclass's method for a kind replaces
+  its base's); `stream(events)` sends `opening()`, a keepalive comment for each `None` tick
+  and each event's frames, then `closing()`, unless a method ended the stream early with
+  `end(...)` (a failure: later events are not written). Kinds a writer has no method for are
+  skipped. It knows no API's event names or payloads.
 
-No HTTP, no model calls.
+The preparation path that uses these rules is `server.genrequest`. No HTTP, no model calls.
 """
 
 from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, AsyncIterator, Callable, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from server.errors import ApiError, from_validation_error
 from server.jobs import SamplingSpec
+from server.sse import KEEPALIVE
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -172,3 +181,77 @@ def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int 
         top_p=1.0 if top_p is None else float(top_p),
         min_p=0.0 if min_p is None else float(min_p),
         seed=seed, ignore_eos=ignore_eos)
+
+
+# --- stream writers -----------------------------------------------------------------------
+
+Frames = list[bytes]
+WriterMethod = TypeVar("WriterMethod", bound=Callable[..., Frames])
+
+
+def writes(*kinds: type) -> Callable[[WriterMethod], WriterMethod]:
+    """Marks a `StreamWriter` method as the one that writes the events of `kinds`."""
+    def mark(method: WriterMethod) -> WriterMethod:
+        method.writes_kinds = kinds  # type: ignore[attr-defined]
+        return method
+    return mark
+
+
+class StreamWriter:
+    """One response stream: events in, SSE frames out (see the module docstring).
+
+    A subclass's methods take the event (plus whatever its dispatcher passes along, such as a
+    choice index) and return the frames it makes, in order; they never yield, so the state
+    they change is consistent between events. One writer per stream."""
+
+    _methods: ClassVar[dict[type, str]] = {}
+    """Event type -> the name of the method that writes it (by name, so that an override of
+    that method in a subclass is the one called)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        methods: dict[type, str] = {}
+        # Base classes first, so that a subclass's method for a kind replaces its base's.
+        for klass in reversed(cls.__mro__):
+            for name, attr in vars(klass).items():
+                for kind in getattr(attr, "writes_kinds", ()):
+                    methods[kind] = name
+        cls._methods = methods
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    def opening(self) -> Frames:
+        """Frames sent before the first event."""
+        return []
+
+    def closing(self) -> Frames:
+        """Frames sent after the last event of a stream that was not ended early."""
+        return []
+
+    def write(self, event: Any, *args: Any) -> Frames:
+        """The frames of one event, from the method registered for its type (none if none is)."""
+        name = self._methods.get(type(event))
+        return [] if name is None else getattr(self, name)(event, *args)
+
+    def write_all(self, events: Any, *args: Any) -> Frames:
+        return [frame for event in events for frame in self.write(event, *args)]
+
+    def end(self, *frames: bytes) -> Frames:
+        """The last frames of a stream that ends here (a failure); later events are not written."""
+        self.ended = True
+        return list(frames)
+
+    async def stream(self, events: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+        for frame in self.opening():
+            yield frame
+        async for event in events:
+            if event is None:
+                yield KEEPALIVE
+                continue
+            for frame in self.write(event):
+                yield frame
+            if self.ended:
+                return
+        for frame in self.closing():
+            yield frame
