@@ -3,7 +3,7 @@
     python -m quality_testing.gate_quality                # run, compare with the baseline, judge
     python -m quality_testing.gate_quality --rebaseline   # run, show the comparison, replace the baseline
 
-The suite runs through ds4-eval's own command line (`ds4-eval --suite sanity --plain --temp 0
+The suite runs through ds4-eval's own command line (`ds4-eval run --suite sanity --plain --temp 0
 --tokens 128 --trace FILE`, engine backend, embedded model unless --model), so the gate
 measures exactly what a user runs.  It runs on the reference CPU path (`reference_environment`):
 on an x86-64 CPU with AVX2 the engine's avx2 kernels and torch's own AVX2 code
@@ -76,7 +76,7 @@ def reference_environment(cpu_kernels: str | None, host_paths: list[str], env: d
 def run_suite(cfg: QualityGateConfig, trace: Path) -> None:
     """A greedy sanity run through ds4-eval, its trace written to `trace`."""
     exe = Path(sys.executable).with_name("ds4-eval")
-    cmd = [str(exe), "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens), "--trace", str(trace)]
+    cmd = [str(exe), "run", "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens), "--trace", str(trace)]
     if cfg.model:
         cmd += ["--model", cfg.model]
     env = reference_environment(cfg.cpu_kernels, kernels.host_paths(), dict(os.environ))

@@ -1,4 +1,4 @@
-"""`--data-pull`: fetch the upstream C case tables and convert them to the data directory's jsonl.
+"""`ds4-eval data pull`: fetch the upstream C case tables and convert them to the data directory's jsonl.
 
 Contract
 - `parse_c_tables(source) -> list[dict]` reads C source as data: it finds every array whose
@@ -12,7 +12,7 @@ Contract
 - `pull(base_url, data_dir)` downloads `UPSTREAM_FILES` (relative to `base_url` when given),
   converts them, checks every case parses, then writes core.jsonl and hard.jsonl atomically
   (temporary files renamed into place only after everything succeeded).
-It does not validate against the manifests; `ds4-eval --validate-cases` does that.
+It does not validate against the manifests; `ds4-eval validate` does that.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Contract
   from a data directory (atomic writes).
 - `compare(manifest, parsed_file)` reports missing, extra and altered cases by id, plus
   malformed lines; `validate_all(data_dir)` does it for every suite and the committed sanity
-  suite. `ValidationReport.ok` is what `ds4-eval --validate-cases` exits on.
+  suite. `ValidationReport.ok` is what `ds4-eval validate` exits on.
 It does not fetch data and never modifies the data directory.
 """
 

@@ -4,8 +4,8 @@ Contract
 - `SELF_TEST_CASES` is the regression table; every kind in `ds4eval.cases.answerkinds` has rows
   (a new kind brings its own), and each rule of `extract`/`grade` that has bitten a real run
   has a row naming it.
-- `run_self_test()` returns the failing rows (empty list: all good); `ds4-eval
-  --self-test-extractors` prints them and exits non-zero on any failure.
+- `run_self_test()` returns the failing rows (empty list: all good); `ds4-eval selftest`
+  prints them and exits non-zero on any failure.
 Rows use made-up questions only; no benchmark content appears here.
 """
 

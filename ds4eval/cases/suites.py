@@ -28,15 +28,15 @@ def load_suite(suite: str, data_dir: Path) -> list[Case]:
     path = suite_file(suite, data_dir)
     if not path.is_file():
         raise DataMissing(
-            f"suite {suite!r} needs {path} (set --data-dir or DS4EVAL_DATA, or run ds4-eval --data-pull)")
+            f"suite {suite!r} needs {path} (set --data-dir or DS4EVAL_DATA, or run ds4-eval data pull)")
     parsed = load_file(path)
     if parsed.problems:
         lineno, msg = parsed.problems[0]
-        raise CaseError(f"{path}:{lineno}: {msg} (ds4-eval --validate-cases lists every problem)")
+        raise CaseError(f"{path}:{lineno}: {msg} (ds4-eval validate lists every problem)")
     if suite not in COMMITTED_SUITE_FILE:
         check = manifest.compare(manifest.load_manifest(suite), parsed)
         if not check.ok:
             raise CaseError(
                 f"data in {path} does not match the {suite} manifest ({len(check.missing)} missing, "
-                f"{len(check.extra)} extra, {len(check.altered)} altered); see ds4-eval --validate-cases")
+                f"{len(check.extra)} extra, {len(check.altered)} altered); see ds4-eval validate")
     return [c for c in parsed.cases if suite in c.suites]

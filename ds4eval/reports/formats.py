@@ -1,5 +1,5 @@
 """Which document and which renderer make each report: the registry behind `--report FILE`,
-`--report-from TRACE` and `--compare --format`. Pure.
+`ds4-eval report TRACE` and `ds4-eval compare --format`. Pure.
 
 Contract
 - `report_format(path) -> "markdown" | "html"`: a report file ending in `.md` is markdown,

@@ -1,5 +1,5 @@
 """One run's report, built from its trace records alone: the figures (`RunReport`) and the
-tables and documents that `ds4-eval --report` and `--report-from` show. Pure.
+tables and documents that `ds4-eval run --report` and `ds4-eval report` show. Pure.
 
 Contract
 - `latest_records(records) -> (records, superseded)`: the latest record of each (source, id,

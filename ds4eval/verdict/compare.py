@@ -1,4 +1,4 @@
-"""Comparing two runs case by case: the regression verdict behind `ds4-eval --compare BASE NEW`.
+"""Comparing two runs case by case: the regression verdict behind `ds4-eval compare BASE NEW`.
 
 Contract
 - `read_run(text, label) -> Run` reads a trace (`traces/README.md`) or a JSON summary that
