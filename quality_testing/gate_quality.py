@@ -76,7 +76,8 @@ def reference_environment(cpu_kernels: str | None, host_paths: list[str], env: d
 def run_suite(cfg: QualityGateConfig, trace: Path) -> None:
     """A greedy sanity run through ds4-eval, its trace written to `trace`."""
     exe = Path(sys.executable).with_name("ds4-eval")
-    cmd = [str(exe), "run", "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens), "--trace", str(trace)]
+    cmd = [str(exe), "run", "--suite", SUITE, "--plain", "--temp", "0", "--tokens", str(cfg.tokens),
+           "--trace", str(trace)]
     if cfg.model:
         cmd += ["--model", cfg.model]
     env = reference_environment(cfg.cpu_kernels, kernels.host_paths(), dict(os.environ))
