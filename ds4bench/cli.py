@@ -29,6 +29,7 @@ from ds4bench import engine_bench as eb
 from ds4bench import random_gguf
 from ds4bench.csvfile import write_csv
 from ds4bench.errors import RunFailure, UsageFailure
+from ds4bench.inputs import check_csv_dir, model_file
 from ds4bench.kld import kld_command
 from ds4bench.kvcache import kvcache_command
 from ds4bench.product import product_command
@@ -138,18 +139,15 @@ def _is_embedded(path: str) -> bool:
 
 
 def run_engine(cfg: eb.EngineBenchConfig) -> int:
-    from engine import ModelLoadError, default_model_path
+    from engine import ModelLoadError
 
     from ds4bench.runners import (Ds4Runner, LlamaCppMissing, LlamaCppRunner, TransformersRunner,
                                   TransformersUnavailable, default_threads)
 
     try:
         cfg.validate()
-        path = cfg.model if cfg.model is not None else default_model_path()
-        if not os.path.isfile(path):
-            raise UsageFailure(f"model file not found: {path}")
-        if cfg.csv and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.csv))):
-            raise UsageFailure(f"--csv {cfg.csv}: its directory does not exist")
+        path = model_file(cfg.model)
+        check_csv_dir(cfg.csv)
         runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights,
                                               cpu_kernels=cfg.cpu_kernels)]
         if cfg.compare == eb.LLAMA_CPP:

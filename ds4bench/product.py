@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 import click
 
 from ds4bench.errors import RunFailure, UsageFailure
+from ds4bench.inputs import model_file
 from ds4bench.rawstream import RawStreamError, StampedStream, post_streams
 from ds4eval.atomicfile import write_text_atomic
 
@@ -505,18 +506,16 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
 def product_command(model: str | None, rounds: int, decode_tokens: int, streams: int, threads: int | None,
                     kv_type: str | None, busy: int, json_path: str | None) -> int:
     """Decode tokens/s of the engine, ds4-eval and ds4-server in one process, as ratios to the engine."""
-    from engine import ModelLoadError, default_model_path, load_model
+    from engine import ModelLoadError, load_model
     from engine.threads import EngineThread
 
     cfg = ProductBenchConfig(model=model, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
                              threads=threads, kv_type=kv_type, busy=busy, json_path=json_path)
     try:
         cfg.validate()
-        path = cfg.model if cfg.model is not None else default_model_path()
-    except (ProductBenchError, ModelLoadError) as e:
+    except ProductBenchError as e:
         raise UsageFailure(str(e)) from None
-    if not os.path.isfile(path):
-        raise UsageFailure(f"model file not found: {path}")
+    path = model_file(cfg.model)
     with EngineThread("ds4-engine", threads=cfg.threads) as thread:
         try:
             loaded = thread.call(load_model, path, kv_type=cfg.kv_type)

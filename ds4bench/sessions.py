@@ -48,6 +48,7 @@ from tabulate import tabulate
 from ds4bench.csvfile import write_csv
 from ds4bench.engine_bench import BenchConfigError, DEVICES, Vocab, benchmark_ids, ordinary_ids, parse_lengths
 from ds4bench.errors import RunFailure, UsageFailure
+from ds4bench.inputs import check_csv_dir, model_file
 
 DEFAULT_SESSIONS = (1, 2, 4, 8, 16)
 DEFAULT_CONTEXTS = (128, 1024, 4096)
@@ -322,20 +323,17 @@ def sessions_command(model: str | None, device: str, sessions: tuple[int, ...], 
                      decode_tokens: int, repeats: int, threads: int | None, kv_type: str | None,
                      csv_path: str | None, seed: int) -> int:
     """Aggregate and per-session decode tokens/s of N sessions decoding together."""
-    from engine import ModelLoadError, default_model_path, load_model
+    from engine import ModelLoadError, load_model
 
     cfg = SessionsBenchConfig(model=model, device=device, sessions=sessions, contexts=contexts,
                               decode_tokens=decode_tokens, repeats=repeats, threads=threads, kv_type=kv_type,
                               csv=csv_path, seed=seed)
     try:
         cfg.validate()
-        path = cfg.model if cfg.model is not None else default_model_path()
-    except (BenchConfigError, ModelLoadError) as e:
+    except BenchConfigError as e:
         raise UsageFailure(str(e)) from None
-    if not os.path.isfile(path):
-        raise UsageFailure(f"model file not found: {path}")
-    if cfg.csv and not os.path.isdir(os.path.dirname(os.path.abspath(cfg.csv))):
-        raise UsageFailure(f"--csv {cfg.csv}: its directory does not exist")
+    path = model_file(cfg.model)
+    check_csv_dir(cfg.csv)
     if cfg.threads is not None:
         import torch
 

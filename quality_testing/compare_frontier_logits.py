@@ -160,10 +160,7 @@ def run_compare(cfg: CompareConfig, echo=click.echo) -> list[CaseResult]:
 
     path = cfg.model or default_model_path()
     manifest_path = Path(cfg.manifest)
-    cases = rs.parse_manifest(manifest_path.read_text(encoding="utf-8"))
-    unknown = sorted(set(cfg.only) - {c.id for c in cases})
-    if unknown:
-        raise rs.RefSetError(f"no such case(s) in the manifest: {', '.join(unknown)}")
+    cases = rs.read_manifest(manifest_path, cfg.only)
     cases = [c for c in cases if not cfg.only or c.id in cfg.only]
     sha = rs.sha256_file(path)
     refs = {}

@@ -26,8 +26,9 @@ references/<id>.npz (numpy, compressed) holds:
                                        about 0.01 at |logit| near 20, far below the packed path's error)
   meta       0-d str                   JSON: {"gguf_sha256", "reference", "prompt_sha256"}
 
-`sha256_file`, `resolve_positions`, `parse_manifest`/`format_manifest` and `prompt_text` are
-pure or read only what they are given; `write_reference` writes atomically. It does not run
+`sha256_file`, `resolve_positions`, `parse_manifest`/`format_manifest`, `read_manifest` (the
+cases, checking that the ids asked for exist) and `prompt_text` are pure or read only what they
+are given; `write_reference` writes atomically. It does not run
 any model.
 """
 from __future__ import annotations
@@ -116,6 +117,15 @@ def parse_manifest(text: str) -> list[RefCase]:
         seen.add(case.id)
         out.append(case)
     return out
+
+
+def read_manifest(path: Path, only: Sequence[str] = ()) -> list[RefCase]:
+    """Every case of the manifest file at `path`; RefSetError naming the ids of `only` it lacks."""
+    cases = parse_manifest(path.read_text(encoding="utf-8"))
+    unknown = sorted(set(only) - {c.id for c in cases})
+    if unknown:
+        raise RefSetError(f"no such case(s) in the manifest: {', '.join(unknown)}")
+    return cases
 
 
 def format_manifest(cases: Sequence[RefCase]) -> str:

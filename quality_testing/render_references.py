@@ -43,10 +43,7 @@ def render(cfg: RenderConfig, echo=click.echo) -> list[rs.RefCase]:
 
     path = cfg.model or default_model_path()
     manifest_path = Path(cfg.manifest)
-    cases = rs.parse_manifest(manifest_path.read_text(encoding="utf-8"))
-    unknown = sorted(set(cfg.only) - {c.id for c in cases})
-    if unknown:
-        raise rs.RefSetError(f"no such case(s) in the manifest: {', '.join(unknown)}")
+    cases = rs.read_manifest(manifest_path, cfg.only)
     sha = rs.sha256_file(path)
     foreign = sorted({c.gguf_sha256 for c in cases if c.gguf_sha256 and c.gguf_sha256 != sha})
     if foreign and not cfg.new_checkpoint:
