@@ -28,45 +28,30 @@ CHAT_PROMPT_TOKENS = 21  # "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistan
 Build = Callable[..., list[GenerationRequest]]
 
 
-def chat(model: Any, text: str, limit: int | None, defaults: RequestDefaults = RequestDefaults(),
-         **extra: Any) -> list[GenerationRequest]:
-    body = {"messages": [{"role": "user", "content": text}], **extra}
-    if limit is not None:
-        body["max_completion_tokens"] = limit
-    req = validate_body(api_openai.ChatCompletionRequest, body)
-    gens, _ = api_openai.chat_job(model, req, ToolCalling("hermes"), defaults)
-    return gens
-
-
-def messages(model: Any, text: str, limit: int | None, defaults: RequestDefaults = RequestDefaults(),
-             **extra: Any) -> list[GenerationRequest]:
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": limit, **extra}
-    req = validate_body(api_anthropic.MessagesRequest, body)
-    gen, _ = api_anthropic.messages_job(model, req, ToolCalling("hermes"), defaults)
-    return [gen]
-
-
-def responses(model: Any, text: str, limit: int | None, defaults: RequestDefaults = RequestDefaults(),
+def builder(request_type: type, job: Callable[..., Any], body_of: Callable[[str], dict[str, Any]], limit_field: str,
+            calling: ToolCalling | None = ToolCalling("hermes")) -> Build:
+    """One API's translation called on a validated body: prompt text and token limit in, its requests out."""
+    def build(model: Any, text: str, limit: int | None, defaults: RequestDefaults = RequestDefaults(),
               **extra: Any) -> list[GenerationRequest]:
-    body = {"input": text, **extra}
-    if limit is not None:
-        body["max_output_tokens"] = limit
-    req = validate_body(api_responses.ResponsesRequest, body)
-    gen, _ = api_responses.responses_job(model, req, ToolCalling("hermes"), defaults)
-    return [gen]
+        body = {**body_of(text), **extra}
+        if limit is not None:
+            body[limit_field] = limit
+        gens, _ = job(model, validate_body(request_type, body), calling, defaults)
+        return gens if isinstance(gens, list) else [gens]
+    return build
 
 
-def completion(model: Any, text: str, limit: int | None, defaults: RequestDefaults = RequestDefaults(),
-               **extra: Any) -> list[GenerationRequest]:
-    body = {"prompt": text, **extra}
-    if limit is not None:
-        body["max_tokens"] = limit
-    req = validate_body(api_openai.CompletionRequest, body)
-    gens, _ = api_openai.completion_job(model, req, None, defaults)
-    return gens
+def user_says(text: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": text}]}
 
 
-# (build, the prompt's field, the token limit's field)
+chat = builder(api_openai.ChatCompletionRequest, api_openai.chat_job, user_says, "max_completion_tokens")
+messages = builder(api_anthropic.MessagesRequest, api_anthropic.messages_job, user_says, "max_tokens")
+responses = builder(api_responses.ResponsesRequest, api_responses.responses_job, lambda t: {"input": t},
+                    "max_output_tokens")
+completion = builder(api_openai.CompletionRequest, api_openai.completion_job, lambda t: {"prompt": t}, "max_tokens",
+                     calling=None)
+
 CHAT_APIS = [(chat, "messages", "max_completion_tokens"), (messages, "messages", "max_tokens"),
              (responses, "input", "max_output_tokens")]
 ALL_APIS = [*CHAT_APIS, (completion, "prompt", "max_tokens")]

@@ -164,6 +164,22 @@ START = (("response.created", {"response": envelope("in_progress", [])}),
          ("response.in_progress", {"response": envelope("in_progress", [])}))
 
 
+def message_events(index: int, item_id: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+    """The events of one streamed message item at `index` whose text came as one delta (none if empty)."""
+    at = {"item_id": item_id, "output_index": index, "content_index": 0}
+    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+    deltas = [("response.output_text.delta", at | {"delta": text, "logprobs": []})] if text else []
+    return [
+        ("response.output_item.added", {"output_index": index, "item": {
+            "type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}}),
+        ("response.content_part.added", at | {"part": part}),
+        *deltas,
+        ("response.output_text.done", at | {"text": text, "logprobs": []}),
+        ("response.content_part.done", at | {"part": part | {"text": text}}),
+        ("response.output_item.done", {"output_index": index, "item": api_responses.message_item(item_id, text)}),
+    ]
+
+
 def test_responses_stream_reasoning_then_text_at_the_limit_byte_for_byte(counted_ids):
     frames = responses([text(ReasoningDelta("hm")), text(ContentDelta("Hi"), chars="Hi"),
                         Finished("length", USAGE, None, ParsedOutput(content="Hi", reasoning="hm",
@@ -215,7 +231,6 @@ def test_responses_stream_a_call_between_two_texts(counted_ids):
     parsed = ParsedOutput(content="ab", tool_calls=[CALL], finish_reason="tool_calls", events=[ContentDelta("b")])
     frames = responses([None, text(ContentDelta("a")), text(ToolCallEnd(0, CALL)),
                         Finished("stop", USAGE, None, parsed)])
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
     call_item = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
                  "arguments": '{"city": "Paris"}', "status": "completed"}
     first = api_responses.message_item("msg_0", "a")
@@ -223,16 +238,7 @@ def test_responses_stream_a_call_between_two_texts(counted_ids):
     assert frames[2] == KEEPALIVE
     assert frames[:2] + frames[3:] == numbered(
         *START,
-        ("response.output_item.added", {"output_index": 0, "item": {
-            "type": "message", "id": "msg_0", "status": "in_progress", "role": "assistant", "content": []}}),
-        ("response.content_part.added", {"item_id": "msg_0", "output_index": 0, "content_index": 0, "part": part}),
-        ("response.output_text.delta", {"item_id": "msg_0", "output_index": 0, "content_index": 0, "delta": "a",
-                                        "logprobs": []}),
-        ("response.output_text.done", {"item_id": "msg_0", "output_index": 0, "content_index": 0, "text": "a",
-                                       "logprobs": []}),
-        ("response.content_part.done", {"item_id": "msg_0", "output_index": 0, "content_index": 0,
-                                        "part": part | {"text": "a"}}),
-        ("response.output_item.done", {"output_index": 0, "item": first}),
+        *message_events(0, "msg_0", "a"),
         ("response.output_item.added", {"output_index": 1, "item": call_item | {"status": "in_progress",
                                                                                 "arguments": ""}}),
         ("response.function_call_arguments.delta", {"item_id": "fc_1", "output_index": 1,
@@ -240,33 +246,17 @@ def test_responses_stream_a_call_between_two_texts(counted_ids):
         ("response.function_call_arguments.done", {"item_id": "fc_1", "output_index": 1, "name": "get_weather",
                                                    "arguments": '{"city": "Paris"}'}),
         ("response.output_item.done", {"output_index": 1, "item": call_item}),
-        ("response.output_item.added", {"output_index": 2, "item": {
-            "type": "message", "id": "msg_2", "status": "in_progress", "role": "assistant", "content": []}}),
-        ("response.content_part.added", {"item_id": "msg_2", "output_index": 2, "content_index": 0, "part": part}),
-        ("response.output_text.delta", {"item_id": "msg_2", "output_index": 2, "content_index": 0, "delta": "b",
-                                        "logprobs": []}),
-        ("response.output_text.done", {"item_id": "msg_2", "output_index": 2, "content_index": 0, "text": "b",
-                                       "logprobs": []}),
-        ("response.content_part.done", {"item_id": "msg_2", "output_index": 2, "content_index": 0,
-                                        "part": part | {"text": "b"}}),
-        ("response.output_item.done", {"output_index": 2, "item": second}),
+        *message_events(2, "msg_2", "b"),
         ("response.completed", {"response": envelope("completed", [first, call_item, second], USAGE)}))
 
 
 def test_responses_stream_without_output_still_sends_one_empty_message(counted_ids):
     frames = responses([Finished("stop", USAGE, None, ParsedOutput())])
-    part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-    item = api_responses.message_item("msg_0", "")
     assert frames == numbered(
         *START,
-        ("response.output_item.added", {"output_index": 0, "item": {
-            "type": "message", "id": "msg_0", "status": "in_progress", "role": "assistant", "content": []}}),
-        ("response.content_part.added", {"item_id": "msg_0", "output_index": 0, "content_index": 0, "part": part}),
-        ("response.output_text.done", {"item_id": "msg_0", "output_index": 0, "content_index": 0, "text": "",
-                                       "logprobs": []}),
-        ("response.content_part.done", {"item_id": "msg_0", "output_index": 0, "content_index": 0, "part": part}),
-        ("response.output_item.done", {"output_index": 0, "item": item}),
-        ("response.completed", {"response": envelope("completed", [item], USAGE)}))
+        *message_events(0, "msg_0", ""),
+        ("response.completed", {"response": envelope("completed", [api_responses.message_item("msg_0", "")],
+                                                     USAGE)}))
 
 
 @pytest.mark.parametrize("end,code,message", [
