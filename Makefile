@@ -75,7 +75,7 @@ ci-speed: setup
 # ds4-eval --compare path, the CPU matmul kernels of every path by row count, plus the embedded model's
 # decoding speed with and without a schema.
 bench: setup
-	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-only tests/server/test_constraints_bench.py \
+	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-enable --benchmark-only tests/server/test_constraints_bench.py \
 		tests/ds4eval/verdict/test_eval_compare_bench.py tests/engine/test_cpu_kernels_bench.py
 
 # The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
