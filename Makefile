@@ -98,8 +98,8 @@ test-slow: setup
 # extra): the HTML report's browser test and `make screenshot` need them; everything else runs without.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup-browser: setup
-	$(SUDO) apt-get update
-	$(SUDO) apt-get install -y chromium chromium-driver
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
 	$(PY) -m pip install -q -e '.[browser,dev,reference]'
 
 # The HTML reports in a real headless browser (skipped when Chromium or selenium is missing).
