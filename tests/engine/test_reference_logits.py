@@ -74,6 +74,13 @@ def prompt_ids(engines):
     return {name: model.prompt_ids(model.tokenize(_text(model, p), special=True)) for name, p in PROMPTS.items()}
 
 
+@pytest.fixture(scope="module")
+def reference_rows(reference, prompt_ids) -> dict[str, np.ndarray]:
+    """transformers' logits at every position of each prompt, computed once for both weight formats."""
+    hf, _ = reference
+    return {name: hfref.reference_logits(hf, ids) for name, ids in prompt_ids.items()}
+
+
 def _engine_all_logits(model, ids: list[int]) -> np.ndarray:
     cache = model.new_session().cache
     return model.net.forward(torch.tensor(ids, dtype=torch.long), 0, cache, logits="all").float().numpy()
@@ -91,12 +98,11 @@ def test_prompt_ids_equal_transformers(reference, prompt_ids, engines):
 @pytest.mark.model
 @pytest.mark.reference
 @pytest.mark.parametrize("weights", ["float32", "packed"])
-def test_all_position_logits_match_transformers(reference, prompt_ids, engines, weights):
-    hf, _ = reference
+def test_all_position_logits_match_transformers(reference_rows, prompt_ids, engines, weights):
     model = engines(weights)
     stats: list[mx.PositionStats] = []
     for name, ids in prompt_ids.items():
-        ref = hfref.reference_logits(hf, ids)
+        ref = reference_rows[name]
         eng = _engine_all_logits(model, ids)
         assert eng.shape == ref.shape == (len(ids), model.n_vocab)
         case = mx.compare_rows(ref, eng)

