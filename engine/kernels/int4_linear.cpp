@@ -12,8 +12,8 @@
 //   y       [M, N] float32 = x @ w.T
 // Q4_0, Q4_1 and Q4_K all have this form.  Float16 scales are for weights whose every scale and
 // minimum is exactly a float16 (repack.cpp chooses): they are widened to float32 on load, which
-// is exact, so an op gives the same bits with either dtype while decoding streams a third fewer
-// bytes per weight (the scales were a third of them).  Arithmetic stays float32 throughout.
+// is exact, so an op gives the same bits with either dtype.  Float32 scales are a third of the
+// bytes a decoding step streams; float16 ones save half of that.  Arithmetic stays float32.
 //
 // Per group, one dot product of the rounded x with q and two fused multiply-adds:
 // y += scale * (x . q) + minimum * sum(x).  The products x * q are exact in float32 (8 by 4
