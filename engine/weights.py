@@ -5,11 +5,15 @@ along the output dimension, so q/k/v or gate/up run as one matmul) into a callab
 On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load (`cpu`):
 
 - `Int4Linear`: Q4_0 / Q4_1 / Q4_K stay 4-bit.  Their values are exactly q*scale + min over
-  groups of 32.  On CPU the compiled kernels take them with float32 scales: activations are
-  rounded to bfloat16, each group's dot product is exact products summed in float32, and the
-  output is float32.  Below `TILE_MIN_ROWS` rows (decoding, narrow batches) the path's vector
-  kernel runs (AVX512-BF16, AVX2 or portable; the first two compute the same bits); from there
-  on (prefill chunks, wide batches), on the `amx` path, the tile kernel, which multiplies 16
+  groups of 32.  On CPU the compiled kernels take the scales and minimums in float16 where
+  every one of a matrix's is exactly a float16 (Q4_0 and Q4_1, whose file fields are float16),
+  else in float32 (Q4_K, whose scales are products); the kernels widen float16 to float32
+  exactly, so the choice changes no bit of a result, only the bytes streamed per token (the
+  scales were a third of them; halved, a sixth fewer).  Activations are rounded to bfloat16,
+  each group's dot product is exact products summed in float32, and the output is float32.
+  Below `TILE_MIN_ROWS` rows (decoding, narrow batches) the path's vector kernel runs
+  (AVX512-BF16, AVX2 or portable; the first two compute the same bits); from there on
+  (prefill chunks, wide batches), on the `amx` path, the tile kernel, which multiplies 16
   rows at a time and differs from the vector kernel only in the order in which a group's 32
   products are summed (last bits of float32).  On CUDA it is engine.cuda_int4's Triton GEMM,
   which computes the same way (activations rounded to bfloat16, exact group products, float32
@@ -265,9 +269,10 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
     output columns and group of 32 inputs, 8 chunks of 32 bytes: byte 2j + e of chunk c holds
     column j's input 2c + e in its low nibble and input 2(c + 8) + e in its high one, so that
     widening a chunk to 16-bit lanes gives two vectors of (input pair, column) bfloat16 operands.
-    Scales and minimums become float32 [N/16, K/32, 2, 16].  The readable statement of the
-    layout: the engine builds it from the file's blocks with CpuKernels.repack_int4, which the
-    tests hold to this function."""
+    Scales and minimums become [N/16, K/32, 2, 16], float16 when all of them are exactly float16
+    values, else float32 (`int4_scale_dtype`).  The readable statement of the layout: the engine
+    builds it from the file's blocks with CpuKernels.repack_int4, which the tests hold to this
+    function."""
     n, k = q.shape
     ng, kb = n // 16, k // GROUP
     qq = q.reshape(ng, 16, kb, 16, 2).transpose(0, 2, 3, 1, 4)  # [ng, kb, pair, column, e]
@@ -276,14 +281,23 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
     def per_group(a: np.ndarray) -> np.ndarray:
         return a.reshape(ng, 16, kb).transpose(0, 2, 1)
 
-    sm = np.stack([per_group(scale), per_group(minimum)], axis=2)
-    return (torch.from_numpy(np.ascontiguousarray(packed)),
-            torch.from_numpy(np.ascontiguousarray(sm, dtype=np.float32)))
+    sm = np.ascontiguousarray(np.stack([per_group(scale), per_group(minimum)], axis=2), dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(sm.astype(int4_scale_dtype(sm)))
+
+
+def int4_scale_dtype(values: np.ndarray) -> type:
+    """float16 when every float32 value survives the round trip through float16 bit for bit
+    (so the kernels, which widen it exactly, compute the same bits), else float32."""
+    values = np.asarray(values, dtype=np.float32)
+    with np.errstate(over="ignore"):  # an overflow to infinity is simply not exact
+        back = values.astype(np.float16).astype(np.float32)
+    return np.float16 if np.array_equal(back.view(np.uint32), values.view(np.uint32)) else np.float32
 
 
 class Int4Linear(Linear):
     """A 4-bit matrix.  On CPU it is built in the compiled kernels' layout (`from_cpu_layout`,
-    from CpuKernels.repack_int4); `Int4Linear(q, scale, minimum, device)` builds it on CUDA."""
+    from CpuKernels.repack_int4, with float16 or float32 scales; `nbytes` counts them as they
+    are held); `Int4Linear(q, scale, minimum, device)` builds it on CUDA."""
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, device: torch.device,
                  bias: torch.Tensor | None = None):

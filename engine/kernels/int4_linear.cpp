@@ -7,10 +7,13 @@
 //           (nearest even, subnormals to zero) on entry
 //   packed  uint8 [N / 16, K / 32, 8, 32]: the 4-bit values q of 16 output columns over one
 //           group of 32 inputs (layout: see int4_pack in engine/weights.py)
-//   scales  float32 [N / 16, K / 32, 2, 16]: per column and group, scale and minimum, so that
-//           w = q * scale + minimum
+//   scales  float32 or float16 [N / 16, K / 32, 2, 16]: per column and group, scale and
+//           minimum, so that w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
-// Q4_0, Q4_1 and Q4_K all have this form; scales stay float32.
+// Q4_0, Q4_1 and Q4_K all have this form.  Float16 scales are for weights whose every scale and
+// minimum is exactly a float16 (repack.cpp chooses): they are widened to float32 on load, which
+// is exact, so an op gives the same bits with either dtype.  Float32 scales are a third of the
+// bytes a decoding step streams; float16 ones save half of that.  Arithmetic stays float32.
 //
 // Per group, one dot product of the rounded x with q and two fused multiply-adds:
 // y += scale * (x . q) + minimum * sum(x).  The products x * q are exact in float32 (8 by 4
@@ -31,6 +34,7 @@
 // None adds biases or handles K not divisible by 32.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -62,9 +66,18 @@ void check_arguments(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "int4_linear: packed must be contiguous uint8 [N/16, K/32, 8, 32]");
   const int64_t K = x.size(1), NG = packed.size(0), KB = packed.size(1);
   TORCH_CHECK(K == KB * G, "int4_linear: x has ", K, " inputs, the weights ", KB * G);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 4 &&
-                  scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == 2 && scales.size(3) == C,
-              "int4_linear: scales must be contiguous float32 [N/16, K/32, 2, 16]");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.dim() == 4 && scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == 2 &&
+                  scales.size(3) == C,
+              "int4_linear: scales must be contiguous float32 or float16 [N/16, K/32, 2, 16]");
+}
+
+// `body(S{})` with S the scales' element type: float, or uint16_t for float16 bits (each op
+// widens those on load, 16 at a time).
+template <typename Body>
+at::Tensor with_scale_type(const at::Tensor& scales, Body body) {
+  if (scales.scalar_type() == at::kHalf) return body(uint16_t{});
+  return body(float{});
 }
 
 // float32 -> bfloat16 bits in the high half: nearest even, subnormal inputs to signed zero
@@ -136,16 +149,15 @@ RoundedRows<T> round_rows(const at::Tensor& x, int64_t rows, int64_t tile_rows =
 // The shell of the vector ops: arguments checked, x rounded (stored as T), column groups split
 // over threads, each group's 16 running outputs per row accumulated over the input groups,
 // then written out.  `group(q, sc, xr, b, acc)` adds input group b into acc ([M, 16]), with q
-// its 256 packed bytes and sc its 16 scales then 16 minimums.
-template <typename T, typename Group>
+// its 256 packed bytes and sc its 16 scales then 16 minimums (S: float or float16 bits).
+template <typename T, typename S, typename Group>
 at::Tensor vector_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, Group group) {
-  check_arguments(x, packed, scales);
   const int64_t M = x.size(0), NG = packed.size(0), KB = packed.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
   const RoundedRows<T> xr = round_rows<T>(x, M);
   const uint8_t* q0 = packed.data_ptr<uint8_t>();
-  const float* s0 = scales.data_ptr<float>();
+  const S* s0 = static_cast<const S*>(scales.const_data_ptr());
   float* y0 = y.data_ptr<float>();
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * C);
@@ -159,6 +171,12 @@ at::Tensor vector_op(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }
 
 #if defined(DS4_ISA_AVX512) || defined(DS4_ISA_AMX)
+// 16 scales (or minimums) as float32; float16 ones widened by F16C, exactly.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // The 16 (input pair, column) bfloat16 operand vectors of one column group over one input
 // group: w[p] holds, for each of the 16 columns, q at inputs 2p and 2p + 1.
 struct NibbleWidener {
@@ -181,14 +199,15 @@ struct NibbleWidener {
 #endif
 
 #if defined(DS4_ISA_AVX512)
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+template <typename S>
+at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
   const NibbleWidener widener;
-  return vector_op<uint16_t>(x, packed, scales, [&](const uint8_t* q, const float* sc,
-                                                    const RoundedRows<uint16_t>& xr, int64_t b, float* acc_y) {
+  return vector_op<uint16_t, S>(x, packed, scales, [&](const uint8_t* q, const S* sc,
+                                                       const RoundedRows<uint16_t>& xr, int64_t b, float* acc_y) {
     __m512bh w[16];
     widener.widen(q, w);
-    const __m512 scale = _mm512_loadu_ps(sc), minimum = _mm512_loadu_ps(sc + C);
+    const __m512 scale = load16(sc), minimum = load16(sc + C);
     for (int64_t r = 0; r < M; ++r) {
       const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.values.data() + r * K + b * G);
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -204,6 +223,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       _mm512_storeu_ps(yr, _mm512_fmadd_ps(minimum, _mm512_set1_ps(xr.sums[r * KB + b]), acc));
     }
   });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_arguments(x, packed, scales);
+  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
 }
 #endif  // DS4_ISA_AVX512
 
@@ -228,20 +252,26 @@ inline void widen_group(const uint8_t* q, float* w) {
   }
 }
 
+// 8 scales (or minimums) as float32; float16 ones widened by F16C, exactly.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
 // y += scale * dot + minimum * sum for one row's 16 outputs, from the 4 x 2 accumulators.
-inline void finish_group(__m256 a[4][2], const float* sc, float sum, float* yr) {
+template <typename S>
+inline void finish_group(__m256 a[4][2], const S* sc, float sum, float* yr) {
   const __m256 s = _mm256_set1_ps(sum);
   for (int h = 0; h < 2; ++h) {
     const __m256 dot = _mm256_add_ps(_mm256_add_ps(a[0][h], a[1][h]), _mm256_add_ps(a[2][h], a[3][h]));
-    const __m256 acc = _mm256_fmadd_ps(_mm256_loadu_ps(sc + 8 * h), dot, _mm256_loadu_ps(yr + 8 * h));
-    _mm256_storeu_ps(yr + 8 * h, _mm256_fmadd_ps(_mm256_loadu_ps(sc + C + 8 * h), s, acc));
+    const __m256 acc = _mm256_fmadd_ps(load8(sc + 8 * h), dot, _mm256_loadu_ps(yr + 8 * h));
+    _mm256_storeu_ps(yr + 8 * h, _mm256_fmadd_ps(load8(sc + C + 8 * h), s, acc));
   }
 }
 
 // One row (decoding): each chunk's nibbles are widened in registers and used at once.  The
 // low nibbles (pairs 0..7) are all taken before the high ones (pairs 8..15), so that each
 // accumulator sees its pairs in the order of the contract.
-inline void group_one_row(const uint8_t* q, const float* xv, const float* sc, float sum, float* yr) {
+template <typename S>
+inline void group_one_row(const uint8_t* q, const float* xv, const S* sc, float sum, float* yr) {
   const __m256i low4 = _mm256_set1_epi32(0x0F);
   __m256 a[4][2];
   for (auto& ah : a) ah[0] = ah[1] = _mm256_setzero_ps();
@@ -264,10 +294,11 @@ inline void group_one_row(const uint8_t* q, const float* xv, const float* sc, fl
   finish_group(a, sc, sum, yr);
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+template <typename S>
+at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  return vector_op<float>(x, packed, scales, [&](const uint8_t* q, const float* sc, const RoundedRows<float>& xr,
-                                                 int64_t b, float* acc_y) {
+  return vector_op<float, S>(x, packed, scales, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
+                                                    int64_t b, float* acc_y) {
     if (M == 1) {
       group_one_row(q, xr.values.data() + b * G, sc, xr.sums[b], acc_y);
       return;
@@ -291,6 +322,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     }
   });
 }
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_arguments(x, packed, scales);
+  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
+}
 #endif  // DS4_ISA_AVX2
 
 #if !defined(DS4_ISA_AVX512) && !defined(DS4_ISA_AMX) && !defined(DS4_ISA_AVX2)
@@ -305,6 +341,14 @@ inline vf loadv(const float* p) {
   return v;
 }
 
+// 16 float16 scales (or minimums) widened one by one: the target may have no conversion
+// instruction, and c10's is exact.
+inline vf loadv(const uint16_t* p) {
+  float f[C];
+  for (int j = 0; j < C; ++j) f[j] = static_cast<float>(c10::Half(p[j], c10::Half::from_bits()));
+  return loadv(f);
+}
+
 // Same layout and meaning as the AVX2 op's widen_group, in plain loops the compiler
 // vectorises (its generic vector conversions would convert lane by lane).
 inline void widen_group(const uint8_t* q, float* w) {
@@ -316,10 +360,11 @@ inline void widen_group(const uint8_t* q, float* w) {
       }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+template <typename S>
+at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  return vector_op<float>(x, packed, scales, [&](const uint8_t* q, const float* sc, const RoundedRows<float>& xr,
-                                                 int64_t b, float* acc_y) {
+  return vector_op<float, S>(x, packed, scales, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
+                                                    int64_t b, float* acc_y) {
     alignas(64) float w[G * C];
     widen_group(q, w);
     const vf scale = loadv(sc), minimum = loadv(sc + C);
@@ -338,6 +383,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
       std::memcpy(yr, &acc, sizeof acc);
     }
   });
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_arguments(x, packed, scales);
+  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
 }
 #endif  // the portable op
 
@@ -370,17 +420,17 @@ struct alignas(64) TileConfig {
 };
 
 // acc[r] += scale * dots[r] + minimum * sums[r * stride], for the 16 rows of a tile.
-inline void scale_group(__m512 acc[TR], const float* dots, const float* sc, const float* sums, int64_t stride) {
-  const __m512 scale = _mm512_loadu_ps(sc), minimum = _mm512_loadu_ps(sc + C);
+template <typename S>
+inline void scale_group(__m512 acc[TR], const float* dots, const S* sc, const float* sums, int64_t stride) {
+  const __m512 scale = load16(sc), minimum = load16(sc + C);
   for (int r = 0; r < TR; ++r) {
     acc[r] = _mm512_fmadd_ps(scale, _mm512_load_ps(dots + r * C), acc[r]);
     acc[r] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(sums[r * stride]), acc[r]);
   }
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_arguments(x, packed, scales);
-  TORCH_CHECK(tiles_permitted(), "int4_linear_amx: the kernel refused the AMX tile state (arch_prctl)");
+template <typename S>
+at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const int64_t M = x.size(0), K = x.size(1), NG = packed.size(0), KB = packed.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
@@ -390,7 +440,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   const TileConfig config;
 
   const uint8_t* q0 = packed.data_ptr<uint8_t>();
-  const float* s0 = scales.data_ptr<float>();
+  const S* s0 = static_cast<const S*>(scales.const_data_ptr());
   float* y0 = y.data_ptr<float>();
   at::parallel_for(0, NG, GB, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&config);
@@ -409,7 +459,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
         const int64_t valid = std::min<int64_t>(TR, M - mt * TR);
         for (int64_t g = g0; g < g1; ++g) {
           const __m512bh* wg = wt.data() + (g - g0) * KB * 16;
-          const float* sg = s0 + g * KB * 2 * C;
+          const S* sg = s0 + g * KB * 2 * C;
           __m512 acc[TR];
           for (int r = 0; r < TR; ++r) acc[r] = _mm512_setzero_ps();
           // Groups in order (the sums' order is part of the contract), software-pipelined on
@@ -442,6 +492,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     _tile_release();
   });
   return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_arguments(x, packed, scales);
+  TORCH_CHECK(tiles_permitted(), "int4_linear_amx: the kernel refused the AMX tile state (arch_prctl)");
+  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
 }
 #endif  // DS4_ISA_AMX
 

@@ -5,9 +5,12 @@
 //           Q4_K = 12 in `qtypes`), all of the same width K; read as rows of one matrix, the
 //           concatenation of the raws
 //   order   int64 [N]: output row n is row order[n] of that concatenation
-//   packed  uint8 [P / 16, K / 32, 8, 32] and scales float32 [P / 16, K / 32, 2, 16]: exactly
+//   packed  uint8 [P / 16, K / 32, 8, 32] and scales [P / 16, K / 32, 2, 16]: exactly
 //           engine.weights.int4_pack of the rows' (q, scale, minimum) as engine.quants unpacks
-//           them, P = N rounded up to `pad_to` (a multiple of 16; the padding rows are zero)
+//           them, P = N rounded up to `pad_to` (a multiple of 16; the padding rows are zero).
+//           The scales are float16 when every one of them is exactly a float16 (Q4_0 and Q4_1,
+//           whose fields are float16, unless -8 * d overflows), else float32 (Q4_K in general,
+//           whose scales are products); the int4 kernels give the same bits with either.
 // ds4::repack_q8_0_<isa>(raws, order, pad_to) -> (q, scales)
 //   the same for Q8_0 matrices: q int8 [P / 16, K / 32, 32, 16], scales float32 [P / 16, K / 32, 16]
 //   (engine.weights.Int8Linear's layout)
@@ -112,6 +115,14 @@ int64_t row_width(const Rows& rows, int64_t K) {
   return K;
 }
 
+// float32 `values` as float16 when every value survives the round trip bit for bit (NaN
+// payloads and -0.0 included), else `values` itself.
+at::Tensor narrow_if_exact(const at::Tensor& values) {
+  at::Tensor half = values.to(at::kHalf);
+  const bool exact = half.to(at::kFloat).view(at::kInt).equal(values.view(at::kInt));
+  return exact ? half : values;
+}
+
 std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArrayRef qtypes, const at::Tensor& order,
                                                int64_t K, int64_t pad_to) {
   const std::vector<int64_t> types(qtypes.begin(), qtypes.end());
@@ -151,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArray
       }
     }
   });
-  return {packed, scales};
+  return {packed, narrow_if_exact(scales)};
 }
 
 std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Tensor& order, int64_t K,

@@ -3,7 +3,8 @@ measured, not asserted.  `make bench` runs them.
 
 The embedded model's int4 matrices (fused q/k/v 960 x 576, gate/up 3072 x 576, down 576 x
 1536) and its Q8_0 output head (49152 x 576, the int8 kernel) at 1, 8, 32 and 128 rows, with
-random weights of the real layouts.  Per path (engine.kernels.host_paths: amx, avx512, avx2,
+random weights of the real layouts.  The int4 matrices' scales are exactly float16 values (as
+Q4_0 and Q4_1 files give them), timed as float16 and as float32 scales side by side.  Per path (engine.kernels.host_paths: amx, avx512, avx2,
 portable), so one machine compares its vector kernels with the AVX2 ones, and the amx path's
 figures show the crossover that engine.weights.TILE_MIN_ROWS encodes.
 """
@@ -34,21 +35,24 @@ def matrices():
     out = {}
     for name, (n, k) in SHAPES.items():
         q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
-        scale = (rng.random((n, k // 32), dtype=np.float32) * 0.02).astype(np.float32)
-        out[name] = int4_pack(q, scale, (-8 * scale).astype(np.float32))
+        scale = (rng.random((n, k // 32), dtype=np.float32) * 0.02).astype(np.float16).astype(np.float32)
+        packed, scales = int4_pack(q, scale, (-8 * scale).astype(np.float32))
+        assert scales.dtype == torch.float16
+        out[name] = {"float16": (packed, scales), "float32": (packed, scales.float())}
     n, k = HEAD
     q = rng.integers(-128, 128, size=(n // 16, k // 32, 32, 16), dtype=np.int8)
     out["head"] = torch.from_numpy(q), torch.from_numpy(rng.random((n // 16, k // 32, 16), dtype=np.float32))
     return out
 
 
+@pytest.mark.parametrize("scales", ["float16", "float32"])
 @pytest.mark.parametrize("rows", [1, 8, 32, 128])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("path", PATHS)
-def test_int4_kernel(benchmark, matrices, path, shape, rows):
+def test_int4_kernel(benchmark, matrices, path, shape, rows, scales):
     ks = ops(path)
     op = ks.int4_tiles if ks.int4_tiles is not None and rows >= 32 else ks.int4
-    packed, scales = matrices[shape]
+    packed, scales = matrices[shape][scales]
     x = torch.randn(rows, SHAPES[shape][1])
     y = benchmark(op, x, packed, scales)
     assert y.shape == (rows, SHAPES[shape][0]) and bool(torch.isfinite(y).all())

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.weights import Int4Linear, int4_pack
+from engine.weights import Int4Linear, int4_pack, int4_scale_dtype
 
 COMPILED = [p for p in kernels.host_paths() if p != "torch"]
 
@@ -283,12 +283,52 @@ def test_int4_bad_arguments_are_errors_with_messages(int4_op):
         int4_op(torch.randn(2, 64).double(), packed, scales)
     with pytest.raises(RuntimeError, match="scales must be"):
         int4_op(torch.randn(2, 64), packed, scales[:1])
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32 or float16"):
+        int4_op(torch.randn(2, 64), packed, scales.bfloat16())
 
 
 def test_int4_empty_input_gives_an_empty_output(int4_op):
     q, scale, minimum, _ = int4_case(32, 64)
     packed, scales = int4_pack(q, scale, minimum)
     assert int4_op(torch.randn(0, 64), packed, scales).shape == (0, 32)
+
+
+def gguf_int4_scales(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random GGUF matrix of `qtype` in the int4 kernels' layout.  "Q4_K/pow2": Q4_K whose
+    super-block scales d and dmin are powers of two, so that its scales d * sc and minimums
+    dmin * m (6-bit sc, m) are exactly float16 values, unlike Q4_K's in general."""
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.quants import unpack_int4_groups
+
+    name, _, variant = qtype.partition("/")
+    raw = raw_matrix(QT[name], n, k, seed)
+    if variant == "pow2":
+        blocks_ = raw.reshape(n, k // 256, 144)
+        blocks_[:, :, 0:2] = np.array([2 ** -7], np.float16).view(np.uint8)
+        blocks_[:, :, 2:4] = np.array([2 ** -9], np.float16).view(np.uint8)
+    g = unpack_int4_groups(QT[name], raw, k)
+    return int4_pack(g.q, g.scale, g.minimum)
+
+
+@pytest.mark.parametrize("qtype,half", [("Q4_0", True), ("Q4_1", True), ("Q4_K/pow2", True), ("Q4_K", False)])
+@pytest.mark.parametrize("n,k", [(16, 256), (48, 512), (304, 1536)])
+def test_int4_float16_scales_give_the_bits_of_float32_ones(int4_op, qtype, half, n, k):
+    """Scales that are exactly float16 values are packed as float16, and the kernels widen them
+    exactly: every row count's result is the float32-scale result, bit for bit."""
+    packed, scales = gguf_int4_scales(qtype, n, k, seed=n)
+    assert scales.dtype == (torch.float16 if half else torch.float32)
+    wide = scales.float()
+    for rows in (1, 3, 17, 40):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * torch.logspace(-3, 3, k)
+        y = int4_op(x, packed, scales)
+        assert torch.isfinite(y).all() and torch.equal(y, int4_op(x, packed, wide)), (qtype, rows)
+
+
+def test_int4_scales_are_float16_only_where_every_value_round_trips():
+    assert int4_scale_dtype(np.array([0.5, -4.0, -0.0, 2 ** -24, 65504.0], np.float32)) == np.float16
+    for inexact in (0.1, 65520.0, 1e5, 2 ** -26):  # rounded, rounded up to infinity, beyond it, to zero
+        assert int4_scale_dtype(np.array([0.5, inexact], np.float32)) == np.float32, inexact
 
 
 def test_avx2_and_avx512_int4_products_are_the_same_bits():
@@ -562,7 +602,27 @@ def test_repack_int4_equals_unpacking_then_packing(path, qtypes):
     want = int4_pack(*(np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for a in (q, scale, minimum)))
     got = path.repack_int4([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes],
                            torch.from_numpy(order.astype(np.int64)), cols, 16)
+    # Q4_0 and Q4_1 scales are float16 fields, kept exactly; Q4_K's are products, kept float32.
+    assert got[1].dtype == want[1].dtype == (torch.float32 if "Q4_K" in qtypes else torch.float16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_repack_int4_keeps_float32_scales_where_float16_would_overflow(path):
+    """A Q4_0 block with d = 10000 has the minimum -8 * d = -80000, beyond float16's range: that
+    weight keeps float32 scales (and computes with them); without that row it is float16."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants as gq
+
+    raw = raw_matrix(QT.Q4_0, 16, 256, seed=2)
+    raw[3, 18:20] = np.array([10000.0], np.float16).view(np.uint8)  # row 3's second block's d
+    packed, scales = path.repack_int4([torch.from_numpy(raw)], [int(QT.Q4_0)], torch.arange(16), 256, 16)
+    assert scales.dtype == torch.float32 and float(scales[0, 1, 1, 3]) == -80000.0
+    x = torch.randn(2, 256)
+    want = x.bfloat16().double() @ torch.from_numpy(gq.dequantize(raw, QT.Q4_0).reshape(16, 256)).double().T
+    torch.testing.assert_close(path.int4(x, packed, scales).double(), want, rtol=1e-5,
+                               atol=1e-5 * float(want.abs().max()))
+    _, rest = path.repack_int4([torch.from_numpy(raw)], [int(QT.Q4_0)], torch.tensor([0, 1, 2, 4, 5]), 256, 16)
+    assert rest.dtype == torch.float16
 
 
 def test_repack_q8_0_equals_the_numpy_layout(path):

@@ -82,6 +82,16 @@ def test_int4_linear_of_any_height(rows, cpu):
     assert (got.double() - ref).abs().max() <= bound * ref.abs().max()
 
 
+@pytest.mark.parametrize("qtype,scale_bytes", [(QT.Q4_0, 2), (QT.Q4_1, 2), (QT.Q4_K, 4)], ids=lambda v: str(v))
+def test_int4_linear_holds_float16_scales_where_exact_and_counts_them(qtype, scale_bytes, cpu):
+    """Q4_0 and Q4_1 scales are float16 fields and stay float16; Q4_K's (products) stay float32."""
+    if cpu.name == "torch":
+        pytest.skip("the torch path keeps no int4 layout")
+    lin = build_linear([TensorRecord("w", qtype, (40, 512), encoded(qtype, 40, 512, 6))], "packed", CPU, cpu=cpu)
+    groups = 48 // 16 * 512 // 32  # 40 rows padded to 48, in blocks of 16 columns by 32 inputs
+    assert lin.nbytes == groups * 256 + groups * 32 * scale_bytes
+
+
 def test_fused_rows_and_permutation():
     a = TensorRecord("a", QT.Q4_1, (32, 64), encoded(QT.Q4_1, 32, 64, 1))
     b = TensorRecord("b", QT.Q8_0, (32, 64), encoded(QT.Q8_0, 32, 64, 2))
