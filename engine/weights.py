@@ -8,16 +8,16 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   groups of 32.  On CPU the compiled kernels take the scales and minimums in float16 where
   every one of a matrix's is exactly a float16 (Q4_0 and Q4_1, whose file fields are float16),
   else in float32 (Q4_K, whose scales are products); the kernels widen float16 to float32
-  exactly, so the choice changes no bit of a result, only the bytes streamed per token (the
-  scales were a third of them; halved, a sixth fewer).  Activations are rounded to bfloat16,
+  exactly, so the choice changes no bit of a result, only the bytes streamed per token (a
+  sixth fewer for the embedded model).  Activations are rounded to bfloat16,
   each group's dot product is exact products summed in float32, and the output is float32.
   Below `TILE_MIN_ROWS` rows (decoding, narrow batches) the path's vector kernel runs
   (AVX512-BF16, AVX2 or portable; the first two compute the same bits); from there on
   (prefill chunks, wide batches), on the `amx` path, the tile kernel, which multiplies 16
   rows at a time and differs from the vector kernel only in the order in which a group's 32
   products are summed (last bits of float32).  On CUDA it is engine.cuda_int4's Triton GEMM,
-  which computes the same way (activations rounded to bfloat16, exact group products, float32
-  scales) and scales with the number of rows; from a measured number of rows on (prefill
+  which computes the same way (activations rounded to bfloat16, exact group products, scales
+  in float16 where exact, else float32) and scales with the number of rows; from a measured number of rows on (prefill
   chunks of large matrices) that module dequantizes to bfloat16 for cuBLAS instead.  CUDA
   without Triton runs torch's groupwise int4 weight-only layout with zero = min + 8*scale.
 - `Int8Linear` (CPU): Q8_0 and Q6_K stay 8-bit with their float32 group scales (exactly the
