@@ -89,8 +89,11 @@ class KVCache:
             raise ValueError(f"cannot copy {n} positions of a cache that holds {other.n}")
         self.n = 0
         self.reserve(n)
-        self.k[:, :, :n] = other.k[:, :, :n]
-        self.v[:, :, :n] = other.v[:, :, :n]
+        # A cache that a forward pass has grown holds inference tensors, which only accept
+        # in-place writes inside inference mode (the forward passes run in it).
+        with torch.inference_mode():
+            self.k[:, :, :n] = other.k[:, :, :n]
+            self.v[:, :, :n] = other.v[:, :, :n]
         self.n = n
 
     def restore(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,8 +103,9 @@ class KVCache:
         n = k.shape[2]
         self.n = 0
         self.reserve(n)
-        self.k[:, :, :n] = k.to(self.kv)
-        self.v[:, :, :n] = v.to(self.kv)
+        with torch.inference_mode():  # see copy_prefix
+            self.k[:, :, :n] = k.to(self.kv)
+            self.v[:, :, :n] = v.to(self.kv)
         self.n = n
 
 

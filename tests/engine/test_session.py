@@ -209,6 +209,36 @@ def test_a_copied_prefix_continues_exactly_like_a_prefilled_one(model):
         b.copy_prefix_from(a, 41)
 
 
+def test_a_used_session_takes_a_copied_prefix_and_a_restored_state(model, tiny_gguf):
+    """A session whose cache a forward pass grew (inference tensors) still accepts a copied
+    prefix and a restored state: the server copies into and restores slots it used before."""
+    from engine.batch import BatchScheduler
+
+    # A context longer than the pool's first capacity, so that the pool can grow while decoding.
+    model = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=1024), cpu_kernels=model.cpu_kernel_path)
+    ids = [(5 * i + 2) % 200 + 1 for i in range(40)]
+    plain = model.new_session()
+    plain.sync(ids)
+    from engine.batch import GenRequest
+    from engine.sampling import SamplingParams
+
+    sched = BatchScheduler(model, 2)
+    # Both slots serve a request first, decoding together past the pool's first capacity, so
+    # the pool grows inside the batched forward pass (inference mode).
+    first = sched.session(0).cache.capacity
+    for prompt in ([3] * (first - 4), [6] * (first - 6)):
+        sched.submit(GenRequest(ids=prompt, params=SamplingParams(argmax_ignoring_eos=True), max_tokens=12))
+    sched.run()
+    donor, used = sched.session(0), sched.session(1)
+    assert used.cache.k.is_inference()  # what the server's slots hold after such a request
+    donor.sync(ids)
+    used.copy_prefix_from(donor, 39)
+    used.sync(ids)
+    assert torch.equal(used.logits, plain.logits)
+    used.cache.restore(*plain.cache.state())
+    assert used.cache.n == len(ids)
+
+
 # --- run-ahead's bookkeeping, on the CPU ---
 # The real steps ahead are CUDA graph replays (tests/engine/test_cuda_graphs.py compares them
 # on a GPU). Here the network's frontier and steps ahead are the CPU model's own decode steps,
