@@ -30,8 +30,8 @@ Contract
   (`ds4eval.run.provenance`) and concurrency (`effective_concurrency`), the case's content
   hash, rendered-prompt hash and repeat index, and the latency figures its backend measured
   (`GenerationResult.latency`, `ds4eval.run.latency`; unknown for a case that was running
-  while the run was paused, as they would measure the pause); `run()` first writes the trace's run header (every selected case's number, source
-  and id, and K).
+  while the run was paused, as they would measure the pause); `run()` first writes the
+  trace's run header (every selected case's number, source and id, and K).
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 

@@ -8,8 +8,8 @@ Contract
   something moved. `freeze(now)` returns an immutable `Live` copy.
 - `build_view(states, live, suite, phase, message)` is pure: runner case states plus a `Live`
   in, an immutable `View` out; once every case finished (phase "done") it carries the latency
-  percentiles of the graded cases (`ds4eval.run.latency`). `split_thinking(output)` splits model output into thinking and
-  answer runs.
+  percentiles of the graded cases (`ds4eval.run.latency`). `split_thinking(output)` splits
+  model output into thinking and answer runs.
 It does not draw, read keys, or control the runner.
 """
 

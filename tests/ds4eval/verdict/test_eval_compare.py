@@ -411,6 +411,10 @@ def test_a_concurrency_difference_is_a_note_and_the_time_table_shows_both_latenc
     assert total[-3:] == ["0.500/0.900 → 2.000/3.600", "10.0/10.0 → 40.0/40.0", "5.000/9.000 → 20.000/36.000"]
     text = invoke(b, n).output
     assert "TTFT p50/p90 s" in text and "concurrency" in text.split("What differs between the runs", 1)[1]
+    from ds4eval.reports import formats
+
+    page = formats.render_comparison(c, "html")
+    assert "ITL p50/p90 ms" in page and "10.0/10.0 → 40.0/40.0" in page
 
 
 def test_the_time_table_has_no_latency_unless_both_sides_carry_it(tmp_path):
