@@ -146,7 +146,8 @@ def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | Non
     return ("sampled", float(temperature), float(top_p), float(min_p), seed)
 
 
-# A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between).
+# A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between,
+# concurrency after).
 _RUN_SETTINGS = attrgetter("backend", "endpoint", "served_model", "device", "kv_type")
 _RUN_PROVENANCE = attrgetter("chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
 
