@@ -30,6 +30,7 @@ from ds4eval.config import EvalConfig, ProbeConfig, RetryConfig
 from ds4eval.run import summary as report
 from ds4eval.run import trace
 from ds4eval.run.provenance import run_provenance
+from ds4eval.run.runner import effective_concurrency
 from ds4eval.run.stopsignals import EXIT_INTERRUPTED, StopSignals
 from ds4eval.verdict import regrade
 
@@ -117,7 +118,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
             "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx,
-                         "parallel": cfg.parallel}}
+                         "parallel": cfg.parallel, "concurrency": effective_concurrency(cfg, backend)}}
     info["provenance"] = run_provenance(backend)
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))

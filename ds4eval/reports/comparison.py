@@ -14,8 +14,13 @@ Contract
   a summary).
 - `as_json(cmp) -> dict`: the Comparison as plain data, numbers unformatted (the JSON format).
 - `flip_summary(cmp)` and `method_note(cmp)`: the one-line texts under Flips and Pass rates.
-It computes no statistic: every figure comes from the Comparison (the page's run figures from
-`reports.run`); it renders nothing (`reports.text`, `reports.markdown`, `reports.html`).
+- `time_table`: when both runs are traces that carry latency, it adds each side's TTFT, ITL
+  and end-to-end p50/p90 per source (`ds4eval.run.latency.summarize` over the latest record
+  of every repeat of the comparable cases that were graded), so a serial run compared with
+  one under load shows what the load cost beside what it changed.
+It computes no statistic of its own: every figure comes from the Comparison, the run figures
+from `reports.run` and the latency percentiles from `run.latency`; it renders nothing
+(`reports.text`, `reports.markdown`, `reports.html`).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ds4eval.reports.document import (Block, Bullets, CaseDetail, CaseList, Case
                                       Heading, Histogram, IntervalPlot, Output, Preformatted, Section, Series, Table,
                                       Text, Title, row)
 from ds4eval.reports.run import picked_text, source_cell, status_cell
+from ds4eval.run import latency as lt
 from ds4eval.run.trace import TraceRecord
 from ds4eval.verdict.compare import Comparison, Flip, RenderDiff, RepeatCase, RepeatComparison, Run, SourceStats
 
@@ -109,12 +115,44 @@ def rates_table(cmp: Comparison) -> Table:
                   "McNemar p", "mid-p"), tuple(rows), "rate-table")
 
 
+# The latency columns of the time table: (heading, LatencySummary attribute, scale, decimals).
+_LATENCY_COLUMNS = (("TTFT p50/p90 s", "ttft", 1.0, 3), ("ITL p50/p90 ms", "itl", 1000.0, 1),
+                    ("e2e p50/p90 s", "e2e", 1.0, 3))
+
+
+def _latency_by_source(cmp: Comparison, run: Run) -> dict[str, lt.LatencySummary]:
+    """Source (and "TOTAL") -> latency of the run's graded records of the comparable cases."""
+    c = cmp.cases
+    keep = {(src, cid) for src, cid, out in zip(c["source"], c["id"], c["excluded"]) if not out}
+    recs, _ = run_report.latest_records(r for r in run.records if (r.source, r.id) in keep)
+    graded = [r for r in recs if r.status in run_report.GRADED]
+    by_source: dict[str, list] = {"TOTAL": graded}
+    for r in graded:
+        by_source.setdefault(r.source, []).append(r)
+    found = {src: lt.summarize(r.latency() for r in rs) for src, rs in by_source.items()}
+    return {src: s for src, s in found.items() if s is not None}
+
+
+def _p50_p90(s: lt.LatencySummary | None, figure: str, scale: float, digits: int) -> str:
+    p = getattr(s, figure) if s is not None else None
+    return "-" if p is None else f"{p.p50 * scale:.{digits}f}/{p.p90 * scale:.{digits}f}"
+
+
 def time_table(cmp: Comparison) -> Table:
-    rows = tuple(row(s.source, _moved(s.base_gen_tokens, s.new_gen_tokens, "d"),
-                     _moved(s.base_gen_s, s.new_gen_s, ".1f"), _moved(s.base_tok_s, s.new_tok_s, ".1f"),
-                     _moved(s.base_prompt_tokens, s.new_prompt_tokens, "d"))
-                 for s in _shown_sources(cmp))
-    return Table(("source", "generated tokens", "generation s", "tokens/s", "prompt tokens"), rows, "time-table")
+    """Tokens and time per source, BASE → NEW; with latency on both sides, its p50/p90 too."""
+    base, new = _latency_by_source(cmp, cmp.base), _latency_by_source(cmp, cmp.new)
+    timed = "TOTAL" in base and "TOTAL" in new
+    rows = []
+    for s in _shown_sources(cmp):
+        cells = [s.source, _moved(s.base_gen_tokens, s.new_gen_tokens, "d"), _moved(s.base_gen_s, s.new_gen_s, ".1f"),
+                 _moved(s.base_tok_s, s.new_tok_s, ".1f"), _moved(s.base_prompt_tokens, s.new_prompt_tokens, "d")]
+        if timed:
+            cells += [f"{_p50_p90(base.get(s.source), f, k, d)} → {_p50_p90(new.get(s.source), f, k, d)}"
+                      for _, f, k, d in _LATENCY_COLUMNS]
+        rows.append(row(*cells))
+    latency = tuple(h for h, *_ in _LATENCY_COLUMNS) if timed else ()
+    return Table(("source", "generated tokens", "generation s", "tokens/s", "prompt tokens", *latency), tuple(rows),
+                 "time-table")
 
 
 def _flip_row(f: Flip, anchor: str) -> tuple[object, ...]:

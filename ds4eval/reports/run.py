@@ -10,16 +10,18 @@ Contract
   share, with a note when they differ), pass rates per source and in total with their 95%
   interval, status counts, generated lengths, and, when any case was recorded more than once
   (`--repeats K`), the repeat summary of `ds4eval.verdict.repeats` (classes, pass@1 with its interval,
-  pass@K, pass^K, flaky and non-deterministic cases).
+  pass@K, pass^K, flaky and non-deterministic cases), and the latency percentiles of the graded
+  records (`ds4eval.run.latency`; None for traces written before latency was measured).
 - Pass rate: passed / graded (PASSED or FAILED), the same footing as `--compare`; cases that
   ended SKIPPED, STOPPED or ERROR are counted apart. Without repeats the interval is the
   Wilson score interval; with repeats a case's repeats are not independent draws, so the
   figure is pass@1 (each case's share of passing repeats, averaged over cases) with the
   bootstrap interval over cases.
 - Tables (`reports.document`), shared by every medium and by the comparison's page:
-  `provenance_table`, `rates_table`, `length_table`, `flaky_table`, `nondeterministic_table`,
+  `provenance_table`, `rates_table`, `latency_table`, `length_table`, `flaky_table`, `nondeterministic_table`,
   `case_list`, `repeat_blocks`; cells `status_cell`, `source_cell`, `picked_text`.
-- Documents: `summary_document(report)` without per-case outputs, sized for a CI log or a
+- Documents: both show the latency table (with the run's concurrency) after the pass rates
+  when the trace carries latency. `summary_document(report)` without per-case outputs, sized for a CI log or a
   pull-request comment (lists of cases cut at MARKDOWN_ROWS rows, saying how many more);
   `page(report)` with plots and every case's question and output.
 It reads no files (the CLI passes the trace's records and modification time) and renders
@@ -38,6 +40,7 @@ from urllib.parse import quote
 
 from ds4eval.reports.document import (Block, CaseDetail, CaseList, CaseRow, Cell, Code, Document, Heading, Histogram,
                                       IntervalPlot, Output, Section, Series, Table, Text, Title, row)
+from ds4eval.run import latency as lt
 from ds4eval.run.trace import TraceRecord
 from ds4eval.verdict import regrade as rg
 from ds4eval.verdict import repeats as rp
@@ -110,6 +113,7 @@ class RunReport:
     think_close: dict[str, int]    # think_close -> records, for records that thought
     lengths: LengthStats
     repeats: rp.RepeatSummary | None  # None unless some case was recorded more than once
+    latency: lt.LatencySummary | None = None  # over the graded records; None when none measured it
 
     @property
     def repeated(self) -> bool:
@@ -179,6 +183,7 @@ _PROVENANCE = (
     ("served model", lambda r: r.served_model),
     ("device", lambda r: r.device),
     ("kv cache", lambda r: r.kv_type),
+    ("concurrency", lambda r: str(r.concurrency or "")),
     ("sampling", _sampling),
     ("thinking", lambda r: "yes" if r.thinking else "no"),
     ("budget (max tokens)", lambda r: str(r.max_tokens or "")),
@@ -251,7 +256,8 @@ def build(records: Iterable[TraceRecord], label: str = "", written: str = "") ->
                      provenance=_provenance(recs, written, k), sources=sources, total=total,
                      statuses={s: statuses[s] for s in (*STATUSES, *sorted(set(statuses) - set(STATUSES)))
                                if statuses[s]},
-                     think_close=dict(think), lengths=_lengths(recs), repeats=summary)
+                     think_close=dict(think), lengths=_lengths(recs), repeats=summary,
+                     latency=lt.summarize(r.latency() for r in recs if r.status in GRADED))
 
 
 # ---------------------------------------------------------------- cells and tables (every medium)
@@ -291,6 +297,38 @@ def rates_table(report: RunReport) -> Table:
                      "-" if s.rate is None else f"[{pct(s.low)}, {pct(s.high)}]")
                  for s in shown + [report.total])
     return Table(columns, rows, "rate-table")
+
+
+def concurrency(report: RunReport) -> str:
+    """The concurrency the records were run at ("?" when no record says)."""
+    known = [str(r.concurrency) for r in report.records if r.concurrency]
+    return common(known) if known else "?"
+
+
+LATENCY_METHOD = ("nearest-rank percentiles over the graded cases, each case weighing one; ITL: each case's mean "
+                  "gap between tokens, max: the longest single gap of any case")
+
+
+def _seconds(p: lt.Percentiles | None, scale: float, digits: int) -> tuple[str, ...]:
+    if p is None:
+        return ("-",) * 5
+    return (*(f"{v * scale:.{digits}f}" for v in (p.p50, p.p90, p.p99, p.max)), str(p.count))
+
+
+def latency_table(s: lt.LatencySummary) -> Table:
+    """TTFT and end to end in seconds, ITL in milliseconds (per token or per chunk, as measured)."""
+    per = f" per {s.itl_per}" if s.itl_per in ("token", "chunk") else " (mixed units)" if s.itl_per else ""
+    rows = (row("TTFT s", *_seconds(s.ttft, 1.0, 3)), row(f"ITL ms{per}", *_seconds(s.itl, 1000.0, 1)),
+            row("e2e s", *_seconds(s.e2e, 1.0, 3)))
+    return Table(("latency", "p50", "p90", "p99", "max", "cases"), rows, "latency-table")
+
+
+def _latency_section(report: RunReport, key: str | None = None) -> list[Section]:
+    if report.latency is None:
+        return []
+    note = Text((LATENCY_METHOD,), note=key is not None)
+    blocks = (latency_table(report.latency), note)
+    return [Section(f"Latency (concurrency {concurrency(report)})", blocks, key or "")]
 
 
 def length_table(report: RunReport) -> Table:
@@ -403,6 +441,7 @@ def summary_document(report: RunReport) -> Document:
     sections = [
         Section("Run", _provenance_blocks(report)),
         Section("Pass rates", (rates_table(report), Text((report.method(),)), Text((_statuses_line(report),)))),
+        *_latency_section(report),
         Section("Generated tokens", (length_table(report), *((Text((think,)),) if think else ()))),
     ]
     s = report.repeats
@@ -431,6 +470,7 @@ def page(report: RunReport) -> Document:
                                Text((_statuses_line(report),), note=True),
                                *((IntervalPlot("rate-plot", "pass rate with its 95% interval", plotted, 0.0, 1.0),)
                                  if plotted else ())), "rates"),
+        *_latency_section(report, "latency"),
         Section("Generated tokens", (length_table(report), *((Text((think,), note=True),) if think else ()),
                                      Histogram("length-histogram", "generated tokens per case",
                                                (Series("cases", tuple(r.gen_tokens for r in report.records),

@@ -27,9 +27,11 @@ Contract
   extracted and graded exactly once with the pure extractors (`ds4eval.cases.grade`); a
   SWITCHED case is not graded, as it runs again. Each finished case (PASSED, FAILED, SKIPPED,
   STOPPED, ERROR) is appended to the trace, if one is configured, with the run's provenance
-  (`ds4eval.run.provenance`), the case's content hash and rendered-prompt hash and its repeat
-  index; `run()` first writes the trace's run header (every selected case's number, source
-  and id, and K).
+  (`ds4eval.run.provenance`) and concurrency (`effective_concurrency`), the case's content
+  hash, rendered-prompt hash and repeat index, and the latency figures its backend measured
+  (`GenerationResult.latency`, `ds4eval.run.latency`; unknown for a case that was running
+  while the run was paused, as they would measure the pause); `run()` first writes the
+  trace's run header (every selected case's number, source and id, and K).
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -47,6 +49,7 @@ from ds4eval.cases import grade
 from ds4eval.cases import prompts
 from ds4eval.cases.case import Case, case_hash
 from ds4eval.config import EvalConfig
+from ds4eval.run.latency import Latency
 from ds4eval.run.provenance import RenderedPrompt, run_provenance
 from ds4eval.run.trace import RunHeader, TraceRecord, TraceWriter
 
@@ -96,6 +99,7 @@ class CaseState:
     repeat: int = 0          # which of --repeats K this is (0 .. K-1)
     prompt: RenderedPrompt | None = None
     tokens_known: bool = True
+    latency: Latency = Latency()  # None figures: not measured, or the run was paused meanwhile
 
 
 # ---------------------------------------------------------------- events
@@ -183,6 +187,7 @@ class GenerationResult:
     error: str = ""
     prompt: RenderedPrompt | None = None  # the ids fed to the model, when the backend tokenizes
     tokens_known: bool = True   # False: the backend could not count tokens (counts are 0)
+    latency: Latency = Latency()  # TTFT, ITL, end to end, as the backend measured them (run.latency)
 
 
 class CaseContext(Protocol):
@@ -229,6 +234,13 @@ def outcome(case: Case, res: GenerationResult) -> tuple[Status, str | None]:
     if res.error:
         return Status.ERROR, verdict.picked
     return (Status.PASSED if verdict.passed else Status.FAILED), verdict.picked
+
+
+def effective_concurrency(config: EvalConfig, backend: Backend) -> int:
+    """Cases a run has in flight at once: --concurrency (server backends) or --parallel (the
+    engine's batched sessions), capped by what the backend takes."""
+    wanted = max(config.concurrency, config.parallel or 1)
+    return max(1, min(wanted, backend.max_concurrency))
 
 
 # ---------------------------------------------------------------- the runner
@@ -322,6 +334,10 @@ class _Ctx:
         """Seconds this case has run, the run's pauses since it started left out."""
         paused = self.control.paused_total() - self._paused_s_at_start
         return time.monotonic() - self._clock_start - paused
+
+    def was_paused(self) -> bool:
+        """Whether the run was paused at some time while this case ran."""
+        return self.control.paused_total() != self._paused_s_at_start
 
     def prefill(self, done: int, total: int) -> None:
         self.state.prompt_tokens = total
@@ -460,9 +476,7 @@ class Runner:
         return states
 
     def _slots(self) -> int:
-        # --concurrency (server backends) or --parallel (the engine's batched sessions).
-        wanted = max(self.config.concurrency, self.config.parallel or 1)
-        return max(1, min(wanted, self.backend.max_concurrency))
+        return effective_concurrency(self.config, self.backend)
 
     def _worker(self) -> None:
         while True:
@@ -574,6 +588,9 @@ class Runner:
             state.elapsed_s = elapsed
             state.error = res.error or res.skipped
             state.prompt = res.prompt
+            # A pause stops the case's clock but not the server's or the stream's: its latency
+            # figures would measure the pause, so they are dropped as unknown.
+            state.latency = Latency() if ctx.was_paused() else res.latency
             state.status, state.picked = status, picked
             if status is Status.SWITCHED:
                 # Back into the queue right after the case that asked to run now.
@@ -595,6 +612,8 @@ class Runner:
             aliases=list(st.case.aliases), nchoices=st.case.nchoices, domain=st.case.domain,
             suite=cfg.suite, model=self.backend.model_name, backend=self.backend.name,
             prompt_tokens=st.prompt_tokens, gen_tokens=st.gen_tokens, elapsed_s=st.elapsed_s,
+            ttft_s=st.latency.ttft_s, itl_s=st.latency.itl_s, itl_max_s=st.latency.itl_max_s,
+            itl_per=st.latency.itl_per, e2e_s=st.latency.e2e_s,
             temperature=cfg.temperature, top_p=cfg.top_p, min_p=cfg.min_p, seed=self.seed(st),
             repeat=st.repeat, thinking=st.thinking, think_close=st.think_close, error=st.error,
             system_prompt=st.system_prompt, question_prompt=st.question_prompt, model_output=st.output,
@@ -617,6 +636,7 @@ class Runner:
         """The provenance fields of one case's trace record."""
         prompt = st.prompt
         return {**self.provenance(), "case_hash": case_hash(st.case), "max_tokens": self.job(st).max_tokens,
+                "concurrency": self._slots(),
                 "prompt_sha256": prompt.sha256 if prompt else "",
                 "rendered_prompt": prompt.text if prompt else "",
                 "rendered_token_ends": prompt.ends_field if prompt else ""}
@@ -631,3 +651,4 @@ class Runner:
         st.gen_tokens = 0
         st.think_close = "none"
         st.tokens_known = True
+        st.latency = Latency()

@@ -11,7 +11,9 @@ Summary schema (version 1): {"format": "ds4eval-summary", "version", "suite", "b
 gen_tokens, gen_s, tokens_per_s, wall_tokens_per_s, tokens_known}, "sources": [{source, cases,
 passed, failed, other, prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases": [{number,
 source, id, status, picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close,
-case_hash, prompt_sha256, repeat}], and with --repeats K > 1 "repeats": {k, counts (stable
+case_hash, prompt_sha256, repeat, ttft_s, itl_s, itl_max_s, itl_per, e2e_s}], "latency": {concurrency,
+cases, ttft_s, itl_s, e2e_s (each {count, p50, p90, p99, max} in seconds, or null), itl_per} when
+any graded case measured its latency, and with --repeats K > 1 "repeats": {k, counts (stable
 pass, stable fail, flaky, ungraded), pass_at_1 {mean, low, high}, pass_at_k, pass_hat_k,
 full_cases, flaky [{source, id, passed, graded}], nondeterministic [{source, id, repeat, token,
 char, base_text, other_text}]} (`ds4eval.verdict.repeats`). Summaries written before provenance lack
@@ -20,6 +22,10 @@ those keys.
   (gen_tokens / gen_s); `wall_tokens_per_s` is throughput (gen_tokens / wall_s), which is
   higher when cases run concurrently. Token counts that a backend could not know (a server
   that sends no usage, without --tokenizer) are null, and rendered "unknown", never guessed.
+- Latency (`ds4eval.run.latency`): nearest-rank percentiles over the graded cases (PASSED or
+  FAILED: their streams ran to the end), each case weighing one; ITL over the cases' mean gaps,
+  its max the longest single gap. `concurrency` is the run's `settings.concurrency` (null when
+  the caller did not give it). The text report shows them as a table under the totals.
 - `eta_s(done, total, elapsed_s)` is the naive remaining time (average per finished case).
 It does not run cases or write files (the CLI writes the summary atomically).
 """
@@ -34,6 +40,7 @@ from typing import Iterable, TextIO
 from tabulate import tabulate
 
 from ds4eval.cases.case import case_hash
+from ds4eval.run import latency as lt
 from ds4eval.run.runner import CaseFinished, CaseState, RunStarted, Status
 from ds4eval.run.trace import TraceRecord
 from ds4eval.verdict import repeats as rp
@@ -116,10 +123,28 @@ def build_summary(states: Iterable[CaseState], wall_s: float, info: dict) -> dic
                    "prompt_tokens": s.prompt_tokens if s.tokens_known else None,
                    "gen_tokens": s.gen_tokens if s.tokens_known else None, "elapsed_s": round(s.elapsed_s, 3),
                    "think_close": s.think_close, "case_hash": case_hash(s.case),
-                   "prompt_sha256": s.prompt.sha256 if s.prompt else "", "repeat": s.repeat} for s in states],
+                   "prompt_sha256": s.prompt.sha256 if s.prompt else "", "repeat": s.repeat,
+                   **_case_latency(s.latency)} for s in states],
+        **_latency_part(states, info),
         **({"repeats": repeat_summary(states, float(info.get("settings", {}).get("temperature") or 0.0))}
            if any(s.repeat for s in states) else {}),
     }
+
+
+def _case_latency(lat: lt.Latency) -> dict:
+    def sec(x: float | None) -> float | None:
+        return None if x is None else round(x, 6)
+
+    return {"ttft_s": sec(lat.ttft_s), "itl_s": sec(lat.itl_s), "itl_max_s": sec(lat.itl_max_s),
+            "itl_per": lat.itl_per, "e2e_s": sec(lat.e2e_s)}
+
+
+def _latency_part(states: list[CaseState], info: dict) -> dict:
+    """{"latency": ...} over the graded cases, or nothing when none of them was measured."""
+    found = lt.summarize(s.latency for s in states if s.status in (Status.PASSED, Status.FAILED))
+    if found is None:
+        return {}
+    return {"latency": {"concurrency": info.get("settings", {}).get("concurrency"), **found.as_dict()}}
 
 
 def repeat_summary(states: Iterable[CaseState], temperature: float) -> dict:
@@ -160,6 +185,33 @@ def _repeat_lines(rep: dict) -> list[str]:
     return lines
 
 
+def _ms(x: float) -> str:
+    return f"{1000 * x:.1f}"
+
+
+def _s(x: float) -> str:
+    return f"{x:.3f}"
+
+
+# (row label, summary key, unit's formatter, unit name) of the latency table
+_LATENCY_ROWS = (("TTFT", "ttft_s", _s, "s"), ("ITL", "itl_s", _ms, "ms"), ("e2e", "e2e_s", _s, "s"))
+
+
+def latency_lines(lat: dict) -> list[str]:
+    """The latency part of the text report: a line saying what was measured, then a table."""
+    conc = lat.get("concurrency")
+    rows = []
+    for label, key, fmt, unit in _LATENCY_ROWS:
+        p = lat.get(key)
+        per = f" per {lat['itl_per']}" if key == "itl_s" and lat.get("itl_per") else ""
+        cells = [fmt(p[q]) for q in ("p50", "p90", "p99", "max")] if p else ["unknown"] * 4
+        rows.append([f"{label} {unit}{per}", *cells])
+    table = tabulate(rows, headers=["latency", "p50", "p90", "p99", "max"], tablefmt="simple",
+                     disable_numparse=True, colalign=("left",) + ("right",) * 4)
+    return [f"latency at concurrency {'?' if conc is None else conc}, over {lat['cases']} graded case(s) "
+            f"(nearest-rank percentiles; ITL: each case's mean gap, max: the longest single gap)", table]
+
+
 def render_report(summary: dict) -> str:
     t = summary["totals"]
     rows = [[r["source"], r["cases"], r["passed"], r["failed"], r["other"], _tok(r["prompt_tokens"]),
@@ -182,6 +234,8 @@ def render_report(summary: dict) -> str:
         f"per-case time summed {t['gen_s']:.1f} s ({_per_s(t['tokens_per_s'])} tok/s per case), "
         f"wall-clock throughput {_per_s(t.get('wall_tokens_per_s'))} tok/s",
     ]
+    if "latency" in summary:
+        lines += latency_lines(summary["latency"])
     if t["gen_tokens"] is None:
         lines.append("token counts unknown: the server sent no usage (--tokenizer GGUF counts them)")
     if "repeats" in summary:

@@ -33,6 +33,8 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
+from ds4eval.run.latency import Latency
+
 FORMAT_VERSION = 1
 CASE_MARKER = "%%case"
 RUN_MARKER = "%%run"
@@ -61,6 +63,12 @@ class TraceRecord:
     prompt_tokens: int = 0
     gen_tokens: int = 0
     elapsed_s: float = 0.0
+    # Latency (ds4eval.run.latency, traces/README.md): None = unknown (older traces, or not measured).
+    ttft_s: float | None = None
+    itl_s: float | None = None
+    itl_max_s: float | None = None
+    itl_per: str = ""
+    e2e_s: float | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.0
@@ -80,6 +88,7 @@ class TraceRecord:
     kv_type: str = ""
     endpoint: str = ""
     served_model: str = ""
+    concurrency: int = 0  # cases the run had in flight at once (--concurrency / --parallel); 0 = unknown
     extractor_version: str = ""
     ds4eval_version: str = ""
     git_commit: str = ""
@@ -88,6 +97,10 @@ class TraceRecord:
     system_prompt: str = ""
     question_prompt: str = ""
     model_output: str = ""
+
+    def latency(self) -> Latency:
+        """The case's latency figures (all None in traces written before they were measured)."""
+        return Latency(self.ttft_s, self.itl_s, self.itl_max_s, self.e2e_s, self.itl_per)
 
 
 _BLOCK_FIELD = {"SYSTEM_PROMPT": "system_prompt", "QUESTION_PROMPT": "question_prompt",
@@ -187,6 +200,10 @@ def _float_or_zero(raw: str) -> float:
     return float(raw) if raw else 0.0
 
 
+def _float_or_none(raw: str) -> float | None:
+    return float(raw) if raw else None
+
+
 # How each known header value is read back (escaped text unless listed); unknown keys are not here.
 _READERS = {f.name: _unescape for f in _HEADER_FIELDS}
 _READERS.update({
@@ -195,8 +212,10 @@ _READERS.update({
     "picked": lambda raw: _unescape(raw) if raw else None,
     "seed": lambda raw: int(raw) if raw else None,
     "thinking": lambda raw: raw == "yes",
-    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens", "max_tokens", "repeat"), _int_or_zero),
+    **dict.fromkeys(("index", "nchoices", "prompt_tokens", "gen_tokens", "max_tokens", "repeat", "concurrency"),
+                    _int_or_zero),
     **dict.fromkeys(("elapsed_s", "temperature", "top_p", "min_p"), _float_or_zero),
+    **dict.fromkeys(("ttft_s", "itl_s", "itl_max_s", "e2e_s"), _float_or_none),
 })
 
 

@@ -15,8 +15,8 @@ Contract
   rendered prompt's token hash, else the prompt texts), or with different sampling settings
   (greedy runs compare as greedy whatever their top-p, min-p and seed). Cases present on one
   side only are warned about too. Other differences in provenance (KV cache type, budget,
-  backend, extractor or ds4eval version...) are listed as notes: they are what the comparison
-  is usually about.
+  backend, extractor or ds4eval version, concurrency: a serial run against one under load...)
+  are listed as notes: they are what the comparison is usually about.
 - On the comparable cases: passed/graded per source and in total, the paired bootstrap
   interval of the pass-rate delta and the exact McNemar test (`stats`), every flip (a flip to
   "no answer found" counted apart from a wrong answer), token/time/tokens-per-second deltas and
@@ -65,7 +65,8 @@ from ds4eval.verdict import stats
 GRADED = ("PASSED", "FAILED")
 # Provenance and settings whose differences are reported as notes, never excluded.
 NOTE_FIELDS = ("backend", "endpoint", "served_model", "device", "kv_type", "max_tokens", "tokens", "thinking",
-               "chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
+               "chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit",
+               "concurrency")
 CONTEXT_TOKENS = 4  # tokens of text shown on each side of a render difference
 LISTED_CASES = 8  # case names listed in one warning before "and N more"
 
@@ -145,7 +146,8 @@ def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | Non
     return ("sampled", float(temperature), float(top_p), float(min_p), seed)
 
 
-# A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between).
+# A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between,
+# concurrency after).
 _RUN_SETTINGS = attrgetter("backend", "endpoint", "served_model", "device", "kv_type")
 _RUN_PROVENANCE = attrgetter("chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
 
@@ -156,7 +158,8 @@ def _record_case(r: TraceRecord) -> CaseRun:
         rep = regrade.regrade([r])
         if rep.cases:
             status, picked = rep.cases[0].new_status, rep.cases[0].new_picked
-    settings = (*_RUN_SETTINGS(r), str(r.max_tokens or ""), "", "yes" if r.thinking else "no", *_RUN_PROVENANCE(r))
+    settings = (*_RUN_SETTINGS(r), str(r.max_tokens or ""), "", "yes" if r.thinking else "no", *_RUN_PROVENANCE(r),
+                str(r.concurrency or ""))
     return CaseRun(
         source=r.source, id=r.id, status=status, picked=picked, expected=r.expected,
         key=(r.answer_kind, r.expected, tuple(r.aliases), r.nchoices),
@@ -181,6 +184,7 @@ def _summary_cases(obj: dict, label: str) -> list[CaseRun]:
         raise CompareInputError(f"{label}: the summary's sampling settings are not numbers") from None
     values = {k: str(prov.get(k) or "") for k in NOTE_FIELDS if k in prov}
     values.update(backend=str(obj.get("backend") or ""), tokens=str(st.get("tokens") or ""),
+                  concurrency=str(st.get("concurrency") or ""),
                   thinking={True: "yes", False: "no"}.get(st.get("think"), ""))
     settings = tuple(values.get(k, "") for k in NOTE_FIELDS)
     out = []

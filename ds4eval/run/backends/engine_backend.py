@@ -37,6 +37,10 @@ Contract
   injected ids are evaluated as one prefill chunk rather than token by token as serially.
 - Provenance: `provenance()` reports the model file, chat template hash, BOS/EOS handling,
   device and KV cache type; each result carries the rendered prompt's token hash and texts.
+- Latency (`ds4eval.run.latency`): the clock starts when the runner hands the case over, each
+  sampled token is an arrival (marked on the engine thread as it is sampled), and the case
+  ends after its last token; so TTFT is rendering, any wait for a batch slot and prefill, and
+  the gaps are decode steps (with an injected think-close evaluated inside one of them).
 - Pause, stop and switch: the serial loop calls `ctx.checkpoint()` before every token; the
   batched path calls it from the requests' cancel hook on the engine thread, so a pause
   holds the whole batch and stop/switch end the request before its next token.
@@ -53,6 +57,7 @@ from typing import Any
 from ds4eval.cases import prompts
 from ds4eval.cases.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.config import EvalConfig
+from ds4eval.run.latency import LatencyClock
 from ds4eval.run.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.run.runner import CaseContext, GenerationJob, GenerationResult
 from engine.protocols import EngineAPI, ModelLike
@@ -355,24 +360,27 @@ class EngineBackend:
         return ""
 
     @staticmethod
-    def _finish(res: GenerationResult, plan: _Plan, text: ThinkText, sampled: int) -> GenerationResult:
+    def _finish(res: GenerationResult, plan: _Plan, text: ThinkText, sampled: int,
+                clock: LatencyClock) -> GenerationResult:
         close_kind = "unclosed" if text.in_think else text.close_kind
         res.output = "".join(text.out)
         res.gen_tokens = sampled
+        res.latency = clock.finish(sampled)
         res.think_close = close_kind if plan.think else "none"
         return res
 
     def run_case(self, job: GenerationJob, ctx: CaseContext) -> GenerationResult:
+        clock = LatencyClock()  # the case handed over: TTFT counts rendering, a wait for a slot and prefill
         plan, res = self._plan(job)
         if res.skipped:
             return res
         if self._scheduler is not None:
-            return self._run_batched(job, ctx, plan, res)
-        return self.engine_thread.call(self._run_serial, job, ctx, plan, res)
+            return self._run_batched(job, ctx, plan, res, clock)
+        return self.engine_thread.call(self._run_serial, job, ctx, plan, res, clock)
 
     # --- serial ---
-    def _run_serial(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,
-                    res: GenerationResult) -> GenerationResult:
+    def _run_serial(self, job: GenerationJob, ctx: CaseContext, plan: _Plan, res: GenerationResult,
+                    clock: LatencyClock) -> GenerationResult:
         if self._session is None:
             self._session = self.model.new_session()
         session = self._session
@@ -419,6 +427,7 @@ class EngineBackend:
                     text.in_think = False
                 continue
             tok = session.sample(params)
+            clock.arrival()
             used += 1
             sampled += 1
             ctx.token()
@@ -428,11 +437,11 @@ class EngineBackend:
             if used < plan.budget:
                 session.eval(tok)
         emit(stream.flush())
-        return self._finish(res, plan, text, sampled)
+        return self._finish(res, plan, text, sampled, clock)
 
     # --- batched ---
-    def _run_batched(self, job: GenerationJob, ctx: CaseContext, plan: _Plan,
-                     res: GenerationResult) -> GenerationResult:
+    def _run_batched(self, job: GenerationJob, ctx: CaseContext, plan: _Plan, res: GenerationResult,
+                     clock: LatencyClock) -> GenerationResult:
         scheduler = self._scheduler
         params = self._params(job)
         sampler = self.engine.Sampler(params, self.model.eos_ids)  # one random stream across the case's requests
@@ -444,6 +453,7 @@ class EngineBackend:
             seg = _Segment(case)
 
             def on_token(tok: int) -> None:  # engine thread
+                clock.arrival()  # marked where the token is made, not when the worker reads it
                 case.used += 1
                 case.sampled += 1
                 if tok in eos:
@@ -505,7 +515,7 @@ class EngineBackend:
                             ctx.text(piece, flag)
                     elif kind == "failed":
                         res.error = rest[0]
-                        return self._finish(res, plan, text, case.sampled)
+                        return self._finish(res, plan, text, case.sampled, clock)
                     else:
                         seg = rest[0]
                         break
@@ -524,4 +534,4 @@ class EngineBackend:
         flag = text.emit(piece)
         if flag is not None:
             ctx.text(piece, flag)
-        return self._finish(res, plan, text, case.sampled)
+        return self._finish(res, plan, text, case.sampled, clock)

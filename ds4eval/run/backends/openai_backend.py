@@ -23,6 +23,11 @@ Contract
   Token counts come from the final usage chunk; without one they are counted with
   `--tokenizer`'s tokenizer (`ds4eval.run.tokencount`), else reported unknown (`tokens_known`
   False), never as the number of stream chunks (a chunk may hold several tokens).
+- Latency (`ds4eval.run.latency`): each result's clock starts as the request goes out; every
+  chunk that carries reasoning or content text is an arrival (TTFT is the first), the end is
+  the last byte read. The mean inter-token gap is per token when the result's token count is
+  known (usage, `--tokenizer`), else per chunk; with `n` > 1 the choices share the start and
+  the end and each has its own arrivals.
 - `run_group(jobs, ctxs)` runs the repeats of one case (`--repeats`) as one request with `n`
   (the choices demultiplexed by index); the first 4xx answer to `n` > 1 switches the backend to
   one request per repeat for the rest of the run. With `n` > 1 a server's usage is one total, so
@@ -37,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+import time
 
 import httpx
 
@@ -45,6 +51,7 @@ from ds4eval.config import EvalConfig
 from ds4eval.run import sse
 from ds4eval.run.capabilities import Need
 from ds4eval.run.httperrors import error_message, reason
+from ds4eval.run.latency import LatencyClock
 from ds4eval.run.runner import CaseContext, GenerationJob, GenerationResult
 
 
@@ -226,7 +233,8 @@ class OpenAIBackend:
     def _stream(self, body: dict, jobs: list[GenerationJob], ctxs: list[CaseContext]) -> list[GenerationResult]:
         """One streaming request whose choice i belongs to jobs[i] and ctxs[i]."""
         n = len(jobs)
-        choices = [_Choice(job.think) for job in jobs]
+        started = time.perf_counter()  # the request goes out next: every choice's clock starts here
+        choices = [_Choice(job.think, LatencyClock(started)) for job in jobs]
         done = False
         usage = None
         error, interrupted = "", None
@@ -261,6 +269,7 @@ class OpenAIBackend:
             error = str(e)
         except httpx.HTTPError as e:
             error = f"{type(e).__name__}: {e}"
+        ended = time.perf_counter()  # the last byte read (or the failure)
         if not done and not interrupted:
             # interrupt() cut the stream while it waited for the server: a stop, not a failure.
             why = _first(ctx.checkpoint() for ctx in ctxs) if self._cut else None
@@ -282,6 +291,8 @@ class OpenAIBackend:
                 res.tokens_known = False
             else:
                 res.tokens_known = False
+            # Per token when the count is known; with n choices and one usage total it is not.
+            res.latency = ch.clock.finish(res.gen_tokens if res.tokens_known else None, ended)
             if not res.error and not res.interrupted:
                 if not done:
                     res.error = "stream ended without [DONE]"
@@ -298,8 +309,9 @@ def _first(values):
 class _Choice:
     """What one choice of a stream has said so far."""
 
-    def __init__(self, think: bool):
+    def __init__(self, think: bool, clock: LatencyClock):
         self.think = think
+        self.clock = clock
         self.out: list[str] = []
         self.in_think = self.saw_think = self.started = False
         self.finish = None
@@ -308,6 +320,8 @@ class _Choice:
         delta = choice.get("delta") or {}
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         content = delta.get("content")
+        if reasoning or content:
+            self.clock.arrival()  # first thing: the text's own handling must not delay the mark
         if (reasoning or content) and not self.started:
             self.started = True
             ctx.started(0)

@@ -213,6 +213,7 @@ def _header(view: View, lines: int, cols: int) -> list[list[tuple[str, str]]]:
     if view.phase == "running" and view.done_count < total and view.eta_s is not None:
         stats.append([("  ", "header"), (f"eta {clock(view.eta_s)}", "header")])
     stats += [[("  ", "header"), (speed, "header")], [("  ", "header"), (ctx, "header")]]
+    stats += [[("  ", "header"), (text, "header")] for text in _latency_texts(view)]
     ident = [[(f"model {view.model}", "header")], [(f" {DOT} suite {view.suite}", "header")],
              [(f" {DOT} backend {view.backend}", "header")]]
     badge_part = (f" {badge} ", "badge")
@@ -225,6 +226,19 @@ def _header(view: View, lines: int, cols: int) -> list[list[tuple[str, str]]]:
     if pad >= 1:
         first = first + [(" " * pad, "header"), badge_part]
     return [first, _fit(progress + stats, cols)]
+
+
+def _latency_texts(view: View) -> list[str]:
+    """The done run's TTFT and ITL p50/p90, one header group each (none while running)."""
+    s = view.latency
+    if s is None:
+        return []
+    out = []
+    if s.ttft is not None:
+        out.append(f"TTFT p50/p90 {s.ttft.p50:.2f}/{s.ttft.p90:.2f} s")
+    if s.itl is not None:
+        out.append(f"ITL p50/p90 {1000 * s.itl.p50:.1f}/{1000 * s.itl.p90:.1f} ms")
+    return out
 
 
 def _case_title(case: CaseRow | None) -> list[tuple[str, str]]:

@@ -7,8 +7,9 @@ Contract
   decode speed. `changed` is a `threading.Event` set on every event so the UI redraws only when
   something moved. `freeze(now)` returns an immutable `Live` copy.
 - `build_view(states, live, suite, phase, message)` is pure: runner case states plus a `Live`
-  in, an immutable `View` out. `split_thinking(output)` splits model output into thinking and
-  answer runs.
+  in, an immutable `View` out; once every case finished (phase "done") it carries the latency
+  percentiles of the graded cases (`ds4eval.run.latency`). `split_thinking(output)` splits
+  model output into thinking and answer runs.
 It does not draw, read keys, or control the runner.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from ds4eval.cases.extract import THINK_CLOSE, THINK_OPEN
+from ds4eval.run import latency as lt
 from ds4eval.run.runner import (CaseFinished, CaseState, Paused, Progress, RunFinished, RunStarted,
                                 StatusChanged, TextDelta)
 from ds4eval.run.summary import eta_s
@@ -177,6 +179,7 @@ class View:
     paused: bool
     phase: str          # "running", "stopping" or "done"
     message: str = ""
+    latency: lt.LatencySummary | None = None  # the graded cases', once the run is done
 
     @property
     def done_count(self) -> int:
@@ -216,9 +219,11 @@ def build_view(states: Sequence[CaseState], live: Live, suite: str, phase: str, 
         ctx_used = sum(r.prompt_tokens + r.gen_tokens for r in running)
     if phase == "running" and rows and not running and all(r.finished for r in rows):
         phase = "done"
+    latency = (lt.summarize(st.latency for st in states if st.status.value in ("PASSED", "FAILED"))
+               if phase == "done" else None)
     return View(model=live.model, suite=suite, backend=live.backend, n_ctx=live.n_ctx, cases=tuple(rows),
                 elapsed_s=live.elapsed_s, tokens_per_s=sum(r.tokens_per_s for r in running),
-                ctx_used=ctx_used, paused=live.paused, phase=phase, message=message)
+                ctx_used=ctx_used, paused=live.paused, phase=phase, message=message, latency=latency)
 
 
 def split_thinking(output: str) -> list[tuple[str, bool]]:

@@ -112,3 +112,32 @@ def test_nothing_recorded():
     rep = run_report.build([])
     assert rep.total.rate is None and rep.headline() == "no case was graded (0 recorded)"
     assert "no case was graded" in render_markdown(rep)
+
+
+def _timed(records, concurrency=8):
+    for k, r in enumerate(records, 1):
+        r.ttft_s, r.itl_s, r.itl_max_s, r.e2e_s, r.itl_per = 0.1 * k, 0.002 * k, 0.25, 1.0 * k, "token"
+        r.concurrency = concurrency
+    return records
+
+
+def test_latency_percentiles_of_the_graded_records_with_the_concurrency():
+    rep = run_report.build(_timed(run_records()), "toy.trace")  # 12 graded, then 1 ERROR at k = 13
+    lat = rep.latency
+    assert lat.cases == 12 and lat.itl_per == "token"
+    assert (lat.ttft.p50, lat.ttft.p90, lat.ttft.p99, lat.ttft.max) == pytest.approx((0.6, 1.1, 1.2, 1.2))
+    assert lat.itl.max == 0.25 and lat.e2e.p90 == pytest.approx(11.0)
+    assert dict(rep.provenance)["concurrency"] == "8" and run_report.concurrency(rep) == "8"
+    table = run_report.latency_table(lat)
+    assert [c.text for c in table.rows[1].cells] == ["ITL ms per token", "12.0", "22.0", "24.0", "250.0", "12"]
+    md = render_markdown(rep)
+    assert "### Latency (concurrency 8)" in md and "| TTFT s | 0.600 | 1.100 | 1.200 | 1.200 | 12 |" in md
+    assert md.index("### Pass rates") < md.index("### Latency") < md.index("### Generated tokens")
+    page = formats.RUN_FORMATS["html"](rep)
+    assert "Latency (concurrency 8)" in page and "latency-table" in page
+
+
+def test_traces_without_latency_show_no_latency_section():
+    rep = run_report.build(run_records())
+    assert rep.latency is None and run_report.concurrency(rep) == "?"
+    assert "Latency" not in render_markdown(rep) and "concurrency" not in dict(rep.provenance)

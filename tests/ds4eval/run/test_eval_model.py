@@ -26,10 +26,15 @@ def test_three_sanity_cases_on_the_embedded_model(tmp_path):
         assert st.status in (Status.PASSED, Status.FAILED), st.error
         assert 0 < st.gen_tokens <= 96 and st.prompt_tokens > 0 and st.output
         assert st.prompt_tokens + st.gen_tokens <= model.n_ctx
+        lat = st.latency  # prefill, then one decode step per token
+        assert lat.ttft_s > 0 and lat.e2e_s >= lat.ttft_s and lat.itl_per == "token"
+        if st.gen_tokens > 1:
+            assert 0 < lat.itl_s <= lat.itl_max_s
     from ds4eval.run.trace import read_trace
 
     records = read_trace(tmp_path / "t.trace").records
     assert len(records) == 3 and all(isinstance(r, TraceRecord) and r.model_output for r in records)
+    assert all(r.ttft_s and r.e2e_s and r.concurrency == 1 for r in records)
     # Greedy decoding is deterministic: a second run of the same case gives the same output.
     again = Runner(cfg, selected[:1], backend).run()[0]
     assert again.output == states[0].output

@@ -259,3 +259,42 @@ def test_a_server_that_refuses_n_gets_one_request_per_repeat_with_its_own_seed()
     assert [b.get("n", 1) for b in srv.bodies] == [3, 1, 1, 1, 1, 1, 1]
     assert [b["seed"] for b in srv.bodies[1:]] == [10, 11, 12, 10, 11, 12]
     assert all(s.status.value == "PASSED" and s.tokens_known for s in states)
+
+
+# ---------------------------------------------------------------- latency under a server that takes its time
+
+def test_latency_is_measured_from_the_stream_of_a_slow_server(server, tmp_path):
+    # 0.2 s before the first token, then five one-token chunks 0.05 s apart with one 0.3 s
+    # stall among them; usage says 6 tokens. Bounds are lower bounds (sleeps only add time).
+    events = [chunk(role="assistant"), 0.2, chunk(reasoning_content="2+2")]
+    for i, piece in enumerate(["=4", "Answer: ", "4", ".", ""]):
+        events += [0.3 if i == 2 else 0.05, chunk(content=piece) if piece else chunk(content=" ")]
+    events += [finish(), {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6}}, 0.1, "data: [DONE]"]
+    Scripted.scripts = {"[slow]": (200, events), "[fast]": (200, [chunk(content="Answer: 4"), finish(),
+                                                                  "data: [DONE]"])}
+    trace = tmp_path / "t.trace"
+    states = run(server, ["slow", "fast"], concurrency=2, trace=str(trace))
+    lat = states["slow"].latency
+    assert states["slow"].status is Status.PASSED
+    assert 0.2 <= lat.ttft_s < 5
+    assert lat.itl_per == "token" and lat.itl_s >= (4 * 0.05 + 0.3) / 5 * 0.8
+    assert lat.itl_max_s >= 0.25 and lat.itl_max_s >= lat.itl_s
+    assert lat.e2e_s >= 0.2 + 4 * 0.05 + 0.3 + 0.1 and lat.e2e_s >= lat.ttft_s
+    fast = states["fast"].latency  # one chunk: a first token, no gap
+    assert fast.ttft_s is not None and fast.itl_s is None and fast.e2e_s >= fast.ttft_s
+
+    from ds4eval.run.trace import read_trace
+
+    records = {r.id: r for r in read_trace(trace).records}
+    written = records["slow"].latency()
+    assert written.itl_per == "token" and records["slow"].concurrency == 2
+    for name in ("ttft_s", "itl_s", "itl_max_s", "e2e_s"):
+        assert getattr(written, name) == pytest.approx(getattr(lat, name), abs=1e-6)  # microseconds
+    assert records["fast"].concurrency == 2
+
+
+def test_without_usage_the_gaps_are_per_chunk(server):
+    events = [chunk(content="Answer"), 0.05, chunk(content=": "), 0.05, chunk(content="4"), finish(), "data: [DONE]"]
+    Scripted.scripts = {"[chunky]": (200, events)}
+    lat = run(server, ["chunky"])["chunky"].latency
+    assert lat.itl_per == "chunk" and lat.itl_s >= 0.04

@@ -162,6 +162,17 @@ def think_script(prompt: str) -> str:
     return "no thought at all</think>Answer: 8"
 
 
+def test_batched_cases_record_their_latency_and_the_concurrency(tmp_path):
+    model = FakeModel(lambda p: "Answer: 4", decode_delay=0.002)
+    states, records = run_trace(EvalConfig(parallel=2, tokens=50), [case(i) for i in range(1, 4)],
+                                EngineBackend(model, FAKE_ENGINE, parallel=2), tmp_path, "lat")
+    for st in states:
+        lat = st.latency
+        assert lat.ttft_s > 0 and lat.e2e_s >= lat.ttft_s and lat.itl_per == "token"
+        assert lat.itl_s > 0 and lat.itl_max_s >= lat.itl_s
+    assert all(r.concurrency == 2 and r.ttft_s and r.itl_s for r in records)
+
+
 def test_think_close_decisions_match_the_serial_path(tmp_path):
     cases = [case(i, answer=str(2 * i)) for i in range(1, 5)]
     cfg = dict(tokens=600)

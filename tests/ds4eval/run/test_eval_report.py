@@ -56,3 +56,33 @@ def test_plain_lines_carry_the_eta_in_their_header():
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("[1/4 eta 1:30] PASSED  toy/c1")
     assert lines[1].startswith("[2/4 eta 1:00] PASSED  toy/c2") and "? tok 2.0s" in lines[1]
+
+
+def test_latency_percentiles_over_graded_cases_beside_the_pass_rates():
+    from ds4eval.run.latency import Latency
+
+    states = []
+    for i in range(1, 11):
+        st = state(i, status=Status.PASSED if i % 2 else Status.FAILED)
+        st.latency = Latency(ttft_s=0.1 * i, itl_s=0.001 * i, itl_max_s=0.5, e2e_s=float(i), itl_per="token")
+        states.append(st)
+    stopped = state(11, status=Status.STOPPED)  # not graded: its stream did not run to the end
+    stopped.latency = Latency(ttft_s=99.0, e2e_s=99.0)
+    s = build_summary(states + [stopped], 10.0, {"settings": {"concurrency": 8}})
+    lat = s["latency"]
+    assert lat["concurrency"] == 8 and lat["cases"] == 10 and lat["itl_per"] == "token"
+    assert lat["ttft_s"] == {"count": 10, "p50": 0.5, "p90": 0.9, "p99": 1.0, "max": 1.0}
+    assert lat["itl_s"]["p90"] == 0.009 and lat["itl_s"]["max"] == 0.5 and lat["e2e_s"]["max"] == 10.0
+    assert s["cases"][0]["ttft_s"] == 0.1 and s["cases"][10]["e2e_s"] == 99.0
+    text = render_report(s)
+    assert "latency at concurrency 8, over 10 graded case(s)" in text
+    ttft = next(ln for ln in text.splitlines() if ln.startswith("TTFT s"))
+    assert ttft.split()[2:] == ["0.500", "0.900", "1.000", "1.000"]
+    itl = next(ln for ln in text.splitlines() if ln.startswith("ITL ms per token"))
+    assert itl.split()[4:] == ["5.0", "9.0", "10.0", "500.0"]
+
+
+def test_no_latency_part_when_nothing_was_measured():
+    s = build_summary([state(1)], 1.0, {})
+    assert "latency" not in s and s["cases"][0]["ttft_s"] is None
+    assert "latency" not in render_report(s)

@@ -151,6 +151,44 @@ def test_report_and_summary(capsys):
     assert "toy" in text and "TOTAL" in text and "passed 1/2" in text and "wall time" in text
 
 
+def test_engine_latency_is_prefill_then_decode_steps(tmp_path):
+    cfg = EvalConfig(trace=str(tmp_path / "t.trace"))
+    runner, _, _ = make(lambda p: "Answer: 4", [case(1)], cfg, prefill_delay=0.05, decode_delay=0.01)
+    [st] = runner.run()
+    lat = st.latency
+    assert lat.ttft_s >= 0.05 and lat.itl_per == "token"
+    assert lat.itl_s >= 0.01 * 0.8 and lat.itl_max_s >= lat.itl_s
+    assert lat.e2e_s >= lat.ttft_s + (st.gen_tokens - 1) * lat.itl_s * 0.99
+    [r] = tr.read_trace(tmp_path / "t.trace").records
+    assert r.concurrency == 1 and r.ttft_s == pytest.approx(lat.ttft_s, abs=1e-6)
+
+
+def test_a_case_running_while_the_run_was_paused_has_no_latency(tmp_path):
+    from ds4eval.run.latency import Latency
+
+    measured = Latency(ttft_s=0.5, itl_s=0.01, itl_max_s=0.02, e2e_s=1.0, itl_per="token")
+
+    class Pausing:
+        name, model_name, n_ctx, max_concurrency = "pausing", "m", 100, 1
+        runner = None
+
+        def run_case(self, job, ctx):
+            ctx.started(3)
+            if job.index == 0:  # a pause while this case runs: its clock would measure the pause
+                self.runner.pause()
+                time.sleep(0.01)
+                self.runner.resume()
+            return GenerationResult(output="Answer: 4", latency=measured)
+
+    backend = Pausing()
+    runner = Runner(EvalConfig(trace=str(tmp_path / "t.trace")), [case(1), case(2)], backend)
+    backend.runner = runner
+    states = runner.run()
+    assert states[0].latency == Latency() and states[1].latency == measured
+    records = tr.read_trace(tmp_path / "t.trace").records
+    assert records[0].ttft_s is None and records[1].ttft_s == 0.5
+
+
 class ScriptedBackend:
     """Ends each run of a case with the next result of its script, as a backend would."""
 

@@ -262,3 +262,43 @@ def test_incomplete_with_repeats_asks_for_each_unfinished_repeat():
     assert tr.parse_trace(tr.format_run_header(tr.RunHeader("s", ((1, "s", "x"),)))).runs[0].repeats == 1
     bad = tr.format_run_header(h).replace("repeats: 3", "repeats: 0")
     assert tr.parse_trace(bad).runs == [] and "bad repeats line" in tr.parse_trace(bad).problems[0]
+
+
+def test_latency_and_concurrency_round_trip_exactly():
+    r = rec(ttft_s=0.213457, itl_s=0.012, itl_max_s=0.5, itl_per="chunk", e2e_s=3.25, concurrency=8)
+    text = tr.format_record(r)
+    assert "ttft_s: 0.213457\n" in text and "itl_per: chunk\n" in text and "concurrency: 8\n" in text
+    back = tr.parse_trace(text).records[0]
+    assert back == r and tr.format_record(back) == text
+    assert back.latency().itl_s == 0.012
+
+
+def test_unmeasured_latency_is_written_empty_and_read_back_as_none():
+    text = tr.format_record(rec())
+    assert "ttft_s: \n" in text and "e2e_s: \n" in text
+    back = tr.parse_trace(text).records[0]
+    assert (back.ttft_s, back.itl_s, back.itl_max_s, back.e2e_s, back.itl_per, back.concurrency) == \
+        (None, None, None, None, "", 0)
+
+
+def test_a_trace_from_before_latency_reads_it_as_unknown():
+    new_keys = ("ttft_s", "itl_s", "itl_max_s", "itl_per", "e2e_s", "concurrency")
+    text = tr.format_record(rec(ttft_s=1.0, e2e_s=2.0, concurrency=4))
+    old = "".join(line for line in text.splitlines(keepends=True) if line.split(":")[0] not in new_keys)
+    assert "ttft_s" not in old
+    parsed = tr.parse_trace(old)
+    assert parsed.problems == []
+    back = parsed.records[0]
+    assert (back.ttft_s, back.e2e_s, back.concurrency) == (None, None, 0)
+    assert back == rec()
+
+
+def test_the_traces_shipped_with_the_repository_still_parse():
+    import pathlib
+
+    paths = sorted(pathlib.Path(__file__).resolve().parents[3].joinpath("traces").glob("*.trace"))
+    assert paths
+    for path in paths:
+        parsed = tr.read_trace(path)
+        assert parsed.problems == [] and parsed.records, path
+        assert all(r.ttft_s is None and r.concurrency == 0 for r in parsed.records)

@@ -214,3 +214,22 @@ def test_header_eta_follows_the_pace_of_finished_cases():
     assert "elapsed 1:15  eta 3:45  12.3 tok/s" in lines[1]
     done = render(_view(n=8, phase="stopping"), Nav(selected=2), 16, 120).text_lines()
     assert "eta" not in done[1]
+
+
+def test_the_done_screen_shows_latency_percentiles_of_the_graded_cases():
+    from ds4eval.run.latency import Latency
+
+    states = [CaseState(i, i + 1, _case(i), Status.PASSED, picked="4", gen_tokens=10, elapsed_s=2.0,
+                        latency=Latency(ttft_s=0.1 * (i + 1), itl_s=0.01, itl_max_s=0.02, e2e_s=1.0, itl_per="token"))
+              for i in range(4)]
+    ls = LiveStats(Clock())
+    ls.on_event(RunStarted(4, "openai", "m", 8192))
+    v = build_view(states, ls.freeze(), "sanity", "running")
+    assert v.phase == "done" and v.latency.ttft.p50 == pytest.approx(0.2)
+    header = render(v, Nav(), 16, 132).text_lines()[1]
+    assert "TTFT p50/p90 0.20/0.40 s" in header and "ITL p50/p90 10.0/10.0 ms" in header
+    states[3].status = Status.THINKING  # while running: no latency in the header
+    assert build_view(states, ls.freeze(), "sanity", "running").latency is None
+    for rows, cols in ((1, 40), (2, 60), (16, 80)):  # a narrow screen drops groups, never overflows
+        frame = render(v, Nav(), rows, cols)
+        assert all(c == 1 for r in _coverage(frame) for c in r)

@@ -383,3 +383,47 @@ def test_many_small_drops_over_repeats_are_a_significant_regression(tmp_path):
     assert r.exit_code == 1 and out["regression"] and out["repeats"]["drops"] == []
     assert out["repeats"]["sign_test"]["p_exact"] == pytest.approx(2 / 256)
     assert "significant regression: 8 case(s) passed less often" in out["verdict"]
+
+
+# ---------------------------------------------------------------- a serial run against one under load
+
+def _timed(i, concurrency, slower, **kw):
+    return rec(i, concurrency=concurrency, ttft_s=0.1 * i * slower, itl_s=0.01 * slower, itl_max_s=0.05 * slower,
+               itl_per="token", e2e_s=1.0 * i * slower, **kw)
+
+
+def test_a_concurrency_difference_is_a_note_and_the_time_table_shows_both_latencies(tmp_path):
+    from ds4eval.reports import comparison as report
+
+    base = [_timed(i, 1, 1) for i in range(1, 11)]
+    new = [_timed(i, 8, 4) for i in range(1, 10)] + [_timed(10, 8, 4, status="FAILED", picked="5")]
+    b, n = pair(tmp_path, base, new)
+    code, out = as_json(b, n)
+    assert code == 0 and out["total"]["cases"] == 10  # kept in the verdict: load is the change under test
+    assert out["differences"] == [{"field": "concurrency", "base": "1", "new": "8", "cases": 10}]
+    assert not any("concurrency" in w["message"] for w in out["warnings"])
+
+    c = cmp.compare(cmp.read_run(Path(b).read_text(), "BASE"), cmp.read_run(Path(n).read_text(), "NEW"))
+    table = report.time_table(c)
+    assert table.columns[-3:] == ("TTFT p50/p90 s", "ITL p50/p90 ms", "e2e p50/p90 s")
+    total = [cell.text for cell in table.rows[-1].cells]
+    assert total[0] == "TOTAL"
+    assert total[-3:] == ["0.500/0.900 → 2.000/3.600", "10.0/10.0 → 40.0/40.0", "5.000/9.000 → 20.000/36.000"]
+    text = invoke(b, n).output
+    assert "TTFT p50/p90 s" in text and "concurrency" in text.split("What differs between the runs", 1)[1]
+    from ds4eval.reports import formats
+
+    page = formats.render_comparison(c, "html")
+    assert "ITL p50/p90 ms" in page and "10.0/10.0 → 40.0/40.0" in page
+
+
+def test_the_time_table_has_no_latency_unless_both_sides_carry_it(tmp_path):
+    from ds4eval.reports import comparison as report
+
+    base = [rec(i) for i in range(1, 5)]
+    new = [_timed(i, 8, 1) for i in range(1, 5)]
+    c = cmp.compare(cmp.read_run("".join(map(tr.format_record, base)), "BASE"),
+                    cmp.read_run("".join(map(tr.format_record, new)), "NEW"))
+    assert report.time_table(c).columns == ("source", "generated tokens", "generation s", "tokens/s",
+                                            "prompt tokens")
+    assert c.differences == []  # an unknown concurrency (an older trace) is no difference
