@@ -326,6 +326,114 @@ class DataPullConfig(CommandConfig):
     """--data-dir: where the case files are written."""
 
 
+DETERMINISM_CONDITIONS = ("alone", "mixed", "prefix", "shape")
+DETERMINISM_FORMATS = ("text", "markdown", "json")
+
+
+@dataclass(frozen=True)
+class DeterminismConfig(CommandConfig):
+    """`ds4-eval determinism`: does the stack give the same completion under every condition
+    (ds4eval.determinism)?"""
+
+    # --- the stack
+    backend: str = "engine"
+    """--backend: engine (in-process, the engine's batch scheduler) or openai (any endpoint)."""
+    model: str | None = None
+    """-m/--model: GGUF file for the engine backend (default: the embedded model)."""
+    ctx: int | None = None
+    """--ctx: the engine's context size."""
+    device: str = "cpu"
+    """--device for the engine backend."""
+    threads: int | None = None
+    """--threads: the engine's CPU threads."""
+    kv_type: str | None = None
+    """--kv-type: the engine's KV cache type."""
+    slots: int | None = None
+    """--slots: the engine's batched sessions (default: the largest --concurrency + 1)."""
+    url: str | None = None
+    """--url: the endpoint's base URL (openai backend)."""
+    api_key: str | None = None
+    """--api-key (also $DS4EVAL_API_KEY)."""
+    served_model: str | None = None
+    """--served-model: the model name sent (default: the first of /v1/models)."""
+    request_timeout_s: float = 600.0
+    """--request-timeout: seconds a request may take."""
+
+    # --- the prompts
+    suite: str | None = None
+    """--suite: measure this suite's cases as `run` sends them (default: the project's own prompts)."""
+    data_dir: str | None = None
+    """--data-dir: where the suite's case files live."""
+    prompts: int = 20
+    """--prompts N: how many prompts (the first N)."""
+
+    # --- the conditions
+    conditions: tuple[str, ...] = DETERMINISM_CONDITIONS
+    """--condition: the kinds to measure (repeatable; alone always runs, the others compare with it)."""
+    repeats: int = 5
+    """--repeats R: runs of each prompt alone."""
+    concurrency: tuple[int, ...] = (1, 4, 8)
+    """--concurrency C: other requests in flight in the mixed condition (repeatable)."""
+    mixed_rounds: int = 2
+    """--mixed-rounds: rounds of the mixed condition at each C, each with new companions."""
+    max_tokens: int = 64
+    """--max-tokens: tokens per completion."""
+    temperature: float = 0.0
+    """--temp: 0 is greedy; above 0 every request carries --seed."""
+    seed: int = 0
+    """--seed: the seed every request carries."""
+    margin: float = 0.05
+    """--margin NATS: a divergence whose top-2 gap is at most this is a near-tie."""
+
+    # --- the verdict and its outputs
+    expect: str | None = None
+    """--expect invariant: exit 1 unless every condition is invariant."""
+    format: str = "text"
+    """--format: text, markdown or json on stdout."""
+    output: str | None = None
+    """-o/--output FILE: also write the JSON result there (what `compare --noise` reads)."""
+    report: str | None = None
+    """--report FILE: also write the report: HTML, or markdown when FILE ends in .md."""
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
+        if self.backend == "openai" and not self.url:
+            raise ConfigError("--backend openai needs --url")
+        if self.backend == "engine" and self.url:
+            raise ConfigError("--url is for --backend openai")
+        check_url(self.url)
+        if self.kv_type is not None and self.kv_type not in KV_TYPES:
+            raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
+        for flag, value, low in (("--prompts", self.prompts, 1), ("--repeats", self.repeats, 1),
+                                 ("--mixed-rounds", self.mixed_rounds, 1), ("--max-tokens", self.max_tokens, 2)):
+            if value < low:
+                raise ConfigError(f"{flag} must be at least {low}")
+        if self.slots is not None and self.slots < 1:
+            raise ConfigError("--slots must be at least 1")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise ConfigError("--concurrency must be at least 1")
+        unknown = set(self.conditions) - set(DETERMINISM_CONDITIONS)
+        if unknown or not self.conditions:
+            raise ConfigError(f"--condition takes {', '.join(DETERMINISM_CONDITIONS)}")
+        if self.temperature < 0:
+            raise ConfigError("--temp must be at least 0")
+        if self.margin < 0:
+            raise ConfigError("--margin must be at least 0")
+        if self.expect not in (None, "invariant"):
+            raise ConfigError("--expect takes invariant")
+        if self.format not in DETERMINISM_FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(DETERMINISM_FORMATS)}")
+        if self.output is not None and not self.output:
+            raise ConfigError("--output needs a file name")
+        check_report_file(self.report)
+
+    @property
+    def engine_slots(self) -> int:
+        """The engine's sessions: enough for the widest mixed group and a request beside it."""
+        return self.slots or max(self.concurrency) + 1
+
+
 def check_url(url: str | None) -> None:
     """ConfigError unless `url` is None or an http(s) URL with a host."""
     if url is not None and not _looks_like_http_url(url):
