@@ -291,6 +291,9 @@ class CompareConfig(CommandConfig):
     the cases they touch stay in the verdict (by default they are excluded with a warning)."""
     report: str | None = None
     """--report FILE: also write the comparison there (HTML, or markdown when FILE ends in .md)."""
+    noise: str | None = None
+    """--noise FILE: a determinism result of the stack (`ds4-eval determinism -o`); the report says
+    how many of the flips the stack's own variation explains."""
 
     def validate(self) -> None:
         check_alpha(self.alpha)
@@ -299,6 +302,8 @@ class CompareConfig(CommandConfig):
         if set(self.allow_diff) - set(ALLOWED_DIFFS):
             raise ConfigError(f"--allow-diff takes {', '.join(ALLOWED_DIFFS)}")
         check_report_file(self.report)
+        if self.noise is not None and not self.noise:
+            raise ConfigError("--noise needs a file name")
 
 
 @dataclass(frozen=True)

@@ -65,10 +65,23 @@ def compare(cfg: CompareConfig) -> int:
         except cmp.CompareInputError as e:
             raise UsageFailure(str(e)) from None
         written = (modified(cfg.base), modified(cfg.new))
-        click.echo(reports.render_comparison(result, cfg.format, written), nl=False)
+        noise = read_noise(cfg.noise, result) if cfg.noise else None
+        click.echo(reports.render_comparison(result, cfg.format, written, noise), nl=False)
         if cfg.report:
-            write_report(cfg.report, reports.render_comparison(result, reports.report_format(cfg.report), written))
+            write_report(cfg.report, reports.render_comparison(result, reports.report_format(cfg.report), written,
+                                                               noise))
     return result.exit_status
+
+
+def read_noise(path: str, result):
+    """The determinism result at `path` with its explanation of the comparison's flips."""
+    from ds4eval.determinism import analysis
+
+    try:
+        noise = analysis.read_result(read_text(path), path)
+    except analysis.DeterminismInputError as e:
+        raise UsageFailure(str(e)) from None
+    return analysis.explain_flips(noise, [f.name for f in result.flips], result.judged()), noise
 
 
 def _trace_argument():
@@ -86,5 +99,8 @@ COMPARE = Command("compare", "Compare two traces (or summaries) case by case.", 
                   (click.argument("base", metavar="BASE", type=click.Path(dir_okay=False)),
                    click.argument("new", metavar="NEW", type=click.Path(dir_okay=False)),
                    *flags.COMPARE,
+                   click.option("--noise", type=click.Path(dir_okay=False), metavar="FILE",
+                                help="A `ds4-eval determinism -o` result of the stack: say how many flips "
+                                     "its own variation explains."),
                    flags.report("Also write the comparison here: HTML, or markdown if FILE ends in .md.")),
                   details="Exit status 0 when NEW holds up, 1 for a regression, 2 for input it cannot compare.")

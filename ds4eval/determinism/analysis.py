@@ -301,7 +301,7 @@ def explain_flips(noise: Result, flipped: Sequence[str], compared: Sequence[str]
                                 len(measured_flips), share)
     expected = share * len(compared)
     upper = binomial_upper(len(compared), share)
-    return NoiseExplanation(len(flipped), len(compared), "by rate", min(len(flipped), round(expected)),
+    return NoiseExplanation(len(flipped), len(compared), "by rate", min(len(flipped), math.floor(expected + 0.5)),
                             min(len(flipped), upper), 0, share)
 
 

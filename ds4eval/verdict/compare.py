@@ -498,6 +498,11 @@ class Comparison:
     verdict: str
     repeats: RepeatComparison | None = None  # set when either run has --repeats K > 1
 
+    def judged(self) -> list[str]:
+        """The names ("source/id") of the cases the verdict counts: matched and not excluded."""
+        ok = self.cases[self.cases["excluded"] == ""]
+        return [f"{s}/{i}" for s, i in zip(ok["source"], ok["id"])]
+
 
 def _names(keys: Iterable[tuple[str, str]]) -> tuple[str, ...]:
     return tuple(f"{s}/{i}" for s, i in keys)
