@@ -18,10 +18,9 @@ from engine.device_sampling import StepLogits
 
 pytestmark = pytest.mark.model
 
-PROMPTS = 4
-MAX_TOKENS = 16
-RUN = ("--prompts", PROMPTS, "--repeats", 2, "--concurrency", 1, "--concurrency", 3, "--mixed-rounds", 1,
-       "--max-tokens", MAX_TOKENS)
+PROMPTS = 3
+MAX_TOKENS = 10
+RUN = ("--prompts", PROMPTS, "--repeats", 2, "--concurrency", 2, "--mixed-rounds", 1, "--max-tokens", MAX_TOKENS)
 
 
 def swap_top2(rows: torch.Tensor) -> torch.Tensor:
@@ -107,18 +106,18 @@ def test_the_run_is_not_invariant_and_the_cli_says_so(run):
 def test_batched_conditions_vary_and_one_row_conditions_do_not(run, served):
     _, result = run
     verdicts = {v.condition: v.verdict for v in result.verdicts}
-    assert set(verdicts) == {"alone", "mixed C=1", "mixed C=3", "prefix", "stream", "n=2", "max_tokens"}
+    assert set(verdicts) == {"alone", "mixed C=2", "prefix", "stream", "n=2", "max_tokens"}
     for one_row in ("alone", "prefix", "stream", "max_tokens"):
         assert verdicts[one_row] == "invariant", one_row
-    # Four requests started together always share decoding steps; n=2's two choices are two rows.
-    assert verdicts["mixed C=3"] == "varies" and verdicts["n=2"] == "varies"
+    # Three requests started together share decoding steps; n=2's two choices are two rows.
+    assert verdicts["mixed C=2"] == "varies" and verdicts["n=2"] == "varies"
     assert served[1].batched_steps > 0
 
 
 def test_each_divergence_is_the_reference_runner_up_with_its_gap_classed_real(run, reference):
     _, result = run
     divergences = [o for o in result.outcomes if o.divergence is not None]
-    assert {o.condition for o in divergences} >= {"mixed C=3", "n=2"}
+    assert {o.condition for o in divergences} == {"mixed C=2", "n=2"}
     for o in divergences:
         d = o.divergence
         (first, lp1), (second, lp2) = reference[o.prompt][d.index]

@@ -9,8 +9,7 @@ from ds4eval.determinism.analysis import read_result
 
 pytestmark = pytest.mark.model
 
-SMALL_RUN = ("--prompts", 3, "--repeats", 2, "--concurrency", 1, "--concurrency", 3, "--mixed-rounds", 1,
-             "--max-tokens", 12)
+SMALL_RUN = ("--prompts", 2, "--repeats", 2, "--concurrency", 2, "--mixed-rounds", 1, "--max-tokens", 8)
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +25,18 @@ def test_ds4_server_is_invariant_under_every_condition(server_url, tmp_path):
     r = ds4_eval("determinism", "--backend", "openai", "--url", server_url, *SMALL_RUN, "--expect", "invariant",
                  "-o", out, "--report", page)
     assert r.exit_code == 0, r.output
-    assert "INVARIANT: one completion per prompt under every condition (7 conditions)" in r.stdout
+    assert "INVARIANT: one completion per prompt under every condition (6 conditions)" in r.stdout
     result = read_result(out.read_text(encoding="utf-8"))
     assert result.invariant
     assert [(v.condition, v.verdict, v.prompts) for v in result.verdicts] == [
-        ("alone", "invariant", 3), ("mixed C=1", "invariant", 3), ("mixed C=3", "invariant", 3),
-        ("prefix", "invariant", 3), ("stream", "invariant", 3), ("n=2", "invariant", 3),
-        ("max_tokens", "invariant", 3)]
+        ("alone", "invariant", 2), ("mixed C=2", "invariant", 2), ("prefix", "invariant", 2),
+        ("stream", "invariant", 2), ("n=2", "invariant", 2), ("max_tokens", "invariant", 2)]
     # Log-probabilities came back: completions were compared token by token.
     assert {o.unit for o in result.outcomes} == {"token"} and result.notes == ()
     assert result.stack["backend"] == "openai" and result.stack["url"] == server_url
     assert result.stack["served_model"]  # named by GET /v1/models
     html = page.read_text(encoding="utf-8")
-    assert html.startswith("<!DOCTYPE html>") and "INVARIANT" in html and "mixed C=3" in html
+    assert html.startswith("<!DOCTYPE html>") and "INVARIANT" in html and "mixed C=2" in html
 
 
 def test_output_into_a_missing_directory_is_one_line_and_writes_nothing(server_url, tmp_path):
