@@ -31,11 +31,12 @@ def steady() -> Result:
 
 def unsteady(failures: int = 1) -> Result:
     ref = comp("alone 0", "A", " <b>", " c|d", gaps=(2.0, 0.01234, 0.9))
+    failed = tuple(comp(f"prefix warm {i}", error=f"HTTP 500: boom {i}") for i in range(failures))
     return result([
         Group("p01", "alone", (ref, comp("alone 1", "A", " <b>", " c|d"))),
         Group("p01", "mixed C=3", (ref, comp("mixed C=3 round 0", "A", " <i>", " c|d"))),
         Group("p02", "mixed C=3", (ref, comp("mixed C=3 round 0", "A", " <b>", " e|f"))),
-        Group("p01", "prefix", (ref, *(comp(f"prefix warm {i}", error=f"HTTP 500: boom {i}") for i in range(failures)))),
+        Group("p01", "prefix", (ref, *failed)),
         Group("p02", "stream", (ref, Completion("stream", "A <b> c|d!", None))),
     ], notes=("stream: one note", "n=2: another"))
 
