@@ -51,5 +51,5 @@ def serving(model: Any, **config: Any) -> Iterator[str]:
 
 
 def ds4_eval(*args: object) -> Result:
-    """`ds4-eval ARGS` in-process, with an empty environment (no API key or data dir leaks in)."""
+    """`ds4-eval ARGS` in-process, without $DS4EVAL_API_KEY (a key set for other work stays out)."""
     return CliRunner().invoke(cli.main, [str(a) for a in args], env={"DS4EVAL_API_KEY": None})
