@@ -149,8 +149,10 @@ def analyze(group: Group, margin: float = DEFAULT_MARGIN) -> Outcome:
         parts = [(first_difference(seqs[0], s), k) for k, s in enumerate(seqs[1:], 1)]
         index, k = min((i, k) for i, k in parts if i is not None)
         other = done[k]
-        gap = ref.gaps[index] if by_token and index < len(ref.gaps) else None
-        if gap is None and by_token and index < len(other.gaps):
+        gap = None
+        if by_token and index < len(ref.gaps):
+            gap = ref.gaps[index]  # None where the stack gave fewer than two alternatives: unknown
+        elif by_token and index < len(other.gaps):
             gap = other.gaps[index]  # the reference ended there; the other side's own gap is the one
         divergence = Divergence(index, _at(seqs[0], index), _at(seqs[k], index), other.label, gap,
                                 classify(gap, margin) if by_token else "unknown")
@@ -255,7 +257,7 @@ def read_result(text: str, label: str = "determinism result") -> Result:
                          for c in data["conditions"])
         return Result(dict(data["stack"]), dict(data["settings"]), outcomes, tuple(data.get("notes", ())),
                       float(data.get("elapsed_s", 0.0)), verdicts)
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # AttributeError: a list item not an object
         raise DeterminismInputError(f"{label}: malformed determinism result ({type(e).__name__}: {e})") from None
 
 
