@@ -387,7 +387,7 @@ class DeterminismConfig(CommandConfig):
     """--temp: 0 is greedy; above 0 every request carries --seed."""
     seed: int = 0
     """--seed: the seed every request carries."""
-    margin: float = 0.05
+    margin: float = 0.25
     """--margin NATS: a divergence whose top-2 gap is at most this is a near-tie."""
 
     # --- the verdict and its outputs

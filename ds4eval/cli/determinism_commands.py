@@ -19,7 +19,7 @@ from ds4eval.cases import case as cs
 from ds4eval.cases.suites import DataMissing, load_suite
 from ds4eval.cli import flags
 from ds4eval.cli.command import Command
-from ds4eval.cli.inputs import UsageFailure, write_report
+from ds4eval.cli.inputs import UsageFailure, check_destination, write_report
 from ds4eval.config import DETERMINISM_CONDITIONS, DETERMINISM_FORMATS, KV_TYPES, DeterminismConfig
 from ds4eval.determinism import prompts as own
 from ds4eval.determinism.analysis import Prompt, Result
@@ -80,6 +80,9 @@ def determinism(cfg: DeterminismConfig) -> int:
     from ds4eval.reports.formats import report_format
 
     selected = select_prompts(cfg)
+    # A measurement takes minutes: a destination that cannot be written is found before it.
+    check_destination(cfg.output, "result")
+    check_destination(cfg.report, "report")
     plan = Plan(repeats=cfg.repeats, concurrency=tuple(cfg.concurrency), mixed_rounds=cfg.mixed_rounds,
                 max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed, salt=secrets.token_hex(4))
     target, notes = open_target(cfg)
@@ -123,7 +126,7 @@ DETERMINISM = Command(
      click.option("--max-tokens", type=int, default=64, show_default=True, help="Tokens per completion."),
      click.option("--temp", "temperature", type=float, default=0.0, show_default=True),
      click.option("--seed", type=int, default=0, show_default=True, help="The seed every request carries."),
-     click.option("--margin", type=float, default=0.05, show_default=True, metavar="NATS",
+     click.option("--margin", type=float, default=0.25, show_default=True, metavar="NATS",
                   help="A divergence whose top-2 gap is at most this is a near-tie."),
      click.option("--expect", type=click.Choice(("invariant",)), help="Exit 1 unless every condition is invariant."),
      click.option("--format", "format", type=click.Choice(DETERMINISM_FORMATS), default="text", show_default=True),

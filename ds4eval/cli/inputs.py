@@ -67,3 +67,17 @@ def write_report(path: str, text: str) -> None:
         write_text_atomic(path, text)
     except OSError as e:
         raise UsageFailure(f"cannot write the report {path}: {e.strerror or e}") from None
+
+
+def check_destination(path: str | None, what: str) -> None:
+    """UsageFailure now, before any work, when `path` could not be written later: its folder is
+    missing or not writable, or it names a folder."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageFailure(f"cannot write the {what} {path}: it is a directory")
+    if not os.path.isdir(folder):
+        raise UsageFailure(f"cannot write the {what} {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise UsageFailure(f"cannot write the {what} {path}: {folder} is not writable")

@@ -39,12 +39,13 @@ def test_ds4_server_is_invariant_under_every_condition(server_url, tmp_path):
     assert html.startswith("<!DOCTYPE html>") and "INVARIANT" in html and "mixed C=2" in html
 
 
-def test_output_into_a_missing_directory_is_one_line_and_writes_nothing(server_url, tmp_path):
+def test_output_into_a_missing_directory_is_refused_before_any_request(server_url, tmp_path):
     missing = tmp_path / "no such dir" / "det.json"
     page = tmp_path / "det.html"
     r = ds4_eval("determinism", "--backend", "openai", "--url", server_url, "--prompts", 1, "--repeats", 1,
                  "--condition", "alone", "--max-tokens", 2, "-o", missing, "--report", page)
     assert r.exit_code == 2, r.output
-    assert r.stderr.splitlines()[-1].startswith(f"ds4-eval: error: cannot write {missing}: ")
-    assert "Traceback" not in r.output
+    assert r.stderr.splitlines() == [f"ds4-eval: error: cannot write the result {missing}: "
+                                     f"no directory {missing.parent}"]
+    assert "Traceback" not in r.output and r.stdout == ""  # refused before it measured anything
     assert list(tmp_path.iterdir()) == []  # no directory made, no temporary file left, no report
