@@ -20,6 +20,7 @@ BACKENDS = ("engine", "openai")
 KV_TYPES = ("f32", "f16", "bf16")
 COMPARE_FORMATS = ("text", "markdown", "json", "html")
 PLAN_FORMATS = ("text", "json")
+GATE_ALLOWED_DIFFS = ("model", "kv_type")  # ds4eval.verdict.references.ALLOWED_DIFFS
 ALLOWED_DIFFS = ("model", "prompt", "sampling")
 DEFAULT_TOKENS = 16000
 # Pinned upstream revision that `ds4-eval data pull` fetches (see ds4eval/cases/datapull.py).
@@ -394,10 +395,15 @@ class GateConfig(CommandConfig):
     model: str | None = None
     """--model GGUF: the run's model file, to read its quantization (default: the embedded
     model when its SHA-256 is the run's)."""
+    allow_diff: tuple[str, ...] = ()
+    """--allow-diff model|kv_type: judge the run against the reference of another model file
+    (name, SHA-256, quantization) or KV cache type: the difference is the change under test."""
     format: str = "text"
     """--format: text or json."""
 
     def validate(self) -> None:
+        if set(self.allow_diff) - set(GATE_ALLOWED_DIFFS):
+            raise ConfigError(f"--allow-diff takes {', '.join(GATE_ALLOWED_DIFFS)}")
         if not self.references:
             raise ConfigError("--references needs a file name")
         check_alpha(self.alpha)

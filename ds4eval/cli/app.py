@@ -25,12 +25,13 @@ from ds4eval.run.stopsignals import EXIT_INTERRUPTED
 EXIT_USAGE = 2
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    run_commands.RUN, run_commands.RETRY, trace_commands.COMPARE, verdict_commands.PLAN, trace_commands.REGRADE,
-    trace_commands.REPORT,
+    run_commands.RUN, run_commands.RETRY, trace_commands.COMPARE, verdict_commands.PLAN,
+    verdict_commands.REFERENCE_RECORD, verdict_commands.GATE, trace_commands.REGRADE, trace_commands.REPORT,
     case_commands.GRADE, case_commands.LIST, case_commands.VALIDATE, case_commands.SELFTEST, run_commands.PROBE,
     case_commands.DATA_PULL)}
 """Every subcommand by name, in the order `ds4-eval --help` lists them."""
-GROUPS = {"data": "Case data: `ds4-eval data pull` fetches the upstream case tables."}
+GROUPS = {"data": "Case data: `ds4-eval data pull` fetches the upstream case tables.",
+          "reference": "References: `ds4-eval reference record` keeps runs' pass counts."}
 """The one-line help of each group of verbs (the first word of a two-word command name)."""
 
 

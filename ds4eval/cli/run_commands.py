@@ -190,7 +190,7 @@ def probe(cfg: ProbeConfig) -> int:
 RUN_DETAILS = ("Exit status 0 when every selected case was graded, 3 when any was not (--allow-errors: 0), "
                "1 when the run failed, 130 when a signal stopped it.")
 
-RUN = Command("run", "Run a suite (the default: the sanity suite on the embedded model).", EvalConfig, run,
+RUN = Command("run", "Run a suite (by default the sanity suite on the embedded model).", EvalConfig, run,
               flags.RUN, details=RUN_DETAILS)
 RETRY = Command("retry", "Run again the cases of a trace that did not end PASSED or FAILED.", RetryConfig,
                 retry, (click.argument("trace_file", metavar="TRACE", type=click.Path(dir_okay=False)),
