@@ -14,6 +14,7 @@ File format (JSON, UTF-8; `to_json` writes it, `from_json` reads and checks it):
         "seeds": [S, S+1, ...],           # the sampler seed of each run (null when none was set)
         "run_passed": [31, 29, ...],      # each run's passes: the overall spread
         "run_graded": [41, 41, ...],      # each run's graded cases
+        "run_passed_by_source": {"sanity": [31, 29, ...]},   # each run's passes per source
         "recorded": {"ds4eval_version": "...", "git_commit": "...", "device": "..."},  # read only
         "cases": [{"source": "sanity", "id": "int-add-small", "case_hash": "sha256:...",
                    "passed": 7, "graded": 12}, ...]}]}   # per case: the spread over the N runs
@@ -119,6 +120,7 @@ class Reference:
     run_graded: tuple[int, ...]
     recorded: dict
     cases: tuple[ReferenceCase, ...]
+    run_passed_by_source: dict[str, tuple[int, ...]]
 
     @property
     def pass_rate(self) -> float:
@@ -155,6 +157,7 @@ def record(traces: Iterable[tuple[str, Sequence[TraceRecord]]], quant: str = "")
         raise ReferenceError("no runs to record")
     key, cases, first = None, None, ""
     seeds, run_passed, run_graded = [], [], []
+    by_source: dict[str, list[int]] = {}
     passed: dict[tuple[str, str], int] = {}
     graded: dict[tuple[str, str], int] = {}
     hashes: dict[tuple[str, str], str] = {}
@@ -177,6 +180,10 @@ def record(traces: Iterable[tuple[str, Sequence[TraceRecord]]], quant: str = "")
                                      f"reference needs every run on the same cases")
             seeds.append(next(iter(by_case.values())).seed)
             run_passed.append(sum(r.status == "PASSED" for r in by_case.values()))
+            for (source, _), r in by_case.items():
+                by_source.setdefault(source, [0] * (len(run_passed) - 1))
+            for source, tally in by_source.items():
+                tally.append(sum(r.status == "PASSED" for (s, _), r in by_case.items() if s == source))
             run_graded.append(sum(r.status in GRADED for r in by_case.values()))
             for c, r in by_case.items():
                 passed[c] = passed.get(c, 0) + (r.status == "PASSED")
@@ -184,7 +191,8 @@ def record(traces: Iterable[tuple[str, Sequence[TraceRecord]]], quant: str = "")
     last = traces[-1][1][-1]
     recorded = {"ds4eval_version": last.ds4eval_version, "git_commit": last.git_commit, "device": last.device}
     return Reference(key, len(run_passed), tuple(seeds), tuple(run_passed), tuple(run_graded), recorded,
-                     tuple(ReferenceCase(s, i, hashes[(s, i)], passed[(s, i)], graded[(s, i)]) for s, i in cases))
+                     tuple(ReferenceCase(s, i, hashes[(s, i)], passed[(s, i)], graded[(s, i)]) for s, i in cases),
+                     {src: tuple(v) for src, v in by_source.items()})
 
 
 def find(references: Sequence[Reference], key: ReferenceKey, allow: Iterable[str] = ()) -> Reference:
@@ -218,7 +226,9 @@ def upsert(references: Sequence[Reference], ref: Reference) -> list[Reference]:
 def to_json(references: Sequence[Reference]) -> dict:
     return {"format": FORMAT, "version": VERSION, "references": [
         {"key": asdict(r.key), "runs": r.runs, "seeds": list(r.seeds), "run_passed": list(r.run_passed),
-         "run_graded": list(r.run_graded), "recorded": dict(r.recorded),
+         "run_graded": list(r.run_graded),
+         "run_passed_by_source": {src: list(v) for src, v in r.run_passed_by_source.items()},
+         "recorded": dict(r.recorded),
          "cases": [asdict(c) for c in r.cases]} for r in references]}
 
 
@@ -256,10 +266,13 @@ def from_json(obj: object, label: str = "the reference file") -> list[Reference]
             runs = int(r["runs"])
             ref = Reference(_key_from(r["key"]), runs, tuple(r["seeds"]), tuple(int(x) for x in r["run_passed"]),
                             tuple(int(x) for x in r["run_graded"]), dict(r.get("recorded") or {}),
-                            tuple(_case_from(c) for c in r["cases"]))
+                            tuple(_case_from(c) for c in r["cases"]),
+                            {str(src): tuple(int(x) for x in v) for src, v in r["run_passed_by_source"].items()})
         except (KeyError, TypeError, ValueError) as e:
             raise ReferenceError(f"{label}: reference {i} is malformed ({type(e).__name__}: {e})") from None
-        if not ref.cases or len(ref.run_passed) != runs or any(c.graded > runs for c in ref.cases):
+        if not ref.cases or len(ref.run_passed) != runs or any(c.graded > runs for c in ref.cases) \
+                or any(len(v) != runs for v in ref.run_passed_by_source.values()) \
+                or set(ref.run_passed_by_source) != {c.source for c in ref.cases}:
             raise ReferenceError(f"{label}: reference {i} is inconsistent (its cases, runs and counts disagree)")
         out.append(ref)
     return out
