@@ -708,7 +708,7 @@ def _base_population(cmp: Comparison) -> pw.Population | None:
         return None
     if rate >= 1.0:
         return pw.Population.of([1.0])
-    return pw.population_from_rates(rate, min(t.test.discordant / t.cases, rate, 1.0 - rate))
+    return pw.population_from_rates(rate, min(t.test.discordant / t.cases, pw.max_discordance(rate)))
 
 
 def _source_tests(cmp: Comparison) -> tuple[SourceTest, ...]:

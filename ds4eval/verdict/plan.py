@@ -113,7 +113,7 @@ def make_plan(baseline: Baseline, *, alpha: float = 0.05, power: float = 0.8, dr
 # ---------------------------------------------------------------- rendering
 
 def _points(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f} points"
+    return "none (not even losing every pass)" if x is None else f"{100 * x:.1f} points"
 
 
 def render_text(plan: Plan) -> str:

@@ -27,7 +27,8 @@ Contract
 - `detectable_drop(...)`: the smallest drop detected with the target power at n cases
   (bisection, to DROP_TOLERANCE); None when even a drop to zero passes is not.
 - `population_from_rates(P, D)`: the simplest suite with pass rate P and discordance D: a share
-  2D of cases flaky at 50%, the rest always passing or never (needs D <= min(P, 1 - P)).
+  f = D / (2 P (1 - P)) of cases flaky at P itself, the rest always passing or never in the
+  proportion P : 1 - P (any D up to its maximum 2 P (1 - P), where every case is flaky).
   `population_from_counts` takes per-case (passed, graded) counts of repeats.
 - `unpaired_cases` / `unpaired_detectable_drop` / `unpaired_power`: the two-sample z-test sizing of TensorRT-LLM's
   accuracy suite, n = 2 sigma^2 (z_(1-a) + z_(power))^2 / drop^2 per side with sigma^2 = P (1 - P),
@@ -210,15 +211,21 @@ class Population:
         return float(np.dot(2 * r * (1 - r), self.weights))
 
 
+def max_discordance(pass_rate: float) -> float:
+    """The most two runs can disagree at this pass rate: every case flaky at the pass rate."""
+    return 2 * pass_rate * (1 - pass_rate)
+
+
 def population_from_rates(pass_rate: float, discordance: float) -> Population:
-    """A share 2D of cases flaky at 50%, P - D always passing, the rest never (see the module)."""
+    """A share D / (2 P (1 - P)) of cases flaky at P, the rest stable (see the module)."""
     if not 0.0 < pass_rate < 1.0:
         raise ValueError("the pass rate must be in (0, 1)")
-    if not 0.0 <= discordance <= min(pass_rate, 1.0 - pass_rate) + 1e-12:
+    top = max_discordance(pass_rate)
+    if not 0.0 <= discordance <= top + 1e-12:
         raise ValueError(f"a discordance of {discordance:g} is impossible at a pass rate of {pass_rate:g}: "
-                         f"it must be in [0, {min(pass_rate, 1 - pass_rate):g}]")
-    shares = (max(0.0, pass_rate - discordance), 2 * discordance, max(0.0, 1 - pass_rate - discordance))
-    return Population.of((1.0, 0.5, 0.0), shares)
+                         f"it must be in [0, {top:.4g}]")
+    flaky = 1.0 if discordance >= top - 1e-12 else discordance / top
+    return Population.of((1.0, pass_rate, 0.0), (pass_rate * (1 - flaky), flaky, (1 - pass_rate) * (1 - flaky)))
 
 
 def population_from_counts(counts: Sequence[tuple[int, int]]) -> Population:

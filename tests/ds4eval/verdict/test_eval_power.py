@@ -64,8 +64,10 @@ def test_populations():
     pop = pw.population_from_rates(0.4, 0.1)
     assert pop.pass_rate == pytest.approx(0.4) and pop.discordance == pytest.approx(0.1)
     assert pw.population_from_rates(0.3, 0.0).rates == (1.0, 0.0)
+    every = pw.population_from_rates(0.2, 0.32)  # the most discordance there is: every case flaky at 20%
+    assert every.rates == (0.2,) and every.discordance == pytest.approx(0.32)
     with pytest.raises(ValueError, match="impossible"):
-        pw.population_from_rates(0.2, 0.3)
+        pw.population_from_rates(0.2, 0.4)
     low = pw.regressed(pop, 0.05)
     assert low.pass_rate == pytest.approx(0.35) and low.weights == pop.weights
     counts = [(3, 4), (0, 4), (4, 4), (2, 4)]
