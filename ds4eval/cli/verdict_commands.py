@@ -34,13 +34,8 @@ def plan(cfg: PlanConfig) -> int:
             parsed = read_trace(cfg.trace_file)
             for p in parsed.problems:
                 click.echo(f"warning: {cfg.trace_file}: {p}", err=True)
-            baseline = pl.baseline_from_records(parsed.records, cfg.trace_file)
-            if cfg.pass_rate is not None or cfg.discordance is not None:
-                rate = cfg.pass_rate if cfg.pass_rate is not None else baseline.population.pass_rate
-                disc = cfg.discordance if cfg.discordance is not None else baseline.discordance
-                given = pl.Baseline.given(rate, disc)
-                baseline = pl.Baseline(baseline.label, given.population, disc, "given" if cfg.discordance is not None
-                                       else baseline.discordance_note, baseline.cases, baseline.repeats)
+            baseline = pl.baseline_from_records(parsed.records, cfg.trace_file).overridden(cfg.pass_rate,
+                                                                                        cfg.discordance)
         else:
             baseline = pl.Baseline.given(cfg.pass_rate, cfg.discordance)
         result = pl.make_plan(baseline, alpha=cfg.alpha, power=cfg.power, drop=cfg.drop / 100, cases=cfg.cases,

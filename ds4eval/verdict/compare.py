@@ -706,8 +706,6 @@ def _base_population(cmp: Comparison) -> pw.Population | None:
     rate = t.base_rate
     if rate <= 0.0:
         return None
-    if rate >= 1.0:
-        return pw.Population.of([1.0])
     return pw.population_from_rates(rate, min(t.test.discordant / t.cases, pw.max_discordance(rate)))
 
 

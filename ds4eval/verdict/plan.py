@@ -3,7 +3,8 @@
 Contract
 - `baseline_from_records(records, label) -> Baseline`: a trace's cases (the last record of
   each repeat counts, as in `repeats.group`) as per-case pass counts; `Baseline.given(P, D)`
-  stands for a suite known only by its pass rate P and discordance D (`power.population_from_rates`).
+  stands for a suite known only by its pass rate P and discordance D (`power.population_from_rates`),
+  and `Baseline.overridden(P, D)` puts either over a trace's.
   With repeats the discordance is the unbiased estimate from them (`power.estimated_discordance`);
   a trace without repeats cannot show its noise, and its discordance is taken as 0 (right for
   greedy decoding of one model file) unless one is given.
@@ -45,10 +46,15 @@ class Baseline:
         return cls("--pass-rate/--discordance", pw.population_from_rates(pass_rate, discordance), discordance,
                    "given", None, 1)
 
-    def with_discordance(self, discordance: float) -> "Baseline":
-        """The same pass rate with the discordance given on the command line."""
-        pop = pw.population_from_rates(self.population.pass_rate, discordance)
-        return Baseline(self.label, pop, discordance, "given", self.cases, self.repeats)
+    def overridden(self, pass_rate: float | None, discordance: float | None) -> "Baseline":
+        """This baseline with the pass rate and/or discordance given on the command line (the
+        population then becomes `power.population_from_rates`'s); unchanged when neither is."""
+        if pass_rate is None and discordance is None:
+            return self
+        rate = self.population.pass_rate if pass_rate is None else pass_rate
+        disc = self.discordance if discordance is None else discordance
+        note = self.discordance_note if discordance is None else "given"
+        return Baseline(self.label, pw.population_from_rates(rate, disc), disc, note, self.cases, self.repeats)
 
 
 def baseline_from_records(records: Iterable[TraceRecord], label: str) -> Baseline:

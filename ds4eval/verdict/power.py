@@ -218,12 +218,14 @@ def max_discordance(pass_rate: float) -> float:
 
 def population_from_rates(pass_rate: float, discordance: float) -> Population:
     """A share D / (2 P (1 - P)) of cases flaky at P, the rest stable (see the module)."""
-    if not 0.0 < pass_rate < 1.0:
-        raise ValueError("the pass rate must be in (0, 1)")
+    if not 0.0 <= pass_rate <= 1.0:
+        raise ValueError("the pass rate must be in [0, 1]")
     top = max_discordance(pass_rate)
     if not 0.0 <= discordance <= top + 1e-12:
         raise ValueError(f"a discordance of {discordance:g} is impossible at a pass rate of {pass_rate:g}: "
                          f"it must be in [0, {top:.4g}]")
+    if top == 0.0:  # every case passes, or none does: nothing can be flaky
+        return Population.of((1.0, 0.0), (pass_rate, 1.0 - pass_rate))
     flaky = 1.0 if discordance >= top - 1e-12 else discordance / top
     return Population.of((1.0, pass_rate, 0.0), (pass_rate * (1 - flaky), flaky, (1 - pass_rate) * (1 - flaky)))
 

@@ -29,6 +29,11 @@ def test_baseline_from_one_greedy_run_assumes_no_noise():
     base, _ = flip_pair(10)
     b = pl.baseline_from_records(base, "g.trace")
     assert b.discordance == 0.0 and b.repeats == 1 and "assumed 0" in b.discordance_note
+    assert b.overridden(None, None) is b
+    sampled = b.overridden(None, 0.0)
+    assert sampled.discordance_note == "given" and sampled.population.pass_rate == pytest.approx(1.0)
+    noisy = pl.baseline_from_records(flip_pair(10)[1], "n.trace").overridden(None, 0.1)
+    assert noisy.discordance == 0.1 and noisy.population.pass_rate == pytest.approx(0.8) and noisy.cases == 10
 
 
 def test_plan_shows_pairing_and_repeats_save_cases():
