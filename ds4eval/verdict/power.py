@@ -30,10 +30,12 @@ Contract
   f = D / (2 P (1 - P)) of cases flaky at P itself, the rest always passing or never in the
   proportion P : 1 - P (any D up to its maximum 2 P (1 - P), where every case is flaky).
   `population_from_counts` takes per-case (passed, graded) counts of repeats.
-- `unpaired_cases` / `unpaired_detectable_drop` / `unpaired_power`: the two-sample z-test sizing of TensorRT-LLM's
-  accuracy suite, n = 2 sigma^2 (z_(1-a) + z_(power))^2 / drop^2 per side with sigma^2 = P (1 - P),
-  here one-sided at alpha / 2 (the error rate the paired test allows in the drop direction), so
-  the two designs are sized for the same false alarms.
+- `unpaired_cases` / `unpaired_detectable_drop` / `unpaired_power`: the two-sample z-test
+  sizing of TensorRT-LLM's accuracy suite, n = 2 sigma^2 (z_(1-a) + z_(power))^2 / drop^2 per
+  side with sigma^2 = P (1 - P), here one-sided at alpha / 2 (the error rate the paired test
+  allows in the drop direction), so the two designs are sized for the same false alarms.
+- `binomial_cdf(k, n, p)`: P(Binomial(n, p) <= k), summed in log space over the terms that
+  matter; what the exact computations above are built on.
 It reads no files and prints nothing; `plan` and `compare` use it.
 """
 

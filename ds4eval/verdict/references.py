@@ -46,7 +46,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Iterable, Sequence
 
 from ds4eval.run.trace import TraceRecord
-from ds4eval.verdict import repeats as rp
 
 FORMAT = "ds4eval-references"
 VERSION = 1
