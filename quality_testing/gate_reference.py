@@ -20,7 +20,10 @@ and prints how many failed: the measured false-alarm rate of unchanged code. `--
 OUT` writes a copy of the model with one tensor scaled (DEGRADED_TENSOR times DEGRADED_SCALE,
 an F32 norm weight patched in place: the rest of the file is byte for byte the original), a
 deliberately damaged engine without a hook in the engine; `--model OUT` then judges it against
-the original's reference (the gate is told the model file is the change under test).
+the original's reference (the gate is told the model file is the change under test). Halving
+the final norm halves every logit: greedy decoding (an argmax) does not change, so the greedy
+gate cannot see it, while sampling at 0.7 behaves as at 1.4, the kind of temperature or scale
+bug only a sampled gate catches.
 It grades nothing itself.
 """
 from __future__ import annotations
@@ -48,8 +51,8 @@ ALPHA = 0.01  # the chance that unchanged code fails one gate run
 REFERENCE_SEED = 1000
 REFERENCE_RUNS = 24  # recorded as REFERENCE_TRACES traces of REFERENCE_RUNS / REFERENCE_TRACES repeats
 REFERENCE_TRACES = 2
-DEGRADED_TENSOR = "blk.10.ffn_norm.weight"
-DEGRADED_SCALE = 0.25
+DEGRADED_TENSOR = "output_norm.weight"
+DEGRADED_SCALE = 0.5
 
 
 class ReferenceGateError(RuntimeError):
