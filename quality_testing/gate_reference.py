@@ -49,8 +49,8 @@ REPEATS = 3  # repeats of a gate run: a drop of about 10 points of the sanity su
 SEED = 9000  # the gate's first seed; the reference's are REFERENCE_SEED onwards, far from it
 ALPHA = 0.01  # the chance that unchanged code fails one gate run
 REFERENCE_SEED = 1000
-REFERENCE_RUNS = 24  # recorded as REFERENCE_TRACES traces of REFERENCE_RUNS / REFERENCE_TRACES repeats
-REFERENCE_TRACES = 2
+REFERENCE_RUNS = 48  # recorded as REFERENCE_TRACES traces of REFERENCE_RUNS / REFERENCE_TRACES repeats
+REFERENCE_TRACES = 4
 DEGRADED_TENSOR = "output_norm.weight"
 DEGRADED_SCALE = 0.5
 
