@@ -15,8 +15,8 @@ The threshold
 - A source's passes T = sum of its cases' passes; its predicted distribution is the convolution
   of the cases' (`predicted_total`), which takes the cases as independent. They are not quite:
   every case of a run repeat is sampled from the same seed, and some seeds send many cases
-  astray at once (on the sanity suite two of the first 24 reference runs passed 1 and 2 cases,
-  against a mean of 7). The reference measures that: its `dispersion` phi is the variance of its run
+  astray at once (three of the 48 runs of the sanity reference passed 1, 1 and 2 cases, against
+  a mean of 7.4). The reference measures that: its `dispersion` phi is the variance of its run
   totals over the variance the per-case model gives them. The prediction is stretched about its
   mean by sqrt(max(1, phi)) (`stretched_cdf`), so the threshold is as wide as the measured
   spread of whole runs, never narrower than the per-case model's. A variance does not see the
