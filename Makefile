@@ -14,7 +14,7 @@ PRODUCT_FLOOR ?= 0.90
 # ...and spend at most this fraction of the engine's time per token on work of their own.
 PRODUCT_OWN_MAX ?= 0.05
 
-.PHONY: setup run test test-slow test-frontends test-unit test-quality gate-quality gate-speed gate ci-speed clean \
+.PHONY: setup run test test-slow test-frontends test-unit test-quality gate-quality gate-reference gate-speed gate ci-speed clean \
         setup-browser test-browser screenshot setup-lmeval setup-llamacpp bench
 
 $(STAMP): pyproject.toml
@@ -59,8 +59,13 @@ gate-speed: setup
 	$(PY) -m quality_testing.gate_speed --base "$(BASE)" --threshold $(SPEED_THRESHOLD) --product-floor $(PRODUCT_FLOOR) \
 		--product-own-max $(PRODUCT_OWN_MAX)
 
+# Sampled sanity runs of the embedded model against their recorded reference
+# (quality_testing/sanity_references.json): fails on a drop beyond the reference's measured noise.
+gate-reference: setup
+	$(PY) -m quality_testing.gate_reference
+
 # The release gate.
-gate: test-frontends test-unit test-quality gate-quality
+gate: test-frontends test-unit test-quality gate-quality gate-reference
 	@if [ -n "$(BASE)" ]; then $(MAKE) --no-print-directory gate-speed BASE="$(BASE)"; fi
 
 # CI's speed check: against the previous commit when there is one, failing only beyond 25%

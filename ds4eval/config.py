@@ -1,8 +1,8 @@
 """Settings of every `ds4-eval` command: one frozen dataclass per subcommand, one field per flag.
 
 `EvalConfig` holds the settings of a run: what the runner, the backends and the terminal UI read.
-The other commands (retry, compare, regrade, grade, report, probe, data pull, selftest, list,
-validate) each have their own small config; `RetryConfig` carries a run's settings inside it.
+The other commands (retry, compare, plan, reference record, gate, regrade, grade, report, probe,
+data pull, selftest, list, validate) each have their own small config; `RetryConfig` carries a run's settings inside it.
 
 Contract: every config is an immutable dataclass with defaults (positional inputs excepted) and
 `validate()`, which raises `ConfigError` with a one-line message for inconsistent settings; the
@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 BACKENDS = ("engine", "openai")
 KV_TYPES = ("f32", "f16", "bf16")
 COMPARE_FORMATS = ("text", "markdown", "json", "html")
+PLAN_FORMATS = ("text", "json")
+GATE_ALLOWED_DIFFS = ("model", "kv_type")  # ds4eval.verdict.references.ALLOWED_DIFFS
 ALLOWED_DIFFS = ("model", "prompt", "sampling")
 DEFAULT_TOKENS = 16000
 # Pinned upstream revision that `ds4-eval data pull` fetches (see ds4eval/cases/datapull.py).
@@ -291,6 +293,12 @@ class CompareConfig(CommandConfig):
     the cases they touch stay in the verdict (by default they are excluded with a warning)."""
     report: str | None = None
     """--report FILE: also write the comparison there (HTML, or markdown when FILE ends in .md)."""
+    power: float = 0.8
+    """--power: the power the stated detectable drop is for (the drop this comparison would
+    have found as a significant regression with this chance)."""
+    equivalence: float | None = None
+    """--equivalence POINTS: also test (TOST) that the pass rate moved by less than this many
+    points either way; the comparison then exits 1 unless equivalence is shown."""
     noise: str | None = None
     """--noise FILE: a determinism result of the stack (`ds4-eval determinism -o`); the report says
     how many of the flips the stack's own variation explains."""
@@ -304,6 +312,109 @@ class CompareConfig(CommandConfig):
         check_report_file(self.report)
         if self.noise is not None and not self.noise:
             raise ConfigError("--noise needs a file name")
+        check_power(self.power)
+        if self.equivalence is not None:
+            check_points("--equivalence", self.equivalence)
+
+
+@dataclass(frozen=True)
+class PlanConfig(CommandConfig):
+    """`ds4-eval plan [TRACE]` (ds4eval.verdict.plan): cases needed and detectable drops."""
+
+    trace_file: str | None = None
+    """TRACE: a baseline run (ideally with --repeats) to take the pass rate and discordance from."""
+    pass_rate: float | None = None
+    """--pass-rate P: BASE's pass rate as a share (0.34), instead of or over TRACE's."""
+    discordance: float | None = None
+    """--discordance D: the share of cases two runs of the same system disagree on (0 for
+    greedy decoding), instead of or over TRACE's estimate."""
+    alpha: float = 0.05
+    """--alpha: the comparison's significance level (two-sided exact test)."""
+    power: float = 0.8
+    """--power: the chance of detecting the drop that the case count is planned for."""
+    drop: float = 5.0
+    """--drop POINTS: the smallest drop of the pass rate that matters, in percentage points."""
+    cases: int | None = None
+    """--cases N: the suite size the detectable drop is computed for (default: TRACE's cases)."""
+    repeats: int | None = None
+    """--repeats K: also plan a comparison of K repeats a side (default: TRACE's repeats)."""
+    format: str = "text"
+    """--format: text or json."""
+
+    def validate(self) -> None:
+        if self.trace_file is None and self.pass_rate is None:
+            raise ConfigError("plan needs a baseline: a TRACE, or --pass-rate P with --discordance D")
+        if self.trace_file is None and self.discordance is None:
+            raise ConfigError("--pass-rate needs --discordance D (0 for greedy runs of one model file)")
+        if self.pass_rate is not None and not 0 < self.pass_rate < 1:
+            raise ConfigError("--pass-rate must be a share in (0, 1), e.g. 0.34")
+        if self.discordance is not None and not 0 <= self.discordance < 1:
+            raise ConfigError("--discordance must be a share in [0, 1), e.g. 0.2")
+        check_alpha(self.alpha)
+        check_power(self.power)
+        check_points("--drop", self.drop)
+        if self.cases is not None and self.cases < 1:
+            raise ConfigError("--cases must be at least 1")
+        if self.repeats is not None and self.repeats < 1:
+            raise ConfigError("--repeats must be at least 1")
+        if self.format not in PLAN_FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(PLAN_FORMATS)}")
+
+
+@dataclass(frozen=True)
+class ReferenceRecordConfig(CommandConfig):
+    """`ds4-eval reference record RUN.trace [...]` (ds4eval.verdict.references)."""
+
+    traces: tuple[str, ...]
+    """RUN.trace ...: the runs the reference is recorded from (each repeat of a trace is one run)."""
+    output: str | None = None
+    """-o FILE: write a new reference file holding this reference only."""
+    into: str | None = None
+    """--into FILE: add this reference to FILE, replacing one recorded under the same key."""
+    model: str | None = None
+    """--model GGUF: the model file the runs used, to record its quantization (default: the
+    embedded model when its SHA-256 is the runs')."""
+
+    def validate(self) -> None:
+        if not self.traces:
+            raise ConfigError("reference record needs at least one trace")
+        if (self.output is None) == (self.into is None):
+            raise ConfigError("give one of -o FILE (a new reference file) or --into FILE (add to one)")
+        for flag, value in (("-o", self.output), ("--into", self.into)):
+            if value is not None and not value:
+                raise ConfigError(f"{flag} needs a file name")
+
+
+@dataclass(frozen=True)
+class GateConfig(CommandConfig):
+    """`ds4-eval gate RUN.trace --references FILE` (ds4eval.verdict.gate)."""
+
+    trace_file: str
+    """RUN.trace: the run under test."""
+    references: str
+    """--references FILE: the reference file to find the run's reference in."""
+    alpha: float = 0.01
+    """--alpha: the chance that an unchanged system fails the gate (family-wise, over sources)."""
+    power: float = 0.8
+    """--power: the power the stated detectable drop is for."""
+    model: str | None = None
+    """--model GGUF: the run's model file, to read its quantization (default: the embedded
+    model when its SHA-256 is the run's)."""
+    allow_diff: tuple[str, ...] = ()
+    """--allow-diff model|kv_type: judge the run against the reference of another model file
+    (name, SHA-256, quantization) or KV cache type: the difference is the change under test."""
+    format: str = "text"
+    """--format: text or json."""
+
+    def validate(self) -> None:
+        if set(self.allow_diff) - set(GATE_ALLOWED_DIFFS):
+            raise ConfigError(f"--allow-diff takes {', '.join(GATE_ALLOWED_DIFFS)}")
+        if not self.references:
+            raise ConfigError("--references needs a file name")
+        check_alpha(self.alpha)
+        check_power(self.power)
+        if self.format not in PLAN_FORMATS:
+            raise ConfigError(f"--format must be one of {', '.join(PLAN_FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -450,6 +561,18 @@ def check_alpha(alpha: float) -> None:
     """ConfigError unless `alpha` is a significance level strictly between 0 and 1."""
     if not 0 < alpha < 1:
         raise ConfigError("--alpha must be in (0, 1)")
+
+
+def check_power(power: float) -> None:
+    """ConfigError unless `power` is a probability strictly between 0 and 1."""
+    if not 0 < power < 1:
+        raise ConfigError("--power must be in (0, 1), e.g. 0.8")
+
+
+def check_points(flag: str, points: float) -> None:
+    """ConfigError unless `points` is a pass-rate change in percentage points, in (0, 100)."""
+    if not 0 < points < 100:
+        raise ConfigError(f"{flag} is in percentage points and must be in (0, 100), e.g. 5")
 
 
 def check_report_file(report: str | None) -> None:

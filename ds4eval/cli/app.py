@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import click
 
-from ds4eval.cli import case_commands, determinism_commands, flags, legacy, run_commands, trace_commands
+from ds4eval.cli import (case_commands, determinism_commands, flags, legacy, run_commands, trace_commands,
+                         verdict_commands)
 from ds4eval.cli.command import Command
 from ds4eval.cli.inputs import UsageFailure
 from ds4eval.config import CommandConfig, ConfigError
@@ -25,11 +26,13 @@ from ds4eval.run.stopsignals import EXIT_INTERRUPTED
 EXIT_USAGE = 2
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    run_commands.RUN, run_commands.RETRY, trace_commands.COMPARE, trace_commands.REGRADE, trace_commands.REPORT,
+    run_commands.RUN, run_commands.RETRY, trace_commands.COMPARE, verdict_commands.PLAN,
+    verdict_commands.REFERENCE_RECORD, verdict_commands.GATE, trace_commands.REGRADE, trace_commands.REPORT,
     case_commands.GRADE, case_commands.LIST, case_commands.VALIDATE, case_commands.SELFTEST, run_commands.PROBE,
     determinism_commands.DETERMINISM, case_commands.DATA_PULL)}
 """Every subcommand by name, in the order `ds4-eval --help` lists them."""
-GROUPS = {"data": "Case data: `ds4-eval data pull` fetches the upstream case tables."}
+GROUPS = {"data": "Case data: `data pull` fetches the upstream case tables.",
+          "reference": "References: `reference record` keeps runs' pass counts."}
 """The one-line help of each group of verbs (the first word of a two-word command name)."""
 
 

@@ -133,7 +133,7 @@ VALIDATE = Command("validate", "Check every case file against its committed mani
                    validate_cases, (flags.data_dir,), details="Exit status 1 when a case file does not match.")
 SELFTEST = Command("selftest", "Run the answer extractors' self-tests.", SelfTestConfig, self_test, (),
                    details="Exit status 1 when a self-test fails.")
-GRADE = Command("grade", "Grade outputs made elsewhere (JSON lines) and print the verdicts.", GradeConfig,
+GRADE = Command("grade", "Grade outputs made elsewhere (JSON lines).", GradeConfig,
                 grade_file, (click.argument("file", metavar="FILE", type=click.Path(dir_okay=False)),),
                 details="FILE holds one JSON object per line with answer_kind, answer and output (and aliases, "
                         "nchoices); each is printed back with picked and passed added.")

@@ -105,7 +105,7 @@ def determinism(cfg: DeterminismConfig) -> int:
 
 
 DETERMINISM = Command(
-    "determinism", "Measure whether the stack's answers depend on the batch, the cache or the run.",
+    "determinism", "Whether the stack's answers depend on batch, cache or run.",
     DeterminismConfig, determinism,
     (click.option("--backend", default="engine", show_default=True, type=click.Choice(("engine", "openai"))),
      flags.model, flags.ctx, flags.device, flags.threads,

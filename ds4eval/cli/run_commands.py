@@ -191,14 +191,14 @@ def probe(cfg: ProbeConfig) -> int:
 RUN_DETAILS = ("Exit status 0 when every selected case was graded, 3 when any was not (--allow-errors: 0), "
                "1 when the run failed, 130 when a signal stopped it.")
 
-RUN = Command("run", "Run a suite (the default: the sanity suite on the embedded model).", EvalConfig, run,
+RUN = Command("run", "Run a suite (by default sanity, on the embedded model).", EvalConfig, run,
               flags.RUN, details=RUN_DETAILS)
-RETRY = Command("retry", "Run again the cases of a trace that did not end PASSED or FAILED.", RetryConfig,
+RETRY = Command("retry", "Run again the cases of a trace that did not finish.", RetryConfig,
                 retry, (click.argument("trace_file", metavar="TRACE", type=click.Path(dir_okay=False)),
                         *flags.RETRY),
                 details="The retried cases are appended to TRACE (or to --trace), with the trace's own case "
                         "numbers, repeats and seeds. " + RUN_DETAILS,
                 build=lambda trace_file, **run: RetryConfig(trace_file, EvalConfig(**run)))
-PROBE = Command("probe", "Print what the server at --url does with each request feature.", ProbeConfig, probe,
+PROBE = Command("probe", "What the server at --url does with each request feature.", ProbeConfig, probe,
                 (click.option("--url", required=True, help="Server base URL."), flags.served_model, flags.api_key),
                 details="Exit status 1 when the server cannot be reached.")

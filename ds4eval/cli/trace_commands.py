@@ -61,7 +61,9 @@ def compare(cfg: CompareConfig) -> int:
         try:
             base = cmp.read_run(base_text, cfg.base)
             new = cmp.read_run(new_text, cfg.new)
-            result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff)
+            result = cmp.compare(base, new, alpha=cfg.alpha, strict=cfg.strict, allow=cfg.allow_diff,
+                                 power=cfg.power,
+                                 equivalence=None if cfg.equivalence is None else cfg.equivalence / 100)
         except cmp.CompareInputError as e:
             raise UsageFailure(str(e)) from None
         written = (modified(cfg.base), modified(cfg.new))
@@ -99,8 +101,15 @@ COMPARE = Command("compare", "Compare two traces (or summaries) case by case.", 
                   (click.argument("base", metavar="BASE", type=click.Path(dir_okay=False)),
                    click.argument("new", metavar="NEW", type=click.Path(dir_okay=False)),
                    *flags.COMPARE,
+                   flags.report("Also write the comparison here: HTML, or markdown if FILE ends in .md."),
+                   click.option("--power", type=float, default=0.8, show_default=True,
+                                help="Power of the stated detectable drop (the drop this comparison would "
+                                     "have caught with this chance)."),
+                   click.option("--equivalence", type=float, metavar="POINTS",
+                                help="Also test that the pass rate moved less than POINTS either way (TOST); "
+                                     "exit 1 unless it is shown."),
                    click.option("--noise", type=click.Path(dir_okay=False), metavar="FILE",
                                 help="A `ds4-eval determinism -o` result of the stack: say how many flips "
-                                     "its own variation explains."),
-                   flags.report("Also write the comparison here: HTML, or markdown if FILE ends in .md.")),
-                  details="Exit status 0 when NEW holds up, 1 for a regression, 2 for input it cannot compare.")
+                                     "its own variation explains.")),
+                  details="Exit status 0 when NEW holds up, 1 for a regression (with --equivalence also when "
+                          "equivalence is not shown), 2 for input it cannot compare.")

@@ -13,7 +13,11 @@ Contract
   question and both outputs from the records the Comparison's runs were read from (none for
   a summary).
 - `as_json(cmp) -> dict`: the Comparison as plain data, numbers unformatted (the JSON format).
-- `flip_summary(cmp)` and `method_note(cmp)`: the one-line texts under Flips and Pass rates.
+- `flip_summary(cmp)` and `method_note(cmp)`: the one-line texts under Flips and Pass rates;
+  `assurance_lines(cmp)` (the smallest detectable drop, the equivalence test when asked) and
+  `holm_table(cmp)` (each source's test, Holm-adjusted, when there are several sources): the
+  section "Power and equivalence" of every medium; the text report repeats the power line
+  under its verdict.
 - `time_table`: when both runs are traces that carry latency, it adds each side's TTFT, ITL
   and end-to-end p50/p90 per source (`ds4eval.run.latency.summarize` over the latest record
   of every repeat of the comparable cases that were graded), so a serial run compared with
@@ -245,6 +249,58 @@ def method_note(cmp: Comparison) -> str:
             f"of the {cmp.total.test.discordant} discordant cases), mid-p beside it")
 
 
+def power_line(cmp: Comparison) -> str:
+    """What the verdict could see: the smallest drop it would have caught with the stated power."""
+    a = cmp.assurance
+    noise = f"{a.cases} comparable cases and {'estimated noise' if cmp.repeats else 'observed discordance'} " \
+            f"{a.discordance:.3f}"
+    if a.detectable_drop is None:
+        return (f"power: at {noise}, no drop is caught with probability {a.power:g} (alpha {cmp.alpha:g}); "
+                f"\"no significant regression\" says nothing about regressions here")
+    return (f"power: at {noise}, a drop of {100 * a.detectable_drop:.1f} points or more is caught with "
+            f"probability {a.power:g} (alpha {cmp.alpha:g}); smaller drops can pass unseen")
+
+
+def equivalence_line(cmp: Comparison) -> str:
+    e = cmp.assurance.equivalence
+    head = f"equivalence within ±{100 * e.margin:g} points"
+    test = f"TOST p = {_p(e.p)}, change {_pp(e.delta)} points"
+    if e.equivalent:
+        return f"{head}: shown ({test} < alpha {e.alpha:g})"
+    return f"{head}: not shown ({test}, alpha {e.alpha:g}): the change may be {100 * e.margin:g} points or more"
+
+
+def assurance_lines(cmp: Comparison) -> tuple[str, ...]:
+    a = cmp.assurance
+    if a is None:
+        return ()
+    return (power_line(cmp),) + ((equivalence_line(cmp),) if a.equivalence is not None else ())
+
+
+def holm_table(cmp: Comparison) -> Table:
+    rows = tuple(row(source_cell(t.source), t.worse, t.better, _p(t.p), _p(t.adjusted),
+                     Cell("yes" if t.regression else "no", tag="bad" if t.regression else "good"))
+                 for t in cmp.assurance.sources)
+    worse = "cases lower" if cmp.repeats else "pass→fail"
+    better = "cases higher" if cmp.repeats else "fail→pass"
+    return Table(("source", worse, better, "p", "Holm p", "significant regression"), rows, "holm-table")
+
+
+def holm_note(cmp: Comparison) -> str:
+    hit = [t.source for t in cmp.assurance.sources if t.regression]
+    return (f"per-source tests ({'sign test' if cmp.repeats else 'exact McNemar'}) with Holm's step-down over "
+            f"{len(cmp.assurance.sources)} sources, family-wise error <= alpha {cmp.alpha:g}; significant "
+            f"regressions after Holm: {', '.join(hit) if hit else 'none'} (reported; the exit status follows "
+            f"the total)")
+
+
+def _assurance_blocks(cmp: Comparison, note: bool = False) -> tuple[Block, ...]:
+    blocks: list[Block] = [Text(assurance_lines(cmp))]
+    if cmp.assurance.sources:
+        blocks += [holm_table(cmp), Text((holm_note(cmp),), note=note)]
+    return tuple(blocks)
+
+
 def _lost_line(cmp: Comparison) -> str:
     return f"lost passes (passed in BASE, no verdict in NEW): {', '.join(cmp.lost_passes)}"
 
@@ -306,6 +362,8 @@ def _report_sections(cmp: Comparison, case_table: bool) -> list[Section]:
         table = repeat_case_table(cmp, MARKDOWN_CASE_ROWS)
         out.append(Section("Per case, by Fisher p", (table, Text((repeat_case_note(rc, len(table.rows), cmp.alpha),)))))
     out.append(Section("Pass rates" + first, (rates_table(cmp), Text((method_note(cmp),)))))
+    if cmp.assurance is not None:
+        out.append(Section("Power and equivalence", _assurance_blocks(cmp)))
     flips: list[Block] = [Text((flip_summary(cmp),))]
     if cmp.flips:
         flips.append(flips_table(cmp))
@@ -327,7 +385,8 @@ def _report_sections(cmp: Comparison, case_table: bool) -> list[Section]:
 
 def text_document(cmp: Comparison) -> Document:
     title: Title = ("ds4-eval --compare  BASE ", Code(cmp.base.label), "  NEW ", Code(cmp.new.label))
-    return Document(title, (*_report_sections(cmp, case_table=False), Section("Verdict", (Text((cmp.verdict,)),))))
+    verdict = (cmp.verdict,) + ((power_line(cmp),) if cmp.assurance is not None else ())
+    return Document(title, (*_report_sections(cmp, case_table=False), Section("Verdict", (Text(verdict),))))
 
 
 def _title(cmp: Comparison) -> Title:
@@ -457,6 +516,8 @@ def page(cmp: Comparison, written: tuple[str, str] = ("", "")) -> Document:
     sections = [
         Section("Runs", _runs_blocks(cmp, base, new), "provenance"),
         Section("Pass rates", (rates_table(cmp), Text((method_note(cmp),), note=True), _delta_plot(cmp)), "rates"),
+        *((Section("Power and equivalence", _assurance_blocks(cmp, note=True), "assurance"),)
+          if cmp.assurance is not None else ()),
         Section("Generated tokens", tuple(lengths), "lengths"),
         Section("Flips", tuple(flips), "flips"),
     ]
@@ -535,4 +596,15 @@ def as_json(cmp: Comparison) -> dict:
                      for i in cmp.issues],
         "cases": json.loads(cmp.cases.to_json(orient="records")),
         "repeats": None if cmp.repeats is None else _repeats_json(cmp.repeats),
+        "assurance": None if cmp.assurance is None else _assurance_json(cmp),
     }
+
+
+def _assurance_json(cmp: Comparison) -> dict:
+    a, e = cmp.assurance, cmp.assurance.equivalence
+    return {"power": a.power, "cases": a.cases, "discordance": a.discordance, "detectable_drop": a.detectable_drop,
+            "sources": [{"source": t.source, "worse": t.worse, "better": t.better, "p": t.p, "holm_p": t.adjusted,
+                         "regression": t.regression} for t in a.sources],
+            "equivalence": None if e is None else {"margin": e.margin, "alpha": e.alpha, "delta": e.delta,
+                                                   "p_lower": e.p_lower, "p_upper": e.p_upper, "p": e.p,
+                                                   "equivalent": e.equivalent}}

@@ -34,6 +34,18 @@ Contract
   Fisher's exact test on its k/K counts, and `--strict` fails on any significant per-case drop.
   A case flaky on BASE that passes less often on NEW without a significant drop is listed apart,
   not counted as a regression; cases that became or stopped being flaky are listed too.
+- What the verdict could see (`Assurance`, beside the p-value): the smallest drop the test
+  would have called a significant regression with chance `power` (default 0.8) at this many
+  comparable cases and this noise (`power.detectable_drop`; the noise is the observed share of
+  discordant cases with one run a side, BASE's per-case pass shares with repeats), so that "no
+  significant regression" is never read as "no regression". With several sources, each
+  source's test (McNemar, or the sign test with repeats) and Holm's step-down adjustment over
+  them: which sources regressed significantly with the family-wise error held at alpha (stated,
+  not part of the exit status). With `equivalence=MARGIN` (a share), the two one-sided tests
+  of "the pass rate moved by less than MARGIN either way" (`stats.paired_equivalence`; with
+  repeats, on the expected table of one repeat a side per case, which keeps the repeats' mean
+  change and overstates its variance: conservative), and the exit status is then 1 unless
+  equivalence is shown (as well as for a regression).
 - `collector_paused()`: a context that pauses Python's cyclic garbage collector (reading and
   pairing build about a million acyclic objects for two 10,000-case traces); `read_run` and
   `compare` use it, and so does the CLI around the whole command.
@@ -58,6 +70,7 @@ import pandas as pd
 from ds4eval.config import ALLOWED_DIFFS
 from ds4eval.run.provenance import split_tokens
 from ds4eval.run.trace import TraceRecord, parse_trace
+from ds4eval.verdict import power as pw
 from ds4eval.verdict import regrade
 from ds4eval.verdict import repeats
 from ds4eval.verdict import stats
@@ -477,6 +490,30 @@ def _repeat_comparison(comparable: list[tuple[CaseRun, CaseRun]], base: Run, new
                             and r.new_class in ("stable pass", "stable fail")))
 
 
+@dataclass(frozen=True)
+class SourceTest:
+    """One source's regression test in a family of sources, with its Holm adjustment."""
+
+    source: str
+    worse: int   # pass->fail flips (with repeats: cases passing less often)
+    better: int
+    p: float     # exact two-sided McNemar / sign test p
+    adjusted: float  # Holm-adjusted p over the family
+    regression: bool  # adjusted < alpha and worse > better
+
+
+@dataclass(frozen=True)
+class Assurance:
+    """What a comparison could see and, when asked, whether it shows equivalence."""
+
+    power: float
+    cases: int
+    discordance: float  # observed share of discordant cases (with repeats: BASE's estimated noise)
+    detectable_drop: float | None  # None: no drop is detectable with this power at this n
+    sources: tuple[SourceTest, ...] = ()  # per-source tests and Holm, when there are several sources
+    equivalence: stats.Equivalence | None = None
+
+
 @dataclass
 class Comparison:
     base: Run
@@ -497,6 +534,7 @@ class Comparison:
     exit_status: int
     verdict: str
     repeats: RepeatComparison | None = None  # set when either run has --repeats K > 1
+    assurance: Assurance | None = None  # power, per-source Holm and equivalence (see the module docstring)
 
     def judged(self) -> list[str]:
         """The names ("source/id") of the cases the verdict counts: matched and not excluded."""
@@ -658,10 +696,66 @@ def _provenance_gap(run: Run) -> bool:
 
 def compare(base: Run, new: Run, *, alpha: float = 0.05, strict: bool = False, allow: Iterable[str] = (),
             resamples: int = stats.BOOTSTRAP_RESAMPLES, seed: int = stats.BOOTSTRAP_SEED,
-            top_lengths: int = 5) -> Comparison:
+            top_lengths: int = 5, power: float = 0.8, equivalence: float | None = None) -> Comparison:
     with collector_paused():
-        return _compare(base, new, alpha=alpha, strict=strict, allow=allow, resamples=resamples, seed=seed,
-                        top_lengths=top_lengths)
+        result = _compare(base, new, alpha=alpha, strict=strict, allow=allow, resamples=resamples, seed=seed,
+                          top_lengths=top_lengths)
+    result.assurance = assurance(result, power, equivalence)
+    if equivalence is not None and not result.assurance.equivalence.equivalent:
+        result.exit_status = 1
+    return result
+
+
+def _base_population(cmp: Comparison) -> pw.Population | None:
+    """BASE as the power computation sees it; None when BASE passed nothing (nothing to lose)."""
+    rc, t = cmp.repeats, cmp.total
+    if rc is not None:
+        counts = [(r.base_passed, r.base_graded) for r in rc.cases]
+        return pw.population_from_counts(counts) if any(p for p, _ in counts) else None
+    rate = t.base_rate
+    if rate <= 0.0:
+        return None
+    return pw.population_from_rates(rate, min(t.test.discordant / t.cases, pw.max_discordance(rate)))
+
+
+def _source_tests(cmp: Comparison) -> tuple[SourceTest, ...]:
+    rc = cmp.repeats
+    if rc is None:
+        counts = [(s.source, s.pass_fail, s.fail_pass) for s in cmp.sources]
+    else:
+        by_source: dict[str, list[int]] = {}
+        for r in rc.cases:
+            tally = by_source.setdefault(r.source, [0, 0])
+            tally[0] += r.new_rate < r.base_rate
+            tally[1] += r.new_rate > r.base_rate
+        counts = [(src, w, b) for src, (w, b) in by_source.items()]
+    if len(counts) < 2:
+        return ()
+    ps = [stats.mcnemar(w, b).p_exact for _, w, b in counts]
+    return tuple(SourceTest(src, w, b, p, h.adjusted, h.rejected and w > b)
+                 for (src, w, b), p, h in zip(counts, ps, stats.holm(ps, cmp.alpha)))
+
+
+def assurance(cmp: Comparison, power: float = 0.8, equivalence: float | None = None) -> Assurance:
+    """The power statement, per-source Holm tests and (when `equivalence` is a margin) the TOST
+    of a finished comparison. Pure."""
+    rc, t = cmp.repeats, cmp.total
+    pop = _base_population(cmp)
+    if rc is None:
+        design_repeats, n, disc = (1, 1), t.cases, t.test.discordant / t.cases
+    else:
+        design_repeats, n = (rc.base_repeats, rc.new_repeats), len(rc.cases)
+        disc = pw.estimated_discordance([(r.base_passed, r.base_graded) for r in rc.cases]) or 0.0
+    drop = None if pop is None else pw.detectable_drop(pw.Design(pop, cmp.alpha, *design_repeats), n, power)
+    eq = None
+    if equivalence is not None:
+        if rc is None:
+            eq = stats.paired_equivalence(t.pass_fail, t.fail_pass, t.cases, equivalence, cmp.alpha)
+        else:
+            worse = sum(r.base_rate * (1 - r.new_rate) for r in rc.cases)
+            better = sum((1 - r.base_rate) * r.new_rate for r in rc.cases)
+            eq = stats.paired_equivalence(worse, better, len(rc.cases), equivalence, cmp.alpha)
+    return Assurance(power, n, disc, drop, _source_tests(cmp), eq)
 
 
 Pair = tuple[CaseRun, CaseRun]

@@ -21,6 +21,14 @@ Contract
 - One run: `wilson(passed, n, level=0.95) -> RateInterval` is the Wilson score interval of a
   pass rate (closed form, no resampling). It stays inside [0, 1] and is not degenerate at 0 or
   n passes, where the normal-approximation (Wald) interval collapses to a point.
+- Equivalence: `paired_equivalence(b, c, n, margin, alpha) -> Equivalence` is the two one-sided
+  tests (TOST) of "the paired pass-rate change lies within +-margin", each one Tango's score
+  test for the difference of paired proportions (Tango 1998), whose variance comes from the
+  maximum-likelihood cell shares under the null boundary: unlike a Wald test it does not claim
+  equivalence from zero discordant pairs on a handful of cases. b and c may be fractional (an
+  expected table; see `compare`).
+- Several tests at once: `holm(p_values, alpha) -> list[HolmResult]` is Holm's step-down
+  adjustment (family-wise error <= alpha under any dependence), in the order given.
 It does not decide what is a regression (see `compare`).
 """
 
@@ -220,3 +228,74 @@ def wilson(passed: int, n: int, level: float = 0.95) -> RateInterval:
     low = 0.0 if passed == 0 else max(0.0, centre - half)
     high = 1.0 if passed == n else min(1.0, centre + half)
     return RateInterval(passed, n, p, low, high, level)
+
+
+# ---------------------------------------------------------------- equivalence
+
+@dataclass(frozen=True)
+class Equivalence:
+    margin: float      # the change judged negligible, as a share (0.05 = 5 points)
+    alpha: float
+    delta: float       # observed (c - b) / n: NEW's pass rate minus BASE's
+    p_lower: float     # test of "NEW is worse by margin or more" (H0: delta <= -margin)
+    p_upper: float     # test of "NEW is better by margin or more" (H0: delta >= margin)
+
+    @property
+    def p(self) -> float:
+        """The TOST p-value: the larger of the two one-sided p-values."""
+        return max(self.p_lower, self.p_upper)
+
+    @property
+    def equivalent(self) -> bool:
+        return self.p < self.alpha
+
+
+def _tango_z(b: float, c: float, n: int, d0: float) -> float:
+    """Tango's score statistic for H0: p_b - p_c = d0, where p_b is the share of pass->fail
+    pairs and p_c of fail->pass pairs. The null variance uses the constrained maximum-likelihood
+    p_c, the root of 2n x^2 + (-(b + c) + (2n - b + c) d0) x - c d0 (1 - d0) = 0."""
+    qa, qb, qc = 2 * n, -(b + c) + (2 * n - b + c) * d0, -c * d0 * (1 - d0)
+    x = (-qb + math.sqrt(max(0.0, qb * qb - 4 * qa * qc))) / (2 * qa)
+    var = n * (2 * x + d0 * (1 - d0))
+    if var <= 0:  # d0 = 0 with no discordant pairs: nothing against the null
+        return 0.0
+    return (b - c - n * d0) / math.sqrt(var)
+
+
+def paired_equivalence(b: float, c: float, n: int, margin: float, alpha: float = 0.05) -> Equivalence:
+    """TOST of |p_c - p_b| < margin on n paired cases with b pass->fail and c fail->pass pairs."""
+    if n < 1 or b < 0 or c < 0 or b + c > n:
+        raise ValueError(f"need n >= 1 and 0 <= b, c with b + c <= n (got b={b}, c={c}, n={n})")
+    if not 0 < margin < 1 or not 0 < alpha < 1:
+        raise ValueError("need 0 < margin < 1 and 0 < alpha < 1")
+    phi = NormalDist().cdf
+    # "NEW worse by >= margin" is p_b - p_c >= margin: rejected when z is far below zero.
+    p_lower = phi(_tango_z(b, c, n, margin))
+    # "NEW better by >= margin" is p_b - p_c <= -margin: rejected when z is far above zero.
+    p_upper = 1 - phi(_tango_z(b, c, n, -margin))
+    return Equivalence(margin, alpha, (c - b) / n, p_lower, p_upper)
+
+
+# ---------------------------------------------------------------- several tests
+
+@dataclass(frozen=True)
+class HolmResult:
+    p: float
+    adjusted: float  # Holm-adjusted p: compare with alpha directly
+    rejected: bool
+
+
+def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[HolmResult]:
+    """Holm's step-down procedure over the given p-values, results in the order given.
+
+    Sorted ascending, the i-th smallest (from 0) is compared with alpha / (m - i); testing
+    stops at the first that is not below it. The adjusted p is the running maximum of
+    (m - i) p_(i), capped at 1, so `adjusted < alpha` is the same decision."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return [HolmResult(p, a, a < alpha) for p, a in zip(p_values, adjusted)]
