@@ -490,9 +490,9 @@ class DeterminismConfig(CommandConfig):
     """--repeats R: runs of each prompt alone."""
     concurrency: tuple[int, ...] = (1, 4, 8)
     """--concurrency C: other requests in flight in the mixed condition (repeatable)."""
-    mixed_rounds: int = 2
+    mixed_rounds: int = 1
     """--mixed-rounds: rounds of the mixed condition at each C, each with new companions."""
-    max_tokens: int = 64
+    max_tokens: int = 48
     """--max-tokens: tokens per completion."""
     temperature: float = 0.0
     """--temp: 0 is greedy; above 0 every request carries --seed."""

@@ -42,8 +42,8 @@ from ds4eval.determinism.targets import Request, Target
 class Plan:
     repeats: int = 5
     concurrency: tuple[int, ...] = (1, 4, 8)
-    mixed_rounds: int = 2
-    max_tokens: int = 64
+    mixed_rounds: int = 1
+    max_tokens: int = 48
     temperature: float = 0.0
     seed: int = 0
     stagger_s: float = 0.05
