@@ -33,20 +33,27 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from ds4eval.config import DeterminismConfig
 from ds4eval.determinism.analysis import Completion, Group, Prompt
 from ds4eval.determinism.prompts import salted_system
 from ds4eval.determinism.targets import Request, Target
 
 
+_DEFAULTS = DeterminismConfig()
+
+
 @dataclass(frozen=True)
 class Plan:
-    repeats: int = 5
-    concurrency: tuple[int, ...] = (1, 4, 8)
-    mixed_rounds: int = 1
-    max_tokens: int = 48
-    temperature: float = 0.0
-    seed: int = 0
+    """What the conditions send; the defaults are the command's (`DeterminismConfig`)."""
+
+    repeats: int = _DEFAULTS.repeats
+    concurrency: tuple[int, ...] = _DEFAULTS.concurrency
+    mixed_rounds: int = _DEFAULTS.mixed_rounds
+    max_tokens: int = _DEFAULTS.max_tokens
+    temperature: float = _DEFAULTS.temperature
+    seed: int = _DEFAULTS.seed
     stagger_s: float = 0.05
+    """Seconds between the starts of a mixed group's requests (the engine: scheduler steps instead)."""
     salt: str = "0"
     """Makes the prefix condition's context new to the stack (a fresh one per run)."""
 
