@@ -90,8 +90,10 @@ class _Choice:
         self.gaps: list[float | None] = []
         self.finish = ""
         self.saw_logprobs = False
+        self.arrived = False
 
     def add(self, content: Any, logprobs: Any, finish: Any) -> None:
+        self.arrived = True
         if isinstance(content, str):
             self.text.append(content)
         entries = logprobs.get("content") if isinstance(logprobs, dict) else None
@@ -104,7 +106,9 @@ class _Choice:
         if finish:
             self.finish = str(finish)
 
-    def completion(self, label: str, want_tokens: bool) -> Completion:
+    def completion(self, label: str, want_tokens: bool, index: int, asked: int) -> Completion:
+        if not self.arrived:  # a stack that ignores `n` answers with fewer choices
+            return Completion(label, "", None, (), "", f"the answer has no choice {index} ({asked} asked for)")
         tokens = tuple(self.tokens) if want_tokens and self.saw_logprobs else None
         return Completion(label, "".join(self.text), tokens, tuple(self.gaps) if tokens is not None else (),
                           self.finish)
@@ -207,7 +211,7 @@ class HttpTarget:
             choice = choices.setdefault(int(c.get("index", 0)), _Choice())
             choice.add((msg.get("reasoning_content") or "") + (msg.get("content") or ""), c.get("logprobs"),
                        c.get("finish_reason"))
-        return [choices[i].completion(_choice_label(request, i), self.logprobs) for i in sorted(choices)]
+        return [choices[i].completion(_choice_label(request, i), self.logprobs, i, request.n) for i in sorted(choices)]
 
     def _stream(self, request: Request) -> list[Completion]:
         choices = {i: _Choice() for i in range(request.n)}
@@ -225,7 +229,7 @@ class HttpTarget:
                     choice = choices.setdefault(int(c.get("index", 0)), _Choice())
                     choice.add((delta.get("reasoning_content") or "") + (delta.get("content") or ""),
                                c.get("logprobs"), c.get("finish_reason"))
-        return [choices[i].completion(_choice_label(request, i), self.logprobs) for i in sorted(choices)]
+        return [choices[i].completion(_choice_label(request, i), self.logprobs, i, request.n) for i in sorted(choices)]
 
     def close(self) -> None:
         self.client.close()
