@@ -47,13 +47,16 @@ def open_target(cfg: DeterminismConfig):
     if cfg.backend == "openai":
         from ds4eval.determinism.targets import HttpTarget
 
-        target = HttpTarget(cfg.url, api_key=cfg.api_key, served_model=cfg.served_model,
-                            timeout_s=cfg.request_timeout_s)
+        try:
+            target = HttpTarget(cfg.url, api_key=cfg.api_key, served_model=cfg.served_model,
+                                timeout_s=cfg.request_timeout_s)
+        except ConnectionError as e:
+            raise UsageFailure(str(e)) from None
         try:
             note = target.check_logprobs()
         except ConnectionError as e:
             target.close()
-            raise UsageFailure(f"cannot reach the endpoint: {e}") from None
+            raise UsageFailure(str(e)) from None
         return target, [note] if note else []
     from ds4eval.determinism.targets import EngineTarget
     from engine.batch import CapacityError

@@ -7,7 +7,9 @@ Contract
   request gives completions with `error` set, never an exception). One request alone is the
   serial case. Completions carry the generated tokens and each token's top-2 gap where the
   stack reports log-probabilities.
-- `HttpTarget(url, ...)`: POST /v1/chat/completions with `logprobs` and `top_logprobs: 2`,
+- `HttpTarget(url, ...)`: the model is --served-model, else the first id the server lists
+  (`ds4eval.run.probe.first_model`); a server it cannot reach raises ConnectionError with one
+  line. POST /v1/chat/completions with `logprobs` and `top_logprobs: 2`,
   streaming or not as the request asks, `n` as asked, temperature and seed. `check_logprobs()`
   sends one short request first: a stack that refuses or ignores log-probabilities is then
   measured by words, and the notes say so. Requests in a group run on their own threads.
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 from ds4eval.determinism.analysis import Completion
+from ds4eval.run.capabilities import api_root
+from ds4eval.run.probe import ProbeUnreachable, first_model
 from ds4eval.run.provenance import token_pieces
 from ds4eval.run.sse import DONE, StreamFault, decode_data_line
 
@@ -122,25 +126,17 @@ class HttpTarget:
                  timeout_s: float = 600.0, transport: Any = None):
         import httpx
 
-        self.url = url.rstrip("/")
+        self.url = api_root(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=httpx.Timeout(timeout_s, connect=10.0),
                                    transport=transport, limits=httpx.Limits(max_connections=64))
-        self.served_model = served_model or self._first_model()
-        self.logprobs = True
-
-    def _first_model(self) -> str:
         try:
-            r = self.client.get("/v1/models")
-            data = r.json().get("data") if r.status_code == 200 else None
-            if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("id"):
-                return str(data[0]["id"])
-        except (OSError, ValueError):
-            pass
-        except Exception as e:  # httpx's own transport errors
-            if not _is_transport_error(e):
-                raise
-        return "default"
+            self.served_model = served_model or first_model(self.client, self.url, time.monotonic() + 30) \
+                or "default"
+        except ProbeUnreachable as e:
+            self.client.close()
+            raise ConnectionError(str(e)) from None
+        self.logprobs = True
 
     def describe(self) -> dict[str, str]:
         return {"backend": "openai", "url": self.url, "served_model": self.served_model}
@@ -154,14 +150,14 @@ class HttpTarget:
             r = self.client.post("/v1/chat/completions", json=body)
         except Exception as e:
             if _is_transport_error(e):
-                raise ConnectionError(f"{self.url}: {e}") from None
+                raise ConnectionError(f"cannot reach the server at {self.url}: {e}") from None
             raise
         if r.status_code >= 400:
             self.logprobs = False
             again = self.client.post("/v1/chat/completions", json=self._body(probe))
             if again.status_code >= 400:
-                raise ConnectionError(f"{self.url}: a plain chat request failed with HTTP {again.status_code}: "
-                                      f"{again.text[:160]}")
+                raise ConnectionError(f"the server at {self.url}: a plain chat request failed with HTTP "
+                                      f"{again.status_code}: {again.text[:160]}")
             return f"the endpoint refused log-probabilities (HTTP {r.status_code}): completions compared by word"
         choices = r.json().get("choices") or [{}]
         if not isinstance((choices[0].get("logprobs") or {}).get("content"), list):

@@ -311,6 +311,15 @@ def render_table(findings: Sequence[Finding]) -> str:
     return tabulate(rows, headers=["feature", "verdict", "detail"], tablefmt="simple", disable_numparse=True)
 
 
+def served_model_ids(payload: object) -> list[str]:
+    """The model ids of a `GET /v1/models` answer (`{"data": [{"id": ...}, ...]}`), in its order;
+    [] for anything else."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        return []
+    return [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
+
+
 def api_root(url: str) -> str:
     """The server's root from a base URL that may end in /v1 or an endpoint path."""
     base = url.rstrip("/")

@@ -24,7 +24,8 @@ from typing import Sequence
 import httpx
 
 from ds4eval.run import sse
-from ds4eval.run.capabilities import ENDPOINTS, FEATURES, UNVERIFIABLE, Finding, Need, Probe, Reply, api_root, check
+from ds4eval.run.capabilities import (ENDPOINTS, FEATURES, UNVERIFIABLE, Finding, Need, Probe, Reply, api_root, check,
+                                      served_model_ids)
 from ds4eval.run.httperrors import error_message, reason
 
 DEFAULT_BUDGET_S = 60.0  # before a run: a slow server leaves the last features unverified, not the run
@@ -60,7 +61,7 @@ def run_probe(url: str, features: Sequence[str], model: str | None = None, api_k
     findings = []
     with httpx.Client(headers=headers, transport=transport, timeout=httpx.Timeout(budget_s)) as client:
         if model is None:
-            model = _first_model(client, root, deadline)
+            model = first_model(client, root, deadline)
         for name in features:
             feat = FEATURES[name]
             replies = []
@@ -89,7 +90,9 @@ def probe_or_stop(url: str, needs: Sequence[Need], model: str | None = None, api
     return notes
 
 
-def _first_model(client: httpx.Client, root: str, deadline: float) -> str | None:
+def first_model(client: httpx.Client, root: str, deadline: float) -> str | None:
+    """The first model id the server at `root` lists, None when it lists none (or has no list);
+    ProbeUnreachable when it cannot be reached or refuses the key."""
     try:
         resp = client.get(root + "/v1/models", timeout=max(0.1, deadline - time.monotonic()))
     except httpx.HTTPError as e:
@@ -98,9 +101,8 @@ def _first_model(client: httpx.Client, root: str, deadline: float) -> str | None
         raise ProbeUnreachable(f"the server at {root} refused the request (HTTP {resp.status_code}); "
                                f"check --api-key")
     try:
-        data = resp.json().get("data") or []
-        ids = [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
-    except (ValueError, AttributeError, TypeError, KeyError):
+        ids = served_model_ids(resp.json())
+    except ValueError:
         return None
     return ids[0] if ids else None
 

@@ -49,7 +49,7 @@ import httpx
 from ds4eval.cases.extract import THINK_CLOSE, THINK_OPEN
 from ds4eval.config import EvalConfig
 from ds4eval.run import sse
-from ds4eval.run.capabilities import Need
+from ds4eval.run.capabilities import Need, served_model_ids
 from ds4eval.run.httperrors import error_message, reason
 from ds4eval.run.latency import LatencyClock
 from ds4eval.run.runner import CaseContext, GenerationJob, GenerationResult
@@ -170,9 +170,8 @@ class OpenAIBackend:
         if resp.status_code >= 400:
             return []  # reachable; some servers have no model list
         try:
-            data = resp.json().get("data") or []
-            ids = [str(m["id"]) for m in data if isinstance(m, dict) and m.get("id")]
-        except (ValueError, AttributeError, TypeError):
+            ids = served_model_ids(resp.json())
+        except ValueError:
             return []
         if ids and not self.config.served_model:
             self.model_name = self.request_model = ids[0]

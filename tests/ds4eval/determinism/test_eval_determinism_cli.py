@@ -32,7 +32,7 @@ def test_openai_backend_needs_a_url():
 def test_an_unreachable_endpoint_is_one_line():
     url = f"http://127.0.0.1:{free_port()}"
     message = one_error_line(ds4_eval("determinism", "--backend", "openai", "--url", url, "--prompts", 1))
-    assert message.startswith(f"cannot reach the endpoint: {url}")
+    assert message.startswith(f"cannot reach the server at {url}: ")
 
 
 def test_more_prompts_than_the_own_set_needs_a_suite():
