@@ -90,8 +90,9 @@ def determinism(cfg: DeterminismConfig) -> int:
                 max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=cfg.seed, salt=secrets.token_hex(4))
     target, notes = open_target(cfg)
     try:
+        stack = target.describe()
         click.echo(f"determinism: {len(selected)} prompts, conditions {', '.join(cfg.conditions)}, "
-                   f"{target.describe().get('url') or target.describe().get('model')}", err=True)
+                   f"{stack.get('url') or stack.get('model')}", err=True)
         result = measure(target, selected, plan, cfg.conditions, cfg.margin,
                          progress=lambda line: click.echo(f"  {line}", err=True), notes=notes)
     finally:

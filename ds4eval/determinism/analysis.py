@@ -299,7 +299,7 @@ def explain_flips(noise: Result, flipped: Sequence[str], compared: Sequence[str]
     varying = noise.varying_prompts()
     share = len(varying) / len(measured_prompts) if measured_prompts else 0.0
     measured_flips = [f for f in flipped if f in measured_prompts]
-    if measured_flips and set(compared) & measured_prompts:
+    if set(compared) & measured_prompts:
         explained = sum(1 for f in measured_flips if f in varying)
         return NoiseExplanation(len(flipped), len(compared), "by case", explained, explained,
                                 len(measured_flips), share)

@@ -15,6 +15,8 @@ It computes nothing: every figure comes from the Result or the NoiseExplanation.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from ds4eval.determinism.analysis import NoiseExplanation, Result
 from ds4eval.reports import html, markdown, text
 from ds4eval.reports.document import Cell, Document, Section, Table, Text, row
@@ -23,7 +25,6 @@ CONDITION_COLUMNS = ("condition", "verdict", "prompts", "varied", "near-tie", "r
                      "failed")
 DIVERGENCE_COLUMNS = ("prompt", "condition", "distinct", "parts at", "reference", "other", "which", "top-2 gap",
                       "class")
-FORMATS = ("text", "markdown", "json", "html")
 
 
 def _gap(gap: float | None) -> str:
@@ -84,15 +85,17 @@ def document(result: Result) -> Document:
     return Document("ds4-eval determinism", tuple(sections), lead)
 
 
+RENDERERS: dict[str, Callable[[Result], str]] = {
+    "text": lambda r: text.render(document(r)),
+    "markdown": lambda r: markdown.render(document(r), markdown.escaped_table),
+    "html": lambda r: html.render(document(r)),
+    "json": Result.to_json,
+}
+"""Each format's renderer; a new format is one entry."""
+
+
 def render(result: Result, fmt: str) -> str:
-    if fmt == "json":
-        return result.to_json()
-    doc = document(result)
-    if fmt == "markdown":
-        return markdown.render(doc, markdown.escaped_table)
-    if fmt == "html":
-        return html.render(doc)
-    return text.render(doc)
+    return RENDERERS[fmt](result)
 
 
 def noise_lines(e: NoiseExplanation, result: Result) -> tuple[str, ...]:

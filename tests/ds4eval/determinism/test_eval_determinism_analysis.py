@@ -266,6 +266,14 @@ def test_a_varying_case_that_did_not_flip_explains_nothing():
     assert (e.method, e.explained, e.unexplained) == ("by case", 0, 1)
 
 
+def test_a_run_that_measured_the_compared_cases_judges_by_case_even_without_a_flip_among_them():
+    n = noise({"s/a": True, "s/b": False})
+    e = an.explain_flips(n, ["s/x"], ["s/a", "s/b", "s/x"])  # the one flip is a case it did not measure
+    assert (e.method, e.measured, e.explained, e.unexplained) == ("by case", 0, 0, 1)
+    quiet = an.explain_flips(n, [], ["s/a", "s/b"])
+    assert (quiet.method, quiet.flips, quiet.explained) == ("by case", 0, 0)
+
+
 def test_flips_on_other_cases_are_explained_by_rate():
     n = noise({"p01": True, "p02": False, "p03": False, "p04": False})
     flipped = [f"s/{i}" for i in range(20)]

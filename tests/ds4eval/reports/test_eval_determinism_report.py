@@ -108,7 +108,7 @@ def test_json_is_the_result_file():
     r = unsteady()
     assert rep.render(r, "json") == r.to_json()
     assert json.loads(rep.render(r, "json"))["invariant"] is False
-    assert set(rep.FORMATS) == {"text", "markdown", "json", "html"}
+    assert set(rep.RENDERERS) == {"text", "markdown", "json", "html"}
 
 
 # ---------------------------------------------------------------- the comparison's noise section
