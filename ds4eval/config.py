@@ -1,7 +1,7 @@
 """Settings of every `ds4-eval` command: one frozen dataclass per subcommand, one field per flag.
 
 `EvalConfig` holds the settings of a run: what the runner, the backends and the terminal UI read.
-The other commands (retry, compare, plan, reference record, gate, regrade, grade, report, probe,
+The other commands (retry, merge, compare, plan, reference record, gate, regrade, grade, report, probe,
 data pull, selftest, list, validate) each have their own small config; `RetryConfig` carries a run's settings inside it.
 
 Contract: every config is an immutable dataclass with defaults (positional inputs excepted) and
@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 
+from ds4eval.run.shards import ShardError, parse_shard
+
 BACKENDS = ("engine", "openai")
 KV_TYPES = ("f32", "f16", "bf16")
 COMPARE_FORMATS = ("text", "markdown", "json", "html")
@@ -28,7 +30,7 @@ DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
 
 UNFLAGGED_RUN_FIELDS = ("think_soft_reserve", "think_hard_reserve")
 """EvalConfig fields no flag sets: library callers tune them; a command-line run keeps the defaults."""
-RETRY_FROM_TRACE = ("case_ids", "domains", "sources", "repeats")
+RETRY_FROM_TRACE = ("case_ids", "domains", "sources", "shard", "repeats")
 """EvalConfig fields a retry takes from the trace it retries, so `ds4-eval retry` has no flags for them."""
 
 
@@ -59,6 +61,9 @@ class EvalConfig(CommandConfig):
     """--source: run only these sources (repeatable, case-insensitive)."""
     data_dir: str | None = None
     """--data-dir: where core.jsonl / hard.jsonl live (else $DS4EVAL_DATA, else per-user)."""
+    shard: str | None = None
+    """--shard I/N: run only the selected cases of shard I (0-based) of N (ds4eval.run.shards);
+    "auto" reads I and N from a Slurm array job's or a Kubernetes Indexed Job's variables."""
 
     # --- backend
     backend: str = "engine"
@@ -148,6 +153,7 @@ class EvalConfig(CommandConfig):
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
+        check_shard(self.shard)
         if self.backend == "openai" and not self.url:
             raise ConfigError("--backend openai needs --url")
         check_url(self.url)
@@ -227,6 +233,11 @@ class ListConfig(CommandConfig):
     """--source (repeatable)."""
     data_dir: str | None = None
     """--data-dir."""
+    shard: str | None = None
+    """--shard I/N or auto: list only that shard's cases."""
+
+    def validate(self) -> None:
+        check_shard(self.shard)
 
 
 @dataclass(frozen=True)
@@ -255,9 +266,27 @@ class RegradeConfig(CommandConfig):
     """`ds4-eval regrade TRACE`: grade a trace's outputs again with today's extractors."""
 
     trace_file: str
-    """TRACE: the trace to regrade."""
+    """TRACE: the trace to regrade (or a set of shard traces: a directory or a glob pattern)."""
     data_dir: str | None = None
     """--data-dir: where the data cases the trace names live."""
+
+
+@dataclass(frozen=True)
+class MergeConfig(CommandConfig):
+    """`ds4-eval merge SHARD_TRACES... -o RUN.trace` (ds4eval.run.merge)."""
+
+    traces: tuple[str, ...]
+    """SHARD_TRACES: the shard traces of one run (files, directories of *.trace files, or glob patterns)."""
+    output: str = ""
+    """-o/--output RUN.trace: the merged trace (written atomically, only when the set is one run)."""
+    data_dir: str | None = None
+    """--data-dir: the case data, to name the cases of a missing shard."""
+
+    def validate(self) -> None:
+        if not self.traces:
+            raise ConfigError("merge needs the shard traces to merge")
+        if not self.output:
+            raise ConfigError("merge needs -o RUN.trace")
 
 
 @dataclass(frozen=True)
@@ -265,7 +294,7 @@ class ReportConfig(CommandConfig):
     """`ds4-eval report TRACE`: the report of an existing trace."""
 
     trace_file: str
-    """TRACE: the trace to report on."""
+    """TRACE: the trace to report on (or a set of shard traces: a directory or a glob pattern)."""
     report: str | None = None
     """--report FILE: write the report there (HTML, or markdown when FILE ends in .md); without
     it the report is printed as markdown."""
@@ -279,9 +308,9 @@ class CompareConfig(CommandConfig):
     """`ds4-eval compare BASE NEW` (ds4eval.verdict.compare)."""
 
     base: str
-    """BASE: the trace (or summary) compared against."""
+    """BASE: the trace (or summary, or a set of shard traces) compared against."""
     new: str
-    """NEW: the trace (or summary) under test."""
+    """NEW: the trace (or summary, or a set of shard traces) under test."""
     alpha: float = 0.05
     """--alpha: McNemar p-value below which a drop in passes is a significant regression."""
     strict: bool = False
@@ -514,6 +543,7 @@ class DeterminismConfig(CommandConfig):
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
+        check_shard(self.shard)
         if self.backend == "openai" and not self.url:
             raise ConfigError("--backend openai needs --url")
         if self.backend == "engine" and self.url:
@@ -548,6 +578,15 @@ class DeterminismConfig(CommandConfig):
     def engine_slots(self) -> int:
         """The engine's sessions: enough for the widest mixed group and a request beside it."""
         return self.slots or max(self.concurrency) + 1
+
+
+def check_shard(shard: str | None) -> None:
+    """ConfigError unless `shard` is None, "auto" or I/N with 0 <= I < N (auto is resolved at run time)."""
+    if shard is not None and shard != "auto":
+        try:
+            parse_shard(shard)
+        except ShardError as e:
+            raise ConfigError(str(e)) from None
 
 
 def check_url(url: str | None) -> None:

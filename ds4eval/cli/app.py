@@ -26,7 +26,7 @@ from ds4eval.run.stopsignals import EXIT_INTERRUPTED
 EXIT_USAGE = 2
 
 COMMANDS: dict[str, Command] = {c.name: c for c in (
-    run_commands.RUN, run_commands.RETRY, trace_commands.COMPARE, verdict_commands.PLAN,
+    run_commands.RUN, run_commands.RETRY, trace_commands.MERGE, trace_commands.COMPARE, verdict_commands.PLAN,
     verdict_commands.REFERENCE_RECORD, verdict_commands.GATE, trace_commands.REGRADE, trace_commands.REPORT,
     case_commands.GRADE, case_commands.LIST, case_commands.VALIDATE, case_commands.SELFTEST, run_commands.PROBE,
     determinism_commands.DETERMINISM, case_commands.DATA_PULL)}

@@ -1,5 +1,6 @@
 """`ds4-eval` commands about cases and grading that run no model: list, validate, selftest, grade,
-data pull; and the case lookups the run commands share (`load_selected`, `available_cases`).
+data pull; and the case lookups the run commands share (`load_selected`, `shard_part`,
+`available_cases`).
 
 Each handler takes its config (`ds4eval.config`), prints its result on stdout and returns the
 exit status: 0, or 1 when a check it makes fails (validate, selftest). Bad input raises
@@ -9,6 +10,7 @@ exit status: 0, or 1 when a check it makes fails (validate, selftest). Bad input
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -18,6 +20,7 @@ from ds4eval.cases import case as cs
 from ds4eval.cases import grade, manifest, selftest
 from ds4eval.cases.suites import DataMissing, load_suite
 from ds4eval.cli import flags
+from ds4eval.run import shards
 from ds4eval.cli.command import Command
 from ds4eval.cli.inputs import UsageFailure, read_text
 from ds4eval.config import DataPullConfig, EvalConfig, GradeConfig, ListConfig, SelfTestConfig, ValidateConfig
@@ -36,6 +39,19 @@ def load_selected(cfg: EvalConfig | ListConfig) -> list[cs.Case]:
     return selected
 
 
+def shard_part(cfg: EvalConfig | ListConfig, selected: list[cs.Case]) -> shards.ShardPart | None:
+    """The part of `selected` that --shard names (None without --shard); UsageFailure when
+    --shard auto finds no array job in the environment."""
+    try:
+        shard = shards.resolve(cfg.shard, os.environ)
+    except shards.ShardError as e:
+        raise UsageFailure(str(e)) from None
+    if shard is None:
+        return None
+    return shards.part(selected, shard, getattr(cfg, "repeats", 1),
+                       shards.filters_json(cfg.case_ids, cfg.domains, cfg.sources))
+
+
 def available_cases(data_dir: Path) -> dict[tuple[str, str], cs.Case]:
     """Every case this installation can see: the sanity suite plus present data files."""
     found: dict[tuple[str, str], cs.Case] = {}
@@ -51,10 +67,14 @@ def list_cases(cfg: ListConfig) -> int:
     from tabulate import tabulate
 
     selected = load_selected(cfg)
-    rows = [[i, c.source, c.id, c.domain, c.answer_kind, c.max_tokens or "", c.title[:50]]
-            for i, c in enumerate(selected, 1)]
+    part = shard_part(cfg, selected)
+    numbered = list(enumerate(selected, 1)) if part is None else list(zip(part.numbers, part.cases))
+    rows = [[i, c.source, c.id, c.domain, c.answer_kind, c.max_tokens or "", c.title[:50]] for i, c in numbered]
     click.echo(tabulate(rows, headers=["#", "source", "id", "domain", "kind", "max_tokens", "title"]))
-    click.echo(f"{len(selected)} cases in suite {cfg.suite}")
+    if part is None:
+        click.echo(f"{len(selected)} cases in suite {cfg.suite}")
+    else:
+        click.echo(f"{len(part.cases)} of the {len(selected)} cases of suite {cfg.suite} in shard {part.shard}")
     return 0
 
 

@@ -22,6 +22,9 @@ case_ids = click.option("--case-id", "case_ids", multiple=True, help="Run only t
 domains = click.option("--domain", "domains", multiple=True, help="Run only this domain (repeatable).")
 sources = click.option("--source", "sources", multiple=True, help="Run only this source (repeatable).")
 data_dir = click.option("--data-dir", type=click.Path(file_okay=False), help="Case data directory.")
+shard = click.option("--shard", metavar="I/N|auto",
+                     help="Run only shard I (0-based) of N of the selected cases, split by case identity; "
+                          "auto: from a Slurm array job or a Kubernetes Indexed Job (docs/scaling.md).")
 
 # ---------------------------------------------------------------- backend
 
@@ -97,7 +100,7 @@ data_url = click.option("--data-url", default=DEFAULT_DATA_URL, show_default=Tru
 
 # ---------------------------------------------------------------- shared sets
 
-CASE_SELECTION = (suite, case_ids, domains, sources, data_dir)
+CASE_SELECTION = (suite, case_ids, domains, sources, data_dir, shard)
 BACKEND = (backend, model, ctx, device, url, api_key, served_model, concurrency, parallel, threads,
            request_timeout_s, request_extra, chat_template_kwargs, tokenizer, kv_type, no_probe)
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)

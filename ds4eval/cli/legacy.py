@@ -35,7 +35,7 @@ def is_legacy(args: list[str]) -> bool:
 ModeBuilder = Callable[[Any, EvalConfig, dict], CommandConfig]
 MODES: dict[str, tuple[str, ModeBuilder]] = {
     "list_cases": ("list", lambda _, run, old: ListConfig(run.suite, run.case_ids, run.domains, run.sources,
-                                                         run.data_dir)),
+                                                         run.data_dir, run.shard)),
     "validate_cases": ("validate", lambda _, run, old: ValidateConfig(run.data_dir)),
     "self_test_extractors": ("selftest", lambda _, run, old: SelfTestConfig()),
     "grade_file": ("grade", lambda path, run, old: GradeConfig(path)),

@@ -23,7 +23,7 @@ import click
 from ds4eval.atomicfile import write_text_atomic
 from ds4eval.cases import case as cs
 from ds4eval.cli import flags
-from ds4eval.cli.case_commands import available_cases, load_selected
+from ds4eval.cli.case_commands import available_cases, load_selected, shard_part
 from ds4eval.cli.command import Command
 from ds4eval.cli.inputs import UsageFailure, file_size, modified, read_bytes, read_trace, write_report
 from ds4eval.config import EvalConfig, ProbeConfig, RetryConfig
@@ -55,12 +55,14 @@ def _not_graded_line(totals: dict) -> str:
             f"(--allow-errors exits 0)")
 
 
-def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repeats) -> tuple[list, float, bool, str]:
+def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repeats,
+               shard_header) -> tuple[list, float, bool, str]:
     """Run without the terminal UI; a signal stops the run at the next token boundary."""
     from ds4eval.run.runner import Runner
 
     listener = report.PlainListener(len(selected) * (cfg.repeats if repeats is None else 1))
-    runner = Runner(cfg, selected, backend, [listener], numbers=numbers, repeats=repeats)
+    runner = Runner(cfg, selected, backend, [listener], numbers=numbers, repeats=repeats,
+                    shard_header=shard_header)
     result: dict = {}
     done = threading.Event()
 
@@ -88,9 +90,11 @@ def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repea
 
 
 def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | None = None,
-              repeats: list[int] | None = None, report_whole_trace: bool = False) -> int:
+              repeats: list[int] | None = None, report_whole_trace: bool = False,
+              shard_header: dict | None = None) -> int:
     """Run the cases; with --report, the report covers the records this run appends to the trace
-    (the whole trace with `report_whole_trace`, as a retry completes the run it retries)."""
+    (the whole trace with `report_whole_trace`, as a retry completes the run it retries).
+    `shard_header` holds the run header's shard fields when the cases are one shard's."""
     from ds4eval.run.backends import BackendUnavailable, create_backend
 
     report_offset = 0 if report_whole_trace or not cfg.report else file_size(cfg.trace)
@@ -108,10 +112,10 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
         if not cfg.plain and tui.terminal_ui_available():
             # The live terminal UI owns the terminal until the user quits; it restores the terminal
             # and prints the finished cases' lines before the report below.
-            outcome = tui.run_with_ui(cfg, selected, backend, numbers, repeats=repeats)
+            outcome = tui.run_with_ui(cfg, selected, backend, numbers, repeats=repeats, shard_header=shard_header)
             states, wall_s, interrupted, failed = outcome.states, outcome.wall_s, outcome.interrupted, outcome.error
         else:
-            states, wall_s, interrupted, failed = _run_plain(cfg, selected, backend, numbers, repeats)
+            states, wall_s, interrupted, failed = _run_plain(cfg, selected, backend, numbers, repeats, shard_header)
     finally:
         if hasattr(backend, "close"):
             backend.close()  # joins the engine's own thread, on every way out
@@ -146,7 +150,12 @@ def _write_run_report(cfg: EvalConfig, offset: int) -> None:
 
 
 def run(cfg: EvalConfig) -> int:
-    return run_cases(cfg, load_selected(cfg))
+    selected = load_selected(cfg)
+    part = shard_part(cfg, selected)
+    if part is None:
+        return run_cases(cfg, selected)
+    click.echo(f"ds4-eval: shard {part.shard}: {len(part.cases)} of the {part.selected} selected cases", err=True)
+    return run_cases(cfg, part.cases, part.numbers, shard_header=part.header_fields())
 
 
 def retry(cfg: RetryConfig) -> int:
@@ -163,12 +172,14 @@ def retry(cfg: RetryConfig) -> int:
     if missing:
         raise UsageFailure(f"cases not found in the data: {', '.join(missing)}")
     numbers = regrade.case_numbers(parsed.records, parsed.runs)
+    # A shard's retry writes the shard's header again, so that the shards still merge.
+    shard_header = next((run.shard_fields() for run in parsed.runs if run.shard), None)
     # The trace's own repeat count: what a retry writes and reports belongs to that run.
     settings = cfg.run_settings(max([run.repeats for run in parsed.runs] + [r + 1 for _, _, r in todo]))
     what = "incomplete case(s)" if settings.repeats == 1 else f"incomplete repeat(s) of {settings.repeats}"
     click.echo(f"retrying {len(todo)} {what} from {path}")
     return run_cases(settings, [known[(s, i)] for s, i, _ in todo], [numbers[(s, i)] for s, i, _ in todo],
-                     [r for _, _, r in todo], report_whole_trace=True)
+                     [r for _, _, r in todo], report_whole_trace=True, shard_header=shard_header)
 
 
 def probe(cfg: ProbeConfig) -> int:

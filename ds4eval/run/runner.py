@@ -31,7 +31,8 @@ Contract
   hash, rendered-prompt hash and repeat index, and the latency figures its backend measured
   (`GenerationResult.latency`, `ds4eval.run.latency`; unknown for a case that was running
   while the run was paused, as they would measure the pause); `run()` first writes the
-  trace's run header (every selected case's number, source and id, and K).
+  trace's run header (every selected case's number, source and id, and K; a shard's run adds
+  the `shard_header` fields it is given, ds4eval.run.shards).
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -43,7 +44,7 @@ import enum
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 from ds4eval.cases import grade
 from ds4eval.cases import prompts
@@ -369,8 +370,10 @@ class Runner:
 
     def __init__(self, config: EvalConfig, cases: Sequence[Case], backend: Backend,
                  listeners: Sequence[Listener] = (), *, numbers: Sequence[int] | None = None,
-                 repeats: Sequence[int] | None = None, keep_alive: bool = False):
+                 repeats: Sequence[int] | None = None, keep_alive: bool = False,
+                 shard_header: Mapping[str, object] | None = None):
         self.config = config
+        self.shard_header = dict(shard_header or {})  # RunHeader's shard fields (ds4eval.run.shards)
         self.backend = backend
         self.keep_alive = keep_alive
         nums = list(numbers) if numbers is not None else list(range(1, len(cases) + 1))
@@ -454,7 +457,7 @@ class Runner:
             # Every selected case, before any of them starts: a killed run can then be retried
             # in full, cases that never started included.
             cases = tuple(dict.fromkeys((st.number, st.case.source, st.case.id) for st in self.states))
-            self._trace.write_header(RunHeader(self.config.suite, cases, self.config.repeats))
+            self._trace.write_header(RunHeader(self.config.suite, cases, self.config.repeats, **self.shard_header))
         self._control.emit(RunStarted(len(self.states), self.backend.name, self.backend.model_name,
                                       self.backend.n_ctx))
         workers = [threading.Thread(target=self._worker, name=f"ds4eval-worker-{i}", daemon=True)

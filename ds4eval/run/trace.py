@@ -166,12 +166,26 @@ class RunHeader:
     suite: str
     cases: tuple[tuple[int, str, str], ...]
     repeats: int = 1  # --repeats K: every case is to be recorded K times
+    # A shard's run (ds4eval.run.shards): "I/N", the whole selection's digest and size, and the
+    # selection flags as JSON, so that a merge can check and name what the other shards hold.
+    shard: str = ""
+    selection: str = ""
+    selected: int = 0
+    filters: str = ""
+
+    def shard_fields(self) -> dict:
+        """The shard fields, as `RunHeader(**)` takes them (empty strings and 0 when not a shard's)."""
+        return {"shard": self.shard, "selection": self.selection, "selected": self.selected,
+                "filters": self.filters}
 
 
 def format_run_header(header: RunHeader) -> str:
     out = [f"{RUN_MARKER} v{FORMAT_VERSION}", f"suite: {_escape(header.suite)}"]
     if header.repeats != 1:
         out.append(f"repeats: {header.repeats}")
+    if header.shard:
+        out += [f"shard: {header.shard}", f"selection: {header.selection}", f"selected: {header.selected}",
+                f"filters: {_escape(header.filters)}"]
     out += [f"case: {json.dumps([n, src, cid], ensure_ascii=False)}" for n, src, cid in header.cases]
     out.append(END_MARKER)
     return "\n".join(out) + "\n"
@@ -341,12 +355,13 @@ class _Reader:
 
     def run_header(self, pos: int) -> tuple[RunHeader, int]:
         text, suite, cases, repeats = self.text, "", [], 1
+        shard: dict = {}
         pos = self.line_end(pos) + 1
         while pos < self.end:
             eol = self.line_end(pos)
             line = text[pos:eol]
             if line == END_MARKER:
-                return RunHeader(suite, tuple(cases), repeats), eol + 1
+                return RunHeader(suite, tuple(cases), repeats, **shard), eol + 1
             key, sep, raw = line.partition(": ")
             if line.startswith("%%") or not sep:
                 break
@@ -359,6 +374,13 @@ class _Reader:
                     raise TraceFormatError(f"bad repeats line {line!r}") from None
                 if repeats < 1:
                     raise TraceFormatError(f"bad repeats line {line!r}")
+            elif key in ("shard", "selection", "filters"):
+                shard[key] = _unescape(raw)
+            elif key == "selected":
+                try:
+                    shard[key] = int(raw)
+                except ValueError:
+                    raise TraceFormatError(f"bad selected line {line!r}") from None
             elif key == "case":
                 try:
                     n, src, cid = json.loads(raw)

@@ -69,7 +69,7 @@ import pandas as pd
 
 from ds4eval.config import ALLOWED_DIFFS
 from ds4eval.run.provenance import split_tokens
-from ds4eval.run.trace import TraceRecord, parse_trace
+from ds4eval.run.trace import ParsedTrace, TraceRecord, parse_trace
 from ds4eval.verdict import power as pw
 from ds4eval.verdict import regrade
 from ds4eval.verdict import repeats
@@ -241,24 +241,35 @@ def read_run(text: str, label: str) -> Run:
 
 
 def _read_run(text: str, label: str) -> Run:
-    if text.lstrip().startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CompareInputError(f"{label}: not a ds4-eval summary (invalid JSON: {e.msg})") from None
-        if not isinstance(obj, dict) or obj.get("format") != "ds4eval-summary":
-            raise CompareInputError(f"{label}: JSON that is not a ds4-eval summary")
-        found, kind, problems, suite = _summary_cases(obj, label), "summary", [], str(obj.get("suite") or "")
-        records: tuple[TraceRecord, ...] = ()
-    else:
-        parsed = parse_trace(text)
-        if not parsed.records:
-            why = f" ({parsed.problems[0]})" if parsed.problems else " (no case blocks)"
-            raise CompareInputError(f"{label}: not a ds4-eval trace{why}")
-        if any(r.repeat for r in parsed.records):
-            return _repeated_run(parsed.records, label, list(parsed.problems))
-        found, kind, problems = [_record_case(r) for r in parsed.records], "trace", list(parsed.problems)
-        suite, records = parsed.records[-1].suite, tuple(parsed.records)
+    if not text.lstrip().startswith("{"):
+        return _trace_run(parse_trace(text), label)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CompareInputError(f"{label}: not a ds4-eval summary (invalid JSON: {e.msg})") from None
+    if not isinstance(obj, dict) or obj.get("format") != "ds4eval-summary":
+        raise CompareInputError(f"{label}: JSON that is not a ds4-eval summary")
+    return _run_of(_summary_cases(obj, label), label, "summary", [], str(obj.get("suite") or ""), ())
+
+
+def trace_run(parsed: ParsedTrace, label: str) -> Run:
+    """The run of an already parsed trace (e.g. shard traces merged by ds4eval.run.merge)."""
+    with collector_paused():
+        return _trace_run(parsed, label)
+
+
+def _trace_run(parsed: ParsedTrace, label: str) -> Run:
+    if not parsed.records:
+        why = f" ({parsed.problems[0]})" if parsed.problems else " (no case blocks)"
+        raise CompareInputError(f"{label}: not a ds4-eval trace{why}")
+    if any(r.repeat for r in parsed.records):
+        return _repeated_run(parsed.records, label, list(parsed.problems))
+    found = [_record_case(r) for r in parsed.records]
+    return _run_of(found, label, "trace", list(parsed.problems), parsed.records[-1].suite, tuple(parsed.records))
+
+
+def _run_of(found: list, label: str, kind: str, problems: list[str], suite: str,
+            records: tuple[TraceRecord, ...]) -> Run:
     cases: dict[tuple[str, str], CaseRun] = {}
     for c in found:
         cases[(c.source, c.id)] = c

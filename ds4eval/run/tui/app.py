@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ds4eval.cases.case import Case
 from ds4eval.config import EvalConfig
@@ -283,9 +283,11 @@ class _App:
 
 
 def run_with_ui(config: EvalConfig, cases: Sequence[Case], backend, numbers: Sequence[int] | None = None,
-                settings: UISettings = UISettings(), repeats: Sequence[int] | None = None) -> UIOutcome:
+                settings: UISettings = UISettings(), repeats: Sequence[int] | None = None,
+                shard_header: Mapping[str, object] | None = None) -> UIOutcome:
     stats = LiveStats()
-    runner = Runner(config, cases, backend, [stats], numbers=numbers, repeats=repeats, keep_alive=True)
+    runner = Runner(config, cases, backend, [stats], numbers=numbers, repeats=repeats, keep_alive=True,
+                    shard_header=shard_header)
     box: dict = {}
 
     def work() -> None:

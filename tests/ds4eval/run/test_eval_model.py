@@ -38,3 +38,33 @@ def test_three_sanity_cases_on_the_embedded_model(tmp_path):
     # Greedy decoding is deterministic: a second run of the same case gives the same output.
     again = Runner(cfg, selected[:1], backend).run()[0]
     assert again.output == states[0].output
+
+
+@pytest.mark.model
+def test_shards_merge_into_the_run_one_process_makes(tmp_path):
+    """Three shards of eight sanity cases, each written as `run --shard I/3` writes it, merge into
+    the trace of the whole run: same cases, numbers, greedy outputs and verdicts."""
+    import engine
+
+    from ds4eval.run import merge, shards
+    from ds4eval.run.backends.engine_backend import EngineBackend
+    from ds4eval.run.trace import read_trace
+
+    backend = EngineBackend(engine.load_model(), engine)
+    selected = load_suite("sanity", tmp_path)[:8]
+    whole = EvalConfig(tokens=24, trace=str(tmp_path / "whole.trace"))
+    Runner(whole, selected, backend).run()
+    traces = []
+    for i in range(3):
+        part = shards.part(selected, shards.Shard(i, 3), 1, shards.filters_json((), (), ()))
+        cfg = EvalConfig(tokens=24, trace=str(tmp_path / f"s{i}.trace"))
+        Runner(cfg, part.cases, backend, numbers=part.numbers, shard_header=part.header_fields()).run()
+        traces.append(merge.ShardTrace(cfg.trace, read_trace(cfg.trace)))
+    merged = merge.merge(traces)
+    expected = read_trace(whole.trace)
+    assert merged.unfinished == [] and merged.header == expected.runs[0]
+
+    def key(r):
+        return r.index, r.source, r.id, r.status, r.picked, r.model_output, r.gen_tokens
+
+    assert [key(r) for r in merged.records] == [key(r) for r in expected.records]
