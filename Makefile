@@ -15,7 +15,7 @@ PRODUCT_FLOOR ?= 0.90
 PRODUCT_OWN_MAX ?= 0.05
 
 .PHONY: setup run test test-slow test-frontends test-unit test-quality gate-quality gate-reference gate-speed gate ci-speed clean \
-        setup-browser test-browser screenshot setup-lmeval setup-llamacpp bench
+        setup-browser test-browser screenshot setup-lmeval setup-llamacpp setup-ray bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -127,6 +127,9 @@ setup-lmeval: setup
 # whose tests run only with it.
 setup-llamacpp: setup
 	$(PY) -m pip install -q -e '.[dev,reference,llamacpp]'
+
+setup-ray: setup
+	$(PY) -m pip install -q -e '.[dev,reference,ray]'
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

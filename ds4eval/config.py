@@ -31,6 +31,8 @@ DEFAULT_DATA_URL = "https://raw.githubusercontent.com/antirez/ds4/8d57664"
 UNFLAGGED_RUN_FIELDS = ("think_soft_reserve", "think_hard_reserve")
 """EvalConfig fields no flag sets: library callers tune them; a command-line run keeps the defaults."""
 RETRY_FROM_TRACE = ("case_ids", "domains", "sources", "shard", "repeats")
+RUN_ONLY_FIELDS = ("ray", "ray_shards")
+"""EvalConfig fields only `ds4-eval run` sets: a retry runs in one process."""
 """EvalConfig fields a retry takes from the trace it retries, so `ds4-eval retry` has no flags for them."""
 
 
@@ -105,6 +107,12 @@ class EvalConfig(CommandConfig):
     no_probe: bool = False
     """--no-probe: skip the capability probe before a run against a server (one cheap request
     per request feature the run needs; see ds4eval.run.probe)."""
+    ray: str | None = None
+    """--ray [ADDRESS]: spread the run over a Ray cluster, one task a shard (ds4eval.run.raycluster);
+    "" (the flag alone) lets Ray choose: $RAY_ADDRESS, a cluster started on this machine, or a
+    new local one. None runs in this process."""
+    ray_shards: int | None = None
+    """--ray-shards N: the number of shards (default: one per GPU, or per task's CPUs, of the cluster)."""
 
     # --- generation
     tokens: int = DEFAULT_TOKENS
@@ -194,6 +202,13 @@ class EvalConfig(CommandConfig):
             raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
         if self.kv_type is not None and self.backend != "engine":
             raise ConfigError("--kv-type applies to the engine backend")
+        if self.ray is not None:
+            if not self.trace:
+                raise ConfigError("--ray needs --trace FILE: the shards' traces are merged into it")
+            if self.shard is not None:
+                raise ConfigError("--ray makes its own shards; --shard is for runs that a scheduler starts")
+        if self.ray_shards is not None and (self.ray is None or self.ray_shards < 1):
+            raise ConfigError("--ray-shards takes a positive count, with --ray")
         check_report_file(self.report)
         if self.report is not None and not self.trace:
             raise ConfigError("--report needs --trace FILE for a run: the report is rendered from the records "

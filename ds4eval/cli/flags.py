@@ -52,6 +52,10 @@ tokenizer = click.option("--tokenizer", type=click.Path(dir_okay=False),
 kv_type = click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
                        help="Engine KV cache type (default: f16 on CPU, bf16 on CUDA).")
 no_probe = click.option("--no-probe", is_flag=True, help="Skip the capability probe before a run against a server.")
+ray = click.option("--ray", metavar="[ADDRESS]", is_flag=False, flag_value="", default=None,
+                   help="Spread the run over a Ray cluster (the `ray` extra), one task a shard; ADDRESS as "
+                        "ray.init takes it (default: $RAY_ADDRESS or a local cluster). Needs --trace.")
+ray_shards = click.option("--ray-shards", type=int, help="Shards of a --ray run (default: one per GPU or task slot).")
 
 # ---------------------------------------------------------------- generation
 
@@ -106,7 +110,7 @@ BACKEND = (backend, model, ctx, device, url, api_key, served_model, concurrency,
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)
 OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP))
 
-RUN = (*CASE_SELECTION, *BACKEND, *SAMPLING, repeats, *OUTPUT)
+RUN = (*CASE_SELECTION, *BACKEND, *SAMPLING, repeats, *OUTPUT, ray, ray_shards)
 """Every flag of `ds4-eval run`, one per settable EvalConfig field."""
 RETRY = (suite, data_dir, *BACKEND, *SAMPLING, *OUTPUT)
 """The run flags a retry takes: the trace decides which cases and how many repeats (RETRY_FROM_TRACE).

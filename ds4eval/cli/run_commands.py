@@ -120,10 +120,19 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
         if hasattr(backend, "close"):
             backend.close()  # joins the engine's own thread, on every way out
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
-            "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                         "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx,
-                         "parallel": cfg.parallel, "concurrency": effective_concurrency(cfg, backend)}}
-    info["provenance"] = run_provenance(backend)
+            "settings": _settings(cfg, backend.n_ctx, effective_concurrency(cfg, backend)),
+            "provenance": run_provenance(backend)}
+    return _finish(cfg, states, wall_s, interrupted, failed, info, report_offset)
+
+
+def _settings(cfg: EvalConfig, n_ctx: int | None, concurrency: int) -> dict:
+    return {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "min_p": cfg.min_p,
+            "seed": cfg.seed, "think": cfg.think, "ctx": n_ctx, "parallel": cfg.parallel, "concurrency": concurrency}
+
+
+def _finish(cfg: EvalConfig, states: list, wall_s: float, interrupted: bool, failed: str, info: dict,
+            report_offset: int) -> int:
+    """The report, summary and exit status of a finished run (in one process or on Ray)."""
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:
@@ -149,8 +158,32 @@ def _write_run_report(cfg: EvalConfig, offset: int) -> None:
     write_report(cfg.report, reports.render_run(parsed.records, fmt, cfg.trace, modified(cfg.trace)))
 
 
+def run_ray(cfg: EvalConfig, selected: list[cs.Case]) -> int:
+    """The run spread over a Ray cluster (ds4eval.run.raycluster), reported as a run in one process is."""
+    from ds4eval.run import raycluster
+    from ds4eval.run.provenance import RUN_FIELDS
+
+    report_offset = 0 if not cfg.report else file_size(cfg.trace)
+    try:
+        outcome = raycluster.run_on_ray(cfg, selected, lambda line: click.echo(line, err=True))
+    except raycluster.RayUnavailable as e:
+        raise UsageFailure(str(e)) from None
+    for line in outcome.failures:
+        click.echo(f"ds4-eval: ray: {line}", err=True)
+    first = outcome.merged.records[0] if outcome.merged and outcome.merged.records else None
+    concurrency = max(cfg.concurrency, cfg.parallel or 1)
+    info = {"suite": cfg.suite, "backend": first.backend if first else cfg.backend,
+            "model": first.model if first else "",
+            "settings": _settings(cfg, cfg.ctx, concurrency),
+            "provenance": {k: getattr(first, k, "") for k in RUN_FIELDS} if first else {},
+            "ray": {"address": cfg.ray or "local", "shards": outcome.shards, "failures": outcome.failures}}
+    return _finish(cfg, outcome.states, outcome.wall_s, outcome.interrupted, "", info, report_offset)
+
+
 def run(cfg: EvalConfig) -> int:
     selected = load_selected(cfg)
+    if cfg.ray is not None:
+        return run_ray(cfg, selected)
     part = shard_part(cfg, selected)
     if part is None:
         return run_cases(cfg, selected)

@@ -32,7 +32,8 @@ Contract
   (`GenerationResult.latency`, `ds4eval.run.latency`; unknown for a case that was running
   while the run was paused, as they would measure the pause); `run()` first writes the
   trace's run header (every selected case's number, source and id, and K; a shard's run adds
-  the `shard_header` fields it is given, ds4eval.run.shards).
+  the `shard_header` fields it is given, ds4eval.run.shards). `trace_sink` replaces the trace
+  file as the receiver of those blocks.
 It does not parse flags, render anything, or know how a backend talks to a model.
 """
 
@@ -151,6 +152,15 @@ class RunFinished:
     states: tuple[CaseState, ...]
     wall_s: float
     stopped: bool
+
+
+class TraceSink(Protocol):
+    """Where a run's trace blocks go: a `TraceWriter` on config.trace by default, or what the
+    caller gives as `trace_sink` (e.g. a Ray task's link to the driver, ds4eval.run.raycluster)."""
+
+    def write_header(self, header: RunHeader) -> None: ...
+    def write(self, rec: TraceRecord) -> None: ...
+    def close(self) -> None: ...
 
 
 class Listener(Protocol):
@@ -371,7 +381,7 @@ class Runner:
     def __init__(self, config: EvalConfig, cases: Sequence[Case], backend: Backend,
                  listeners: Sequence[Listener] = (), *, numbers: Sequence[int] | None = None,
                  repeats: Sequence[int] | None = None, keep_alive: bool = False,
-                 shard_header: Mapping[str, object] | None = None):
+                 shard_header: Mapping[str, object] | None = None, trace_sink: TraceSink | None = None):
         self.config = config
         self.shard_header = dict(shard_header or {})  # RunHeader's shard fields (ds4eval.run.shards)
         self.backend = backend
@@ -388,7 +398,7 @@ class Runner:
         self._lock, self._cond = self._control.lock, self._control.cond
         self._queue: collections.deque[int] = collections.deque(range(len(self.states)))
         self._running: dict[int, _Ctx] = {}
-        self._trace = TraceWriter(config.trace) if config.trace else None
+        self._trace = trace_sink or (TraceWriter(config.trace) if config.trace else None)
         self.wall_s = 0.0
         self._provenance: dict[str, str] | None = None
 

@@ -509,6 +509,10 @@ class TraceWriter:
     def write(self, rec: TraceRecord) -> None:
         self._append(format_record(rec))
 
+    def append_block(self, text: str) -> None:
+        """Text already formatted as whole blocks (`format_record`, `format_run_header`)."""
+        self._append(text)
+
     def _append(self, block: str) -> None:
         with self._lock:
             self._file.write(block)

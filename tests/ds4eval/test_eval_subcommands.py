@@ -13,7 +13,7 @@ from report_fakes import flip_pair, run_records, trace_text
 
 from ds4eval import cli
 from ds4eval.cli import app, legacy
-from ds4eval.config import (RETRY_FROM_TRACE, UNFLAGGED_RUN_FIELDS, CompareConfig, EvalConfig, ListConfig,
+from ds4eval.config import (RETRY_FROM_TRACE, RUN_ONLY_FIELDS, UNFLAGGED_RUN_FIELDS, CompareConfig, EvalConfig, ListConfig,
                             RetryConfig)
 from ds4eval.run import trace as tr
 
@@ -70,7 +70,7 @@ def _field_names(config_type: type) -> set[str]:
     names = set()
     for f in dataclasses.fields(config_type):
         if f.type in ("EvalConfig", EvalConfig):
-            names |= _field_names(EvalConfig) - set(RETRY_FROM_TRACE)
+            names |= _field_names(EvalConfig) - set(RETRY_FROM_TRACE) - set(RUN_ONLY_FIELDS)
         else:
             names.add(f.name)
     return names - set(UNFLAGGED_RUN_FIELDS)
