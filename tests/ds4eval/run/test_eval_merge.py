@@ -1,8 +1,6 @@
 """Merging shard traces (ds4eval.run.merge): a good set makes the run one process would have
 written; every way a set can fail to be one run is refused with a line that says which."""
 
-import dataclasses
-
 import pytest
 
 from ds4eval.cases.case import Case, case_hash
