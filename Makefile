@@ -81,7 +81,8 @@ ci-speed: setup
 # decoding speed with and without a schema.
 bench: setup
 	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-enable --benchmark-only tests/server/test_constraints_bench.py \
-		tests/ds4eval/verdict/test_eval_compare_bench.py tests/engine/test_cpu_kernels_bench.py
+		tests/ds4eval/verdict/test_eval_compare_bench.py tests/ds4eval/run/test_eval_merge_bench.py \
+		tests/engine/test_cpu_kernels_bench.py
 
 # The README's test command, which CI runs: every CPU test but the slow ones, the quality gate and
 # the speed check.

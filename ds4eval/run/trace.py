@@ -109,6 +109,8 @@ _HEADER_FIELDS = [f for f in fields(TraceRecord) if f.name not in _BLOCK_FIELD.v
 
 
 def _escape(value: str) -> str:
+    if "\\" not in value and "\n" not in value and "\r" not in value:
+        return value  # the common case, and the writer's hot path: no copy
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
 
 
@@ -144,11 +146,22 @@ def _stuff(text: str) -> str:
     return "\n".join("%" + line if line.startswith("%%") else line for line in text.split("\n"))
 
 
+# Each header field's writer: a field whose value is a plain str or int takes the short path; the
+# others (floats, bools, optional values, aliases) the general one. Both write the same text.
+_PLAIN_TYPES = {"str", "int"}
+_HEADER_WRITERS = tuple((f.name, f"{f.name}: ", f.type in _PLAIN_TYPES) for f in _HEADER_FIELDS)
+
+
 def format_record(rec: TraceRecord) -> str:
     """One complete block, ending with a newline."""
     out = [f"{CASE_MARKER} {rec.index} v{FORMAT_VERSION}"]
-    for f in _HEADER_FIELDS:
-        out.append(f"{f.name}: {_header_value(rec, f.name)}")
+    values = vars(rec)
+    for name, prefix, plain in _HEADER_WRITERS:
+        v = values[name]
+        if plain and (type(v) is str or type(v) is int):
+            out.append(prefix + (_escape(v) if type(v) is str else str(v)))
+        else:
+            out.append(prefix + _header_value(rec, name))
     for block in BLOCKS:
         text = getattr(rec, _BLOCK_FIELD[block])
         out.append(f"{BLOCK_MARKER} {block} chars={len(text)}")
