@@ -15,7 +15,7 @@ PRODUCT_FLOOR ?= 0.90
 PRODUCT_OWN_MAX ?= 0.05
 
 .PHONY: setup run test test-slow test-frontends test-unit test-quality gate-quality gate-reference gate-speed gate ci-speed clean \
-        setup-browser test-browser screenshot setup-lmeval setup-llamacpp setup-ray bench
+        setup-browser test-browser screenshot setup-lmeval setup-llamacpp setup-ray setup-recipes bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -131,6 +131,11 @@ setup-llamacpp: setup
 
 setup-ray: setup
 	$(PY) -m pip install -q -e '.[dev,reference,ray]'
+
+# HAProxy, only so that the load-balancer recipe (docs/recipes/haproxy-replicas.cfg) is checked.
+setup-recipes:
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -q
+	$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -q haproxy
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

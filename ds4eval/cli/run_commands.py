@@ -181,6 +181,8 @@ def run_ray(cfg: EvalConfig, selected: list[cs.Case]) -> int:
 
 
 def run(cfg: EvalConfig) -> int:
+    """The selected cases (or --shard's part of them, continuing a trace that already holds that
+    shard) in this process, or spread over Ray with --ray."""
     selected = load_selected(cfg)
     if cfg.ray is not None:
         return run_ray(cfg, selected)
@@ -188,7 +190,32 @@ def run(cfg: EvalConfig) -> int:
     if part is None:
         return run_cases(cfg, selected)
     click.echo(f"ds4-eval: shard {part.shard}: {len(part.cases)} of the {part.selected} selected cases", err=True)
-    return run_cases(cfg, part.cases, part.numbers, shard_header=part.header_fields())
+    todo = shard_unfinished(cfg.trace, part)
+    if todo is None:
+        return run_cases(cfg, part.cases, part.numbers, shard_header=part.header_fields())
+    # The trace already holds this shard of this selection (a preempted or failed array task run
+    # again): continue it as a retry would, without running finished cases again.
+    click.echo(f"ds4-eval: shard {part.shard}: {cfg.trace} already holds it; {len(todo)} of "
+               f"{len(part.cases) * cfg.repeats} case runs left", err=True)
+    if not todo:
+        return 0
+    by_key = {(c.source, c.id): (c, n) for c, n in zip(part.cases, part.numbers)}
+    return run_cases(cfg, [by_key[(s, i)][0] for s, i, _ in todo], [by_key[(s, i)][1] for s, i, _ in todo],
+                     [r for _, _, r in todo], report_whole_trace=True, shard_header=part.header_fields())
+
+
+def shard_unfinished(path: str | None, part) -> list[tuple[str, str, int]] | None:
+    """The (source, id, repeat) of `part` that the trace at `path` has not finished graded, when
+    it holds a run of the same shard of the same selection; None when it holds none."""
+    if not path or not os.path.exists(path):
+        return None
+    parsed = read_trace(path)
+    runs = [r for r in parsed.runs if r.shard == str(part.shard) and r.selection == part.selection]
+    if not runs:
+        return None
+    mine = {(c.source, c.id) for c in part.cases}
+    records = [r for r in parsed.records if (r.source, r.id) in mine]
+    return [key for key in regrade.incomplete(records, runs) if key[:2] in mine]
 
 
 def retry(cfg: RetryConfig) -> int:

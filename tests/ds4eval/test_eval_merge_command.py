@@ -3,6 +3,7 @@ regrade: the command line around ds4eval.run.merge (files in, files out, exit st
 
 import os
 
+import pytest
 from click.testing import CliRunner
 
 from ds4eval import cli
@@ -127,3 +128,24 @@ def test_list_shows_a_shards_cases_with_their_numbers(tmp_path):
     assert r.exit_code == 2 and "index must be in 0..count-1" in r.output
     r = invoke("run", "--shard", "auto", "--plain")
     assert r.exit_code == 2 and "no array-job index in the environment" in r.output
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_a_shard_run_again_runs_only_what_its_trace_lacks(tmp_path):
+    """An array task started again on its own trace (preempted, or its pod restarted) continues
+    its shard: the cases already graded are not run again."""
+    trace = tmp_path / "shard.trace"
+    args = ["run", "--plain", "-n", "8", "--domain", "arithmetic", "--shard", "0/2", "--trace", trace]
+    assert invoke(*args).exit_code == 0
+    first = tr.read_trace(trace)
+    text = trace.read_text()
+    trace.write_text(text[:text.rindex("%%case ")])  # the task died before its last case ended
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    assert f"already holds it; 1 of {len(first.records)} case runs left" in r.output
+    again = tr.read_trace(trace)
+    assert [(x.id, x.model_output) for x in again.records] == [(x.id, x.model_output) for x in first.records]
+    assert len(again.runs) == 2 and again.runs[1].cases == ((first.records[-1].index, "sanity", first.records[-1].id),)
+    r = invoke(*args)
+    assert r.exit_code == 0 and "0 of" in r.output and len(tr.read_trace(trace).records) == len(first.records)
