@@ -21,8 +21,11 @@ Contract
 - `retry_delay(attempt, retry_after_s)`: how long a case waits before its next attempt
   (jittered exponential backoff, or the server's Retry-After, both bounded).
 - `stats()`: per endpoint, requests sent, failures, times taken out, whether it is out now.
-- `read_url_list(text)` (pure) parses a --url-file: one URL per line, `#` comments and blank
-  lines ignored; `retry_after_seconds(value)` parses a Retry-After header.
+- `configured_urls(urls, url_file)`: the endpoints a run was given, --url first, then the
+  --url-file's (read here; `read_url_list` parses it: one URL per line, `#` comments and blank
+  lines ignored), duplicates dropped; `EndpointListError` (one line) for an unreadable file, a
+  file that lists none or a line that is not a URL. `retry_after_seconds(value)` parses a
+  Retry-After header.
 It sends nothing itself (the backend's `probe` callback does) and knows nothing of HTTP bodies.
 """
 
@@ -33,7 +36,10 @@ import random
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Collection, Sequence
+
+from ds4eval.config import ConfigError, check_url
 
 POLL_S = 0.2  # how often a waiting request looks again (a stop must not wait longer than this)
 
@@ -211,6 +217,34 @@ class EndpointPool:
         self._note(f"no endpoint has answered for {self.policy.wait_s:g} s: stopping the run (the cases "
                    f"not yet graded end STOPPED; `ds4-eval retry TRACE` runs them again)")
         return True
+
+
+# ---------------------------------------------------------------- the configured endpoints
+
+class EndpointListError(ValueError):
+    """The endpoints a run was given cannot be read; the message is one line."""
+
+
+def configured_urls(urls: Sequence[str], url_file: str | None) -> list[str]:
+    """--url's URLs, then those of --url-file, each once, in that order (see the module docstring)."""
+    found = list(urls)
+    if url_file:
+        try:
+            text = Path(url_file).read_text(encoding="utf-8")
+        except OSError as e:
+            raise EndpointListError(f"cannot read {url_file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise EndpointListError(f"{url_file} is not UTF-8 text") from None
+        listed = read_url_list(text)
+        if not listed:
+            raise EndpointListError(f"{url_file} lists no URL (one a line; # starts a comment)")
+        for url in listed:
+            try:
+                check_url(url)
+            except ConfigError as e:
+                raise EndpointListError(f"{url_file}: {e}") from None
+        found += listed
+    return list(dict.fromkeys(found))
 
 
 # ---------------------------------------------------------------- pure helpers
