@@ -29,7 +29,7 @@ backend = click.option("--backend", default="engine", show_default=True, type=cl
 model = click.option("-m", "--model", help="GGUF file for the engine backend (default: embedded model).")
 ctx = click.option("--ctx", type=int, help="Context size.")
 device = click.option("--device", default="cpu", show_default=True, help="Engine device.")
-url = click.option("--url", help="Server base URL for --backend openai.")
+url = click.option("--url", help="Server base URL for --backend openai.")  # one endpoint (determinism)
 urls = click.option("--url", "urls", multiple=True,
                     help="Server base URL for --backend openai (repeatable: the endpoints share the run).")
 url_file = click.option("--url-file", type=click.Path(dir_okay=False),

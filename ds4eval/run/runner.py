@@ -101,7 +101,7 @@ class CaseState:
     prompt: RenderedPrompt | None = None
     tokens_known: bool = True
     latency: Latency = Latency()  # None figures: not measured, or the run was paused meanwhile
-    endpoint: str = ""       # the endpoint that served it, when the backend has several ("": the run's)
+    endpoint: str = ""       # the endpoint that served it, when the backend names one ("": the run's)
 
 
 # ---------------------------------------------------------------- events

@@ -30,7 +30,8 @@ Contract
   jittered backoff or the server's Retry-After (`EndpointPool.retry_delay`), at most
   `max_failures` + (endpoints) attempts in all. A retried request starts from scratch: the text
   of the failed attempt is dropped from the result, so nothing is graded twice. Other failures
-  (4xx, error events, broken streams) end the case ERROR as before. With no endpoint left in
+  (4xx, error events, broken JSON, a stream that ends without [DONE]) end the case ERROR as
+  before: another endpoint would answer them the same. With no endpoint left in
   rotation the request waits while the pool re-probes; once the pool gives up (--endpoint-wait)
   every case not yet answered ends STOPPED, with the reason as its error, for `ds4-eval retry`.
 - Reasoning deltas (`reasoning_content` or `reasoning`) are recorded inside `<think>...</think>`
@@ -77,6 +78,7 @@ from ds4eval.run.latency import LatencyClock
 from ds4eval.run.runner import CaseContext, GenerationJob, GenerationResult
 
 REPROBE_TIMEOUT_S = 5.0  # a re-probe of an endpoint out of rotation: one GET of its model list
+PROBE_THREADS = 32       # endpoints probed at once before a run
 
 
 def models_url(base: str) -> str:
@@ -205,7 +207,8 @@ class OpenAIBackend:
         """Probe every endpoint before any case, all at once (see the module docstring); returns
         the notes to print, ProbeError with the lines to stop with."""
         several = len(self.urls) > 1
-        with ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="ds4eval-probe") as pool:
+        with ThreadPoolExecutor(max_workers=min(len(self.urls), PROBE_THREADS),
+                                thread_name_prefix="ds4eval-probe") as pool:
             checks = list(pool.map(lambda url: self._check(url, needs, several), self.urls))
         settled = endpoint_probe.settle(checks, self.config.allow_mixed_endpoints)
         if settled.error:
