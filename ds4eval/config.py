@@ -76,14 +76,24 @@ class EvalConfig(CommandConfig):
     """--ctx: context size (engine: session size; openai: optional limit used for budgets)."""
     device: str = "cpu"
     """--device for the engine backend."""
-    url: str | None = None
-    """--url: base URL of the server (openai backend), e.g. http://127.0.0.1:8000."""
+    urls: tuple[str, ...] = ()
+    """--url: base URL of a server (openai backend), e.g. http://127.0.0.1:8000; repeatable, the
+    cases then go to whichever endpoint has the fewest in flight (ds4eval.run.endpoints)."""
+    url_file: str | None = None
+    """--url-file FILE: more base URLs, one a line (`#` comments and blank lines ignored); read
+    when the backend starts, after the --url ones."""
+    allow_mixed_endpoints: bool = False
+    """--allow-mixed-endpoints: run on endpoints whose served model, chat template or capability
+    findings differ (by default the run refuses them, one line per difference)."""
+    endpoint_wait_s: float = 60.0
+    """--endpoint-wait SECONDS: with every endpoint out of rotation, how long to re-probe them
+    before the run stops (its cases not yet graded end STOPPED, for `ds4-eval retry`)."""
     api_key: str | None = None
     """--api-key: bearer token for the server (also read from $DS4EVAL_API_KEY)."""
     served_model: str | None = None
     """--served-model: model name sent in requests (openai backend)."""
     concurrency: int = 1
-    """--concurrency: cases sent at once to a server backend."""
+    """--concurrency: cases in flight at once to server backends, all endpoints together."""
     parallel: int | None = None
     """--parallel N: the engine backend decodes N cases together (batched sessions), each from a
     fresh session; None runs one case at a time, reusing one session across cases."""
@@ -162,9 +172,14 @@ class EvalConfig(CommandConfig):
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
         check_shard(self.shard)
-        if self.backend == "openai" and not self.url:
+        if self.backend == "openai" and not self.urls and not self.url_file:
             raise ConfigError("--backend openai needs --url")
-        check_url(self.url)
+        for url in self.urls:
+            check_url(url)
+        if self.url_file is not None and not self.url_file:
+            raise ConfigError("--url-file needs a file name")
+        if self.endpoint_wait_s < 0:
+            raise ConfigError("--endpoint-wait must be at least 0")
         self.request_extra_fields()
         self.template_kwargs()
         if self.backend == "engine":
@@ -558,7 +573,6 @@ class DeterminismConfig(CommandConfig):
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}")
-        check_shard(self.shard)
         if self.backend == "openai" and not self.url:
             raise ConfigError("--backend openai needs --url")
         if self.backend == "engine" and self.url:

@@ -32,7 +32,15 @@ backend = click.option("--backend", default="engine", show_default=True, type=cl
 model = click.option("-m", "--model", help="GGUF file for the engine backend (default: embedded model).")
 ctx = click.option("--ctx", type=int, help="Context size.")
 device = click.option("--device", default="cpu", show_default=True, help="Engine device.")
-url = click.option("--url", help="Server base URL for --backend openai.")
+url = click.option("--url", help="Server base URL for --backend openai.")  # one endpoint (determinism)
+urls = click.option("--url", "urls", multiple=True,
+                    help="Server base URL for --backend openai (repeatable: the endpoints share the run).")
+url_file = click.option("--url-file", type=click.Path(dir_okay=False),
+                        help="File of server base URLs, one a line (# comments and blank lines ignored).")
+allow_mixed_endpoints = click.option("--allow-mixed-endpoints", is_flag=True,
+                                     help="Run on endpoints whose model, chat template or capabilities differ.")
+endpoint_wait_s = click.option("--endpoint-wait", "endpoint_wait_s", type=float, default=60.0, show_default=True,
+                               help="Seconds to re-probe when no endpoint is left before the run stops.")
 api_key = click.option("--api-key", envvar="DS4EVAL_API_KEY", help="Bearer token for the server.")
 served_model = click.option("--served-model", "--api-model", "served_model", help="Model name sent to the server.")
 concurrency = click.option("--concurrency", type=int, default=1, show_default=True, help="Cases in flight (server).")
@@ -105,8 +113,9 @@ data_url = click.option("--data-url", default=DEFAULT_DATA_URL, show_default=Tru
 # ---------------------------------------------------------------- shared sets
 
 CASE_SELECTION = (suite, case_ids, domains, sources, data_dir, shard)
-BACKEND = (backend, model, ctx, device, url, api_key, served_model, concurrency, parallel, threads,
-           request_timeout_s, request_extra, chat_template_kwargs, tokenizer, kv_type, no_probe)
+BACKEND = (backend, model, ctx, device, urls, url_file, allow_mixed_endpoints, endpoint_wait_s, api_key, served_model,
+           concurrency, parallel, threads, request_timeout_s, request_extra, chat_template_kwargs, tokenizer, kv_type,
+           no_probe)
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)
 OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP))
 

@@ -43,7 +43,7 @@ MODES: dict[str, tuple[str, ModeBuilder]] = {
     "retry_incomplete": ("retry", lambda path, run, old: RetryConfig(path, run)),
     "data_pull": ("data pull", lambda _, run, old: DataPullConfig(old["data_url"], run.data_dir)),
     "report_from": ("report", lambda path, run, old: ReportConfig(path, run.report)),
-    "probe": ("probe", lambda _, run, old: ProbeConfig(run.url, run.served_model, run.api_key)),
+    "probe": ("probe", lambda _, run, old: ProbeConfig(run.urls[0], run.served_model, run.api_key)),
 }
 REPORTING = ("run", "retry", "compare", "report")
 """The subcommands that write --report; every other mode refuses it."""
@@ -63,8 +63,10 @@ def translate(old: dict[str, Any]) -> tuple[str, CommandConfig]:
     given = [name for name in MODES if old[name]]
     if len(given) > 1:
         raise ConfigError(f"give at most one of {', '.join(map(_flag, MODES))}")
-    if old["probe"] and not run.url:
+    if old["probe"] and not run.urls:
         raise ConfigError("--probe needs --url")
+    if old["probe"] and len(run.urls) > 1:
+        raise ConfigError("--probe takes one --url")
     if old["probe"] and run.no_probe:
         raise ConfigError("--probe and --no-probe contradict each other")
     if old["compare"] is not None and given:

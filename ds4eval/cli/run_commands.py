@@ -3,8 +3,11 @@
 A run shows the live terminal UI (`ds4eval.run.tui`) when stdin and stdout are terminals and
 --plain is not given; otherwise it prints one line per finished case. Both end with the same
 report. Exit statuses of run and retry: 0 when every selected case was graded (PASSED or
-FAILED); 3 when any case ended ERROR, SKIPPED or STOPPED or was not run, also when the server
-does not answer the probe before the first case (--allow-errors turns 3 into 0); 1 when the run
+FAILED); 3 when any case ended ERROR, SKIPPED or STOPPED or was not run (--allow-errors turns 3
+into 0), also when the server does not answer the probe before the first case or several
+endpoints differ, and when every endpoint stopped answering mid-run for --endpoint-wait seconds
+(the run stops by itself, its cases not yet answered end STOPPED for `retry`; no signal stopped
+it, so not 130); 1 when the run
 itself failed; 130 when SIGINT, SIGTERM or SIGHUP stopped it (the running cases end STOPPED at the
 next token boundary, every thread is joined and the backend closed before the report). Probe
 exits 0 once its table is printed and 1 when the server cannot be reached. The runner, backends
@@ -14,6 +17,7 @@ a retry derives its run settings with `RetryConfig.run_settings`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -96,14 +100,19 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     (the whole trace with `report_whole_trace`, as a retry completes the run it retries).
     `shard_header` holds the run header's shard fields when the cases are one shard's."""
     from ds4eval.run.backends import BackendUnavailable, create_backend
+    from ds4eval.run.endpoints import EndpointListError
 
     report_offset = 0 if report_whole_trace or not cfg.report else file_size(cfg.trace)
 
+    notes = _Notes()
     try:
-        backend = create_backend(cfg, note=lambda line: click.echo(f"ds4-eval: note: {line}", err=True))
+        backend = create_backend(cfg, note=notes.note)
     except BackendUnavailable as e:  # the server did not answer the probe: nothing can run
-        click.echo(f"ds4-eval: error: {e}", err=True)
+        for line in str(e).splitlines():
+            click.echo(f"ds4-eval: error: {line}", err=True)
         return EXIT_NOT_GRADED
+    except EndpointListError as e:
+        raise UsageFailure(str(e)) from None
     except Exception as e:  # model loading and connection set-up report one line
         raise UsageFailure(f"cannot start the {cfg.backend} backend: {type(e).__name__}: {e}") from None
     from ds4eval.run import tui
@@ -111,8 +120,9 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     try:
         if not cfg.plain and tui.terminal_ui_available():
             # The live terminal UI owns the terminal until the user quits; it restores the terminal
-            # and prints the finished cases' lines before the report below.
-            outcome = tui.run_with_ui(cfg, selected, backend, numbers, repeats=repeats, shard_header=shard_header)
+            # and prints the finished cases' lines before the report below. Notes wait until then.
+            with notes.held():
+                outcome = tui.run_with_ui(cfg, selected, backend, numbers, repeats=repeats, shard_header=shard_header)
             states, wall_s, interrupted, failed = outcome.states, outcome.wall_s, outcome.interrupted, outcome.error
         else:
             states, wall_s, interrupted, failed = _run_plain(cfg, selected, backend, numbers, repeats, shard_header)
@@ -122,6 +132,9 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
             "settings": _settings(cfg, backend.n_ctx, effective_concurrency(cfg, backend)),
             "provenance": run_provenance(backend)}
+    endpoints = _endpoint_rows(backend)
+    if endpoints:
+        info["endpoints"] = endpoints
     return _finish(cfg, states, wall_s, interrupted, failed, info, report_offset)
 
 
@@ -146,6 +159,44 @@ def _finish(cfg: EvalConfig, states: list, wall_s: float, interrupted: bool, fai
     if code == EXIT_NOT_GRADED:
         click.echo(_not_graded_line(summary["totals"]), err=True)
     return code
+
+
+class _Notes:
+    """The `ds4-eval: note:` lines of a run on stderr, held back while the terminal UI owns the
+    screen (a line written then would tear it) and printed once it is restored."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._held: list[str] | None = None
+
+    def note(self, line: str) -> None:
+        with self._lock:
+            if self._held is not None:
+                self._held.append(line)
+                return
+        click.echo(f"ds4-eval: note: {line}", err=True)
+
+    @contextlib.contextmanager
+    def held(self):
+        with self._lock:
+            self._held = []
+        try:
+            yield
+        finally:
+            with self._lock:
+                lines, self._held = self._held, None
+            for line in lines:
+                click.echo(f"ds4-eval: note: {line}", err=True)
+
+
+def _endpoint_rows(backend) -> list[dict]:
+    """The summary's per-endpoint lines: with several endpoints, or when one failed; else none, so
+    a run against one healthy server reports as it always has."""
+    stats = backend.endpoint_stats() if hasattr(backend, "endpoint_stats") else []
+    if len(stats) < 2 and not any(s.failures for s in stats):
+        return []
+    return [{"url": s.url, "requests": s.requests, "failures": s.failures, "removals": s.removals,
+             "out_of_rotation": s.out_of_rotation} for s in stats]
 
 
 def _write_run_report(cfg: EvalConfig, offset: int) -> None:

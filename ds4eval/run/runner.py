@@ -28,7 +28,8 @@ Contract
   SWITCHED case is not graded, as it runs again. Each finished case (PASSED, FAILED, SKIPPED,
   STOPPED, ERROR) is appended to the trace, if one is configured, with the run's provenance
   (`ds4eval.run.provenance`) and concurrency (`effective_concurrency`), the case's content
-  hash, rendered-prompt hash and repeat index, and the latency figures its backend measured
+  hash, rendered-prompt hash and repeat index, the endpoint that served it when the backend
+  names one (`GenerationResult.endpoint`), and the latency figures its backend measured
   (`GenerationResult.latency`, `ds4eval.run.latency`; unknown for a case that was running
   while the run was paused, as they would measure the pause); `run()` first writes the
   trace's run header (every selected case's number, source and id, and K; a shard's run adds
@@ -102,6 +103,7 @@ class CaseState:
     prompt: RenderedPrompt | None = None
     tokens_known: bool = True
     latency: Latency = Latency()  # None figures: not measured, or the run was paused meanwhile
+    endpoint: str = ""       # the endpoint that served it, when the backend names one ("": the run's)
 
 
 # ---------------------------------------------------------------- events
@@ -199,6 +201,7 @@ class GenerationResult:
     prompt: RenderedPrompt | None = None  # the ids fed to the model, when the backend tokenizes
     tokens_known: bool = True   # False: the backend could not count tokens (counts are 0)
     latency: Latency = Latency()  # TTFT, ITL, end to end, as the backend measured them (run.latency)
+    endpoint: str = ""          # the endpoint that served it ("": the run's own, see provenance)
 
 
 class CaseContext(Protocol):
@@ -601,6 +604,7 @@ class Runner:
             state.elapsed_s = elapsed
             state.error = res.error or res.skipped
             state.prompt = res.prompt
+            state.endpoint = res.endpoint
             # A pause stops the case's clock but not the server's or the stream's: its latency
             # figures would measure the pause, so they are dropped as unknown.
             state.latency = Latency() if ctx.was_paused() else res.latency
@@ -648,7 +652,8 @@ class Runner:
     def provenance_fields(self, st: CaseState) -> dict:
         """The provenance fields of one case's trace record."""
         prompt = st.prompt
-        return {**self.provenance(), "case_hash": case_hash(st.case), "max_tokens": self.job(st).max_tokens,
+        served = {"endpoint": st.endpoint} if st.endpoint else {}
+        return {**self.provenance(), **served, "case_hash": case_hash(st.case), "max_tokens": self.job(st).max_tokens,
                 "concurrency": self._slots(),
                 "prompt_sha256": prompt.sha256 if prompt else "",
                 "rendered_prompt": prompt.text if prompt else "",
@@ -665,3 +670,4 @@ class Runner:
         st.think_close = "none"
         st.tokens_known = True
         st.latency = Latency()
+        st.endpoint = ""

@@ -13,7 +13,10 @@ passed, failed, other, prompt_tokens, gen_tokens, gen_s, tokens_per_s}], "cases"
 source, id, status, picked, expected, prompt_tokens, gen_tokens, elapsed_s, think_close,
 case_hash, prompt_sha256, repeat, ttft_s, itl_s, itl_max_s, itl_per, e2e_s}], "latency": {concurrency,
 cases, ttft_s, itl_s, e2e_s (each {count, p50, p90, p99, max} in seconds, or null), itl_per} when
-any graded case measured its latency, and with --repeats K > 1 "repeats": {k, counts (stable
+any graded case measured its latency, "endpoints": [{url, requests, failures, removals,
+out_of_rotation}] when the caller gives them (a run on several endpoints, or one whose endpoint
+failed: `removals` counts the times it was taken out of rotation, `out_of_rotation` is its state
+at the end), and with --repeats K > 1 "repeats": {k, counts (stable
 pass, stable fail, flaky, ungraded), pass_at_1 {mean, low, high}, pass_at_k, pass_hat_k,
 full_cases, flaky [{source, id, passed, graded}], nondeterministic [{source, id, repeat, token,
 char, base_text, other_text}]} (`ds4eval.verdict.repeats`). Summaries written before provenance lack
@@ -212,6 +215,13 @@ def latency_lines(lat: dict) -> list[str]:
             f"(nearest-rank percentiles; ITL: each case's mean gap, max: the longest single gap)", table]
 
 
+def endpoint_line(e: dict) -> str:
+    """One endpoint of the run: its requests, failures and whether it ended out of rotation."""
+    taken = f", taken out {e['removals']} time(s)" if e.get("removals") else ""
+    return (f"endpoint {e['url']}: {e['requests']} request(s), {e['failures']} failed{taken}; "
+            f"out of rotation: {'yes' if e['out_of_rotation'] else 'no'}")
+
+
 def render_report(summary: dict) -> str:
     t = summary["totals"]
     rows = [[r["source"], r["cases"], r["passed"], r["failed"], r["other"], _tok(r["prompt_tokens"]),
@@ -236,6 +246,7 @@ def render_report(summary: dict) -> str:
     ]
     if "latency" in summary:
         lines += latency_lines(summary["latency"])
+    lines += [endpoint_line(e) for e in summary.get("endpoints", ())]
     if t["gen_tokens"] is None:
         lines.append("token counts unknown: the server sent no usage (--tokenizer GGUF counts them)")
     if "repeats" in summary:

@@ -76,7 +76,7 @@ def test_ds4_eval_repeats_go_to_ds4_server_as_one_request_with_n():
     cases = [parse_case({"source": "toy", "id": name, "question": f"[{name}] what?", "answer": "4",
                          "answer_kind": "integer"}) for name in ("a", "b")]
     with live_server(fake_app()) as srv:
-        cfg = EvalConfig(backend="openai", url=srv.base, served_model="m", repeats=2, temperature=0.7, seed=3)
+        cfg = EvalConfig(backend="openai", urls=(srv.base,), served_model="m", repeats=2, temperature=0.7, seed=3)
         backend = OpenAIBackend(cfg)
         states = Runner(cfg, cases, backend).run()
         backend.close()

@@ -4,11 +4,13 @@ Each implements the `ds4eval.run.runner.Backend` protocol: `run_case(job, ctx) -
 reporting progress and text through `ctx` and calling `ctx.checkpoint()` between tokens so
 that pause, stop and switch take effect at a token boundary; a backend that can block between
 tokens (waiting on a server) also has `interrupt()`, which the runner's stop calls.
-`create_backend(config, note=)` builds the configured one; for a server it first sends one
-probe request (`GET /v1/models`), so an unreachable server stops the run with one line
-(`BackendUnavailable`) before the first case, and then, unless `config.no_probe`, the
-capability probe of the features the run needs (`run.probe`): a required feature the
-server ignores or rejects stops the run the same way, and the rest come back through `note`.
+`create_backend(config, note=)` builds the configured one; for servers it first probes every
+endpoint (`GET /v1/models`, then, unless `config.no_probe`, the capability probe of the features
+the run needs, `run.probe`), so a server that does not answer, a required feature it ignores or
+rejects, or endpoints that differ stop the run before the first case (`BackendUnavailable`, one
+line per reason), and the rest come back through `note`, which the backend keeps for what it
+reports during the run (an endpoint taken out of rotation or back). An unreadable --url-file
+raises `EndpointListError`.
 Backends never grade and never write traces.
 """
 
@@ -27,18 +29,13 @@ def create_backend(config: EvalConfig, note=lambda line: None):
 
         return EngineBackend.load(config)
     if config.backend == "openai":
-        from ds4eval.run.backends.openai_backend import OpenAIBackend
+        from ds4eval.run.backends.openai_backend import OpenAIBackend, capability_needs
+        from ds4eval.run.endpoints import configured_urls
 
-        backend = OpenAIBackend(config)
+        backend = OpenAIBackend(config, urls=configured_urls(config.urls, config.url_file), note=note)
         try:
-            backend.probe()
-            if not config.no_probe:
-                from ds4eval.run import probe as endpoint_probe
-                from ds4eval.run.backends.openai_backend import capability_needs
-
-                for line in endpoint_probe.probe_or_stop(config.url, capability_needs(config),
-                                                         backend.request_model, config.api_key):
-                    note(line)
+            for line in backend.probe(capability_needs(config)):
+                note(line)
         except Exception as e:
             backend.close()
             raise BackendUnavailable(str(e)) from None

@@ -88,7 +88,7 @@ def case(name, answer="4"):
 
 
 def run(url, names, **cfg_kw):
-    cfg = EvalConfig(backend="openai", url=url, served_model="m", api_key="k", **cfg_kw)
+    cfg = EvalConfig(backend="openai", urls=(url,), served_model="m", api_key="k", **cfg_kw)
     backend = OpenAIBackend(cfg)
     runner = Runner(cfg, [case(n) for n in names], backend)
     states = runner.run()
@@ -133,9 +133,14 @@ def test_concurrency_sends_cases_at_once(server):
     assert Scripted.max_active >= 2
 
 
-def test_connection_refused_is_an_error():
-    states = run("http://127.0.0.1:9", ["x"])
-    assert states["x"].status is Status.ERROR and "Connect" in states["x"].error
+def test_a_server_that_refuses_connections_stops_the_case_after_the_endpoint_wait():
+    # Retried, taken out of rotation, re-probed for --endpoint-wait, then stopped for `retry`:
+    # never an ERROR, which would count as the model's doing in a comparison.
+    states = run("http://127.0.0.1:9", ["x", "y"], endpoint_wait_s=0.3)
+    for st in states.values():
+        assert st.status is Status.STOPPED and st.output == ""
+    assert "ConnectError" in states["x"].error and "no endpoint has answered for 0.3 s" in states["x"].error
+    assert states["y"].error == "no endpoint has answered for 0.3 s"
 
 
 def test_completions_url():
@@ -159,7 +164,7 @@ def test_models_url():
 
 def test_probe_takes_the_served_model_id():
     with FakeOpenAI(models=("Qwen3-8B-Q4_K_M.gguf", "other")) as srv:
-        backend = create_backend(EvalConfig(backend="openai", url=srv.url))
+        backend = create_backend(EvalConfig(backend="openai", urls=(srv.url,)))
         try:
             assert backend.model_name == "Qwen3-8B-Q4_K_M.gguf"
             runner = Runner(backend.config, [case("x")], backend)
@@ -173,25 +178,25 @@ def test_probe_takes_the_served_model_id():
 
 def test_served_model_flag_wins_and_a_server_without_a_model_list_is_usable():
     with FakeOpenAI(models=None) as srv:
-        backend = create_backend(EvalConfig(backend="openai", url=srv.url))
+        backend = create_backend(EvalConfig(backend="openai", urls=(srv.url,)))
         assert backend.model_name == "default"
         backend.close()
     with FakeOpenAI() as srv:
-        backend = create_backend(EvalConfig(backend="openai", url=srv.url, served_model="mine"))
+        backend = create_backend(EvalConfig(backend="openai", urls=(srv.url,), served_model="mine"))
         assert backend.model_name == "mine" and backend.request_model == "mine"
         backend.close()
 
 
 def test_probe_failures_are_one_line():
     with pytest.raises(BackendUnavailable, match=r"^cannot reach the server at http://127.0.0.1:9: connection refused$"):
-        create_backend(EvalConfig(backend="openai", url="http://127.0.0.1:9"))
+        create_backend(EvalConfig(backend="openai", urls=("http://127.0.0.1:9",)))
     with FakeOpenAI(models_status=401) as srv:
         with pytest.raises(BackendUnavailable, match="refused the request .HTTP 401: invalid api key.; check --api-key"):
-            create_backend(EvalConfig(backend="openai", url=srv.url))
+            create_backend(EvalConfig(backend="openai", urls=(srv.url,)))
 
 
 def test_request_extra_and_chat_template_kwargs_are_merged_into_the_body():
-    cfg = EvalConfig(backend="openai", url="http://h:1", think=False,
+    cfg = EvalConfig(backend="openai", urls=("http://h:1",), think=False,
                      request_extra='{"repeat_penalty": 1.0, "temperature": 0.3, "chat_template_kwargs": {"x": 1}}',
                      chat_template_kwargs='{"reasoning_effort": "low"}')
     backend = OpenAIBackend(cfg)
@@ -219,7 +224,7 @@ def test_without_usage_a_tokenizer_counts_the_tokens():
             return len(text.split())
 
     with FakeOpenAI(usage=False, reply=lambda q: "Answer: 4 because two and two") as srv:
-        cfg = EvalConfig(backend="openai", url=srv.url)
+        cfg = EvalConfig(backend="openai", urls=(srv.url,))
         backend = OpenAIBackend(cfg)
         backend.counter = Counter()
         [st] = Runner(cfg, [case("x")], backend).run()
@@ -228,7 +233,7 @@ def test_without_usage_a_tokenizer_counts_the_tokens():
 
 
 def _repeat_run(srv, **kw):
-    cfg = EvalConfig(backend="openai", url=srv.url, served_model="m", repeats=3, temperature=0.7, seed=10, **kw)
+    cfg = EvalConfig(backend="openai", urls=(srv.url,), served_model="m", repeats=3, temperature=0.7, seed=10, **kw)
     backend = OpenAIBackend(cfg)
     runner = Runner(cfg, [case("a"), case("b")], backend)
     states = runner.run()

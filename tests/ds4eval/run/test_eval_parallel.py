@@ -200,7 +200,7 @@ def test_parallel_flag_is_validated():
     with pytest.raises(ConfigError, match="--parallel must be at least 1"):
         EvalConfig(parallel=0).validate()
     with pytest.raises(ConfigError, match="engine backend"):
-        EvalConfig(parallel=2, backend="openai", url="http://x").validate()
+        EvalConfig(parallel=2, backend="openai", urls=("http://x",)).validate()
     with pytest.raises(ConfigError, match="--threads must be at least 1"):
         EvalConfig(threads=0).validate()
 

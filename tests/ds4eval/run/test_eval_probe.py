@@ -143,3 +143,29 @@ def test_bench_kld_openai_stops_when_echo_is_rejected(tmp_path):
                                                 "--url", srv.url])
     assert r.exit_code == 2, r.output
     assert "echo is rejected (HTTP 400: echo together with logprobs is not supported)" in r.output
+
+
+# ---------------------------------------------------------------- several endpoints (pure)
+
+def test_differences_compare_only_what_each_endpoint_shows():
+    A, B, C = "http://a", "http://b", "http://c"
+    same = [endpoint_probe.EndpointCheck(A, models=("m",), template_sha256="t" * 64),
+            endpoint_probe.EndpointCheck(B, models=(), template_sha256=""),  # no model list, no template shown
+            endpoint_probe.EndpointCheck(C, models=("m",))]
+    assert endpoint_probe.differences(same) == []
+    seed = lambda v: (cap.Finding("seed", v, ""),)  # noqa: E731
+    mixed = [endpoint_probe.EndpointCheck(A, models=("m",), findings=seed(cap.SUPPORTED)),
+             endpoint_probe.EndpointCheck(B, models=("m",), findings=seed(cap.IGNORED))]
+    assert endpoint_probe.differences(mixed) == [f"capability 'seed' differs: {A} supported; {B} ignored"]
+
+
+def test_settle_leaves_out_what_does_not_answer_and_keeps_one_endpoint_s_own_lines():
+    live = endpoint_probe.EndpointCheck("http://a", models=("m",), notes=("n is rejected",))
+    dead = endpoint_probe.EndpointCheck("http://b", error="cannot reach the server at http://b: connection refused")
+    got = endpoint_probe.settle([live, dead], allow_mixed=False)
+    assert got.usable == (live,) and got.error == ()
+    assert got.notes == ("cannot reach the server at http://b: connection refused: left out of the run",
+                         "n is rejected")
+    assert endpoint_probe.settle([dead], allow_mixed=False).error == (dead.error,)
+    lacking = endpoint_probe.EndpointCheck("http://a", models=("m",), stop="the server at http://a lacks seed")
+    assert endpoint_probe.settle([lacking], allow_mixed=True).error == ("the server at http://a lacks seed",)

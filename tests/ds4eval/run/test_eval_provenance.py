@@ -98,7 +98,7 @@ def test_backends_report_what_they_know(tmp_path, monkeypatch):
     assert set(prov) == set(pv.RUN_FIELDS) <= {f.name for f in dataclasses.fields(tr.TraceRecord)}
     model.metadata = {}
     assert pv.run_provenance(backend)["chat_template_sha256"] == "none"
-    server = OpenAIBackend(EvalConfig(backend="openai", url="http://127.0.0.1:9/v1", served_model="qwen"))
+    server = OpenAIBackend(EvalConfig(backend="openai", urls=("http://127.0.0.1:9/v1",), served_model="qwen"))
     prov = pv.run_provenance(server)
     assert (prov["endpoint"], prov["served_model"], prov["model_sha256"]) == \
         ("http://127.0.0.1:9/v1/chat/completions", "qwen", "")

@@ -18,7 +18,7 @@ SANITY = load_suite("sanity", None)
     (EvalConfig(ray="", threads=2), {"CPU": 5.0}, rc.Slots(2, 0, 2)),
     (EvalConfig(ray="", device="cuda"), {"CPU": 64.0, "GPU": 8.0}, rc.Slots(1, 1, 8)),
     (EvalConfig(ray="", ray_shards=16, device="cuda"), {"GPU": 8.0}, rc.Slots(1, 1, 16)),
-    (EvalConfig(ray="", backend="openai", url="http://127.0.0.1:1", concurrency=8), {"CPU": 3.0},
+    (EvalConfig(ray="", backend="openai", urls=("http://127.0.0.1:1",), concurrency=8), {"CPU": 3.0},
      rc.Slots(1, 0, 3)),
 ])
 def test_task_resources_and_shard_count(cfg, resources, expected):
