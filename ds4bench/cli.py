@@ -1,4 +1,4 @@
-"""`ds4-bench` command line: a click group, one subcommand per benchmark (seven in all).
+"""`ds4-bench` command line: a click group, one subcommand per benchmark (eight in all).
 
   ds4-bench engine [-m GGUF] [--compare llama.cpp|transformers] [--batch-sizes 1,64] [--quick] [--csv FILE] ...
   ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
@@ -7,9 +7,10 @@
   ds4-bench product [-m GGUF] [--rounds 3] [--streams 8] [--json FILE]
   ds4-bench kld --save-base BASE.npz | --base BASE.npz [--stack engine|openai|llamacpp] [--weights ...] ...
   ds4-bench random-gguf OUT.gguf --like MODEL.gguf [--qtype Q4_1] [--seed N]
+  ds4-bench shards --ray ADDRESS [--suite sanity] [--rounds 3] [--threads N] [--json FILE]
 
 `engine` and `random-gguf` are defined here (library: engine_bench, runners, random_gguf);
-`sessions`, `serve`, `kvcache`, `product` and `kld` are defined next to their library in the module
+`sessions`, `serve`, `kvcache`, `product`, `kld` and `shards` are defined next to their library in the module
 of the same name and registered on the group here. Every subcommand that loads a model takes
 it as `-m`/`--model`, as ds4, ds4-server and ds4-eval do. Each subcommand only fills its
 config object and calls the library. Errors, including bad flags, are one line on stderr
@@ -35,6 +36,7 @@ from ds4bench.kvcache import kvcache_command
 from ds4bench.product import product_command
 from ds4bench.serve import serve_command
 from ds4bench.sessions import sessions_command
+from ds4bench.shards import shards_command
 
 
 class OneLineErrors(click.Group):
@@ -216,6 +218,7 @@ main.add_command(sessions_command)
 main.add_command(serve_command)
 main.add_command(product_command)
 main.add_command(kld_command)
+main.add_command(shards_command)
 
 
 if __name__ == "__main__":
