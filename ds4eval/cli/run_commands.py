@@ -93,6 +93,8 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     (the whole trace with `report_whole_trace`, as a retry completes the run it retries)."""
     from ds4eval.run.backends import BackendUnavailable, create_backend
 
+    if cfg.trace and trace.being_written(cfg.trace):
+        raise UsageFailure(str(trace.TraceBusy(cfg.trace)))
     report_offset = 0 if report_whole_trace or not cfg.report else file_size(cfg.trace)
 
     try:
@@ -151,6 +153,8 @@ def run(cfg: EvalConfig) -> int:
 
 def retry(cfg: RetryConfig) -> int:
     path = cfg.trace_file
+    if trace.being_written(path):  # its incomplete cases may still be running
+        raise UsageFailure(str(trace.TraceBusy(path)))
     parsed = read_trace(path)
     for p in parsed.problems:
         click.echo(f"warning: {path}: {p}", err=True)
