@@ -76,12 +76,14 @@ ci-speed: setup
 		$(MAKE) --no-print-directory gate-speed BASE=HEAD~1 SPEED_THRESHOLD=0.25 PRODUCT_FLOOR=0.80 PRODUCT_OWN_MAX=0.10; \
 	else echo "gate-speed: no previous commit, skipped"; fi
 
-# Benchmarks (pytest-benchmark; measured, not asserted): the JSON-constraint mask step, the
+# Benchmarks (pytest-benchmark; measured, not asserted): the JSON-constraint mask step, reading a
+# 200 MB trace whose every block count is wrong, the
 # ds4-eval --compare path, the CPU matmul kernels of every path by row count, plus the embedded model's
 # decoding speed with and without a schema.
 bench: setup
 	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-enable --benchmark-only tests/server/test_constraints_bench.py \
 		tests/ds4eval/verdict/test_eval_compare_bench.py tests/ds4eval/run/test_eval_merge_bench.py \
+		tests/ds4eval/run/test_eval_trace_bench.py \
 		tests/engine/test_cpu_kernels_bench.py
 
 # The README's test command, which CI runs: every CPU test but the slow ones, the quality gate and

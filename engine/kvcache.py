@@ -13,11 +13,29 @@ one pool writes every row's new K and V of a layer with one indexed copy (`row_i
 instead of one copy per row; on CUDA the rows also attend in one batch, reading keys past a
 shorter row's end (masked), which is why pool memory is zero-filled.
 
+Cache memory is always an ordinary tensor, never an inference tensor, and so are the views
+kept of it, whichever mode the allocation runs in (`_ordinary`).  The forward passes run in
+`torch.inference_mode` and grow caches there; restoring a disk checkpoint or copying a prefix
+writes outside it.  PyTorch refuses an in-place write to an inference tensor outside inference
+mode, so a cache allocated by a forward pass used to refuse the next restore; an ordinary
+tensor takes writes in either mode.
+
 It does not know which tokens the positions hold (the session does).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
+
+
+@contextmanager
+def _ordinary() -> Iterator[None]:
+    """Allocate (and make views) as ordinary tensors even inside inference mode: see the
+    module docstring."""
+    with torch.inference_mode(False):
+        yield
 
 
 class KVCache:
@@ -28,19 +46,26 @@ class KVCache:
         self.n = 0
         self.pool = pool
         self.slot = slot
-        if pool is None:
-            self._attach(torch.zeros((n_layer, 2, n_head_kv, min(initial, n_ctx), head_dim),
-                                     dtype=dtype, device=device))
-        else:
-            self._attach(pool.kv[:, :, slot])
+        with _ordinary():
+            if pool is None:
+                self._attach(torch.zeros((n_layer, 2, n_head_kv, min(initial, n_ctx), head_dim),
+                                         dtype=dtype, device=device))
+            else:
+                self.attach_slot(pool.kv)
+
+    def attach_slot(self, pool_kv: torch.Tensor) -> None:
+        """Hold this cache's slot of a pool's (new) tensor; the pool calls it when it grows."""
+        with _ordinary():
+            self._attach(pool_kv[:, :, self.slot])
 
     def _attach(self, kv: torch.Tensor) -> None:
         self.kv = kv
-        # Per-layer views, made once per allocation: indexing a layer on every step is
-        # measurable dispatch overhead when a token costs ~10 ms.
-        self.layer_kv = list(kv.unbind(0))
-        self.layer_k = [t[0] for t in self.layer_kv]
-        self.layer_v = [t[1] for t in self.layer_kv]
+        with _ordinary():
+            # Per-layer views, made once per allocation: indexing a layer on every step is
+            # measurable dispatch overhead when a token costs ~10 ms.
+            self.layer_kv = list(kv.unbind(0))
+            self.layer_k = [t[0] for t in self.layer_kv]
+            self.layer_v = [t[1] for t in self.layer_kv]
 
     @property
     def k(self) -> torch.Tensor:
@@ -65,10 +90,11 @@ class KVCache:
             return
         old = self.kv
         keep = min(self.n if written is None else max(self.n, written), old.shape[3])
-        # Positions past `keep` are written before they are read, so the new tail needs no zeroing.
-        new = old.new_empty(*old.shape[:3], _grown(old.shape[3], n, self.n_ctx), old.shape[4])
-        new[:, :, :, :keep] = old[:, :, :, :keep]
-        self._attach(new)
+        with _ordinary():
+            # Positions past `keep` are written before they are read, so the new tail needs no zeroing.
+            new = old.new_empty(*old.shape[:3], _grown(old.shape[3], n, self.n_ctx), old.shape[4])
+            new[:, :, :, :keep] = old[:, :, :, :keep]
+            self._attach(new)
 
     @property
     def nbytes(self) -> int:
@@ -89,11 +115,8 @@ class KVCache:
             raise ValueError(f"cannot copy {n} positions of a cache that holds {other.n}")
         self.n = 0
         self.reserve(n)
-        # A cache that a forward pass has grown holds inference tensors, which only accept
-        # in-place writes inside inference mode (the forward passes run in it).
-        with torch.inference_mode():
-            self.k[:, :, :n] = other.k[:, :, :n]
-            self.v[:, :, :n] = other.v[:, :, :n]
+        self.k[:, :, :n] = other.k[:, :, :n]
+        self.v[:, :, :n] = other.v[:, :, :n]
         self.n = n
 
     def restore(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -103,9 +126,8 @@ class KVCache:
         n = k.shape[2]
         self.n = 0
         self.reserve(n)
-        with torch.inference_mode():  # see copy_prefix
-            self.k[:, :, :n] = k.to(self.kv)
-            self.v[:, :, :n] = v.to(self.kv)
+        self.k[:, :, :n] = k.to(self.kv)
+        self.v[:, :, :n] = v.to(self.kv)
         self.n = n
 
 
@@ -127,9 +149,10 @@ class KVPool:
     def __init__(self, n_layer: int, n_slots: int, n_head_kv: int, head_dim: int, n_ctx: int,
                  dtype: torch.dtype, device: torch.device, initial: int = 256):
         self.n_ctx = n_ctx
-        self.kv = torch.zeros((n_layer, 2, n_slots, n_head_kv, min(initial, n_ctx), head_dim),
-                              dtype=dtype, device=device)
-        self._split()
+        with _ordinary():
+            self.kv = torch.zeros((n_layer, 2, n_slots, n_head_kv, min(initial, n_ctx), head_dim),
+                                  dtype=dtype, device=device)
+            self._split()
         self.caches = [KVCache(n_layer, n_head_kv, head_dim, n_ctx, dtype, device, pool=self, slot=i)
                        for i in range(n_slots)]
 
@@ -145,14 +168,15 @@ class KVPool:
         if not _must_grow(n, self.capacity, self.n_ctx):
             return
         old = self.kv
-        # Zero-filled: batched attention on CUDA reads (and masks out) positions past a shorter
-        # row's end, and masked values must still be finite.
-        new = old.new_zeros(*old.shape[:4], _grown(old.shape[4], n, self.n_ctx), old.shape[5])
-        new[..., : old.shape[4], :] = old
-        self.kv = new
-        self._split()
-        for c in self.caches:
-            c._attach(new[:, :, c.slot])
+        with _ordinary():
+            # Zero-filled: batched attention on CUDA reads (and masks out) positions past a shorter
+            # row's end, and masked values must still be finite.
+            new = old.new_zeros(*old.shape[:4], _grown(old.shape[4], n, self.n_ctx), old.shape[5])
+            new[..., : old.shape[4], :] = old
+            self.kv = new
+            self._split()
+            for c in self.caches:
+                c.attach_slot(new)
 
     def row_index(self, slots: list[int], positions: list[int]) -> torch.Tensor:
         """Indices into `layer_rows[l]` of (K then V) x (each slot's heads) at each slot's position,

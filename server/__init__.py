@@ -4,6 +4,7 @@ Modules, in the order a request meets them:
 
 - `cli`        flags -> `config.ServerConfig`, model loading, startup banner, uvicorn.
 - `edge`       the listening socket and the HTTP protocol: header deadline and size, connection limit.
+- `framing`    which request heads frame their body ambiguously (Content-Length and Transfer-Encoding).
 - `app`        FastAPI app factory: middleware (metrics, API key, Host allow-list, CORS), error rendering.
 - `guard`      API key and Host checks (pure) and their middleware.
 - `endpoints`  the endpoint table and the one request path of the inference endpoints.

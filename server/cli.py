@@ -23,7 +23,7 @@ import click
 from server.apibase import DEFAULT_MAX_TOKENS
 from server.config import LOG_LEVELS, ServerConfig
 from server.heap import limit_arenas
-from server.kvstore import DEFAULT_BUDGET_MB, KVStoreConfig
+from server.kvstore import DEFAULT_BUDGET_MB, DEFAULT_MIN_FREE_MB, KVStoreConfig, claim_directory
 from server.prompting import model_syntax
 from server.tools import SYNTAXES, ToolsConfig
 
@@ -33,7 +33,8 @@ def _mib(n: int) -> str:
 
 
 TOOL_FLAGS = ("tool_syntax", "tool_memory_max_ids", "disable_exact_tool_replay")
-KV_FLAGS = {"kv_disk_dir": "directory", "kv_cache_budget_mb": "budget_mb"}  # flag -> KVStoreConfig field
+KV_FLAGS = {"kv_disk_dir": "directory", "kv_cache_budget_mb": "budget_mb",
+            "kv_min_free_mb": "min_free_mb"}  # flag -> KVStoreConfig field
 
 
 def config_from_flags(**flags: object) -> ServerConfig:
@@ -130,9 +131,13 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
 @click.option("--disable-exact-tool-replay", is_flag=True, default=False,
               help="Re-render earlier tool calls canonically instead of replaying the exact text.")
 @click.option("--kv-disk-dir", type=click.Path(file_okay=False), default=None,
-              help="Directory of the disk KV cache (prefix checkpoints kept across restarts); off when unset.")
+              help="Directory of the disk KV cache (prefix checkpoints kept across restarts); off when unset. "
+                   "One server per directory: a second one refuses to start.")
 @click.option("--kv-cache-budget-mb", type=int, default=DEFAULT_BUDGET_MB, show_default=True,
               help="Size budget of the disk KV cache in MiB; the least useful entries are evicted beyond it.")
+@click.option("--kv-min-free-mb", type=int, default=DEFAULT_MIN_FREE_MB, show_default=True,
+              help="Free space in MiB that the disk KV cache leaves on its filesystem: entries are evicted "
+                   "to keep it, and a save that cannot keep it is skipped.")
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
 @click.option("--threads", type=int, default=None,
@@ -180,6 +185,15 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
     from server.app import create_app
     from server.edge import EdgeLimits, listen, uvicorn_config
 
+    # Claimed before the model loads, so that a second server on the directory fails in a
+    # second; held while the server runs (the store shares this process's claim).
+    kv_claim = None
+    if config.kv.directory is not None:
+        try:
+            os.makedirs(config.kv.directory, mode=0o700, exist_ok=True)
+            kv_claim = claim_directory(config.kv.directory)
+        except OSError as e:
+            raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e.strerror or e}") from None
     # Every torch call of the server, from loading the model on, runs on this one thread.
     engine_thread = EngineThread("ds4-inference", threads=config.threads)
     model_path = os.path.abspath(config.model) if config.model else None
@@ -188,11 +202,6 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
                                    kv_type=config.kv_type)
     except (ModelLoadError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
-    if config.kv.directory is not None:
-        try:
-            os.makedirs(config.kv.directory, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e.strerror}") from None
     try:
         app = create_app(model, config, engine_thread=engine_thread)
     except CapacityError as e:
@@ -211,6 +220,8 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
         pass
     finally:
         engine_thread.close(timeout=5)
+        if kv_claim is not None:
+            kv_claim.release()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 and `server.worker.InferenceWorker` read it. The tool-calling flags (`--tool-syntax`,
 `--tool-memory-max-ids`, `--disable-exact-tool-replay`) live in the embedded
 `server.tools.ToolsConfig` record, one field each; the disk KV cache flags (`--kv-disk-dir`,
-`--kv-cache-budget-mb`) in the embedded `server.kvstore.KVStoreConfig` record.
+`--kv-cache-budget-mb`, `--kv-min-free-mb`) in the embedded `server.kvstore.KVStoreConfig` record.
 
 The security rules that concern flags alone are checked here: a bind address that is not
 loopback needs `--api-key` (or `--insecure-no-auth`), and `--cors '*'` needs an API key.

@@ -4,7 +4,7 @@ headers are in, where uvicorn's own HTTP/1.1 protocol (h11) sets no limits.
 - `bind_listener(host, port)`: the server socket, bound before the model loads (a port in use
   fails at once) and listening only once `listen(sock)` is called after the app is built, so
   that "listening on" is printed when it is true and connections before it are refused.
-- `edge_protocol(limits)`: uvicorn's h11 protocol class with three rules added, each answered
+- `edge_protocol(limits)`: uvicorn's h11 protocol class with four rules added, each answered
   with a small JSON error in the OpenAI shape (the endpoint is not known yet) and one log line
   (at most one per rule and second; the repeats are counted in a summary line,
   `server.loglimit`):
@@ -16,6 +16,11 @@ headers are in, where uvicorn's own HTTP/1.1 protocol (h11) sets no limits.
       it is accepted, and is not counted: the connections already open, and new ones once some
       close, keep being served (`/health` included). When as many refused connections are still
       lingering, further ones are closed without an answer.
+    * a request head whose body framing is ambiguous (Content-Length with Transfer-Encoding,
+      more than one Content-Length: `server.framing`) gets 400. The head is checked before h11
+      parses it, each time h11 is about to read a new request (the first on a connection and
+      every pipelined or keep-alive one after it), so the body of a refused request is never
+      read as another request.
   After such an answer the connection discards what the client still sends, sends its FIN and
   closes once the client has closed its side (uvicorn closes on EOF) or `linger_s` has passed: closing a
   socket with unread input would reset it, and the client would lose the answer.
@@ -44,6 +49,7 @@ import h11
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from server.framing import framing_error, head_end
 from server.loglimit import RepeatLimiter
 
 log = logging.getLogger("ds4.server")
@@ -61,8 +67,10 @@ class EdgeLimits:
     linger_s: float = 1.0
 
 
-_REASONS = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
-_CODES = {408: "request_timeout", 431: "request_header_fields_too_large", 503: "too_many_connections"}
+_REASONS = {400: "Bad Request", 408: "Request Timeout", 431: "Request Header Fields Too Large",
+            503: "Service Unavailable"}
+_CODES = {400: "bad_request_framing", 408: "request_timeout", 431: "request_header_fields_too_large",
+          503: "too_many_connections"}
 
 
 def edge_response(status: int, message: str, extra_headers: tuple[tuple[str, str], ...] = ()) -> bytes:
@@ -136,7 +144,26 @@ def edge_protocol(limits: EdgeLimits) -> type[H11Protocol]:
             if self.conn.their_state is not h11.IDLE:
                 self._cancel_head_timer()
 
+        def handle_events(self) -> None:
+            # uvicorn calls this after new data and after each response, before h11 reads the
+            # next request from its buffer: the one place that sees every request head.
+            if self._refused:
+                return
+            if self.conn.their_state is h11.IDLE and self._framing_refused():
+                return
+            super().handle_events()
+
         # --- the rules ---
+
+        def _framing_refused(self) -> bool:
+            head = self.conn.trailing_data[0]
+            end = head_end(head)
+            problem = framing_error(head[:end]) if end is not None else None
+            if problem is None:
+                return False
+            repeats.log(log, logging.WARNING, "400 framing", "400 to %s: %s", _peer(self.transport), problem)
+            self._refuse(edge_response(400, problem))
+            return True
 
         def _arm_head_timer(self) -> None:
             self._cancel_head_timer()

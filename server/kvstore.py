@@ -8,10 +8,13 @@ only, so a restarted server finds its entries at once) and offers:
       are updated. The caller restores `hit.payload` into a session and tokenizes only
       `rendered_text[len(hit.prefix_text):]`.
   store(prefix_text, session_or_payload, reason, replay_trailer=b"") -> Entry | None
-      writes a checkpoint atomically, then evicts other entries until the directory fits
-      the budget (see `server.kvstore_policy`). None when the entry alone would not fit in
-      99% of the budget, or when the write failed (the cache never fails a request).
-  stats() -> KVStoreStats, entries() -> list[Entry]
+      first evicts entries until the filesystem has room for the checkpoint plus
+      `min_free_bytes` (`os.statvfs`), writes it atomically, then evicts other entries until
+      the directory fits the budget (see `server.kvstore_policy`). None when the entry alone
+      would not fit in 99% of the budget, when evicting every other entry would not leave the
+      minimum free (nothing is evicted then), or when the write failed: each is one log line
+      and a counter, and the cache never fails a request.
+  stats() -> KVStoreStats, entries() -> list[Entry], close()
 `open_store(config, model)` builds the store for the server flags. The inference loops use it
 through `server.kvplan` (restore, checkpoint stages, saving a resident session), which applies
 the save policy of `server.kvstore_policy` (`KVStore.save_policy`).
@@ -46,14 +49,25 @@ File format, version 1 (all integers little-endian; offsets in bytes):
 The file size is exactly 184 + T + P + R.
 
 Safety: a file is written as `<name>.tmp.<pid>` (mode 0600), fsynced, renamed over `<name>`
-and the directory fsynced, so a reader sees a whole file or none. When a store opens, temporary
+and the directory fsynced, so a reader sees a whole file or none. The temporary file is
+created with O_CREAT|O_EXCL|O_NOFOLLOW: whatever already has its name (a symbolic or hard
+link planted there, the leftover of a crashed process whose PID came back) is unlinked, never
+written through, and the exclusive create is tried once more. When a store opens, temporary
 files of processes that no longer run are deleted, and so are those of live processes once
 they are older than `TEMP_MAX_AGE_S` (no write takes that long; the PID may have been reused),
 each with a log line. A file whose header does not match the running model (model id,
 quantization, context size), whose version, size or hash is wrong, whose name is not the SHA-1
 of its text (checked at the scan too, so that a misnamed entry takes no budget), or whose
-payload disagrees with its header, is deleted and never used. Several processes may read one
-directory; the index of each is its own (one server per directory is the supported setup).
+payload disagrees with its header, is deleted and never used.
+
+One process per directory: a store takes an exclusive `fcntl.flock` on `<directory>/.ds4kv.lock`
+(the file holds the owner's PID) and keeps it until it is closed or the process ends; a store
+of another process on the same directory raises `DirectoryInUse` (an OSError) with that PID,
+so a second ds4-server refuses to start with one line instead of keeping an index of its own
+beside the first one's. Stores of one process share the lock (`claim_directory`), so a
+server's command line can claim the directory before its model loads and tools and tests can
+open the directory the server of their own process uses. The lock file is left in place: a
+lock held on a file that another process may delete and re-create would not exclude anything.
 
 Only regular files are opened: every open is non-blocking and checked with `fstat`, so a
 FIFO, socket or device named like an entry is skipped with a log line instead of blocking the
@@ -70,6 +84,7 @@ methods), or know anything of HTTP.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import math
@@ -78,6 +93,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -103,6 +119,8 @@ MIB = 1 << 20
 # A temporary file older than this is left over from a crash even when its PID runs again.
 TEMP_MAX_AGE_S = 3600.0
 DEFAULT_BUDGET_MB = 4096
+DEFAULT_MIN_FREE_MB = 1024
+LOCK_NAME = ".ds4kv.lock"
 _WRITE_CHUNK = 4 * MIB
 
 
@@ -146,10 +164,19 @@ class KVStoreConfig:
     """Disk cache settings; each field is one ds4-server flag."""
     directory: str | None = None  # --kv-disk-dir; None: no disk cache
     budget_mb: int = DEFAULT_BUDGET_MB  # --kv-cache-budget-mb, in MiB
+    min_free_mb: int = DEFAULT_MIN_FREE_MB  # --kv-min-free-mb: free space a save must leave on the filesystem
+
+    def __post_init__(self) -> None:
+        if self.min_free_mb < 0:
+            raise ValueError(f"kv_min_free_mb must be at least 0, got {self.min_free_mb}")
 
     @property
     def budget_bytes(self) -> int:
         return self.budget_mb * MIB
+
+    @property
+    def min_free_bytes(self) -> int:
+        return self.min_free_mb * MIB
 
 
 @dataclass(frozen=True)
@@ -202,6 +229,8 @@ class KVStoreStats:
     deleted_bad: int = 0
     """Files deleted because they were corrupt, truncated, or made by another model or version."""
     skipped_too_large: int = 0
+    skipped_no_space: int = 0
+    """Saves skipped because evicting every other entry would not leave the minimum free space."""
     write_errors: int = 0
 
 
@@ -365,6 +394,19 @@ def _read_regular(path: str, limit: int | None = None) -> tuple[bytes, int]:
         return (f.read() if limit is None else f.read(limit)), size
 
 
+def _create_exclusive(path: str) -> int:
+    """A new file at `path` (mode 0600) for writing. O_EXCL|O_NOFOLLOW: a link planted under
+    the name is never written through; whatever holds the name is unlinked (only the name:
+    a link's target is untouched) and the create tried once more. O_NONBLOCK: never waits."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        log.warning("kv cache: %s already exists: unlinking it, not writing through it", os.path.basename(path))
+        os.unlink(path)
+        return os.open(path, flags, 0o600)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -388,6 +430,92 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def _amount(n: int) -> str:
+    return f"{n / MIB:.1f} MiB" if n >= MIB else f"{n} bytes"
+
+
+def disk_free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still write on the filesystem of `directory`."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+class DirectoryInUse(OSError):
+    """Another process holds the lock of a cache directory."""
+
+
+class _DirectoryLocks:
+    """The cache directories this process holds, each one `flock` shared by its stores."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._held: dict[tuple[int, int], list[int]] = {}  # (st_dev, st_ino) -> [fd, users]
+
+    def acquire(self, directory: str) -> tuple[int, int]:
+        st = os.stat(directory)
+        key = (st.st_dev, st.st_ino)
+        with self._mutex:
+            held = self._held.get(key)
+            if held is not None:
+                held[1] += 1
+                return key
+            fd = _open_lock_file(os.path.join(directory, LOCK_NAME))
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                os.close(fd)
+                raise DirectoryInUse(f"another process (pid {owner or 'unknown'}) uses this cache directory "
+                                     f"(it holds {LOCK_NAME}); one server per directory") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            self._held[key] = [fd, 1]
+            return key
+
+    def release(self, key: tuple[int, int]) -> None:
+        with self._mutex:
+            held = self._held.get(key)
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] == 0:
+                del self._held[key]
+                os.close(held[0])  # closing the last descriptor drops the flock
+
+
+def _open_lock_file(path: str) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(f"{path} is not a regular file (mode {stat.filemode(mode)})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_LOCKS = _DirectoryLocks()
+
+
+class DirectoryClaim:
+    """This process's hold on a cache directory (see the module docstring); `release()` once."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self._release = weakref.finalize(self, _LOCKS.release, _LOCKS.acquire(os.fspath(directory)))
+
+    def release(self) -> None:
+        self._release()
+
+
+def claim_directory(directory: str | os.PathLike) -> DirectoryClaim:
+    """Hold `directory` for this process; DirectoryInUse when another process holds it."""
+    return DirectoryClaim(directory)
+
+
 # --- the store ----------------------------------------------------------------------------
 
 class KVStore:
@@ -395,18 +523,33 @@ class KVStore:
 
     def __init__(self, directory: str | os.PathLike, identity: ModelIdentity,
                  budget_bytes: int = DEFAULT_BUDGET_MB * MIB, *, clock: Callable[[], float] = time.time,
-                 save_policy: policy.SavePolicy = policy.DEFAULT_POLICY):
+                 save_policy: policy.SavePolicy = policy.DEFAULT_POLICY,
+                 min_free_bytes: int = DEFAULT_MIN_FREE_MB * MIB,
+                 free_bytes: Callable[[str], int] = disk_free_bytes):
+        """`min_free_bytes`: what a save must leave free on the filesystem; `free_bytes(directory)`
+        measures it (tests pass a fake filesystem)."""
         self.directory = os.fspath(directory)
         self.save_policy = save_policy
         self.identity = identity
         self.budget_bytes = int(budget_bytes)
+        self.min_free_bytes = int(min_free_bytes)
         self.clock = clock
+        self._free_bytes = free_bytes
         self._lock = threading.RLock()
         self._index: dict[str, Entry] = {}
         self._restored: str | None = None  # the entry the live session came from: not evicted
         self._stats = KVStoreStats(budget_bytes=self.budget_bytes)
         self._make_directory()
-        self._scan()
+        self._claim = claim_directory(self.directory)
+        try:
+            self._scan()
+        except BaseException:
+            self._claim.release()
+            raise
+
+    def close(self) -> None:
+        """Let go of the directory (other processes may then open it); the index is kept."""
+        self._claim.release()
 
     def _make_directory(self) -> None:
         os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -612,6 +755,8 @@ class KVStore:
                 self._stats.skipped_too_large += 1
                 log.info("kv cache: not writing a %d-byte entry: the budget is %d bytes", size, self.budget_bytes)
                 return None
+            if not self._make_room(size):
+                return None
             now = self.clock()
             data = encode_entry(self.identity, reason, prefix_text, payload, bytes(replay_trailer), n_tokens, now)
             try:
@@ -628,12 +773,32 @@ class KVStore:
             self._evict(protected={key})
             return entry
 
+    def _make_room(self, size: int) -> bool:
+        """Evict until the filesystem keeps `min_free_bytes` free after a write of `size` bytes;
+        False (and nothing evicted) when even evicting every other entry would not."""
+        try:
+            free = self._free_bytes(self.directory)
+        except OSError as e:
+            log.warning("kv cache: cannot read the free space of %s: %s", self.directory, e)
+            return True  # the write itself will tell
+        need = policy.space_deficit(free, self.min_free_bytes, size)
+        victims = policy.victims_for_space((e.stats() for e in self._index.values()), need, self.clock(),
+                                           self._protected(set()))
+        if victims is None:
+            self._stats.skipped_no_space += 1
+            log.warning("kv cache: not writing a %d-byte entry: %s has %s free and %s must stay free "
+                        "(--kv-min-free-mb), more than evicting the other entries would give back",
+                        size, self.directory, _amount(free), _amount(self.min_free_bytes))
+            return False
+        for key in victims:
+            self._forget(key)
+            self._stats.evicted += 1
+            log.info("kv cache: evicted %s%s to keep %s free", key, SUFFIX, _amount(self.min_free_bytes))
+        return True
+
     def _write_atomic(self, path: str, data: bytes) -> None:
         tmp = f"{path}.tmp.{os.getpid()}"
-        # O_NONBLOCK | O_NOFOLLOW: something other than a regular file under this name fails
-        # the open instead of blocking it or writing through a link.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW
-                     | getattr(os, "O_CLOEXEC", 0), 0o600)
+        fd = _create_exclusive(tmp)
         try:
             try:
                 _write_all(fd, data)
@@ -649,15 +814,15 @@ class KVStore:
             raise
         _fsync_dir(self.directory)
 
-    def _evict(self, protected: set[str]) -> None:
+    def _protected(self, keys: set[str]) -> set[str]:
         # The restored entry is what the live session was built from; the save that follows a
         # restore usually extends it, and deleting it then would throw away the shorter
         # prefix that other conversations share.
-        keep = set(protected)
-        if self._restored is not None:
-            keep.add(self._restored)
+        return keys | {self._restored} if self._restored is not None else set(keys)
+
+    def _evict(self, protected: set[str]) -> None:
         victims = policy.select_victims((e.stats() for e in self._index.values()), self.budget_bytes,
-                                        self.clock(), keep)
+                                        self.clock(), self._protected(protected))
         for key in victims:
             self._forget(key)
             self._stats.evicted += 1
@@ -679,4 +844,5 @@ def open_store(config: KVStoreConfig, model: Any, *, clock: Callable[[], float] 
         return None
     if config.budget_mb < 1:
         raise ValueError(f"--kv-cache-budget-mb must be at least 1, not {config.budget_mb}")
-    return KVStore(config.directory, identity_of(model), config.budget_bytes, clock=clock)
+    return KVStore(config.directory, identity_of(model), config.budget_bytes, clock=clock,
+                   min_free_bytes=config.min_free_bytes)

@@ -33,7 +33,10 @@ Eviction: `eviction_score` = (effective_hits + 1) * tokens / file_size, times
 `ANCHOR_BONUS` for cold/evict/shutdown entries; hits decay with a 6-hour half-life and
 count as zero below 0.01. `select_victims` removes the lowest scores first (ties: least
 recently used first) until the directory fits the budget, never touching protected keys
-(the entry just written, the entry just restored).
+(the entry just written, the entry just restored). Free space works the same way before a
+write: `space_deficit` says how many bytes the filesystem lacks for the new entry plus the
+minimum that must stay free, and `victims_for_space` picks entries in the same order until
+their files cover it, or None when they cannot (the save is skipped, nothing is deleted).
 
 It does not read or write files, talk to the engine, or know any HTTP API.
 """
@@ -240,6 +243,32 @@ def select_victims(entries: Iterable[EntryStats], budget_bytes: int, now: float,
         victims.append(e.key)
         total -= e.file_size
     return victims
+
+
+def space_deficit(free_bytes: int, min_free_bytes: int, incoming_bytes: int) -> int:
+    """Bytes to free before writing `incoming_bytes` so that `min_free_bytes` stay free on the
+    filesystem (0: it fits as things are)."""
+    return max(0, min_free_bytes + incoming_bytes - free_bytes)
+
+
+def victims_for_space(entries: Iterable[EntryStats], need_bytes: int, now: float,
+                      protected: Iterable[str] = ()) -> list[str] | None:
+    """Keys to delete, in eviction order, that free at least `need_bytes` of their files.
+
+    [] when nothing needs freeing; None when all unprotected entries together are too small:
+    then nothing should be deleted (the save that needed the room is skipped instead).
+    """
+    if need_bytes <= 0:
+        return []
+    keep = set(protected)
+    victims: list[str] = []
+    freed = 0
+    for e in eviction_order((e for e in entries if e.key not in keep), now):
+        victims.append(e.key)
+        freed += e.file_size
+        if freed >= need_bytes:
+            return victims
+    return None
 
 
 def fits_budget(file_size: int, budget_bytes: int) -> bool:

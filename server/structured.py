@@ -16,7 +16,9 @@ API-neutral records, checked, and turned into the generation's decoding constrai
   allowed names at the first step outside thinking; inside the call, structure is greedy
   as always and argument values are sampled.
 
-Every check raises `server.errors.ApiError` (400) naming the parameter. It does no I/O and
+Every check raises `server.errors.ApiError` (400) naming the parameter; a JSON schema is
+checked for size and for recursion that no finite document ends (`constraints.schema_problem`)
+before its grammar is built, so that the work a schema causes is bounded before it is queued. It does no I/O and
 knows no engine beyond handing the model to `server.constraints`.
 """
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from server.constraints import (GrammarConstraint, ToolCallPolicy, grammar_error, json_grammar, literal_choice,
-                                outside_thinking)
+from server.constraints import (GrammarConstraint, ToolCallPolicy, brief, grammar_error, json_grammar,
+                                literal_choice, outside_thinking, schema_problem)
 from server.errors import ApiError
 from server.tools import Syntax, ToolSpec
 
@@ -96,10 +98,13 @@ def anthropic_tool_choice(value: dict[str, Any] | None, param: str = "tool_choic
 def _json_format(schema: Any, param: str) -> JsonFormat:
     if schema is not None and not isinstance(schema, dict):
         raise _bad(param, "the schema must be a JSON object")
+    problem = schema_problem(schema)  # before any grammar work: its size and shape bound that work
+    if problem:
+        raise _bad(param, problem)
     try:
         grammar = json_grammar(schema)
     except ValueError as e:
-        raise _bad(param, f"unusable JSON schema: {e}") from None
+        raise _bad(param, f"unusable JSON schema: {brief(str(e))}") from None
     error = grammar_error(grammar)
     if error:
         raise _bad(param, f"unsupported JSON schema: {error}")

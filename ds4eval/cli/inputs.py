@@ -1,8 +1,10 @@
 """The files `ds4-eval` commands are given and the reports they write.
 
 Every failure to read an input or write a report is a `UsageFailure`: a one-line message that
-the command line prints with exit status 2. Reports are written atomically. This module knows
-nothing of flags or of what the commands do with the files.
+the command line prints with exit status 2. Inputs are regular files of at most
+`trace.MAX_INPUT_BYTES` (4 GiB): a FIFO, a device such as /dev/zero or a directory is refused
+without being read or waited on (`trace.read_input`). Reports are written atomically. This
+module knows nothing of flags or of what the commands do with the files.
 """
 
 from __future__ import annotations
@@ -21,20 +23,18 @@ class UsageFailure(Exception):
 def read_text(path: str) -> str:
     """The whole file as UTF-8 text, line ends kept as they are."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            return f.read()
-    except OSError as e:
-        raise UsageFailure(f"cannot read {path}: {e.strerror}") from None
+        return read_bytes(path).decode("utf-8")
     except UnicodeDecodeError:
         raise UsageFailure(f"{path} is not UTF-8 text") from None
 
 
 def read_bytes(path: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return trace.read_input(path)
+    except trace.InputFileError as e:
+        raise UsageFailure(f"cannot read {e}") from None
     except OSError as e:
-        raise UsageFailure(f"cannot read {path}: {e.strerror}") from None
+        raise UsageFailure(f"cannot read {path}: {e.strerror or e}") from None
 
 
 def read_trace(path: str) -> trace.ParsedTrace:

@@ -102,6 +102,8 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     from ds4eval.run.backends import BackendUnavailable, create_backend
     from ds4eval.run.endpoints import EndpointListError
 
+    if cfg.trace and trace.being_written(cfg.trace):
+        raise UsageFailure(str(trace.TraceBusy(cfg.trace)))
     report_offset = 0 if report_whole_trace or not cfg.report else file_size(cfg.trace)
 
     notes = _Notes()
@@ -271,6 +273,8 @@ def shard_unfinished(path: str | None, part) -> list[tuple[str, str, int]] | Non
 
 def retry(cfg: RetryConfig) -> int:
     path = cfg.trace_file
+    if trace.being_written(path):  # its incomplete cases may still be running
+        raise UsageFailure(str(trace.TraceBusy(path)))
     parsed = read_trace(path)
     for p in parsed.problems:
         click.echo(f"warning: {path}: {p}", err=True)

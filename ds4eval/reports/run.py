@@ -52,13 +52,8 @@ MARKDOWN_ROWS = 50  # rows of a case list in the markdown report before "and N m
 
 
 def latest_records(records: Iterable[TraceRecord]) -> tuple[list[TraceRecord], int]:
-    latest: dict[tuple[str, str, int], TraceRecord] = {}
-    seen = 0
-    for r in records:
-        seen += 1
-        latest[(r.source, r.id, r.repeat)] = r  # a dict keeps the first position, takes the last value
-    out = [_with_status(r) for r in latest.values()]
-    return out, seen - len(out)
+    kept, superseded = rg.latest(records)
+    return [_with_status(r) for r in kept], superseded
 
 
 def _with_status(r: TraceRecord) -> TraceRecord:

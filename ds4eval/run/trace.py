@@ -11,23 +11,35 @@ Contract (the format is documented field by field in `traces/README.md`)
   interleave and a crash loses at most the block being written. Every block starts on a fresh
   line: a file whose last write was torn (it does not end in a newline) gets one before the
   first new block, with a warning, so the torn block stays one skipped block and the new
-  ones stay readable.
+  ones stay readable. While it is open it holds an exclusive `fcntl.flock` on the file: a
+  second writer (another run, a retry) gets `TraceBusy` instead of interleaving its blocks,
+  and `being_written(path)` tells a command beforehand. Readers take no lock.
 - `format_run_header(header)` writes a `%%run` block listing every case a run selected (before
   its first case block), so that cases that never started can be retried; `ParsedTrace.runs`
   holds them back.
-- `parse_trace_bytes(data)` decodes the whole file at once and, only when that fails, line by
-  line: a line that is not valid UTF-8 (a write torn inside a character) spoils only its own
-  block. Every skipped block is reported in
+- `parse_trace_bytes(data)` reads the file in pieces of about `PIECE_BYTES`, each cut where a
+  line starts a block (a `%%case` or `%%run` line cannot occur inside one: text lines that
+  start with `%%` are stuffed), so that at most one piece is held decoded at a time. It decodes
+  a piece at once and, only when that fails, line by line: a line that is not valid UTF-8 (a
+  write torn inside a character) spoils only its own block. Every skipped block is reported in
   `problems` with its line, its case (index, source/id when the header got that far) and why.
+- Reading takes time linear in the file's size whatever its `chars=` counts say: a count is
+  checked against the text without copying past the text's end, so a wrong count spoils only
+  its own block and costs no more than reading that block.
+- `read_input(path)` is the bytes of a regular file of at most `MAX_INPUT_BYTES` (4 GiB), or
+  `InputFileError` with a one-line reason: a FIFO, a device such as /dev/zero or a directory
+  is refused without being read (or waited on). `read_trace(path)` parses what it returns.
 It does not grade (see `regrade`) and does not decide which cases to write.
 """
 
 from __future__ import annotations
 
 import bisect
+import fcntl
 import json
 import os
 import re
+import stat
 import sys
 import threading
 from dataclasses import dataclass, field, fields
@@ -256,14 +268,42 @@ def parse_trace(text: str) -> ParsedTrace:
     return _Reader(text, ()).parse()
 
 
-def parse_trace_bytes(data: bytes) -> ParsedTrace:
+PIECE_BYTES = 16 << 20  # what parse_trace_bytes decodes at once (more when one block is larger)
+_BLOCK_STARTS = (b"\n" + CASE_MARKER.encode() + b" ", b"\n" + RUN_MARKER.encode() + b" ")
+
+
+def parse_trace_bytes(data: bytes | bytearray | memoryview) -> ParsedTrace:
     """Like `parse_trace` on the file's bytes; lines that are not UTF-8 spoil only their block."""
+    view = memoryview(data)
+    out = ParsedTrace([], [], [])
+    start, line0 = 0, 0
+    while start < len(view):
+        stop = _piece_end(data, start)
+        part = _parse_piece(view[start:stop], line0)
+        out.records.extend(part.records)
+        out.problems.extend(part.problems)
+        out.runs.extend(part.runs)
+        line0 += data.count(b"\n", start, stop)
+        start = stop
+    return out
+
+
+def _piece_end(data: bytes | bytearray | memoryview, start: int) -> int:
+    """Where the piece from `start` ends: just after the first newline, `PIECE_BYTES` or more
+    on, that is followed by a case or run marker; the end of the data when there is none."""
+    if len(data) - start <= PIECE_BYTES:
+        return len(data)
+    found = [i for i in (data.find(m, start + PIECE_BYTES) for m in _BLOCK_STARTS) if i >= 0]
+    return min(found) + 1 if found else len(data)
+
+
+def _parse_piece(piece: memoryview, line0: int) -> ParsedTrace:
     try:
-        return _Reader(data.decode("utf-8"), ()).parse()
+        return _Reader(str(piece, "utf-8"), (), line0).parse()
     except UnicodeDecodeError:
         pass
     lines, bad, pos = [], [], 0
-    for raw in data.split(b"\n"):
+    for raw in bytes(piece).split(b"\n"):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -271,7 +311,7 @@ def parse_trace_bytes(data: bytes) -> ParsedTrace:
             bad.append(pos)
         lines.append(line)
         pos += len(line) + 1
-    return _Reader("\n".join(lines), tuple(bad)).parse()
+    return _Reader("\n".join(lines), tuple(bad), line0).parse()
 
 
 def _is_marker(text: str, pos: int) -> bool:
@@ -284,24 +324,31 @@ class _Reader:
     count rather than split into lines, which keeps reading a large trace fast. Line numbers
     are worked out only for the problems reported."""
 
-    def __init__(self, text: str, bad: tuple[int, ...]):
+    def __init__(self, text: str, bad: tuple[int, ...], line0: int = 0):
         self.text = text
         # A final newline ends the last line; it does not start an empty one.
         self.end = len(text) - 1 if text.endswith("\n") else len(text)
         self.bad = bad  # start offsets of lines that were not valid UTF-8, ascending
-        self._newlines: list[int] | None = None
+        self.line0 = line0  # lines of the file before this text (a piece of it)
+        self._counted = (0, 0)  # (offset, newlines before it): problems come in text order
 
     def line_end(self, pos: int) -> int:
         e = self.text.find("\n", pos, self.end)
         return self.end if e < 0 else e
 
     def line_no(self, pos: int) -> int:
-        if self._newlines is None:
-            self._newlines = [m.start() for m in re.finditer("\n", self.text)]
-        return bisect.bisect_left(self._newlines, pos) + 1
+        at, before = self._counted
+        if pos < at:
+            at, before = 0, 0
+        before += self.text.count("\n", at, pos)
+        self._counted = (pos, before)
+        return self.line0 + before + 1
 
     def parse(self) -> ParsedTrace:
-        text, records, problems, runs = self.text, [], [], []
+        text: str = self.text
+        records: list[TraceRecord] = []
+        problems: list[str] = []
+        runs: list[RunHeader] = []
         pos = 0
         while pos < self.end:
             if text.startswith(RUN_MARKER + " ", pos):
@@ -338,21 +385,28 @@ class _Reader:
         return ParsedTrace(records, problems, runs)
 
     def resync(self, pos: int) -> int:
-        """Offset of the next line that starts a block (a glued case marker counts)."""
-        text = self.text
-        while pos < self.end:
-            if text.startswith((CASE_MARKER + " ", RUN_MARKER + " "), pos):
-                return pos
-            eol = self.line_end(pos)
-            glued = _GLUED_CASE.search(text, pos, eol)
-            if glued and glued.start() > pos and not text.startswith("%%%", pos):
-                return pos
+        """Offset of the next line that starts a block (a glued case marker counts), from `pos`,
+        a line's start. Only lines holding `%%` can, so the others are skipped by `find`."""
+        text, end = self.text, self.end
+        while pos < end:
+            i = text.find("%%", pos, end)
+            if i < 0:
+                return end
+            start = text.rfind("\n", pos, i) + 1 or pos  # the start of the line holding it
+            if i == start and text.startswith((CASE_MARKER + " ", RUN_MARKER + " "), i):
+                return i
+            eol = self.line_end(i)
+            glued = _GLUED_CASE.search(text, start, eol)
+            if glued and glued.start() > start and not text.startswith("%%%", start):
+                return start
             pos = eol + 1
-        return self.end
+        return end
 
     def describe(self, start: int, end: int) -> str:
         """'case block N (source/id)' for the block at `start`, from whatever header lines survive."""
-        lines = self.text[start:min(end, self.end)].split("\n")
+        end = min(end, self.end)
+        header_end = self.text.find("\n%%", start, end)  # only the header lines are read
+        lines = self.text[start:end if header_end < 0 else header_end].split("\n")
         head = lines[0].split()
         what = f"case block {head[1]}" if len(head) > 1 else "case block"
         found = {}
@@ -431,11 +485,13 @@ class _Reader:
             start = eol + 1
             stop = start + want
             # Fast path: exactly `want` characters, then the newline that ends the text, then a
-            # marker line, and nothing inside was stuffed. Otherwise read line by line.
-            block = text[start:stop]
-            if (stop == end or (stop < end and text[stop] == "\n" and _is_marker(text, stop + 1))) \
-                    and not block.startswith("%%") and "\n%%" not in block:
-                pos = min(stop + 1, end)
+            # marker line, and nothing inside was stuffed. Otherwise read line by line. Nothing
+            # is copied before the count is known to be right, and the search for a marker line
+            # inside stops at the first one, the text's real end: a wrong count, however large,
+            # costs what reading this block costs.
+            if stop <= end and (stop == end or (text[stop] == "\n" and _is_marker(text, stop + 1))) \
+                    and not text.startswith("%%", start, stop) and text.find("\n%%", start, stop) < 0:
+                block, pos = text[start:stop], min(stop + 1, end)
             else:
                 block, pos = self.stuffed_text(start)
             if len(block) != want:
@@ -448,12 +504,24 @@ class _Reader:
 
     def stuffed_text(self, pos: int) -> tuple[str, int]:
         """The text lines from `pos` up to the next marker line, unstuffed, and that marker's offset."""
-        text, out = self.text, []
-        while pos < len(text) and not _is_marker(text, pos):
-            eol = self.line_end(pos)
-            out.append(text[pos + 1:eol] if text.startswith("%%%", pos) else text[pos:eol])
-            pos = eol + 1
-        return "\n".join(out), min(pos, self.end)
+        text = self.text
+        if pos >= len(text) or _is_marker(text, pos):
+            return "", min(pos, self.end)
+        scan = pos
+        while True:  # the next "\n%%" that is not a stuffed "\n%%%" starts the marker line
+            nl = text.find("\n%%", scan, self.end)
+            if nl < 0:
+                stop, nxt = self.end, self.end
+                break
+            if not text.startswith("%%%", nl + 1):
+                stop, nxt = nl, nl + 1
+                break
+            scan = nl + 1
+        lines = text[pos:stop]
+        # Unstuffing removes one "%" from every line that starts with "%%%".
+        if "\n%%%" in lines:
+            lines = lines.replace("\n%%%", "\n%%")
+        return (lines[1:] if lines.startswith("%%%") else lines), nxt
 
 
 # The header as `format_record` writes it: known fields in field order, each at most once
@@ -490,24 +558,97 @@ def _read_header(section: str, rec_fields: dict) -> None:
             raise TraceFormatError(f"bad value for {key}: {e}") from None
 
 
+MAX_INPUT_BYTES = 4 << 30
+
+
+class InputFileError(ValueError):
+    """A path that is not a readable input: not a regular file, or larger than the limit."""
+
+
+def read_input(path: str | os.PathLike, limit: int = MAX_INPUT_BYTES) -> bytes:
+    """The bytes of the regular file at `path`; InputFileError for anything else or anything
+    larger than `limit` bytes, OSError when it cannot be opened or read."""
+    # O_NONBLOCK: opening a FIFO with no writer would otherwise wait for one forever.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = _FILE_KINDS.get(stat.S_IFMT(st.st_mode), "a special file")
+            raise InputFileError(f"{os.fspath(path)}: it is {kind}, not a regular file")
+        if st.st_size > limit:
+            raise InputFileError(f"{os.fspath(path)}: {st.st_size:,} bytes, more than the limit of an input "
+                                 f"file ({_size(limit)})")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)  # a file that grows while it is read is held to the limit too
+    if len(data) > limit:
+        raise InputFileError(f"{os.fspath(path)}: it grew past the limit of an input file ({_size(limit)}) "
+                             "while it was read")
+    return data
+
+
+def _size(n: int) -> str:
+    return f"{n >> 30} GiB" if n >= 1 << 30 and n % (1 << 30) == 0 else f"{n:,} bytes"
+
+
+_FILE_KINDS = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+               stat.S_IFDIR: "a directory", stat.S_IFSOCK: "a socket"}
+
+
 def read_trace(path: str | os.PathLike) -> ParsedTrace:
-    with open(path, "rb") as f:
-        return parse_trace_bytes(f.read())
+    """The trace at `path` (`read_input`, then `parse_trace_bytes`)."""
+    return parse_trace_bytes(read_input(path))
 
 
 def _warn_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
+class TraceBusy(OSError):
+    """Another writer holds the trace (see the module docstring); the message is one line."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        super().__init__(f"{self.path} is being written by another ds4-eval process (a run still in "
+                         "progress); try again once it has finished")
+
+
+def being_written(path: str | os.PathLike) -> bool:
+    """Whether a `TraceWriter` (of any process) has the trace at `path` open now."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False  # no file: nobody writes it (unreadable ones fail where they are read)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # drops the shared lock too
+    return False
+
+
 class TraceWriter:
-    """Appends records to a trace file; safe to call from several threads."""
+    """Appends records to a trace file; safe to call from several threads. TraceBusy when
+    another writer has the file open."""
 
     def __init__(self, path: str | os.PathLike, warn: Callable[[str], None] = _warn_stderr):
         self.path = os.fspath(path)
         self._lock = threading.Lock()
-        self.repaired = _torn_tail(self.path)
         # newline="" keeps "\r" in model output from being rewritten by the platform.
         self._file = open(self.path, "a", encoding="utf-8", newline="")
+        try:
+            # Taken before the tail is inspected: a torn tail is only repaired by its one writer.
+            fcntl.flock(self._file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.close()
+            raise TraceBusy(self.path) from None
+        self.repaired = _torn_tail(self.path)
         if self.repaired:
             # The next block must start on a line of its own, or the reader would see its
             # marker as part of the torn line and lose it too.

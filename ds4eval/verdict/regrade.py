@@ -1,7 +1,13 @@
 """Regrading a trace without the model: re-extract and re-grade every recorded output.
 
 Contract
-- `regrade(records, lookup=None) -> RegradeReport` is pure. Only cases whose recorded status
+- One counting rule for records a retry superseded, the one `--compare`, the run report and
+  the repeat summaries follow: `latest(records) -> (records, superseded)` keeps the latest
+  record of each (source, id, repeat), in the order the cases first appear, and counts the
+  earlier ones it dropped.
+- `regrade(records, lookup=None) -> RegradeReport` is pure and grades `latest(records)`: a
+  41-case trace with retries counts 41 cases, and `superseded` says how many records were
+  left out. Only cases whose recorded status
   is PASSED or FAILED, or that have no status (traces from before statuses were recorded), are
   graded; all others count as `not_graded`. A case whose new verdict differs from its
   recorded status is listed in `changed`.
@@ -41,19 +47,33 @@ class RegradeReport:
     not_graded: int = 0
     cases: list[RegradedCase] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    superseded: int = 0  # records left out: a later record of the same case and repeat replaced them
 
     @property
     def changed(self) -> list[RegradedCase]:
         return [c for c in self.cases if c.old_status is not None and c.old_status != c.new_status]
 
     def summary_line(self) -> str:
-        return (f"passed={self.passed} failed={self.failed} not_graded={self.not_graded} "
+        line = (f"passed={self.passed} failed={self.failed} not_graded={self.not_graded} "
                 f"changed={len(self.changed)}")
+        return line + (f" superseded={self.superseded}" if self.superseded else "")
+
+
+def latest(records: Iterable[TraceRecord]) -> tuple[list[TraceRecord], int]:
+    """The latest record of each (source, id, repeat), in first-appearance order, and how many
+    earlier records of the same keys were dropped (retries append; the last record counts)."""
+    kept: dict[tuple[str, str, int], TraceRecord] = {}
+    seen = 0
+    for rec in records:
+        seen += 1
+        kept[(rec.source, rec.id, rec.repeat)] = rec  # a dict keeps the first position, takes the last value
+    return list(kept.values()), seen - len(kept)
 
 
 def regrade(records: Iterable[TraceRecord],
             lookup: Callable[[str, str], Case | None] | None = None) -> RegradeReport:
-    report = RegradeReport()
+    records, superseded = latest(records)
+    report = RegradeReport(superseded=superseded)
     for rec in records:
         if rec.status is not None and rec.status not in GRADED_STATUSES:
             report.not_graded += 1
@@ -93,12 +113,10 @@ def incomplete(records: Iterable[TraceRecord], runs: Iterable[RunHeader] = ()) -
         for _, source, case_id in run.cases:
             for r in range(run.repeats):
                 order.setdefault((source, case_id, r), None)
-    latest: dict[tuple[str, str, int], TraceRecord] = {}
-    for rec in records:
-        key = (rec.source, rec.id, rec.repeat)
-        latest[key] = rec
+    last = {(rec.source, rec.id, rec.repeat): rec for rec in latest(records)[0]}
+    for key in last:
         order.setdefault(key, None)
-    return [k for k in order if k not in latest or latest[k].status not in GRADED_STATUSES]
+    return [k for k in order if k not in last or last[k].status not in GRADED_STATUSES]
 
 
 def case_numbers(records: Iterable[TraceRecord], runs: Iterable[RunHeader] = ()) -> dict[tuple[str, str], int]:

@@ -240,3 +240,34 @@ def test_greedy_repeats_report_a_non_deterministic_case(tmp_path, monkeypatch):
     r = invoke("--plain", "--case-id", "int-add-small", "--repeats", "3")
     assert r.exit_code == 0, r.output
     assert "non-deterministic sanity/int-add-small: repeat 1 differs from repeat 0 at token 2" in r.output
+
+
+def test_inputs_that_are_not_regular_files_are_one_line_errors(tmp_path):
+    """/dev/zero would be read until memory runs out, a FIFO without a writer would wait forever:
+    both are refused before any read, by regrade, report and compare alike."""
+    import os
+
+    fifo = tmp_path / "fifo.trace"
+    os.mkfifo(fifo)
+    good = tmp_path / "good.trace"
+    good.write_text(tr.format_record(tr.TraceRecord(index=1, source="s", id="a", status="PASSED")))
+    for args, path, kind in ((["--regrade", "/dev/zero"], "/dev/zero", "a character device"),
+                             (["--regrade", str(fifo)], fifo, "a FIFO"),
+                             (["--report-from", str(fifo)], fifo, "a FIFO"),
+                             (["--compare", str(good), str(fifo)], fifo, "a FIFO")):
+        r = invoke(*args)
+        assert r.exit_code == 2 and r.output.count("\n") == 1, (args, r.output)
+        assert f"cannot read {path}: it is {kind}, not a regular file" in r.output
+
+
+def test_retry_of_a_trace_that_a_run_is_still_writing_is_refused_with_one_line(tmp_path):
+    path = tmp_path / "live.trace"
+    with tr.TraceWriter(path) as live:  # the original run, still going
+        live.write(tr.TraceRecord(index=1, source="sanity", id="int-add-small", status="STOPPED"))
+        r = invoke("--plain", "--retry-incomplete", str(path))
+        assert r.exit_code == 2 and r.output.count("\n") == 1, r.output
+        assert f"{path} is being written by another ds4-eval process" in r.output
+        # A second run appending to it is refused the same way.
+        r = invoke("--plain", "--trace", str(path))
+        assert r.exit_code == 2 and "is being written by another ds4-eval process" in r.output
+    assert len(tr.read_trace(path).records) == 1  # nothing was appended beside the live run

@@ -1,9 +1,9 @@
-"""KVCache growth (engine.kvcache): what a reallocation keeps."""
+"""KVCache and KVPool (engine.kvcache): what a reallocation keeps, and in which mode memory is made."""
 from __future__ import annotations
 
 import torch
 
-from engine.kvcache import KVCache
+from engine.kvcache import KVCache, KVPool
 
 
 def _cache(n_ctx: int = 1024) -> KVCache:
@@ -45,3 +45,28 @@ def test_no_growth_within_capacity_leaves_the_tensor_alone():
     ptr = c.kv.data_ptr()
     c.reserve(16, written=16)
     assert c.kv.data_ptr() == ptr
+
+
+def test_memory_grown_inside_inference_mode_is_ordinary_and_takes_writes_outside_it():
+    """Forward passes grow caches inside inference mode; restores write outside it. Inference
+    tensors refuse such writes, so cache memory must never be one (see engine.kvcache)."""
+    c = _cache()
+    with torch.inference_mode():
+        c.reserve(100)
+    assert not c.kv.is_inference() and not c.layer_k[0].is_inference()
+    c.restore(torch.ones(2, 2, 50, 4), torch.ones(2, 2, 50, 4))
+    c.layer_kv[1][:, :, 60] = 2.0  # the per-layer views too
+    assert c.n == 50 and torch.equal(c.k[:, :, :50], torch.ones(2, 2, 50, 4))
+
+
+def test_a_pool_grown_inside_inference_mode_is_ordinary_and_its_slots_follow_it():
+    pool = KVPool(n_layer=2, n_slots=2, n_head_kv=2, head_dim=4, n_ctx=256, dtype=torch.float32,
+                  device=torch.device("cpu"), initial=16)
+    pool.caches[1].restore(torch.ones(2, 2, 10, 4), torch.ones(2, 2, 10, 4))
+    with torch.inference_mode():
+        pool.caches[0].reserve(40)
+    assert not pool.kv.is_inference() and not pool.caches[1].kv.is_inference()
+    assert pool.caches[1].kv.data_ptr() == pool.kv[:, :, 1].data_ptr()
+    assert torch.equal(pool.caches[1].k[:, :, :10], torch.ones(2, 2, 10, 4))  # kept across the growth
+    pool.caches[0].copy_prefix(pool.caches[1], 10)
+    assert torch.equal(pool.caches[0].v[:, :, :10], torch.ones(2, 2, 10, 4))

@@ -230,13 +230,56 @@ def test_a_used_session_takes_a_copied_prefix_and_a_restored_state(model, tiny_g
         sched.submit(GenRequest(ids=prompt, params=SamplingParams(argmax_ignoring_eos=True), max_tokens=12))
     sched.run()
     donor, used = sched.session(0), sched.session(1)
-    assert used.cache.k.is_inference()  # what the server's slots hold after such a request
+    assert used.cache.capacity > first  # the pool grew inside the batched forward pass
+    assert not used.cache.k.is_inference()  # ...and still holds ordinary tensors
     donor.sync(ids)
     used.copy_prefix_from(donor, 39)
     used.sync(ids)
     assert torch.equal(used.logits, plain.logits)
     used.cache.restore(*plain.cache.state())
     assert used.cache.n == len(ids)
+
+
+def _grown_then_restored(model, session, grow: list[int], payload: bytes) -> None:
+    """Grow `session`'s cache inside a forward pass, then restore `payload` into it without a
+    reallocation: the write of a restore lands in memory the forward pass allocated."""
+    session.sync(grow)
+    capacity = session.cache.capacity
+    session.load_payload(payload)
+    assert session.cache.capacity == capacity
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["own-cache", "pool-slot"])
+def test_a_restore_into_a_cache_grown_by_prefill_continues_like_a_cold_prefill(model, tiny_gguf, pooled):
+    """The server's failure: a checkpoint restored into a session whose cache an earlier
+    request grew (inside inference mode) failed with "Inplace update to inference tensor
+    outside InferenceMode". The restored state must continue bitwise like a cold prefill."""
+    from engine.batch import BatchScheduler
+
+    model = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=1024), cpu_kernels=model.cpu_kernel_path)
+    a = [(7 * i + 3) % 250 + 1 for i in range(600)]  # grows the cache 256 -> 1024 in the prefill
+    b = [(11 * i + 5) % 250 + 1 for i in range(300)]
+    cold = model.new_session()
+    cold.sync(b)
+    payload = cold.save_payload()
+    want = list(generate(cold, SamplingParams(argmax_ignoring_eos=True), 6))
+
+    if pooled:
+        sched = BatchScheduler(model, 2)
+        session = sched.session(1)
+        sched.session(0).sync(b[:40])  # the other slot is in use too
+    else:
+        session = model.new_session()
+    _grown_then_restored(model, session, a, payload)
+    assert session.tokens == b
+    fresh = model.new_session()
+    fresh.sync(b)
+    assert torch.equal(session.logits, fresh.logits)
+    assert list(generate(session, SamplingParams(argmax_ignoring_eos=True), 6)) == want
+    # A copied prefix lands in the same memory: the donor's prompt continues the same way.
+    session.copy_prefix_from(fresh, 299)
+    session.sync(b)
+    assert torch.equal(session.logits, fresh.logits)
 
 
 # --- run-ahead's bookkeeping, on the CPU ---

@@ -16,7 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.constraints import GrammarConstraint, grammar_error, json_grammar, literal_choice, unpack_mask
+from server.constraints import (MAX_MESSAGE_CHARS, MAX_SCHEMA_BYTES, GrammarConstraint, brief, grammar_error,
+                                json_grammar, literal_choice, required_cycle, schema_problem, unpack_mask)
 from server.jobs import Finished, GenerationRequest, Job, TextDelta, TokenDecoder
 from server.tools.records import ToolCall
 from server.tools.registry import SYNTAXES
@@ -185,3 +186,61 @@ def test_each_request_follows_its_own_schema_in_both_loops(tiny_model, n_slots):
         w.stop()
     if n_slots > 1:
         assert sorted(j.stats.slot for j in jobs) == [0, 1, 2]
+
+
+# --- schema checks before any grammar work ---------------------------------------------------
+
+@pytest.mark.parametrize("schema,cycle", [
+    ({"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                           "required": ["c"]}}}, ["#/$defs/n", "properties/c", "#/$defs/n"]),
+    ({"type": "array", "minItems": 1, "items": {"$ref": "#"}}, ["#", "items", "#"]),
+    ({"allOf": [{"$ref": "#/definitions/a"}], "definitions": {"a": {"allOf": [{"$ref": "#"}]}}},
+     ["#", "allOf/0", "#/definitions/a", "allOf/0", "#"]),
+])
+def test_a_cycle_through_required_members_is_found(schema, cycle):
+    assert required_cycle(schema) == cycle
+    assert "no finite JSON document matches the schema" in schema_problem(schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}}},
+    {"type": "array", "items": {"$ref": "#"}},  # an empty array ends it
+    {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"c": {"$ref": "#"}}, "required": ["c"]}]},
+    {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "missing"]},
+    {"$ref": "https://example.com/remote"},
+    None,
+])
+def test_finite_schemas_pass(schema):
+    assert schema_problem(schema) is None
+
+
+def test_the_size_limit_counts_compact_json():
+    fits = {"enum": ["x" * (MAX_SCHEMA_BYTES - 20)]}
+    assert schema_problem(fits) is None
+    assert "(MAX_SCHEMA_BYTES)" in schema_problem({"enum": ["x" * MAX_SCHEMA_BYTES]})
+
+
+def test_grammar_messages_are_one_short_line():
+    state_dump = "parser error: Too many items (limit 50000)\n<state>\nTokens: ...\n" + "x" * 5000
+    assert brief(state_dump) == "parser error: Too many items (limit 50000)"
+    assert len(brief("y" * 5000)) == MAX_MESSAGE_CHARS
+
+
+def test_a_grammar_engine_failure_while_decoding_ends_the_generation_cleanly(caplog):
+    """The recursion check is bypassed here: the engine itself meets such a grammar. The request
+    ends with a finish reason and one short warning, never an exception (a 500)."""
+    recursive = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                                      "required": ["c"]}}}
+    made = []
+
+    def new_constraint(model, splitter):
+        made.append(GrammarConstraint(model, json_grammar(recursive)))
+        return made[-1]
+
+    with caplog.at_level("WARNING", logger="ds4.server.constraints"):
+        text, reason = run_decoder(FakeModel(), new_constraint, seed=1, budget=600)
+    # The engine meets its limit at the first token ("Too many items"): one line, no parser state.
+    assert made[0].failure is not None and "Too many items" in made[0].failure
+    assert reason == "stop" and text == "{"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "gave up" in lines[0] and "\n" not in lines[0] and "<state>" not in lines[0]

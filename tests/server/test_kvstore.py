@@ -47,7 +47,8 @@ def file_size(text: str, n_tokens: int, kv_bytes: int = 0, trailer: bytes = b"")
 
 
 def kv_files(d: Path) -> list[str]:
-    return sorted(p.name for p in d.iterdir())
+    """Every name in the directory but the lock file, which stays there for good."""
+    return sorted(p.name for p in d.iterdir() if p.name != kv.LOCK_NAME)
 
 
 # --- format -------------------------------------------------------------------------------
@@ -312,6 +313,70 @@ def test_entry_larger_than_the_budget_is_not_written(store_dir):
     assert roomy.store("big", payload(10, 900), COLD) is not None
 
 
+def key_of(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+class SmallFilesystem:
+    """A filesystem of `capacity` bytes holding the directory's files and `other` bytes of
+    someone else's: what `os.statvfs` would report free, for `KVStore(free_bytes=...)`."""
+
+    def __init__(self, capacity: int, other: int = 0):
+        self.capacity, self.other = capacity, other
+
+    def __call__(self, directory: str) -> int:
+        used = sum(p.stat().st_size for p in Path(directory).iterdir() if p.is_file())
+        return self.capacity - self.other - used
+
+
+def test_saves_on_a_nearly_full_filesystem_evict_the_oldest_to_keep_the_minimum_free(store_dir, caplog):
+    clock = Clock()
+    size = file_size("text 00", 10, 10_000)
+    fs = SmallFilesystem(capacity=6 * size + 100)  # and the few bytes of the lock file
+    store = KVStore(store_dir, IDENT, 10**9, clock=clock, min_free_bytes=2 * size, free_bytes=fs)
+    with caplog.at_level("INFO", logger="ds4.server.kvstore"):
+        for i in range(12):  # far more than fit: every save succeeds, the oldest entries go
+            clock.t += 60
+            assert store.store(f"text {i:02d}", payload(10, 10_000), CONTINUED) is not None, i
+            assert fs(str(store_dir)) >= 2 * size
+    assert sorted(e.key for e in store.entries()) == sorted(key_of(f"text {i:02d}") for i in (8, 9, 10, 11))
+    s = store.stats()
+    assert s.writes == 12 and s.evicted == 8 and s.write_errors == 0 and s.skipped_no_space == 0
+    assert sum("evicted" in r.message and "to keep" in r.message for r in caplog.records) == 8
+
+
+def test_a_save_that_cannot_leave_the_minimum_free_is_skipped_with_one_line_and_nothing_evicted(store_dir, caplog):
+    clock = Clock()
+    size = file_size("text 00", 10, 10_000)
+    fs = SmallFilesystem(capacity=10 * size + 100, other=7 * size)  # someone else filled the disk
+    store = KVStore(store_dir, IDENT, 10**9, clock=clock, min_free_bytes=size, free_bytes=fs)
+    assert store.store("text 00", payload(10, 10_000), CONTINUED) is not None
+    with caplog.at_level("WARNING", logger="ds4.server.kvstore"):
+        for i in (1, 2):  # the third save evicts the first to keep `size` free
+            assert store.store(f"text {i:02d}", payload(10, 10_000), CONTINUED) is not None
+        assert len(store.entries()) == 2
+        # The other files grow: even with all of ours gone, a larger entry would not leave
+        # the minimum free.
+        fs.other = 9 * size
+        assert store.store("text 99", payload(10, 50_000), CONTINUED) is None
+    assert len(store.entries()) == 2  # nothing evicted in vain
+    lines = [r.message for r in caplog.records if "not writing" in r.message]
+    assert len(lines) == 1 and "must stay free (--kv-min-free-mb)" in lines[0]
+    assert store.stats().skipped_no_space == 1
+    # Once the other files go, saves work again: the cache never stays stuck.
+    fs.other = 0
+    assert store.store("text 99", payload(10, 50_000), CONTINUED) is not None
+
+
+def test_the_real_free_space_is_read_from_statvfs(store_dir):
+    store_dir.mkdir()
+    st = os.statvfs(store_dir)
+    assert abs(kv.disk_free_bytes(str(store_dir)) - st.f_bavail * st.f_frsize) < 64 * kv.MIB
+    # A minimum larger than any disk: the save is skipped, not failed.
+    store = KVStore(store_dir, IDENT, 10**9, min_free_bytes=1 << 62)
+    assert store.store("a", payload(3), COLD) is None and store.stats().skipped_no_space == 1
+
+
 def test_eviction_state_survives_a_restart(store_dir):
     clock = Clock()
     one = file_size("aa", 10, 900)
@@ -369,7 +434,7 @@ def test_killing_a_writer_mid_write_leaves_nothing_that_loads(store_dir):
     new_key = hashlib.sha1(b"a long shared prefix").hexdigest()
     assert not (store_dir / f"{new_key}.kv").exists()
     store = KVStore(store_dir, IDENT, 10**9)
-    assert [p.name for p in store_dir.iterdir()] == [f"{good.key}.kv"]  # the dead writer's temp file is gone
+    assert kv_files(store_dir) == [f"{good.key}.kv"]  # the dead writer's temp file is gone
     hit = store.lookup("a long shared prefix, then the question")
     assert hit.prefix_text == "a long" and hit.payload == payload(3, 16)
 

@@ -131,3 +131,87 @@ def test_open_regular_refuses_a_fifo_without_blocking(tmp_path, flags):
     os.mkfifo(fifo)
     with pytest.raises(OSError):
         kv.open_regular(str(fifo), flags)
+
+
+# --- the temporary file of a write ------------------------------------------------------------
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_link_planted_at_the_temporary_name_is_never_written_through(tmp_path, link, caplog):
+    d = tmp_path / "kv"
+    store = KVStore(d, IDENT, 10**9)
+    victim = tmp_path / "precious.txt"
+    victim.write_bytes(b"must not change")
+    key = key_of("a prefix")
+    planted = d / f"{key}.kv.tmp.{os.getpid()}"
+    (planted.symlink_to if link == "symlink" else planted.hardlink_to)(victim)
+    with caplog.at_level(logging.WARNING, logger="ds4.server.kvstore"):
+        entry = store.store("a prefix", payload(3), COLD)
+    assert entry is not None and store.lookup("a prefix and more").payload == payload(3)
+    assert victim.read_bytes() == b"must not change"
+    assert not planted.exists() and not planted.is_symlink()
+    assert any("already exists" in r.message for r in caplog.records)
+
+
+def test_the_temporary_file_is_created_exclusively(tmp_path, monkeypatch):
+    """O_EXCL and O_NOFOLLOW on every create, not only when something is in the way."""
+    seen: list[int] = []
+    real_open = os.open
+
+    def spy(path, flags, *args):
+        if ".kv.tmp." in os.fspath(path):
+            seen.append(flags)
+        return real_open(path, flags, *args)
+
+    store = KVStore(tmp_path / "kv", IDENT, 10**9)
+    monkeypatch.setattr(os, "open", spy)
+    store.store("text", payload(2), COLD)
+    assert seen and all(f & os.O_CREAT and f & os.O_EXCL and f & os.O_NOFOLLOW and not f & os.O_TRUNC
+                        for f in seen)
+
+
+# --- one process per directory ---------------------------------------------------------------
+
+OPEN_AND_REPORT = textwrap.dedent("""
+    import sys
+    from server.kvstore import DirectoryInUse, KVStore, ModelIdentity
+    try:
+        KVStore(sys.argv[1], ModelIdentity("tiny#0123456789abcdef", "Q4_1", 256))
+    except DirectoryInUse as e:
+        print("refused:", e)
+    else:
+        print("opened")
+""")
+
+
+def open_elsewhere(d: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-c", OPEN_AND_REPORT, str(d)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_second_process_cannot_open_a_directory_that_a_store_holds(tmp_path):
+    d = tmp_path / "kv"
+    store = KVStore(d, IDENT, 10**9)
+    also = KVStore(d, IDENT, 10**9)  # the same process: the tools and tests beside a server
+    answer = open_elsewhere(d)
+    assert answer.startswith("refused:") and f"pid {os.getpid()}" in answer and kv.LOCK_NAME in answer
+    store.close()
+    assert open_elsewhere(d).startswith("refused:")  # `also` still holds it
+    also.close()
+    assert open_elsewhere(d) == "opened"
+
+
+def test_a_dropped_store_lets_go_of_its_directory(tmp_path):
+    d = tmp_path / "kv"
+    KVStore(d, IDENT, 10**9).store("x", payload(2), COLD)
+    assert open_elsewhere(d) == "opened"
+
+
+def test_a_lock_name_that_is_not_a_regular_file_is_refused_without_blocking(tmp_path):
+    d = tmp_path / "kv"
+    d.mkdir()
+    os.mkfifo(d / kv.LOCK_NAME)
+    with pytest.raises(kv.NotRegularFile):
+        KVStore(d, IDENT, 10**9)

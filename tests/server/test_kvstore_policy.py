@@ -198,3 +198,21 @@ def test_select_victims_respects_protection_and_budget():
 def test_fits_budget_has_a_one_percent_margin():
     assert kp.fits_budget(990, 1000)
     assert not kp.fits_budget(991, 1000)
+
+
+def test_space_deficit_counts_the_new_entry_and_the_minimum_free():
+    assert kp.space_deficit(free_bytes=10_000, min_free_bytes=2_000, incoming_bytes=3_000) == 0
+    assert kp.space_deficit(free_bytes=4_000, min_free_bytes=2_000, incoming_bytes=3_000) == 1_000
+    assert kp.space_deficit(free_bytes=0, min_free_bytes=0, incoming_bytes=500) == 500
+
+
+def test_victims_for_space_take_the_eviction_order_until_the_files_cover_the_need():
+    now = 10 * HOUR
+    entries = [entry(k, last_used=i) for i, k in enumerate("abcd")]  # 1000 bytes each, oldest first
+    assert kp.victims_for_space(entries, 0, now) == []
+    assert kp.victims_for_space(entries, 1, now) == ["a"]
+    assert kp.victims_for_space(entries, 1500, now) == ["a", "b"]
+    assert kp.victims_for_space(entries, 1500, now, protected={"a"}) == ["b", "c"]
+    # What the evictable entries hold is not enough: None, so that nothing is deleted in vain.
+    assert kp.victims_for_space(entries, 3500, now, protected={"d"}) is None
+    assert kp.victims_for_space([], 1, now) is None

@@ -40,14 +40,18 @@ def test_defaults_match_the_specification():
 
 
 def test_kv_batching_and_thread_flags_fill_their_fields():
-    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, batched_session=3, threads=1, kv_type="f16")
-    assert c.kv == KVStoreConfig(directory="/tmp/kv", budget_mb=12) and c.batched_session == 3 and c.threads == 1
+    c = config_from_flags(kv_disk_dir="/tmp/kv", kv_cache_budget_mb=12, kv_min_free_mb=7, batched_session=3,
+                          threads=1, kv_type="f16")
+    assert c.kv == KVStoreConfig(directory="/tmp/kv", budget_mb=12, min_free_mb=7)
+    assert c.batched_session == 3 and c.threads == 1
     assert c.kv_type == "f16"
     assert ServerConfig().kv == KVStoreConfig(directory=None, budget_mb=4096) and ServerConfig().batched_session == 1
     assert ServerConfig().threads is None and ServerConfig().kv_type is None
     for flags in ({"kv_cache_budget_mb": 0}, {"batched_session": 0}, {"threads": 0}):
         result = CliRunner().invoke(main, [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()])
         assert result.exit_code == 2 and "must be at least 1" in result.output
+    result = CliRunner().invoke(main, ["--kv-min-free-mb=-1"])
+    assert result.exit_code == 2 and "kv_min_free_mb must be at least 0" in result.output
 
 
 def test_tool_flags_fill_the_tools_record():
@@ -141,3 +145,27 @@ def test_threads_flag_sets_the_engine_threads_before_loading(monkeypatch):
         assert seen == {"threads": want, "thread": "ds4-inference"}
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_second_server_on_a_held_cache_directory_refuses_to_start_with_one_line(tmp_path):
+    """Checked before the model loads (the model path here does not even exist)."""
+    import os
+    import subprocess
+    import sys
+
+    from server.kvstore import LOCK_NAME, KVStore, ModelIdentity
+    from server_support import REPO_ROOT
+
+    d = tmp_path / "kv"
+    held = KVStore(d, ModelIdentity("m#0", "Q4_1", 256))  # the first server, for the lock's purpose
+    try:
+        done = subprocess.run([sys.executable, "-m", "server.cli", "--model", str(tmp_path / "absent.gguf"),
+                               "--port", "0", "--kv-disk-dir", str(d)], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)))
+    finally:
+        held.close()
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"Error: --kv-disk-dir {d}: another process (pid {os.getpid()})")
+    assert LOCK_NAME in lines[0]

@@ -170,6 +170,61 @@ def test_models_and_health_show_file_names_only(srv):
     assert "/models" not in httpx.get(srv.base + "/health").text
 
 
+# --- request framing (RFC 9112 section 6.1 and 6.3) -------------------------------------------
+
+SMUGGLED = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+
+
+def status_lines(response: bytes) -> list[bytes]:
+    return re.findall(rb"HTTP/1\.1 \d{3}", response)
+
+
+@pytest.mark.parametrize("framing", [
+    "Content-Length: {n}\r\nTransfer-Encoding: chunked\r\n",
+    "transfer-encoding: CHUNKED\r\ncontent-length: {n}\r\n",
+], ids=["cl-then-te", "te-then-cl"])
+def test_a_request_with_content_length_and_transfer_encoding_gets_400_and_its_hidden_request_is_never_served(
+        srv, framing):
+    # Framed by Transfer-Encoding the body is empty and a second request follows it; framed by
+    # Content-Length that request is the body. Either reading is a smuggling vector: refused.
+    body = b"0\r\n\r\n" + SMUGGLED
+    with connect(srv) as s:
+        s.sendall((HEAD + framing.format(n=len(body)) + "\r\n").encode() + body)
+        t0 = time.monotonic()
+        response = read_until_closed(s)
+        assert time.monotonic() - t0 < 3  # closed by the server, not by a keep-alive timeout
+    assert status_lines(response) == [b"HTTP/1.1 400"], response
+    assert b"connection: close" in response.lower()
+    error = json_body(response)["error"]
+    assert error["code"] == "bad_request_framing"
+    assert "both Content-Length and Transfer-Encoding" in error["message"]
+    srv.wait_log("400 to 127.0.0.1")
+
+
+@pytest.mark.parametrize("lengths", [
+    "Content-Length: 2\r\nContent-Length: 2\r\n",
+    "Content-Length: 2, 2\r\n",
+    "Content-Length: 2\r\nContent-Length: 40\r\n",
+], ids=["repeated", "listed", "conflicting"])
+def test_more_than_one_content_length_gets_400_and_a_close(srv, lengths):
+    with connect(srv) as s:
+        s.sendall((HEAD + lengths + "\r\n").encode() + b"{}" + SMUGGLED)
+        response = read_until_closed(s)
+    assert status_lines(response) == [b"HTTP/1.1 400"], response
+    assert json_body(response)["error"]["code"] == "bad_request_framing"
+    assert "Content-Length" in json_body(response)["error"]["message"]
+
+
+def test_a_badly_framed_request_after_a_good_one_on_the_same_connection_is_refused(srv):
+    """The check sees every request head, the pipelined ones too, not only a connection's first."""
+    body = b"0\r\n\r\n" + SMUGGLED
+    bad = (HEAD + f"Content-Length: {len(body)}\r\nTransfer-Encoding: chunked\r\n\r\n").encode() + body
+    with connect(srv) as s:
+        s.sendall(SMUGGLED + bad)
+        response = read_until_closed(s)
+    assert status_lines(response) == [b"HTTP/1.1 200", b"HTTP/1.1 400"], response
+
+
 def test_the_server_still_serves_after_the_hostile_clients(srv):
     assert httpx.post(srv.base + "/v1/chat/completions", json=CHAT).status_code == 200
     assert "Traceback" not in srv.log()

@@ -111,6 +111,46 @@ def test_a_different_prompt_saves_the_replaced_session(tiny_path, tmp_path):
         assert back.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 16
 
 
+@pytest.fixture(scope="module")
+def tiny_1k_path(tmp_path_factory) -> str:
+    """A context four times the cache's first capacity, so that prefills grow it."""
+    from engine.synthetic import RandomModelSpec, write_random_gguf
+    return str(write_random_gguf(tmp_path_factory.mktemp("gguf") / "tiny1k.gguf",
+                                 RandomModelSpec(n_ctx=1024, seed=12)))
+
+
+@pytest.mark.parametrize("slots", [1, 2], ids=["serial", "batched"])
+def test_a_restore_after_a_prefill_grew_the_cache_decodes_like_a_cold_prefill(tiny_1k_path, tmp_path, slots):
+    """The reported 500: after a restart, request A restores a short checkpoint and its prefill
+    grows the cache (inside inference mode); request B then restores its own checkpoint into
+    that memory. B must answer 200 with exactly the reply of its cold prefill, on the serial
+    loop and on the batched one (a pool slot)."""
+    d = tmp_path / "kv"
+    policy = SavePolicy(trim=4, align=16, interval=4096, min_tokens=16, min_gain=8)
+    system_a = " ".join(f"Rule {i} is brief." for i in range(20))  # a checkpoint of ~300 tokens
+    system_b = " ".join(f"Fact {i} holds here." for i in range(36))  # ~700 tokens
+    question = " ".join(f"part {i} of a long question;" for i in range(16))  # ~400 tokens
+
+    def body(system: str, user: str) -> dict:
+        return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+                "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+
+    with TestClient(app_on(load(tiny_1k_path), d, policy, batched_session=slots)) as c:
+        assert c.post("/v1/chat/completions", json=body(system_a, "Hi.")).status_code == 200
+        cold = c.post("/v1/chat/completions", json=body(system_b, "Go on."))
+        assert cold.status_code == 200, cold.text
+        assert cold.json()["usage"]["prompt_tokens_details"]["cached_tokens"] < 16  # the template's head
+    with TestClient(app_on(load(tiny_1k_path), d, policy, batched_session=slots)) as c:
+        grown = c.post("/v1/chat/completions", json=body(system_a, question))
+        assert grown.status_code == 200, grown.text
+        usage = grown.json()["usage"]
+        assert 0 < usage["prompt_tokens_details"]["cached_tokens"] <= 512 < usage["prompt_tokens"]
+        restored = c.post("/v1/chat/completions", json=body(system_b, "Go on."))
+        assert restored.status_code == 200, restored.text
+        assert restored.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 512
+    assert restored.json()["choices"] == cold.json()["choices"]
+
+
 def test_without_a_directory_the_server_has_no_disk_cache(tiny_path):
     with TestClient(create_app(load(tiny_path), ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,)))) as c:
         assert c.get("/health").json()["kv_cache"] is None

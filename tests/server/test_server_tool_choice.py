@@ -172,3 +172,32 @@ def test_bad_choices_are_400(server):
         chat(server, tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="exclude each other"):
         chat(server, tool_choice="required", response_format={"type": "json_object"})
+
+
+RECURSIVE = {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                                  "required": ["c"]}}}
+WIDE = {"type": "object", "properties": {f"property_number_{i}": {"type": "string"} for i in range(10_000)}}
+
+
+@pytest.mark.parametrize("schema,fragment", [
+    (RECURSIVE, "no finite JSON document matches the schema: it requires #/$defs/n -> properties/c -> #/$defs/n"),
+    (WIDE, "more than the limit of 65,536 bytes (MAX_SCHEMA_BYTES)"),
+], ids=["required-recursion", "10000-properties"])
+def test_schemas_no_grammar_can_serve_are_400_before_they_are_queued(server, schema, fragment):
+    """Both used to reach the inference worker (the wide one for 12-22 s) and end in a 500, or in
+    an error event after a 200 when streamed."""
+    for api in ("chat", "responses"):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                if api == "chat":
+                    out = oai(server).chat.completions.create(
+                        model="m", messages=[{"role": "user", "content": "json"}], max_tokens=20, stream=stream,
+                        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+                else:
+                    out = oai(server).responses.create(model="m", input="json", max_output_tokens=20, stream=stream,
+                                                       text={"format": {"type": "json_schema", "name": "x",
+                                                                        "schema": schema}})
+                list(out) if stream else None
+            assert fragment in str(e.value), (api, stream)
+    assert server.model is not None  # still serving
+    assert chat(server).choices[0].finish_reason == "stop"

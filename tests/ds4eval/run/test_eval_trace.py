@@ -1,5 +1,6 @@
 """Trace format round trip, regrading and the retry list."""
 
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from ds4eval.run import trace as tr
@@ -52,17 +53,33 @@ def test_old_trace_without_status_is_graded():
 
 
 def test_regrade_counts_only_finished_cases():
-    records = [rec(index=1), rec(index=2, status="STOPPED", model_output="Answer: 9"),
-               rec(index=3, status="STOPPED", model_output="")]
+    records = [rec(index=1, id="a"), rec(index=2, id="b", status="STOPPED", model_output="Answer: 9"),
+               rec(index=3, id="c", status="STOPPED", model_output="")]
     report = regrade.regrade(tr.parse_trace("".join(map(tr.format_record, records))).records)
     assert report.summary_line() == "passed=1 failed=0 not_graded=2 changed=0"
+
+
+def test_regrade_counts_the_latest_record_of_each_case_and_repeat_like_compare():
+    """A retried trace: 41 cases, each written twice (STOPPED, then its retry); regrade counts
+    41, as --compare and the run report do, and says how many records it left out."""
+    first = [rec(index=i, id=f"c{i}", status="STOPPED", model_output="") for i in range(1, 42)]
+    retried = [rec(index=i, id=f"c{i}", status="FAILED" if i % 2 else "PASSED",
+                   model_output="Answer: 4" if i % 2 else "Answer: 5") for i in range(1, 42)]
+    report = regrade.regrade(first + retried)
+    assert report.passed + report.failed + report.not_graded == 41 and report.not_graded == 0
+    assert report.superseded == 41 and report.summary_line().endswith(" superseded=41")
+    # Repeats are cases of their own: both repeats of a case count.
+    repeats = [rec(index=1, id="r", repeat=0), rec(index=1, id="r", repeat=1), rec(index=1, id="r", repeat=1)]
+    assert regrade.latest(repeats) == ([repeats[0], repeats[2]], 1)
+    from ds4eval.reports.run import latest_records
+    assert latest_records(first + retried)[1] == 41
 
 
 def test_regrade_lists_changed_verdicts_and_uses_lookup_for_old_traces():
     from ds4eval.cases.case import parse_case
 
-    records = [rec(index=1, status="FAILED"),                       # extractor now reads it: changed
-               rec(index=2, status="PASSED", model_output="Answer: 6"),  # changed the other way
+    records = [rec(index=1, id="a", status="FAILED"),                       # extractor now reads it: changed
+               rec(index=2, id="b", status="PASSED", model_output="Answer: 6"),  # changed the other way
                rec(index=3, status="PASSED", expected="", answer_kind="", id="k")]
     case = parse_case({"source": "sanity", "id": "k", "question": "q", "answer": "5", "answer_kind": "integer"})
     report = regrade.regrade(records, lambda s, i: case if (s, i) == ("sanity", "k") else None)
@@ -302,3 +319,80 @@ def test_the_traces_shipped_with_the_repository_still_parse():
         parsed = tr.read_trace(path)
         assert parsed.problems == [] and parsed.records, path
         assert all(r.ttft_s is None and r.concurrency == 0 for r in parsed.records)
+
+
+# ---------------------------------------------------------------- hostile counts and pieces
+
+def _wrong_counts(block: str, how: str) -> str:
+    import re
+
+    def wrong(m):
+        n = int(m[1])
+        return "chars=" + str({"huge": 10**9, "over": n + 1, "under": max(0, n - 1), "next": n + 40}[how])
+    return re.sub(r"chars=(\d+)", wrong, block)
+
+
+@pytest.mark.parametrize("how", ["huge", "over", "under", "next"])
+def test_a_wrong_count_spoils_only_its_own_block(how):
+    good = _blocks(6)
+    blocks = [tr.format_record(r) if i % 2 == 0 else _wrong_counts(tr.format_record(r), how)
+              for i, r in enumerate(good)]
+    parsed = tr.parse_trace("".join(blocks))
+    assert parsed.records == good[0::2]
+    assert len(parsed.problems) == 3 and all(f"(sanity/case-{i})" in p for i, p in zip((2, 4, 6), parsed.problems))
+    # Each problem names the marker line of its block.
+    starts = [sum(b.count("\n") for b in blocks[:i]) + 1 for i in (1, 3, 5)]
+    assert [int(p.split(":")[0].split()[1]) for p in parsed.problems] == starts
+
+
+def test_reading_in_pieces_gives_what_reading_at_once_gives(monkeypatch):
+    """Pieces are cut only where a line starts a block; line numbers stay the file's, a line of
+    invalid UTF-8 spoils its own block, and a torn block stays one problem."""
+    good = [tr.format_record(r) for r in _blocks(8)]
+    header = tr.format_run_header(tr.RunHeader("sanity", ((1, "sanity", "case-1"),)))
+    torn = good[2].encode()[: len(good[2]) // 2]
+    data = (header.encode() + good[0].encode() + _wrong_counts(good[1], "huge").encode() + torn + b"\n"
+            + good[3].encode().replace("Réponse".encode(), b"R\xff") + good[4].encode() + b"stray text\n"
+            + "".join(good[5:]).encode())
+    whole = tr.parse_trace_bytes(data)
+    assert [r.id for r in whole.records] == ["case-1", "case-5", "case-6", "case-7", "case-8"]
+    assert len(whole.problems) == 4
+    for piece in (1, 64, 700, 5000):
+        monkeypatch.setattr(tr, "PIECE_BYTES", piece)
+        parts = tr.parse_trace_bytes(data)
+        assert (parts.records, parts.problems, parts.runs) == (whole.records, whole.problems, whole.runs), piece
+
+
+def test_read_input_refuses_what_is_not_a_regular_file_without_waiting(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO"), ("/dev/zero", "a character device"), (tmp_path, "a directory")):
+        with pytest.raises(tr.InputFileError) as e:
+            tr.read_input(path)
+        assert str(e.value) == f"{path}: it is {kind}, not a regular file"
+    big = tmp_path / "big.trace"
+    big.write_bytes(b"x" * 1000)
+    with pytest.raises(tr.InputFileError, match="1,000 bytes, more than the limit of an input file"):
+        tr.read_input(big, limit=999)
+    assert tr.read_input(big, limit=1000) == b"x" * 1000
+    assert tr.MAX_INPUT_BYTES == 4 << 30
+
+
+# ---------------------------------------------------------------- one writer at a time
+
+def test_a_second_writer_of_a_trace_is_refused_while_the_first_is_open(tmp_path):
+    path = tmp_path / "t.trace"
+    assert not tr.being_written(path)  # no file yet
+    with tr.TraceWriter(path) as w:
+        w.write(rec())
+        assert tr.being_written(path)
+        with pytest.raises(tr.TraceBusy, match="is being written by another ds4-eval process"):
+            tr.TraceWriter(path)
+        w.write(rec(index=2, id="b"))  # the first writer is unharmed
+        assert [r.index for r in tr.read_trace(path).records] == [1, 2]  # readers take no lock
+    assert not tr.being_written(path)
+    with tr.TraceWriter(path) as w:
+        w.write(rec(index=3, id="c"))
+    assert len(tr.read_trace(path).records) == 3
