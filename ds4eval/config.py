@@ -105,6 +105,10 @@ class EvalConfig(CommandConfig):
     kv_type: str | None = None
     """--kv-type: the engine's KV cache element type, f32, f16 or bf16 (engine.load_model's
     kv_type); None: the engine's default (f16 on CPU, bf16 on CUDA)."""
+    batch_invariant: bool = False
+    """--batch-invariant: the engine runs every token through one row's decoding step
+    (engine.invariant): answers that do not depend on the batch, prefill chunks or cached
+    prefixes on any device, at the cost of the batch's parallelism."""
     request_extra: str | None = None
     """--request-extra JSON: an object merged into every request body of the openai backend
     (its keys win over ds4-eval's own), e.g. '{"repeat_penalty": 1.0}' for llama.cpp."""
@@ -217,6 +221,9 @@ class EvalConfig(CommandConfig):
             raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
         if self.kv_type is not None and self.backend != "engine":
             raise ConfigError("--kv-type applies to the engine backend")
+        if self.batch_invariant and self.backend != "engine":
+            raise ConfigError("--batch-invariant applies to the engine backend (a server sets its own: "
+                              "ds4-server --batch-invariant)")
         if self.ray is not None:
             if not self.trace:
                 raise ConfigError("--ray needs --trace FILE: the shards' traces are merged into it")
@@ -523,6 +530,8 @@ class DeterminismConfig(CommandConfig):
     """--threads: the engine's CPU threads."""
     kv_type: str | None = None
     """--kv-type: the engine's KV cache type."""
+    batch_invariant: bool = False
+    """--batch-invariant: the engine's batch-invariant mode (engine.invariant)."""
     slots: int | None = None
     """--slots: the engine's batched sessions (default: the largest --concurrency + 1)."""
     url: str | None = None
@@ -580,6 +589,8 @@ class DeterminismConfig(CommandConfig):
         check_url(self.url)
         if self.kv_type is not None and self.kv_type not in KV_TYPES:
             raise ConfigError(f"--kv-type must be one of {', '.join(KV_TYPES)}")
+        if self.batch_invariant and self.backend != "engine":
+            raise ConfigError("--batch-invariant applies to the engine backend")
         for flag, value, low in (("--prompts", self.prompts, 1), ("--repeats", self.repeats, 1),
                                  ("--mixed-rounds", self.mixed_rounds, 1), ("--max-tokens", self.max_tokens, 2)):
             if value < low:

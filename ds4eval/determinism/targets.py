@@ -257,13 +257,15 @@ class EngineTarget:
 
     @classmethod
     def load(cls, model_path: str | None, slots: int, *, ctx: int | None = None, device: str = "cpu",
-             kv_type: str | None = None, threads: int | None = None) -> "EngineTarget":
+             kv_type: str | None = None, threads: int | None = None,
+             batch_invariant: bool = False) -> "EngineTarget":
         import engine
         from engine.threads import EngineThread
 
         thread = EngineThread("ds4eval-determinism", threads=threads)
         try:
-            model = thread.call(engine.load_model, model_path, ctx=ctx, device=device, kv_type=kv_type)
+            model = thread.call(engine.load_model, model_path, ctx=ctx, device=device, kv_type=kv_type,
+                                batch_invariant=batch_invariant)
             return cls(model, slots, thread, own_thread=True)
         except BaseException:
             thread.close()

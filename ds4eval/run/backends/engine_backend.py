@@ -292,7 +292,7 @@ class EngineBackend:
         thread = EngineThread("ds4eval-engine", threads=config.threads)
         try:
             model = thread.call(engine.load_model, config.model, ctx=config.ctx, device=config.device,
-                                kv_type=config.kv_type)
+                                kv_type=config.kv_type, batch_invariant=config.batch_invariant)
             backend = cls(model, engine, parallel=config.parallel, engine_thread=thread, own_thread=True)
         except BaseException:
             thread.close()
