@@ -85,6 +85,9 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--cpu-kernels", type=click.Choice(eb.CPU_KERNEL_PATHS), default=None,
               help="ds4's CPU kernel path (default: $DS4_CPU_KERNELS, else the best this CPU runs); "
                    "e.g. avx2 on an AVX512 host.")
+@click.option("--batch-invariant", is_flag=True, default=False,
+              help="Load ds4 in its batch-invariant mode (every token through one row's step), to measure "
+                   "what the mode costs.")
 @click.option("--repeats", type=int, default=3, show_default=True,
               help="Repetitions; the summary shows median [min, max].")
 @click.option("--warmup", type=int, default=1, show_default=True,
@@ -112,7 +115,7 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
 def engine_command(model: str | None, ctx: int | None, device: str, weights: str, cpu_kernels: str | None,
-                   repeats: int, warmup: int,
+                   batch_invariant: bool, repeats: int, warmup: int,
                    csv_path: str | None, compare: str | None, transformers_compile: bool, threads: int | None,
                    llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
@@ -121,7 +124,7 @@ def engine_command(model: str | None, ctx: int | None, device: str, weights: str
     """Load time, prefill and decode tokens/s (and batched decode with --batch-sizes), optionally side by
     side with llama.cpp or transformers."""
     cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, cpu_kernels=cpu_kernels,
-                               repeats=repeats, warmup=warmup,
+                               batch_invariant=batch_invariant, repeats=repeats, warmup=warmup,
                                csv=csv_path, compare=compare, transformers_compile=transformers_compile,
                                threads=threads, llama_extra_buffers=llama_extra_buffers,
                                prompt_lengths=prompt_lengths,
@@ -151,7 +154,7 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
         path = model_file(cfg.model)
         check_csv_dir(cfg.csv)
         runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights,
-                                              cpu_kernels=cfg.cpu_kernels)]
+                                              cpu_kernels=cfg.cpu_kernels, batch_invariant=cfg.batch_invariant)]
         if cfg.compare == eb.LLAMA_CPP:
             threads = cfg.threads if cfg.threads is not None else default_threads()
             runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device,

@@ -108,6 +108,7 @@ class EngineBenchConfig:
     device: str = "cpu"  # ds4's device; llama.cpp offloads to the GPU too when built for it
     weights: str = "packed"  # ds4 weight format: "packed" (int4 kernels) or "float32"
     cpu_kernels: str | None = None  # ds4's CPU kernel path (engine.kernels); None: the engine's choice
+    batch_invariant: bool = False  # --batch-invariant: ds4 loaded in its batch-invariant mode (engine.invariant)
     repeats: int = 3  # repetitions of every measurement; the summary reports median, min, max
     warmup: int = 1  # untimed repetitions per engine before the timed ones
     csv: str | None = None  # write one row per measurement here (atomically)

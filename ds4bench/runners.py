@@ -115,8 +115,9 @@ class Ds4Runner:
     engine = OURS
 
     def __init__(self, path: str, *, ctx: int, device: str = "cpu", weights: str = "packed",
-                 cpu_kernels: str | None = None):
+                 cpu_kernels: str | None = None, batch_invariant: bool = False):
         self.path = path
+        self.batch_invariant = batch_invariant
         self.ctx = ctx
         self.device = device
         self.weights = weights
@@ -143,7 +144,7 @@ class Ds4Runner:
         from engine import load_model
 
         self._model = load_model(self.path, ctx=self.ctx, device=self.device, weights=self.weights,
-                                 cpu_kernels=self.cpu_kernels)
+                                 cpu_kernels=self.cpu_kernels, batch_invariant=self.batch_invariant)
 
     def vocab(self) -> Vocab:
         m = self._model
