@@ -29,7 +29,7 @@ from ds4eval.cases import case as cs
 from ds4eval.cli import flags
 from ds4eval.cli.case_commands import available_cases, load_selected, shard_part
 from ds4eval.cli.command import Command
-from ds4eval.cli.inputs import UsageFailure, file_size, modified, read_bytes, read_trace, write_report
+from ds4eval.cli.inputs import UsageFailure, check_destination, file_size, modified, read_bytes, read_trace, write_report
 from ds4eval.config import EvalConfig, ProbeConfig, RetryConfig
 from ds4eval.run import summary as report
 from ds4eval.run import trace
@@ -64,7 +64,8 @@ def _run_plain(cfg: EvalConfig, selected: list[cs.Case], backend, numbers, repea
     """Run without the terminal UI; a signal stops the run at the next token boundary."""
     from ds4eval.run.runner import Runner
 
-    listener = report.PlainListener(len(selected) * (cfg.repeats if repeats is None else 1))
+    listener = report.PlainListener(len(selected) * (cfg.repeats if repeats is None else 1),
+                                    of=max(numbers) if numbers else None)
     runner = Runner(cfg, selected, backend, [listener], numbers=numbers, repeats=repeats,
                     shard_header=shard_header)
     result: dict = {}
@@ -151,7 +152,10 @@ def _finish(cfg: EvalConfig, states: list, wall_s: float, interrupted: bool, fai
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:
-        write_text_atomic(cfg.summary, json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+        try:
+            write_text_atomic(cfg.summary, json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+        except OSError as e:  # named by the path given, not the temporary file beside it
+            raise UsageFailure(f"cannot write the summary {cfg.summary}: {e.strerror or e}") from None
     if cfg.report:
         _write_run_report(cfg, report_offset)
     if failed:
@@ -233,9 +237,17 @@ def run_ray(cfg: EvalConfig, selected: list[cs.Case]) -> int:
     return _finish(cfg, outcome.states, outcome.wall_s, outcome.interrupted, "", info, report_offset)
 
 
+def check_outputs(cfg: EvalConfig) -> None:
+    """UsageFailure before any case runs when --trace, --summary or --report could not be written."""
+    check_destination(cfg.trace, "trace")
+    check_destination(cfg.summary, "summary")
+    check_destination(cfg.report, "report")
+
+
 def run(cfg: EvalConfig) -> int:
     """The selected cases (or --shard's part of them, continuing a trace that already holds that
     shard) in this process, or spread over Ray with --ray."""
+    check_outputs(cfg)
     selected = load_selected(cfg)
     if cfg.ray is not None:
         return run_ray(cfg, selected)
@@ -273,6 +285,7 @@ def shard_unfinished(path: str | None, part) -> list[tuple[str, str, int]] | Non
 
 def retry(cfg: RetryConfig) -> int:
     path = cfg.trace_file
+    check_outputs(cfg.run_settings(cfg.run.repeats))
     if trace.being_written(path):  # its incomplete cases may still be running
         raise UsageFailure(str(trace.TraceBusy(path)))
     parsed = read_trace(path)

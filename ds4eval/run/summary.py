@@ -248,10 +248,19 @@ def render_report(summary: dict) -> str:
         lines += latency_lines(summary["latency"])
     lines += [endpoint_line(e) for e in summary.get("endpoints", ())]
     if t["gen_tokens"] is None:
-        lines.append("token counts unknown: the server sent no usage (--tokenizer GGUF counts them)")
+        lines.append(unknown_tokens_line(summary["cases"]))
     if "repeats" in summary:
         lines += _repeat_lines(summary["repeats"])
     return "\n".join(lines)
+
+
+def unknown_tokens_line(cases: list[dict]) -> str:
+    """Why the token totals are missing: how many cases lack counts, and what that means."""
+    unknown = sum(1 for c in cases if c["gen_tokens"] is None)
+    if unknown == len(cases):
+        return "token counts unknown: the server sent no usage (--tokenizer GGUF counts them)"
+    return (f"token totals unknown: {unknown} of {len(cases)} cases have no counts (the server sent no usage "
+            f"for them; a request that failed has none; --tokenizer GGUF counts what was received)")
 
 
 def case_line(st: CaseState, total: int, eta: str | None = None) -> str:
@@ -279,8 +288,10 @@ class PlainListener:
     """Prints one line per finished case to `stream` (default stdout), its header carrying the
     estimated time left (from the run's start, `clock` being time.monotonic)."""
 
-    def __init__(self, total: int, stream: TextIO | None = None, clock=time.monotonic):
+    def __init__(self, total: int, stream: TextIO | None = None, clock=time.monotonic, of: int | None = None):
         self.total = total
+        # What case numbers count up to: the run's own total, or (a retry) its trace's selection.
+        self.of = max(of or 0, total)
         self.stream = stream or sys.stdout
         self._lock = threading.Lock()
         self._clock = clock
@@ -295,4 +306,4 @@ class PlainListener:
                 self._done += 1
                 start = self._start if self._start is not None else self._clock()
                 eta = format_clock(eta_s(self._done, self.total, self._clock() - start))
-                print(case_line(event.state, self.total, eta), file=self.stream, flush=True)
+                print(case_line(event.state, self.of, eta), file=self.stream, flush=True)

@@ -149,3 +149,10 @@ def test_a_shard_run_again_runs_only_what_its_trace_lacks(tmp_path):
     assert len(again.runs) == 2 and again.runs[1].cases == ((first.records[-1].index, "sanity", first.records[-1].id),)
     r = invoke(*args)
     assert r.exit_code == 0 and "0 of" in r.output and len(tr.read_trace(trace).records) == len(first.records)
+
+
+def test_run_checks_its_outputs_before_the_first_case(tmp_path):
+    for flag in ("--summary", "--report", "--trace"):
+        extra = ["--trace", tmp_path / "t.trace"] if flag == "--report" else []
+        r = invoke("run", "--plain", flag, tmp_path / "missing" / "out.html", *extra)
+        assert r.exit_code == 2 and "no directory" in r.output and "cases" not in r.output, (flag, r.output)

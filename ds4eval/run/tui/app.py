@@ -349,7 +349,7 @@ def run_with_ui(config: EvalConfig, cases: Sequence[Case], backend, numbers: Seq
     wall_s = runner.wall_s or stats.freeze().elapsed_s
     for st in sorted(states, key=lambda s: s.number):
         if st.status.finished:
-            print(report.case_line(st, len(states)), flush=True)
+            print(report.case_line(st, max([len(states)] + [s.number for s in states])), flush=True)
     return UIOutcome(states=states, wall_s=wall_s, interrupted=bool(app and app.interrupted) or bool(signals),
                      error=box.get("error", ""))
 

@@ -32,7 +32,11 @@ def test_unknown_token_counts_are_never_numbers():
     assert t["tokens_known"] is False and s["cases"][0]["gen_tokens"] is None
     assert s["cases"][1]["gen_tokens"] == 10
     text = render_report(s)
-    assert "generation unknown tokens" in text and "token counts unknown" in text
+    assert "generation unknown tokens" in text
+    # One case of two lacks counts: the line says so rather than that the server sent none.
+    assert "token totals unknown: 1 of 2 cases have no counts" in text
+    every = render_report(build_summary([state(1, gen=0, prompt=0, known=False)], 1.0, {}))
+    assert "token counts unknown: the server sent no usage" in every
     total_row = next(ln for ln in text.splitlines() if ln.startswith("TOTAL"))
     assert total_row.split()[5:7] == ["unknown", "unknown"]
 
