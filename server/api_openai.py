@@ -23,7 +23,10 @@ already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is us
 `prompt` may be a string, a list of strings, a token-id list or a list of token-id lists;
 each prompt is its own choice (times `n`), in order. With `echo` and `logprobs` every prompt
 token is scored (`server.scoring`; the first has a null log-prob) before the generated ones,
-and `max_tokens: 0` scores without generating.
+and `max_tokens: 0` scores without generating. A completion's `logprobs` list every generated
+token, the end-of-sequence token that ended it included (`Finished.end_logprob`; it adds no
+text), so that `usage.completion_tokens` and the entries agree; chat `logprobs` list only the
+tokens of the message.
 `n` > 1 fans a request out into n jobs (`server.choices`), merged by `choices[i].index`;
 usage counts every choice's completion tokens and each prompt once.
 Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`, `return_tokens_as_token_ids`
@@ -336,9 +339,17 @@ def chat_response(ctx: OpenAIContext, outputs: list[ChoiceOutput]) -> dict[str, 
             "usage": usage_json(_usage(ctx, outputs))}
 
 
+def generated_entries(out: ChoiceOutput) -> list[TokenLogprob]:
+    """A completion's log-prob entries: one per generated token, the end-of-sequence token that
+    ended it included (it produced no text, but clients that score a prompt with `max_tokens: 1`
+    take the entries before the last as the prompt's)."""
+    end = _finished(out).end_logprob
+    return out.logprobs + ([end] if end is not None else [])
+
+
 def completion_choice(ctx: OpenAIContext, index: int, out: ChoiceOutput) -> dict[str, Any]:
     echo = ctx.echo_text(index)
-    logprobs = legacy_logprobs(out.prompt, out.logprobs, len(echo), ctx.token_ids) if ctx.logprobs else None
+    logprobs = legacy_logprobs(out.prompt, generated_entries(out), len(echo), ctx.token_ids) if ctx.logprobs else None
     return {"index": index, "text": echo + out.text, "logprobs": logprobs,
             "finish_reason": _finished(out).finish_reason}
 
@@ -476,7 +487,10 @@ class CompletionStreamWriter(ChoicesStreamWriter):
         return [self.text_chunk(index, event.text, logprobs=lp)] if event.text or lp is not None else []
 
     def finish(self, event: Finished, index: int) -> Frames:
-        return [self.text_chunk(index, "", event.finish_reason)]
+        lp = None
+        if self.ctx.logprobs and event.end_logprob is not None:
+            lp = legacy_logprobs(None, [event.end_logprob], self.offsets[index], self.ctx.token_ids)
+        return [self.text_chunk(index, "", event.finish_reason, logprobs=lp)]
 
 
 def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:

@@ -144,6 +144,10 @@ class Finished:
     stop_sequence: str | None = None
     output: Any = None
     """The splitter's final result (None without a splitter, or when cancelled)."""
+    end_logprob: TokenLogprob | None = None
+    """With logprobs asked for, the entry of the end-of-sequence token that ended the
+    generation: it produced no text (so no `TextDelta` carries it) but counts as a completion
+    token, and prompt scoring (legacy completions) lists it."""
 
 
 @dataclass(frozen=True)
@@ -368,6 +372,8 @@ class TokenDecoder:
         self.generated: list[int] = []
         """The accepted tokens whose text was produced (EOS that ends the generation excluded)."""
         self._logprob: Callable[[int], TokenLogprob] | None = None
+        self.end_logprob: TokenLogprob | None = None
+        """The logprob entry of the EOS that ended the generation (see `Finished.end_logprob`)."""
 
     @property
     def done(self) -> bool:
@@ -401,6 +407,8 @@ class TokenDecoder:
             stats.first_token_at = now
         if token in self.eos_ids and not self.ignore_eos:
             self.reason = "stop"
+            if self._logprob is not None:
+                self.end_logprob = self._logprob(token)
             return False
         self.generated.append(token)
         if self.constraint is not None:
@@ -432,7 +440,8 @@ class TokenDecoder:
         output = self.splitter.finish(finish, generated) if self.splitter is not None else None
         self.job.stats.status = "done"
         self.job.stats.finish_reason = finish
-        self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
+        self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output,
+                               end_logprob=self.end_logprob))
 
 
 def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], TokenLogprob]:
