@@ -158,17 +158,20 @@ class Collected:
     text: str
     logprobs: list[TokenLogprob]
     finished: Finished
+    deltas: list[TextDelta]
+    """The text deltas in order (which tokens produced which splitter events)."""
 
 
 async def collect(queue: asyncio.Queue[Event]) -> Collected | Failed:
-    text, logprobs = [], []
+    text, logprobs, deltas = [], [], []
     while True:
         event = await queue.get()
         if isinstance(event, TextDelta):
             text.append(event.text)
             logprobs.extend(event.logprobs)
+            deltas.append(event)
         elif isinstance(event, Finished):
-            return Collected("".join(text), logprobs, event)
+            return Collected("".join(text), logprobs, event, deltas)
         elif isinstance(event, Failed):
             return event
 
@@ -273,7 +276,7 @@ MESSAGES = InferenceApi(
     api_anthropic.messages_stream, api_anthropic.stream_error)
 RESPONSES = InferenceApi(
     api_responses.ResponsesRequest, api_responses.responses_job,
-    lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished),
+    lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished, c.deltas),
     api_responses.responses_stream, api_responses.stream_error)
 
 

@@ -248,7 +248,7 @@ def test_tools_and_calls_are_rendered_by_the_tool_syntax(client, fake_model):
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"c\": 1}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}]
     r = client.post("/v1/chat/completions", json={"messages": history, "tools": tools, "tool_choice": "auto",
-                                                  "reasoning_effort": "low", "max_tokens": 1})
+                                                  "max_tokens": 1})
     assert r.status_code == 200
     prompt = fake_model.rendered[-1]
     assert '{"type": "function", "function": {"name": "get_weather"' in prompt.split("<|im_start|>user")[0]

@@ -172,3 +172,12 @@ def test_bad_choices_are_400(server):
         chat(server, tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="exclude each other"):
         chat(server, tool_choice="required", response_format={"type": "json_object"})
+
+
+def test_anthropic_output_config_format_json_schema(server):
+    msg = ant(server).messages.create(model="m", max_tokens=200, messages=[{"role": "user", "content": "json please"}],
+                                      extra_body={"temperature": 0, "output_config": {"format": {
+                                          "type": "json_schema", "schema": ANSWER}}})
+    (block,) = msg.content
+    jsonschema.validate(json.loads(block.text), ANSWER)
+    assert msg.stop_reason == "end_turn"
