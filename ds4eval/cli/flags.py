@@ -46,6 +46,8 @@ chat_template_kwargs = click.option("--chat-template-kwargs", metavar="JSON",
                                          "e.g. '{\"enable_thinking\": false}'.")
 tokenizer = click.option("--tokenizer", type=click.Path(dir_okay=False),
                          help="GGUF whose tokenizer counts tokens when the server sends no usage (openai).")
+model_file = click.option("--model-file", type=click.Path(dir_okay=False), metavar="GGUF",
+                          help="The model file the server runs (openai): its SHA-256 goes into the trace.")
 kv_type = click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
                        help="Engine KV cache type (default: f16 on CPU, bf16 on CUDA).")
 no_probe = click.option("--no-probe", is_flag=True, help="Skip the capability probe before a run against a server.")
@@ -99,7 +101,7 @@ data_url = click.option("--data-url", default=DEFAULT_DATA_URL, show_default=Tru
 
 CASE_SELECTION = (suite, case_ids, domains, sources, data_dir)
 BACKEND = (backend, model, ctx, device, url, api_key, served_model, concurrency, parallel, threads,
-           request_timeout_s, request_extra, chat_template_kwargs, tokenizer, kv_type, no_probe)
+           request_timeout_s, request_extra, chat_template_kwargs, tokenizer, model_file, kv_type, no_probe)
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)
 OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP))
 

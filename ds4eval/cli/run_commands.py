@@ -119,7 +119,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
             "settings": {"tokens": cfg.tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
                          "min_p": cfg.min_p, "seed": cfg.seed, "think": cfg.think, "ctx": backend.n_ctx,
                          "parallel": cfg.parallel, "concurrency": effective_concurrency(cfg, backend)}}
-    info["provenance"] = run_provenance(backend)
+    info["provenance"] = run_provenance(backend, model_file=cfg.model_file, api_key=cfg.api_key)
     summary = report.build_summary(states, wall_s, info)
     click.echo(report.render_report(summary))
     if cfg.summary:

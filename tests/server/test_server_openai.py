@@ -306,6 +306,23 @@ def test_models_health_and_model_lookup(client):
     assert health["status"] == "ok" and health["model"] == "fake-model"
 
 
+def test_models_list_the_files_sha256_and_how_usage_counts_tokens(client, tmp_path):
+    import hashlib
+    import time
+
+    meta = client.get("/v1/models").json()["data"][0]["meta"]
+    assert meta["sha256"] is None and meta["completion_tokens_include_eos"] is True  # no file behind the fake
+    gguf = tmp_path / "weights.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 9000)
+    with TestClient(fake_app(FakeModel(path=str(gguf)))) as c:
+        deadline = time.monotonic() + 10
+        while (meta := c.get("/v1/models").json()["data"][0]["meta"])["sha256"] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert c.get("/v1/models/fake-model").json()["meta"]["sha256"] == meta["sha256"]
+    assert meta["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest() and meta["path"] == "weights.gguf"
+
+
 def test_unknown_endpoint_and_method(client):
     r = client.post("/v1/nope", json={})
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
