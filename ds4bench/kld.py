@@ -12,6 +12,12 @@ tokens and cut into windows of `--ctx` tokens, each starting with BOS where the 
 one (`make_windows`); a window of n tokens scores its n - 1 next-token distributions.
 `--tokens N` keeps only the first N corpus tokens (after the passes), for quick runs.
 
+Before any scoring the stack is asked what the run will send (`LogprobStack.fit_top_k` on the
+first window's first tokens): an OpenAI-compatible server that cannot score token-id prompts
+stops the run with one line; one that returns fewer log-probs per token than asked has the
+base's `--top-k` lowered to its limit (with a note), or, as a candidate, is asked for its
+limit, the base's tokens outside its list counting as unknown (with a note).
+
 `--save-base` runs the reference stack and writes the base file (format: kldfile). `--base`
 reads it, refuses (exit 2, one line) a base made from another corpus, context size or
 tokenizer, or whose windows the candidate tokenizes differently, runs the candidate stack
@@ -197,8 +203,13 @@ def make_base(cfg: KLDConfig, stack: LogprobStack, report: Callable[[str], None]
     windows = make_windows(ids, cfg.ctx, stack.bos_id)
     if not windows:
         raise KLDConfigError("the corpus gives no window to score")
+    k = stack.fit_top_k(windows[0], cfg.k)
+    if k < cfg.k:
+        if k < 2:
+            raise StackError(f"the stack returns {k} log-prob per token; a base needs at least 2 (--top-k)")
+        report(f"note: --top-k {cfg.k} lowered to {k}, the most log-probs per token the stack returns")
     report(f"base: {len(ids)} corpus tokens in {len(windows)} windows of up to {cfg.ctx}")
-    scores, timing = score_windows(stack, windows, cfg.k, None, report, clock)
+    scores, timing = score_windows(stack, windows, k, None, report, clock)
     header = {"corpus": {"name": name, "sha256": corpus_sha256(text), "passes": cfg.passes, "tokens": cfg.tokens},
               "tokenizer_sha256": stack.tokenizer_sha256, "ctx": cfg.ctx, "stack": stack.describe(),
               "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -239,8 +250,13 @@ def compare_with_base(cfg: KLDConfig, base: BaseData, stack: LogprobStack,
                       report: Callable[[str], None] = lambda _l: None,
                       clock: Callable[[], float] = time.perf_counter) -> KLDResult:
     windows = base.windows
+    k = int(base.header["k"])
+    fitted = stack.fit_top_k(windows[0], k)
+    if fitted < k:
+        report(f"note: the stack returns at most {fitted} of the base's {k} log-probs per token; base tokens "
+               f"outside its list count as unknown (the rest bucket)")
     report(f"candidate: {len(base.scores)} positions in {len(windows)} windows")
-    cand, timing = score_windows(stack, windows, int(base.header["k"]), probes_of(base), report, clock)
+    cand, timing = score_windows(stack, windows, fitted, probes_of(base), report, clock)
     summary, kl = summarize(base.scores, cand, base.window_lengths, cfg.tie_gap)
     return KLDResult(summary, window_rows(kl, base.scores, cand, base.window_lengths), timing, base.header,
                      stack.describe())

@@ -7,7 +7,8 @@ log-probs, the log-sum-exp where known, the targets' log-probs, and the log-prob
 of `probe` ([len(window) - 1, Kp], the base's top-K; NaN where the stack cannot tell).
 `tokenize(text)` gives the corpus ids (None when the stack has no tokenizer), `bos_id` the id
 a window starts with (None: none), `tokenizer_sha256` its tokenizer's identity (None: unknown),
-`describe()` what goes into a base file's header and the report.
+`describe()` what goes into a base file's header and the report, `fit_top_k(head, k)` the
+most log-probs per position it returns (k for the in-process stacks, which see every logit).
 
 Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
   engine  the in-process engine, any GGUF, `weights` (packed or float32), `kv_type`, device,
@@ -31,6 +32,11 @@ Stacks, registered in `STACKS` (name -> factory taking the `KLDConfig`):
           with llama.cpp's own tokenizer; its tokenizer identity is the GGUF's, like the engine's.
 Before scoring, `openai` probes the server (`ds4eval.run.probe`) for echo with log-probs
 and stops with one line when the server ignores or rejects it (`--no-probe` skips that).
+Its `fit_top_k` then sends what the run will send, on the first tokens of the first window:
+a token-id prompt with one log-prob (a server that cannot score token ids, such as
+llama-cpp-python's, stops the run with one line), then the K asked for; a refused K is
+lowered to the limit the server's error names (`limit_in_error`: "less than or equal to 20"),
+else to the first of OpenAI's documented limits (`LIMIT_GUESSES`) that the server takes.
 ds4-server is reached through `openai` (`--url`) once its /v1/completions returns prompt
 log-probs; a stack that starts its own server process would be one more factory in STACKS.
 It computes no statistics and writes no files.
@@ -40,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -65,6 +72,12 @@ class LogprobStack(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
     def score(self, window: Sequence[int], k: int, probe: np.ndarray | None = None) -> Scores: ...
+
+    def fit_top_k(self, head: Sequence[int], k: int) -> int:
+        """The most log-probs per position (at most k) this stack returns for windows like
+        `head` (the first tokens of the first window), found before any scoring; StackError
+        (one line) when it cannot score such a window at all."""
+        ...
 
     def close(self) -> None: ...
 
@@ -138,6 +151,9 @@ class EngineStack:
             parts.append(reduce_chunk(logits, targets[start: end], k, pr))
         return concat_scores(parts)
 
+    def fit_top_k(self, head: Sequence[int], k: int) -> int:
+        return k  # every logit is at hand
+
     def close(self) -> None:
         self.session.reset()
         if self.thread is not None:
@@ -171,6 +187,24 @@ def completion_body(window: Sequence[int], k: int, served_model: str | None) -> 
     if served_model:
         body["model"] = served_model
     return body
+
+
+# Log-prob counts tried, largest first, when a server refuses the one asked for and its error
+# names no limit: OpenAI's documented maxima (20 for chat's top_logprobs, 5 for the legacy
+# completions' logprobs), then one.
+LIMIT_GUESSES = (20, 5, 1)
+# The first tokens of a window that `fit_top_k` sends: enough for a few positions, cheap to score.
+FIT_TOKENS = 8
+_LIMIT_WORDS = re.compile(r"(?:less than or equal to|<=|at most|no more than|not exceed|up to|maximum(?: value)?"
+                          r"(?: of| is)?|max(?:imum)?\s*[:=]?)\s*(\d+)", re.IGNORECASE)
+
+
+def limit_in_error(text: str, asked: int) -> int | None:
+    """Pure: the log-prob limit a server's refusal of `asked` names ("logprobs: Input should be
+    less than or equal to 20", "... must be at most 5"); None when it names none below `asked`."""
+    found = [int(m.group(1)) for m in _LIMIT_WORDS.finditer(text)]
+    below = [n for n in found if 0 < n < asked]
+    return below[0] if below else None
 
 
 def parse_prompt_logprobs(doc: Any, window: Sequence[int], k: int, probe: np.ndarray | None,
@@ -261,20 +295,47 @@ class OpenAIStack:
     def describe(self) -> dict[str, Any]:
         return {"kind": "openai", "url": self.url, "model": self.served_model}
 
-    def score(self, window: Sequence[int], k: int, probe: np.ndarray | None = None) -> Scores:
+    def _post(self, window: Sequence[int], k: int) -> Any:
         import httpx
 
         try:
-            r = self.client.post(self.url + "/v1/completions", json=completion_body(window, k, self.served_model))
+            return self.client.post(self.url + "/v1/completions", json=completion_body(window, k, self.served_model))
         except httpx.HTTPError as e:
             raise StackError(f"{self.url}: {type(e).__name__}: {e}") from None
+
+    def _doc(self, r: Any) -> Any:
         if r.status_code != 200:
             raise StackError(f"{self.url}/v1/completions: HTTP {r.status_code}: {r.text[:200]}")
         try:
-            doc = r.json()
+            return r.json()
         except ValueError:
             raise StackError(f"{self.url}/v1/completions: the reply is not JSON") from None
-        return parse_prompt_logprobs(doc, window, k, probe, self.token_id)
+
+    def score(self, window: Sequence[int], k: int, probe: np.ndarray | None = None) -> Scores:
+        return parse_prompt_logprobs(self._doc(self._post(window, k)), window, k, probe, self.token_id)
+
+    def _takes(self, head: Sequence[int], k: int) -> tuple[bool, str]:
+        """Whether the server scores `head` with k log-probs per position; else its refusal."""
+        r = self._post(head, k)
+        if r.status_code != 200:
+            return False, f"HTTP {r.status_code}: {r.text[:200]}"
+        parse_prompt_logprobs(self._doc(r), head, k, None, self.token_id)  # an unreadable reply stops it here
+        return True, ""
+
+    def fit_top_k(self, head: Sequence[int], k: int) -> int:
+        head = list(head[:FIT_TOKENS])
+        ok, why = self._takes(head, 1)
+        if not ok:
+            raise StackError(f"{self.url}/v1/completions does not score a token-id prompt, which kld sends ({why})")
+        ok, why = self._takes(head, k)
+        if ok:
+            return k
+        named = limit_in_error(why, k)
+        for tried in ([named] if named is not None else []) + [g for g in LIMIT_GUESSES if g < k and g != named]:
+            if self._takes(head, tried)[0]:
+                return tried
+        raise StackError(f"{self.url}/v1/completions refuses {k} log-probs per token and every smaller count "
+                         f"tried ({why})")
 
     def close(self) -> None:
         self.client.close()
@@ -348,6 +409,9 @@ class LlamaCppStack:
             raise StackError(f"llama.cpp could not evaluate a window of {len(inputs)} tokens: {e}") from None
         logits = np.asarray(self.llm.scores[: len(inputs)], dtype=np.float32)
         return scores_from_logits(logits, targets, k, probe)
+
+    def fit_top_k(self, head: Sequence[int], k: int) -> int:
+        return k  # every logit is at hand
 
     def close(self) -> None:
         close = getattr(self.llm, "close", None)

@@ -14,6 +14,7 @@ command line or knows which flag spelling built a config.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, replace
 
 from ds4eval.run.shards import ShardError, parse_shard
@@ -118,6 +119,9 @@ class EvalConfig(CommandConfig):
     tokenizer: str | None = None
     """--tokenizer GGUF: count tokens with this model's tokenizer when a server sends no usage
     (openai backend); without it such counts are reported as unknown."""
+    model_file: str | None = None
+    """--model-file GGUF: the model file the server runs (openai backend), hashed into the trace's
+    model_sha256 so that runs of the same file on different stacks compare as one model."""
     no_probe: bool = False
     """--no-probe: skip the capability probe before a run against a server (one cheap request
     per request feature the run needs; see ds4eval.run.probe)."""
@@ -189,10 +193,13 @@ class EvalConfig(CommandConfig):
         if self.backend == "engine":
             given = [flag for flag, value in (("--request-extra", self.request_extra),
                                               ("--chat-template-kwargs", self.chat_template_kwargs),
-                                              ("--tokenizer", self.tokenizer)) if value is not None]
+                                              ("--tokenizer", self.tokenizer),
+                                              ("--model-file", self.model_file)) if value is not None]
             if given:
                 raise ConfigError(f"{given[0]} applies to the openai backend (the engine counts its own "
                                   f"tokens and renders its own template)")
+        if self.model_file is not None and not os.path.isfile(self.model_file):
+            raise ConfigError(f"--model-file {self.model_file}: no such file")
         if self.tokens <= 0:
             raise ConfigError("--tokens must be positive")
         if self.ctx is not None and self.ctx <= 0:

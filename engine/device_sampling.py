@@ -7,8 +7,9 @@ stay on the device.  `StepLogits.row(i)` is what a session keeps: on CPU the log
 itself (a tensor, as before), on CUDA a `DeviceLogits` that
 
 - answers greedy choices from the ids already on the host (`Sampler` calls `pick`),
-- samples with temperature, top-k, top-p and min-p on the device (`engine.sampling`'s
-  filters on the device row) with one uniform number drawn from the sampler's own CPU
+- samples with the logit bias, temperature, top-k, top-p and min-p on the device
+  (`engine.sampling`'s filters on the device row; a biased greedy choice is the argmax of the
+  biased row, not the step's greedy id) with one uniform number drawn from the sampler's own CPU
   generator, inverted through the cumulative distribution: one number crosses back,
 - and copies the full row to the host only when `host()` is called (`Session.logits`).
 
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import cuda_elementwise
-from engine.sampling import filtered_probs
+from engine.sampling import apply_logit_bias, filtered_probs
 
 if TYPE_CHECKING:
     from engine.sampling import Sampler
@@ -84,6 +85,8 @@ class DeviceLogits:
         """Which of the step's greedy ids `sampler` draws from this row: 0 (plain argmax), 1
         (eos masked), or None where it draws otherwise (sampling, other masked ids)."""
         p = sampler.params
+        if p.logit_bias:
+            return None  # the step's greedy ids are of the unbiased row
         if p.argmax_ignoring_eos:
             if not sampler.eos_ids:
                 return 0
@@ -96,10 +99,15 @@ class DeviceLogits:
         if column is not None:
             return self.greedy_no_eos if column else self.greedy
         p = sampler.params
-        if p.argmax_ignoring_eos:  # eos ids other than the step's
+        row = apply_logit_bias(self.row, p.logit_bias) if p.logit_bias else self.row
+        if p.argmax_ignoring_eos:  # eos ids other than the step's, or a biased row
+            if not sampler.eos_ids:
+                return int(row.argmax())
             banned = torch.tensor(sorted(sampler.eos_ids), dtype=torch.long, device=self.row.device)
-            return int(self.row.index_fill(0, banned, float("-inf")).argmax())
-        probs = filtered_probs(self.row, p)
+            return int(row.index_fill(0, banned, float("-inf")).argmax())
+        if p.temperature == 0.0:  # a biased row
+            return int(row.argmax())
+        probs = filtered_probs(row, p)
         u = torch.rand((), generator=sampler.generator, dtype=torch.float64)
         cdf = torch.cumsum(probs.double(), dim=0)
         # The first id whose cumulative mass exceeds u; zero-probability ids are never hit.

@@ -1,12 +1,14 @@
 """Next-token sampling from float32 logits: pure tensor functions plus a seeded sampler.
 
-Order of filters: temperature scaling, top-k, top-p (nucleus, keeps the smallest set whose
-mass reaches p), min-p (drops tokens below min_p * p_max), then a draw from the renormalised
-distribution.  Temperature 0 is greedy argmax; `argmax_ignoring_eos` is greedy with the
+Order of filters: the logit bias (`apply_logit_bias`: OpenAI's `logit_bias`, added to the raw
+logits, where -100 bans a token and +100 makes the tokens that have it the only candidates),
+temperature scaling, top-k, top-p (nucleus, keeps the smallest set whose mass reaches p),
+min-p (drops tokens below min_p * p_max), then a draw from the renormalised distribution.
+Temperature 0 is greedy argmax (of the biased logits); `argmax_ignoring_eos` is greedy with the
 end-of-generation ids masked out, for fixed-length runs.  Ties in argmax go to the lowest id.
 A `Sampler` also takes a row left on the GPU (engine.device_sampling.DeviceLogits), which
 picks on the device with these same filters.
-It does not apply repetition penalties or grammars.
+It does not apply repetition penalties or grammars (a grammar masks the row before it gets here).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None  # None: a fresh random stream
     argmax_ignoring_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, each bias in [-100, 100] (see `apply_logit_bias`)."""
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0.0):
@@ -33,10 +37,44 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (-BIAS_LIMIT <= bias <= BIAS_LIMIT):
+                raise ValueError(f"logit_bias needs token ids >= 0 and biases in [-100, 100], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.argmax_ignoring_eos
+
+
+# OpenAI's bound on a logit bias; a bias at the bound is absolute (a ban, or the only choice).
+BIAS_LIMIT = 100.0
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """`logits` (one row, any device) with `bias` applied, as a new float32 tensor: each bias is
+    added to its token's logit, except that -100 sets it to -inf and +100 restricts the choice
+    to the tokens biased +100 that are still possible (a row masked elsewhere, e.g. by a
+    grammar, keeps its mask: a +100 on a masked token is a no-op rather than an empty row).
+    Ids past the row are ignored (the server checks them against the vocabulary)."""
+    out = logits.float().clone()
+    n = out.shape[-1]
+    pairs = [(t, b) for t, b in bias if t < n]
+    if not pairs:
+        return out
+    ids = torch.tensor([t for t, _ in pairs], dtype=torch.long, device=out.device)
+    values = torch.tensor([b for _, b in pairs], dtype=torch.float32, device=out.device)
+    out.index_add_(0, ids, torch.where(values.abs() < BIAS_LIMIT, values, torch.zeros_like(values)))
+    banned = ids[values <= -BIAS_LIMIT]
+    if banned.numel():
+        out.index_fill_(0, banned, float("-inf"))
+    forced = ids[values >= BIAS_LIMIT]
+    if forced.numel():
+        forced = forced[torch.isfinite(out[forced])]
+        if forced.numel():
+            keep = torch.full_like(out, float("-inf"))
+            keep[forced] = out[forced]
+            out = keep
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -84,6 +122,8 @@ class Sampler:
         if not isinstance(logits, torch.Tensor):  # a device row (engine.device_sampling.DeviceLogits)
             return logits.pick(self)
         logits = logits.detach().float().cpu()
+        if self.params.logit_bias:
+            logits = apply_logit_bias(logits, self.params.logit_bias)
         if self.params.argmax_ignoring_eos:
             if self.eos_ids:
                 logits = logits.clone()

@@ -26,10 +26,14 @@ Extensions beyond the Anthropic API: `min_p`, `seed`, `ignore_eos`.
 Generated thinking becomes `thinking` blocks (empty signature), generated calls `tool_use`
 blocks with `stop_reason: "tool_use"`; a streamed call is one `content_block_start` plus one
 `input_json_delta` with its complete input, sent once the call is known to be valid.
-`tool_choice` ("auto", "any", "tool" with a name, "none"; `disable_parallel_tool_use`) becomes
-the generation's decoding constraint (`server.structured`); Anthropic has no response format.
-Accepted without effect: `metadata`, `thinking` (whether the model thinks is up to its
-template), `cache_control` markers.
+`tool_choice` ("auto", "any", "tool" with a name, "none"; `disable_parallel_tool_use`) and
+`output_config.format` (a JSON schema, mapped as Responses' `text.format` is) become the
+generation's decoding constraint (`server.structured`). `thinking: {"type": "disabled"}` is
+the chat-template variable `enable_thinking: false`; "enabled" is refused (a thinking budget is
+not enforced, and whether the model thinks is up to its template).
+Accepted without effect on the output, as the API defines them: `metadata`, `service_tier`,
+`cache_control` markers. Refused with a 400 naming the field: `MESSAGES_REFUSED`, other members
+of `output_config`.
 """
 
 from __future__ import annotations
@@ -39,14 +43,14 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import Field
 
-from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, Frames, OpenModel, RequestDefaults,
-                            StreamWriter, StrictModel, new_id, writes)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOP_K, TOP_P, Frames, OpenModel, Refused,
+                            RequestDefaults, StreamWriter, StrictModel, new_id, refused_sampler_fields, writes)
 from server.errors import ApiError, error_body
 from server.genrequest import ChatRequest, GenerationSettings, OutputRules, Sampling, TokenLimit, prepare_chat
 from server.jobs import Event, Failed, Finished, GenerationRequest, PromptReady, TextDelta, Usage
 from server.prompting import ChatPrompt, ContentDelta, ParsedOutput, ReasoningDelta, ToolCallEnd, ToolCalling
 from server.sse import sse_event
-from server.structured import ToolChoice, anthropic_tool_choice, tools_to_render
+from server.structured import JsonFormat, ToolChoice, anthropic_tool_choice, responses_text_format, tools_to_render
 from server.tools import Message, ToolSpec
 from server.tools.apis import messages_from_anthropic, tools_from_anthropic
 
@@ -81,7 +85,16 @@ class AnthropicTool(OpenModel):
     input_schema: dict[str, Any] | None = None
 
 
+MESSAGES_REFUSED = refused_sampler_fields() + (
+    Refused("container", "there is no code execution container"),
+    Refused("context_management", "the conversation is sent whole and never edited"),
+    Refused("mcp_servers", "there is no MCP client; pass tools"),
+    Refused("output_format", "use output_config.format"),
+)
+
+
 class MessagesRequest(StrictModel):
+    refused = MESSAGES_REFUSED
     model: str | None = None
     max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
     messages: list[AnthropicMessage] = Field(min_length=1)
@@ -96,6 +109,8 @@ class MessagesRequest(StrictModel):
     tools: list[AnthropicTool] | None = None
     tool_choice: dict[str, Any] | None = None
     ignore_eos: bool | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
 
 # --- translation ----------------------------------------------------------------------
@@ -124,16 +139,49 @@ def render_request(model: Any, req: Any, calling: ToolCalling, choice: ToolChoic
     return calling.render(model, request_messages(req), tools_to_render(choice, tools))
 
 
+def output_format(config: dict[str, Any] | None) -> JsonFormat | None:
+    """`output_config.format` (`{"type": "json_schema", "schema": {...}}`) as the JSON-schema
+    constraint that Responses' `text.format` of the same shape gives; any other member of
+    `output_config` is a 400 naming it."""
+    config = config or {}
+    for key in config:
+        if key != "format":
+            raise ApiError(400, f"output_config.{key} is not supported by this server", param=f"output_config.{key}")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise ApiError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return responses_text_format(fmt, "output_config.format")
+
+
+def thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat-template variables of `thinking`: "disabled" turns a thinking template's
+    thinking off (`enable_thinking: false`); "enabled" is refused, since a thinking budget
+    cannot be held to (whether the model thinks is up to its template)."""
+    kind = (thinking or {}).get("type")
+    if thinking is None:
+        return {}
+    if kind == "disabled":
+        return {"enable_thinking": False}
+    raise ApiError(400, f"thinking type {kind!r} is not supported by this server (a thinking budget is not "
+                        "enforced; whether the model thinks is up to its chat template; \"disabled\" turns a "
+                        "thinking template's thinking off)", param="thinking")
+
+
 def messages_job(model: Any, req: MessagesRequest, calling: ToolCalling,
                  defaults: RequestDefaults = RequestDefaults()) -> tuple[GenerationRequest, AnthropicContext]:
     """`defaults` does not apply: Messages requires `max_tokens`, as Anthropic's API does."""
+    kwargs = thinking_kwargs(req.thinking)
     sampling = Sampling.of(req)
-    rules = OutputRules.checked(json_format=None, choice=anthropic_tool_choice(req.tool_choice),
+    rules = OutputRules.checked(json_format=output_format(req.output_config),
+                                choice=anthropic_tool_choice(req.tool_choice),
                                 tools=request_tools(req), ignore_eos=sampling.ignore_eos)
     settings = GenerationSettings(sampling, TokenLimit(req.max_tokens, None, "max_tokens"),
                                   stop=req.stop_sequences, stop_param="stop_sequences")
     messages = request_messages(req)
-    gen = prepare_chat(model, calling, ChatRequest("anthropic", messages, rules, settings, "messages"))
+    gen = prepare_chat(model, calling, ChatRequest("anthropic", messages, rules, settings, "messages", kwargs))
     return gen, AnthropicContext(model_name=model.name, id=new_id("msg_"), n_prompt=len(gen.prompt_ids))
 
 

@@ -23,11 +23,19 @@ already rendered chat prompt (`<|im_start|>user ...`); a list of token ids is us
 `prompt` may be a string, a list of strings, a token-id list or a list of token-id lists;
 each prompt is its own choice (times `n`), in order. With `echo` and `logprobs` every prompt
 token is scored (`server.scoring`; the first has a null log-prob) before the generated ones,
-and `max_tokens: 0` scores without generating.
+and `max_tokens: 0` scores without generating. A completion's `logprobs` list every generated
+token, the end-of-sequence token that ended it included (`Finished.end_logprob`; it adds no
+text), so that `usage.completion_tokens` and the entries agree; chat `logprobs` list only the
+tokens of the message.
 `n` > 1 fans a request out into n jobs (`server.choices`), merged by `choices[i].index`;
 usage counts every choice's completion tokens and each prompt once.
+`logit_bias` (both APIs) is applied by the engine's sampler (`engine.sampling.apply_logit_bias`:
+-100 bans a token, +100 makes it the only choice), also to the greedy choice inside tool-call
+syntax; a token the decoding constraint forces wins over it. Log-probs stay those of the raw
+distribution.
 Extensions beyond the OpenAI API: `top_k`, `min_p`, `ignore_eos`, `return_tokens_as_token_ids`
-(completions: logprob tokens named `token_id:N`, as vLLM does).
+(completions: logprob tokens named `token_id:N`, as vLLM does), `chat_template_kwargs` (chat:
+extra chat-template variables such as `enable_thinking`, as vLLM and llama.cpp take them).
 Chat messages are not: a control-token spelling inside a message stays text
 (`server.prompting`), only the template's own markers are control tokens.
 
@@ -37,9 +45,12 @@ Tools: definitions and earlier calls are rendered by the model's tool syntax
 be valid), thinking as `reasoning_content`.
 `tool_choice`, `parallel_tool_calls` and `response_format` (json_object, json_schema) become
 the generation's decoding constraint (`server.structured`).
-Accepted but without effect: `reasoning_effort`.
+Accepted without effect on the output, as the API defines them: `user`, `metadata`, `store`,
+`service_tier`, `safety_identifier`, `prompt_cache_key`.
 Rejected with a 400: `best_of` other than 1, nonzero penalties (the engine has none),
-image or audio content, `suffix`, `n` above `MAX_CHOICES` choices in all.
+image or audio content, `suffix`, `n` above `MAX_CHOICES` choices in all, and every field of
+`CHAT_REFUSED` / `COMPLETION_REFUSED` set to anything but its neutral value (`reasoning_effort`,
+`repeat_penalty` and the like).
 
 No HTTP objects here: routes live in `server.app`.
 """
@@ -53,12 +64,13 @@ from typing import Any, AsyncIterator, ClassVar, Literal
 from pydantic import Field
 
 from engine.prompt_text import from_rendered
-from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, Frames, OpenModel,
-                            RequestDefaults, StreamWriter, StrictModel, check_prompt_size, new_id, writes)
+from server.apibase import (MAX_TOKENS_LIMIT, MIN_P, SEED, TOKEN_COUNT, TOP_K, TOP_P, Frames, OpenModel, Refused,
+                            RequestDefaults, StreamWriter, StrictModel, check_prompt_size, logit_bias_pairs, new_id,
+                            refused_sampler_fields, writes)
 from server.choices import ChoiceEvent, ChoiceOutput, fan_out, total_usage
 from server.errors import ApiError, error_body
 from server.genrequest import (ChatRequest, GenerationSettings, OutputRules, PromptTokens, Sampling, TokenLimit,
-                               generation_request, prepare_chat)
+                               generation_request, prepare_chat, template_kwargs)
 from server.jobs import Failed, Finished, GenerationRequest, TextDelta, TokenLogprob, Usage
 from server.prompting import (ContentDelta, ParsedOutput, ReasoningDelta, ToolCall, ToolCallEnd, ToolCalling,
                               prompt_ids)
@@ -123,6 +135,22 @@ Penalty = Field(None, ge=-2.0, le=2.0)
 MAX_CHOICES = 128
 
 
+# What the OpenAI APIs document (or other servers' clients send) and this server does not
+# honour; each is a 400 naming it unless its value asks for nothing (`apibase.Refused`).
+CHAT_REFUSED = refused_sampler_fields() + (
+    Refused("reasoning_effort", "whether the model reasons is up to its chat template: "
+                                "use chat_template_kwargs, e.g. enable_thinking"),
+    Refused("verbosity", "the output's length is up to the model"),
+    Refused("audio", "there is no audio output", (None,)),
+    Refused("modalities", "text is the only output", (None, ["text"])),
+    Refused("prediction", "predicted outputs are not supported"),
+    Refused("web_search_options", "there is no web search"),
+    Refused("functions", "use `tools`"),
+    Refused("function_call", "use `tool_choice`"),
+)
+COMPLETION_REFUSED = refused_sampler_fields()
+
+
 class _SamplingFields(StrictModel):
     model: str | None = None
     temperature: float | None = Temperature
@@ -138,9 +166,11 @@ class _SamplingFields(StrictModel):
     presence_penalty: float | None = Penalty
     frequency_penalty: float | None = Penalty
     ignore_eos: bool | None = None
+    logit_bias: dict[str, float | int] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
+    refused = CHAT_REFUSED
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = TOKEN_COUNT
     logprobs: bool | None = None
@@ -148,11 +178,12 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
     response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
+    refused = COMPLETION_REFUSED
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(None, ge=0, le=MAX_TOKENS_LIMIT)
     """0: score the prompt (with echo and logprobs) without generating."""
@@ -196,7 +227,7 @@ def _common_checks(req: _SamplingFields) -> None:
 def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
              defaults: RequestDefaults = RequestDefaults()) -> tuple[list[GenerationRequest], OpenAIContext]:
     _common_checks(req)
-    sampling = Sampling.of(req)
+    sampling = Sampling.of(req, logit_bias_pairs(req.logit_bias, model.n_vocab))
     response_format = req.response_format.model_dump() if req.response_format is not None else None
     rules = OutputRules.checked(json_format=openai_response_format(response_format),
                                 choice=openai_tool_choice(req.tool_choice, req.parallel_tool_calls),
@@ -208,7 +239,8 @@ def chat_job(model: Any, req: ChatCompletionRequest, calling: ToolCalling,
     settings = GenerationSettings(sampling, limit, stop=req.stop,
                                   top_logprobs=(req.top_logprobs or 0) if req.logprobs else None)
     messages = messages_from_openai([m.model_dump(exclude_none=True) for m in req.messages])
-    gen = prepare_chat(model, calling, ChatRequest("openai", messages, rules, settings, "messages"))
+    gen = prepare_chat(model, calling, ChatRequest("openai", messages, rules, settings, "messages",
+                                                   template_kwargs(req.chat_template_kwargs, "chat_template_kwargs")))
     n = req.n or 1
     ctx = OpenAIContext(kind="chat", model_name=model.name, id=new_id("chatcmpl-"),
                         created=int(time.time()),
@@ -260,7 +292,8 @@ def completion_job(model: Any, req: CompletionRequest, calling: ToolCalling | No
         raise ApiError(400, f"{len(prompts)} prompts times n={n} make {len(prompts) * n} choices; "
                             f"at most {MAX_CHOICES} per request", param="n")
     limit = TokenLimit(req.max_tokens, defaults.max_tokens_for(COMPLETION_DEFAULT_TOKENS), "max_tokens")
-    settings = GenerationSettings(Sampling.of(req), limit, stop=req.stop, top_logprobs=req.logprobs,
+    settings = GenerationSettings(Sampling.of(req, logit_bias_pairs(req.logit_bias, model.n_vocab)), limit,
+                                  stop=req.stop, top_logprobs=req.logprobs,
                                   prompt_logprobs=req.logprobs if req.echo else None)
     settings.sampling.check()  # before any prompt is read: this API has always answered in this order
     gens: list[GenerationRequest] = []
@@ -336,9 +369,17 @@ def chat_response(ctx: OpenAIContext, outputs: list[ChoiceOutput]) -> dict[str, 
             "usage": usage_json(_usage(ctx, outputs))}
 
 
+def generated_entries(out: ChoiceOutput) -> list[TokenLogprob]:
+    """A completion's log-prob entries: one per generated token, the end-of-sequence token that
+    ended it included (it produced no text, but clients that score a prompt with `max_tokens: 1`
+    take the entries before the last as the prompt's)."""
+    end = _finished(out).end_logprob
+    return out.logprobs + ([end] if end is not None else [])
+
+
 def completion_choice(ctx: OpenAIContext, index: int, out: ChoiceOutput) -> dict[str, Any]:
     echo = ctx.echo_text(index)
-    logprobs = legacy_logprobs(out.prompt, out.logprobs, len(echo), ctx.token_ids) if ctx.logprobs else None
+    logprobs = legacy_logprobs(out.prompt, generated_entries(out), len(echo), ctx.token_ids) if ctx.logprobs else None
     return {"index": index, "text": echo + out.text, "logprobs": logprobs,
             "finish_reason": _finished(out).finish_reason}
 
@@ -476,7 +517,10 @@ class CompletionStreamWriter(ChoicesStreamWriter):
         return [self.text_chunk(index, event.text, logprobs=lp)] if event.text or lp is not None else []
 
     def finish(self, event: Finished, index: int) -> Frames:
-        return [self.text_chunk(index, "", event.finish_reason)]
+        lp = None
+        if self.ctx.logprobs and event.end_logprob is not None:
+            lp = legacy_logprobs(None, [event.end_logprob], self.offsets[index], self.ctx.token_ids)
+        return [self.text_chunk(index, "", event.finish_reason, logprobs=lp)]
 
 
 def chat_stream(ctx: OpenAIContext, events: AsyncIterator[ChoiceEvent | None]) -> AsyncIterator[bytes]:

@@ -10,7 +10,15 @@
   prompt of megabytes is refused in microseconds instead of being tokenized whole.
 - `RequestDefaults` (the server's defaults for what a request leaves out, from its flags) and
   `resolve_max_tokens(...)`: the tokens a request may generate.
-- `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`.
+- `sampling_spec(...)`: the ignore_eos rules and the translation into `SamplingSpec`;
+  `logit_bias_pairs(value, n_vocab)` reads OpenAI's `logit_bias` (token-id keys as strings,
+  biases in [-100, 100]), a 400 naming the field otherwise.
+- `Refused(field, why, neutral)` and `StrictModel.refused`: documented request fields (and
+  other servers' common extensions) that this server does not honour. `validate_body` answers
+  a 400 naming the field when a body sets one to anything but a neutral value (the value that
+  asks for nothing, such as `repeat_penalty: 1`), before the schema is applied: an option the
+  server would not honour is refused, never silently dropped. Fields that by their API's own
+  definition do not change the output (`user`, `metadata`, `store` ...) are simply accepted.
 - The bounds every API shares for its sampling fields (`TOP_P`, `MIN_P`, `TOP_K`, `SEED`,
   `TOKEN_COUNT`, `STOP_*`): one definition, so a value the engine's sampler refuses (such as
   `top_p: 0`) is a 400 naming the field on every endpoint, never a 500 from the sampler.
@@ -87,8 +95,62 @@ SEED = Field(None, ge=SEED_MIN, le=SEED_MAX)
 TOKEN_COUNT = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A request field this server does not honour."""
+    field: str
+    why: str
+    """Completes "`field` is not supported by this server (...)"."""
+    neutral: tuple[Any, ...] = (None,)
+    """Values that ask for nothing and are accepted (None: the field sent as null)."""
+
+    def check(self, body: dict[str, Any]) -> None:
+        if self.field in body and not any(_same_value(body[self.field], v) for v in self.neutral):
+            raise ApiError(400, f"{self.field} is not supported by this server ({self.why})", param=self.field)
+
+
+def _same_value(value: Any, neutral: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, true is not 1, "1" is not 1."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refused_sampler_fields() -> tuple[Refused, ...]:
+    """Other servers' sampling and decoding extensions (llama.cpp, vLLM, text-generation-webui)
+    that clients send to any OpenAI-compatible server; the engine has none of them."""
+    off = "the engine has no such sampler; omit it"
+    return (
+        Refused("repeat_penalty", off, (None, 1.0)), Refused("repetition_penalty", off, (None, 1.0)),
+        Refused("penalty_last_n", off, (None, 0)), Refused("length_penalty", off, (None, 1.0)),
+        Refused("typical_p", off, (None, 1.0)), Refused("tfs_z", off, (None, 1.0)),
+        Refused("top_a", off, (None, 0.0)), Refused("mirostat", off, (None, 0)),
+        Refused("mirostat_tau", off), Refused("mirostat_eta", off),
+        Refused("dry_multiplier", off, (None, 0.0)), Refused("xtc_probability", off, (None, 0.0)),
+        Refused("dynatemp_range", off, (None, 0.0)), Refused("samplers", off),
+        Refused("min_tokens", "generation cannot be held back from stopping; omit it", (None, 0)),
+        Refused("use_beam_search", "there is no beam search", (None, False)),
+        Refused("stop_token_ids", "stop on text with `stop`"),
+        Refused("bad_words", "ban tokens with `logit_bias` -100"),
+        Refused("allowed_token_ids", "restrict tokens with `logit_bias` +100"),
+        Refused("grammar", "use a JSON schema response format"),
+        Refused("json_schema", "use a JSON schema response format"),
+        Refused("guided_json", "use a JSON schema response format"),
+        Refused("guided_regex", "regular expressions are not supported"),
+        Refused("guided_grammar", "use a JSON schema response format"),
+        Refused("guided_choice", "use a JSON schema with an enum"),
+        Refused("structured_outputs", "use a JSON schema response format"),
+        Refused("n_probs", "use `logprobs`/`top_logprobs`"),
+        Refused("prompt_logprobs", "use `echo` with `logprobs` on /v1/completions"),
+    )
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+    refused: ClassVar[tuple[Refused, ...]] = ()
+    """Fields a body of this schema may not set (`Refused`); checked by `validate_body`."""
 
 
 class OpenModel(BaseModel):
@@ -99,6 +161,8 @@ class OpenModel(BaseModel):
 def validate_body(schema: type[M], obj: Any) -> M:
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, not {type(obj).__name__}")
+    for refused in getattr(schema, "refused", ()):
+        refused.check(obj)
     try:
         return schema.model_validate(obj)
     except ValidationError as e:
@@ -166,9 +230,27 @@ def stop_list(stop: str | list[str] | None, param: str) -> tuple[str, ...]:
     return tuple(s for s in stops if s)
 
 
+def logit_bias_pairs(value: dict[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias` as (token id, bias) pairs in id order: each key a token id written
+    as a decimal string inside the vocabulary, each value a number in [-100, 100]."""
+    if not value:
+        return ()
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id of this model (0..{n_vocab - 1}, "
+                                "written as a string)", param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise ApiError(400, f"logit_bias: the bias of token {key} must be a number in [-100, 100], "
+                                f"not {bias!r}", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
 def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int | None,
                   min_p: float | None, seed: int | None, ignore_eos: bool,
-                  default_temperature: float = 1.0) -> SamplingSpec:
+                  default_temperature: float = 1.0,
+                  logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingSpec:
     if ignore_eos and temperature != 0:
         raise ApiError(400, "ignore_eos requires temperature to be set explicitly to 0 "
                             "(it decodes greedily for exactly max_tokens tokens)",
@@ -180,7 +262,7 @@ def sampling_spec(*, temperature: float | None, top_p: float | None, top_k: int 
         top_k=top_k or 0,
         top_p=1.0 if top_p is None else float(top_p),
         min_p=0.0 if min_p is None else float(min_p),
-        seed=seed, ignore_eos=ignore_eos)
+        seed=seed, ignore_eos=ignore_eos, logit_bias=logit_bias)
 
 
 # --- stream writers -----------------------------------------------------------------------

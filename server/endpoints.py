@@ -26,14 +26,21 @@ that fails or runs past its render limits a 500 saying so (`template_errors`). A
 that fails the probe render at startup (`probe_chat`) turns the chat endpoints off: they
 answer 500 at once with the reason, and raw `/v1/completions` stays served.
 
+`/v1/models` lists the model with its file's SHA-256 (computed once on a background thread
+from the app's creation, `FileDigests`) and the usage counting rule, so that a client can tell
+the same file served by another stack under another name.
+
 It does not create the app, install middleware or render errors (`server.app` does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
+import stat
+import threading
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -158,17 +165,20 @@ class Collected:
     text: str
     logprobs: list[TokenLogprob]
     finished: Finished
+    deltas: list[TextDelta]
+    """The text deltas in order (which tokens produced which splitter events)."""
 
 
 async def collect(queue: asyncio.Queue[Event]) -> Collected | Failed:
-    text, logprobs = [], []
+    text, logprobs, deltas = [], [], []
     while True:
         event = await queue.get()
         if isinstance(event, TextDelta):
             text.append(event.text)
             logprobs.extend(event.logprobs)
+            deltas.append(event)
         elif isinstance(event, Finished):
-            return Collected("".join(text), logprobs, event)
+            return Collected("".join(text), logprobs, event, deltas)
         elif isinstance(event, Failed):
             return event
 
@@ -273,7 +283,7 @@ MESSAGES = InferenceApi(
     api_anthropic.messages_stream, api_anthropic.stream_error)
 RESPONSES = InferenceApi(
     api_responses.ResponsesRequest, api_responses.responses_job,
-    lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished),
+    lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished, c.deltas),
     api_responses.responses_stream, api_responses.stream_error)
 
 
@@ -325,12 +335,64 @@ def shown_path(path: str, verbose: bool) -> str:
     return path if verbose or not path else os.path.basename(os.path.normpath(path))
 
 
+class FileDigests:
+    """SHA-256 of model files, each computed once per (path, size, mtime) on a background thread:
+    `get(path)` answers the hex digest once it is known, else None (and starts the computation).
+    A file of several gigabytes takes seconds, which neither startup nor a request should wait for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._known: dict[tuple[str, int, int], str] = {}
+        self._running: set[tuple[str, int, int]] = set()
+
+    def get(self, path: str) -> str | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        if not stat.S_ISREG(st.st_mode):  # /dev/null and the like hold no model
+            return None
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+        with self._lock:
+            if key in self._known:
+                return self._known[key]
+            if key not in self._running:
+                self._running.add(key)
+                threading.Thread(target=self._hash, args=(key,), name="model-sha256", daemon=True).start()
+        return None
+
+    def _hash(self, key: tuple[str, int, int]) -> None:
+        digest = hashlib.sha256()
+        try:
+            with open(key[0], "rb") as f:
+                while block := f.read(1 << 20):
+                    digest.update(block)
+        except OSError as e:
+            log.warning("cannot hash the model file: %s", e)
+            return
+        finally:
+            with self._lock:
+                self._running.discard(key)
+        with self._lock:
+            self._known[key] = digest.hexdigest()
+
+
+MODEL_FILE_DIGESTS = FileDigests()
+
+
 def model_card(served: Served) -> dict[str, Any]:
+    """The served model as `/v1/models` lists it. `meta` adds what a client comparing stacks needs:
+    the model file's `sha256` (null until it is computed, or when there is no file) and how usage
+    counts tokens (`completion_tokens_include_eos`: the end-of-sequence token that ends a
+    generation is counted in `completion_tokens`, as it is sampled like any other)."""
     model = served.model
+    path = str(getattr(model, "path", "") or "")
     return {"id": model.name, "object": "model", "created": served.started_at, "owned_by": "ds4eval",
             "context_length": model.n_ctx, "max_model_len": model.n_ctx,
             "meta": {"n_ctx": model.n_ctx, "n_vocab": model.n_vocab,
-                     "path": shown_path(str(getattr(model, "path", "") or ""), served.config.verbose_paths)}}
+                     "path": shown_path(path, served.config.verbose_paths),
+                     "sha256": MODEL_FILE_DIGESTS.get(path) if path else None,
+                     "completion_tokens_include_eos": True}}
 
 
 def health(served: Served) -> Callable[..., Awaitable[Any]]:
@@ -357,6 +419,10 @@ def metrics(served: Served) -> Callable[..., Awaitable[Any]]:
 
 
 def list_models(served: Served) -> Callable[..., Awaitable[Any]]:
+    path = str(getattr(served.model, "path", "") or "")
+    if path:
+        MODEL_FILE_DIGESTS.get(path)  # start hashing with the app, so the first listing likely has it
+
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(served)]}
     return list_models

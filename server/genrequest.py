@@ -17,6 +17,9 @@ maps messages and tools (`server.tools.apis`), and what it needs to answer.
   its output to be, checked together (`server.structured.check`).
 - `PromptTokens(text, ids, param, user_boundary)`: a tokenized prompt and the field a
   context-length error names.
+- `template_kwargs(value, param)`: a request's extra chat-template variables
+  (`ChatRequest.template_kwargs`, passed to the render), refused where they would replace
+  what the renderer sets itself.
 
 The path, in this order (each step's error is `server.apibase`'s, naming the request's field):
 
@@ -39,10 +42,11 @@ answers nothing: the translations build their responses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from server.apibase import check_context, check_prompt_size, resolve_max_tokens, sampling_spec, stop_list
+from server.errors import ApiError
 from server.jobs import GenerationRequest, SamplingSpec
 from server.prompting import ToolCalling, prompt_ids
 from server.structured import JsonFormat, ToolChoice, check, constraint_factory, tools_to_render
@@ -58,18 +62,21 @@ class Sampling:
     min_p: float | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """Checked (token id, bias) pairs (`apibase.logit_bias_pairs`); only the OpenAI APIs have the field."""
 
     @classmethod
-    def of(cls, req: Any) -> Sampling:
+    def of(cls, req: Any, logit_bias: tuple[tuple[int, float], ...] = ()) -> Sampling:
         """The sampling fields of a request schema; every API here names them alike (`ignore_eos`
         is an extension of each)."""
         return cls(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, seed=req.seed,
-                   ignore_eos=bool(req.ignore_eos))
+                   ignore_eos=bool(req.ignore_eos), logit_bias=logit_bias)
 
     def spec(self) -> SamplingSpec:
         """The engine's settings; a 400 naming `ignore_eos` unless temperature is set to 0."""
         return sampling_spec(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                             min_p=self.min_p, seed=self.seed, ignore_eos=self.ignore_eos)
+                             min_p=self.min_p, seed=self.seed, ignore_eos=self.ignore_eos,
+                             logit_bias=self.logit_bias)
 
     def check(self) -> None:
         """The one rule of `spec()`, for an API that applies it before it reads its prompt."""
@@ -147,6 +154,25 @@ class ChatRequest:
     settings: GenerationSettings
     prompt_param: str
     """The field that holds the conversation (`messages`, `input`), named by prompt errors."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables for the chat template (`chat_template_kwargs`, e.g. `enable_thinking`),
+    checked by `template_kwargs`."""
+
+
+# Variables the renderer sets itself: a request may not replace them.
+TEMPLATE_OWN_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
+                                    "raise_exception", "strftime_now", "documents", "tool_choice"})
+
+
+def template_kwargs(value: dict[str, Any] | None, param: str) -> dict[str, Any]:
+    """A request's extra chat-template variables; a 400 naming `param` for one the renderer sets itself."""
+    out = dict(value or {})
+    for key in out:
+        if not key.isidentifier() or key in TEMPLATE_OWN_VARIABLES:
+            raise ApiError(400, f"{param}: {key!r} cannot be set (the server sets the template's "
+                                f"{', '.join(sorted(TEMPLATE_OWN_VARIABLES))} itself; other names must be "
+                                "identifiers)", param=param)
+    return out
 
 
 def tokenize_prompt(model: Any, text: str, param: str, user_boundary: int | None = None) -> PromptTokens:
@@ -175,7 +201,7 @@ def prepare_chat(model: Any, calling: ToolCalling, request: ChatRequest) -> Gene
     """Render, tokenize and check one chat request; the generation splits its output with the
     model's tool syntax and is held to the request's output rules."""
     rules = request.rules
-    prompt = calling.render(model, request.messages, rules.shown_tools)
+    prompt = calling.render(model, request.messages, rules.shown_tools, **request.template_kwargs)
     tokens = tokenize_prompt(model, prompt.text, request.prompt_param, prompt.user_boundary)
     return generation_request(
         model.n_ctx, tokens, request.settings,

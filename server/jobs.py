@@ -42,6 +42,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from engine.device_sampling import host_row
+from engine.sampling import apply_logit_bias
 
 from server.constraints import apply_mask
 from server.stops import StopMatcher
@@ -67,6 +68,8 @@ class SamplingSpec:
     seed: int | None = None
     ignore_eos: bool = False
     """Decode greedily for exactly max_tokens tokens, never stopping at EOS."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs applied to the logits before any choice (`engine.sampling.apply_logit_bias`)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,10 @@ class Finished:
     stop_sequence: str | None = None
     output: Any = None
     """The splitter's final result (None without a splitter, or when cancelled)."""
+    end_logprob: TokenLogprob | None = None
+    """With logprobs asked for, the entry of the end-of-sequence token that ended the
+    generation: it produced no text (so no `TextDelta` carries it) but counts as a completion
+    token, and prompt scoring (legacy completions) lists it."""
 
 
 @dataclass(frozen=True)
@@ -326,8 +333,8 @@ class JobCancelled(Exception):
 def sampling_params(params_type: Callable[..., Any], sp: SamplingSpec) -> Any:
     """The engine's `SamplingParams` (`params_type`) for a request (ignore_eos: greedy, EOS masked)."""
     return params_type(temperature=0.0 if sp.ignore_eos else sp.temperature,
-                                 top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
-                                 argmax_ignoring_eos=sp.ignore_eos)
+                       top_k=sp.top_k, top_p=sp.top_p, min_p=sp.min_p, seed=sp.seed,
+                       argmax_ignoring_eos=sp.ignore_eos, logit_bias=sp.logit_bias)
 
 
 def decode_budget(model: Any, req: GenerationRequest, n_prompt: int) -> int:
@@ -343,8 +350,9 @@ class TokenDecoder:
     """What happens to each generated token of one job, whoever runs the forward passes.
 
     `choose(logits, sample)` picks the next token: the token the decoding constraint forces,
-    if any; else, with the constraint's mask applied to the logits, the argmax while the
-    splitter is inside tool-call structure, else `sample(masked logits)` (so `sample` must
+    if any; else, with the constraint's mask applied to the logits, the argmax (of the logits
+    with the request's logit bias) while the splitter is inside tool-call structure, else
+    `sample(masked logits)`, whose sampler applies the bias (so `sample` must
     draw from the row it is given); it records the logprob entry (of the raw logits) when
     asked for. `accept(token)` turns it into text (UTF-8 safe, stop sequences held back),
     feeds the splitter and emits a `TextDelta`; it returns False once the generation is over
@@ -363,11 +371,14 @@ class TokenDecoder:
         self.splitter = req.new_splitter() if req.new_splitter is not None else None
         self.constraint = req.new_constraint(model, self.splitter) if req.new_constraint is not None else None
         self.top_logprobs = req.top_logprobs
+        self.logit_bias = req.sampling.logit_bias
         self.reason: str | None = None
         """Set once the generation ended by itself: 'stop' (EOS or stop sequence)."""
         self.generated: list[int] = []
         """The accepted tokens whose text was produced (EOS that ends the generation excluded)."""
         self._logprob: Callable[[int], TokenLogprob] | None = None
+        self.end_logprob: TokenLogprob | None = None
+        """The logprob entry of the EOS that ended the generation (see `Finished.end_logprob`)."""
 
     @property
     def done(self) -> bool:
@@ -388,6 +399,8 @@ class TokenDecoder:
                 logits = apply_mask(host_row(logits), step.allowed)
         if self.splitter is not None and self.splitter.in_structure and not self.ignore_eos:
             self.job.stats.n_greedy += 1
+            if self.logit_bias:  # the request's bans and forced tokens hold here too
+                logits = apply_logit_bias(host_row(logits), self.logit_bias)
             return int(logits.argmax())
         return int(sample(logits))
 
@@ -401,6 +414,8 @@ class TokenDecoder:
             stats.first_token_at = now
         if token in self.eos_ids and not self.ignore_eos:
             self.reason = "stop"
+            if self._logprob is not None:
+                self.end_logprob = self._logprob(token)
             return False
         self.generated.append(token)
         if self.constraint is not None:
@@ -432,7 +447,8 @@ class TokenDecoder:
         output = self.splitter.finish(finish, generated) if self.splitter is not None else None
         self.job.stats.status = "done"
         self.job.stats.finish_reason = finish
-        self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output))
+        self.job.emit(Finished(finish, self.job.stats.usage(), stop_sequence=self.stops.matched, output=output,
+                               end_logprob=self.end_logprob))
 
 
 def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], TokenLogprob]:

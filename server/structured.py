@@ -12,9 +12,11 @@ API-neutral records, checked, and turned into the generation's decoding constrai
 - `tools_to_render(choice, tools)`: the tools the prompt shows.
 - `constraint_factory(choice, fmt, syntax, tools)`: the `GenerationRequest.new_constraint`
   of a request, or None when nothing is asked (the generation is then decoded as before).
-  A required call forces the syntax's call opening (`Syntax.call_prefix`) with one of the
-  allowed names at the first step outside thinking; inside the call, structure is greedy
-  as always and argument values are sampled.
+  A required call is decoded, from the first step outside thinking, under the grammar of
+  whole calls of the allowed tools (`forced_calls`: their names, arguments fitting their
+  parameter schemas, in the model's tool syntax; `server.tools.grammar`), so that it always
+  parses; inside the call, structure is greedy as always and argument values are sampled
+  among what the grammar allows.
 
 Every check raises `server.errors.ApiError` (400) naming the parameter; a JSON schema is
 checked for size and for recursion that no finite document ends (`constraints.schema_problem`)
@@ -23,13 +25,19 @@ knows no engine beyond handing the model to `server.constraints`.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+
+import llguidance
 
 from server.constraints import (GrammarConstraint, ToolCallPolicy, brief, grammar_error, json_grammar,
                                 literal_choice, outside_thinking, schema_problem)
 from server.errors import ApiError
 from server.tools import Syntax, ToolSpec
+from server.tools.grammar import call_grammar_error, calls_grammar
+
+log = logging.getLogger("ds4.server")
 
 AUTO, NONE, REQUIRED, FUNCTION = "auto", "none", "required", "function"
 
@@ -163,6 +171,30 @@ def tools_to_render(choice: ToolChoice, tools: Sequence[ToolSpec]) -> list[ToolS
     return [] if choice.mode == NONE else list(tools)
 
 
+# At most this many calls are held to the grammar of a forced call when parallel calls are allowed.
+MAX_FORCED_CALLS = 8
+
+
+def forced_calls(choice: ToolChoice, syntax: Syntax, tools: Sequence[ToolSpec], single: bool) -> str:
+    """The grammar a forced call is decoded under: whole calls of the allowed tools, arguments
+    fitting their schemas (`server.tools.grammar`; one call, or up to MAX_FORCED_CALLS); where
+    no such grammar can be built (a schema that is not an object's, one llguidance refuses),
+    the syntax's call opening with one of the allowed names, the rest left to the model."""
+    allowed = [t for t in tools if choice.mode != FUNCTION or t.name == choice.name]
+    why = call_grammar_error(allowed)
+    if why is None:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(
+                calls_grammar(syntax, allowed, 1 if single else MAX_FORCED_CALLS))
+            why = grammar_error(grammar)
+        except ValueError as e:
+            why = str(e)
+        if why is None:
+            return grammar
+    log.warning("forced tool call: only the call opening is enforced (%s)", why)
+    return literal_choice([syntax.call_prefix(t.name) for t in allowed])
+
+
 def constraint_factory(choice: ToolChoice, fmt: JsonFormat | None, syntax: Syntax,
                        tools: Sequence[ToolSpec]) -> Callable[[Any, Any], Any] | None:
     """The request's `new_constraint` (model, splitter) -> constraint, or None."""
@@ -171,11 +203,8 @@ def constraint_factory(choice: ToolChoice, fmt: JsonFormat | None, syntax: Synta
         return lambda model, splitter: GrammarConstraint(model, grammar, armed=outside_thinking(splitter))
     if not choice.forces_call and choice.parallel:
         return None
-    opening = None
-    if choice.forces_call:
-        names = [choice.name] if choice.mode == FUNCTION else [t.name for t in tools]
-        opening = literal_choice([syntax.call_prefix(n) for n in names])
     single = not choice.parallel
+    opening = forced_calls(choice, syntax, tools, single) if choice.forces_call else None
 
     def build(model: Any, splitter: Any) -> ToolCallPolicy:
         grammar = (GrammarConstraint(model, opening, release=True, armed=outside_thinking(splitter))

@@ -37,7 +37,7 @@ import torch
 
 from engine.batch import GenRequest
 from engine.prompt_text import PromptText, escape_strings
-from engine.sampling import Sampler, SamplingParams, filtered_probs
+from engine.sampling import Sampler, SamplingParams, apply_logit_bias, filtered_probs
 
 
 class FakeCancelled(Exception):
@@ -59,7 +59,7 @@ class FakeSampler:
         self.generator = torch.Generator().manual_seed(params.seed or 0)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        logits = logits.clone()
+        logits = apply_logit_bias(logits, self.params.logit_bias) if self.params.logit_bias else logits.clone()
         if self.params.argmax_ignoring_eos:
             logits[list(self.eos_ids)] = float("-inf")
             return int(torch.argmax(logits))

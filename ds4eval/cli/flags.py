@@ -57,6 +57,8 @@ chat_template_kwargs = click.option("--chat-template-kwargs", metavar="JSON",
                                          "e.g. '{\"enable_thinking\": false}'.")
 tokenizer = click.option("--tokenizer", type=click.Path(dir_okay=False),
                          help="GGUF whose tokenizer counts tokens when the server sends no usage (openai).")
+model_file = click.option("--model-file", type=click.Path(dir_okay=False), metavar="GGUF",
+                          help="The model file the server runs (openai): its SHA-256 goes into the trace.")
 kv_type = click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
                        help="Engine KV cache type (default: f16 on CPU, bf16 on CUDA).")
 batch_invariant = click.option("--batch-invariant", is_flag=True, default=False,
@@ -117,8 +119,8 @@ data_url = click.option("--data-url", default=DEFAULT_DATA_URL, show_default=Tru
 
 CASE_SELECTION = (suite, case_ids, domains, sources, data_dir, shard)
 BACKEND = (backend, model, ctx, device, urls, url_file, allow_mixed_endpoints, endpoint_wait_s, api_key, served_model,
-           concurrency, parallel, threads, request_timeout_s, request_extra, chat_template_kwargs, tokenizer, kv_type,
-           batch_invariant, no_probe)
+           concurrency, parallel, threads, request_timeout_s, request_extra, chat_template_kwargs, tokenizer, model_file,
+           kv_type, batch_invariant, no_probe)
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)
 OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP))
 

@@ -134,7 +134,7 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
             backend.close()  # joins the engine's own thread, on every way out
     info = {"suite": cfg.suite, "backend": backend.name, "model": backend.model_name,
             "settings": _settings(cfg, backend.n_ctx, effective_concurrency(cfg, backend)),
-            "provenance": run_provenance(backend)}
+            "provenance": run_provenance(backend, model_file=cfg.model_file, api_key=cfg.api_key)}
     endpoints = _endpoint_rows(backend)
     if endpoints:
         info["endpoints"] = endpoints

@@ -12,7 +12,10 @@ Contract
   adds both runs' provenance, plots, each side's repeats and every matched case with the
   question and both outputs from the records the Comparison's runs were read from (none for
   a summary).
-- `as_json(cmp) -> dict`: the Comparison as plain data, numbers unformatted (the JSON format).
+- `as_json(cmp) -> dict`: the Comparison as plain data, numbers unformatted (the JSON format),
+  with each side's token counting rule (`token_counting`).
+- `time_table` says when its token figures are of the rule both runs were brought to (one
+  side counted the end-of-sequence token and the other did not: `compare.TokenCounting`).
 - `flip_summary(cmp)` and `method_note(cmp)`: the one-line texts under Flips and Pass rates;
   `assurance_lines(cmp)` (the smallest detectable drop, the equivalence test when asked) and
   `holm_table(cmp)` (each source's test, Holm-adjusted, when there are several sources): the
@@ -155,7 +158,9 @@ def time_table(cmp: Comparison) -> Table:
                       for _, f, k, d in _LATENCY_COLUMNS]
         rows.append(row(*cells))
     latency = tuple(h for h, *_ in _LATENCY_COLUMNS) if timed else ()
-    return Table(("source", "generated tokens", "generation s", "tokens/s", "prompt tokens", *latency), tuple(rows),
+    # When the runs count the end-of-sequence token differently, the figures are of the shared rule.
+    generated = "generated tokens (without end-of-sequence)" if cmp.counting.aligned else "generated tokens"
+    return Table(("source", generated, "generation s", "tokens/s", "prompt tokens", *latency), tuple(rows),
                  "time-table")
 
 
@@ -597,6 +602,8 @@ def as_json(cmp: Comparison) -> dict:
         "cases": json.loads(cmp.cases.to_json(orient="records")),
         "repeats": None if cmp.repeats is None else _repeats_json(cmp.repeats),
         "assurance": None if cmp.assurance is None else _assurance_json(cmp),
+        "token_counting": {"base_counts_eos": cmp.counting.base, "new_counts_eos": cmp.counting.new,
+                           "aligned": cmp.counting.aligned},
     }
 
 

@@ -6,8 +6,15 @@ Contract
   commit of the checkout (with `+dirty` for uncommitted changes to tracked files; empty when not
   run from a checkout), extractor version, and what the backend reports through its public
   `provenance()` method (model file, chat template hash, BOS/EOS handling, device, KV cache
-  type, endpoint URL, served model name); the model file becomes its SHA-256. A field nobody
-  knows is "".
+  type, endpoint URL, served model name, token counting rule); the model file becomes its
+  SHA-256. For a server backend (one that reports an endpoint and no model file) the model
+  file's SHA-256 comes from `model_file` (`--model-file GGUF`: the file the server was started
+  with, for any server), else from the server's own `GET /v1/models` listing of the served
+  model (`served_model_facts`: ds4-server's `meta.sha256`), which also gives the counting rule
+  (`meta.completion_tokens_include_eos`). A field nobody knows is "".
+- `gen_tokens_eos`: whether a run's generated-token counts include the end-of-sequence token
+  that ended a generation: "yes" (the engine and ds4-server count every sampled token), "no"
+  (llama.cpp's servers count only the tokens of the text), "" when unknown.
 - `file_sha256(path)`: SHA-256 of a file, cached by (absolute path, size, mtime) in
   `<cache dir>/file-sha256.json` (`$XDG_CACHE_HOME/ds4eval`, default `~/.cache/ds4eval`), so a
   second run costs one stat. The cache is rewritten atomically; a damaged or unwritable cache
@@ -42,9 +49,11 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 CACHE_FILE_NAME = "file-sha256.json"
 # The run-level fields, in the order the trace writes them (TraceRecord has one field each).
 RUN_FIELDS = ("model_sha256", "chat_template_sha256", "bos_eos", "device", "kv_type", "endpoint",
-              "served_model", "extractor_version", "ds4eval_version", "git_commit")
+              "served_model", "gen_tokens_eos", "extractor_version", "ds4eval_version", "git_commit")
 BACKEND_FIELDS = ("model_path", "chat_template_sha256", "bos_eos", "device", "kv_type", "endpoint",
-                  "served_model")
+                  "served_model", "gen_tokens_eos")
+# How long the models listing may take: provenance must never hold a run up.
+MODELS_TIMEOUT_S = 5.0
 
 
 def cache_dir() -> Path:
@@ -184,17 +193,63 @@ def token_pieces(model: Any, ids: list[int]) -> list[str]:
     return pieces
 
 
-def run_provenance(backend: Any, file_hash=file_sha256) -> dict[str, str]:
-    """The run-level provenance fields of a run through `backend` (see the module docstring)."""
+@dataclass(frozen=True)
+class ServedFacts:
+    """What a server's model listing says of the served model's file and usage."""
+    model_sha256: str = ""
+    gen_tokens_eos: str = ""
+
+
+def served_model_facts(payload: Any, served_model: str) -> ServedFacts:
+    """The facts a `GET /v1/models` answer gives about `served_model` (the only model listed when
+    no listed id matches it): `meta.sha256` when it is 64 hex digits, and
+    `meta.completion_tokens_include_eos` as "yes"/"no". Anything else gives nothing."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    cards = [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+    named = [c for c in cards if c.get("id") == served_model]
+    card = named[0] if named else cards[0] if len(cards) == 1 else None
+    meta = card.get("meta") if card is not None else None
+    if not isinstance(meta, dict):
+        return ServedFacts()
+    digest = meta.get("sha256")
+    digest = digest.lower() if isinstance(digest, str) and len(digest) == 64 and \
+        all(ch in "0123456789abcdefABCDEF" for ch in digest) else ""
+    eos = meta.get("completion_tokens_include_eos")
+    return ServedFacts(digest, {True: "yes", False: "no"}.get(eos, "") if isinstance(eos, bool) else "")
+
+
+def fetch_models(endpoint: str, api_key: str | None) -> Any:
+    """The JSON of the server's `GET /v1/models` (the server of `endpoint`); None when it cannot
+    be had within `MODELS_TIMEOUT_S`."""
+    import httpx
+
+    from ds4eval.run.capabilities import api_root
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(api_root(endpoint) + "/v1/models", headers=headers, timeout=MODELS_TIMEOUT_S)
+        return resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def run_provenance(backend: Any, file_hash=file_sha256, *, model_file: str | None = None,
+                   api_key: str | None = None, fetch=fetch_models) -> dict[str, str]:
+    """The run-level provenance fields of a run through `backend` (see the module docstring);
+    `fetch(endpoint, api_key)` reads a server's model listing."""
     reported = backend.provenance() if hasattr(backend, "provenance") else {}
     unknown = set(reported) - set(BACKEND_FIELDS)
     if unknown:
         raise ValueError(f"backend provenance has unknown field(s): {', '.join(sorted(unknown))}")
     out = {k: "" for k in RUN_FIELDS}
     out.update({k: str(v) for k, v in reported.items() if k != "model_path" and v is not None})
-    path = reported.get("model_path")
+    path = reported.get("model_path") or model_file
     if path and os.path.isfile(path):
         out["model_sha256"] = file_hash(path)
+    if out["endpoint"] and not reported.get("model_path"):
+        facts = served_model_facts(fetch(out["endpoint"], api_key), out["served_model"])
+        out["model_sha256"] = out["model_sha256"] or facts.model_sha256
+        out["gen_tokens_eos"] = out["gen_tokens_eos"] or facts.gen_tokens_eos
     out["extractor_version"] = extractor_version()
     out["ds4eval_version"] = ds4eval_version()
     out["git_commit"] = git_commit()

@@ -644,7 +644,7 @@ class Runner:
         """The run's provenance (ds4eval.run.provenance.run_provenance), computed once."""
         if self._provenance is None:
             # Outside the lock: the first run on a model file hashes it (cached afterwards).
-            found = run_provenance(self.backend)
+            found = run_provenance(self.backend, model_file=self.config.model_file, api_key=self.config.api_key)
             with self._lock:
                 self._provenance = self._provenance or found
         return dict(self._provenance)

@@ -100,6 +100,7 @@ class TraceRecord:
     kv_type: str = ""
     endpoint: str = ""
     served_model: str = ""
+    gen_tokens_eos: str = ""  # "yes"/"no": gen_tokens counts the end-of-sequence token; "" = unknown
     concurrency: int = 0  # cases the run had in flight at once (--concurrency / --parallel); 0 = unknown
     extractor_version: str = ""
     ds4eval_version: str = ""

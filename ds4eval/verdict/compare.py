@@ -11,7 +11,8 @@ Contract
   (source, id) and must carry the same content hash (else, in older traces, the same answer
   key). A matched case stays out of the verdict, with a warning, when it is graded on one side
   only, its pin differs, or, unless `allow` names the difference as the change under test, it
-  ran on a different model (model file SHA-256, else model name), with a different prompt (the
+  ran on a different model (model file SHA-256 when both sides know it, so one file served
+  under two names is one model; else model name), with a different prompt (the
   rendered prompt's token hash, else the prompt texts), or with different sampling settings
   (greedy runs compare as greedy whatever their top-p, min-p and seed). Cases present on one
   side only are warned about too. Other differences in provenance (KV cache type, budget,
@@ -20,7 +21,11 @@ Contract
 - On the comparable cases: passed/graded per source and in total, the paired bootstrap
   interval of the pass-rate delta and the exact McNemar test (`stats`), every flip (a flip to
   "no answer found" counted apart from a wrong answer), token/time/tokens-per-second deltas and
-  the largest changes in generated length. When prompt hashes differ, `render_diffs` locate the
+  the largest changes in generated length. Token counts follow each run's recorded rule
+  (`gen_tokens_eos`, `TokenCounting`): when one side counts the end-of-sequence token that ends
+  a reply and the other does not, the counting side's counts are taken without it (one less for
+  each case that ended before its budget) and a warning says so; when only one side's rule is
+  known, the warning says the deltas may be off by one per case. When prompt hashes differ, `render_diffs` locate the
   first differing token and keep a few tokens of text around it on both sides.
 - Verdict, on all comparable cases together: exit status 1 for a significant regression
   (McNemar exact p < alpha with more pass->fail than fail->pass flips) or, with `strict`, any
@@ -79,7 +84,7 @@ GRADED = ("PASSED", "FAILED")
 # Provenance and settings whose differences are reported as notes, never excluded.
 NOTE_FIELDS = ("backend", "endpoint", "served_model", "device", "kv_type", "max_tokens", "tokens", "thinking",
                "chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit",
-               "concurrency")
+               "concurrency", "gen_tokens_eos")
 CONTEXT_TOKENS = 4  # tokens of text shown on each side of a render difference
 LISTED_CASES = 8  # case names listed in one warning before "and N more"
 
@@ -133,6 +138,13 @@ class CaseRun:
     def setting(self, name: str) -> str:
         return self.settings[NOTE_FIELDS.index(name)]
 
+    @property
+    def ended_by_eos(self) -> bool:
+        """Whether the generation ended before its budget (so by an end-of-sequence token: ds4-eval
+        sends no stop sequences); False when the budget is unknown."""
+        budget = self.setting("max_tokens")
+        return bool(budget) and 0 < self.gen_tokens < int(budget)
+
     def prompt_tokens_text(self) -> list[str]:
         return split_tokens(self.rendered_prompt, self.rendered_token_ends)
 
@@ -160,7 +172,7 @@ def sampling_key(temperature: float, top_p: float, min_p: float, seed: int | Non
 
 
 # A trace record's NOTE_FIELDS, in order (max_tokens, tokens and thinking are built in between,
-# concurrency after).
+# concurrency and gen_tokens_eos after).
 _RUN_SETTINGS = attrgetter("backend", "endpoint", "served_model", "device", "kv_type")
 _RUN_PROVENANCE = attrgetter("chat_template_sha256", "bos_eos", "extractor_version", "ds4eval_version", "git_commit")
 
@@ -172,7 +184,7 @@ def _record_case(r: TraceRecord) -> CaseRun:
         if rep.cases:
             status, picked = rep.cases[0].new_status, rep.cases[0].new_picked
     settings = (*_RUN_SETTINGS(r), str(r.max_tokens or ""), "", "yes" if r.thinking else "no", *_RUN_PROVENANCE(r),
-                str(r.concurrency or ""))
+                str(r.concurrency or ""), r.gen_tokens_eos)
     return CaseRun(
         source=r.source, id=r.id, status=status, picked=picked, expected=r.expected,
         key=(r.answer_kind, r.expected, tuple(r.aliases), r.nchoices),
@@ -367,6 +379,52 @@ class LengthChange:
 
 
 @dataclass(frozen=True)
+class TokenCounting:
+    """How the two runs count generated tokens (`gen_tokens_eos`: "yes" counts the end-of-sequence
+    token that ends a reply, "no" does not, "" unknown) and what the comparison does about it:
+    when both rules are known and differ, the counting side's counts are taken without that token
+    (`counted`), so that token deltas compare like with like."""
+
+    base: str = ""
+    new: str = ""
+
+    @property
+    def aligned(self) -> bool:
+        return {self.base, self.new} == {"yes", "no"}
+
+    def counted(self, c: CaseRun) -> int:
+        """`c`'s generated tokens under the rule both sides share."""
+        if self.aligned and c.setting("gen_tokens_eos") == "yes" and c.ended_by_eos:
+            return c.gen_tokens - 1
+        return c.gen_tokens
+
+    def note(self, pairs: Sequence[tuple[CaseRun, CaseRun]]) -> Issue | None:
+        """A warning saying how the rules differ, or None when they do not (or neither is known)."""
+        rule = {"yes": "counts the end-of-sequence token that ends a reply", "no": "does not count the "
+                "end-of-sequence token that ends a reply", "": "does not say whether it counts the "
+                "end-of-sequence token that ends a reply"}
+        if self.base == self.new or not (self.base or self.new):
+            return None
+        text = f"token counts follow different rules: BASE {rule[self.base]}, NEW {rule[self.new]}"
+        if self.aligned:
+            side, pick = ("BASE", 0) if self.base == "yes" else ("NEW", 1)
+            ended = sum(1 for p in pairs if p[pick].ended_by_eos)
+            text += (f"; {side}'s counts are taken without it (one token less for each of its {ended} matched "
+                     f"case(s) that ended before their budget)")
+        else:
+            text += "; the token deltas may be off by one for each case that ended before its budget"
+        return Issue("tokens", text, excluded=False)
+
+
+def token_counting(pairs: Sequence[tuple[CaseRun, CaseRun]]) -> TokenCounting:
+    """The two runs' counting rules, from their first matched case (a run-level field)."""
+    if not pairs:
+        return TokenCounting()
+    b, n = pairs[0]
+    return TokenCounting(b.setting("gen_tokens_eos"), n.setting("gen_tokens_eos"))
+
+
+@dataclass(frozen=True)
 class Issue:
     """A warning: cases that are out of the verdict, or something that weakens it."""
 
@@ -546,6 +604,7 @@ class Comparison:
     verdict: str
     repeats: RepeatComparison | None = None  # set when either run has --repeats K > 1
     assurance: Assurance | None = None  # power, per-source Holm and equivalence (see the module docstring)
+    counting: TokenCounting = field(default_factory=TokenCounting)  # the token counting rules of both sides
 
     def judged(self) -> list[str]:
         """The names ("source/id") of the cases the verdict counts: matched and not excluded."""
@@ -784,6 +843,7 @@ class _Matching:
     cases: pd.DataFrame                # one row per matched pair (Comparison.cases)
     render_diffs: list[RenderDiff]     # one per pair whose prompts differ, not yet grouped
     lost: list[str]                    # matched cases that passed in BASE and have no verdict in NEW
+    counting: TokenCounting            # how each side counts generated tokens
 
 
 @dataclass
@@ -817,6 +877,7 @@ def _match(base: Run, new: Run, allowed: tuple[str, ...]) -> _Matching:
     only_base = [k for k in base.cases if k not in new.cases]
     only_new = [k for k in new.cases if k not in base.cases]
     matched = [(base.cases[k], new.cases[k]) for k in base.cases if k in new.cases]
+    counting = token_counting(matched)
     by_kind: dict[str, list[Pair]] = {}
     rows, comparable, render, lost = [], [], [], []
     for b, n in matched:
@@ -829,12 +890,12 @@ def _match(base: Run, new: Run, allowed: tuple[str, ...]) -> _Matching:
             render.append(render_diff(b, n))
         excluded = [k for k in why if k not in allowed]
         rows.append((b.source, b.id, b.status, n.status, b.picked, n.picked, b.expected, n.expected,
-                     b.gen_tokens, n.gen_tokens, b.elapsed_s, n.elapsed_s, b.prompt_tokens, n.prompt_tokens,
+                     counting.counted(b), counting.counted(n), b.elapsed_s, n.elapsed_s, b.prompt_tokens, n.prompt_tokens,
                      b.no_answer, n.no_answer, ",".join(excluded)))
         if not excluded:
             comparable.append((b, n))
     return _Matching(only_base, only_new, matched, comparable, by_kind, pd.DataFrame(rows, columns=_CASE_COLUMNS),
-                     render, lost)
+                     render, lost, counting)
 
 
 def _warnings(base: Run, new: Run, m: _Matching, allowed: tuple[str, ...]) -> list[Issue]:
@@ -855,6 +916,9 @@ def _warnings(base: Run, new: Run, m: _Matching, allowed: tuple[str, ...]) -> li
     for kind in ("pin", "model", "prompt", "sampling", "ungraded"):
         if kind in m.by_kind:
             issues.append(_pair_issue(kind, m.by_kind[kind], kind in allowed))
+    counting_note = m.counting.note(m.matched)
+    if counting_note is not None:
+        issues.append(counting_note)
     for run in (base, new):
         if _provenance_gap(run):
             issues.append(Issue("provenance", f"{run.label} has cases without provenance (an older trace or "
@@ -891,9 +955,10 @@ def _statistics(base: Run, m: _Matching, resamples: int, seed: int, top_lengths:
     flips.sort(key=lambda f: (f.direction != "pass->fail", f.source, f.id))
     lost = m.lost + [base.cases[k].name for k in m.only_base if base.cases[k].passed]
 
-    moved = heapq.nsmallest(top_lengths, ((b, n) for b, n in m.comparable if b.gen_tokens != n.gen_tokens),
-                            key=lambda p: (-abs(p[1].gen_tokens - p[0].gen_tokens), p[0].source, p[0].id))
-    changes = [LengthChange(b.source, b.id, b.gen_tokens, n.gen_tokens, b.status, n.status) for b, n in moved]
+    count = m.counting.counted
+    moved = heapq.nsmallest(top_lengths, ((b, n) for b, n in m.comparable if count(b) != count(n)),
+                            key=lambda p: (-abs(count(p[1]) - count(p[0])), p[0].source, p[0].id))
+    changes = [LengthChange(b.source, b.id, count(b), count(n), b.status, n.status) for b, n in moved]
     return _Statistics(sources, total, flips, lost, changes)
 
 
@@ -937,7 +1002,7 @@ def _compare(base: Run, new: Run, *, alpha: float, strict: bool, allow: Iterable
         base=base, new=new, alpha=alpha, strict=strict, allowed=allowed, cases=m.cases, sources=st.sources,
         total=st.total, flips=st.flips, lost_passes=st.lost, length_changes=st.length_changes, issues=issues,
         differences=_differences(m.matched), render_diffs=_group_render_diffs(m.render_diffs),
-        regression=v.regression, exit_status=v.exit_status, verdict=v.text, repeats=v.repeats)
+        regression=v.regression, exit_status=v.exit_status, verdict=v.text, repeats=v.repeats, counting=m.counting)
 
 
 def _repeat_verdict(rc: RepeatComparison, regression: bool, strict_fail: bool, lost: list[str],

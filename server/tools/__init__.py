@@ -29,6 +29,9 @@ Replay (`ReplayMemory`, built by `ToolsConfig.new_memory()`): after a turn that 
 `memory.remember([call ids], exact turn text)`; `render_conversation(..., memory=memory)` then writes that text back
 for the turn when the client returns the same calls, and counts replayed / rerendered / missing calls.
 
+Grammars (`server.tools.grammar`): `calls_grammar(syntax, tools, max_calls)`, the Lark text of whole calls as the
+syntax writes them, arguments fitting the tools' schemas (what a forced call is decoded under).
+
 API mapping (`server.tools.apis`): tools_from_openai/anthropic/responses, messages_from_openai/anthropic/responses,
 ID_PREFIX; the responses themselves are built by the server's API modules.
 """

@@ -178,8 +178,13 @@ class Dsml(Syntax):
             "arrays and objects, written as JSON."
         )
 
+    call_suffix = f"{INVOKE_CLOSE}\n{CLOSE}"
+
     def call_prefix(self, name: str) -> str:
         return f'{OPEN}\n{INVOKE_OPEN}{name}">\n'
+
+    def param_literals(self, key: str, is_string: bool) -> tuple[str, str]:
+        return f'{PARAM_OPEN}{key}" string="{"true" if is_string else "false"}">', f"{PARAM_CLOSE}\n"
 
     def render_calls(self, calls: list[ToolCall]) -> str:
         if not calls:

@@ -171,6 +171,9 @@ class Hermes(Syntax):
             '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
         )
 
+    call_suffix = f"}}\n{CLOSE}"
+    json_arguments = True
+
     def call_prefix(self, name: str) -> str:
         return f"{OPEN}\n{canonical_json({'name': name})[:-1]}, \"arguments\": "
 

@@ -196,6 +196,16 @@ class Syntax:
         `render_calls` for that call (forced when `tool_choice` requires a call)."""
         raise NotImplementedError
 
+    # What follows a call's arguments in `render_calls` (for the whole-call grammar, `server.tools.grammar`).
+    call_suffix = ""
+    # True: a call's arguments are one JSON object; False: one parameter block per argument (`param_literals`).
+    json_arguments = False
+
+    def param_literals(self, key: str, is_string: bool) -> tuple[str, str]:
+        """The text around the value of argument `key` as `render_calls` writes it (XML-style syntaxes),
+        `is_string` saying whether the value is written as text or as JSON."""
+        raise NotImplementedError
+
     def render_results(self, results: list[ToolResult]) -> str:
         raise NotImplementedError
 

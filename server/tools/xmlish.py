@@ -147,8 +147,13 @@ class QwenXml(Syntax):
             "Write every required parameter. Put nothing after the closing </tool_call> tag."
         )
 
+    call_suffix = f"{Q_FUNC_END}\n{CLOSE}"
+
     def call_prefix(self, name: str) -> str:
         return f"{OPEN}\n{Q_FUNC}{name}>\n"
+
+    def param_literals(self, key: str, is_string: bool) -> tuple[str, str]:
+        return f"{Q_PARAM}{key}>\n", f"\n{Q_PARAM_END}\n"
 
     def render_calls(self, calls: list[ToolCall]) -> str:
         blocks = []
@@ -260,8 +265,13 @@ class Glm(Syntax):
             "<arg_key>{arg-key-2}</arg_key>\n<arg_value>{arg-value-2}</arg_value>\n...\n</tool_call>"
         )
 
+    call_suffix = CLOSE
+
     def call_prefix(self, name: str) -> str:
         return f"{OPEN}{name}\n"
+
+    def param_literals(self, key: str, is_string: bool) -> tuple[str, str]:
+        return f"{G_KEY}{_G_KEY_ESC.escape(key)}{G_KEY_END}\n{G_VAL}", f"{G_VAL_END}\n"
 
     def render_calls(self, calls: list[ToolCall]) -> str:
         blocks = []

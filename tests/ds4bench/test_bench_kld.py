@@ -197,11 +197,23 @@ def echo_response(model, prompt, k, by_text=False):
                                                   "token_logprobs": tok, "top_logprobs": tops}}]}
 
 
+# How the fake server answers what it does not take: None takes everything.
+LIMITS: dict[str, object] = {}
+
+
 @pytest.fixture()
 def fake_server():
     model, seen = BigramModel(), []
+    LIMITS.clear()
 
     class Handler(BaseHTTPRequestHandler):
+        def refuse(self, status, message):
+            data = json.dumps({"error": {"message": message}}).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             seen.append(body)
@@ -209,6 +221,11 @@ def fake_server():
                 self.send_response(404)
                 self.end_headers()
                 return
+            if LIMITS.get("text_only") and not isinstance(body["prompt"], str):
+                return self.refuse(500, "Input should be a valid string")
+            if body["logprobs"] > LIMITS.get("logprobs", 10**6):
+                return self.refuse(400, LIMITS.get("message", "logprobs: Input should be less than or equal to "
+                                                             f"{LIMITS['logprobs']}"))
             data = json.dumps(echo_response(model, body["prompt"], body["logprobs"])).encode()
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
@@ -264,6 +281,46 @@ def test_openai_candidate_with_a_short_top_list_against_an_engine_like_base(fake
     s, kl = ks.summarize(base, cand, [7, 3])
     assert s.known_share < 1 and s.flips == 0
     assert s.kl_max == pytest.approx(0.0, abs=1e-12) and s.ppl_ratio.value == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("limits,asked,fitted", [
+    ({}, 32, [1, 32]),
+    ({"logprobs": 20}, 32, [1, 32, 20]),  # the limit the refusal names
+    ({"logprobs": 5, "message": "bad request"}, 32, [1, 32, 20, 5]),  # OpenAI's documented limits, tried in turn
+])
+def test_the_openai_stack_fits_its_top_k_to_the_servers_limit_before_any_work(fake_server, limits, asked, fitted):
+    url, _, seen = fake_server
+    LIMITS.update(limits)
+    stack = OpenAIStack(url)
+    try:
+        assert stack.fit_top_k([3, 7, 1, 1, 40, 2, 9, 9, 9, 9], asked) == fitted[-1]
+    finally:
+        stack.close()
+    assert [b["logprobs"] for b in seen] == fitted
+    assert all(b["prompt"] == [3, 7, 1, 1, 40, 2, 9, 9] for b in seen)  # the run's own kind of request
+
+
+@pytest.mark.parametrize("limits,fragment", [
+    ({"text_only": True}, "does not score a token-id prompt, which kld sends (HTTP 500: "),
+    ({"logprobs": 0, "message": "no"}, "does not score a token-id prompt"),
+])
+def test_an_endpoint_that_cannot_take_what_kld_sends_is_one_stack_error(fake_server, limits, fragment):
+    url, _, _ = fake_server
+    LIMITS.update(limits)
+    stack = OpenAIStack(url)
+    try:
+        with pytest.raises(StackError, match=fragment.replace("(", r"\(")):
+            stack.fit_top_k([3, 7, 1], 32)
+    finally:
+        stack.close()
+
+
+def test_limits_named_in_errors():
+    from ds4bench.kldstacks import limit_in_error
+    assert limit_in_error("logprobs: Input should be less than or equal to 20", 32) == 20
+    assert limit_in_error("`logprobs` must be at most 5", 32) == 5
+    assert limit_in_error("logprobs must be <= 20", 8) is None  # no limit below what was asked
+    assert limit_in_error("HTTP 500 at 12:30", 32) is None
 
 
 def test_openai_text_keys_need_a_tokenizer_and_bad_replies_are_stack_errors():
@@ -359,3 +416,49 @@ def test_the_shipped_corpus_is_packaged_and_mixed():
     assert name == kld.CORPUS_NAME and len(text) > 15000
     for marker in ("def ", "#include", "marché", "Werkstatt", "huerto", "火车站", "| day |"):
         assert marker in text
+
+
+@pytest.fixture()
+def ds4_server(tiny):
+    """ds4-server on the tiny GGUF, on a free loopback port (its logprobs limit is OpenAI's 20)."""
+    import socket
+    import time
+
+    import uvicorn
+
+    from engine import load_model
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(load_model(tiny), ServerConfig()), host="127.0.0.1",
+                                           port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_kld_against_ds4_server_fits_top_k_32_to_its_limit_of_20(tiny, ds4_server, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 4, encoding="utf-8")
+    common = ["--corpus", str(corpus), "--ctx", "32"]
+    served = ["--stack", "openai", "--url", ds4_server, "--tokenizer", tiny]
+    base = tmp_path / "base.npz"
+    r = invoke(["kld", "--save-base", str(base), *served, *common, "--top-k", "32"])
+    assert r.exit_code == 0, r.output
+    assert "note: --top-k 32 lowered to 20" in r.output and read_base(base).header["k"] == 20
+    engine_base = tmp_path / "engine.npz"
+    assert invoke(["kld", "--save-base", str(engine_base), "-m", tiny, *common, "--top-k", "32"]).exit_code == 0
+    r = invoke(["kld", "--base", str(engine_base), *served, *common])
+    assert r.exit_code == 0, r.output
+    assert "at most 20 of the base's 32 log-probs" in r.output and "KL mean" in r.output

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingParams, filtered_probs
+from engine.device_sampling import DeviceLogits
+from engine.sampling import Sampler, SamplingParams, apply_logit_bias, filtered_probs
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 
@@ -45,7 +46,8 @@ def test_seed_reproduces_the_stream_and_temperature_spreads_it():
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=2.0),
-                                dict(top_k=-3), dict(temperature=float("nan"))])
+                                dict(top_k=-3), dict(temperature=float("nan")), dict(logit_bias=((1, 101.0),)),
+                                dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((1, float("nan")),))])
 def test_invalid_params_are_rejected(kw):
     with pytest.raises(ValueError):
         SamplingParams(**kw)
@@ -62,3 +64,32 @@ def test_top_p_too_small_for_float32_keeps_the_most_likely_token():
     logits = torch.tensor([1.0, 3.0, 2.0])
     probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=1e-300))
     assert probs.tolist() == [0.0, 1.0, 0.0]
+
+
+def test_logit_bias_adds_bans_at_minus_100_and_forces_at_plus_100():
+    biased = apply_logit_bias(LOGITS, ((0, 1.5), (5, -100.0)))
+    assert biased[0] == pytest.approx(3.5) and biased[5] == float("-inf") and biased[1] == LOGITS[1]
+    assert Sampler(SamplingParams(logit_bias=((5, -100.0),)))(LOGITS) == 0
+    assert Sampler(SamplingParams(logit_bias=((0, 1.5),)))(LOGITS) == 0
+    forced = SamplingParams(temperature=2.0, seed=1, logit_bias=((3, 100.0), (4, 100.0)))
+    sampler = Sampler(forced)
+    assert {sampler(LOGITS) for _ in range(50)} == {3, 4}
+    # A ban wins over a sampler that would otherwise draw the token often.
+    banned = Sampler(SamplingParams(temperature=1.5, seed=2, logit_bias=((5, -100.0), (0, -100.0))))
+    assert not {banned(LOGITS) for _ in range(50)} & {0, 5}
+
+
+def test_a_forced_token_that_a_mask_removed_leaves_the_mask_alone():
+    masked = LOGITS.clone()
+    masked[[1, 5]] = float("-inf")
+    out = apply_logit_bias(masked, ((5, 100.0),))
+    assert torch.equal(torch.isfinite(out), torch.isfinite(masked))
+
+
+def test_a_biased_device_row_is_not_answered_from_the_steps_greedy_ids():
+    row = DeviceLogits(LOGITS.clone(), greedy=5, greedy_no_eos=0, eos_ids=frozenset({5}))
+    sampler = Sampler(SamplingParams(logit_bias=((5, -100.0), (1, 50.0))))
+    assert row.greedy_column(sampler) is None and row.pick(sampler) == 1
+    assert Sampler(SamplingParams(logit_bias=((5, -100.0), (1, 50.0))))(row) == 1
+    draws = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias=((2, 100.0),)))
+    assert {draws(row) for _ in range(10)} == {2}

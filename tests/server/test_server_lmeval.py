@@ -4,7 +4,8 @@ Two tiny tasks the test writes itself (task YAML + local jsonl; no dataset or mo
 a multiple-choice task through `local-completions` (loglikelihoods from /v1/completions with
 echo + logprobs, token-id prompts built with the server's own tokenizer through /tokenize:
 `tokenizer_backend=remote`) and a generation task through `local-chat-completions`. The
-loglikelihoods lm-eval reports must equal the engine's own in-process log-softmax.
+loglikelihoods lm-eval reports must equal the engine's own in-process log-softmax, also for
+answers that end the model's turn (end-of-sequence as the generated token).
 Skipped where lm-eval is not installed (`make setup-lmeval`).
 """
 
@@ -27,9 +28,12 @@ from server_support import live_server
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (make setup-lmeval)")
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
-MC_DOCS = [
-    {"question": "The capital of France is", "choices": ["Paris", "Berlin", "Madrid"], "label": 0},
-    {"question": "Two plus two equals", "choices": ["four", "seven", "ten"], "label": 0},
+# Multiple-choice questions as rendered chat turns, each answer ending the model's turn: after
+# most of them the model's greedy next token is end-of-sequence, which the server must score
+# like any other generated token (lm-eval drops the last entry as the generated one).
+MC_TURNS = [
+    ("Name a primary colour. One word.", ["Red", "Blue", "Green", "Dog"], 0),
+    ("What is two plus two? Answer with a number only.", ["4", "5", "four"], 0),
 ]
 GEN_DOCS = [{"question": "What is the capital of France? Answer with one word.", "answer": "Paris"}]
 
@@ -67,8 +71,11 @@ def server(model):
 
 
 def engine_loglikelihood(model, context: str, continuation: str) -> float:
-    """What lm-eval's loglikelihood means, computed in process: the whole text tokenized, split
+    """What lm-eval's loglikelihood means, computed in process: the context's trailing
+    whitespace moved to the continuation (as lm-eval does), the whole text tokenized, split
     after the context's tokens, the continuation's log-probs summed."""
+    stripped = context.rstrip()
+    context, continuation = stripped, context[len(stripped):] + continuation
     whole = model.tokenize(context + continuation, special=True)
     n_ctx = len(model.tokenize(context, special=True))
     logp = torch.log_softmax(model.new_session().extend_logits(whole[:-1]), dim=-1)
@@ -76,15 +83,19 @@ def engine_loglikelihood(model, context: str, continuation: str) -> float:
 
 
 def test_multiple_choice_loglikelihoods_equal_the_engines(tmp_path, server, model):
-    write_task(tmp_path, "ds4_mc", MC_DOCS,
+    docs = [{"question": model.render_chat([{"role": "user", "content": q}]), "choices": choices, "label": label}
+            for q, choices, label in MC_TURNS]
+    # The answer follows the rendered turn directly (lm-eval puts a space between by default).
+    write_task(tmp_path, "ds4_mc", docs,
                "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
+               "target_delimiter: \"\"\n"
                "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
     samples = run_lm_eval(tmp_path, [
         "--model", "local-completions",
         "--model_args", f"base_url={server.base}/v1/completions,model=smollm2,tokenizer_backend=remote,"
                         "num_concurrent=1,max_retries=1",
         "--batch_size", "2", "--tasks", "ds4_mc"])
-    assert len(samples) == len(MC_DOCS)
+    assert len(samples) == len(docs)
     for sample in samples:
         for i, args in enumerate(sample["arguments"].values()):
             reported = float(sample["resps"][i][0][0])

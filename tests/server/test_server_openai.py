@@ -248,7 +248,7 @@ def test_tools_and_calls_are_rendered_by_the_tool_syntax(client, fake_model):
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"c\": 1}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}]
     r = client.post("/v1/chat/completions", json={"messages": history, "tools": tools, "tool_choice": "auto",
-                                                  "reasoning_effort": "low", "max_tokens": 1})
+                                                  "max_tokens": 1})
     assert r.status_code == 200
     prompt = fake_model.rendered[-1]
     assert '{"type": "function", "function": {"name": "get_weather"' in prompt.split("<|im_start|>user")[0]
@@ -304,6 +304,23 @@ def test_models_health_and_model_lookup(client):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     health = client.get("/health").json()
     assert health["status"] == "ok" and health["model"] == "fake-model"
+
+
+def test_models_list_the_files_sha256_and_how_usage_counts_tokens(client, tmp_path):
+    import hashlib
+    import time
+
+    meta = client.get("/v1/models").json()["data"][0]["meta"]
+    assert meta["sha256"] is None and meta["completion_tokens_include_eos"] is True  # no file behind the fake
+    gguf = tmp_path / "weights.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(range(256)) * 9000)
+    with TestClient(fake_app(FakeModel(path=str(gguf)))) as c:
+        deadline = time.monotonic() + 10
+        while (meta := c.get("/v1/models").json()["data"][0]["meta"])["sha256"] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert c.get("/v1/models/fake-model").json()["meta"]["sha256"] == meta["sha256"]
+    assert meta["sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest() and meta["path"] == "weights.gguf"
 
 
 def test_unknown_endpoint_and_method(client):

@@ -32,11 +32,11 @@ BASES = {
 NUMERIC = {
     "/v1/chat/completions": ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                              "max_completion_tokens", "n", "presence_penalty", "frequency_penalty",
-                             "top_logprobs"],
+                             "top_logprobs", "logit_bias"],
     "/v1/completions": ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "n",
-                        "presence_penalty", "frequency_penalty", "logprobs", "best_of", "prompt"],
+                        "presence_penalty", "frequency_penalty", "logprobs", "best_of", "prompt", "logit_bias"],
     "/v1/messages": ["temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"],
-    "/v1/responses": ["temperature", "top_p", "top_k", "min_p", "seed", "max_output_tokens"],
+    "/v1/responses": ["temperature", "top_p", "top_k", "min_p", "seed", "max_output_tokens", "top_logprobs"],
 }
 BOUNDARY = [0, -1, 1, 0.5, 1e-300, 5e-324, 2, 20, 21, 2**31 - 1, 2**31, 2**63, 2**64, -2**63 - 1, 1e308,
             -1e308, "1", "NaN", "Infinity", "-inf", "", True, None, [], {}]

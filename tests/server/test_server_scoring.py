@@ -68,6 +68,39 @@ def test_each_prompt_of_a_list_is_its_own_choice(client, prompt, texts):
     assert body["usage"]["prompt_tokens"] == sum(len(t) for t in texts)
 
 
+def test_a_completion_ended_by_eos_lists_the_eos_entry_last(client, fake_model):
+    body = client.post("/v1/completions", json={"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 200,
+                                                "temperature": 0}).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == "ab" + DEFAULT_REPLY
+    lp = choice["logprobs"]
+    eos = fake_model.detokenize([fake_model.eos_id])
+    # One entry per prompt token and one per generated token, the end-of-sequence one included.
+    assert lp["tokens"] == ["a", "b", *DEFAULT_REPLY, eos]
+    assert body["usage"]["completion_tokens"] == len(DEFAULT_REPLY) + 1
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == len(lp["tokens"])
+    assert lp["text_offset"][-1] == len(choice["text"])
+    assert lp["token_logprobs"][-1] < 0 and eos in lp["top_logprobs"][-1]
+
+
+def test_a_streamed_completion_ended_by_eos_sends_the_eos_entry_with_the_finish(client, fake_model):
+    r = client.post("/v1/completions", json={"prompt": "ab", "logprobs": 0, "max_tokens": 200,
+                                             "temperature": 0, "stream": True})
+    chunks = [json.loads(line[6:])["choices"][0] for line in r.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    last = chunks[-1]
+    assert last["finish_reason"] == "stop" and last["text"] == ""
+    assert last["logprobs"]["tokens"] == [fake_model.detokenize([fake_model.eos_id])]
+    assert last["logprobs"]["text_offset"] == [len(DEFAULT_REPLY)]
+    assert sum(len(c["logprobs"]["tokens"]) for c in chunks if c["logprobs"]) == len(DEFAULT_REPLY) + 1
+
+
+def test_chat_logprobs_list_only_the_messages_tokens(client):
+    body = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                     "logprobs": True, "max_tokens": 200, "temperature": 0}).json()
+    assert "".join(e["token"] for e in body["choices"][0]["logprobs"]["content"]) == DEFAULT_REPLY
+
+
 def test_max_tokens_zero_without_echo_is_an_empty_completion(client):
     body = client.post("/v1/completions", json={"prompt": "abc", "max_tokens": 0}).json()
     assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
@@ -112,3 +145,53 @@ def test_prompt_logprobs_equal_the_engines_log_softmax(tiny_model, batched):
     assert long["logprobs"]["tokens"][:2] == [f"token_id:{ids[0]}", f"token_id:{ids[1]}"]
     # Scoring first does not change what is generated after the prompt.
     assert long["text"].endswith(plain["choices"][0]["text"])
+
+
+# --- lm-eval's loglikelihood request on the embedded model ----------------------------------
+
+# Chat turns whose answers end the model's turn: after each, the model's greedy next token is
+# end-of-sequence, the case where a dropped generated entry shifts the scored continuation.
+TURN_QUESTION = "Name a primary colour. One word."
+TURN_ANSWERS = ["Red", "Blue", "Green"]
+
+
+@pytest.fixture(scope="module")
+def embedded(embedded_path):
+    from engine import load_model
+    return load_model(embedded_path)
+
+
+def lm_eval_request(prompt) -> dict:
+    """What lm-eval's `local-completions` sends for loglikelihoods: context plus continuation,
+    echoed and scored, one greedy token generated."""
+    return {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("form,batched", [("text", 1), ("ids", 2), ("texts", 1), ("id lists", 2)])
+def test_scoring_keeps_a_generated_eos_entry_on_every_prompt_form(embedded, form, batched):
+    context = embedded.render_chat([{"role": "user", "content": TURN_QUESTION}])
+    texts = [context + answer for answer in TURN_ANSWERS]
+    ids = [embedded.tokenize(t, special=True) for t in texts]
+    prompt = {"text": texts[0], "ids": ids[0], "texts": texts, "id lists": ids}[form]
+    n_ctx = len(embedded.tokenize(context, special=True))
+    config = ServerConfig(batched_session=batched, allowed_hosts=(TEST_CLIENT_HOST,))
+    with TestClient(create_app(embedded, config)) as c:
+        r = c.post("/v1/completions", json=lm_eval_request(prompt))
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert r.json()["usage"]["completion_tokens"] == len(choices)
+    for choice, whole in zip(choices, ids):
+        lp = choice["logprobs"]
+        session = embedded.new_session()
+        logp = torch.log_softmax(session.extend_logits(whole), dim=-1)
+        expected = [float(logp[i, t]) for i, t in enumerate(whole[1:])]
+        eos = int(logp[-1].argmax())
+        assert eos in embedded.eos_ids and choice["finish_reason"] == "stop"
+        # One entry per prompt token and one for the generated end-of-sequence token.
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) \
+            == len(lp["text_offset"]) == len(whole) + 1
+        assert lp["tokens"][-1] == embedded.detokenize([eos])
+        assert lp["token_logprobs"][1:] == pytest.approx(expected + [float(logp[-1, eos])], abs=1e-4)
+        # lm-eval's reading: the entries after the context, the generated one left off.
+        assert sum(lp["token_logprobs"][n_ctx:-1]) == pytest.approx(sum(expected[n_ctx - 1:]), abs=1e-4)

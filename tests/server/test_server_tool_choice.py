@@ -201,3 +201,12 @@ def test_schemas_no_grammar_can_serve_are_400_before_they_are_queued(server, sch
             assert fragment in str(e.value), (api, stream)
     assert server.model is not None  # still serving
     assert chat(server).choices[0].finish_reason == "stop"
+
+
+def test_anthropic_output_config_format_json_schema(server):
+    msg = ant(server).messages.create(model="m", max_tokens=200, messages=[{"role": "user", "content": "json please"}],
+                                      extra_body={"temperature": 0, "output_config": {"format": {
+                                          "type": "json_schema", "schema": ANSWER}}})
+    (block,) = msg.content
+    jsonschema.validate(json.loads(block.text), ANSWER)
+    assert msg.stop_reason == "end_turn"

@@ -319,7 +319,8 @@ class EngineBackend:
                 "bos_eos": f"add_bos={'yes' if getattr(m, 'add_bos', False) else 'no'} bos={m.bos_id} eos={eos}",
                 "device": ":".join(x for x in (str(getattr(m, "device", "") or ""),
                                                 getattr(m, "cpu_kernel_path", None) or "") if x),
-                "kv_type": str(getattr(m, "kv_dtype", "") or "").removeprefix("torch.")}
+                "kv_type": str(getattr(m, "kv_dtype", "") or "").removeprefix("torch."),
+                "gen_tokens_eos": "yes"}  # every sampled token is counted, the EOS that ends a reply too
 
     def render(self, job: GenerationJob, think: bool) -> str:
         messages = [{"role": "system", "content": job.system_prompt},

@@ -144,3 +144,85 @@ def test_provenance_fields_round_trip_and_old_traces_still_load():
 def test_committed_example_traces_parse(name):
     parsed = tr.read_trace(REPO / "traces" / name)
     assert parsed.records and not parsed.problems
+
+
+# --- a server backend's model file --------------------------------------------------------
+
+DIGEST = "ab" * 32
+
+
+def models_listing(model_id: str, **meta) -> dict:
+    return {"object": "list", "data": [{"id": model_id, "object": "model", "meta": meta}]}
+
+
+@pytest.mark.parametrize("payload,served,facts", [
+    (models_listing("smollm2", sha256=DIGEST, completion_tokens_include_eos=True), "smollm2",
+     pv.ServedFacts(DIGEST, "yes")),
+    # The only model listed stands for the served one whatever name the requests give.
+    (models_listing("/models/x.gguf", sha256=DIGEST.upper()), "other", pv.ServedFacts(DIGEST, "")),
+    (models_listing("m", sha256=None, completion_tokens_include_eos=False), "m", pv.ServedFacts("", "no")),
+    (models_listing("m", sha256="not-a-digest", completion_tokens_include_eos="yes"), "m", pv.ServedFacts()),
+    ({"data": [{"id": "a", "meta": {"sha256": DIGEST}}, {"id": "b"}]}, "c", pv.ServedFacts()),
+    ({"object": "list", "data": [{"id": "m", "owned_by": "llamacpp"}]}, "m", pv.ServedFacts()),
+    (None, "m", pv.ServedFacts()), ("<html>", "m", pv.ServedFacts()),
+])
+def test_served_model_facts_read_what_the_listing_says(payload, served, facts):
+    assert pv.served_model_facts(payload, served) == facts
+
+
+def test_a_server_backend_gets_its_model_file_from_the_flag_or_the_servers_listing(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    server = OpenAIBackend(EvalConfig(backend="openai", urls=("http://127.0.0.1:9/v1",), served_model="qwen"))
+    asked = []
+
+    def fetch(endpoint, api_key):
+        asked.append((endpoint, api_key))
+        return models_listing("qwen", sha256=DIGEST, completion_tokens_include_eos=True)
+
+    prov = pv.run_provenance(server, api_key="k", fetch=fetch)
+    assert (prov["model_sha256"], prov["gen_tokens_eos"]) == (DIGEST, "yes")
+    assert asked == [("http://127.0.0.1:9/v1/chat/completions", "k")]
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF...")
+    prov = pv.run_provenance(server, model_file=str(gguf), fetch=fetch)
+    assert prov["model_sha256"] == hashlib.sha256(b"GGUF...").hexdigest() and prov["gen_tokens_eos"] == "yes"
+    assert pv.run_provenance(server, fetch=lambda *_: None)["model_sha256"] == ""
+    server.close()
+    # The engine knows its own file and rule and asks no server.
+    engine = EngineBackend(FakeModel(), FAKE_ENGINE)
+    assert pv.run_provenance(engine, fetch=lambda *_: pytest.fail("asked a server"))["gen_tokens_eos"] == "yes"
+
+
+def test_model_file_applies_to_a_server_and_must_exist(tmp_path):
+    from ds4eval.config import ConfigError
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    EvalConfig(backend="openai", urls=("http://127.0.0.1:9",), model_file=str(gguf)).validate()
+    with pytest.raises(ConfigError, match="--model-file .*: no such file"):
+        EvalConfig(backend="openai", urls=("http://127.0.0.1:9",), model_file=str(tmp_path / "none.gguf")).validate()
+    with pytest.raises(ConfigError, match="--model-file applies to the openai backend"):
+        EvalConfig(model_file=str(gguf)).validate()
+
+
+def test_ds4_servers_listing_gives_its_model_file_and_counting_rule(tmp_path):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    gguf = tmp_path / "fake.gguf"
+    gguf.write_bytes(b"GGUF fake weights")
+    app = create_app(FakeModel(path=str(gguf)), ServerConfig(allowed_hosts=("testserver",)), engine=FAKE_ENGINE)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while (listing := client.get("/v1/models").json())["data"][0]["meta"]["sha256"] is None:
+            assert time.monotonic() < deadline, "the server never listed its file's hash"
+            time.sleep(0.02)
+    backend = OpenAIBackend(EvalConfig(backend="openai", urls=("http://127.0.0.1:9",)))
+    prov = pv.run_provenance(backend, fetch=lambda *_: listing)
+    backend.close()
+    assert prov["model_sha256"] == hashlib.sha256(b"GGUF fake weights").hexdigest()
+    assert prov["gen_tokens_eos"] == "yes"

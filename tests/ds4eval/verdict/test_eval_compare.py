@@ -427,3 +427,51 @@ def test_the_time_table_has_no_latency_unless_both_sides_carry_it(tmp_path):
     assert report.time_table(c).columns == ("source", "generated tokens", "generation s", "tokens/s",
                                             "prompt tokens")
     assert c.differences == []  # an unknown concurrency (an older trace) is no difference
+
+
+# ---------------------------------------------------------------- two stacks, one model file
+
+def stack(records, *, model, eos, backend="openai", **kw):
+    """The records as one serving stack wrote them: its model name and token counting rule."""
+    return [dataclasses.replace(r, model=model, served_model=model, backend=backend, gen_tokens_eos=eos, **kw)
+            for r in records]
+
+
+def test_the_same_file_served_under_two_names_is_one_model(tmp_path):
+    recs = [rec(i) for i in range(1, 6)]
+    base = stack(recs, model="smollm2", eos="yes")
+    new = stack(recs, model="/models/SmolLM2-135M.gguf", eos="yes")
+    code, out = as_json(*pair(tmp_path, base, new))
+    assert code == 0 and out["total"]["cases"] == 5 and not [w for w in out["warnings"] if w["kind"] == "model"]
+    assert ("served_model", "smollm2", "/models/SmolLM2-135M.gguf", 5) in \
+        {(d["field"], d["base"], d["new"], d["cases"]) for d in out["differences"]}
+    other = stack(recs, model="/models/SmolLM2-135M.gguf", eos="yes", model_sha256="cd" * 32)
+    code, out = as_json(*pair(tmp_path, base, other), "--allow-diff", "model")
+    assert next(w for w in out["warnings"] if w["kind"] == "model")
+
+
+def test_token_counts_are_brought_to_one_rule_and_the_comparison_says_so(tmp_path):
+    # BASE counts the end-of-sequence token (ds4-server), NEW does not (llama.cpp): the same replies.
+    replies = [rec(i, gen_tokens=20 + i) for i in range(1, 5)] + [rec(5, gen_tokens=128)]  # c5 hit its budget
+    base = stack(replies, model="smollm2", eos="yes")
+    new = stack([dataclasses.replace(r, gen_tokens=r.gen_tokens - (r.gen_tokens < 128)) for r in replies],
+                model="/models/SmolLM2-135M.gguf", eos="no")
+    code, out = as_json(*pair(tmp_path, base, new))
+    (note,) = [w for w in out["warnings"] if w["kind"] == "tokens"]
+    assert "BASE counts the end-of-sequence token" in note["message"] and "NEW does not" in note["message"]
+    assert "BASE's counts are taken without it" in note["message"] and "4 matched case(s)" in note["message"]
+    assert note["excluded"] is False and out["token_counting"] == \
+        {"base_counts_eos": "yes", "new_counts_eos": "no", "aligned": True}
+    assert out["total"]["base_gen_tokens"] == out["total"]["new_gen_tokens"] and out["length_changes"] == []
+    text = invoke(*pair(tmp_path, base, new)).output
+    assert "generated tokens (without end-of-sequence)" in text and "token counts follow different rules" in text
+
+
+def test_an_unknown_counting_rule_on_one_side_is_a_warning_without_adjustment(tmp_path):
+    recs = [rec(i) for i in range(1, 4)]
+    code, out = as_json(*pair(tmp_path, stack(recs, model="a", eos="yes"), stack(recs, model="b", eos="")))
+    (note,) = [w for w in out["warnings"] if w["kind"] == "tokens"]
+    assert "NEW does not say whether it counts" in note["message"] and "may be off by one" in note["message"]
+    assert out["token_counting"]["aligned"] is False
+    code, out = as_json(*pair(tmp_path, stack(recs, model="a", eos=""), stack(recs, model="b", eos="")))
+    assert not [w for w in out["warnings"] if w["kind"] == "tokens"]
