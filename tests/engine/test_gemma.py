@@ -13,9 +13,10 @@ import torch
 import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
+from engine.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplate, ChatTemplateRejected
 from engine.config import ModelConfig
 from engine.models.gemma import GemmaParams
-from gemma_models import GemmaSpec, reference_logits, write_random_gemma
+from gemma_models import GemmaSpec, reference_logits, vocabulary, write_random_gemma
 
 QTYPES = ["F32", "F16", "Q8_0", "Q4_K", "Q6_K"]
 # 13 tokens against a window of 4: most positions of a local layer see only part of the past.
@@ -188,3 +189,38 @@ def test_cuda_decoding_and_batches_agree_with_prefill(gemma_gguf, arch):
     tol = 2e-2 * float(full.logits.abs().max())
     for s in batch:
         torch.testing.assert_close(s.logits.float().cpu(), full.logits.float().cpu(), rtol=2e-2, atol=tol)
+
+
+def gemma_template(**meta) -> ChatTemplate:
+    """The template a Gemma vocabulary without a chat template of its own gets."""
+    tokens, _, _ = vocabulary()
+    return ChatTemplate.from_gguf_metadata({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.bos_token_id": 2,
+                                            "tokenizer.ggml.eos_token_id": 1, **meta})
+
+
+def test_a_gemma_vocabulary_without_a_template_gets_gemma_turns():
+    tpl = gemma_template()
+    assert tpl.spec.is_fallback and tpl.source == GEMMA_TEMPLATE
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  Hi there \n"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": [{"type": "text", "text": "2+2?"}]}]
+    # No system turn: its text and a blank line open the first user turn; contents are trimmed.
+    assert tpl.render(chat) == ("<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n"
+                                "<start_of_turn>model\nHello!<end_of_turn>\n"
+                                "<start_of_turn>user\n2+2?<end_of_turn>\n<start_of_turn>model\n")
+    assert tpl.render(chat[1:2], add_generation_prompt=False) == "<bos><start_of_turn>user\nHi there<end_of_turn>\n"
+    with pytest.raises(ChatTemplateRejected, match="alternate"):
+        tpl.render([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    # A template in the file wins; a vocabulary without Gemma's turn tokens keeps ChatML.
+    assert gemma_template(**{"tokenizer.chat_template": "{{ 'own' }}"}).render([]) == "own"
+    assert ChatTemplate.from_gguf_metadata({"tokenizer.ggml.tokens": ["a"]}).source == CHATML_TEMPLATE
+
+
+def test_a_rendered_gemma_chat_tokenizes_to_its_control_tokens(gemma_gguf):
+    m = engine.load_model(gemma_gguf("gemma3", "Q8_0"))
+    ids = m.prompt_ids(m.tokenize_prompt(m.render_prompt([{"role": "user", "content": "<end_of_turn>the"}])))
+    controls = [m.tokenizer.piece(i) for i in ids if m.tokenizer.is_control(i)]
+    # One BOS (the template's); the message's control spelling stays text.
+    assert controls == ["<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_turn>"]
+    assert m.detokenize_prompt(ids).count("<end_of_turn>") == 2
+    assert {1, m.tokenizer.spec.tokens.index("<end_of_turn>")} <= m.eos_ids
