@@ -217,3 +217,28 @@ def reference_logits(path: str, tokens: list[int]) -> Reference:
     if final_cap:
         logits = final_cap * np.tanh(logits / final_cap)
     return Reference(logits, max_score, max_logit)
+
+
+def with_types_dequantized(src: str, dst: str | os.PathLike, keep: frozenset[QT]) -> str:
+    """A copy of GGUF `src` at `dst` whose tensors of types outside `keep` are dequantized to
+    float32 by gguf-py (metadata and all other tensors as they are): a real file whose types
+    the engine cannot load yet, made loadable for tests only."""
+    dst = os.fspath(dst)
+    r = GGUFReader(src)
+    w = GGUFWriter(dst, str(r.fields["general.architecture"].contents()))
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if len(field.types) > 1 else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in r.tensors:
+        if t.tensor_type in keep:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # data: the file's rows of blocks
+        else:
+            values = gq.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+            w.add_tensor(t.name, values.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
