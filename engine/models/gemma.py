@@ -205,6 +205,9 @@ class GemmaModel:
         self.inv_freq = {True: prm.local_rope_base ** -half,
                          False: prm.global_rope_base ** -half / prm.global_rope_scale}
         self.decode_graphs = None  # the CUDA graphs serve the llama family only
+        # A prefill chunk attends in one masked batch (CUDA), or row by row as decoding does
+        # (CPU: prefill and decoding then agree bit for bit).
+        self.batched_prefill = device.type != "cpu"
 
     # --- Network: accounting and banners ---
 
@@ -287,7 +290,7 @@ class GemmaModel:
 
     def _attend_chunk(self, li: int, q: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """[T, H * D] attention of a chunk's T rows (positions start..) in one masked batch
-        (causal, and the window on local layers): the CUDA prefill."""
+        (causal, and the window on local layers): the prefill where `batched_prefill` is set."""
         cfg = self.cfg
         T, end = q.shape[0], start + q.shape[0]
         lo = self.params.first_visible(li, start)
@@ -364,10 +367,10 @@ class GemmaModel:
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
             q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
             cache.layer_kv[li][:, :, start:end] = torch.stack([k, v]).transpose(1, 2)  # [2, Hkv, T, D]
-            if self.device.type == "cpu":  # row by row, exactly as decoding attends
-                att = torch.stack([self._attend_row(li, q[i], cache, start + i) for i in range(T)])
-            else:
+            if self.batched_prefill:
                 att = self._attend_chunk(li, q, cache, start)
+            else:  # row by row, exactly as decoding attends
+                att = torch.stack([self._attend_row(li, q[i], cache, start + i) for i in range(T)])
             x += rms_norm(blk.wo(att).float(), blk.post_attn_norm, eps)
             self._ffn(blk, x)
         cache.n = end

@@ -129,6 +129,19 @@ def test_decoding_equals_prefill_exactly(gemma_gguf, arch):
     assert torch.equal(torch.stack(rows), full[2:])
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_batched_prefill_masks_as_rows_attend(gemma_gguf, arch):
+    """The masked one-batch prefill (the CUDA path), run on CPU in chunks that start inside and
+    past the window, against the row-by-row prefill."""
+    m = engine.load_model(gemma_gguf(arch, "F32"), weights="float32")
+    rows = all_logits(m, TOKENS)
+    m.net.batched_prefill = True
+    m.prefill_chunk = 5
+    s = m.new_session()
+    chunks = np.concatenate([c.double().numpy() for _, c in s.iter_extend_logits(TOKENS)])
+    np.testing.assert_allclose(chunks, rows, rtol=1e-5, atol=1e-5 * np.abs(rows).max())
+
+
 @pytest.mark.parametrize("pooled", [False, True], ids=["own-caches", "pooled"])
 def test_batched_decoding_equals_alone(gemma_gguf, pooled):
     m = engine.load_model(gemma_gguf("gemma3", "Q4_K", n_ctx=512))
