@@ -24,7 +24,9 @@ the GGUF's metadata (`GemmaParams.from_metadata`):
 The KV cache is the engine's shared one (engine.kvcache): every layer keeps every position,
 and local layers honour the window by reading only the window's slice of it.  A local layer
 therefore costs as much cache memory per token as a global one; `kv_bytes_per_token` counts
-all layers, so the engine's memory accounting and capacity checks stay true.
+all layers, so the engine's memory accounting and capacity checks stay true.  (A cache bounded
+to the window would overwrite positions that a session needs again when it truncates to a
+shorter prefix, which prefix reuse does.)
 
 Attention runs in torch ops.  On CPU each row (a decoding step's, or a prefill chunk's row by
 row) attends to its own cache slice with one code path, so a row decoded in a batch, alone, or
