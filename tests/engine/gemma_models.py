@@ -44,6 +44,7 @@ class GemmaSpec:
     final_softcap: float | None = None
     rope_base: float = 1_000_000.0
     local_rope_base: float | None = None  # written as rope.freq_base_swa when set
+    rope_scale: float | None = None  # linear rope scaling (global layers), written when set
     embed_qtype: str = "Q8_0"
     seed: int = 0
 
@@ -93,6 +94,9 @@ def write_random_gemma(path: str | os.PathLike, spec: GemmaSpec) -> str:
         w.add_uint32(f"{a}.attention.sliding_window_pattern", spec.pattern)
     if spec.local_rope_base is not None:
         w.add_float32(f"{a}.rope.freq_base_swa", spec.local_rope_base)
+    if spec.rope_scale is not None:
+        w.add_string(f"{a}.rope.scaling.type", "linear")
+        w.add_float32(f"{a}.rope.scaling.factor", spec.rope_scale)
     if spec.attn_softcap is not None:
         w.add_float32(f"{a}.attn_logit_softcapping", spec.attn_softcap)
     if spec.final_softcap is not None:
@@ -165,6 +169,7 @@ def reference_logits(path: str, tokens: list[int]) -> Reference:
     pattern = meta.get(f"{a}.attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}[a])
     global_base = meta[f"{a}.rope.freq_base"]
     local_base = meta.get(f"{a}.rope.freq_base_swa", 10000.0 if a == "gemma3" else global_base)
+    global_scale = meta.get(f"{a}.rope.scaling.factor", 1.0)  # linear: global layers only
     attn_cap = meta.get(f"{a}.attn_logit_softcapping")
     final_cap = meta.get(f"{a}.final_logit_softcapping")
     T = len(tokens)
@@ -175,8 +180,8 @@ def reference_logits(path: str, tokens: list[int]) -> Reference:
         w = stored - 1.0
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * (1.0 + w)
 
-    def rope(x, base):  # [T, heads, hd], dimension i paired with i + hd/2
-        ang = pos[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
+    def rope(x, base, scale):  # [T, heads, hd], dimension i paired with i + hd/2
+        ang = (pos / scale)[:, None] * base ** (-np.arange(0, hd, 2) / hd)[None, :]
         cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
         x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -193,8 +198,8 @@ def reference_logits(path: str, tokens: list[int]) -> Reference:
         q, k, v = q.reshape(T, n_head, hd), k.reshape(T, n_kv, hd), v.reshape(T, n_kv, hd)
         if a == "gemma3":
             q, k = norm(q, W[p + "attn_q_norm.weight"]), norm(k, W[p + "attn_k_norm.weight"])
-        base = local_base if local else global_base
-        q, k = rope(q, base), rope(k, base)
+        base, scale = (local_base, 1.0) if local else (global_base, global_scale)
+        q, k = rope(q, base, scale), rope(k, base, scale)
         visible = pos[None, :] <= pos[:, None]  # [query, key]
         if local:
             visible &= pos[:, None] - pos[None, :] < window

@@ -70,6 +70,15 @@ def test_forward_matches_float64_reference(gemma_gguf, arch, qtype):
     assert (got.argmax(-1) == ref.logits.argmax(-1)).mean() >= 0.75
 
 
+def test_linear_rope_scaling_applies_to_global_layers(gemma_gguf):
+    path = gemma_gguf("gemma3", rope_scale=8.0)
+    ref = reference_logits(path, TOKENS).logits
+    got = all_logits(engine.load_model(path, weights="float32"), TOKENS)
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
+    unscaled = all_logits(engine.load_model(gemma_gguf("gemma3"), weights="float32"), TOKENS)
+    assert np.abs(got[1:] - unscaled[1:]).max() > 1e-3  # the scaling changed something
+
+
 def test_the_window_hides_what_lies_past_it(gemma_gguf):
     """Same weights, a window of 4 and one wider than the text: equal until the small window
     is full, different after (so the window is honoured, not just declared)."""
