@@ -109,7 +109,7 @@ CHATML_TEMPLATE = (
 # is "<start_of_turn>{role}\n{content, trimmed}<end_of_turn>\n"; roles must alternate
 # user/model after the system message (the checkpoints' template refuses otherwise); the
 # generation prompt opens a model turn.  Used for Gemma files that carry no template (the
-# Gemma 3 270M GGUFs do not).
+# Gemma 3 270M GGUF of the `gemma` test extra is one).
 GEMMA_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- if messages and messages[0]['role'] == 'system' -%}"
