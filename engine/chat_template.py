@@ -26,7 +26,9 @@ against:
 Messages go to the template untouched: `content` may be a string or a list of parts
 such as `{"type": "text", "text": ...}`; the template decides what to do with them.
 
-If the file has no template, `CHATML_TEMPLATE` is used (see there). If the file has
+If the file has no template, the turn format its vocabulary was made for is used where
+`FALLBACK_TEMPLATES` knows it (Gemma's `<start_of_turn>` turns: `GEMMA_TEMPLATE`), else
+`CHATML_TEMPLATE` (see there). If the file has
 a named `tool_use` template (`tokenizer.chat_template.tool_use`) it is used when
 tools are passed, as transformers does.
 
@@ -100,6 +102,48 @@ CHATML_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
+
+# Gemma's turn format (gemma, gemma2, gemma3 instruction-tuned checkpoints), rendering what the
+# checkpoints' own template renders: BOS first; no system role, so a leading system message's
+# text and a blank line open the first user turn; "assistant" is called "model"; each message
+# is "<start_of_turn>{role}\n{content, trimmed}<end_of_turn>\n"; roles must alternate
+# user/model after the system message (the checkpoints' template refuses otherwise); the
+# generation prompt opens a model turn.  Used for Gemma files that carry no template (the
+# Gemma 3 270M GGUF of the `gemma` test extra is one).
+GEMMA_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set head = messages[0]['content'] -%}"
+    "{%- set preamble = (head if head is string else head[0]['text']) + '\n\n' -%}"
+    "{%- set turns = messages[1:] -%}"
+    "{%- else -%}{%- set preamble = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 is even) -%}"
+    "{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}"
+    "{%- endif -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\n' -}}"
+    "{{- preamble if loop.first else '' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] | trim -}}"
+    "{%- elif message['content'] is not none -%}"
+    "{%- for part in message['content'] -%}{%- if part['type'] == 'text' -%}{{- part['text'] | trim -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<end_of_turn>\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
+
+# Templates for files without one, by a control token that only that turn format uses: the
+# first whose token the vocabulary holds is used, ChatML where none is.
+FALLBACK_TEMPLATES: tuple[tuple[str, str], ...] = (
+    ("<start_of_turn>", GEMMA_TEMPLATE),
+)
+
+
+def fallback_template(tokens: Sequence[str]) -> str:
+    """The template for a file that carries none, chosen by its vocabulary `tokens`."""
+    vocabulary = set(tokens)
+    return next((source for marker, source in FALLBACK_TEMPLATES if marker in vocabulary), CHATML_TEMPLATE)
 
 
 class ChatTemplateError(ValueError):
@@ -568,7 +612,7 @@ class ChatTemplateSpec:
         source = meta.get(KEY_CHAT_TEMPLATE)
         tool_use = meta.get(KEY_CHAT_TEMPLATE_NAMED + "tool_use")
         return cls(
-            source=str(source) if source else CHATML_TEMPLATE,
+            source=str(source) if source else fallback_template(tokens),
             bos_token=token_text(KEY_BOS),
             eos_token=token_text(KEY_EOS),
             tool_use_source=str(tool_use) if tool_use else None,

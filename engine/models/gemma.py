@@ -1,0 +1,398 @@
+"""The Gemma family forward pass: gemma2 and gemma3 (text decoder only).
+
+One decoder-only transformer, different from the llama family in these ways, each read from
+the GGUF's metadata (`GemmaParams.from_metadata`):
+
+- token embeddings are multiplied by sqrt(n_embd) (the head, tied to the table, is not);
+- every block normalises before *and after* attention and after the FFN as well
+  (`post_attention_norm`, `post_ffw_norm`), and the FFN is GeGLU with tanh-approximated GELU;
+- the norms are RMSNorm with (1 + w): llama.cpp's converter stores 1 + w in the file, so the
+  weights are used as stored (transformers' GGUF loader subtracts the 1 again);
+- gemma3 normalises q and k per head (RMSNorm over head_dim);
+- queries are scaled by `attention.scale` where the file has it, else by
+  query_pre_attn_scalar^-0.5, which is head_dim except in the 27B shapes, where it is
+  n_embd / n_head (the file does not store it; the rule is llama.cpp's and the checkpoints');
+- gemma2 soft-caps attention scores and the final logits, cap * tanh(x / cap), with the caps
+  `attn_logit_softcapping` and `final_logit_softcapping` (where present, also for gemma3);
+- layers alternate sliding-window (local) and global attention: of every `pattern` layers the
+  last is global (gemma2: 2, gemma3: 6, or `attention.sliding_window_pattern`); a local layer's
+  query at position p sees keys at p - window + 1 .. p (`attention.sliding_window`);
+- local and global layers have their own rope base (gemma3: `rope.freq_base_swa`, default
+  10000, and `rope.freq_base`), and a linear rope scaling in the metadata applies to the global
+  layers only; rope rotates dimension i with i + head_dim/2 (neox pairing).
+
+The KV cache is the engine's shared one (engine.kvcache): every layer keeps every position,
+and local layers honour the window by reading only the window's slice of it.  A local layer
+therefore costs as much cache memory per token as a global one; `kv_bytes_per_token` counts
+all layers, so the engine's memory accounting and capacity checks stay true.  (A cache bounded
+to the window would overwrite positions that a session needs again when it truncates to a
+shorter prefix, which prefix reuse does.)
+
+Attention runs in torch ops.  On CPU each row (a decoding step's, or a prefill chunk's row by
+row) attends to its own cache slice with one code path, so a row decoded in a batch, alone, or
+prefilled computes the same bits (with the row-independent matmul kernels of engine.weights).
+On CUDA a prefill chunk attends in one masked batch; decode rows attend one by one, and no
+graphs are captured (engine.cuda_graphs serves the llama family only).
+The residual stream, norms, rope, attention and soft-capping run in float32; matmuls in the
+weights' compute dtype (engine.weights).
+
+`GemmaModel` implements `engine.protocols.Network` and is registered for gemma2 and gemma3 in
+engine.models.ARCHITECTURES.  It reads no files beyond the given records and knows nothing
+of tokens' text, chat templates or sessions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig, UnsupportedModel
+from engine.device_sampling import DeviceLogits, StepLogits
+from engine.errors import Cancelled
+from engine.gguf_file import GGUFContents, TensorRecord
+from engine.kernels import CpuKernels
+from engine.kvcache import KVCache, KVPool
+from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
+
+
+@dataclass(frozen=True)
+class GemmaVariant:
+    """What a Gemma generation fixes that its files do not state."""
+
+    window_pattern: int  # of every this many layers the last is global, the others local
+    local_rope_base: float | None  # None: local layers share the global base
+    wide_query_layers: int  # the 27B shape (this many layers) scales queries by n_embd/n_head
+
+
+VARIANTS: dict[str, GemmaVariant] = {
+    "gemma2": GemmaVariant(window_pattern=2, local_rope_base=None, wide_query_layers=46),
+    "gemma3": GemmaVariant(window_pattern=6, local_rope_base=10000.0, wide_query_layers=62),
+}
+
+
+@dataclass(frozen=True)
+class GemmaParams:
+    """The Gemma-specific hyperparameters, from the metadata and the variant's defaults."""
+
+    window: int | None  # keys a local layer's query sees, itself included; None: no local layers
+    pattern: int
+    local_rope_base: float
+    global_rope_base: float
+    global_rope_scale: float  # positions are divided by this on global layers (linear scaling)
+    query_scale: float
+    attn_softcap: float | None
+    final_softcap: float | None
+
+    @classmethod
+    def from_metadata(cls, cfg: ModelConfig, meta: Mapping[str, Any]) -> "GemmaParams":
+        arch = cfg.arch
+        variant = VARIANTS[arch]
+
+        def get(key: str) -> Any:
+            return meta.get(f"{arch}.{key}")
+
+        window = get("attention.sliding_window")
+        pattern = int(get("attention.sliding_window_pattern") or variant.window_pattern)
+        if pattern < 1:
+            raise UnsupportedModel(f"{arch}.attention.sliding_window_pattern is {pattern}")
+        scaling = get("rope.scaling.type")
+        scale = 1.0
+        if scaling not in (None, "none", "linear"):
+            raise UnsupportedModel(f"rope scaling {scaling!r} ({arch}.rope.scaling.type)")
+        if scaling == "linear":
+            scale = float(get("rope.scaling.factor") or 1.0)
+        query = get("attention.scale")
+        if query is None:
+            wide = cfg.n_layer == variant.wide_query_layers
+            query = (cfg.n_embd / cfg.n_head if wide else cfg.head_dim) ** -0.5
+        local_base = get("rope.freq_base_swa") or variant.local_rope_base or cfg.rope_base
+        caps = [get("attn_logit_softcapping"), get("final_logit_softcapping")]
+        attn_cap, final_cap = (float(c) if c else None for c in caps)
+        return cls(window=int(window) if window else None, pattern=pattern, local_rope_base=float(local_base),
+                   global_rope_base=cfg.rope_base, global_rope_scale=scale, query_scale=float(query),
+                   attn_softcap=attn_cap, final_softcap=final_cap)
+
+    def is_local(self, layer: int) -> bool:
+        return self.window is not None and layer % self.pattern < self.pattern - 1
+
+    def first_visible(self, layer: int, pos: int) -> int:
+        """The first cached position a query at `pos` attends to in `layer`."""
+        return max(0, pos + 1 - self.window) if self.is_local(layer) else 0
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap), or x where there is no cap."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last axis (weight already holds Gemma's 1 + w)."""
+    ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    return x * (ss * ss / x.shape[-1] + eps).rsqrt() * weight
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox rope of x [T, heads, D] with cos/sin [T, 1, D/2]: dimension i turns with i + D/2."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+
+class GemmaBlock:
+    def __init__(self, cfg: ModelConfig, t: dict[str, TensorRecord], i: int, fmt: str, device: torch.device,
+                 cpu: CpuKernels | None):
+        p = f"blk.{i}."
+
+        def vec(name: str) -> torch.Tensor:
+            return torch.from_numpy(to_float(t[p + name]).reshape(-1)).to(device)
+
+        qkv = [t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]]
+        self.wqkv: Linear = build_linear(qkv, fmt, device, cpu=cpu)
+        self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
+        self.w_gate_up: Linear = build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device,
+                                              cpu=cpu)
+        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
+        self.attn_norm = vec("attn_norm.weight")
+        self.post_attn_norm = vec("post_attention_norm.weight")
+        self.ffn_norm = vec("ffn_norm.weight")
+        self.post_ffn_norm = vec("post_ffw_norm.weight")
+        self.q_norm = vec("attn_q_norm.weight") if cfg.qk_norm else None
+        self.k_norm = vec("attn_k_norm.weight") if cfg.qk_norm else None
+
+    @property
+    def nbytes(self) -> int:
+        vecs = [self.attn_norm, self.post_attn_norm, self.ffn_norm, self.post_ffn_norm]
+        vecs += [v for v in (self.q_norm, self.k_norm) if v is not None]
+        mats = [self.wqkv, self.wo, self.w_gate_up, self.w_down]
+        return sum(m.nbytes for m in mats) + sum(v.nbytes for v in vecs)
+
+
+class GemmaModel:
+    def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
+                 cpu_kernels: CpuKernels | None = None):
+        if cfg.rope_dim != cfg.head_dim:
+            raise UnsupportedModel(f"partial rotary embeddings (rope dim {cfg.rope_dim} < head dim {cfg.head_dim})")
+        if cfg.head_dim % 2 or cfg.n_head % cfg.n_head_kv:
+            raise UnsupportedModel(f"head layout {cfg.n_head}x{cfg.head_dim} over {cfg.n_head_kv} kv heads")
+        t = dict(gguf.tensors)
+        if "token_embd.weight" not in t or "output_norm.weight" not in t:
+            raise UnsupportedModel("GGUF lacks tensors: token_embd.weight or output_norm.weight")
+        self.cfg = cfg
+        self.params = GemmaParams.from_metadata(cfg, gguf.metadata)
+        self.device = device
+        self.fmt = fmt
+        self.cpu_kernels = cpu_kernels if device.type == "cpu" else None
+        if device.type == "cpu" and cpu_kernels is None:
+            raise ValueError("a CPU model needs a CPU kernel path (engine.kernels.cpu_kernels)")
+        try:
+            self.blocks = [GemmaBlock(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
+        except KeyError as e:
+            raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
+        self.embed = Embedding(t["token_embd.weight"], fmt, device)
+        # float32 sqrt(n_embd), as the reference implementations round it
+        self.embed_scale = torch.tensor(math.sqrt(cfg.n_embd), dtype=torch.float32, device=device)
+        self.out_norm = torch.from_numpy(to_float(t["output_norm.weight"]).reshape(-1)).to(device)
+        self.head_is_table = "output.weight" not in t and self.embed.table is not None
+        if self.head_is_table:
+            self.output: Linear = DenseLinear(self.embed.table)
+        else:
+            self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
+                                       cpu=self.cpu_kernels)
+        half = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim
+        prm = self.params
+        # Inverse frequencies per layer kind, with the global layers' linear scaling folded in.
+        self.inv_freq = {True: prm.local_rope_base ** -half,
+                         False: prm.global_rope_base ** -half / prm.global_rope_scale}
+        self.decode_graphs = None  # the CUDA graphs serve the llama family only
+        # A prefill chunk attends in one masked batch (CUDA), or row by row as decoding does
+        # (CPU: prefill and decoding then agree bit for bit).
+        self.batched_prefill = device.type != "cpu"
+
+    # --- Network: accounting and banners ---
+
+    @property
+    def attention_path(self) -> str:
+        window = f", sliding window {self.params.window}" if self.params.window else ""
+        return f"torch ops ({self.device.type}{window})"
+
+    @property
+    def kernel_path(self) -> str:
+        return self.cpu_kernels.describe() if self.cpu_kernels is not None else self.device.type
+
+    @property
+    def weight_bytes(self) -> int:
+        out = 0 if self.head_is_table else self.output.nbytes
+        return sum(b.nbytes for b in self.blocks) + self.embed.nbytes + self.out_norm.nbytes + out
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one cached position holds: every layer, local ones included (the
+        window is honoured when reading, not when storing)."""
+        cfg = self.cfg
+        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+
+    def work_bytes(self, n_tokens: int, ctx: int) -> int:
+        """Float32 activations of one step of `n_tokens` against `ctx` positions (residual,
+        norms, qkv and its rotated copies, attention output, gate/up), the attention scores and
+        one row of logits."""
+        cfg = self.cfg
+        T = n_tokens
+        acts = 4 * T * (cfg.n_embd * 6 + 3 * (cfg.q_dim + 2 * cfg.kv_dim) + 3 * cfg.n_ff)
+        return acts + 4 * cfg.n_head * T * ctx + 4 * cfg.n_vocab
+
+    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
+
+    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
+        cfg = self.cfg
+        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
+
+    # --- the layers ---
+
+    def _rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin) [T, 1, D/2] float32 at `positions` for local (True) and global layers,
+        from float64 angles: a position's values do not depend on the others."""
+        pos = positions.to(device="cpu", dtype=torch.float64)
+        out = {}
+        for local, inv in self.inv_freq.items():
+            ang = torch.outer(pos, inv).unsqueeze(1)
+            out[local] = (ang.cos().float().to(self.device), ang.sin().float().to(self.device))
+        return out
+
+    def _qkv(self, blk: GemmaBlock, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D] (scaled), k and v [T, Hkv, D], float32, q and k normed and rotated."""
+        cfg, eps = self.cfg, self.cfg.norm_eps
+        T, H, Hkv, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        qkv = blk.wqkv(rms_norm(x, blk.attn_norm, eps)).float()
+        q = qkv[:, : H * D].view(T, H, D)
+        k = qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+        if blk.q_norm is not None:
+            q, k = rms_norm(q, blk.q_norm, eps), rms_norm(k, blk.k_norm, eps)
+        q, k = rotate_halves(q, *rope), rotate_halves(k, *rope)
+        return q * self.params.query_scale, k, v
+
+    def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+        """One row's scaled queries [Hkv, G, D] against keys/vals [Hkv, L, D] -> [Hkv, G, D]."""
+        if keys.dtype != torch.float32:  # attention in float32 on every device
+            keys, vals = keys.float(), vals.float()
+        scores = softcap(torch.bmm(q, keys.transpose(1, 2)), self.params.attn_softcap)
+        return torch.bmm(torch.softmax(scores, dim=-1), vals)
+
+    def _attend_row(self, li: int, q: torch.Tensor, cache: KVCache, pos: int) -> torch.Tensor:
+        """[H * D] attention of one query row at `pos` to its cache (which holds it already)."""
+        cfg = self.cfg
+        lo = self.params.first_visible(li, pos)
+        q = q.reshape(cfg.n_head_kv, cfg.n_head // cfg.n_head_kv, cfg.head_dim)
+        return self._attend_one(q, cache.layer_k[li][:, lo: pos + 1], cache.layer_v[li][:, lo: pos + 1]).reshape(-1)
+
+    def _attend_chunk(self, li: int, q: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """[T, H * D] attention of a chunk's T rows (positions start..) in one masked batch
+        (causal, and the window on local layers): the prefill where `batched_prefill` is set."""
+        cfg = self.cfg
+        T, end = q.shape[0], start + q.shape[0]
+        lo = self.params.first_visible(li, start)
+        G = cfg.n_head // cfg.n_head_kv
+        keys, vals = cache.layer_k[li][:, lo:end].float(), cache.layer_v[li][:, lo:end].float()  # [Hkv, L, D]
+        qh = q.view(T, cfg.n_head_kv, G, cfg.head_dim).permute(1, 0, 2, 3).reshape(cfg.n_head_kv, T * G, -1)
+        scores = softcap(torch.bmm(qh, keys.transpose(1, 2)), self.params.attn_softcap)  # [Hkv, T*G, L]
+        qpos = torch.arange(start, end, device=q.device).repeat_interleave(G)[:, None]
+        kpos = torch.arange(lo, end, device=q.device)[None, :]
+        hidden = kpos > qpos
+        if self.params.is_local(li):
+            hidden |= kpos <= qpos - self.params.window
+        probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+        out = torch.bmm(probs, vals).view(cfg.n_head_kv, T, G, cfg.head_dim)
+        return out.permute(1, 0, 2, 3).reshape(T, -1)
+
+    def _ffn(self, blk: GemmaBlock, x: torch.Tensor) -> None:
+        """x += the post-normed GeGLU FFN of x."""
+        eps, n_ff = self.cfg.norm_eps, self.cfg.n_ff
+        gate_up = blk.w_gate_up(rms_norm(x, blk.ffn_norm, eps)).float()
+        act = F.gelu(gate_up[:, :n_ff], approximate="tanh") * gate_up[:, n_ff:]
+        x += rms_norm(blk.w_down(act).float(), blk.post_ffn_norm, eps)
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens) * self.embed_scale
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.output(rms_norm(h, self.out_norm, self.cfg.norm_eps)).float()
+        return softcap(logits, self.params.final_softcap)
+
+    # --- Network: forward passes ---
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """tokens [N], caches N distinct caches -> logits [N, n_vocab] (float32), one new token
+        at the end of each cache; each row attends to its own cache at its own length."""
+        pos = [c.n for c in caches]
+        for c in caches:
+            c.reserve(c.n + 1)
+        ropes = self._rope(torch.tensor(pos))
+        eps = self.cfg.norm_eps
+        x = self._embed(tokens)
+        for li, blk in enumerate(self.blocks):
+            q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
+            kv = torch.stack([k, v], dim=1)  # [N, 2, Hkv, D]
+            rows = []
+            for i, (c, p) in enumerate(zip(caches, pos)):
+                c.layer_kv[li][:, :, p] = kv[i]
+                rows.append(self._attend_row(li, q[i], c, p))
+            x += rms_norm(blk.wo(torch.stack(rows)).float(), blk.post_attn_norm, eps)
+            self._ffn(blk, x)
+        logits = self.head(x)
+        for c, p in zip(caches, pos):
+            c.n = p + 1
+        return logits
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
+                cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        """T new tokens at positions [start, start + T) against `cache`: logits for the last
+        position ([n_vocab]), for every position ([T, n_vocab], "all") or none (None)."""
+        T = tokens.shape[0]
+        if T == 1 and logits == "last" and start == cache.n:  # a decode step: one code path for all
+            if cancel is not None and cancel():
+                raise Cancelled("cancelled before a one-token step")
+            return self.forward_rows(tokens, [cache])[0]
+        end = start + T
+        cache.reserve(end)
+        ropes = self._rope(torch.arange(start, end))
+        eps = self.cfg.norm_eps
+        x = self._embed(tokens)
+        for li, blk in enumerate(self.blocks):
+            if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
+                raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
+            q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
+            cache.layer_kv[li][:, :, start:end] = torch.stack([k, v]).transpose(1, 2)  # [2, Hkv, T, D]
+            if self.batched_prefill:
+                att = self._attend_chunk(li, q, cache, start)
+            else:  # row by row, exactly as decoding attends
+                att = torch.stack([self._attend_row(li, q[i], cache, start + i) for i in range(T)])
+            x += rms_norm(blk.wo(att).float(), blk.post_attn_norm, eps)
+            self._ffn(blk, x)
+        cache.n = end
+        if logits == "last":
+            return self.head(x[-1:])[0]
+        if logits == "all":
+            return self.head(x)
+        return None
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
+        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
+
+    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
+                        cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
+        tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
+
+    def decode_ahead(self, token: int | None, cache: KVCache, eos_ids: frozenset[int], ahead: int,
+                     after: Any = None, column: int = 0) -> None:
+        """No step is launched ahead (that needs captured CUDA graphs): the caller decodes as usual."""
+        return None
