@@ -428,6 +428,8 @@ class OpenAIBackend:
             res = ch.result()
             res.error, res.interrupted = error, interrupted
             res.endpoint = completions_url(base)
+            if self.counter is not None:  # the prompt's ids as the model's template renders them
+                res.prompt = self.counter.rendered_prompt(job.system_prompt, job.question_prompt)
             if usage and n == 1:
                 res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                 res.gen_tokens = int(usage.get("completion_tokens") or 0)

@@ -223,6 +223,9 @@ def test_without_usage_a_tokenizer_counts_the_tokens():
         def output_tokens(self, text):
             return len(text.split())
 
+        def rendered_prompt(self, system, question):
+            return None
+
     with FakeOpenAI(usage=False, reply=lambda q: "Answer: 4 because two and two") as srv:
         cfg = EvalConfig(backend="openai", urls=(srv.url,))
         backend = OpenAIBackend(cfg)
@@ -230,6 +233,26 @@ def test_without_usage_a_tokenizer_counts_the_tokens():
         [st] = Runner(cfg, [case("x")], backend).run()
         backend.close()
     assert st.tokens_known and (st.prompt_tokens, st.gen_tokens) == (100, 6)
+
+
+@pytest.mark.model
+def test_a_tokenizer_gives_a_server_run_the_engines_prompt_hash(embedded_path):
+    """With --tokenizer, a server run records the prompt as the model's template renders it: the
+    same hash and text the engine backend records, so two stacks' traces line up case by case."""
+    import engine
+
+    from ds4eval.run.backends.engine_backend import EngineBackend
+
+    with FakeOpenAI(reply=lambda q: "Answer: 4") as srv:
+        cfg = EvalConfig(backend="openai", urls=(srv.url,), tokenizer=embedded_path)
+        backend = OpenAIBackend(cfg)
+        [served] = Runner(cfg, [case("x")], backend).run()
+        backend.close()
+    local = EngineBackend(engine.load_model(embedded_path), engine)
+    [alone] = Runner(EvalConfig(tokens=1), [case("x")], local).run()
+    assert served.prompt is not None and served.prompt.sha256
+    assert (served.prompt.sha256, served.prompt.text, served.prompt.ends) == \
+        (alone.prompt.sha256, alone.prompt.text, alone.prompt.ends)
 
 
 def _repeat_run(srv, **kw):
