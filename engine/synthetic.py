@@ -53,12 +53,29 @@ class RandomModelSpec:
     extra_metadata: dict = field(default_factory=dict)
 
 
-def _random_kquant(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+# Types gguf cannot quantize, written as random blocks: byte offsets of their float16 scale
+# fields (d, and dmin where there is one), and a factor on the scale so that the largest
+# weight is about Q4_K's (whose factor, like Q6_K's, is 1 so that files written before keep
+# their bytes).
+RANDOM_BLOCKS = {
+    QT.Q4_K: ((0, 2), 1.0),
+    QT.Q6_K: ((208,), 1.0),
+    QT.Q5_K: ((0, 2), 945 / 1953),  # Q4_K's largest |sc * q| is 63 * 15, Q5_K's 63 * 31
+    QT.Q3_K: ((108,), 945 / 128),  # |sc| <= 32, |q| <= 4
+    QT.Q2_K: ((80, 82), 945 / 45),  # sc <= 15, q <= 3
+    QT.IQ4_NL: ((0,), 945 / 127),  # levels up to 127
+    QT.IQ4_XS: ((0,), 945 / (32 * 127)),
+}
+
+
+def random_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes in `qtype`'s blocks with small positive float16 scales: every other field
+    (sub-block scales, codes, high bits) takes all its values."""
     per, nbytes = BLOCK[qtype]
     raw = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
-    offsets = [0, 2] if qtype == QT.Q4_K else [208]  # f16 d (and dmin) fields
+    offsets, factor = RANDOM_BLOCKS[qtype]
     for off in offsets:
-        d = (rng.random((rows, cols // per, 1)) * 0.002 + 0.0005).astype(np.float16)
+        d = ((rng.random((rows, cols // per, 1)) * 0.002 + 0.0005) * factor).astype(np.float16)
         raw[..., off: off + 2] = d.view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -66,8 +83,8 @@ def _random_kquant(qtype: QT, rows: int, cols: int, rng: np.random.Generator) ->
 def _encode(w: np.ndarray, qtype: QT, rng: np.random.Generator) -> np.ndarray:
     if qtype == QT.F32:
         return w.astype(np.float32)
-    if qtype in (QT.Q4_K, QT.Q6_K):
-        return _random_kquant(qtype, w.shape[0], w.shape[1], rng)
+    if qtype in RANDOM_BLOCKS:
+        return random_blocks(qtype, w.shape[0], w.shape[1], rng)
     return quants.quantize(w.astype(np.float32), qtype)
 
 
