@@ -172,7 +172,7 @@ def test_int4_types_in_int8_form_are_the_same_weights(qtype):
 
 
 @pytest.mark.parametrize("rows", [40, 48])
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16, *NEW_TYPES], ids=lambda q: q.name)
 def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, cpu):
     raw = encoded(qtype, rows=rows, cols=512, seed=4)
     bias = TensorRecord("b", QT.F32, (rows,), np.linspace(-1, 1, rows, dtype=np.float32).view(np.uint8))
@@ -184,7 +184,8 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     elif qtype in INT8_GROUPS:  # 8-bit q and float32 scales: exactly the file's weights
         padded = rows + -rows % 16  # whole blocks of 16 columns
         assert isinstance(lin, Int8Linear)
-        assert lin.nbytes == padded * 512 + padded * 512 // INT8_GROUPS[qtype] * 4 + rows * 4
+        per_group = 8 if qtype in INT8_WITH_MINIMUM else 4  # float32 scale (and minimum)
+        assert lin.nbytes == padded * 512 + padded * 512 // INT8_GROUPS[qtype] * per_group + rows * 4
         w = exact
     else:  # rounded once to float16
         assert isinstance(lin, F16Linear)
@@ -198,6 +199,30 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     # A row's result does not depend on the other rows of the batch (batched decoding relies on it).
     rows_alone = torch.cat([lin(x[i: i + 1]) for i in range(9)])
     assert torch.equal(rows_alone, got)
+
+
+@pytest.mark.parametrize("parts", [(QT.Q5_K, QT.Q5_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K, QT.Q4_K), (QT.IQ4_NL, QT.Q5_0, QT.Q8_0),
+                                   (QT.Q5_1, QT.Q4_0, QT.Q2_K)], ids=lambda p: "+".join(q.name for q in p))
+def test_fused_mixtures_of_grouped_types_keep_the_file_weights(parts, cpu):
+    """q/k/v of a Q5_K_M or Q3_K_M file mix types (v in Q6_K or Q4_K): one Int8Linear at the
+    smallest group, exactly the file's weights, rows independent, counted in nbytes."""
+    records = [TensorRecord(f"w{i}", q, (32, 512), encoded(q, 32, 512, 10 + i)) for i, q in enumerate(parts)]
+    perm = np.random.default_rng(2).permutation(96)
+    lin = build_linear(records, "packed", CPU, row_perm=perm, cpu=cpu)
+    exact = torch.from_numpy(np.concatenate([dequantize(r.qtype, r.data, 512) for r in records])[perm]).double()
+    if cpu.name == "torch":
+        assert isinstance(lin, RowByRow)
+        exact = exact.half().double()
+    else:
+        assert isinstance(lin, Int8Linear)
+        group = min(INT8_GROUPS.get(q, 32) for q in parts)
+        minimums = any(q in INT8_WITH_MINIMUM or q in (QT.Q4_1, QT.Q4_K) for q in parts)
+        assert lin.nbytes == 96 * 512 + 96 * 512 // group * (8 if minimums else 4)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
+    got = lin(x)
+    ref = x.double() @ exact.T
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(torch.cat([lin(x[i: i + 1]) for i in range(6)]), got)
 
 
 def cpu_has_fbgemm() -> bool:
