@@ -25,8 +25,10 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
   and output.  A fused matrix whose parts mix these types (a Q5_K_M file's q/k in Q5_K and v in
   Q6_K) runs as one, at the smallest group of its parts (a scale of 32 inputs repeated for
-  each 16), with the 4-bit types among them unpacked to int8 too.  Measured on the embedded
-  model's shapes this decodes faster than the float16 copy (1 to 1.5 bytes a weight against 2).
+  each 16), with the 4-bit types among them unpacked to int8 too.  Chosen over a float16 copy
+  by measurement (docs/engine.md, "Weights"): one decoded row of a matrix larger than the
+  caches took the float16 kernel 1.02x to 1.46x as long, and int8 holds 1.125 to 1.5 bytes a
+  weight against 2; matrices that stay in cache ran alike.
 - `F16Linear` (CPU): every other type is dequantized once to float16 (11 mantissa bits kept),
   float32 activations and output.
 - `DenseLinear`: bfloat16 on CUDA, float32 everywhere when `fmt == "float32"`.
