@@ -21,8 +21,9 @@
 // Per group, the dot product of x with the group's weights in four accumulators (input k goes
 // to accumulator k % 4, in input order), (a0 + a1) + (a2 + a3), then y += scale * dot (y += dot
 // for float16), then, with minimums, y += minimum * xsum, where xsum is the sum of the group's
-// inputs in input order (computed once per row and group), groups in order.  A row's result depends on that row alone, in that fixed order:
-// the same whatever the number of rows, the other rows and the thread count.  The code is
+// inputs in input order (computed once per row and group), groups in order.  A row's result
+// depends on that row alone, in that fixed order: the same whatever the number of rows, the
+// other rows and the thread count.  The code is
 // written once in the compiler's generic vectors of 16 floats, lowered per instruction set, with
 // a * b + c fused where the target has fused multiply-adds (GCC's default -ffp-contract=fast).
 // Work is split over groups of 16 output columns; each group's weights are widened to float32

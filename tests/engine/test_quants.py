@@ -201,8 +201,9 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     assert torch.equal(rows_alone, got)
 
 
-@pytest.mark.parametrize("parts", [(QT.Q5_K, QT.Q5_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K, QT.Q4_K), (QT.IQ4_NL, QT.Q5_0, QT.Q8_0),
-                                   (QT.Q5_1, QT.Q4_0, QT.Q2_K)], ids=lambda p: "+".join(q.name for q in p))
+@pytest.mark.parametrize("parts", [(QT.Q5_K, QT.Q5_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K, QT.Q4_K),
+                                   (QT.IQ4_NL, QT.Q5_0, QT.Q8_0), (QT.Q5_1, QT.Q4_0, QT.Q2_K)],
+                         ids=lambda p: "+".join(q.name for q in p))
 def test_fused_mixtures_of_grouped_types_keep_the_file_weights(parts, cpu):
     """q/k/v of a Q5_K_M or Q3_K_M file mix types (v in Q6_K or Q4_K): one Int8Linear at the
     smallest group, exactly the file's weights, rows independent, counted in nbytes."""
