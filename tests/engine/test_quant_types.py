@@ -16,17 +16,20 @@ The mixtures are 288 wide, so that, as in SmolLM2-135M's 576-wide matrices, the 
 back to the types llama.cpp writes where 256-wide blocks do not tile a row (Q5_1, IQ4_NL, Q5_0,
 Q8_0), while ffn_down (512 inputs) keeps its k-quant.  Paths other than the best one are forced
 by name, as `DS4_CPU_KERNELS` does; torch's own dispatch (`ATEN_CPU_CAPABILITY`) is forced in
-a subprocess by the slow test at the end.
+a subprocess by the slow test at the end.  Last, a type the engine does not read stops the load
+with one line naming it and its tensor.
 """
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType as QT
 
 import engine
 from engine import kernels
@@ -151,3 +154,22 @@ def test_an_avx2_only_cpu_whole(tiny_gguf, kind):
     done = subprocess.run([sys.executable, "-c", CHILD, model_path(tiny_gguf, kind), "avx2"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_an_unsupported_type_stops_the_load_naming_type_and_tensor(tiny_gguf, tmp_path):
+    """A file with a type the engine does not read (here IQ2_XXS, written over ffn_down's type
+    code in the tensor table) stops with one line naming the type and the tensor."""
+    data = bytearray(open(tiny_gguf("llama", "Q4_K"), "rb").read())
+    name = b"blk.0.ffn_down.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", data, type_at)[0] == QT.Q4_K
+    struct.pack_into("<I", data, type_at, QT.IQ2_XXS)
+    bad = tmp_path / "iq2.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(engine.ModelLoadError) as e:
+        engine.load_model(str(bad))
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("unsupported tensor types IQ2_XXS (tensor blk.0.ffn_down.weight) (supported: ")
