@@ -244,9 +244,13 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
     try:
         g = read_gguf(path)
         cfg = ModelConfig.from_metadata(g.metadata)
-        bad = sorted({t.qtype.name for t in g.tensors.values() if t.qtype not in SUPPORTED})
+        bad: dict[str, str] = {}  # type -> the first tensor of that type, for the message
+        for t in g.tensors.values():
+            if t.qtype not in SUPPORTED:
+                bad.setdefault(t.qtype.name, t.name)
         if bad:
-            raise UnsupportedModel(f"unsupported tensor types {', '.join(bad)} "
+            named = ", ".join(f"{q} (tensor {bad[q]})" for q in sorted(bad))
+            raise UnsupportedModel(f"unsupported tensor types {named} "
                                    f"(supported: {', '.join(sorted(q.name for q in SUPPORTED))})")
         n_ctx = cfg.n_ctx_train if ctx is None else int(ctx)
         if not 1 <= n_ctx <= cfg.n_ctx_train:

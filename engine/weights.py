@@ -20,8 +20,15 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   in float16 where exact, else float32) and scales with the number of rows; from a measured number of rows on (prefill
   chunks of large matrices) that module dequantizes to bfloat16 for cuBLAS instead.  CUDA
   without Triton runs torch's groupwise int4 weight-only layout with zero = min + 8*scale.
-- `Int8Linear` (CPU): Q8_0 and Q6_K stay 8-bit with their float32 group scales (exactly the
-  file's weights; the embedded model's output head is Q8_0), float32 activations and output.
+- `Int8Linear` (CPU): Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS stay 8-bit
+  with their float32 group scales, and minimums where the type has them (Q5_1, Q5_K, Q2_K):
+  exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
+  and output.  A fused matrix whose parts mix these types (a Q5_K_M file's q/k in Q5_K and v in
+  Q6_K) runs as one, at the smallest group of its parts (a scale of 32 inputs repeated for
+  each 16), with the 4-bit types among them unpacked to int8 too.  Chosen over a float16 copy
+  by measurement (docs/engine.md, "Weights"): one decoded row of a matrix larger than the
+  caches took the float16 kernel 1.02x to 1.46x as long, and int8 holds 1.125 to 1.5 bytes a
+  weight against 2; matrices that stay in cache ran alike.
 - `F16Linear` (CPU): every other type is dequantized once to float16 (11 mantissa bits kept),
   float32 activations and output.
 - `DenseLinear`: bfloat16 on CUDA, float32 everywhere when `fmt == "float32"`.
@@ -57,7 +64,8 @@ from gguf import GGMLQuantizationType as QT
 from engine import cuda_int4
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
-from engine.quants import BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, dequantize, unpack_int4_groups, unpack_int8_groups
+from engine.quants import (BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, Int8Groups, dequantize, unpack_int4_groups,
+                           unpack_int8_groups)
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -188,27 +196,55 @@ class _CpuKernelLinear(Linear):
 
 
 class Int8Linear(_CpuKernelLinear):
-    """Q8_0 / Q6_K on CPU: int8 q [N/16, K/G, G, 16] and float32 scales [N/16, K/G, 16] per
-    group (the layout of engine/kernels/dense_linear.cpp; `int8_layout` or
-    CpuKernels.repack_q8_0 makes it), whose rows past `out_features` are padding."""
+    """8-bit grouped types on CPU: int8 q [N/16, K/G, G, 16], float32 scales [N/16, K/G, 16]
+    per group and, for the types with them, minimums like the scales (the layout of
+    engine/kernels/dense_linear.cpp; `int8_layout` or CpuKernels.repack_q8_0 makes it), whose
+    rows past `out_features` are padding."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, out_features: int, op,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, minimums: torch.Tensor | None = None):
         super().__init__(out_features, q.shape[1] * q.shape[2], bias)
-        self.q, self.scales, self._op = q, scales, op
+        self.q, self.scales, self.minimums, self._op = q, scales, minimums, op
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self.q, self.scales)
+        if self.minimums is None:
+            return self._op(x, self.q, self.scales)
+        return self._op(x, self.q, self.scales, self.minimums)
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scales.nbytes + (0 if self.bias is None else self.bias.nbytes)
+        held = self.q.nbytes + self.scales.nbytes + (0 if self.minimums is None else self.minimums.nbytes)
+        return held + (0 if self.bias is None else self.bias.nbytes)
 
 
 def int8_layout(q: np.ndarray, scale: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 q [N, K] and scales [N, K/group] in Int8Linear's layout, rows padded to whole blocks."""
     q, scale = _pad_rows(q.shape[0], q, scale)
-    return torch.from_numpy(_column_blocks(q, group)), torch.from_numpy(_column_blocks(scale, 1)[:, :, 0])
+    return torch.from_numpy(_column_blocks(q, group)), group_values_layout(scale)
+
+
+def group_values_layout(values: np.ndarray) -> torch.Tensor:
+    """Per-group float32 values [N, K/group] (scales, minimums) in Int8Linear's layout
+    [N/16, K/group, 16], rows padded to whole blocks."""
+    (values,) = _pad_rows(values.shape[0], values)
+    return torch.from_numpy(_column_blocks(values, 1)[:, :, 0])
+
+
+def fuse_int8_groups(parts: Sequence[Int8Groups]) -> Int8Groups:
+    """Matrices in 8-bit grouped form stacked along the output dimension, at the smallest group
+    among them (a larger group's scale and minimum repeated; group sizes divide each other),
+    with zero minimums for parts without one where another has them: the same weights."""
+    group = min(p.group for p in parts)
+
+    def regroup(a: np.ndarray, p: Int8Groups) -> np.ndarray:
+        return a if p.group == group else np.repeat(a, p.group // group, axis=1)
+
+    scale = np.concatenate([regroup(p.scale, p) for p in parts])
+    minimum = None
+    if any(p.minimum is not None for p in parts):
+        minimum = np.concatenate([np.zeros_like(regroup(p.scale, p)) if p.minimum is None else regroup(p.minimum, p)
+                                  for p in parts])
+    return Int8Groups(q=np.concatenate([p.q for p in parts]), scale=scale, group=group, minimum=minimum)
 
 
 class F16Linear(_CpuKernelLinear):
@@ -436,14 +472,15 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     if packed_cpu and cpu.int8 is not None and all(r.qtype == QT.Q8_0 for r in records):
         q8, scale8 = cpu.repack_q8_0([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
         return Int8Linear(q8, scale8, n, cpu.int8, bias)
-    groups = {INT8_GROUPS.get(r.qtype) for r in records}
-    if packed_cpu and cpu.int8 is not None and len(groups) == 1 and None not in groups:  # Q6_K
-        parts8 = [unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records]
-        q8 = np.concatenate([p.q for p in parts8])
-        scale8 = np.concatenate([p.scale for p in parts8])
+    grouped = all(r.qtype in INT8_GROUPS or r.qtype in INT4_GROUPED for r in records)
+    if packed_cpu and cpu.int8 is not None and grouped:  # the other 8-bit types, and mixtures
+        g8 = fuse_int8_groups([unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records])
+        q8, scale8, min8 = g8.q, g8.scale, g8.minimum
         if row_perm is not None:
             q8, scale8 = q8[row_perm], scale8[row_perm]
-        return Int8Linear(*int8_layout(q8, scale8, groups.pop()), n, cpu.int8, bias)
+            min8 = None if min8 is None else min8[row_perm]
+        minimums = None if min8 is None else group_values_layout(min8)
+        return Int8Linear(*int8_layout(q8, scale8, g8.group), n, cpu.int8, bias, minimums=minimums)
     w = np.concatenate([to_float(r).reshape(-1, k) for r in records])
     if row_perm is not None:
         w = w[row_perm]

@@ -1,24 +1,29 @@
 // Matmuls on CPU for the weight types that are not 4-bit: 8-bit groups with float32 scales
-// (Q8_0, Q6_K) and float16 (every other type, rounded once at load).
+// and optional minimums (Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL, IQ4_XS) and float16
+// (every other type, rounded once at load).
 //
-// ds4::int8_linear_<isa>(x, q, scales) -> y          (isa: see isa.h)
+// ds4::int8_linear_<isa>(x, q, scales, minimums=None) -> y          (isa: see isa.h)
 //   x       [M, K] float32, rows may be strided, each row contiguous; used as they are
 //   q       int8 [N / 16, K / G, G, 16]: 16 output columns over one group of G inputs (G = 16
 //           or 32), the columns contiguous
 //   scales  float32 [N / 16, K / G, 16], so that w = q * scale per column and group
+//   minimums  None, or float32 like scales: then w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
 // ds4::f16_linear_<isa>(x, w) -> y
 //   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
 //           K in the last group are ignored (zero-padded)
 //
-// Q8_0 (w = d * q, int8 q, groups of 32) and Q6_K (w = d * sc * (q - 32), groups of 16, d * sc
-// exact in float32) keep their own numbers: the int8 op computes with exactly the file's
-// weights, at a byte and an eighth (Q8_0) per weight, half of what float16 reads.
+// Q8_0 (w = d * q, int8 q, groups of 32), Q6_K (w = d * sc * (q - 32), groups of 16, d * sc
+// exact in float32) and the other types engine.quants unpacks to 8-bit groups keep their own
+// numbers: the int8 op computes with exactly the file's weights, at a byte and an eighth
+// (Q8_0) to a byte and a half (Q2_K: scale and minimum per 16) per weight, against float16's two.
 //
 // Per group, the dot product of x with the group's weights in four accumulators (input k goes
 // to accumulator k % 4, in input order), (a0 + a1) + (a2 + a3), then y += scale * dot (y += dot
-// for float16), groups in order.  A row's result depends on that row alone, in that fixed order:
-// the same whatever the number of rows, the other rows and the thread count.  The code is
+// for float16), then, with minimums, y += minimum * xsum, where xsum is the sum of the group's
+// inputs in input order (computed once per row and group), groups in order.  A row's result
+// depends on that row alone, in that fixed order: the same whatever the number of rows, the
+// other rows and the thread count.  The code is
 // written once in the compiler's generic vectors of 16 floats, lowered per instruction set, with
 // a * b + c fused where the target has fused multiply-adds (GCC's default -ffp-contract=fast).
 // Work is split over groups of 16 output columns; each group's weights are widened to float32
@@ -110,7 +115,8 @@ inline vf group_dot(const float* xv, Widened w) {
 // last group shorter than G (float16 only) reads x through a zero-padded copy; the padded
 // weights are zero, so the padding adds exact zeros.
 template <typename W, int G>
-at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, int64_t NG, int64_t KB) {
+at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, const float* m0, int64_t NG,
+                          int64_t KB) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
@@ -119,6 +125,16 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, int
   std::vector<float> padded(tail < G ? M * G : 0, 0.0f);  // each row's last, partial group
   if (tail < G)
     for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * G, x0 + r * xs + (KB - 1) * G, tail * sizeof(float));
+  // Each row's group sums, for the minimums: a plain loop in input order, which the compiler
+  // may not reassociate, so a row's sums never depend on the other rows.
+  std::vector<float> xsum(m0 ? M * KB : 0);
+  for (int64_t r = 0; m0 && r < M; ++r)
+    for (int64_t b = 0; b < KB; ++b) {
+      const float* xg = x0 + r * xs + b * G;
+      float sum = 0.0f;
+      for (int k = 0; k < G; ++k) sum += xg[k];
+      xsum[r * KB + b] = sum;
+    }
   float* y0 = y.data_ptr<float>();
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     std::vector<vf> acc(M);
@@ -128,18 +144,21 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, int
       for (int64_t b = 0; b < KB; ++b) {
         const W* wg = w0 + (g * KB + b) * G * C;
         const vf scale = s0 ? loadv(s0 + (g * KB + b) * C) : vf{};
+        const vf minimum = m0 ? loadv(m0 + (g * KB + b) * C) : vf{};
         auto xrow = [&](int64_t r) {
           return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
         };
         if (M == 1) {  // decoding: widen in registers, no buffer
           const vf dot = group_dot<G>(xrow(0), [&](int k) { return widen(wg + k * C); });
           acc[0] = s0 ? scale * dot + acc[0] : dot + acc[0];
+          if (m0) acc[0] = minimum * xsum[b] + acc[0];
           continue;
         }
         for (int k = 0; k < G; ++k) wf[k] = widen(wg + k * C);
         for (int64_t r = 0; r < M; ++r) {
           const vf dot = group_dot<G>(xrow(r), [&](int k) { return wf[k]; });
           acc[r] = s0 ? scale * dot + acc[r] : dot + acc[r];
+          if (m0) acc[r] = minimum * xsum[r * KB + b] + acc[r];
         }
       }
       for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, &acc[r], sizeof(vf));
@@ -153,7 +172,8 @@ void check_x(const at::Tensor& x, const char* op) {
               ": x must be [M, K] float32 with contiguous rows");
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                       const c10::optional<at::Tensor>& minimums) {
   check_x(x, "int8_linear");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(3) == C &&
                   (q.size(2) == 16 || q.size(2) == 32),
@@ -163,9 +183,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
                   scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == C,
               "int8_linear: scales must be contiguous float32 [N/16, K/G, 16]");
+  const float* m = nullptr;
+  if (minimums.has_value()) {
+    const at::Tensor& mt = *minimums;
+    TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == scales.sizes(),
+                "int8_linear: minimums must be contiguous float32 shaped like scales");
+    m = mt.data_ptr<float>();
+  }
   const int8_t* w = q.data_ptr<int8_t>();
   const float* s = scales.data_ptr<float>();
-  return Gq == 32 ? grouped_linear<int8_t, 32>(x, w, s, NG, KB) : grouped_linear<int8_t, 16>(x, w, s, NG, KB);
+  return Gq == 32 ? grouped_linear<int8_t, 32>(x, w, s, m, NG, KB) : grouped_linear<int8_t, 16>(x, w, s, m, NG, KB);
 }
 
 at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -174,14 +201,14 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
               "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
   const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
   TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
-  return grouped_linear<at::Half, 32>(x, w.data_ptr<at::Half>(), nullptr, NG, KB);
+  return grouped_linear<at::Half, 32>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
 }
 
 }  // namespace dense
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
-  m.def(DS4_OP("int8_linear") "(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def(DS4_OP("int8_linear") "(Tensor x, Tensor q, Tensor scales, Tensor? minimums=None) -> Tensor");
   m.def(DS4_OP("f16_linear") "(Tensor x, Tensor w) -> Tensor");
 }
 

@@ -11,7 +11,7 @@ import pytest
 
 from engine.synthetic import RandomModelSpec, write_random_gguf
 
-K_QUANTS = {"Q4_K", "Q6_K"}
+K_QUANTS = {"Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"}
 
 
 def tiny_spec(arch: str, qtype: str, **kw) -> RandomModelSpec:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 from gguf import quants as gq
 
 from engine import kernels
 from engine.gguf_file import TensorRecord
-from engine.quants import INT4_GROUPED, INT8_GROUPS, dequantize, unpack_int4_groups, unpack_int8_groups
+from engine.quants import (INT4_GROUPED, INT8_GROUPS, INT8_WITH_MINIMUM, SUPPORTED, dequantize, unpack_int4_groups,
+                           unpack_int8_groups)
 from engine.synthetic import _encode
 from engine.weights import DenseLinear, Embedding, F16Linear, Int4Linear, Int8Linear, RowByRow, build_linear
 
@@ -21,7 +22,8 @@ CPU = torch.device("cpu")
 def cpu(request) -> kernels.CpuKernels:
     return kernels.cpu_kernels(request.param)
 
-TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K]
+NEW_TYPES = [QT.Q5_0, QT.Q5_1, QT.Q5_K, QT.Q3_K, QT.Q2_K, QT.IQ4_NL, QT.IQ4_XS]
+TYPES = [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q4_K, QT.Q6_K, *NEW_TYPES]
 
 
 def encoded(qtype: QT, rows: int = 6, cols: int = 512, seed: int = 0) -> np.ndarray:
@@ -46,6 +48,32 @@ def test_int4_groups_reconstruct_exactly(qtype):
     assert g.q.min() >= 0 and g.q.max() <= 15
     rebuilt = (g.q.reshape(6, -1, 32) * g.scale[..., None] + g.minimum[..., None]).reshape(6, 512)
     np.testing.assert_allclose(rebuilt, gq.dequantize(raw, qtype).reshape(6, 512), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES + [QT.Q4_K, QT.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_dequantize_equals_gguf_on_random_blocks(qtype, seed):
+    """Every field of every block random (scales, codes, high bits, signs of the float16 scales
+    and minimums), not only what the synthetic writer produces: bit for bit with gguf."""
+    per, nbytes = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(5, 1024 // per, nbytes), dtype=np.uint8)
+    layout = {QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q5_K: (0, 2), QT.Q3_K: (108,), QT.Q2_K: (80, 82),
+              QT.IQ4_NL: (0,), QT.IQ4_XS: (0,), QT.Q4_K: (0, 2), QT.Q6_K: (208,)}
+    for off in layout[qtype]:  # finite float16 fields of both signs
+        raw[..., off: off + 2] = rng.normal(0, 0.05, (5, 1024 // per, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(5, -1)
+    ref = gq.dequantize(raw, qtype).reshape(5, 1024)
+    got = dequantize(qtype, raw, 1024)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [QT.IQ2_XXS, QT.IQ3_S, QT.TQ1_0, QT.IQ1_M], ids=lambda q: q.name)
+def test_unsupported_type_is_named(qtype):
+    assert qtype not in SUPPORTED
+    with pytest.raises(ValueError, match=f"unsupported tensor type {qtype.name}$"):
+        dequantize(qtype, np.zeros(1024, np.uint8), 256)
 
 
 def test_bad_row_length_is_an_error():
@@ -121,12 +149,30 @@ def test_int8_groups_reconstruct_exactly(qtype):
     raw = encoded(qtype, cols=512)
     g = unpack_int8_groups(qtype, raw, 512)
     assert g.q.dtype == np.int8 and g.group == INT8_GROUPS[qtype]
+    assert (g.minimum is not None) == (qtype in INT8_WITH_MINIMUM)
     w = g.q.astype(np.float32).reshape(6, -1, g.group) * g.scale[..., None]
+    if g.minimum is not None:
+        w += g.minimum[..., None]
     np.testing.assert_array_equal(w.reshape(6, 512), gq.dequantize(raw, qtype).reshape(6, 512))
+    # The products are exact in float32: scale * q in float64 rounds to nothing.
+    exact = g.q.astype(np.float64).reshape(6, -1, g.group) * g.scale.astype(np.float64)[..., None]
+    np.testing.assert_array_equal(exact, exact.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", sorted(INT4_GROUPED), ids=lambda q: q.name)
+def test_int4_types_in_int8_form_are_the_same_weights(qtype):
+    """For a fused matrix mixing 4-bit and 8-bit grouped types the 4-bit ones are unpacked to
+    int8 groups too: the same float32 weights."""
+    raw = encoded(qtype, cols=512)
+    g = unpack_int8_groups(qtype, raw, 512)
+    w = g.q.astype(np.float32).reshape(6, -1, 32) * g.scale[..., None]
+    if g.minimum is not None:
+        w += g.minimum[..., None]
+    np.testing.assert_array_equal(w.reshape(6, 512), dequantize(qtype, raw, 512))
 
 
 @pytest.mark.parametrize("rows", [40, 48])
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16, *NEW_TYPES], ids=lambda q: q.name)
 def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, cpu):
     raw = encoded(qtype, rows=rows, cols=512, seed=4)
     bias = TensorRecord("b", QT.F32, (rows,), np.linspace(-1, 1, rows, dtype=np.float32).view(np.uint8))
@@ -138,7 +184,8 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     elif qtype in INT8_GROUPS:  # 8-bit q and float32 scales: exactly the file's weights
         padded = rows + -rows % 16  # whole blocks of 16 columns
         assert isinstance(lin, Int8Linear)
-        assert lin.nbytes == padded * 512 + padded * 512 // INT8_GROUPS[qtype] * 4 + rows * 4
+        per_group = 8 if qtype in INT8_WITH_MINIMUM else 4  # float32 scale (and minimum)
+        assert lin.nbytes == padded * 512 + padded * 512 // INT8_GROUPS[qtype] * per_group + rows * 4
         w = exact
     else:  # rounded once to float16
         assert isinstance(lin, F16Linear)
@@ -152,6 +199,31 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     # A row's result does not depend on the other rows of the batch (batched decoding relies on it).
     rows_alone = torch.cat([lin(x[i: i + 1]) for i in range(9)])
     assert torch.equal(rows_alone, got)
+
+
+@pytest.mark.parametrize("parts", [(QT.Q5_K, QT.Q5_K, QT.Q6_K), (QT.Q3_K, QT.Q3_K, QT.Q4_K),
+                                   (QT.IQ4_NL, QT.Q5_0, QT.Q8_0), (QT.Q5_1, QT.Q4_0, QT.Q2_K)],
+                         ids=lambda p: "+".join(q.name for q in p))
+def test_fused_mixtures_of_grouped_types_keep_the_file_weights(parts, cpu):
+    """q/k/v of a Q5_K_M or Q3_K_M file mix types (v in Q6_K or Q4_K): one Int8Linear at the
+    smallest group, exactly the file's weights, rows independent, counted in nbytes."""
+    records = [TensorRecord(f"w{i}", q, (32, 512), encoded(q, 32, 512, 10 + i)) for i, q in enumerate(parts)]
+    perm = np.random.default_rng(2).permutation(96)
+    lin = build_linear(records, "packed", CPU, row_perm=perm, cpu=cpu)
+    exact = torch.from_numpy(np.concatenate([dequantize(r.qtype, r.data, 512) for r in records])[perm]).double()
+    if cpu.name == "torch":
+        assert isinstance(lin, RowByRow)
+        exact = exact.half().double()
+    else:
+        assert isinstance(lin, Int8Linear)
+        group = min(INT8_GROUPS.get(q, 32) for q in parts)
+        minimums = any(q in INT8_WITH_MINIMUM or q in (QT.Q4_1, QT.Q4_K) for q in parts)
+        assert lin.nbytes == 96 * 512 + 96 * 512 // group * (8 if minimums else 4)
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
+    got = lin(x)
+    ref = x.double() @ exact.T
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(torch.cat([lin(x[i: i + 1]) for i in range(6)]), got)
 
 
 def cpu_has_fbgemm() -> bool:

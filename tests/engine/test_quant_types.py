@@ -1,0 +1,175 @@
+"""The engine's contract for the GGUF types that run as 8-bit groups (Q5_0, Q5_1, Q5_K, Q3_K,
+Q2_K, IQ4_NL, IQ4_XS) and for Q5_K_M- and Q3_K_M-like mixtures of them, on every CPU kernel
+path this host executes: a forward pass against the plain float64 reference of test_forward
+(weights dequantized by gguf-py), a bounded KL against the engine's own float32 path, and
+batched decoding bitwise equal to decoding each session alone.
+
+The bounds: with a float32 KV cache the compiled paths compute with exactly the file's weights
+and float32 activations, so they stay within 5e-5 of the reference's largest logit (measured
+1e-7 to 1e-5); the `torch` path rounds weights to float16 once (measured up to 5e-3), and so do
+a mixture's Q4_K matrices on the compiled paths, whose int4 kernels take bfloat16 activations
+(Q3_K_M's attn_output and some ffn_down: measured 1.1e-3).  With the
+default float16 cache the cache's rounding dominates on these random models, whose activations
+are large (measured up to 1.5e-2), and the bound is test_forward's for every packed type.
+
+The mixtures are 288 wide, so that, as in SmolLM2-135M's 576-wide matrices, the k-quants fall
+back to the types llama.cpp writes where 256-wide blocks do not tile a row (Q5_1, IQ4_NL, Q5_0,
+Q8_0), while ffn_down (512 inputs) keeps its k-quant.  Paths other than the best one are forced
+by name, as `DS4_CPU_KERNELS` does; torch's own dispatch (`ATEN_CPU_CAPABILITY`) is forced in
+a subprocess by the slow test at the end.  Last, a type the engine does not read stops the load
+with one line naming it and its tensor.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+import engine
+from engine import kernels
+from engine.batch import decode_batch
+from engine.synthetic import MIXTURES as MIXTURE_RECIPES
+from tests.engine.test_forward import TOKENS, reference_logits
+
+NEW_TYPES = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
+MIXTURES = ["Q5_K_M", "Q3_K_M"]
+KINDS = NEW_TYPES + MIXTURES
+PATHS = kernels.host_paths()
+
+
+def cases() -> list:
+    """(kind, path): every kind on the best path and the mixtures (which hold most of the types)
+    on every path by default; each single type on the other paths in the slow run, since the
+    int8 kernel is one for every type and only the unpacking at load differs."""
+    return [pytest.param(kind, path, id=f"{kind}-{path}",
+                         marks=() if path == PATHS[0] or kind in MIXTURES else pytest.mark.slow)
+            for kind in KINDS for path in PATHS]
+
+# The int8 kernels hold exactly the file's weights and take float32 activations; what is left
+# is float32 sums and the float16 KV cache.  The torch path rounds weights to float16 once.
+EXACT_WEIGHTS_BOUND = 5e-5  # float32 cache, compiled paths, no 4-bit matrix
+ROUNDED_BOUND = 2e-2  # float32 cache, the torch path or a mixture with 4-bit matrices
+PACKED_BOUND = 5e-2  # the default float16 cache, as test_forward bounds every packed type
+KL_BOUND = 2e-4  # mean KL of the packed path against the float32 path, as docs/engine.md states
+
+
+def model_path(tiny_gguf, kind: str) -> str:
+    if kind in MIXTURES:
+        base = MIXTURE_RECIPES[kind].base.name
+        return tiny_gguf("llama", base, mixture=kind, n_embd=288, n_ff=512, n_layer=3)
+    return tiny_gguf("llama", kind)
+
+
+def logits_all(m) -> np.ndarray:
+    return m.net.forward(torch.tensor(TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
+
+
+def mean_kl(p_logits: np.ndarray, q_logits: np.ndarray) -> float:
+    """Mean over positions of KL(softmax p || softmax q)."""
+    lp = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
+    lq = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
+    return float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+
+
+@pytest.fixture(scope="module")
+def references(tiny_gguf):
+    """kind -> (float64 reference logits, float32-path logits), computed once per kind."""
+    cache: dict = {}
+
+    def get(kind: str):
+        if kind not in cache:
+            path = model_path(tiny_gguf, kind)
+            cache[kind] = (reference_logits(path, TOKENS), logits_all(engine.load_model(path, weights="float32")))
+        return cache[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind,path", cases())
+def test_packed_forward_against_float64_reference(tiny_gguf, references, kind, path):
+    ref, f32 = references(kind)
+    scale = np.abs(ref).max()
+    assert np.abs(f32 - ref).max() <= 2e-5 * scale  # the float32 path, as for every other type
+    exact_cache = logits_all(engine.load_model(model_path(tiny_gguf, kind), cpu_kernels=path, kv_type="f32"))
+    rounded = path == "torch" or kind == "Q3_K_M"
+    assert np.abs(exact_cache - ref).max() <= (ROUNDED_BOUND if rounded else EXACT_WEIGHTS_BOUND) * scale
+    assert mean_kl(f32, exact_cache) <= KL_BOUND
+    got = logits_all(engine.load_model(model_path(tiny_gguf, kind), cpu_kernels=path))
+    assert np.abs(got - ref).max() <= PACKED_BOUND * scale
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("kind,path", cases())
+def test_batched_decoding_equals_each_row_alone(tiny_gguf, kind, path):
+    m = engine.load_model(model_path(tiny_gguf, kind), cpu_kernels=path)
+    prompts = [TOKENS[:3], TOKENS[2:9], TOKENS[:1] * 4]
+    batch = [m.new_session() for _ in prompts]
+    for s, p in zip(batch, prompts):
+        s.sync(p)
+    nxt = [7, 11, 13]
+    decode_batch(batch, nxt)
+    for s, p, t in zip(batch, prompts, nxt):
+        one = m.new_session()
+        one.sync(p + [t])
+        assert torch.equal(s.logits, one.logits), (kind, path)
+
+
+CHILD = """
+import sys, numpy as np, torch, engine
+from engine.batch import decode_batch
+from tests.engine.test_forward import TOKENS, reference_logits
+path = sys.argv[1]
+ref = reference_logits(path, TOKENS)
+m = engine.load_model(path)
+assert m.cpu_kernel_path == sys.argv[2], m.cpu_kernel_path
+got = m.net.forward(torch.tensor(TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
+assert np.abs(got - ref).max() <= 5e-2 * np.abs(ref).max()
+batch = [m.new_session() for _ in range(3)]
+for i, s in enumerate(batch):
+    s.sync(TOKENS[i: i + 4])
+decode_batch(batch, [7, 11, 13])
+for i, (s, t) in enumerate(zip(batch, [7, 11, 13])):
+    one = m.new_session()
+    one.sync(TOKENS[i: i + 4] + [t])
+    assert torch.equal(s.logits, one.logits)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("avx2" not in PATHS, reason="this CPU does not run the avx2 path")
+@pytest.mark.parametrize("kind", MIXTURES)
+def test_an_avx2_only_cpu_whole(tiny_gguf, kind):
+    """DS4_CPU_KERNELS=avx2 with ATEN_CPU_CAPABILITY=avx2 (torch's own ops too), in a fresh
+    process: the contract holds as on an AVX2-only CPU."""
+    env = {**os.environ, "DS4_CPU_KERNELS": "avx2", "ATEN_CPU_CAPABILITY": "avx2"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    done = subprocess.run([sys.executable, "-c", CHILD, model_path(tiny_gguf, kind), "avx2"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_an_unsupported_type_stops_the_load_naming_type_and_tensor(tiny_gguf, tmp_path):
+    """A file with a type the engine does not read (here IQ2_XXS, written over ffn_down's type
+    code in the tensor table) stops with one line naming the type and the tensor."""
+    data = bytearray(open(tiny_gguf("llama", "Q4_K"), "rb").read())
+    name = b"blk.0.ffn_down.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    type_at = at + 4 + 8 * n_dims
+    assert struct.unpack_from("<I", data, type_at)[0] == QT.Q4_K
+    struct.pack_into("<I", data, type_at, QT.IQ2_XXS)
+    bad = tmp_path / "iq2.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(engine.ModelLoadError) as e:
+        engine.load_model(str(bad))
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith("unsupported tensor types IQ2_XXS (tensor blk.0.ffn_down.weight) (supported: ")
