@@ -142,10 +142,11 @@ def test_errors_exit_3_unless_allowed():
 
     with FakeOpenAI(reply=failing) as srv:
         # --no-probe: the capability probe would stop this run before its cases (test_eval_probe).
-        r = _server_run(srv, "--no-probe")
+        # --concurrency 6: each case's retries of the 500 (test_eval_failover) wait side by side.
+        r = _server_run(srv, "--no-probe", "--concurrency", "6")
         assert r.exit_code == 3, r.output
         assert "ds4-eval: 6 of 6 cases were not graded (6 error): exit status 3 (--allow-errors exits 0)" in r.output
-        r = _server_run(srv, "--no-probe", "--allow-errors")
+        r = _server_run(srv, "--no-probe", "--allow-errors", "--concurrency", "6")
         assert r.exit_code == 0, r.output
 
 
