@@ -152,7 +152,7 @@ def test_completions_url():
 # ---------------------------------------------------------------- probe, request fields, token counts
 
 from ds4eval.run.backends import BackendUnavailable, create_backend  # noqa: E402
-from ds4eval.run.backends.openai_backend import ProbeError, models_url  # noqa: E402
+from ds4eval.run.backends.openai_backend import models_url  # noqa: E402
 from openai_fakes import FakeOpenAI  # noqa: E402
 
 

@@ -2,7 +2,6 @@
 the verdicts, what stops a run and what is only a note, `ds4-eval --probe`, and the probes
 before `ds4-eval --backend openai`, `ds4-bench serve` and `ds4-bench kld --stack openai`."""
 
-import pytest
 from capability_fakes import FakeCapabilities
 from click.testing import CliRunner
 
