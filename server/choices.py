@@ -71,7 +71,7 @@ def submit_choices(worker: Any, gens: Sequence[GenerationRequest],
                    loop: asyncio.AbstractEventLoop) -> tuple[list[Job], asyncio.Queue[ChoiceEvent]]:
     refused = worker.check(gens)
     if refused is not None:
-        raise ApiError(400, refused.message, param=refused.param, code="request_too_large")
+        raise ApiError(400, refused.message, param="prompt" if refused.scored else "n", code="request_too_large")
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
     def sink(index: int) -> Any:

@@ -7,13 +7,20 @@
   asks for prompt log-probs), `PromptReady`, `TextDelta`*, then one `Finished` (or `Failed`);
   `Usage` rides on `Finished`.
 - `Job`: a request plus its cancel flag (thread-safe) and event sink; `JobStats` what the
-  loop measured.
+  loop measured, queue times included (`job_line` is its line in the request log).
 - `TokenDecoder`: what happens to each generated token of one job (the decoding constraint,
   greedy inside tool-call structure, UTF-8-safe text, stop sequences, splitter events),
   whoever runs the forward passes.
-- `JobLedger`: the FIFO of submitted jobs, the stop request, and the history of finished
-  jobs (`start`, `record`, `wait_finished`). The serial loop (`server.serial`) and the batched
-  loop (`server.batching`) take jobs from it and report to it; neither knows the other.
+- `JobLedger`: the submitted jobs grouped by client request (`submit_request`: a request's
+  choices or prompts), the stop request, and the history of finished jobs (`start`, `record`,
+  `wait_finished`). The serial loop (`server.serial`) and the batched loop (`server.batching`)
+  take jobs from it and report to it; neither knows the other.
+- Fair scheduling: the ledger hands out one job at a time from the request `next_turn` picks
+  (pure: fewest jobs running, then longest without service), so a request of many jobs shares
+  the loop with the requests that arrive while it runs instead of holding it first in, first out.
+- `WorkLimits` and `over_limit(requests, n_ctx, limits)`: the per-request ceiling on total work
+  (choices x max_tokens; prompts x prompt length when scored) that the APIs answer with a 400
+  before anything is queued.
 - `JobObserver`: the one seam through which a job's life is watched (started, each token,
   finished, each batched step), e.g. by `server.metrics.ServerMetrics`; the ledger, its jobs
   and the `TokenDecoder` call it on the worker thread. `NO_OBSERVER` watches nothing.
@@ -482,8 +489,8 @@ class WorkLimits:
 class OverLimit:
     message: str
     """Names the limit, its flag and the request's figure."""
-    param: str
-    """The request field to change ('n' for generated tokens, 'prompt' for scored ones)."""
+    scored: bool
+    """The scored prompt tokens are over their limit (else the tokens to generate are)."""
 
 
 def over_limit(requests: Sequence[GenerationRequest], n_ctx: int, limits: WorkLimits) -> OverLimit | None:
@@ -494,12 +501,12 @@ def over_limit(requests: Sequence[GenerationRequest], n_ctx: int, limits: WorkLi
     if total > limits.generated_tokens:
         return OverLimit(f"this request may generate {total:,} tokens ({len(budgets)} choices x up to "
                          f"{max(budgets):,} tokens each); the server allows at most {limits.generated_tokens:,} "
-                         "per request (--max-request-tokens): ask for fewer choices or fewer max_tokens", "n")
+                         "per request (--max-request-tokens): ask for fewer choices or a smaller token limit", False)
     scored = [len(r.prompt_ids) for r in requests if r.prompt_logprobs is not None]
     if sum(scored) > limits.scored_tokens:
         return OverLimit(f"this request scores {sum(scored):,} prompt tokens ({len(scored)} prompts of up to "
                          f"{max(scored):,} tokens); the server allows at most {limits.scored_tokens:,} per request "
-                         "(--max-request-scored-tokens): send fewer prompts per request", "prompt")
+                         "(--max-request-scored-tokens): send fewer prompts per request", True)
     return None
 
 
