@@ -228,7 +228,7 @@ class BatchedLoop:
                 break
             if idle and not stopping:
                 self.jobs.wait_for_work()
-            if self.jobs.stop_requested and not stopping:
+            if not stopping and self.jobs.take_stop():
                 stopping = True
                 self.cancel_all()
             self._admit_waiting(stopping)

@@ -560,8 +560,8 @@ class JobLedger:
     `record`.
 
     `submit`, `submit_request`, `request_stop` and `cancel_queued` may be called from any
-    thread; `take`, `take_next`, `wait_for_work`, `start`, `finish_cancelled` and `record` are
-    for the loop that serves the jobs. `observer` hears of every job it starts and records,
+    thread; `take`, `take_next`, `wait_for_work`, `take_stop`, `start`, `finish_cancelled` and
+    `record` are for the loop that serves the jobs. `observer` hears of every job it starts and records,
     and of every token of its jobs.
     """
 
@@ -583,9 +583,12 @@ class JobLedger:
         """Jobs submitted and not yet taken by the loop."""
         return self._depth
 
-    @property
-    def stop_requested(self) -> bool:
-        return self._stop
+    def take_stop(self) -> bool:
+        """Whether the stop was requested since the loop last took it (taking it clears it, so
+        a loop started again later runs; like a sentinel in a queue)."""
+        with self._cv:
+            stop, self._stop = self._stop, False
+            return stop
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Job:
         return self.submit_request([request], [sink])[0]
@@ -631,10 +634,13 @@ class JobLedger:
 
     def take(self) -> Job | None:
         """The next job (see `next_turn`), waiting for one; None once the stop was requested
-        and nothing is queued."""
+        and nothing is queued (the stop is then taken, see `take_stop`)."""
         with self._cv:
             self._cv.wait_for(lambda: self._depth > 0 or self._stop)
-            return self._take_locked(None)
+            job = self._take_locked(None)
+            if job is None:
+                self._stop = False
+            return job
 
     def take_next(self, can_start: Callable[[Job], bool] | None = None) -> Job | None:
         """The next job that `can_start` admits (a request whose next job it refuses waits,

@@ -234,3 +234,21 @@ def test_embedded_model_latency_under_an_n32_request_stays_near_idle(embedded, s
     # (under load, choices that follow the normal request prefill their prompt again).
     assert loaded["choices"][0]["text"] == idle["choices"][0]["text"]
     assert [c["text"] for c in shared["choices"]] == [c["text"] for c in alone["choices"]]
+
+
+def test_a_stopped_worker_starts_again_and_serves():
+    # The stop request is taken by the loop that ends, as the queue's sentinel was: the app's
+    # lifespan may stop and start the same worker.
+    model = FakeModel(reply="ok")
+    w = InferenceWorker(model, FAKE_ENGINE)
+    w.start()
+    w.stop()
+    w.start()
+    try:
+        got: queue.Queue = queue.Queue()
+        w.submit(GenerationRequest("p", tuple(model.tokenize("p")), 8, sampling=GREEDY), got.put)
+        while not isinstance(event := got.get(timeout=5), Finished):
+            pass
+        assert event.finish_reason == "stop"
+    finally:
+        w.stop()
