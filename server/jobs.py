@@ -561,8 +561,8 @@ class JobLedger:
 
     `submit`, `submit_request`, `request_stop` and `cancel_queued` may be called from any
     thread; `take`, `take_next`, `wait_for_work`, `take_stop`, `start`, `finish_cancelled` and
-    `record` are for the loop that serves the jobs. `observer` hears of every job it starts and records,
-    and of every token of its jobs.
+    `record` are for the loop that serves the jobs. `observer` hears of every job it starts and
+    records, and of every token of its jobs.
     """
 
     def __init__(self, history: int = 256, observer: JobObserver = NO_OBSERVER) -> None:
@@ -599,6 +599,8 @@ class JobLedger:
         party of the fair schedule."""
         request_id = next(self._request_ids)
         jobs = [Job(next(self._ids), r, s, self.observer) for r, s in zip(requests, sinks, strict=True)]
+        if not jobs:
+            return jobs
         for job in jobs:
             job.stats.request_id, job.stats.request_jobs = request_id, len(jobs)
         with self._cv:
