@@ -272,3 +272,14 @@ def test_a_stopped_worker_starts_again_and_serves():
         assert event.finish_reason == "stop"
     finally:
         w.stop()
+
+
+def test_the_ceilings_are_flags_of_ds4_server():
+    from click.testing import CliRunner
+
+    from server.cli import config_from_flags, main
+
+    help_text = CliRunner().invoke(main, ["--help"]).output
+    assert "--max-request-tokens" in help_text and "--max-request-scored-tokens" in help_text
+    config = config_from_flags(max_request_tokens=10, max_request_scored_tokens=20)
+    assert config.work_limits == WorkLimits(generated_tokens=10, scored_tokens=20)
