@@ -108,7 +108,7 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     metrics = ServerMetrics(model.name, config.batched_session)
     worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
                              engine_thread=engine_thread, observer=metrics,
-                             stream_interval=config.stream_interval_ms / 1000)
+                             stream_interval=config.stream_interval_ms / 1000, limits=config.work_limits)
     calling = ToolCalling.for_model(model, config.tools)
     prepare = PrepareExecutor()
     repeats = RepeatLimiter()

@@ -18,8 +18,12 @@ common token prefix (that is what the engine keeps).
 taking jobs from the same `server.jobs.JobLedger` and recording them there. It owns an
 `engine.batch.BatchScheduler` of N sessions (whose memory is checked when it is built:
 `CapacityError` with the figures) and, per job:
-  1. routes it (requests beyond N wait, first in first out, until a slot is free) and logs
-     the decision (slot, reused tokens, evicted tokens, reason);
+  1. takes it from the ledger when a slot is free, in the ledger's fair order
+     (`server.jobs.next_turn`: the request with the fewest jobs in slots first, so the n
+     choices of one request fill the slots only while no other request waits, and a request
+     that arrives meanwhile gets the next slot that frees; a choice that would copy the prompt
+     another slot is still prefilling waits for it, without holding up other requests),
+     routes it and logs the decision (slot, reused tokens, evicted tokens, reason);
   2. a request for prompt log-probs is scored in the slot's session at once
      (`server.scoring`, on this thread, before the slot joins the batch: the other slots
      pause for that prefill);
@@ -183,7 +187,6 @@ class BatchedLoop:
         self.clock = clock
         self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory)
         self.info = [_SlotInfo() for _ in range(n_slots)]
-        self.waiting: deque[Job] = deque()
         self.routes: deque[tuple[int, Route]] = deque(maxlen=256)
         """(job id, decision) of recent routing decisions, newest last."""
         self._lock = threading.Lock()
@@ -197,10 +200,6 @@ class BatchedLoop:
         return sum(1 for s in self.info if s.running is not None)
 
     @property
-    def n_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
     def busy(self) -> bool:
         return self.n_active > 0
 
@@ -212,9 +211,10 @@ class BatchedLoop:
         return [len(self.session(i).tokens) for i in range(self.n_slots)]
 
     def cancel_all(self) -> None:
-        """Cancel every running and waiting job (any thread; the loop winds them down)."""
+        """Cancel every running job (any thread; the loop winds them down); queued ones are the
+        ledger's (`JobLedger.cancel_queued`)."""
         with self._lock:
-            jobs = [s.running.job for s in self.info if s.running is not None] + list(self.waiting)
+            jobs = [s.running.job for s in self.info if s.running is not None]
         for job in jobs:
             job.cancel()
 
@@ -223,13 +223,12 @@ class BatchedLoop:
     def run(self) -> None:
         stopping = False
         while True:
-            idle = self.n_active == 0 and not self.waiting and not self.scheduler.busy
-            if stopping and idle:
+            idle = self.n_active == 0 and not self.scheduler.busy
+            if stopping and idle and self.jobs.depth == 0:
                 break
-            jobs, stop = self.jobs.take_ready(block=idle and not stopping)
-            with self._lock:
-                self.waiting.extend(jobs)
-            if stop:
+            if idle and not stopping:
+                self.jobs.wait_for_work()
+            if not stopping and self.jobs.take_stop():
                 stopping = True
                 self.cancel_all()
             self._admit_waiting(stopping)
@@ -246,25 +245,28 @@ class BatchedLoop:
             self._save_slot(i, policy.SHUTDOWN, None)
 
     def _admit_waiting(self, stopping: bool) -> None:
-        while self.waiting:
-            job = self.waiting[0]
-            if stopping or job.is_cancelled():
-                with self._lock:
-                    self.waiting.popleft()
+        """Give free slots to queued jobs, in the ledger's fair order: a request with fewer jobs
+        in slots goes first, so a request of n choices holds every slot only while nobody else
+        waits, and a newcomer gets the next slot that frees."""
+        if stopping:
+            while (job := self.jobs.take_next()) is not None:
                 job.cancel()
+                self.jobs.finish_cancelled(job)
+                self.jobs.record(job)
+            return
+        while any(s.running is None for s in self.info):
+            job = self.jobs.take_next(self._can_start)
+            if job is None:
+                return
+            if job.is_cancelled():
                 self.jobs.finish_cancelled(job)
                 self.jobs.record(job)
                 continue
             req = job.request
-            if self._prefilling_shared_prompt(req.prompt_ids):
-                return
             views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
                      for i, s in enumerate(self.info)]
             decision = route(views, req.prompt_text, req.prompt_ids, self.clock())
-            if decision is None:
-                return
-            with self._lock:
-                self.waiting.popleft()
+            assert decision is not None  # a slot is free
             self.routes.append((job.id, decision))
             log.info("route job %d -> slot %d: reused %d tokens, evicted %d tokens (%s)", job.id,
                      decision.slot, decision.reused, decision.evicted, decision.reason)
@@ -278,6 +280,11 @@ class BatchedLoop:
                     continue
                 log.exception("job %d failed to start", job.id)
                 self._fail(job, e)
+
+    def _can_start(self, job: Job) -> bool:
+        """A cancelled job can always leave the queue; another waits while a running job is
+        still prefilling a prompt it shares (`_prefilling_shared_prompt`)."""
+        return job.is_cancelled() or not self._prefilling_shared_prompt(job.request.prompt_ids)
 
     def _prefilling_shared_prompt(self, ids: Sequence[int]) -> bool:
         """Whether a running job is still prefilling a prompt that shares most of `ids`

@@ -4,16 +4,20 @@ A request with `n` > 1, or with several prompts (legacy completions), asks for s
 independent generations. Each is its own `GenerationRequest` (`fan_out` makes the n copies
 of one, seed + i for choice i, so a seeded request gives each choice its own reproducible
 stream) and its own job; they are submitted together, in choice order:
-- the one-session loop serves them one after another, and every choice after the first
-  reuses the prompt's KV prefix from the session (prefix cache);
-- the batched loop (`--batched-session N`) spreads them over its slots and decodes them
-  as one batch; the first choice prefills the prompt and the others copy its keys and
+- the one-session loop serves them one after another (taking turns with other requests'
+  jobs), and a choice that directly follows another of its prompt reuses the prompt's KV
+  prefix from the session (prefix cache);
+- the batched loop (`--batched-session N`) spreads them over the slots that no other
+  request waits for and decodes them as one batch; the first choice prefills the prompt and the others copy its keys and
   values into their slots (`server.batching`).
 The order of choices is prompt-major, as OpenAI and vLLM return them: choice
 `p * n + i` is sample i of prompt p.
 
-- `submit_choices(worker, gens, loop)`: submit the jobs; the returned queue receives
-  `ChoiceEvent(index, event)` from the worker thread.
+- `submit_choices(worker, gens, loop)`: submit the jobs as one request of the worker's fair
+  schedule (its choices take turns with other requests' jobs, `server.jobs.JobLedger`); the
+  returned queue receives `ChoiceEvent(index, event)` from the worker thread. A request that
+  asks for more work than the worker's limits (`InferenceWorker.check`: choices x max_tokens,
+  prompts x prompt length when scored) is refused with a 400 before anything is queued.
 - `choice_events(queue, n, keepalive)`: those events in arrival order with `None` keepalive
   ticks until the first text, ending once every choice has finished or failed.
 - `collect_choices(queue, n)`: the whole output of every choice, or the first `Failed`.
@@ -30,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
+from server.errors import ApiError
 from server.jobs import Event, Failed, Finished, GenerationRequest, Job, TextDelta, TokenLogprob, Usage
 from server.scoring import PromptScored
 from server.sse import job_events
@@ -64,12 +69,15 @@ def fan_out(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
 
 def submit_choices(worker: Any, gens: Sequence[GenerationRequest],
                    loop: asyncio.AbstractEventLoop) -> tuple[list[Job], asyncio.Queue[ChoiceEvent]]:
+    refused = worker.check(gens)
+    if refused is not None:
+        raise ApiError(400, refused.message, param="prompt" if refused.scored else "n", code="request_too_large")
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
     def sink(index: int) -> Any:
         return lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ChoiceEvent(index, ev))
 
-    return [worker.submit(g, sink(i)) for i, g in enumerate(gens)], queue
+    return worker.submit_request(gens, [sink(i) for i in range(len(gens))]), queue
 
 
 def choice_events(queue: asyncio.Queue[ChoiceEvent], n: int,

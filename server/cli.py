@@ -140,6 +140,13 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
                    "to keep it, and a save that cannot keep it is skipped.")
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
+@click.option("--max-request-tokens", type=int, default=ServerConfig.max_request_tokens, show_default=True,
+              help="Tokens one request may ask to generate over all its choices (n x max_tokens); "
+                   "beyond it: HTTP 400 before it is queued.")
+@click.option("--max-request-scored-tokens", type=int, default=ServerConfig.max_request_scored_tokens,
+              show_default=True,
+              help="Prompt tokens one request may ask to score (prompts x prompt length, echo with "
+                   "logprobs); beyond it: HTTP 400 before it is queued.")
 @click.option("--threads", type=int, default=None,
               help="CPU threads of the engine's kernels (default: the cores that other processes leave "
                    "free, re-read every half second).")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from server.guard import LOOPBACK_HOSTS, is_loopback, normalize_host
 from server.apibase import DEFAULT_MAX_TOKENS, RequestDefaults
+from server.jobs import DEFAULT_MAX_REQUEST_SCORED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS, WorkLimits
 from server.kvstore import KVStoreConfig
 from server.tools import ToolsConfig
 
@@ -61,7 +62,14 @@ class ServerConfig:
     kv: KVStoreConfig = field(default_factory=KVStoreConfig)
     """Disk KV cache directory (None: no disk cache) and its size budget."""
     batched_session: int = 1
-    """Resident engine sessions decoded together (1: one request at a time, in FIFO order)."""
+    """Resident engine sessions decoded together (1: one job at a time; a request's choices and
+    prompts take turns with other requests' jobs either way)."""
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    """--max-request-tokens: tokens one request may ask to generate over all its choices
+    (choices x max_tokens, each at most the room its prompt leaves in the context); beyond it: 400."""
+    max_request_scored_tokens: int = DEFAULT_MAX_REQUEST_SCORED_TOKENS
+    """--max-request-scored-tokens: prompt tokens one request may ask to score (prompts x prompt
+    length, `echo` with `logprobs`); beyond it: 400."""
     threads: int | None = None
     """--threads: CPU threads of the engine's kernels; None uses the cores that other processes leave
     free, re-read every half second (engine/threads.py)."""
@@ -103,6 +111,7 @@ class ServerConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.kv.budget_mb < 1:
             raise ValueError(f"kv_cache_budget_mb must be at least 1, got {self.kv.budget_mb}")
+        self.work_limits  # validates its fields
         if self.batched_session < 1:
             raise ValueError(f"batched_session must be at least 1, got {self.batched_session}")
         if self.threads is not None and self.threads < 1:
@@ -129,6 +138,10 @@ class ServerConfig:
     @property
     def request_defaults(self) -> RequestDefaults:
         return RequestDefaults(max_tokens=self.max_tokens_default)
+
+    @property
+    def work_limits(self) -> WorkLimits:
+        return WorkLimits(generated_tokens=self.max_request_tokens, scored_tokens=self.max_request_scored_tokens)
 
     @property
     def max_body_bytes(self) -> int:

@@ -7,13 +7,20 @@
   asks for prompt log-probs), `PromptReady`, `TextDelta`*, then one `Finished` (or `Failed`);
   `Usage` rides on `Finished`.
 - `Job`: a request plus its cancel flag (thread-safe) and event sink; `JobStats` what the
-  loop measured.
+  loop measured, queue times included (`job_line` is its line in the request log).
 - `TokenDecoder`: what happens to each generated token of one job (the decoding constraint,
   greedy inside tool-call structure, UTF-8-safe text, stop sequences, splitter events),
   whoever runs the forward passes.
-- `JobLedger`: the FIFO of submitted jobs, the stop request, and the history of finished
-  jobs (`start`, `record`, `wait_finished`). The serial loop (`server.serial`) and the batched
-  loop (`server.batching`) take jobs from it and report to it; neither knows the other.
+- `JobLedger`: the submitted jobs grouped by client request (`submit_request`: a request's
+  choices or prompts), the stop request, and the history of finished jobs (`start`, `record`,
+  `wait_finished`). The serial loop (`server.serial`) and the batched loop (`server.batching`)
+  take jobs from it and report to it; neither knows the other.
+- Fair scheduling: the ledger hands out one job at a time from the request `next_turn` picks
+  (pure: fewest jobs running, then longest without service), so a request of many jobs shares
+  the loop with the requests that arrive while it runs instead of holding it first in, first out.
+- `WorkLimits` and `over_limit(requests, n_ctx, limits)`: the per-request ceiling on total work
+  (choices x max_tokens; prompts x prompt length when scored) that the APIs answer with a 400
+  before anything is queued.
 - `JobObserver`: the one seam through which a job's life is watched (started, each token,
   finished, each batched step), e.g. by `server.metrics.ServerMetrics`; the ledger, its jobs
   and the `TokenDecoder` call it on the worker thread. `NO_OBSERVER` watches nothing.
@@ -32,12 +39,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
@@ -188,6 +194,14 @@ class JobStats:
     last_token_at: float | None = None
     finish_reason: str | None = None
     """'stop' or 'length' once the generation ended (None: cancelled or failed)."""
+    request_id: int = 0
+    """The client request the job belongs to (`JobLedger.submit_request`): its choices and
+    prompts share one id."""
+    request_jobs: int = 1
+    """Jobs of that request."""
+    request_queue_s: float | None = None
+    """Set on the first job of its request to start: seconds from the request's arrival to
+    that start (the request's queue time)."""
 
     def usage(self) -> Usage:
         return Usage(self.n_prompt, self.n_generated, self.n_cached, self.n_written)
@@ -465,20 +479,117 @@ def logprob_entry(model: Any, logits: torch.Tensor, k: int) -> Callable[[int], T
     return entry
 
 
+# --- the per-request ceiling on work ---------------------------------------------------------
+
+DEFAULT_MAX_REQUEST_TOKENS = 1 << 20
+"""Tokens one request may ask to generate over all its choices (choices x max_tokens): 128
+choices of 8,192 tokens, twice `MAX_CHOICES` x the server's default max_tokens."""
+DEFAULT_MAX_REQUEST_SCORED_TOKENS = 1 << 20
+"""Prompt tokens one request may ask to score (prompts x prompt length, `echo` with `logprobs`)."""
+
+
+@dataclass(frozen=True)
+class WorkLimits:
+    """The most work one client request may ask for; beyond it the request is refused before
+    it is queued, whatever the scheduling would make of it."""
+    generated_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    scored_tokens: int = DEFAULT_MAX_REQUEST_SCORED_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.generated_tokens < 1 or self.scored_tokens < 1:
+            raise ValueError("the per-request work limits must be at least 1 token, got "
+                             f"{self.generated_tokens} and {self.scored_tokens}")
+
+
+@dataclass(frozen=True)
+class OverLimit:
+    message: str
+    """Names the limit, its flag and the request's figure."""
+    scored: bool
+    """The scored prompt tokens are over their limit (else the tokens to generate are)."""
+
+
+def over_limit(requests: Sequence[GenerationRequest], n_ctx: int, limits: WorkLimits) -> OverLimit | None:
+    """Why the jobs of one client request exceed `limits`, or None. A choice counts the tokens it may generate: its
+    max_tokens, at most the room its prompt leaves in the context."""
+    budgets = [max(0, min(r.max_tokens, n_ctx - len(r.prompt_ids))) for r in requests]
+    total = sum(budgets)
+    if total > limits.generated_tokens:
+        return OverLimit(f"this request may generate {total:,} tokens ({len(budgets)} choices x up to "
+                         f"{max(budgets):,} tokens each); the server allows at most {limits.generated_tokens:,} "
+                         "per request (--max-request-tokens): ask for fewer choices or a smaller token limit", False)
+    scored = [len(r.prompt_ids) for r in requests if r.prompt_logprobs is not None]
+    if sum(scored) > limits.scored_tokens:
+        return OverLimit(f"this request scores {sum(scored):,} prompt tokens ({len(scored)} prompts of up to "
+                         f"{max(scored):,} tokens); the server allows at most {limits.scored_tokens:,} per request "
+                         "(--max-request-scored-tokens): send fewer prompts per request", True)
+    return None
+
+
 # --- the ledger ---------------------------------------------------------------------------
 
-class JobLedger:
-    """Submitted jobs in FIFO order, the stop request, and the stats of finished jobs.
+@dataclass(frozen=True)
+class RequestTurn:
+    """What fair scheduling knows of one request that has jobs queued."""
+    request_id: int
+    running: int
+    """Its jobs taken by the loop and not yet recorded."""
+    since: int
+    """Ledger tick of its arrival, or of the end of its latest job: when it last stopped being served."""
 
-    `submit` and `cancel_queued` may be called from any thread; `take`, `take_ready`, `start`,
-    `finish_cancelled` and `record` are for the loop that serves the jobs. `observer` hears of
-    every job it starts and records, and of every token of its jobs.
+
+def next_turn(turns: Sequence[RequestTurn]) -> int | None:
+    """The request whose next job goes first: fewest jobs running, then the longest without
+    service (`since`). A request that arrives while another one's job runs therefore goes before
+    that request's next job; a request of many jobs gets the free slots that nobody else waits for."""
+    if not turns:
+        return None
+    return min(turns, key=lambda t: (t.running, t.since, t.request_id)).request_id
+
+
+class _Request:
+    """The ledger's book on one request: its queued jobs (in order) and how many run."""
+
+    def __init__(self, request_id: int, jobs: Sequence[Job], since: int, arrived: float) -> None:
+        self.id = request_id
+        self.queued: deque[Job] = deque(jobs)
+        self.size = len(jobs)
+        self.running = 0
+        self.since = since
+        self.arrived = arrived
+        self.queue_s: float | None = None
+        """From arrival to the start of its first job (None until then)."""
+        self.left = len(jobs)
+        """Jobs not yet recorded nor dropped from the queue."""
+
+    def turn(self) -> RequestTurn:
+        return RequestTurn(self.id, self.running, self.since)
+
+
+class JobLedger:
+    """Submitted jobs grouped by request, the stop request, and the stats of finished jobs.
+
+    Fair scheduling lives here: `take` and `take_next` hand out the next job of the request
+    `next_turn` picks, one job (one choice, one prompt) at a time, so a request of many jobs
+    shares the loop with the requests that arrive while it runs; within a request, jobs go in
+    submission order. The ledger counts a job as running from the moment it is taken until
+    `record`.
+
+    `submit`, `submit_request`, `request_stop` and `cancel_queued` may be called from any
+    thread; `take`, `take_next`, `wait_for_work`, `take_stop`, `start`, `finish_cancelled` and
+    `record` are for the loop that serves the jobs. `observer` hears of every job it starts and
+    records, and of every token of its jobs.
     """
 
     def __init__(self, history: int = 256, observer: JobObserver = NO_OBSERVER) -> None:
         self.observer = observer
-        self._queue: queue.Queue[Job | None] = queue.Queue()  # None: stop
         self._ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
+        self._ticks = itertools.count()
+        self._requests: dict[int, _Request] = {}
+        self._depth = 0
+        self._stop = False
+        self._cv = threading.Condition()
         self.finished: deque[JobStats] = deque(maxlen=history)
         """Stats of the most recent jobs, newest last (for logs, tests and health)."""
         self._finished_cv = threading.Condition()
@@ -486,48 +597,86 @@ class JobLedger:
     @property
     def depth(self) -> int:
         """Jobs submitted and not yet taken by the loop."""
-        return self._queue.qsize()
+        return self._depth
+
+    def take_stop(self) -> bool:
+        """Whether the stop was requested since the loop last took it (taking it clears it, so
+        a loop started again later runs; like a sentinel in a queue)."""
+        with self._cv:
+            stop, self._stop = self._stop, False
+            return stop
 
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Job:
-        job = Job(next(self._ids), request, sink, self.observer)
-        self._queue.put(job)
-        return job
+        return self.submit_request([request], [sink])[0]
+
+    def submit_request(self, requests: Sequence[GenerationRequest],
+                       sinks: Sequence[Callable[[Event], None]]) -> list[Job]:
+        """Queue the jobs of one client request (its choices or prompts, in order) as one
+        party of the fair schedule."""
+        request_id = next(self._request_ids)
+        jobs = [Job(next(self._ids), r, s, self.observer) for r, s in zip(requests, sinks, strict=True)]
+        if not jobs:
+            return jobs
+        for job in jobs:
+            job.stats.request_id, job.stats.request_jobs = request_id, len(jobs)
+        with self._cv:
+            self._requests[request_id] = _Request(request_id, jobs, next(self._ticks), time.monotonic())
+            self._depth += len(jobs)
+            self._cv.notify_all()
+        return jobs
 
     def request_stop(self) -> None:
-        """Ask the loop to end once it has taken what was queued before."""
-        self._queue.put(None)
+        """Ask the loop to end once it has taken what is queued."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
 
     def cancel_queued(self) -> None:
         """Cancel every job not yet taken and tell its handler (they are not recorded)."""
-        while True:
-            try:
-                pending = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if pending is not None:
-                pending.cancel()
-                self.finish_cancelled(pending)
+        with self._cv:
+            dropped = [job for r in self._requests.values() for job in r.queued]
+            for r in list(self._requests.values()):
+                r.left -= len(r.queued)
+                r.queued.clear()
+                if r.running == 0:
+                    del self._requests[r.id]
+            self._depth = 0
+        for job in dropped:
+            job.cancel()
+            self.finish_cancelled(job)
+
+    def wait_for_work(self) -> None:
+        """Block until a job is queued or the stop was requested."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._depth > 0 or self._stop)
 
     def take(self) -> Job | None:
-        """The next job, waiting for one; None when the stop was requested."""
-        return self._queue.get()
+        """The next job (see `next_turn`), waiting for one; None once the stop was requested
+        and nothing is queued (the stop is then taken, see `take_stop`)."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._depth > 0 or self._stop)
+            job = self._take_locked(None)
+            if job is None:
+                self._stop = False
+            return job
 
-    def take_ready(self, block: bool) -> tuple[list[Job], bool]:
-        """The jobs queued now (with `block`, waiting for at least one item) and whether the
-        stop was requested among them."""
-        jobs: list[Job] = []
-        stop = False
-        try:
-            item = self._queue.get(block=block)
-            while True:
-                if item is None:
-                    stop = True
-                else:
-                    jobs.append(item)
-                item = self._queue.get_nowait()
-        except queue.Empty:
-            pass
-        return jobs, stop
+    def take_next(self, can_start: Callable[[Job], bool] | None = None) -> Job | None:
+        """The next job that `can_start` admits (a request whose next job it refuses waits,
+        the others go on), or None; never waits."""
+        with self._cv:
+            return self._take_locked(can_start)
+
+    def _take_locked(self, can_start: Callable[[Job], bool] | None) -> Job | None:
+        turns = [r.turn() for r in self._requests.values()
+                 if r.queued and (can_start is None or can_start(r.queued[0]))]
+        chosen = next_turn(turns)
+        if chosen is None:
+            return None
+        r = self._requests[chosen]
+        job = r.queued.popleft()
+        r.running += 1
+        self._depth -= 1
+        return job
 
     def start(self, job: Job, slot: int | None = None) -> None:
         """The loop begins serving the job (in resident session `slot`, batched mode)."""
@@ -535,6 +684,10 @@ class JobLedger:
         stats.started_at = time.monotonic()
         stats.status = "running"
         stats.slot = slot
+        with self._cv:
+            r = self._requests.get(stats.request_id)
+            if r is not None and r.queue_s is None:
+                r.queue_s = stats.request_queue_s = max(0.0, stats.started_at - r.arrived)
         self.observer.job_started(stats)
 
     def finish_cancelled(self, job: Job) -> None:
@@ -542,28 +695,30 @@ class JobLedger:
         job.emit(Finished("cancelled", job.stats.usage()))
 
     def record(self, job: Job) -> None:
-        """The job has left the loop: keep its stats, wake `wait_finished`, log one line."""
+        """The job has left the loop: keep its stats, wake `wait_finished`, log one line (and
+        one for its request once the last of several jobs has left)."""
         stats = job.stats
         stats.finished_at = time.monotonic()
         if stats.status == "cancelled" and stats.cancel_requested_at is not None and stats.started_at:
             stats.cancel_latency_s = max(0.0, stats.finished_at - stats.cancel_requested_at)
+        ended: _Request | None = None
+        with self._cv:
+            r = self._requests.get(stats.request_id)
+            if r is not None:
+                r.running -= 1
+                r.left -= 1
+                r.since = next(self._ticks)
+                if r.left <= 0:
+                    ended = self._requests.pop(r.id)
         self.observer.job_finished(stats)
         with self._finished_cv:
             self.finished.append(stats)
             self._finished_cv.notify_all()
-        total = stats.finished_at - stats.queued_at
-        extra = (f" cancel_latency={stats.cancel_latency_s * 1000:.0f}ms"
-                 if stats.cancel_latency_s is not None else "")
-        if stats.n_greedy:
-            extra += f" greedy_in_tool_syntax={stats.n_greedy}"
-        if stats.n_constrained:
-            extra += f" constrained={stats.n_constrained}"
-        if stats.n_written:
-            extra += f" written_to_disk={stats.n_written}"
-        if stats.slot is not None:
-            extra += f" slot={stats.slot}"
-        log.info("job %d %s: prompt=%d cached=%d generated=%d time=%.2fs%s", stats.job_id,
-                 stats.status, stats.n_prompt, stats.n_cached, stats.n_generated, total, extra)
+        log.info("job %d %s: %s", stats.job_id, stats.status, job_line(stats))
+        if ended is not None and ended.size > 1:
+            queued = f"{ended.queue_s:.2f}s" if ended.queue_s is not None else "never started"
+            log.info("request %d ended: jobs=%d queued=%s time=%.2fs", ended.id, ended.size, queued,
+                     stats.finished_at - ended.arrived)
 
     def wait_finished(self, job_id: int, timeout: float) -> JobStats | None:
         """Block until the job with this id has been recorded (tests and shutdown)."""
@@ -577,3 +732,23 @@ class JobLedger:
                 if left <= 0:
                     return None
                 self._finished_cv.wait(left)
+
+
+def job_line(stats: JobStats) -> str:
+    """The figures of one finished job, as the request log shows them."""
+    total = (stats.finished_at or stats.queued_at) - stats.queued_at
+    queued = (stats.started_at or stats.finished_at or stats.queued_at) - stats.queued_at
+    extra = (f" cancel_latency={stats.cancel_latency_s * 1000:.0f}ms"
+             if stats.cancel_latency_s is not None else "")
+    if stats.n_greedy:
+        extra += f" greedy_in_tool_syntax={stats.n_greedy}"
+    if stats.n_constrained:
+        extra += f" constrained={stats.n_constrained}"
+    if stats.n_written:
+        extra += f" written_to_disk={stats.n_written}"
+    if stats.slot is not None:
+        extra += f" slot={stats.slot}"
+    if stats.request_jobs > 1:
+        extra += f" request={stats.request_id}"
+    return (f"prompt={stats.n_prompt} cached={stats.n_cached} generated={stats.n_generated} "
+            f"queued={queued:.2f}s time={total:.2f}s{extra}")

@@ -137,6 +137,11 @@ class ServerMetrics:
                              REQUEST_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "From a request's submission to the start of its prefill.", REQUEST_BUCKETS)
+        self.request_queue_time = histogram(
+            "ds4:request_queue_time_seconds",
+            "From a client request's arrival to the start of its first job: one observation per request, "
+            "however many choices or prompts it has (vllm:request_queue_time_seconds counts each of them).",
+            REQUEST_BUCKETS)
         self.prefill_time = histogram("vllm:request_prefill_time_seconds",
                                       "From the start of a request's prefill to its first token.", REQUEST_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds",
@@ -155,6 +160,8 @@ class ServerMetrics:
     def job_started(self, stats: JobStats) -> None:
         if stats.started_at is not None:
             self.queue_time.observe(stats.started_at - stats.queued_at)
+        if stats.request_queue_s is not None:
+            self.request_queue_time.observe(stats.request_queue_s)
 
     def token(self, stats: JobStats, now: float) -> None:
         self.generation_tokens.inc()

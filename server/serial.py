@@ -1,9 +1,9 @@
-"""The one-session (serial) inference loop: one job at a time, first in first out.
+"""The one-session (serial) inference loop: one job at a time, in the ledger's fair order.
 
 HTTP handlers run concurrently on the event loop; inference does not. Each request is
 turned into a `GenerationRequest` (already rendered and tokenized, API-independent) and
 submitted as a `Job` to the worker's `server.jobs.JobLedger`. One worker thread takes jobs
-in FIFO order and, for each (`SerialLoop`):
+in the ledger's order and, for each (`SerialLoop`):
 
 1. brings the session to the prompt ids (prefix reuse, disk cache restore, chunked
    prefill; the progress hook emits `PrefillProgress`, the cancel hook is checked at every
@@ -29,6 +29,14 @@ wraps `loop.call_soon_threadsafe`), so the worker never touches the event loop.
 Cancellation: `Job.cancel()` may be called from any thread (disconnects do it). A queued
 job is skipped; a running job stops at the next prefill chunk or decode step and the
 worker records how long that took (`JobStats.cancel_latency_s`).
+
+Fair scheduling: a request of several choices or prompts is several jobs, and the ledger
+hands out one job at a time, the next from the request that has waited longest without
+service (`server.jobs.next_turn`). A request that arrives while a 128-choice request runs
+therefore waits for the choice in progress, not for all of them. The unit of work is one
+choice or one prompt: a job is never interrupted to serve another. The price is prefix reuse:
+a choice that follows another request's job prefills its prompt again (or restores it from
+the disk cache).
 
 The session is kept between jobs so that a prompt sharing a prefix with the previous one
 (multi-turn chat, agents) reuses its KV cache; the reused count is published by the APIs as
@@ -68,7 +76,7 @@ log = logging.getLogger("ds4.server.worker")
 
 
 class SerialLoop:
-    """One session, one job at a time, first in first out (runs on the worker's thread)."""
+    """One session, one job at a time in the ledger's fair order (runs on the worker's thread)."""
 
     def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None) -> None:
         """`engine` provides `SamplingParams` and `Cancelled` (the `engine` package or a fake)."""
@@ -84,8 +92,6 @@ class SerialLoop:
     @property
     def busy(self) -> bool:
         return self._current is not None
-
-    n_waiting = 0
 
     @property
     def n_active(self) -> int:

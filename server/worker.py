@@ -1,7 +1,10 @@
 """The inference worker: the thread that owns the engine and runs one of the two loops.
 
-The per-job work of the one-session loop is `server.serial.SerialLoop` (FIFO, prefix
-reuse, the disk cache plan, token decoding).
+The per-job work of the one-session loop is `server.serial.SerialLoop` (prefix reuse, the
+disk cache plan, token decoding). Which job goes next is the ledger's (`server.jobs.JobLedger`):
+the jobs of one client request (its choices or prompts) are submitted together
+(`submit_request`) and take turns with other requests' jobs, in both loops. `check` is the
+per-request ceiling on work (`server.jobs.WorkLimits`), for the APIs to answer before queueing.
 
 The worker thread is an `engine.threads.EngineThread`: the one the model was loaded on
 (`ds4-server` loads it there), so that torch keeps a single OpenMP pool and its fast waits
@@ -23,12 +26,12 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from engine.threads import EngineThread
 from server.batching import BatchedLoop
 from server.jobs import (NO_OBSERVER, CoalescingSink, Event, GenerationRequest, Job, JobLedger, JobObserver,
-                         JobStats, ServingLoad, default_engine)
+                         JobStats, OverLimit, ServingLoad, WorkLimits, default_engine, over_limit)
 from server.kvstore import KVStore
 from server.serial import SerialLoop
 
@@ -42,18 +45,21 @@ def _log_loop_failure(loop: Future) -> None:
 
 
 class InferenceWorker:
-    """One thread owns the engine: one session served first in, first out, or a batch of slots."""
+    """One thread owns the engine: one session serving one job at a time, or a batch of slots."""
 
     def __init__(self, model: Any, engine: Any = None, *,
                  history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
                  clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None,
-                 observer: JobObserver = NO_OBSERVER, stream_interval: float = 0.0) -> None:
+                 observer: JobObserver = NO_OBSERVER, stream_interval: float = 0.0,
+                 limits: WorkLimits = WorkLimits()) -> None:
         """`engine` provides the engine's types (`SamplingParams`, `Sampler`, `Cancelled`; default:
         the `engine` package). `engine_thread` is the thread the model was loaded on (see
         `engine.threads`); the worker's loop runs there. Without one the worker starts its own
         and ends it in `stop()`. `observer` watches every job (`server.jobs.JobObserver`).
-        `stream_interval` > 0 wraps each job's sink in a `server.jobs.CoalescingSink`."""
+        `stream_interval` > 0 wraps each job's sink in a `server.jobs.CoalescingSink`. `limits`
+        is the most work one request may ask for (`check`)."""
         self.model = model
+        self.limits = limits
         self.stream_interval = stream_interval
         self.engine = engine if engine is not None else default_engine()
         self.kv = kv
@@ -111,14 +117,24 @@ class InferenceWorker:
 
     # submission
 
+    def check(self, requests: Sequence[GenerationRequest]) -> OverLimit | None:
+        """Why the jobs of one client request ask for more work than `limits` allows, or None."""
+        return over_limit(requests, self.model.n_ctx, self.limits)
+
     def submit(self, request: GenerationRequest, sink: Callable[[Event], None]) -> Job:
+        return self.submit_request([request], [sink])[0]
+
+    def submit_request(self, requests: Sequence[GenerationRequest],
+                       sinks: Sequence[Callable[[Event], None]]) -> list[Job]:
+        """Queue the jobs of one client request (its choices or prompts, in order): the loop
+        shares its time between requests, one job at a time (`server.jobs.JobLedger`)."""
         if self.stream_interval > 0:
-            sink = CoalescingSink(sink, self.stream_interval)
-        return self.jobs.submit(request, sink)
+            sinks = [CoalescingSink(sink, self.stream_interval) for sink in sinks]
+        return self.jobs.submit_request(requests, sinks)
 
     @property
     def queue_depth(self) -> int:
-        return self.jobs.depth + self.serving.n_waiting
+        return self.jobs.depth
 
     @property
     def busy(self) -> bool:

@@ -168,15 +168,18 @@ def server_process(log_path: Path, *flags: str) -> Iterator[ServerProcess]:
 
 
 class ModelServerProcess:
-    """A `python -m server.cli` child on a free loopback port; `rss_peak_kib()` reads its VmHWM."""
+    """A `python -m server.cli` child on a free loopback port; `rss_peak_kib()` reads its VmHWM.
+    `root` is the checkout whose server runs (default: this one)."""
 
-    def __init__(self, *flags: str, startup_s: float = 180.0) -> None:
+    def __init__(self, *flags: str, startup_s: float = 180.0, root: Path = REPO_ROOT) -> None:
         import subprocess
         import sys
         self.port = free_port()
         self.proc = subprocess.Popen([sys.executable, "-m", "server.cli", "--port", str(self.port),
                                       "--host", "127.0.0.1", *flags],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(REPO_ROOT))
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=str(root),
+                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                         [str(root), os.environ.get("PYTHONPATH", "")])})
         self.log: list[str] = []
         threading.Thread(target=self._drain, daemon=True).start()
         deadline = time.monotonic() + startup_s
