@@ -326,13 +326,13 @@ def served():
     with TestClient(fake_app(model), raise_server_exceptions=False) as c:
         worker = c.app.state.worker
         submitted: list[Any] = []
-        submit = worker.submit
+        submit_request = worker.submit_request  # every request's way in (`submit` goes through it)
 
-        def recording(request: Any, sink: Any) -> Any:
-            submitted.append(request)
-            return submit(request, sink)
+        def recording(requests: Any, sinks: Any, *args: Any, **kwargs: Any) -> Any:
+            submitted.extend(requests)
+            return submit_request(requests, sinks, *args, **kwargs)
 
-        worker.submit = recording
+        worker.submit_request = recording
         yield c, submitted
 
 
