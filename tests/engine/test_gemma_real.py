@@ -99,6 +99,7 @@ def test_tokenization_matches_the_reference_tokenizer(gemma_file, gemma_tokenize
     assert tok.bos_id == ref.bos_token_id and tok.add_bos
 
 
+@pytest.mark.slow  # building the 262k vocabulary takes seconds
 def test_the_chat_template_renders_gemma_turns(gemma_tokenizer):
     tok, template = gemma_tokenizer
     text = template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])

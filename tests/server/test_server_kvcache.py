@@ -172,6 +172,7 @@ def test_user_boundary_is_where_the_last_user_turn_starts():
 
 
 @pytest.mark.model
+@pytest.mark.slow  # the fast restore tests above keep the default run's coverage
 def test_embedded_model_restart_restores_a_long_prompt(tmp_path):
     from engine import load_model
     d = tmp_path / "kv"

@@ -75,6 +75,7 @@ def test_a_stream_cut_mid_answer_starts_again_elsewhere_and_only_the_new_text_is
     assert stats[cut.url].failures >= 1
 
 
+@pytest.mark.slow  # the default run keeps the handover, a cut stream and a dead server
 def test_a_connection_refused_endpoint_among_live_ones_costs_no_case(tmp_path):
     with FlakyOpenAI() as a, FlakyOpenAI() as b:
         dead = FlakyOpenAI().__enter__()
@@ -85,6 +86,7 @@ def test_a_connection_refused_endpoint_among_live_ones_costs_no_case(tmp_path):
     assert stats[dead.url].out_of_rotation and "ConnectError" in " ".join(notes)
 
 
+@pytest.mark.slow  # the default run keeps the handover, a cut stream and a dead server
 def test_429_waits_for_retry_after_bounded_then_succeeds(tmp_path):
     with FlakyOpenAI(plan=lambda i: 429 if i == 0 else None, retry_after=60) as srv:
         t0 = time.monotonic()
@@ -102,6 +104,7 @@ def test_a_4xx_is_the_case_s_own_error_and_is_not_sent_again(tmp_path):
     assert a.requests + b.requests == 1 and not any(s.failures for s in stats.values())
 
 
+@pytest.mark.slow  # the default run keeps the handover, a cut stream and a dead server
 def test_an_endpoint_out_of_rotation_comes_back_when_its_probe_answers(tmp_path):
     # Its first three requests fail, its model list answers all along: out, re-probed, back.
     with FlakyOpenAI(plan=lambda i: 502 if i < 3 else None, delay_s=0.01) as flaky, \
@@ -135,6 +138,7 @@ def test_endpoints_serving_different_models_are_refused_one_line_per_difference(
         assert notes[0].startswith("mixed endpoints: served model differs")
 
 
+@pytest.mark.slow  # the default run keeps the handover, a cut stream and a dead server
 def test_each_endpoint_of_a_mixed_set_is_sent_its_own_model_name(tmp_path):
     with FlakyOpenAI(model="left") as a, FlakyOpenAI(model="right") as b:
         cfg = EvalConfig(backend="openai", urls=(a.url, b.url), allow_mixed_endpoints=True, no_probe=True)
@@ -146,6 +150,7 @@ def test_each_endpoint_of_a_mixed_set_is_sent_its_own_model_name(tmp_path):
     assert {body["model"] for body in a.bodies} == {"left"} and {body["model"] for body in b.bodies} == {"right"}
 
 
+@pytest.mark.slow  # the default run keeps the handover, a cut stream and a dead server
 def test_capability_findings_that_differ_are_refused():
     with FakeCapabilities() as a, FakeCapabilities(modes={"seed": "ignore"}) as b:
         kw = {"temperature": 0.7, "seed": 1}
@@ -179,6 +184,7 @@ def invoke(*args):
     return CliRunner().invoke(cli.main, [str(a) for a in args], env={})
 
 
+@pytest.mark.slow  # the default run keeps the handover, a cut stream and a dead server
 def test_run_over_two_endpoints_and_a_url_file_reports_each_endpoint(tmp_path):
     with FlakyOpenAI(reply=lambda q: "Answer: 5") as a, FlakyOpenAI(reply=lambda q: "Answer: 5") as b, \
             FlakyOpenAI(reply=lambda q: "Answer: 5") as c:
