@@ -54,7 +54,8 @@ from engine.device_sampling import DeviceLogits, StepLogits
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import CpuKernels
-from engine.kvcache import KVCache, KVPool
+from engine.kvcache import KVCache
+from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 
@@ -170,7 +171,7 @@ class GemmaBlock:
         return sum(m.nbytes for m in mats) + sum(v.nbytes for v in vecs)
 
 
-class GemmaModel:
+class GemmaModel(CachedNetwork):
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
         if cfg.rope_dim != cfg.head_dim:
@@ -218,21 +219,6 @@ class GemmaModel:
         window = f", sliding window {self.params.window}" if self.params.window else ""
         return f"torch ops ({self.device.type}{window})"
 
-    @property
-    def kernel_path(self) -> str:
-        return self.cpu_kernels.describe() if self.cpu_kernels is not None else self.device.type
-
-    @property
-    def weight_bytes(self) -> int:
-        out = 0 if self.head_is_table else self.output.nbytes
-        return sum(b.nbytes for b in self.blocks) + self.embed.nbytes + self.out_norm.nbytes + out
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V one cached position holds: every layer, local ones included (the
-        window is honoured when reading, not when storing)."""
-        cfg = self.cfg
-        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
-
     def work_bytes(self, n_tokens: int, ctx: int) -> int:
         """Float32 activations of one step of `n_tokens` against `ctx` positions (residual,
         norms, qkv and its rotated copies, attention output, gate/up), the attention scores and
@@ -241,14 +227,6 @@ class GemmaModel:
         T = n_tokens
         acts = 4 * T * (cfg.n_embd * 6 + 3 * (cfg.q_dim + 2 * cfg.kv_dim) + 3 * cfg.n_ff)
         return acts + 4 * cfg.n_head * T * ctx + 4 * cfg.n_vocab
-
-    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
-        cfg = self.cfg
-        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
-
-    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
-        cfg = self.cfg
-        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
     # --- the layers ---
 

@@ -51,6 +51,7 @@ from engine import cuda_graphs
 from engine.device_sampling import DeviceLogits, StepLogits
 from engine.kernels import CpuKernels
 from engine.kvcache import KVCache, KVPool
+from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 class StepKernels(Protocol):
@@ -122,7 +123,7 @@ class Block:
         return sum(m.nbytes for m in mats) + sum(v.nbytes for v in vecs)
 
 
-class LlamaModel:
+class LlamaModel(CachedNetwork):
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
         if cfg.rope_dim != cfg.head_dim:
@@ -182,21 +183,6 @@ class LlamaModel:
             return f"torch ops (CPU kernels {self.cpu_kernels.describe()})"
         return f"torch ops (no kernel for head dim {self.cfg.head_dim})"
 
-    @property
-    def kernel_path(self) -> str:
-        """Which CPU kernels run and why (engine.kernels), or the device, for banners."""
-        return self.cpu_kernels.describe() if self.cpu_kernels is not None else self.device.type
-
-    @property
-    def weight_bytes(self) -> int:
-        out = 0 if self.head_is_table else self.output.nbytes
-        return sum(b.nbytes for b in self.blocks) + self.embed.nbytes + self.out_norm.nbytes + out
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V that one cached position holds in every layer."""
-        cfg = self.cfg
-        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
-
     def work_bytes(self, n_tokens: int, ctx: int) -> int:
         """Working buffers of one forward step of `n_tokens` new tokens against `ctx` positions:
         float32 activations (residual, norms, qkv, attention output, gate/up) and attention
@@ -205,14 +191,6 @@ class LlamaModel:
         T = n_tokens
         acts = 4 * T * (cfg.n_embd * 4 + cfg.q_dim + 2 * cfg.kv_dim + 2 * cfg.n_ff) + 4 * cfg.n_head * T * ctx
         return acts + 4 * cfg.n_vocab
-
-    def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
-        cfg = self.cfg
-        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
-
-    def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
-        cfg = self.cfg
-        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
 
     def head(self, h: torch.Tensor, ops: StepKernels | None = None) -> torch.Tensor:
         return self.output((ops or self.torch_kernels).norm(h, self.out_norm)).float()
