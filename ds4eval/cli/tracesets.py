@@ -56,14 +56,12 @@ def missing_namer(data_dir: str | None) -> Callable[[RunHeader, list[int]], list
                                        sources=filters.get("sources", ()))
         except (DataMissing, cs.CaseError, ValueError, OSError, AttributeError):
             return None
-        names = []
-        for index in missing:
-            part = shards.part(selected, shards.Shard(index, shards.parse_shard(header.shard).count),
-                               header.repeats, header.filters)
-            if part.selection != header.selection:
-                return None
-            names += [f"#{n} {c.source}/{c.id}" for n, c in zip(part.numbers, part.cases)]
-        return names
+        digest = shards.selection_digest(((c.source, c.id, cs.case_hash(c)) for c in selected), header.repeats)
+        if digest != header.selection:
+            return None
+        count, wanted = shards.parse_shard(header.shard).count, set(missing)
+        return [f"#{n} {c.source}/{c.id}" for n, c in enumerate(selected, 1)
+                if shards.assign(c.source, c.id, count) in wanted]
 
     return name
 
