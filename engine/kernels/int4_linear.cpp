@@ -267,12 +267,18 @@ inline void finish_group(__m256 a[4][2], const S* sc, float sum, float* yr) {
   }
 }
 
-// One row (decoding): each chunk's nibbles are widened in registers and used at once.  The
-// low nibbles (pairs 0..7) are all taken before the high ones (pairs 8..15), so that each
-// accumulator sees its pairs in the order of the contract.
+// One row (decoding): each chunk's nibbles are converted in registers and used at once, with
+// no shifts.  A 16-byte half of a chunk widened to 32-bit lanes holds one 16-bit word per
+// column: bits 0-3 the even input of pair c, 4-7 the even input of pair c + 8, 8-11 and 12-15
+// the odd inputs of the same pairs.  Masked in place, a nibble converts to q * 2^(4i) for its
+// position i; the row's inputs come divided by that power of two (`scaled_row`), so every
+// product equals x * q exactly and the sums, in the contract's order, are the other ops'
+// bits.  The low nibbles (pairs 0..7) are all taken before the high ones (pairs 8..15), so
+// that each accumulator sees its pairs in the order of the contract.
 template <typename S>
-inline void group_one_row(const uint8_t* q, const float* xv, const S* sc, float sum, float* yr) {
-  const __m256i low4 = _mm256_set1_epi32(0x0F);
+inline void group_one_row(const uint8_t* q, const float* xs, const S* sc, float sum, float* yr) {
+  const __m256i even_mask[2] = {_mm256_set1_epi32(0x000F), _mm256_set1_epi32(0x00F0)};
+  const __m256i odd_mask[2] = {_mm256_set1_epi32(0x0F00), _mm256_set1_epi32(0xF000)};
   __m256 a[4][2];
   for (auto& ah : a) ah[0] = ah[1] = _mm256_setzero_ps();
 #pragma GCC unroll 2
@@ -280,12 +286,11 @@ inline void group_one_row(const uint8_t* q, const float* xv, const S* sc, float 
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const int p = c + 8 * s;
-      const __m256 odd = _mm256_broadcast_ss(xv + 2 * p + 1), even = _mm256_broadcast_ss(xv + 2 * p);
+      const __m256 odd = _mm256_broadcast_ss(xs + 2 * p + 1), even = _mm256_broadcast_ss(xs + 2 * p);
       for (int h = 0; h < 2; ++h) {
-        __m256i pairs = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 32 + h * 16)));
-        if (s) pairs = _mm256_srli_epi32(pairs, 4);
-        const __m256 qe = _mm256_cvtepi32_ps(_mm256_and_si256(pairs, low4));
-        const __m256 qo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(pairs, 8), low4));
+        const __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + c * 32 + h * 16)));
+        const __m256 qe = _mm256_cvtepi32_ps(_mm256_and_si256(words, even_mask[s]));
+        const __m256 qo = _mm256_cvtepi32_ps(_mm256_and_si256(words, odd_mask[s]));
         a[c & 3][h] = _mm256_fmadd_ps(odd, qo, a[c & 3][h]);
         a[c & 3][h] = _mm256_fmadd_ps(even, qe, a[c & 3][h]);
       }
@@ -294,13 +299,25 @@ inline void group_one_row(const uint8_t* q, const float* xv, const S* sc, float 
   finish_group(a, sc, sum, yr);
 }
 
+// One row rounded to bfloat16, each input divided by the weight its nibble carries in
+// group_one_row (2^0, 2^-8, 2^-4, 2^-12 for even and odd inputs of a group's first and second
+// halves).  Exact: a bfloat16 normal times 2^-12 still has all its bits in float32's range,
+// and subnormals were already rounded to zero.
+inline std::vector<float> scaled_row(const float* x, int64_t K) {
+  static constexpr float kWeight[4] = {1.0f, 0x1p-8f, 0x1p-4f, 0x1p-12f};  // by (second half, odd)
+  std::vector<float> out(K);
+  for (int64_t k = 0; k < K; ++k) out[k] = bits_float(bf16_bits(x[k])) * kWeight[2 * ((k & (G - 1)) >= 16) + (k & 1)];
+  return out;
+}
+
 template <typename S>
 at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
+  const std::vector<float> xs = M == 1 ? scaled_row(x.data_ptr<float>(), K) : std::vector<float>();
   return vector_op<float, S>(x, packed, scales, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
                                                     int64_t b, float* acc_y) {
     if (M == 1) {
-      group_one_row(q, xr.values.data() + b * G, sc, xr.sums[b], acc_y);
+      group_one_row(q, xs.data() + b * G, sc, xr.sums[b], acc_y);
       return;
     }
     // Several rows: the group's weights are widened once into a buffer every row reads.
