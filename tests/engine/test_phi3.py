@@ -8,13 +8,18 @@ token, batched rows against the same rows alone (bit for bit on CPU); and the CU
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import engine
 from engine.batch import decode_batch
-from engine.config import ModelConfig
+from engine.config import ModelConfig, UnsupportedModel
+from engine.gguf_file import read_gguf
+from engine.kernels import cpu_kernels
+from engine.models.phi3 import Phi3Model
 from phi3_models import Phi3Spec, reference_logits, write_random_phi3
 
 # 13 tokens against a window of 4: most positions see only part of the past.
@@ -109,6 +114,15 @@ def test_hyperparameters_come_from_the_metadata(phi3_gguf):
             "llama.feed_forward_length": 64, "llama.attention.head_count": 2, "llama.context_length": 64,
             "llama.vocab_size": 10, "llama.attention.sliding_window": 4096}
     assert ModelConfig.from_metadata(meta).sliding_window == 4096
+
+
+def test_fused_tensors_must_split_where_the_metadata_says(phi3_gguf):
+    """An ffn_up or attn_qkv of another height than the shape implies is refused by name, not
+    split in the wrong place."""
+    g = read_gguf(phi3_gguf("phi3"))
+    cfg = ModelConfig.from_metadata(g.metadata)
+    with pytest.raises(UnsupportedModel, match=r"blk\.0\.ffn_up\.weight has 192 rows, not 128"):
+        Phi3Model(dataclasses.replace(cfg, n_ff=64), g, "float32", torch.device("cpu"), cpu_kernels())
 
 
 @pytest.mark.parametrize("attention", PATHS)
