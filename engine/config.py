@@ -34,6 +34,9 @@ class ModelConfig:
     rope_style: str
     qkv_bias: bool
     qk_norm: bool
+    # `{arch}.attention.sliding_window`: keys a query sees, itself included (None: all). The llama
+    # family windows every layer with it; gemma decides per layer (engine.models.gemma).
+    sliding_window: int | None = None
 
     @property
     def q_dim(self) -> int:
@@ -63,6 +66,7 @@ class ModelConfig:
         head_dim = int(get("attention.key_length", n_embd // n_head))
         tokens = meta.get("tokenizer.ggml.tokens")
         n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
+        window = meta.get(f"{arch}.attention.sliding_window")
         return cls(
             arch=arch,
             n_layer=int(get("block_count")),
@@ -79,4 +83,5 @@ class ModelConfig:
             rope_style=variant.rope_style,
             qkv_bias=variant.qkv_bias,
             qk_norm=variant.qk_norm,
+            sliding_window=int(window) if window else None,
         )

@@ -34,6 +34,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     # Soft-capping, window pattern and rope bases come from engine.models.gemma's own table.
     "gemma2": Architecture("gemma", "GemmaModel", rope_style="neox"),
     "gemma3": Architecture("gemma", "GemmaModel", rope_style="neox", qk_norm=True),
+    # The llama network with fused tensors and LongRoPE tables (engine.models.phi3).
+    "phi3": Architecture("phi3", "Phi3Model", rope_style="neox"),
 }
 
 

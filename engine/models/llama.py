@@ -1,10 +1,18 @@
-"""The llama family forward pass: llama (SmolLM2, TinyLlama, Llama 3.x), qwen2, qwen3.
+"""The llama family forward pass: llama (SmolLM2, TinyLlama, Llama 3.x, Mistral), qwen2, qwen3.
 
 One decoder-only transformer: RMSNorm, grouped-query attention with RoPE, SwiGLU FFN,
 tied or separate output head.  The variants differ only in q/k/v bias (qwen2), per-head
 q/k RMSNorm (qwen3) and the RoPE pairing; neox pairing (i, i + d/2) is turned into the
 adjacent-pair layout (2i, 2i+1) at load time by permuting the q/k output rows (attention
 scores are invariant under the same permutation of q and k), so one rope kernel serves all.
+Partial rotary embeddings (rope_dim < head_dim) turn only each head's first rope_dim
+dimensions: the rope table multiplies the remaining pairs by exactly 1.
+A sliding window in the metadata (`ModelConfig.sliding_window`, Mistral-style files) applies
+to every layer: a query at position p attends to positions p - window + 1 .. p, on every path
+below (the compiled kernel is handed a view of the cache that starts at the window), while the
+cache keeps every position as it does without a window.
+Subclasses change only what is loaded (engine.models.phi3: `Block.qkv_records` /
+`gate_up_records` name the fused tensors, `rope_tables` / `rope_for` give the rotations).
 
 `LlamaModel` implements `engine.protocols.Network` and is registered for llama, qwen2 and
 qwen3 in engine.models.ARCHITECTURES.
@@ -80,14 +88,29 @@ class TorchKernels:
         return F.silu(gate_up[:, : self.n_ff]) * gate_up[:, self.n_ff:]
 
 
-def _neox_to_pairs(n_heads: int, head_dim: int) -> np.ndarray:
-    """Row order that turns per-head halves [x0..x(d/2-1), y0..] into pairs [x0, y0, x1, y1, ...]."""
-    half = head_dim // 2
-    within = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+def _neox_to_pairs(n_heads: int, head_dim: int, rope_dim: int | None = None) -> np.ndarray:
+    """Row order that turns each head's rotated halves [x0..x(r/2-1), y0..y(r/2-1)] (r = rope_dim,
+    default head_dim) into pairs [x0, y0, x1, y1, ...], the head's unrotated rest kept after them."""
+    half = (rope_dim or head_dim) // 2
+    pairs = np.stack([np.arange(half), np.arange(half) + half], axis=1).reshape(-1)
+    within = np.concatenate([pairs, np.arange(2 * half, head_dim)])
     return (np.arange(n_heads)[:, None] * head_dim + within[None, :]).reshape(-1)
 
 
 class Block:
+    """One layer's weights.  `qkv_records` and `gate_up_records` name the GGUF tensors of the two
+    fused matmuls; a family storing them fused already (engine.models.phi3) overrides them."""
+
+    @staticmethod
+    def qkv_records(t: dict[str, TensorRecord], p: str) -> list[TensorRecord]:
+        """The q, k and v rows of layer prefix `p`, in that order."""
+        return [t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]]
+
+    @staticmethod
+    def gate_up_records(t: dict[str, TensorRecord], p: str) -> list[TensorRecord]:
+        """The FFN's gate rows, then its up rows."""
+        return [t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]]
+
     def __init__(self, cfg: ModelConfig, t: dict[str, TensorRecord], i: int, fmt: str, device: torch.device,
                  cpu: CpuKernels | None):
         p = f"blk.{i}."
@@ -97,22 +120,20 @@ class Block:
 
         perm = None
         if cfg.rope_style == "neox":
-            q_perm = _neox_to_pairs(cfg.n_head, cfg.head_dim)
-            k_perm = cfg.q_dim + _neox_to_pairs(cfg.n_head_kv, cfg.head_dim)
+            q_perm = _neox_to_pairs(cfg.n_head, cfg.head_dim, cfg.rope_dim)
+            k_perm = cfg.q_dim + _neox_to_pairs(cfg.n_head_kv, cfg.head_dim, cfg.rope_dim)
             v_rows = cfg.q_dim + cfg.kv_dim + np.arange(cfg.kv_dim)
             perm = np.concatenate([q_perm, k_perm, v_rows])
-        qkv = [t[p + "attn_q.weight"], t[p + "attn_k.weight"], t[p + "attn_v.weight"]]
         biases = [t[p + f"attn_{x}.bias"] for x in "qkv"] if cfg.qkv_bias else None
-        self.wqkv: Linear = build_linear(qkv, fmt, device, biases=biases, row_perm=perm, cpu=cpu)
+        self.wqkv: Linear = build_linear(self.qkv_records(t, p), fmt, device, biases=biases, row_perm=perm, cpu=cpu)
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
-        self.w_gate_up: Linear = build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device,
-                                              cpu=cpu)
+        self.w_gate_up: Linear = build_linear(self.gate_up_records(t, p), fmt, device, cpu=cpu)
         self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
         self.attn_norm = vec("attn_norm.weight")
         self.ffn_norm = vec("ffn_norm.weight")
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            half_perm = _neox_to_pairs(1, cfg.head_dim)
+            half_perm = _neox_to_pairs(1, cfg.head_dim, cfg.rope_dim)
             self.q_norm = vec("attn_q_norm.weight")[half_perm]
             self.k_norm = vec("attn_k_norm.weight")[half_perm]
 
@@ -124,10 +145,17 @@ class Block:
 
 
 class LlamaModel(CachedNetwork):
+    block_class: type[Block] = Block  # a family with other tensor names overrides its records
+    # True where the rotations depend on the context a cache was made for (phi3's LongRoPE):
+    # then `rope_for` picks them per cache, and CUDA graphs (one table) do not apply.
+    rope_by_context = False
+
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
-        if cfg.rope_dim != cfg.head_dim:
-            raise UnsupportedModel(f"partial rotary embeddings (rope dim {cfg.rope_dim} < head dim {cfg.head_dim})")
+        if cfg.rope_dim > cfg.head_dim or cfg.rope_dim % 2 or cfg.rope_dim < 2:
+            raise UnsupportedModel(f"rope dim {cfg.rope_dim} for head dim {cfg.head_dim}")
+        if cfg.sliding_window is not None and cfg.sliding_window < 1:
+            raise UnsupportedModel(f"sliding window {cfg.sliding_window}")
         t = dict(gguf.tensors)
         required = ["token_embd.weight", "output_norm.weight"]
         missing = [n for n in required if n not in t]
@@ -141,7 +169,7 @@ class LlamaModel(CachedNetwork):
         if device.type == "cpu" and cpu_kernels is None:
             raise ValueError("a CPU model needs a CPU kernel path (engine.kernels.cpu_kernels)")
         try:
-            self.blocks = [Block(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
+            self.blocks = [self.block_class(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
         except KeyError as e:
             raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
         self.embed = Embedding(t["token_embd.weight"], fmt, device)
@@ -158,21 +186,48 @@ class LlamaModel(CachedNetwork):
         # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
         self.attention_kernel = self.cpu_kernels.attention if fits and self.cpu_kernels else None
-        self._rope_tables(t.get("rope_freqs.weight"))
+        # Every layer attends to the last `window` positions only (Mistral-style files); None: all.
+        self.window = cfg.sliding_window
+        self.rope_tables(t)
         # CUDA: decoding steps replay captured graphs (engine.cuda_graphs); None decodes eagerly.
-        self.decode_graphs = cuda_graphs.DecodeGraphs(self) if cuda_graphs.usable(device) else None
+        # Their attention sees every cached position and their rope one table, so a window or
+        # per-context rotations keep decoding eager.
+        graphs_fit = self.window is None and not self.rope_by_context
+        self.decode_graphs = cuda_graphs.DecodeGraphs(self) if graphs_fit and cuda_graphs.usable(device) else None
 
-    def _rope_tables(self, freq_factors: TensorRecord | None) -> None:
+    def inverse_frequencies(self) -> torch.Tensor:
+        """base^(-2i / rope_dim) for the rope_dim/2 rotated pairs, float64."""
         cfg = self.cfg
-        inv = 1.0 / (cfg.rope_base ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
-        if freq_factors is not None:  # Llama 3.1-style long-context scaling, precomputed by the converter
-            inv = inv / torch.from_numpy(to_float(freq_factors).reshape(-1)).double()
-        angles = torch.outer(torch.arange(cfg.n_ctx_train, dtype=torch.float64), inv)
-        self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(self.device)  # [ctx, d/2]
+        return cfg.rope_base ** -(torch.arange(0, cfg.rope_dim, 2, dtype=torch.float64) / cfg.rope_dim)
+
+    def rope_table(self, inv_freq: torch.Tensor, magnitude: float = 1.0) -> torch.Tensor:
+        """[n_ctx_train, head_dim/2] complex64 rotations of the pairs at every position: angle
+        position * inv_freq[i] and length `magnitude` for the rotated pairs; the pairs past
+        rope_dim (partial rotary) are multiplied by exactly 1."""
+        cfg = self.cfg
+        angles = torch.outer(torch.arange(cfg.n_ctx_train, dtype=torch.float64), inv_freq)
+        turned = torch.polar(torch.full_like(angles, magnitude), angles)
+        still = torch.ones(cfg.n_ctx_train, cfg.head_dim // 2 - inv_freq.numel(), dtype=turned.dtype)
+        return torch.cat([turned, still], dim=1).to(torch.complex64).to(self.device)
+
+    def rope_tables(self, t: dict[str, TensorRecord]) -> None:
+        """Sets `self.rope`, the rotations `rope_for` returns."""
+        inv = self.inverse_frequencies()
+        if "rope_freqs.weight" in t:  # Llama 3.1-style long-context scaling, precomputed by the converter
+            inv = inv / torch.from_numpy(to_float(t["rope_freqs.weight"]).reshape(-1)).double()
+        self.rope = self.rope_table(inv)
+
+    def rope_for(self, n_ctx: int) -> torch.Tensor:
+        """The rotation table a cache of `n_ctx` positions uses (here always `self.rope`)."""
+        return self.rope
 
     @property
     def attention_path(self) -> str:
         """How decode steps attend, for banners and benchmark headers."""
+        path = self._attention_path()
+        return path if self.window is None else f"{path}, sliding window {self.window}"
+
+    def _attention_path(self) -> str:
         if self.attention_kernel is not None:
             return f"compiled CPU kernel ({self.cpu_kernels.name})"
         if self.decode_graphs is not None and self.decode_graphs.enabled:
@@ -234,9 +289,15 @@ class LlamaModel(CachedNetwork):
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qd = H * D
         op = self.attention_kernel
+        lo = [self.first_visible(p) for p in pos]
         if op is not None and caches[0].kv.dtype in (torch.float32, torch.float16):
             layers = [c.layer_kv for c in caches]
-            return lambda li, qkv: op(qkv, [kv[li] for kv in layers], pos, D ** -0.5)
+            if self.window is None:
+                return lambda li, qkv: op(qkv, [kv[li] for kv in layers], pos, D ** -0.5)
+            # The kernel attends a row to positions [0, p] of the cache it is given: a view
+            # starting at the window's first position makes that the window.
+            rel = [p - first for p, first in zip(pos, lo)]
+            return lambda li, qkv: op(qkv, [kv[li][:, :, first:] for kv, first in zip(layers, lo)], rel, D ** -0.5)
         pool = caches[0].pool
         if len(caches) > 1 and pool is not None and all(c.pool is pool for c in caches):
             where = pool.row_index([c.slot for c in caches], pos)
@@ -244,7 +305,7 @@ class LlamaModel(CachedNetwork):
             def store(li: int, qkv: torch.Tensor) -> None:
                 pool.layer_rows[li].index_copy_(0, where, qkv[:, qd:].reshape(-1, D).to(pool.kv.dtype))
             if self.device.type == "cuda":
-                return self._pooled_attention(pool, [c.slot for c in caches], pos, store)
+                return self._pooled_attention(pool, [c.slot for c in caches], pos, lo, store)
         else:
             def store(li: int, qkv: torch.Tensor) -> None:
                 for i, (c, p) in enumerate(zip(caches, pos)):
@@ -255,12 +316,12 @@ class LlamaModel(CachedNetwork):
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             store(li, qkv)
             q = (qkv[:, :qd] * D ** -0.5).view(N, Hkv, -1, D)
-            rows = [attend_one(q[i], c.layer_k[li][:, : p + 1], c.layer_v[li][:, : p + 1])
-                    for i, (c, p) in enumerate(zip(caches, pos))]
+            rows = [attend_one(q[i], c.layer_k[li][:, first: p + 1], c.layer_v[li][:, first: p + 1])
+                    for i, (c, p, first) in enumerate(zip(caches, pos, lo))]
             return (rows[0] if N == 1 else torch.stack(rows)).view(N, qd)
         return attend
 
-    def _pooled_attention(self, pool: KVPool, slots: list[int], pos: list[int],
+    def _pooled_attention(self, pool: KVPool, slots: list[int], pos: list[int], lo: list[int],
                           store: Callable[[int, torch.Tensor], None]) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """CUDA only: all rows attend in one batch over the longest row's length, each masked to
         its own.  On the GPU the row-by-row loop is bound by kernel launches, and the GPU's
@@ -268,8 +329,11 @@ class LlamaModel(CachedNetwork):
         with single-row decoding is not on offer there either (tests bound the difference)."""
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         N, G, L = len(slots), H // Hkv, max(pos) + 1
-        hidden = (torch.arange(L, device=self.device)[None, :]
-                  > torch.tensor(pos, device=self.device)[:, None]).view(N, 1, 1, L)
+        kpos = torch.arange(L, device=self.device)[None, :]
+        hidden = kpos > torch.tensor(pos, device=self.device)[:, None]
+        if self.window is not None:
+            hidden |= kpos < torch.tensor(lo, device=self.device)[:, None]
+        hidden = hidden.view(N, 1, 1, L)
         first = slots[0]
         gather = None if slots == list(range(first, first + N)) else torch.tensor(slots, device=self.device)
 
@@ -291,10 +355,13 @@ class LlamaModel(CachedNetwork):
         for c in caches:
             c.reserve(c.n + 1)
         attend = self._row_attention(caches, pos)
+        tables = [self.rope_for(c.n_ctx) for c in caches]
         if len(pos) == 1:
-            rope = self.rope[pos[0]: pos[0] + 1].unsqueeze(1)  # [1, 1, D/2]
-        else:
-            rope = self.rope[torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
+            rope = tables[0][pos[0]: pos[0] + 1].unsqueeze(1)  # [1, 1, D/2]
+        elif all(tb is tables[0] for tb in tables):
+            rope = tables[0][torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
+        else:  # rows made for contexts on both sides of a LongRoPE switch
+            rope = torch.stack([tb[p] for tb, p in zip(tables, pos)]).view(len(pos), 1, -1)
         logits = self.decode_layers(tokens, rope, attend)
         for c, p in zip(caches, pos):
             c.n = p + 1
@@ -369,15 +436,38 @@ class LlamaModel(CachedNetwork):
         end = start + T
         if self.device.type == "cpu":
             if self.attention_kernel is not None and cache.kv.dtype in (torch.float32, torch.float16):
-                return self.cpu_kernels.prefill_attention(q, cache.layer_kv[li], start, D ** -0.5)
+                return self._kernel_prefill(q, cache.layer_kv[li], start)
             rows = (q * D ** -0.5).view(T, Hkv, H // Hkv, D)
-            return torch.stack([self._attend_one(rows[i], cache.layer_k[li][:, : start + i + 1],
-                                                 cache.layer_v[li][:, : start + i + 1]) for i in range(T)]).view(T, H * D)
+            spans = [slice(self.first_visible(start + i), start + i + 1) for i in range(T)]
+            return torch.stack([self._attend_one(rows[i], cache.layer_k[li][:, spans[i]], cache.layer_v[li][:, spans[i]])
+                                for i in range(T)]).view(T, H * D)
         keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
         qh = q.view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
         att = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
                                              is_causal=causal, enable_gqa=True)  # [1, H, T, D]
         return att[0].transpose(0, 1).reshape(T, H * D)
+
+    def _kernel_prefill(self, q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
+        """The compiled prefill op for q's rows (positions start..) against one layer's cache
+        [2, Hkv, capacity, D].  Rows whose window reaches back to position 0 attend in one
+        call; each later row attends through a view of the cache that starts at its window, as
+        its decoding step does (so both compute the same bits)."""
+        scale = self.cfg.head_dim ** -0.5
+        T = q.shape[0]
+        whole = T if self.window is None else max(0, min(T, self.window - start))
+        if whole == T:
+            return self.cpu_kernels.prefill_attention(q, kv, start, scale)
+        op = self.cpu_kernels.prefill_attention
+        rows = [op(q[:whole], kv, start, scale)] if whole else []
+        for i in range(whole, T):
+            first = self.first_visible(start + i)
+            rows.append(op(q[i: i + 1], kv[:, :, first:], start + i - first, scale))
+        return torch.cat(rows)
+
+    def first_visible(self, pos: int) -> int:
+        """The first cached position a query at `pos` attends to (llama.cpp's window rule: the
+        `window` positions up to and including its own)."""
+        return 0 if self.window is None else max(0, pos + 1 - self.window)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
@@ -390,11 +480,17 @@ class LlamaModel(CachedNetwork):
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         end = start + T
         cache.reserve(end)
-        rope = self.rope[start:end].unsqueeze(1)  # [T, 1, D/2]
+        rope = self.rope_for(cache.n_ctx)[start:end].unsqueeze(1)  # [T, 1, D/2]
         mask, causal = None, T > 1 and start == 0
-        if T > 1 and start > 0 and self.device.type != "cpu":  # causal, the past visible: row i sees <= start + i
+        windowed = self.window is not None and end > self.window
+        if (T > 1 and start > 0 or windowed) and self.device.type != "cpu":
+            # causal, the past visible: row i sees start + i and before (within the window)
             pos = torch.arange(end, device=self.device)
-            mask = pos[None, :] <= (start + torch.arange(T, device=self.device))[:, None]
+            qpos = (start + torch.arange(T, device=self.device))[:, None]
+            mask = pos[None, :] <= qpos
+            if windowed:
+                mask &= pos[None, :] > qpos - self.window
+            causal = False
         x = self.embed(tokens)  # [T, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
