@@ -105,9 +105,6 @@ class Block:
         biases = [t[p + f"attn_{x}.bias"] for x in "qkv"] if cfg.qkv_bias else None
         self.wqkv: Linear = build_linear(qkv, fmt, device, biases=biases, row_perm=perm, cpu=cpu)
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
-        self.w_gate_up: Linear = build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device,
-                                              cpu=cpu)
-        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
         self.attn_norm = vec("attn_norm.weight")
         self.ffn_norm = vec("ffn_norm.weight")
         self.q_norm = self.k_norm = None
@@ -115,15 +112,33 @@ class Block:
             half_perm = _neox_to_pairs(1, cfg.head_dim)
             self.q_norm = vec("attn_q_norm.weight")[half_perm]
             self.k_norm = vec("attn_k_norm.weight")[half_perm]
+        self.build_ffn(cfg, t, p, fmt, device, cpu)
+
+    def build_ffn(self, cfg: ModelConfig, t: dict[str, TensorRecord], p: str, fmt: str, device: torch.device,
+                  cpu: CpuKernels | None) -> None:
+        """The dense SwiGLU FFN's matrices; a family with another FFN overrides this (and
+        `ffn_bytes`, and its network's `feed_forward`): engine.models.qwen_moe."""
+        self.w_gate_up: Linear = build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device,
+                                              cpu=cpu)
+        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
+
+    @property
+    def ffn_bytes(self) -> int:
+        return self.w_gate_up.nbytes + self.w_down.nbytes
 
     @property
     def nbytes(self) -> int:
         vecs = [self.attn_norm, self.ffn_norm] + [v for v in (self.q_norm, self.k_norm) if v is not None]
-        mats = [self.wqkv, self.wo, self.w_gate_up, self.w_down]
-        return sum(m.nbytes for m in mats) + sum(v.nbytes for v in vecs)
+        return self.wqkv.nbytes + self.wo.nbytes + self.ffn_bytes + sum(v.nbytes for v in vecs)
 
 
 class LlamaModel(CachedNetwork):
+    # Hooks for a family that shares this attention and differs in its blocks' FFN
+    # (engine.models.qwen_moe): the block class, and whether its decoding steps may be captured
+    # in CUDA graphs (not where the FFN reads routing decisions back to the host).
+    block_class: type[Block] = Block
+    captures_graphs = True
+
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
         if cfg.rope_dim != cfg.head_dim:
@@ -141,7 +156,7 @@ class LlamaModel(CachedNetwork):
         if device.type == "cpu" and cpu_kernels is None:
             raise ValueError("a CPU model needs a CPU kernel path (engine.kernels.cpu_kernels)")
         try:
-            self.blocks = [Block(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
+            self.blocks = [self.block_class(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
         except KeyError as e:
             raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
         self.embed = Embedding(t["token_embd.weight"], fmt, device)
@@ -160,7 +175,8 @@ class LlamaModel(CachedNetwork):
         self.attention_kernel = self.cpu_kernels.attention if fits and self.cpu_kernels else None
         self._rope_tables(t.get("rope_freqs.weight"))
         # CUDA: decoding steps replay captured graphs (engine.cuda_graphs); None decodes eagerly.
-        self.decode_graphs = cuda_graphs.DecodeGraphs(self) if cuda_graphs.usable(device) else None
+        self.decode_graphs = (cuda_graphs.DecodeGraphs(self)
+                             if self.captures_graphs and cuda_graphs.usable(device) else None)
 
     def _rope_tables(self, freq_factors: TensorRecord | None) -> None:
         cfg = self.cfg
@@ -208,9 +224,8 @@ class LlamaModel(CachedNetwork):
         torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
-    @staticmethod
-    def _ffn(blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
-        """x += the block's SwiGLU FFN of x."""
+    def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
+        """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
         blk.w_down.accumulate(x, ops.swiglu(blk.w_gate_up(ops.norm(x, blk.ffn_norm))))
 
     @staticmethod
@@ -312,7 +327,7 @@ class LlamaModel(CachedNetwork):
         x = self.embed(tokens)  # [N, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
             blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
-            self._ffn(blk, x, ops)
+            self.feed_forward(blk, x, ops)
         return self.head(x, ops)
 
     @torch.inference_mode()
@@ -402,7 +417,7 @@ class LlamaModel(CachedNetwork):
             qkv = self._qkv(blk, x, rope, self.torch_kernels)
             cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
             blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
-            self._ffn(blk, x, self.torch_kernels)
+            self.feed_forward(blk, x, self.torch_kernels)
         cache.n = end
         if logits == "last":
             return self.head(x[-1:])[0]
