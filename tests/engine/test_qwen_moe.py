@@ -222,3 +222,61 @@ def test_cuda_decoding_and_batches_agree_with_prefill(moe_gguf, arch):
     tol = 2e-2 * float(full.logits.abs().max())
     for s in batch:
         torch.testing.assert_close(s.logits.float().cpu(), full.logits.float().cpu(), rtol=2e-2, atol=tol)
+
+
+def transformers_logits(path: str, spec: MoeSpec, tokens: list[int]) -> np.ndarray:
+    """Logits of transformers' own Qwen3MoE / Qwen2MoE, float64, built from the GGUF's weights
+    (llama.cpp's qwen converter keeps the checkpoint's q/k layout, so no permutation applies)."""
+    transformers = pytest.importorskip("transformers")
+    _, W = read_weights(path)
+    kw = dict(vocab_size=W["token_embd.weight"].shape[0], hidden_size=spec.n_embd, intermediate_size=spec.n_ff,
+              moe_intermediate_size=spec.n_ff_exp, num_hidden_layers=spec.n_layer,
+              num_attention_heads=spec.n_head, num_key_value_heads=spec.n_head_kv, head_dim=spec.head_dim,
+              num_experts=spec.n_expert, num_experts_per_tok=spec.n_expert_used, rms_norm_eps=1e-6,
+              rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base}, tie_word_embeddings=False,
+              max_position_embeddings=spec.n_ctx, attn_implementation="eager", experts_implementation="eager")
+    if spec.arch == "qwen3moe":
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(norm_topk_prob=True, **kw))
+    else:
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            norm_topk_prob=False, shared_expert_intermediate_size=spec.n_ff_shexp, **kw))
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    sd = {"model.embed_tokens.weight": t(W["token_embd.weight"]), "lm_head.weight": t(W["output.weight"]),
+          "model.norm.weight": t(W["output_norm.weight"])}
+    for i in range(spec.n_layer):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("output", "o_proj")):
+            sd[h + f"self_attn.{theirs}.weight"] = t(W[b + f"attn_{ours}.weight"])
+            if b + f"attn_{ours}.bias" in W:
+                sd[h + f"self_attn.{theirs}.bias"] = t(W[b + f"attn_{ours}.bias"])
+        if spec.arch == "qwen3moe":
+            sd[h + "self_attn.q_norm.weight"] = t(W[b + "attn_q_norm.weight"])
+            sd[h + "self_attn.k_norm.weight"] = t(W[b + "attn_k_norm.weight"])
+        sd[h + "input_layernorm.weight"] = t(W[b + "attn_norm.weight"])
+        sd[h + "post_attention_layernorm.weight"] = t(W[b + "ffn_norm.weight"])
+        sd[h + "mlp.gate.weight"] = t(W[b + "ffn_gate_inp.weight"])
+        sd[h + "mlp.experts.gate_up_proj"] = t(np.concatenate([W[b + "ffn_gate_exps.weight"],
+                                                               W[b + "ffn_up_exps.weight"]], axis=1))
+        sd[h + "mlp.experts.down_proj"] = t(W[b + "ffn_down_exps.weight"])
+        if spec.arch == "qwen2moe":
+            for n in ("gate", "up", "down"):
+                sd[h + f"mlp.shared_expert.{n}_proj.weight"] = t(W[b + f"ffn_{n}_shexp.weight"])
+            sd[h + "mlp.shared_expert_gate.weight"] = t(W[b + "ffn_gate_inp_shexp.weight"][None])
+    model = model.double().eval()
+    model.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_agrees_with_transformers(moe_gguf, arch):
+    path = moe_gguf(arch)
+    theirs = transformers_logits(path, MoeSpec(arch=arch), TOKENS)
+    scale = np.abs(theirs).max()
+    # transformers computes its rope frequencies in float32 even in a float64 model
+    assert np.abs(reference_logits(path, TOKENS).logits - theirs).max() <= 1e-6 * scale
+    got = all_logits(engine.load_model(path, weights="float32"), TOKENS)
+    assert np.abs(got - theirs).max() <= 2e-5 * scale
