@@ -131,9 +131,9 @@ class QwenMoeModel(LlamaModel):
     captures_graphs = False
 
     def __init__(self, cfg: ModelConfig, *args, **kwargs):
-        if cfg.n_expert <= 0 or cfg.n_expert_used <= 0 or cfg.n_ff_exp <= 0:
-            raise UnsupportedModel(f"{cfg.arch} without expert_count, expert_used_count or "
-                                   "expert_feed_forward_length in its metadata")
+        # The experts' widths come from their tensors' shapes; the counts must be stated.
+        if cfg.n_expert <= 0 or cfg.n_expert_used <= 0:
+            raise UnsupportedModel(f"{cfg.arch} without expert_count or expert_used_count in its metadata")
         norm = cfg.expert_weights_norm
         self.renormalise = RENORMALISE_TOP_K[cfg.arch] if norm is None else norm
         super().__init__(cfg, *args, **kwargs)
@@ -147,9 +147,9 @@ class QwenMoeModel(LlamaModel):
         ids, weights = route(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
         T, k = ids.shape
         outs = torch.empty(T, k, cfg.n_embd, dtype=torch.float32, device=x.device)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True).cpu()
-        counts = torch.bincount(flat, minlength=cfg.n_expert).cpu().tolist()
+        flat = ids.reshape(-1).cpu()  # the step's one read-back of the routing to the host
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=cfg.n_expert).tolist()
         at = 0
         for e, n in enumerate(counts):
             if n == 0:
@@ -171,6 +171,6 @@ class QwenMoeModel(LlamaModel):
         their hidden activations and the router's scores."""
         cfg = self.cfg
         T = n_tokens
-        moe = 4 * T * (cfg.n_expert_used * (cfg.n_embd + 3 * cfg.n_ff_exp) + cfg.n_expert + 1
-                       + 3 * cfg.n_ff_shexp)
+        width = cfg.n_ff_exp or cfg.n_ff
+        moe = 4 * T * (cfg.n_expert_used * (cfg.n_embd + 3 * width) + cfg.n_expert + 1 + 3 * cfg.n_ff_shexp)
         return super().work_bytes(n_tokens, ctx) + moe
