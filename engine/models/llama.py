@@ -7,7 +7,9 @@ adjacent-pair layout (2i, 2i+1) at load time by permuting the q/k output rows (a
 scores are invariant under the same permutation of q and k), so one rope kernel serves all.
 
 `LlamaModel` implements `engine.protocols.Network` and is registered for llama, qwen2 and
-qwen3 in engine.models.ARCHITECTURES.
+qwen3 in engine.models.ARCHITECTURES.  A family with this attention and another FFN subclasses
+it through three public hooks, `block_class` (whose `build_ffn` and `ffn_bytes` it overrides),
+`feed_forward` and `captures_graphs` (engine.models.qwen_moe does).
 `LlamaModel.forward(tokens, start, cache, logits=...)` evaluates T new tokens at positions
 [start, start+T) against `cache`, writes their keys/values and returns float32 logits for
 the last position ([n_vocab]), for every position ([T, n_vocab]) or nothing.
