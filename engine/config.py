@@ -37,6 +37,12 @@ class ModelConfig:
     # `{arch}.attention.sliding_window`: keys a query sees, itself included (None: all). The llama
     # family windows every layer with it; gemma decides per layer (engine.models.gemma).
     sliding_window: int | None = None
+    # Mixture-of-experts layers (qwen2moe, qwen3moe); 0 where the family has none.
+    n_expert: int = 0  # {arch}.expert_count
+    n_expert_used: int = 0  # {arch}.expert_used_count: experts each token is routed to
+    n_ff_exp: int = 0  # {arch}.expert_feed_forward_length: one routed expert's hidden width
+    n_ff_shexp: int = 0  # {arch}.expert_shared_feed_forward_length: the shared expert's (0: none)
+    expert_weights_norm: bool | None = None  # {arch}.expert_weights_norm where stated; None: the family's rule
 
     @property
     def q_dim(self) -> int:
@@ -64,6 +70,12 @@ class ModelConfig:
         n_embd = int(get("embedding_length"))
         n_head = int(get("attention.head_count"))
         head_dim = int(get("attention.key_length", n_embd // n_head))
+        n_expert = int(meta.get(f"{arch}.expert_count") or 0)
+        n_expert_used = int(meta.get(f"{arch}.expert_used_count") or 0)
+        n_ff_exp = int(meta.get(f"{arch}.expert_feed_forward_length") or 0)
+        # A file without a dense width (an MoE-only stack) takes its experts' for n_ff.
+        n_ff = int(get("feed_forward_length", n_ff_exp or None))
+        norm = meta.get(f"{arch}.expert_weights_norm")
         tokens = meta.get("tokenizer.ggml.tokens")
         n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else None))
         window = meta.get(f"{arch}.attention.sliding_window")
@@ -71,7 +83,7 @@ class ModelConfig:
             arch=arch,
             n_layer=int(get("block_count")),
             n_embd=n_embd,
-            n_ff=int(get("feed_forward_length")),
+            n_ff=n_ff,
             n_head=n_head,
             n_head_kv=int(get("attention.head_count_kv", n_head)),
             head_dim=head_dim,
@@ -84,4 +96,9 @@ class ModelConfig:
             qkv_bias=variant.qkv_bias,
             qk_norm=variant.qk_norm,
             sliding_window=int(window) if window else None,
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
+            n_ff_exp=n_ff_exp,
+            n_ff_shexp=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
+            expert_weights_norm=None if norm is None else bool(norm),
         )

@@ -427,6 +427,20 @@ def _row_order(records: Sequence[TensorRecord], row_perm: np.ndarray | None) -> 
     return torch.from_numpy(np.arange(n, dtype=np.int64) if row_perm is None else row_perm.astype(np.int64))
 
 
+def split_experts(record: TensorRecord) -> list[TensorRecord]:
+    """A stacked expert tensor [n_expert, rows, cols] (ffn_*_exps; GGUF dims cols, rows, n_expert)
+    as one 2-D record per expert, each a view of its own contiguous bytes in the file: an
+    expert's rows are whole rows of blocks, so any tensor type splits the same way and each
+    part builds a Linear like any matrix."""
+    if len(record.shape) != 3:
+        raise ValueError(f"{record.name}: expected a 3-D expert tensor, got shape {record.shape}")
+    n_expert, rows, cols = record.shape
+    flat = record.data.reshape(-1)
+    size = flat.shape[0] // n_expert
+    return [TensorRecord(f"{record.name}[{e}]", record.qtype, (rows, cols), flat[e * size: (e + 1) * size])
+            for e in range(n_expert)]
+
+
 def to_float(record: TensorRecord) -> np.ndarray:
     """Dequantize a record to float32 with its torch-order shape."""
     return dequantize(record.qtype, record.data, record.n_cols).reshape(record.shape)

@@ -31,6 +31,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture("llama", "LlamaModel"),
     "qwen2": Architecture("llama", "LlamaModel", rope_style="neox", qkv_bias=True),
     "qwen3": Architecture("llama", "LlamaModel", rope_style="neox", qk_norm=True),
+    # Routed experts (and qwen2moe's shared one) on the llama attention: engine.models.qwen_moe.
+    "qwen2moe": Architecture("qwen_moe", "QwenMoeModel", rope_style="neox", qkv_bias=True),
+    "qwen3moe": Architecture("qwen_moe", "QwenMoeModel", rope_style="neox", qk_norm=True),
     # Soft-capping, window pattern and rope bases come from engine.models.gemma's own table.
     "gemma2": Architecture("gemma", "GemmaModel", rope_style="neox"),
     "gemma3": Architecture("gemma", "GemmaModel", rope_style="neox", qk_norm=True),

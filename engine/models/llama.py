@@ -15,7 +15,9 @@ Subclasses change only what is loaded (engine.models.phi3: `Block.qkv_records` /
 `gate_up_records` name the fused tensors, `rope_tables` / `rope_for` give the rotations).
 
 `LlamaModel` implements `engine.protocols.Network` and is registered for llama, qwen2 and
-qwen3 in engine.models.ARCHITECTURES.
+qwen3 in engine.models.ARCHITECTURES.  A family with this attention and another FFN subclasses
+it through three public hooks, `block_class` (whose `build_ffn` and `ffn_bytes` it overrides),
+`feed_forward` and `captures_graphs` (engine.models.qwen_moe does).
 `LlamaModel.forward(tokens, start, cache, logits=...)` evaluates T new tokens at positions
 [start, start+T) against `cache`, writes their keys/values and returns float32 logits for
 the last position ([n_vocab]), for every position ([T, n_vocab]) or nothing.
@@ -127,8 +129,6 @@ class Block:
         biases = [t[p + f"attn_{x}.bias"] for x in "qkv"] if cfg.qkv_bias else None
         self.wqkv: Linear = build_linear(self.qkv_records(t, p), fmt, device, biases=biases, row_perm=perm, cpu=cpu)
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
-        self.w_gate_up: Linear = build_linear(self.gate_up_records(t, p), fmt, device, cpu=cpu)
-        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
         self.attn_norm = vec("attn_norm.weight")
         self.ffn_norm = vec("ffn_norm.weight")
         self.q_norm = self.k_norm = None
@@ -136,12 +136,23 @@ class Block:
             half_perm = _neox_to_pairs(1, cfg.head_dim, cfg.rope_dim)
             self.q_norm = vec("attn_q_norm.weight")[half_perm]
             self.k_norm = vec("attn_k_norm.weight")[half_perm]
+        self.build_ffn(cfg, t, p, fmt, device, cpu)
+
+    def build_ffn(self, cfg: ModelConfig, t: dict[str, TensorRecord], p: str, fmt: str, device: torch.device,
+                  cpu: CpuKernels | None) -> None:
+        """The dense SwiGLU FFN's matrices; a family with another FFN overrides this (and
+        `ffn_bytes`, and its network's `feed_forward`): engine.models.qwen_moe."""
+        self.w_gate_up: Linear = build_linear(self.gate_up_records(t, p), fmt, device, cpu=cpu)
+        self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
+
+    @property
+    def ffn_bytes(self) -> int:
+        return self.w_gate_up.nbytes + self.w_down.nbytes
 
     @property
     def nbytes(self) -> int:
         vecs = [self.attn_norm, self.ffn_norm] + [v for v in (self.q_norm, self.k_norm) if v is not None]
-        mats = [self.wqkv, self.wo, self.w_gate_up, self.w_down]
-        return sum(m.nbytes for m in mats) + sum(v.nbytes for v in vecs)
+        return self.wqkv.nbytes + self.wo.nbytes + self.ffn_bytes + sum(v.nbytes for v in vecs)
 
 
 class LlamaModel(CachedNetwork):
@@ -149,6 +160,9 @@ class LlamaModel(CachedNetwork):
     # True where the rotations depend on the context a cache was made for (phi3's LongRoPE):
     # then `rope_for` picks them per cache, and CUDA graphs (one table) do not apply.
     rope_by_context = False
+    # Whether decoding steps may be captured in CUDA graphs: not where the FFN reads routing
+    # decisions back to the host (engine.models.qwen_moe).
+    captures_graphs = True
 
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
@@ -192,7 +206,7 @@ class LlamaModel(CachedNetwork):
         # CUDA: decoding steps replay captured graphs (engine.cuda_graphs); None decodes eagerly.
         # Their attention sees every cached position and their rope one table, so a window or
         # per-context rotations keep decoding eager.
-        graphs_fit = self.window is None and not self.rope_by_context
+        graphs_fit = self.window is None and not self.rope_by_context and self.captures_graphs
         self.decode_graphs = cuda_graphs.DecodeGraphs(self) if graphs_fit and cuda_graphs.usable(device) else None
 
     def inverse_frequencies(self) -> torch.Tensor:
@@ -263,9 +277,8 @@ class LlamaModel(CachedNetwork):
         torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
-    @staticmethod
-    def _ffn(blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
-        """x += the block's SwiGLU FFN of x."""
+    def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
+        """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
         blk.w_down.accumulate(x, ops.swiglu(blk.w_gate_up(ops.norm(x, blk.ffn_norm))))
 
     @staticmethod
@@ -379,7 +392,7 @@ class LlamaModel(CachedNetwork):
         x = self.embed(tokens)  # [N, n_embd] residual stream, float32
         for li, blk in enumerate(self.blocks):
             blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
-            self._ffn(blk, x, ops)
+            self.feed_forward(blk, x, ops)
         return self.head(x, ops)
 
     @torch.inference_mode()
@@ -498,7 +511,7 @@ class LlamaModel(CachedNetwork):
             qkv = self._qkv(blk, x, rope, self.torch_kernels)
             cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
             blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
-            self._ffn(blk, x, self.torch_kernels)
+            self.feed_forward(blk, x, self.torch_kernels)
         cache.n = end
         if logits == "last":
             return self.head(x[-1:])[0]

@@ -1,0 +1,176 @@
+"""The Qwen mixture-of-experts family: qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B) and qwen2moe
+(Qwen1.5-MoE, Qwen2-57B-A14B).
+
+Attention is the llama family's (engine.models.llama: grouped-query attention with neox rope,
+qwen3moe's per-head q/k RMSNorm, qwen2moe's q/k/v bias), so `QwenMoeModel` is a `LlamaModel`
+whose blocks replace the dense FFN by a mixture of experts, with llama.cpp's conventions:
+
+- the router `ffn_gate_inp` [n_expert, n_embd] scores the normed residual; the scores go
+  through a softmax over all experts, and each token takes the `expert_used_count` experts of
+  the highest probability (ties to the lower index), weighted by their probabilities;
+- qwen3moe renormalises those weights to sum to one (its checkpoints' norm_topk_prob),
+  qwen2moe does not; `{arch}.expert_weights_norm`, where a file states it, wins;
+- every expert is a SwiGLU of width `expert_feed_forward_length`, stored stacked in the 3-D
+  tensors `ffn_gate_exps`, `ffn_up_exps` [n_expert, n_ff_exp, n_embd] and `ffn_down_exps`
+  [n_expert, n_embd, n_ff_exp]; the token's output is the weighted sum of its experts';
+- qwen2moe adds a shared expert (`ffn_gate_shexp`, `ffn_up_shexp`, `ffn_down_shexp`, width
+  `expert_shared_feed_forward_length`) that every token runs, scaled by the sigmoid of
+  `ffn_gate_inp_shexp` [n_embd] applied to the same normed residual.
+
+The router and the shared-expert gate stay float32 (llama.cpp's quantizer keeps
+`ffn_gate_inp` in F32, and a routing decision should not flip on a rounding of the weights):
+one float32 matrix computed one row at a time, so a row's scores never depend on the batch.
+Each expert's gate/up and down are ordinary engine.weights Linear ops (the stacked tensor is
+split into per-expert views of the file's bytes, so packed types stay packed), and a step
+runs only the experts its rows were routed to, each once over the rows routed to it.  The
+kernels' results for a row do not depend on the other rows (engine.weights), and a row adds
+its experts' weighted outputs in its own top-k order, so on CPU a row decoded in a batch, alone
+or as part of a prefill chunk computes the same bits (up to the `amx` tile kernel's caveat for
+an expert that gets 32 rows or more, as for every matmul).  The routing decision is read back
+to the host to group the rows, so decoding steps are not captured in CUDA graphs.
+
+The weight accounting counts every expert (all of them are resident), the routers and the
+shared expert.  The module implements `engine.protocols.Network` through `LlamaModel`; it is
+registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It reads no files and
+knows nothing of tokens' text or sessions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig, UnsupportedModel
+from engine.gguf_file import TensorRecord
+from engine.kernels import CpuKernels
+from engine.models.llama import Block, LlamaModel, StepKernels
+from engine.weights import DenseLinear, Linear, RowByRow, build_linear, split_experts, to_float
+
+# Whether a family renormalises its top-k routing weights when the file does not say.
+RENORMALISE_TOP_K = {"qwen3moe": True, "qwen2moe": False}
+
+
+@dataclass(frozen=True)
+class Expert:
+    """One SwiGLU FFN: gate and up fused into one matrix (gate's rows first), and down."""
+
+    gate_up: Linear
+    down: Linear
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, n_embd] -> float32 [n, n_embd]."""
+        gu = self.gate_up(h).float()
+        width = gu.shape[1] // 2
+        return self.down(F.silu(gu[:, :width]) * gu[:, width:]).float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+def _stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, device: torch.device,
+                     cpu: CpuKernels | None) -> list[Expert]:
+    gate, up, down = (split_experts(t[p + f"ffn_{n}_exps.weight"]) for n in ("gate", "up", "down"))
+    if not len(gate) == len(up) == len(down) == n_expert:
+        raise UnsupportedModel(f"{p}ffn_*_exps hold {len(gate)}/{len(up)}/{len(down)} experts, "
+                               f"the metadata says {n_expert}")
+    return [Expert(build_linear([g, u], fmt, device, cpu=cpu), build_linear([d], fmt, device, cpu=cpu))
+            for g, u, d in zip(gate, up, down)]
+
+
+def _float32_rows(w: np.ndarray, device: torch.device) -> Linear:
+    """A float32 matrix whose result for a row does not depend on the other rows: on CPU
+    computed one row at a time (torch's float32 GEMM blocks by the number of rows)."""
+    dense = DenseLinear(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device))
+    return RowByRow(dense) if device.type == "cpu" else dense
+
+
+class MoeBlock(Block):
+    """A llama block whose FFN is a routed mixture of experts, with qwen2moe's shared expert
+    where the file has one."""
+
+    def build_ffn(self, cfg: ModelConfig, t: dict[str, TensorRecord], p: str, fmt: str, device: torch.device,
+                  cpu: CpuKernels | None) -> None:
+        if not 0 < cfg.n_expert_used <= cfg.n_expert:
+            raise UnsupportedModel(f"{cfg.n_expert_used} experts used of {cfg.n_expert}")
+        self.experts = _stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
+        router = to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd)
+        self.shared: Expert | None = None
+        if p + "ffn_up_shexp.weight" in t:
+            self.shared = Expert(build_linear([t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"]], fmt,
+                                              device, cpu=cpu),
+                                 build_linear([t[p + "ffn_down_shexp.weight"]], fmt, device, cpu=cpu))
+            # The shared expert's gate rides along as one more router row.
+            gate = to_float(t[p + "ffn_gate_inp_shexp.weight"]).reshape(1, cfg.n_embd)
+            router = np.concatenate([router, gate])
+        self.router = _float32_rows(router, device)
+
+    @property
+    def ffn_bytes(self) -> int:
+        shared = 0 if self.shared is None else self.shared.nbytes
+        return sum(e.nbytes for e in self.experts) + self.router.nbytes + shared
+
+
+def route(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router scores [T, n_expert] -> (expert ids [T, k], float32 weights [T, k]): softmax over
+    all experts, the k most probable (of equal ones the lower index first), their probabilities
+    renormalised to sum to one if asked."""
+    probs = torch.softmax(scores.float(), dim=-1)
+    # A stable sort, not topk: topk's order among equal probabilities is unspecified.
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :k], ids[:, :k]
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class QwenMoeModel(LlamaModel):
+    block_class = MoeBlock
+    captures_graphs = False
+
+    def __init__(self, cfg: ModelConfig, *args, **kwargs):
+        # The experts' widths come from their tensors' shapes; the counts must be stated.
+        if cfg.n_expert <= 0 or cfg.n_expert_used <= 0:
+            raise UnsupportedModel(f"{cfg.arch} without expert_count or expert_used_count in its metadata")
+        norm = cfg.expert_weights_norm
+        self.renormalise = RENORMALISE_TOP_K[cfg.arch] if norm is None else norm
+        super().__init__(cfg, *args, **kwargs)
+
+    def feed_forward(self, blk: MoeBlock, x: torch.Tensor, ops: StepKernels) -> None:
+        """x += the block's mixture of experts of x: each routed expert runs once, over the
+        rows routed to it; each row sums its experts' weighted outputs in its top-k order."""
+        cfg = self.cfg
+        h = ops.norm(x, blk.ffn_norm)
+        scores = blk.router(h).float()
+        ids, weights = route(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
+        T, k = ids.shape
+        outs = torch.empty(T, k, cfg.n_embd, dtype=torch.float32, device=x.device)
+        flat = ids.reshape(-1).cpu()  # the step's one read-back of the routing to the host
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=cfg.n_expert).tolist()
+        at = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            slots = order[at: at + n].to(x.device)  # (row, choice) pairs as row * k + choice
+            at += n
+            rows = torch.div(slots, k, rounding_mode="floor")
+            outs.view(T * k, -1)[slots] = blk.experts[e](h[rows])
+        outs *= weights.unsqueeze(-1)
+        acc = outs[:, 0]
+        for j in range(1, k):
+            acc = acc + outs[:, j]
+        if blk.shared is not None:
+            acc = acc + torch.sigmoid(scores[:, cfg.n_expert:]) * blk.shared(h)
+        x += acc
+
+    def work_bytes(self, n_tokens: int, ctx: int) -> int:
+        """The llama estimate plus the routing buffers: the k experts' outputs of every row,
+        their hidden activations and the router's scores."""
+        cfg = self.cfg
+        T = n_tokens
+        width = cfg.n_ff_exp or cfg.n_ff
+        moe = 4 * T * (cfg.n_expert_used * (cfg.n_embd + 3 * width) + cfg.n_expert + 1 + 3 * cfg.n_ff_shexp)
+        return super().work_bytes(n_tokens, ctx) + moe
