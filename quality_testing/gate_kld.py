@@ -66,7 +66,10 @@ def judge(s: KLDSummary, b: Bounds = BOUNDS) -> list[str]:
 
 @dataclass(frozen=True)
 class FloatBase:
-    """The float32 path's scores over the corpus windows: what every packed candidate is judged against."""
+    """The float32 path's scores over the corpus windows of a model: what every packed candidate
+    of that model, at that context size, is judged against."""
+    model_path: str | None
+    ctx: int
     windows: list[list[int]]
     scores: Scores
     header: dict[str, Any]
@@ -79,8 +82,7 @@ class FloatBase:
 def run_gate(model_path: str | None, tokens: int, ctx: int, report=lambda _l: None,
              cpu_kernels: str | None = None) -> tuple[kld.KLDResult, list[str]]:
     """The gate: the float32 base and the packed candidate, both on the `cpu_kernels` path."""
-    base = float_base(model_path, tokens, ctx, report, cpu_kernels)
-    return judge_candidate(base, model_path, ctx, report, cpu_kernels)
+    return judge_candidate(float_base(model_path, tokens, ctx, report, cpu_kernels), report, cpu_kernels)
 
 
 def float_base(model_path: str | None, tokens: int, ctx: int, report=lambda _l: None,
@@ -93,13 +95,13 @@ def float_base(model_path: str | None, tokens: int, ctx: int, report=lambda _l: 
         return thread.call(_float_base, model_path, tokens, ctx, report, cpu_kernels)
 
 
-def judge_candidate(base: FloatBase, model_path: str | None, ctx: int, report=lambda _l: None,
+def judge_candidate(base: FloatBase, report=lambda _l: None,
                     cpu_kernels: str | None = None) -> tuple[kld.KLDResult, list[str]]:
-    """The packed path on `cpu_kernels` scored over `base`'s windows and judged; one engine thread."""
+    """`base`'s model on the packed path of `cpu_kernels`, scored over its windows and judged; one engine thread."""
     from engine.threads import EngineThread
 
     with EngineThread("ds4-gate-kld") as thread:
-        return thread.call(_judge_candidate, base, model_path, ctx, report, cpu_kernels)
+        return thread.call(_judge_candidate, base, report, cpu_kernels)
 
 
 def _stack(model_path: str | None, ctx: int, weights: str, cpu_kernels: str | None) -> EngineStack:
@@ -117,13 +119,12 @@ def _float_base(model_path: str | None, tokens: int, ctx: int, report, cpu_kerne
     t0 = time.perf_counter()
     scores, _ = kld.score_windows(stack, windows, kld.DEFAULT_K, None, report)
     report(f"base (float32 path): {len(scores)} positions in {time.perf_counter() - t0:.1f} s")
-    return FloatBase(windows, scores, {"stack": stack.describe(), "k": kld.DEFAULT_K})
+    return FloatBase(model_path, ctx, windows, scores, {"stack": stack.describe(), "k": kld.DEFAULT_K})
 
 
-def _judge_candidate(base: FloatBase, model_path: str | None, ctx: int, report,
-                     cpu_kernels: str | None) -> tuple[kld.KLDResult, list[str]]:
+def _judge_candidate(base: FloatBase, report, cpu_kernels: str | None) -> tuple[kld.KLDResult, list[str]]:
     """Loaded and run on the calling engine thread."""
-    stack = _stack(model_path, ctx, "packed", cpu_kernels)
+    stack = _stack(base.model_path, base.ctx, "packed", cpu_kernels)
     lengths = base.lengths
     probes = kld.split_rows(base.scores.top_ids, lengths)
     cand, timing = kld.score_windows(stack, base.windows, kld.DEFAULT_K, probes, report)

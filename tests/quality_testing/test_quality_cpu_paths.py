@@ -25,7 +25,7 @@ def float_base() -> gk.FloatBase:
 @pytest.mark.model
 @pytest.mark.parametrize("path", PATHS)
 def test_every_path_passes_the_kl_gate(float_base, path):
-    result, failures = gk.judge_candidate(float_base, None, ctx=256, cpu_kernels=path)
+    result, failures = gk.judge_candidate(float_base, cpu_kernels=path)
     assert result.summary.positions == sum(float_base.lengths)
     assert failures == [], failures
     assert result.summary.kl_mean.value <= gk.BOUNDS.max_kl_mean
