@@ -88,6 +88,10 @@ bench: setup
 
 # The README's test command, which CI runs: every CPU test but the slow ones, the quality gate and
 # the speed check.
+# pytest rewrites the asserts of every test module it imports and keeps the result as bytecode
+# in __pycache__ (ignored by git); with PYTHONDONTWRITEBYTECODE set it redoes all of that on
+# every run (about 14 s of a 24 s collection on 2 cores), so the test targets write bytecode.
+test test-slow test-unit test-frontends test-quality: export PYTHONDONTWRITEBYTECODE :=
 test: setup
 	$(VENV)/bin/ds4-eval selftest
 	$(PY) -m pytest -q -m "not slow"
@@ -97,8 +101,9 @@ test: setup
 	$(MAKE) --no-print-directory ci-speed
 
 # The tests `make test` leaves out (marker `slow`): long end-to-end, load and soak runs (16 SDK
-# clients against a real ds4-server, lm-eval against it), and long runs that a step of `make test`
-# repeats (the 3K and 7K frontier prompts: compare_frontier_logits; the speed gate: ci-speed).
+# clients against a real ds4-server, lm-eval against it, ds4 waiting out the 10 s default render
+# limit of a hostile chat template), and long runs that a step of `make test` repeats (the 3K and
+# 7K frontier prompts: compare_frontier_logits; the speed gate and its product step: ci-speed).
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 

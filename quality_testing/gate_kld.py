@@ -6,7 +6,9 @@ Runs `ds4-bench kld`'s library in one process, on one engine thread (engine.thre
 `weights="float32"` (the exact reference path, float32 cache) is the base, the default packed
 path (int4 kernels, float16 cache; on the CPU kernel path `--cpu-kernels`, default the engine's
 choice, see engine.kernels) the candidate, over the first `--tokens` tokens of the
-shipped corpus (default 2048) in windows of `--ctx`.  The base lives in memory only.  The
+shipped corpus (default 2048) in windows of `--ctx`.  The base lives in memory only; `run_gate` is
+`float_base` then `judge_candidate`, which callers may also run apart, one base for several
+candidates (the per-path tests judge every kernel path against one float32 base).  The
 bounds (`BOUNDS`) were set from measured values with headroom (quality_testing/README.md gives
 both); `judge` is pure and lists every bound crossed.
 It does not write base files (ds4-bench kld --save-base does) nor compare other stacks.
@@ -16,13 +18,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import click
 
 from ds4bench import kld
 from engine import kernels
 from ds4bench.kldstacks import EngineStack
-from ds4bench.kldstats import KLDSummary, summarize, window_rows
+from ds4bench.kldstats import KLDSummary, Scores, summarize, window_rows
 
 DEFAULT_TOKENS = 2048
 
@@ -61,32 +64,73 @@ def judge(s: KLDSummary, b: Bounds = BOUNDS) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class FloatBase:
+    """The float32 path's scores over the corpus windows of a model: what every packed candidate
+    of that model, at that context size, is judged against."""
+    model_path: str | None
+    ctx: int
+    windows: list[list[int]]
+    scores: Scores
+    header: dict[str, Any]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(w) - 1 for w in self.windows]
+
+
 def run_gate(model_path: str | None, tokens: int, ctx: int, report=lambda _l: None,
              cpu_kernels: str | None = None) -> tuple[kld.KLDResult, list[str]]:
+    """The gate: the float32 base and the packed candidate, both on the `cpu_kernels` path."""
+    return judge_candidate(float_base(model_path, tokens, ctx, report, cpu_kernels), report, cpu_kernels)
+
+
+def float_base(model_path: str | None, tokens: int, ctx: int, report=lambda _l: None,
+               cpu_kernels: str | None = None) -> FloatBase:
+    """The float32 path scored over the first `tokens` corpus tokens, on one engine thread.  It
+    depends on the kernel path only through rounding, so one base may judge several candidates."""
     from engine.threads import EngineThread
 
     with EngineThread("ds4-gate-kld") as thread:
-        return thread.call(_run_gate, model_path, tokens, ctx, report, cpu_kernels)
+        return thread.call(_float_base, model_path, tokens, ctx, report, cpu_kernels)
 
 
-def _run_gate(model_path: str | None, tokens: int, ctx: int, report,
-              cpu_kernels: str | None) -> tuple[kld.KLDResult, list[str]]:
-    """Both models loaded and run on the calling engine thread."""
+def judge_candidate(base: FloatBase, report=lambda _l: None,
+                    cpu_kernels: str | None = None) -> tuple[kld.KLDResult, list[str]]:
+    """`base`'s model on the packed path of `cpu_kernels`, scored over its windows and judged; one engine thread."""
+    from engine.threads import EngineThread
+
+    with EngineThread("ds4-gate-kld") as thread:
+        return thread.call(_judge_candidate, base, report, cpu_kernels)
+
+
+def _stack(model_path: str | None, ctx: int, weights: str, cpu_kernels: str | None) -> EngineStack:
     from engine import load_model
 
+    return EngineStack(load_model(model_path, ctx=ctx, weights=weights, cpu_kernels=cpu_kernels), weights, None)
+
+
+def _float_base(model_path: str | None, tokens: int, ctx: int, report, cpu_kernels: str | None) -> FloatBase:
+    """Loaded and run on the calling engine thread."""
     _, text = kld.corpus_text(None)
-    base_stack, cand_stack = (EngineStack(load_model(model_path, ctx=ctx, weights=w, cpu_kernels=cpu_kernels), w, None)
-                              for w in ("float32", "packed"))
-    ids = kld.corpus_ids(base_stack, text, 1, tokens)
-    windows = kld.make_windows(ids, ctx, base_stack.bos_id)
+    stack = _stack(model_path, ctx, "float32", cpu_kernels)
+    ids = kld.corpus_ids(stack, text, 1, tokens)
+    windows = kld.make_windows(ids, ctx, stack.bos_id)
     t0 = time.perf_counter()
-    base, _ = kld.score_windows(base_stack, windows, kld.DEFAULT_K, None, report)
-    report(f"base (float32 path): {len(base)} positions in {time.perf_counter() - t0:.1f} s")
-    lengths = [len(w) - 1 for w in windows]
-    cand, timing = kld.score_windows(cand_stack, windows, kld.DEFAULT_K, kld.split_rows(base.top_ids, lengths), report)
-    summary, kl = summarize(base, cand, lengths)
-    result = kld.KLDResult(summary, window_rows(kl, base, cand, lengths), timing,
-                           {"stack": base_stack.describe(), "k": kld.DEFAULT_K}, cand_stack.describe())
+    scores, _ = kld.score_windows(stack, windows, kld.DEFAULT_K, None, report)
+    report(f"base (float32 path): {len(scores)} positions in {time.perf_counter() - t0:.1f} s")
+    return FloatBase(model_path, ctx, windows, scores, {"stack": stack.describe(), "k": kld.DEFAULT_K})
+
+
+def _judge_candidate(base: FloatBase, report, cpu_kernels: str | None) -> tuple[kld.KLDResult, list[str]]:
+    """Loaded and run on the calling engine thread."""
+    stack = _stack(base.model_path, base.ctx, "packed", cpu_kernels)
+    lengths = base.lengths
+    probes = kld.split_rows(base.scores.top_ids, lengths)
+    cand, timing = kld.score_windows(stack, base.windows, kld.DEFAULT_K, probes, report)
+    summary, kl = summarize(base.scores, cand, lengths)
+    result = kld.KLDResult(summary, window_rows(kl, base.scores, cand, lengths), timing, base.header,
+                           stack.describe())
     return result, judge(summary)
 
 

@@ -43,7 +43,10 @@ def test_quick_run_on_the_embedded_model(tmp_path):
             assert float(r["tokens_per_s"]) == pytest.approx(n / float(r["seconds"]), rel=1e-3)
 
 
+# Slow: test_quick_run_on_the_embedded_model runs the command, test_bench_engine's fake runners
+# the --compare rounds and table, test_llama_cpp_runner_reads_the_frontier_logits llama.cpp's side.
 @pytest.mark.model
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (extra 'llamacpp') missing")
 def test_quick_side_by_side_with_llama_cpp(tmp_path):
     out = tmp_path / "compare.csv"

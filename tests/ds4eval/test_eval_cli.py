@@ -136,10 +136,19 @@ def test_a_fully_graded_run_exits_0():
     assert "model fake-model-1" in r.output and "not graded" not in r.output
 
 
-def test_errors_exit_3_unless_allowed():
+def test_errors_exit_3_unless_allowed(monkeypatch):
     def failing(q):
         raise RuntimeError("boom")  # the handler dies before answering: every case is ERROR
 
+    # Each case's 500s are retried and re-probed (test_eval_failover) before it ends ERROR; this
+    # test is about the exit status, so the waits between attempts are kept short.
+    from functools import partial
+
+    from ds4eval.run.backends import openai_backend
+    from ds4eval.run.endpoints import Backoff, PoolPolicy
+
+    monkeypatch.setattr(openai_backend, "PoolPolicy",
+                        partial(PoolPolicy, retry=Backoff(0.01, 0.05), probe=Backoff(0.05, 0.2)))
     with FakeOpenAI(reply=failing) as srv:
         # --no-probe: the capability probe would stop this run before its cases (test_eval_probe).
         # --concurrency 6: each case's retries of the 500 (test_eval_failover) wait side by side.

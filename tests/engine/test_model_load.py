@@ -106,8 +106,24 @@ def test_default_model_path_prefers_env(monkeypatch, tmp_path):
 
 
 def run_cli(*args, env=None):
+    """`ds4` in its own process: `python -m engine` and its exit status as the shell sees them."""
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)
+
+
+def invoke_cli(*args, env=None):
+    """`ds4` in-process (click's runner, stdout and stderr apart): for the tests of what it
+    prints, which need no process of their own."""
+    from click.testing import CliRunner
+
+    from engine import cli
+
+    return CliRunner().invoke(cli.main, list(args), env=env)
+
+
+def escaped(r) -> BaseException | None:
+    """The exception that escaped an in-process run (a traceback in a real one), None when it exited."""
+    return None if r.exception is None or isinstance(r.exception, SystemExit) else r.exception
 
 
 def test_cli_generates_and_reports_speed(tiny_gguf):
@@ -117,8 +133,8 @@ def test_cli_generates_and_reports_speed(tiny_gguf):
 
 
 def test_cli_bad_model_is_one_line_error(tmp_path):
-    r = run_cli("-m", str(tmp_path / "missing.gguf"), "-p", "hi")
-    assert r.returncode == 1
+    r = invoke_cli("-m", str(tmp_path / "missing.gguf"), "-p", "hi")
+    assert r.exit_code == 1 and escaped(r) is None
     assert r.stderr.strip().splitlines() == [f"ds4: error: model file not found: {tmp_path / 'missing.gguf'}"]
     assert "Traceback" not in r.stderr
 
@@ -126,20 +142,20 @@ def test_cli_bad_model_is_one_line_error(tmp_path):
 def test_cli_version_says_which_cpu_kernels_run_and_why():
     from engine import kernels
 
-    r = run_cli("--version", env={kernels.ENV_VAR: "portable"})
-    assert r.returncode == 0, r.stderr
+    r = invoke_cli("--version", env={kernels.ENV_VAR: "portable"})
+    assert r.exit_code == 0 and escaped(r) is None, r.stderr
     assert "CPU kernels: portable (DS4_CPU_KERNELS=portable)" in r.stdout
     assert "other paths this CPU runs" in r.stdout and "torch" in r.stdout.splitlines()[-1]
 
 
-def test_cli_version_fails_for_a_path_this_cpu_cannot_run(monkeypatch):
-    r = run_cli("--version", env={"DS4_CPU_KERNELS": "no-such-path"})
-    assert r.returncode == 1 and "unknown CPU kernel path 'no-such-path'" in r.stdout
+def test_cli_version_fails_for_a_path_this_cpu_cannot_run():
+    r = invoke_cli("--version", env={"DS4_CPU_KERNELS": "no-such-path"})
+    assert r.exit_code == 1 and escaped(r) is None and "unknown CPU kernel path 'no-such-path'" in r.stdout
     assert "Traceback" not in r.stderr
 
 
 def test_cli_bad_kernel_override_is_one_line_error(tiny_gguf):
-    r = run_cli("-m", tiny_gguf("llama", "Q4_1"), "-p", "hi", env={"DS4_CPU_KERNELS": "no-such-path"})
-    assert r.returncode == 1
+    r = invoke_cli("-m", tiny_gguf("llama", "Q4_1"), "-p", "hi", env={"DS4_CPU_KERNELS": "no-such-path"})
+    assert r.exit_code == 1 and escaped(r) is None
     assert r.stderr.strip().splitlines() == ["ds4: error: unknown CPU kernel path 'no-such-path' "
                                              "(expected one of amx, avx512, avx2, portable, torch)"]

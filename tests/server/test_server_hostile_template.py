@@ -74,7 +74,30 @@ def test_a_template_that_burns_cpu_only_on_some_requests_is_aborted_per_request(
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_ds4_stops_a_hostile_template_with_a_one_line_error(burner):
+def test_ds4_stops_a_hostile_template_with_a_one_line_error(burner, monkeypatch):
+    """The `ds4` command in-process, with the render limit cut to 0.5 s; the real process at
+    the 10 s default is the slow test below."""
+    from click.testing import CliRunner
+
+    import engine
+    from engine import cli
+
+    def load_with_a_short_limit(*args, **kw):
+        model = load_model(*args, **kw)
+        model.template.limits = RenderLimits(max_seconds=0.5)
+        return model
+
+    monkeypatch.setattr(engine, "load_model", load_with_a_short_limit)
+    start = time.monotonic()
+    r = CliRunner().invoke(cli.main, ["-m", burner, "-p", "hi", "-n", "2"])
+    assert r.exit_code == 1, r.output
+    assert r.stderr.strip().startswith("ds4: error:") and "chat template render took longer than 0.5 s" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and r.stdout == ""
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.slow
+def test_ds4_stops_a_hostile_template_at_the_default_limit_in_its_own_process(burner):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     start = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "engine", "-m", burner, "-p", "hi", "-n", "2"], cwd=REPO, env=env,

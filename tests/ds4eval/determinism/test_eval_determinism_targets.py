@@ -58,7 +58,7 @@ class OneChoice(BaseHTTPRequestHandler):
 def server():
     handler = type("Handler", (OneChoice,), {"with_logprobs": True})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     thread.start()
     yield httpd, handler
     httpd.shutdown()

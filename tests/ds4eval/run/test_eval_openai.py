@@ -75,7 +75,7 @@ class Scripted(BaseHTTPRequestHandler):
 def server():
     Scripted.requests, Scripted.max_active = [], 0
     srv = ThreadingHTTPServer(("127.0.0.1", 0), Scripted)
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     th.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()

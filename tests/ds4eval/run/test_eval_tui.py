@@ -89,7 +89,7 @@ class FakeServer(BaseHTTPRequestHandler):
 def server_url():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
     srv.daemon_threads = True
-    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
     th.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
     srv.shutdown()
