@@ -2,6 +2,7 @@
 // build's time goes to parsing torch's headers, once per unit.  Each source keeps its code in
 // its own namespace and registers its own ops (isa.h names them for the instruction set).
 #include "decode_attention.cpp"
+#include "elementwise.cpp"
 #include "dense_linear.cpp"
 #include "int4_linear.cpp"
 #include "repack.cpp"

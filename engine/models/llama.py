@@ -75,13 +75,19 @@ class StepKernels(Protocol):
 
 
 class TorchKernels:
-    """StepKernels in torch ops, float32 (the CPU path, prefill and eager CUDA decoding)."""
+    """StepKernels in torch ops, float32 (the CPU path, prefill and eager CUDA decoding).  On CPU
+    the compiled kernels' `rms_norm` (engine.kernels) replaces the norm's five torch ops for
+    [rows, n_embd] inputs, the same op in prefill and decoding."""
 
-    def __init__(self, eps: torch.Tensor, n_ff: int):
+    def __init__(self, eps: torch.Tensor, n_ff: int, fused_norm: Callable[..., torch.Tensor] | None = None):
         self.eps = eps  # a device scalar: no host value enters the expression
         self.n_ff = n_ff
+        self.fused_norm = fused_norm
+        self.eps_value = float(eps)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused_norm is not None and x.dim() == 2:
+            return self.fused_norm(x, weight, self.eps_value)
         # mean(x^2) + eps as |x|^2 / n + eps: two fused operations instead of four.
         ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
@@ -195,7 +201,8 @@ class LlamaModel(CachedNetwork):
         else:
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
                                        cpu=self.cpu_kernels)
-        self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff)
+        self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff,
+                                          self.cpu_kernels.rms_norm if self.cpu_kernels else None)
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
         # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128

@@ -89,7 +89,7 @@ def test_load_model_turns_a_bad_override_into_a_one_line_load_error(tiny_gguf, m
 
 def test_torch_path_has_no_compiled_ops():
     t = kernels.cpu_kernels("torch")
-    assert (t.attention, t.int4, t.int4_tiles, t.int8, t.f16) == (None,) * 5
+    assert (t.attention, t.int4, t.int4_tiles, t.int8, t.f16, t.rms_norm) == (None,) * 6
 
 
 # ---------------------------------------------------------------- decode attention
@@ -655,3 +655,34 @@ def test_repack_refuses_rows_of_the_wrong_size(path):
         path.repack_int4([raw], [int(QT.Q4_0)], torch.tensor([16]), 256, 16)
     with pytest.raises(RuntimeError, match="not Q4_0/Q4_1/Q4_K"):
         path.repack_int4([raw], [8], torch.arange(16), 256, 16)
+
+
+# ---------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("k", [576, 67])  # a multiple of the 16 lanes, and a tail
+def test_rms_norm_matches_float64_and_rows_are_bitwise_independent(path, k):
+    torch.manual_seed(k)
+    x = torch.randn(37, k) * torch.logspace(-3, 3, 37)[:, None]
+    w = torch.randn(k)
+    eps = 1e-5
+    y = path.rms_norm(x, w, eps)
+    x64 = x.double()
+    want = x64 * torch.rsqrt(x64.square().mean(-1, keepdim=True) + eps) * w.double()
+    torch.testing.assert_close(y.double(), want, rtol=2e-6, atol=1e-30)
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        try:
+            alone = torch.cat([path.rms_norm(x[i:i + 1], w, eps) for i in range(0, 37, 5)])
+        finally:
+            torch.set_num_threads(2)
+        assert torch.equal(alone, y[0:37:5])
+    strided = torch.randn(37, 2 * k)[:, :k].copy_(x)  # rows of a wider buffer: only rows contiguous
+    assert torch.equal(path.rms_norm(strided, w, eps), y)
+
+
+def test_rms_norm_bad_arguments_are_errors_with_messages(path):
+    with pytest.raises(RuntimeError, match=r"rms_norm: x must be \[M, K\] float32"):
+        path.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8), 1e-5)
+    with pytest.raises(RuntimeError, match=r"rms_norm: w must be contiguous float32 \[K\]"):
+        path.rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-5)

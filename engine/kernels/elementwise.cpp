@@ -1,0 +1,81 @@
+// Row-wise elementwise work of a forward step on CPU, fused so that a decoding step dispatches
+// one op where torch would dispatch several.
+//
+// ds4::rms_norm_<isa>(x, w, eps) -> y          (isa: see isa.h)
+//   x    [M, K] float32, rows may be strided, each row contiguous
+//   w    [K] float32, contiguous
+//   y    [M, K] float32, y[r] = (x[r] * (1 / sqrt(sum(x[r]^2) / K + eps))) * w
+// The sum of squares runs in 16 lanes (input k to lane k % 16, in input order), then a fixed
+// tree over the lanes; the scale is one float32 square root and one division.  A row's result
+// depends on that row alone, in that fixed order: the same whatever the number of rows and
+// the thread count, so prefill chunks and decoding steps normalise a row to the same bits.
+// It does not match torch's own reduction order bit for bit; it is not used where torch's
+// norm runs (CUDA, the `torch` path).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "isa.h"
+
+namespace {
+namespace elementwise {  // named, so that all.cpp can include every source in one unit
+
+constexpr int64_t L = 16;  // lanes of the sum of squares
+typedef float vf __attribute__((vector_size(L * sizeof(float))));
+
+inline float sum_of_squares(const float* x, int64_t K) {
+  vf acc = {};
+  int64_t k = 0;
+  for (; k + L <= K; k += L) {
+    vf v;
+    std::memcpy(&v, x + k, sizeof v);
+    acc += v * v;
+  }
+  float lanes[L];
+  std::memcpy(lanes, &acc, sizeof lanes);
+  for (int64_t j = 0; k < K; ++k, ++j) lanes[j] += x[k] * x[k];  // the tail continues the lanes
+  for (int64_t half = L / 2; half >= 1; half /= 2)
+    for (int64_t j = 0; j < half; ++j) lanes[j] += lanes[j + half];
+  return lanes[0];
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "rms_norm: x must be [M, K] float32 with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == K && w.scalar_type() == at::kFloat && w.is_contiguous(),
+              "rms_norm: w must be contiguous float32 [K]");
+  at::Tensor y = at::empty({M, K}, x.options());
+  const float* x0 = x.data_ptr<float>();
+  const float* w0 = w.data_ptr<float>();
+  float* y0 = y.data_ptr<float>();
+  const int64_t stride = x.stride(0);
+  const float feps = static_cast<float>(eps), inv_k = 1.0f / static_cast<float>(K);
+  // Small work is not worth waking the other threads for: one decoding row is ~1 us.
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x0 + r * stride;
+      const float scale = 1.0f / std::sqrt(sum_of_squares(xr, K) * inv_k + feps);
+      float* yr = y0 + r * K;
+      for (int64_t k = 0; k < K; ++k) yr[k] = (xr[k] * scale) * w0[k];
+    }
+  });
+  return y;
+}
+
+}  // namespace elementwise
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(ds4, m) {
+  m.def(DS4_OP("rms_norm") "(Tensor x, Tensor w, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(ds4, CPU, m) {
+  m.impl(DS4_OP("rms_norm"), &elementwise::rms_norm);
+}
