@@ -369,7 +369,7 @@ class Int4Linear(Linear):
         self.bias, self.device = bias, torch.device("cpu")
         self._pad = packed.shape[0] * COLUMNS - out_features
         self.packed, self.scales_zeros = packed, scales
-        self._op, self._tiles = cpu.int4, cpu.int4_tiles
+        self._op, self._tiles, self._add = cpu.int4, cpu.int4_tiles, cpu.int4_add
         self.out_dtype = torch.float32
         return self
 
@@ -377,14 +377,17 @@ class Int4Linear(Linear):
     _cuda: "cuda_int4.Int4Weight | None" = None
     _op = None  # set only where the CPU kernel runs
     _tiles = None
+    _add = None
     _pad = 0
+
+    def _uses_tiles(self, x: torch.Tensor) -> bool:
+        return self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.float().contiguous()
-            many = self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
-            y = (self._tiles if many else self._op)(x, self.packed, self.scales_zeros)
+            y = (self._tiles if self._uses_tiles(x) else self._op)(x, self.packed, self.scales_zeros)
         elif self._cuda is not None:
             y = self._cuda(x)
         else:
@@ -396,6 +399,12 @@ class Int4Linear(Linear):
     def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
         if self._cuda is not None and self.bias is None:
             self._cuda(x, into=out)
+        elif (self._add is not None and self.bias is None and out.dtype == torch.float32 and out.stride(-1) == 1
+              and not self._uses_tiles(x)):
+            # The vector op adds into the residual stream itself: the same bits as out += self(x).
+            if x.dtype != torch.float32 or x.stride(-1) != 1:
+                x = x.float().contiguous()
+            self._add(x, self.packed, self.scales_zeros, out)
         else:
             out += self(x)
 

@@ -17,9 +17,9 @@ best path this CPU runs and this machine can build is taken, falling down the ta
 build fails.  A path asked for by name that the CPU cannot execute or that does not build is
 an error (`KernelsUnavailable`), never a silent substitute.  `host_paths()` lists what the CPU
 executes, for tests that run every path.  The ops and their contracts are in the .cpp files:
-`attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_tiles` (int4_linear.cpp), `int8` and `f16`
+`attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_add` / `int4_tiles` (int4_linear.cpp), `int8` and `f16`
 (dense_linear.cpp), `repack_int4` / `repack_q8_0` (repack.cpp), which lay GGUF blocks out
-for them at load, and `rms_norm` (elementwise.cpp).  Every op computes a row's result from that row alone, in a fixed order.
+for them at load, and `rms_norm` / `swiglu` (elementwise.cpp).  Every op computes a row's result from that row alone, in a fixed order.
 
 Each path's sources are compiled once per machine with that instruction set's flags (isa.h
 names the ops per set, so libraries for several sets load side by side in one process) into
@@ -103,6 +103,8 @@ class CpuKernels:
     repack_int4: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # GGUF blocks -> int4 layout
     repack_q8_0: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # GGUF Q8_0 -> int8 layout
     rms_norm: Callable[..., torch.Tensor] | None = None  # (x, w, eps): a step's RMSNorm, one op
+    int4_add: Callable[..., None] | None = None  # (x, packed, scales, out): out += int4(x, ...)
+    swiglu: Callable[..., torch.Tensor] | None = None  # (gate_up [M, 2F]) -> silu(gate) * up [M, F]
 
     def describe(self) -> str:
         """One line for banners: the path and why."""
@@ -283,7 +285,8 @@ def _build_path(name: str, reason: str) -> CpuKernels:
                       prefill_attention=_op("prefill_attention", vec), int4=_op("int4_linear", vec),
                       int4_tiles=tiles, int8=_op("int8_linear", vec), f16=_op("f16_linear", vec),
                       repack_int4=_op("repack_int4", vec), repack_q8_0=_op("repack_q8_0", vec),
-                      rms_norm=_op("rms_norm", vec))
+                      rms_norm=_op("rms_norm", vec), int4_add=_op("int4_linear_add", vec),
+                      swiglu=_op("swiglu", vec))
 
 
 _chosen: dict[tuple[str | None, str], CpuKernels] = {}

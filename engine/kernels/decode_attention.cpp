@@ -40,6 +40,7 @@
 #endif
 
 #include "isa.h"
+#include "vexp.h"
 
 #include <cstdint>
 #include <cstring>
@@ -154,28 +155,8 @@ inline float hmax(vf v) {
   return m;
 }
 
-// exp(x) for x <= 0 (scores minus their maximum): 2^n * p(r), r = x - n ln2, |r| <= ln2 / 2,
-// with a degree-6 polynomial.  Below -87 the result is clamped to about 1e-38 instead of 0.
-inline vf vexp(vf x) {
-  const vf lo = splat(-87.0f);
-  x = x < lo ? lo : x;
-  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf t = x * splat(1.44269504088896341f) + magic;
-  vf n = t - magic;
-  vf r = x - n * splat(0.693359375f);
-  r = r - n * splat(-2.12194440e-4f);
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
+// exp(x) for x <= 0: the scores minus their maximum (vexp.h).
+inline vf vexp(vf x) { return ds4_math::exp_nonpositive<vf, vi>(x); }
 
 template <typename T>
 struct Job {

@@ -1,5 +1,5 @@
 // Row-wise elementwise work of a forward step on CPU, fused so that a decoding step dispatches
-// one op where torch would dispatch several.
+// one op where torch would dispatch several: the RMSNorm and the SwiGLU.
 //
 // ds4::rms_norm_<isa>(x, w, eps) -> y          (isa: see isa.h)
 //   x    [M, K] float32, rows may be strided, each row contiguous
@@ -9,8 +9,16 @@
 // tree over the lanes; the scale is one float32 square root and one division.  A row's result
 // depends on that row alone, in that fixed order: the same whatever the number of rows and
 // the thread count, so prefill chunks and decoding steps normalise a row to the same bits.
-// It does not match torch's own reduction order bit for bit; it is not used where torch's
-// norm runs (CUDA, the `torch` path).
+//
+// ds4::swiglu_<isa>(gate_up) -> y
+//   gate_up [M, 2F] float32, rows may be strided, each row contiguous: gate then up
+//   y       [M, F] float32, y[r, i] = silu(g) * u with g = gate_up[r, i], u = gate_up[r, F + i],
+//           silu(g) = g / (1 + e) for g >= 0 and g * e / (1 + e) below, e = exp(-|g|) (vexp.h,
+//           within 2 ulp; the argument is never positive, so nothing overflows)
+// Elementwise, so a value's result depends on that value alone.
+//
+// Neither matches torch's own ops bit for bit (reduction order, exp); they are not used where
+// torch's run (CUDA, the `torch` path), and prefill and decoding both use them on CPU.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -21,6 +29,7 @@
 #include <cstring>
 
 #include "isa.h"
+#include "vexp.h"
 
 namespace {
 namespace elementwise {  // named, so that all.cpp can include every source in one unit
@@ -69,13 +78,61 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+constexpr int64_t V = 8;  // floats per SwiGLU vector
+typedef float vf8 __attribute__((vector_size(V * sizeof(float))));
+typedef int32_t vi8 __attribute__((vector_size(V * sizeof(int32_t))));
+
+inline vf8 silu_times(vf8 g, vf8 u) {
+  const vf8 zero{};
+  const vf8 e = ds4_math::exp_nonpositive<vf8, vi8>(g < zero ? g : -g);
+  const vf8 s = (g < zero ? g * e : g) / (1.0f + e);
+  return s * u;
+}
+
+at::Tensor swiglu(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0,
+              "swiglu: gate_up must be [M, 2F] float32 with contiguous rows");
+  const int64_t M = gate_up.size(0), F = gate_up.size(1) / 2;
+  at::Tensor y = at::empty({M, F}, gate_up.options());
+  const float* g0 = gate_up.data_ptr<float>();
+  float* y0 = y.data_ptr<float>();
+  const int64_t stride = gate_up.stride(0);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1));
+  at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* g = g0 + r * stride;
+      const float* u = g + F;
+      float* yr = y0 + r * F;
+      int64_t i = 0;
+      for (; i + V <= F; i += V) {
+        vf8 gv, uv;
+        std::memcpy(&gv, g + i, sizeof gv);
+        std::memcpy(&uv, u + i, sizeof uv);
+        const vf8 out = silu_times(gv, uv);
+        std::memcpy(yr + i, &out, sizeof out);
+      }
+      if (i < F) {  // the tail through the same vector code, so its values round alike
+        vf8 gv{}, uv{};
+        std::memcpy(&gv, g + i, (F - i) * sizeof(float));
+        std::memcpy(&uv, u + i, (F - i) * sizeof(float));
+        const vf8 out = silu_times(gv, uv);
+        std::memcpy(yr + i, &out, (F - i) * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace elementwise
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("rms_norm") "(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def(DS4_OP("swiglu") "(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("rms_norm"), &elementwise::rms_norm);
+  m.impl(DS4_OP("swiglu"), &elementwise::swiglu);
 }

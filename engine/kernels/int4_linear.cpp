@@ -1,6 +1,8 @@
 // 4-bit grouped matmul on CPU: one contract, one implementation per instruction set.
 //
 // ds4::int4_linear_<isa>(x, packed, scales) -> y
+// ds4::int4_linear_add_<isa>(x, packed, scales, out): out += y, into the first out.size(1) columns
+//   (the vector ops only: avx512, avx2, portable), each output added once as `out += y` would
 //   isa     avx512 (AVX512-BF16 vectors), amx (AMX-BF16 tiles), avx2 (AVX2 + FMA), portable
 //           (the compiler's own vectors: NEON on aarch64, SSE2 on a bare x86-64)
 //   x       [M, K] float32, rows may be strided, each row contiguous; rounded to bfloat16
@@ -75,7 +77,7 @@ void check_arguments(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // `body(S{})` with S the scales' element type: float, or uint16_t for float16 bits (each op
 // widens those on load, 16 at a time).
 template <typename Body>
-at::Tensor with_scale_type(const at::Tensor& scales, Body body) {
+auto with_scale_type(const at::Tensor& scales, Body body) {
   if (scales.scalar_type() == at::kHalf) return body(uint16_t{});
   return body(float{});
 }
@@ -146,28 +148,43 @@ RoundedRows<T> round_rows(const at::Tensor& x, int64_t rows, int64_t tile_rows =
   return out;
 }
 
+// Where an op's results go: a new [M, N] tensor, or added into the first `columns` columns of
+// an existing float32 [M, >= columns] one (int4_linear_add), one float addition per output, as
+// `out += int4_linear(...)` rounds it.
+struct Output {
+  float* data;
+  int64_t row_stride, columns;
+  bool add;
+};
+
 // The shell of the vector ops: arguments checked, x rounded (stored as T), column groups split
 // over threads, each group's 16 running outputs per row accumulated over the input groups,
 // then written out.  `group(q, sc, xr, b, acc)` adds input group b into acc ([M, 16]), with q
 // its 256 packed bytes and sc its 16 scales then 16 minimums (S: float or float16 bits).
 template <typename T, typename S, typename Group>
-at::Tensor vector_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, Group group) {
+void vector_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out, Group group) {
   const int64_t M = x.size(0), NG = packed.size(0), KB = packed.size(1);
-  at::Tensor y = at::empty({M, NG * C}, x.options());
-  if (M == 0) return y;
+  if (M == 0) return;
   const RoundedRows<T> xr = round_rows<T>(x, M);
   const uint8_t* q0 = packed.data_ptr<uint8_t>();
   const S* s0 = static_cast<const S*>(scales.const_data_ptr());
-  float* y0 = y.data_ptr<float>();
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(M * C);
     for (int64_t g = begin; g < end; ++g) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t b = 0; b < KB; ++b) group(q0 + (g * KB + b) * 256, s0 + (g * KB + b) * 2 * C, xr, b, acc.data());
-      for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, acc.data() + r * C, C * sizeof(float));
+      const int64_t cols = std::min(C, out.columns - g * C);
+      for (int64_t r = 0; r < M; ++r) {
+        float* yr = out.data + r * out.row_stride + g * C;
+        const float* ar = acc.data() + r * C;
+        if (out.add) {
+          for (int64_t j = 0; j < cols; ++j) yr[j] += ar[j];
+        } else {
+          std::memcpy(yr, ar, cols * sizeof(float));
+        }
+      }
     }
   });
-  return y;
 }
 
 #if defined(DS4_ISA_AVX512) || defined(DS4_ISA_AMX)
@@ -200,10 +217,10 @@ struct NibbleWidener {
 
 #if defined(DS4_ISA_AVX512)
 template <typename S>
-at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
   const NibbleWidener widener;
-  return vector_op<uint16_t, S>(x, packed, scales, [&](const uint8_t* q, const S* sc,
+  vector_op<uint16_t, S>(x, packed, scales, out, [&](const uint8_t* q, const S* sc,
                                                        const RoundedRows<uint16_t>& xr, int64_t b, float* acc_y) {
     __m512bh w[16];
     widener.widen(q, w);
@@ -225,10 +242,6 @@ at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_arguments(x, packed, scales);
-  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
-}
 #endif  // DS4_ISA_AVX512
 
 #if defined(DS4_ISA_AVX2)
@@ -311,10 +324,10 @@ inline std::vector<float> scaled_row(const float* x, int64_t K) {
 }
 
 template <typename S>
-at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
   const std::vector<float> xs = M == 1 ? scaled_row(x.data_ptr<float>(), K) : std::vector<float>();
-  return vector_op<float, S>(x, packed, scales, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
+  vector_op<float, S>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
                                                     int64_t b, float* acc_y) {
     if (M == 1) {
       group_one_row(q, xs.data() + b * G, sc, xr.sums[b], acc_y);
@@ -340,10 +353,6 @@ at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const
   });
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-  check_arguments(x, packed, scales);
-  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
-}
 #endif  // DS4_ISA_AVX2
 
 #if !defined(DS4_ISA_AVX512) && !defined(DS4_ISA_AMX) && !defined(DS4_ISA_AVX2)
@@ -378,9 +387,9 @@ inline void widen_group(const uint8_t* q, float* w) {
 }
 
 template <typename S>
-at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  return vector_op<float, S>(x, packed, scales, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
+  vector_op<float, S>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, const RoundedRows<float>& xr,
                                                     int64_t b, float* acc_y) {
     alignas(64) float w[G * C];
     widen_group(q, w);
@@ -402,11 +411,29 @@ at::Tensor int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const
   });
 }
 
+#endif  // the portable op
+
+#if !defined(DS4_ISA_AMX)
+// The vector ops' entry points, over the one `int4_linear_with` this build defines above.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   check_arguments(x, packed, scales);
-  return with_scale_type(scales, [&](auto s) { return int4_linear_with<decltype(s)>(x, packed, scales); });
+  const int64_t N = packed.size(0) * C;
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const Output out{y.data_ptr<float>(), N, N, false};
+  with_scale_type(scales, [&](auto s) { int4_linear_with<decltype(s)>(x, packed, scales, out); });
+  return y;
 }
-#endif  // the portable op
+
+void int4_linear_add(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+  check_arguments(x, packed, scales);
+  const int64_t N = packed.size(0) * C;
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&
+                  out.size(1) <= N && out.size(1) > N - C,
+              "int4_linear_add: out must be float32 [", x.size(0), ", ", N - C + 1, "..", N, "] with contiguous rows");
+  const Output into{out.data_ptr<float>(), out.stride(0), out.size(1), true};
+  with_scale_type(scales, [&](auto s) { int4_linear_with<decltype(s)>(x, packed, scales, into); });
+}
+#endif
 
 #if defined(DS4_ISA_AMX)
 constexpr int64_t TR = 16;  // rows per tile
@@ -523,8 +550,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("int4_linear") "(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+#if !defined(DS4_ISA_AMX)
+  m.def(DS4_OP("int4_linear_add") "(Tensor x, Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("int4_linear"), &int4::int4_linear);
+#if !defined(DS4_ISA_AMX)
+  m.impl(DS4_OP("int4_linear_add"), &int4::int4_linear_add);
+#endif
 }

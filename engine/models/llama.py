@@ -76,13 +76,14 @@ class StepKernels(Protocol):
 
 class TorchKernels:
     """StepKernels in torch ops, float32 (the CPU path, prefill and eager CUDA decoding).  On CPU
-    the compiled kernels' `rms_norm` (engine.kernels) replaces the norm's five torch ops for
-    [rows, n_embd] inputs, the same op in prefill and decoding."""
+    the compiled kernels' `rms_norm` and `swiglu` (engine.kernels) replace the norm's five torch
+    ops for [rows, n_embd] inputs and the SwiGLU's three, the same ops in prefill and decoding."""
 
-    def __init__(self, eps: torch.Tensor, n_ff: int, fused_norm: Callable[..., torch.Tensor] | None = None):
+    def __init__(self, eps: torch.Tensor, n_ff: int, cpu: CpuKernels | None = None):
         self.eps = eps  # a device scalar: no host value enters the expression
         self.n_ff = n_ff
-        self.fused_norm = fused_norm
+        self.fused_norm = cpu.rms_norm if cpu is not None else None
+        self.fused_swiglu = cpu.swiglu if cpu is not None else None
         self.eps_value = float(eps)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -93,6 +94,8 @@ class TorchKernels:
         return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused_swiglu is not None and gate_up.dtype == torch.float32 and gate_up.shape[-1] == 2 * self.n_ff:
+            return self.fused_swiglu(gate_up)
         return F.silu(gate_up[:, : self.n_ff]) * gate_up[:, self.n_ff:]
 
 
@@ -202,7 +205,7 @@ class LlamaModel(CachedNetwork):
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
                                        cpu=self.cpu_kernels)
         self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff,
-                                          self.cpu_kernels.rms_norm if self.cpu_kernels else None)
+                                          self.cpu_kernels)
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
         # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128

@@ -89,7 +89,7 @@ def test_load_model_turns_a_bad_override_into_a_one_line_load_error(tiny_gguf, m
 
 def test_torch_path_has_no_compiled_ops():
     t = kernels.cpu_kernels("torch")
-    assert (t.attention, t.int4, t.int4_tiles, t.int8, t.f16, t.rms_norm) == (None,) * 6
+    assert (t.attention, t.int4, t.int4_add, t.int4_tiles, t.int8, t.f16, t.rms_norm, t.swiglu) == (None,) * 8
 
 
 # ---------------------------------------------------------------- decode attention
@@ -291,6 +291,29 @@ def test_int4_empty_input_gives_an_empty_output(int4_op):
     q, scale, minimum, _ = int4_case(32, 64)
     packed, scales = int4_pack(q, scale, minimum)
     assert int4_op(torch.randn(0, 64), packed, scales).shape == (0, 32)
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("n_out", [192, 181])  # whole column groups, and padding columns dropped
+def test_int4_add_gives_the_bits_of_adding_the_product(path, m, n_out):
+    """int4_linear_add(x, ..., out) adds into the residual stream itself: bit for bit what
+    `out += int4_linear(x, ...)[:, :n_out]` computes, with strided rows of out."""
+    q, scale, minimum, _ = int4_case(192, 576, seed=5)
+    packed, scales = int4_pack(q, scale, minimum)
+    x = torch.randn(m, 576)
+    base = torch.randn(m, n_out + 4)
+    full = base.clone()
+    path.int4_add(x, packed, scales, full[:, :n_out])
+    assert torch.equal(full[:, :n_out], base[:, :n_out] + path.int4(x, packed, scales)[:, :n_out])
+    assert torch.equal(full[:, n_out:], base[:, n_out:])  # nothing written past the given columns
+
+
+def test_int4_add_refuses_an_output_of_the_wrong_shape(path):
+    q, scale, minimum, _ = int4_case(32, 64)
+    packed, scales = int4_pack(q, scale, minimum)
+    for bad in (torch.zeros(2, 16), torch.zeros(3, 32), torch.zeros(2, 33), torch.zeros(2, 32).double()):
+        with pytest.raises(RuntimeError, match=r"int4_linear_add: out must be float32 \[2, 17..32\]"):
+            path.int4_add(torch.randn(2, 64), packed, scales, bad)
 
 
 def gguf_int4_scales(qtype: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -686,3 +709,29 @@ def test_rms_norm_bad_arguments_are_errors_with_messages(path):
         path.rms_norm(torch.zeros(2, 8, dtype=torch.float64), torch.zeros(8), 1e-5)
     with pytest.raises(RuntimeError, match=r"rms_norm: w must be contiguous float32 \[K\]"):
         path.rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-5)
+
+
+# ---------------------------------------------------------------- swiglu
+
+
+@pytest.mark.parametrize("f", [1536, 13])  # whole vectors, and a tail
+def test_swiglu_is_silu_times_up_within_a_few_ulp_and_elementwise(path, f):
+    torch.manual_seed(f)
+    gate_up = torch.randn(9, 2 * f + 5)[:, : 2 * f] * 8  # strided rows
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, -100.0, 100.0])  # exp's clamp and the large side
+    y = path.swiglu(gate_up)
+    g, u = gate_up[:, :f].double(), gate_up[:, f:].double()
+    want = g / (1 + torch.exp(-g)) * u
+    torch.testing.assert_close(y.double(), want, rtol=4e-7, atol=1e-30)
+    assert not torch.isnan(y).any()
+    # a value's result depends on that value alone: rows and positions anywhere give the same bits
+    assert torch.equal(path.swiglu(gate_up[3:5].contiguous()), y[3:5])
+    shifted = torch.cat([gate_up[:, 1:f], gate_up[:, :1], gate_up[:, f + 1:], gate_up[:, f:f + 1]], dim=1)
+    assert torch.equal(path.swiglu(shifted), torch.cat([y[:, 1:], y[:, :1]], dim=1))
+
+
+def test_swiglu_bad_arguments_are_errors_with_messages(path):
+    with pytest.raises(RuntimeError, match=r"swiglu: gate_up must be \[M, 2F\] float32"):
+        path.swiglu(torch.zeros(2, 7))
+    with pytest.raises(RuntimeError, match=r"swiglu: gate_up must be \[M, 2F\] float32"):
+        path.swiglu(torch.zeros(2, 8, dtype=torch.float64))
