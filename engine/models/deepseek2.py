@@ -16,8 +16,8 @@ Attention (MLA), per layer, with llama.cpp's tensor names and H heads of key wid
 
 The cache keeps, per layer and position, only the normed latent and the rotated key part
 (engine.kvcache.CacheLayout(1, 1, kv_lora_rank + rope_dim)): `kv_bytes_per_token` is
-n_layer * (kv_lora_rank + rope_dim) * element size, instead of 2 * n_layer * H * head_dim *
-element size for the same heads cached as keys and values.  Attention never expands the
+n_layer * (kv_lora_rank + rope_dim) * element size, instead of n_layer * H * (head_dim +
+head_dim_v) * element size for the same heads cached as keys and values.  Attention never expands the
 cache: the up-projections are absorbed into the query and the output (q_nope . (W_k c) =
 (W_k^T q_nope) . c, and sum_j p_j W_v c_j = W_v sum_j p_j c_j), so a query attends in latent
 space to [absorbed q_nope, q_rope] . [latent, key rope] and its latent output goes through W_v.
@@ -117,6 +117,13 @@ def yarn_rope(cfg: ModelConfig, meta: Mapping[str, Any]) -> tuple[torch.Tensor, 
     inv = inv * (extrapolated + (1 - extrapolated) / factor)
     mscale = 1.0 + float(meta.get(f"{a}.rope.scaling.yarn_log_multiplier") or 0.0) * math.log(factor)
     return inv, mscale * mscale
+
+
+def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x [..., rope_dim] with its adjacent pairs turned by `rope` (complex, broadcast to
+    [..., rope_dim / 2]): a new float32 tensor."""
+    pairs = torch.view_as_complex(x.float().contiguous().view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rope).flatten(-2)
 
 
 class MlaBlock:
@@ -316,14 +323,10 @@ class DeepSeek2Model(CachedNetwork):
             q = blk.w_q_b(self.norms.norm(both[:, :split], blk.q_a_norm)).float()
         else:
             q = both[:, :split]
-        q = q.reshape(T, H, cfg.head_dim).clone()  # a fresh tensor: rotated in place below
-        rows = both[:, split:].clone()
-        rows[:, :rank] = self.norms.norm(rows[:, :rank], blk.kv_a_norm)
-        qr = torch.view_as_complex(q[:, :, nope:].contiguous().view(T, H, -1, 2)) * rope.unsqueeze(1)
-        q[:, :, nope:] = torch.view_as_real(qr).view(T, H, -1)
-        kr = torch.view_as_complex(rows[:, rank:].contiguous().view(T, -1, 2)) * rope
-        rows[:, rank:] = torch.view_as_real(kr).view(T, -1)
-        return q, rows
+        q = q.reshape(T, H, cfg.head_dim)
+        q = torch.cat([q[:, :, :nope], _rotate(q[:, :, nope:], rope.unsqueeze(1))], dim=2)
+        latent = self.norms.norm(both[:, split: split + rank], blk.kv_a_norm)
+        return q, torch.cat([latent, _rotate(both[:, split + rank:], rope)], dim=1)
 
     def _attend_row(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
         """One row's queries [H, head_dim] against its cached rows [L, rank + rope] -> [H * dv]:
