@@ -222,6 +222,10 @@ def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np
     transformers = pytest.importorskip("transformers")
     _, W = read_weights(path)
     H, rank, nope = spec.n_head, spec.kv_lora_rank, spec.nope
+    rope = {"rope_type": "default", "rope_theta": spec.rope_base}
+    if spec.yarn_factor:  # the checkpoint's mscale = mscale_all_dim = 1 is llama.cpp's log multiplier 0.1
+        rope = {**rope, "rope_type": "yarn", "factor": spec.yarn_factor, "beta_fast": 32.0, "beta_slow": 1.0,
+                "original_max_position_embeddings": spec.n_ctx // 4, "mscale": 1.0, "mscale_all_dim": 1.0}
     config = transformers.DeepseekV3Config(
         vocab_size=W["token_embd.weight"].shape[0], hidden_size=spec.n_embd, intermediate_size=spec.n_ff,
         moe_intermediate_size=spec.n_ff_exp, num_hidden_layers=spec.n_layer, num_attention_heads=H,
@@ -230,7 +234,7 @@ def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np
         qk_rope_head_dim=spec.rope, v_head_dim=spec.v_dim, qk_nope_head_dim=nope, n_group=spec.n_groups,
         topk_group=spec.n_groups_used, num_experts_per_tok=spec.n_expert_used, first_k_dense_replace=spec.n_dense,
         norm_topk_prob=spec.weights_norm, rms_norm_eps=1e-6, max_position_embeddings=spec.n_ctx,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_base}, rope_interleave=True,
+        rope_parameters=rope, rope_interleave=True,
         tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager")
     model = transformers.DeepseekV3ForCausalLM(config)
 
@@ -275,10 +279,11 @@ def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("q_lora_rank", [0, 32], ids=["q", "q-lora"])
-def test_agrees_with_transformers_deepseek_v3(ds_gguf, q_lora_rank):
-    path = ds_gguf("v3", q_lora_rank=q_lora_rank)
-    theirs = transformers_logits(path, DeepSeek2Spec(**{**VARIANTS["v3"], "q_lora_rank": q_lora_rank}), TOKENS)
+@pytest.mark.parametrize("kw", [pytest.param({}, id="q", marks=pytest.mark.slow),
+                                dict(q_lora_rank=32, yarn_factor=4.0)], ids=["q", "q-lora-yarn"])
+def test_agrees_with_transformers_deepseek_v3(ds_gguf, kw):
+    path = ds_gguf("v3", **kw)
+    theirs = transformers_logits(path, DeepSeek2Spec(**{**VARIANTS["v3"], **kw}), TOKENS)
     scale = np.abs(theirs).max()
     # transformers routes in float32 and computes its rope frequencies in float32 even in a
     # float64 model
