@@ -41,7 +41,7 @@ class ModelConfig:
     # `{arch}.attention.sliding_window`: keys a query sees, itself included (None: all). The llama
     # family windows every layer with it; gemma decides per layer (engine.models.gemma).
     sliding_window: int | None = None
-    # Mixture-of-experts layers (qwen2moe, qwen3moe); 0 where the family has none.
+    # Mixture-of-experts layers (qwen2moe, qwen3moe, deepseek2); 0 where the family has none.
     n_expert: int = 0  # {arch}.expert_count
     n_expert_used: int = 0  # {arch}.expert_used_count: experts each token is routed to
     n_ff_exp: int = 0  # {arch}.expert_feed_forward_length: one routed expert's hidden width
