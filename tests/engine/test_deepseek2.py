@@ -216,9 +216,9 @@ def test_sessions_generate(ds_gguf):
 
 
 def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np.ndarray:
-    """Logits of transformers' own DeepseekV3 (sigmoid routing, expert bias, groups), float64,
-    built from the GGUF's weights (llama.cpp's converter keeps the checkpoint's interleaved
-    rope layout, which DeepseekV3's rope_interleave expects)."""
+    """Logits of transformers' own DeepseekV3 (sigmoid routing, expert bias, groups) or, for a
+    softmax-routed spec, DeepseekV2 (greedy top-k), float64, built from the GGUF's weights
+    (llama.cpp's converter keeps the checkpoint's interleaved rope layout, which both expect)."""
     transformers = pytest.importorskip("transformers")
     _, W = read_weights(path)
     H, rank, nope = spec.n_head, spec.kv_lora_rank, spec.nope
@@ -226,17 +226,21 @@ def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np
     if spec.yarn_factor:  # the checkpoint's mscale = mscale_all_dim = 1 is llama.cpp's log multiplier 0.1
         rope = {**rope, "rope_type": "yarn", "factor": spec.yarn_factor, "beta_fast": 32.0, "beta_slow": 1.0,
                 "original_max_position_embeddings": spec.n_ctx // 4, "mscale": 1.0, "mscale_all_dim": 1.0}
-    config = transformers.DeepseekV3Config(
-        vocab_size=W["token_embd.weight"].shape[0], hidden_size=spec.n_embd, intermediate_size=spec.n_ff,
-        moe_intermediate_size=spec.n_ff_exp, num_hidden_layers=spec.n_layer, num_attention_heads=H,
-        num_key_value_heads=H, n_shared_experts=spec.n_shared, n_routed_experts=spec.n_expert,
-        routed_scaling_factor=spec.weights_scale, kv_lora_rank=rank, q_lora_rank=spec.q_lora_rank or None,
-        qk_rope_head_dim=spec.rope, v_head_dim=spec.v_dim, qk_nope_head_dim=nope, n_group=spec.n_groups,
-        topk_group=spec.n_groups_used, num_experts_per_tok=spec.n_expert_used, first_k_dense_replace=spec.n_dense,
-        norm_topk_prob=spec.weights_norm, rms_norm_eps=1e-6, max_position_embeddings=spec.n_ctx,
-        rope_parameters=rope, rope_interleave=True,
-        tie_word_embeddings=False, attn_implementation="eager", experts_implementation="eager")
-    model = transformers.DeepseekV3ForCausalLM(config)
+    kw = dict(vocab_size=W["token_embd.weight"].shape[0], hidden_size=spec.n_embd, intermediate_size=spec.n_ff,
+              moe_intermediate_size=spec.n_ff_exp, num_hidden_layers=spec.n_layer, num_attention_heads=H,
+              num_key_value_heads=H, n_shared_experts=spec.n_shared, n_routed_experts=spec.n_expert,
+              routed_scaling_factor=spec.weights_scale, kv_lora_rank=rank, q_lora_rank=spec.q_lora_rank or None,
+              qk_rope_head_dim=spec.rope, v_head_dim=spec.v_dim, qk_nope_head_dim=nope,
+              num_experts_per_tok=spec.n_expert_used, first_k_dense_replace=spec.n_dense,
+              norm_topk_prob=spec.weights_norm, rms_norm_eps=1e-6, max_position_embeddings=spec.n_ctx,
+              rope_parameters=rope, tie_word_embeddings=False, attn_implementation="eager",
+              experts_implementation="eager")
+    if spec.gating == "sigmoid":
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+            n_group=spec.n_groups, topk_group=spec.n_groups_used, rope_interleave=True, **kw))
+    else:
+        assert not spec.weights_norm  # DeepseekV2's greedy router does not renormalise
+        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(topk_method="greedy", **kw))
 
     def t(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a))
@@ -267,7 +271,8 @@ def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np
                 sd[h + f"mlp.{n}_proj.weight"] = t(W[b + f"ffn_{n}.weight"])
             continue
         sd[h + "mlp.gate.weight"] = t(W[b + "ffn_gate_inp.weight"])
-        sd[h + "mlp.gate.e_score_correction_bias"] = t(W[b + "exp_probs_b.bias"])
+        if b + "exp_probs_b.bias" in W:
+            sd[h + "mlp.gate.e_score_correction_bias"] = t(W[b + "exp_probs_b.bias"])
         sd[h + "mlp.experts.gate_up_proj"] = t(np.concatenate([W[b + "ffn_gate_exps.weight"],
                                                                W[b + "ffn_up_exps.weight"]], axis=1))
         sd[h + "mlp.experts.down_proj"] = t(W[b + "ffn_down_exps.weight"])
@@ -279,14 +284,15 @@ def transformers_logits(path: str, spec: DeepSeek2Spec, tokens: list[int]) -> np
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("kw", [pytest.param({}, id="q", marks=pytest.mark.slow),
-                                dict(q_lora_rank=32, yarn_factor=4.0)], ids=["q", "q-lora-yarn"])
-def test_agrees_with_transformers_deepseek_v3(ds_gguf, kw):
-    path = ds_gguf("v3", **kw)
-    theirs = transformers_logits(path, DeepSeek2Spec(**{**VARIANTS["v3"], **kw}), TOKENS)
+@pytest.mark.parametrize("variant, kw", [pytest.param("v3", {}, marks=pytest.mark.slow),
+                                         ("v3", dict(q_lora_rank=32, yarn_factor=4.0)), ("v2", {})],
+                         ids=["v3", "v3-q-lora-yarn", "v2"])
+def test_agrees_with_transformers(ds_gguf, variant, kw):
+    path = ds_gguf(variant, **kw)
+    theirs = transformers_logits(path, DeepSeek2Spec(**{**VARIANTS[variant], **kw}), TOKENS)
     scale = np.abs(theirs).max()
-    # transformers routes in float32 and computes its rope frequencies in float32 even in a
-    # float64 model
+    # transformers routes, and DeepseekV2 rotates, in float32 even in a float64 model, and both
+    # compute their rope frequencies in float32
     assert np.abs(reference_logits(path, TOKENS).logits - theirs).max() <= 1e-5 * scale
     got = all_logits(engine.load_model(path, weights="float32"), TOKENS)
     assert np.abs(got - theirs).max() <= 2e-5 * scale
