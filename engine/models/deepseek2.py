@@ -216,6 +216,9 @@ class DeepSeek2Model(CachedNetwork):
         else:
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
                                        cpu=self.cpu_kernels)
+        # Whether a prefill chunk's rows attend one by one, as decoding steps do (bitwise equal
+        # to them; CPU), or in one masked batch (other devices).
+        self.rows_alone = device.type == "cpu"
         self.norms = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff)
         norm = cfg.expert_weights_norm
         self.renormalise = False if norm is None else norm
@@ -260,7 +263,7 @@ class DeepSeek2Model(CachedNetwork):
             q, rows = self._project(blk, x, rope)
             layer = cache.layer_k[li][0]  # [capacity, kv_lora_rank + rope_dim]
             layer[start:end] = rows.to(layer.dtype)
-            if self.device.type == "cpu":
+            if self.rows_alone:
                 out = torch.stack([self._attend_row(blk, q[i], layer[: start + i + 1]) for i in range(T)])
             else:
                 out = self._attend_chunk(blk, q, layer[:end], start)

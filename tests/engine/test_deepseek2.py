@@ -61,6 +61,18 @@ def test_float32_forward_matches_float64_reference(ds_gguf, variant):
     assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
 
 
+def test_a_chunk_attending_in_one_batch_matches_the_reference(ds_gguf):
+    """The other devices' prefill (all rows of a chunk in one masked batch), run on CPU."""
+    path = ds_gguf("v2")
+    ref = reference_logits(path, TOKENS).logits
+    m = engine.load_model(path, weights="float32")
+    m.net.rows_alone = False
+    s = m.new_session()
+    chunks = [s.extend_logits(TOKENS[:5]), s.extend_logits(TOKENS[5:])]  # the second sees a cached past
+    got = torch.cat(chunks).double().numpy()
+    assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("variant", list(PACKED_SEEDS))
 def test_packed_forward_matches_float64_reference(ds_gguf, variant):
     path = ds_gguf(variant, "Q4_0", seed=PACKED_SEEDS[variant])
