@@ -60,7 +60,6 @@ from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
-from engine.models.llama import TorchKernels
 from engine.models.qwen_moe import Expert, float32_rows, mix_experts, stacked_experts
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
@@ -219,7 +218,7 @@ class DeepSeek2Model(CachedNetwork):
         # Whether a prefill chunk's rows attend one by one, as decoding steps do (bitwise equal
         # to them; CPU), or in one masked batch (other devices).
         self.rows_alone = device.type == "cpu"
-        self.norms = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff)
+        self.eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
         norm = cfg.expert_weights_norm
         self.renormalise = False if norm is None else norm
         inv, logit_factor = yarn_rope(cfg, gguf.metadata)
@@ -320,15 +319,15 @@ class DeepSeek2Model(CachedNetwork):
         of x's T rows, the rope parts of both rotated by `rope` [T, rope_dim/2]."""
         cfg = self.cfg
         T, H, rank, nope = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
-        both = blk.w_in(self.norms.norm(x, blk.attn_norm)).float()
+        both = blk.w_in(self.norm(x, blk.attn_norm)).float()
         split = both.shape[1] - rank - cfg.rope_dim
         if blk.w_q_b is not None:
-            q = blk.w_q_b(self.norms.norm(both[:, :split], blk.q_a_norm)).float()
+            q = blk.w_q_b(self.norm(both[:, :split], blk.q_a_norm)).float()
         else:
             q = both[:, :split]
         q = q.reshape(T, H, cfg.head_dim)
         q = torch.cat([q[:, :, :nope], _rotate(q[:, :, nope:], rope.unsqueeze(1))], dim=2)
-        latent = self.norms.norm(both[:, split: split + rank], blk.kv_a_norm)
+        latent = self.norm(both[:, split: split + rank], blk.kv_a_norm)
         return q, torch.cat([latent, _rotate(both[:, split + rank:], rope)], dim=1)
 
     def _attend_row(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
@@ -357,7 +356,7 @@ class DeepSeek2Model(CachedNetwork):
     def _feed_forward(self, blk: MlaBlock, x: torch.Tensor) -> None:
         """x += the block's dense FFN, or its routed experts plus its shared ones, of x."""
         cfg = self.cfg
-        h = self.norms.norm(x, blk.ffn_norm)
+        h = self.norm(x, blk.ffn_norm)
         if blk.dense is not None:
             x += blk.dense(h)
             return
@@ -368,5 +367,10 @@ class DeepSeek2Model(CachedNetwork):
             acc = acc + blk.shared(h)
         x += acc
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x's rows (float32), each row on its own."""
+        ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
+
     def _head(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norms.norm(h, self.out_norm)).float()
+        return self.output(self.norm(h, self.out_norm)).float()
