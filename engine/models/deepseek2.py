@@ -149,12 +149,19 @@ class MlaBlock:
         self.q_a_norm = vec("attn_q_a_norm.weight") if cfg.q_lora_rank else None
         self.w_q_b: Linear | None = build_linear([t[p + "attn_q_b.weight"]], fmt, device, cpu=cpu) \
             if cfg.q_lora_rank else None
+        def up(name: str, *shape: int) -> np.ndarray:
+            w = to_float(t[p + name])
+            if w.size != math.prod(shape):
+                raise UnsupportedModel(f"{p}{name} has shape {tuple(w.shape)}, not {' x '.join(map(str, shape))} "
+                                       f"(heads x widths from the metadata)")
+            return w.reshape(shape)
+
         if p + "attn_kv_b.weight" in t:
-            kv_b = to_float(t[p + "attn_kv_b.weight"]).reshape(H, nope + dv, rank)
+            kv_b = up("attn_kv_b.weight", H, nope + dv, rank)
             w_k, w_v = kv_b[:, :nope], kv_b[:, nope:]
         else:
-            w_k = to_float(t[p + "attn_k_b.weight"]).reshape(H, rank, nope).transpose(0, 2, 1)
-            w_v = to_float(t[p + "attn_v_b.weight"]).reshape(H, dv, rank)
+            w_k = up("attn_k_b.weight", H, rank, nope).transpose(0, 2, 1)
+            w_v = up("attn_v_b.weight", H, dv, rank)
         self.w_uk = dense(w_k)  # [H, nope, rank]: q_nope [H, 1, nope] @ w_uk -> the absorbed query
         self.w_uv = dense(w_v.transpose(0, 2, 1))  # [H, rank, dv]: latent output [H, 1, rank] @ w_uv
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
@@ -185,6 +192,8 @@ class MlaBlock:
 
 
 class DeepSeek2Model(CachedNetwork):
+    """engine.protocols.Network for deepseek2 files (see the module docstring)."""
+
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
         if cfg.kv_lora_rank <= 0:
@@ -219,8 +228,7 @@ class DeepSeek2Model(CachedNetwork):
         # to them; CPU), or in one masked batch (other devices).
         self.rows_alone = device.type == "cpu"
         self.eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
-        norm = cfg.expert_weights_norm
-        self.renormalise = False if norm is None else norm
+        self.renormalise = bool(cfg.expert_weights_norm)  # llama.cpp's default for this family: no
         inv, logit_factor = yarn_rope(cfg, gguf.metadata)
         self.scale = logit_factor / math.sqrt(cfg.head_dim)
         angles = torch.outer(torch.arange(cfg.n_ctx_train, dtype=torch.float64), inv)
