@@ -21,11 +21,11 @@ head_dim_v) * element size for the same heads cached as keys and values.  Attent
 cache: the up-projections are absorbed into the query and the output (q_nope . (W_k c) =
 (W_k^T q_nope) . c, and sum_j p_j W_v c_j = W_v sum_j p_j c_j), so a query attends in latent
 space to [absorbed q_nope, q_rope] . [latent, key rope] and its latent output goes through W_v.
-W_k and W_v are held in float32 and applied to one row at a time.  On CPU every row attends
-alone (decode steps, batched rows and prefill chunks alike, with the same operations on the
-same shapes), so prefill, token-by-token decoding and batched decoding compute the same bits;
-other devices attend a prefill chunk in one masked batch.  Rope turns adjacent pairs
-(llama.cpp's rope type for deepseek2); YaRN scaling in the metadata (`rope.scaling.type`
+W_k and W_v are held in float32.  On CPU every row attends alone (decode steps, batched rows
+and prefill chunks alike, with the same operations on the same shapes), so prefill,
+token-by-token decoding and batched decoding compute the same bits; other devices attend a
+prefill chunk, and a decoding step's rows of one pool, in one masked batch.  Rope turns
+adjacent pairs (llama.cpp's rope type for deepseek2); YaRN scaling in the metadata (`rope.scaling.type`
 yarn) blends interpolated and original frequencies per dimension and scales the attention
 logits by mscale^2 with mscale = 1 + `rope.scaling.yarn_log_multiplier` * ln(factor), as
 llama.cpp does for this family.
@@ -224,8 +224,9 @@ class DeepSeek2Model(CachedNetwork):
         else:
             self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
                                        cpu=self.cpu_kernels)
-        # Whether a prefill chunk's rows attend one by one, as decoding steps do (bitwise equal
-        # to them; CPU), or in one masked batch (other devices).
+        # Whether every row attends alone, in prefill chunks as in decoding steps, so that they
+        # compute the same bits (CPU); else a chunk's rows, and a step's rows of one pool,
+        # attend in one masked batch (other devices).
         self.rows_alone = device.type == "cpu"
         self.eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
         self.renormalise = bool(cfg.expert_weights_norm)  # llama.cpp's default for this family: no
@@ -291,14 +292,10 @@ class DeepSeek2Model(CachedNetwork):
             c.reserve(c.n + 1)
         x = self.embed(tokens)
         rope = self.rope[torch.tensor(pos, device=self.device)]
+        attend = self._row_attention(caches, pos)
         for li, blk in enumerate(self.blocks):
             q, rows = self._project(blk, x, rope)
-            layers = [c.layer_k[li][0] for c in caches]
-            for i, (layer, p) in enumerate(zip(layers, pos)):
-                layer[p] = rows[i].to(layer.dtype)
-            out = torch.stack([self._attend_row(blk, q[i], layer[: p + 1])
-                               for i, (layer, p) in enumerate(zip(layers, pos))])
-            blk.wo.accumulate(x, out)
+            blk.wo.accumulate(x, attend(li, blk, q, rows))
             self._feed_forward(blk, x)
         for c, p in zip(caches, pos):
             c.n = p + 1
@@ -321,6 +318,46 @@ class DeepSeek2Model(CachedNetwork):
         return None
 
     # -- the computation ------------------------------------------------------------------
+
+    def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[..., torch.Tensor]:
+        """attend(layer, block, q [N, H, head_dim], rows [N, width]) -> [N, H * dv] for one
+        decoding step: stores each row's latent at its position and attends each row to its
+        own cache.  Rows alone (CPU) attend one by one; otherwise rows of one pool attend in
+        one batch over the longest row's length, each masked to its own (positions past a
+        shorter row's end are zero-filled pool memory, finite under the mask)."""
+        pool = caches[0].pool
+        if self.rows_alone or len(caches) == 1 or pool is None or any(c.pool is not pool for c in caches):
+            def attend(li: int, blk: MlaBlock, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                layers = [c.layer_k[li][0] for c in caches]
+                for i, (layer, p) in enumerate(zip(layers, pos)):
+                    layer[p] = rows[i].to(layer.dtype)
+                return torch.stack([self._attend_row(blk, q[i], layer[: p + 1])
+                                    for i, (layer, p) in enumerate(zip(layers, pos))])
+            return attend
+        slots = [c.slot for c in caches]
+        where = pool.row_index(slots, pos)  # one row per (slot, position) in a one-part layout
+        picked = torch.tensor(slots, device=self.device)
+        L = max(pos) + 1
+        hidden = torch.arange(L, device=self.device)[None, :] > torch.tensor(pos, device=self.device)[:, None]
+
+        def attend_pooled(li: int, blk: MlaBlock, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            pool.layer_rows[li].index_copy_(0, where, rows.to(pool.kv.dtype))
+            lat = pool.layer_kv[li][0, :, 0, :L].index_select(0, picked)  # [N, L, width]
+            return self._attend_rows_masked(blk, q, lat, hidden)
+        return attend_pooled
+
+    def _attend_rows_masked(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor,
+                            hidden: torch.Tensor) -> torch.Tensor:
+        """N rows' queries [N, H, head_dim] against their own latents [N, L, width], positions
+        where `hidden` [N, L] is True left out: [N, H * dv]."""
+        N = q.shape[0]
+        nope, rank = self.cfg.head_dim - self.cfg.rope_dim, self.cfg.kv_lora_rank
+        lat = lat.float()
+        absorbed = torch.bmm(q[:, :, :nope].transpose(0, 1), blk.w_uk).transpose(0, 1)  # [N, H, rank]
+        scores = torch.bmm(torch.cat([absorbed, q[:, :, nope:]], dim=2), lat.transpose(1, 2))  # [N, H, L]
+        probs = torch.softmax((scores * self.scale).masked_fill_(hidden[:, None], float("-inf")), dim=-1)
+        out = torch.bmm(torch.bmm(probs, lat[:, :, :rank]).transpose(0, 1), blk.w_uv)  # [H, N, dv]
+        return out.transpose(0, 1).reshape(N, -1)
 
     def _project(self, blk: MlaBlock, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [T, H, head_dim] float32, latent rows [T, kv_lora_rank + rope_dim] float32)

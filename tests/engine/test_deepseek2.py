@@ -73,6 +73,24 @@ def test_a_chunk_attending_in_one_batch_matches_the_reference(ds_gguf):
     assert np.abs(got - ref).max() <= 2e-5 * np.abs(ref).max()
 
 
+def test_pooled_rows_attending_in_one_batch_agree_with_alone(ds_gguf):
+    """The other devices' decoding (a step's pooled rows in one masked batch over the longest
+    row's length), run on CPU: within float32 rounding of each row decoded alone."""
+    m = engine.load_model(ds_gguf("v3"), weights="float32")
+    m.net.rows_alone = False
+    batch = m.new_sessions(3)
+    for s, n in zip(batch, (3, 6, 9)):
+        s.sync(TOKENS[:n])
+    while batch[0].n_past < len(TOKENS):
+        live = [s for s in batch if s.n_past < len(TOKENS)]
+        decode_batch(live, [TOKENS[s.n_past] for s in live])
+    m.net.rows_alone = True
+    alone = m.new_session()
+    alone.sync(TOKENS)
+    for s in batch:
+        torch.testing.assert_close(s.logits, alone.logits, rtol=0, atol=1e-5 * float(alone.logits.abs().max()))
+
+
 @pytest.mark.parametrize("variant", list(PACKED_SEEDS))
 def test_packed_forward_matches_float64_reference(ds_gguf, variant):
     path = ds_gguf(variant, "Q4_0", seed=PACKED_SEEDS[variant])
