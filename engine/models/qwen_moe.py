@@ -30,7 +30,8 @@ an expert that gets 32 rows or more, as for every matmul).  The routing decision
 to the host to group the rows, so decoding steps are not captured in CUDA graphs.
 
 The weight accounting counts every expert (all of them are resident), the routers and the
-shared expert.  The module implements `engine.protocols.Network` through `LlamaModel`; it is
+shared expert.  `Expert`, `stacked_experts`, `float32_rows` and the dispatch `mix_experts` are
+public for the other mixture-of-experts families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through `LlamaModel`; it is
 registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It reads no files and
 knows nothing of tokens' text or sessions.
 """
