@@ -272,7 +272,9 @@ class DeepSeek2Model(CachedNetwork):
             layer = cache.layer_k[li][0]  # [capacity, kv_lora_rank + rope_dim]
             layer[start:end] = rows.to(layer.dtype)
             if self.rows_alone:
-                out = torch.stack([self._attend_row(blk, q[i], layer[: start + i + 1]) for i in range(T)])
+                # Widened once for the chunk, not once per row (exact: the rows see the same values).
+                lat = layer[:end].float()
+                out = torch.stack([self._attend_row(blk, q[i], lat[: start + i + 1]) for i in range(T)])
             else:
                 out = self._attend_chunk(blk, q, layer[:end], start)
             blk.wo.accumulate(x, out)
