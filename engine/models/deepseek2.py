@@ -66,13 +66,19 @@ from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_floa
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
 _MIN_WEIGHT_SUM = 6.103515625e-5
 
+# Router scores -> each expert's weight, by `ModelConfig.expert_gating`.
+GATING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": lambda scores: torch.softmax(scores, dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
 
 def route(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None = None, n_groups: int = 0,
           n_groups_used: int = 0, normalise: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Router scores [T, n_expert] -> (expert ids [T, k], float32 weights [T, k]) by llama.cpp's
     rule (see the module docstring).  Of equal selection scores the lower index comes first."""
     scores = scores.float()
-    probs = torch.softmax(scores, dim=-1) if gating == "softmax" else torch.sigmoid(scores)
+    probs = GATING[gating](scores)
     select = probs if bias is None else probs + bias
     if n_groups > 1 and n_groups_used < n_groups:
         T, E = select.shape
