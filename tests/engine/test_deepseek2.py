@@ -16,7 +16,8 @@ import torch
 import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
-from engine.models.deepseek2 import route
+from engine.config import ModelConfig, UnsupportedModel
+from engine.models.deepseek2 import route, yarn_rope
 from deepseek2_models import DeepSeek2Spec, reference_logits, write_random_deepseek2
 from moe_models import read_weights
 
@@ -137,6 +138,21 @@ def test_config_reads_the_deepseek2_keys(ds_gguf):
     assert (cfg.q_lora_rank, cfg.head_dim, cfg.head_dim_v, cfg.n_head_kv) == (0, 48, 24, 1)
     assert cfg.expert_gating == "sigmoid" and (cfg.n_expert_groups, cfg.n_group_used) == (4, 2)
     assert cfg.expert_weights_norm is True and cfg.expert_weights_scale == 2.5
+
+
+def test_settings_the_engine_cannot_honour_are_refused():
+    a = "deepseek2"
+    meta = {"general.architecture": a, f"{a}.block_count": 1, f"{a}.embedding_length": 64,
+            f"{a}.feed_forward_length": 96, f"{a}.attention.head_count": 4, f"{a}.attention.key_length": 48,
+            f"{a}.rope.dimension_count": 16, f"{a}.context_length": 256, f"{a}.vocab_size": 10}
+    with pytest.raises(UnsupportedModel, match="expert_gating_func 3"):
+        ModelConfig.from_metadata({**meta, f"{a}.expert_gating_func": 3})
+    cfg = ModelConfig.from_metadata(meta)
+    assert cfg.expert_gating == "softmax"  # unstated: llama.cpp's default for older files
+    with pytest.raises(UnsupportedModel, match="rope scaling 'linear'"):
+        yarn_rope(cfg, {f"{a}.rope.scaling.type": "linear", f"{a}.rope.scaling.factor": 2.0})
+    inv, factor = yarn_rope(cfg, {f"{a}.rope.scaling.type": "yarn", f"{a}.rope.scaling.factor": 1.0})
+    assert factor == 1.0 and torch.equal(inv, yarn_rope(cfg, {})[0])  # a factor of 1 scales nothing
 
 
 @pytest.mark.parametrize("variant", ["v2", "v3"])
