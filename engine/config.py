@@ -13,6 +13,10 @@ from typing import Any, Mapping
 from engine.models import ARCHITECTURES
 
 
+# llama.cpp's expert_gating_func values; 0 (unset) is softmax, as llama.cpp reads older files.
+EXPERT_GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}
+
+
 class UnsupportedModel(Exception):
     """The GGUF describes an architecture, tensor type or layout the engine cannot run."""
 
@@ -37,12 +41,24 @@ class ModelConfig:
     # `{arch}.attention.sliding_window`: keys a query sees, itself included (None: all). The llama
     # family windows every layer with it; gemma decides per layer (engine.models.gemma).
     sliding_window: int | None = None
-    # Mixture-of-experts layers (qwen2moe, qwen3moe); 0 where the family has none.
+    # Mixture-of-experts layers (qwen2moe, qwen3moe, deepseek2); 0 where the family has none.
     n_expert: int = 0  # {arch}.expert_count
     n_expert_used: int = 0  # {arch}.expert_used_count: experts each token is routed to
     n_ff_exp: int = 0  # {arch}.expert_feed_forward_length: one routed expert's hidden width
     n_ff_shexp: int = 0  # {arch}.expert_shared_feed_forward_length: the shared expert's (0: none)
     expert_weights_norm: bool | None = None  # {arch}.expert_weights_norm where stated; None: the family's rule
+    # deepseek2 (engine.models.deepseek2): multi-head latent attention and its routing.
+    q_lora_rank: int = 0  # {arch}.attention.q_lora_rank: width of q's low-rank bottleneck (0: none)
+    kv_lora_rank: int = 0  # {arch}.attention.kv_lora_rank: width of the cached latent
+    # {arch}.attention.value_length (value_length_mla where a file has it): a head's value
+    # width where it differs from the key's `head_dim`; 0: equal.
+    head_dim_v: int = 0
+    n_expert_shared: int = 0  # {arch}.expert_shared_count: shared experts fused into one FFN
+    expert_weights_scale: float = 1.0  # {arch}.expert_weights_scale: the routed weights' factor
+    expert_gating: str = "softmax"  # {arch}.expert_gating_func: "softmax" or "sigmoid" scores
+    n_layer_dense_lead: int = 0  # {arch}.leading_dense_block_count: first layers with a dense FFN
+    n_expert_groups: int = 0  # {arch}.expert_group_count: groups of experts (0 or 1: no groups)
+    n_group_used: int = 0  # {arch}.expert_group_used_count: groups a token's experts come from
 
     @property
     def q_dim(self) -> int:
@@ -69,7 +85,14 @@ class ModelConfig:
 
         n_embd = int(get("embedding_length"))
         n_head = int(get("attention.head_count"))
-        head_dim = int(get("attention.key_length", n_embd // n_head))
+        # A deepseek2 file converted for llama.cpp's latent cache states a head's own widths in
+        # the *_mla keys (its key_length/value_length then describe that cache's rows).
+        head_dim = int(meta.get(f"{arch}.attention.key_length_mla") or get("attention.key_length", n_embd // n_head))
+        head_dim_v = int(meta.get(f"{arch}.attention.value_length_mla") or meta.get(f"{arch}.attention.value_length")
+                         or 0)
+        gating = int(meta.get(f"{arch}.expert_gating_func") or 0)
+        if gating not in EXPERT_GATING:
+            raise UnsupportedModel(f"{arch}.expert_gating_func {gating} (supported: softmax 1, sigmoid 2)")
         n_expert = int(meta.get(f"{arch}.expert_count") or 0)
         n_expert_used = int(meta.get(f"{arch}.expert_used_count") or 0)
         n_ff_exp = int(meta.get(f"{arch}.expert_feed_forward_length") or 0)
@@ -101,4 +124,13 @@ class ModelConfig:
             n_ff_exp=n_ff_exp,
             n_ff_shexp=int(meta.get(f"{arch}.expert_shared_feed_forward_length") or 0),
             expert_weights_norm=None if norm is None else bool(norm),
+            q_lora_rank=int(meta.get(f"{arch}.attention.q_lora_rank") or 0),
+            kv_lora_rank=int(meta.get(f"{arch}.attention.kv_lora_rank") or 0),
+            head_dim_v=0 if head_dim_v == head_dim else head_dim_v,
+            n_expert_shared=int(meta.get(f"{arch}.expert_shared_count") or 0),
+            expert_weights_scale=float(meta.get(f"{arch}.expert_weights_scale") or 1.0),
+            expert_gating=EXPERT_GATING[gating],
+            n_layer_dense_lead=int(meta.get(f"{arch}.leading_dense_block_count") or 0),
+            n_expert_groups=int(meta.get(f"{arch}.expert_group_count") or 0),
+            n_group_used=int(meta.get(f"{arch}.expert_group_used_count") or 0),
         )

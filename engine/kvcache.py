@@ -1,9 +1,15 @@
 """Key/value caches: one per session, or a pool of slots for batched decoding.
 
-A cache holds the keys and values of every layer in one tensor `kv` of shape
-[n_layer, 2, n_head_kv, capacity, head_dim] (index 0 of the second axis is K, 1 is V), so a
-decoding step writes one token's K and V of a layer with a single copy.  `n` is how many
-positions are valid; the forward pass writes positions [start, start + T) and reads [0, start + T).
+A cache holds what attention keeps of every layer at every position in one tensor `kv` of
+shape [n_layer, parts, heads, capacity, width].  The family declares that row layout
+(`CacheLayout`, from its network's `cache_layout()`): the usual one is keys and values,
+parts=2 (index 0 is K, 1 is V), heads=n_head_kv, width=head_dim, so a decoding step writes
+one token's K and V of a layer with a single copy; multi-head latent attention
+(engine.models.deepseek2) keeps one part of one row per position, the compressed latent and
+the rotated key part side by side.  `k` and `v` name the parts of a key/value layout; code
+that does not care what a row holds (growth, prefix copies, save and restore) handles every
+part alike.  `n` is how many positions are valid; the forward pass writes positions
+[start, start + T) and reads [0, start + T).
 
 Capacity grows by doubling up to the context size, so short sessions do not pay for the
 whole context.  A standalone cache owns its tensor.  A `KVPool` owns one tensor of shape
@@ -25,9 +31,28 @@ It does not know which tokens the positions hold (the session does).
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one layer caches at one position: `parts` tensors of `heads` rows of `width` values."""
+
+    parts: int  # 2: keys and values; 1: one row holding everything (a latent)
+    heads: int
+    width: int
+
+    @classmethod
+    def keys_values(cls, n_head_kv: int, head_dim: int) -> "CacheLayout":
+        return cls(2, n_head_kv, head_dim)
+
+    def bytes_per_token(self, n_layer: int, dtype: torch.dtype) -> int:
+        """Bytes one cached position takes in every layer."""
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return n_layer * self.parts * self.heads * self.width * elem
 
 
 @contextmanager
@@ -39,16 +64,19 @@ def _ordinary() -> Iterator[None]:
 
 
 class KVCache:
+    """`n_head_kv` and `head_dim` are a layout's `heads` and `width`; `parts` its part count."""
+
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
                  dtype: torch.dtype, device: torch.device, initial: int = 256,
-                 pool: "KVPool | None" = None, slot: int = 0):
+                 pool: "KVPool | None" = None, slot: int = 0, parts: int = 2):
         self.n_ctx = n_ctx
         self.n = 0
         self.pool = pool
         self.slot = slot
+        self.layout = CacheLayout(parts, n_head_kv, head_dim)
         with _ordinary():
             if pool is None:
-                self._attach(torch.zeros((n_layer, 2, n_head_kv, min(initial, n_ctx), head_dim),
+                self._attach(torch.zeros((n_layer, parts, n_head_kv, min(initial, n_ctx), head_dim),
                                          dtype=dtype, device=device))
             else:
                 self.attach_slot(pool.kv)
@@ -65,7 +93,8 @@ class KVCache:
             # measurable dispatch overhead when a token costs ~10 ms.
             self.layer_kv = list(kv.unbind(0))
             self.layer_k = [t[0] for t in self.layer_kv]
-            self.layer_v = [t[1] for t in self.layer_kv]
+            # A one-part layout has no values apart from its rows.
+            self.layer_v = [t[1] for t in self.layer_kv] if kv.shape[1] > 1 else self.layer_k
 
     @property
     def k(self) -> torch.Tensor:
@@ -73,6 +102,8 @@ class KVCache:
 
     @property
     def v(self) -> torch.Tensor:
+        if self.kv.shape[1] < 2:
+            raise AttributeError("a one-part cache layout holds no separate values")
         return self.kv[:, 1]
 
     @property
@@ -101,33 +132,36 @@ class KVCache:
         """Bytes of this cache's own memory (a pooled slot's share of its pool)."""
         return self.kv.numel() * self.kv.element_size()
 
-    def state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Valid keys and values, [n_layer, n_head_kv, n, head_dim] each (copies, on CPU)."""
-        return self.k[:, :, : self.n].cpu().clone(), self.v[:, :, : self.n].cpu().clone()
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The valid positions of each part, [n_layer, heads, n, width] each (copies, on CPU):
+        keys and values, or a one-part layout's rows."""
+        return tuple(self.kv[:, i, :, : self.n].cpu().clone() for i in range(self.kv.shape[1]))
 
     def copy_prefix(self, other: "KVCache", n: int) -> None:
         """Hold the first n positions of `other`, a cache of the same shape and dtype (copied on
         its device, no host round trip)."""
-        if other.k.shape[0:2] != self.k.shape[0:2] or other.k.shape[3] != self.k.shape[3] \
-                or other.kv.dtype != self.kv.dtype:
+        mine, theirs = self.kv.shape, other.kv.shape
+        if theirs[0:3] != mine[0:3] or theirs[4] != mine[4] or other.kv.dtype != self.kv.dtype:
             raise ValueError("the caches differ in shape or dtype")
         if not 0 <= n <= other.n:
             raise ValueError(f"cannot copy {n} positions of a cache that holds {other.n}")
         self.n = 0
         self.reserve(n)
-        self.k[:, :, :n] = other.k[:, :, :n]
-        self.v[:, :, :n] = other.v[:, :, :n]
+        self.kv[:, :, :, :n] = other.kv[:, :, :, :n]
         self.n = n
 
-    def restore(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def restore(self, *parts: torch.Tensor) -> None:
+        """Hold the positions `parts` give (what `state` returns: one tensor per part)."""
         shape = self.k.shape
-        if k.shape != v.shape or k.shape[0:2] != shape[0:2] or k.shape[3] != shape[3]:
-            raise ValueError(f"KV shape {tuple(k.shape)} does not fit this model's cache {tuple(shape)}")
-        n = k.shape[2]
+        if len(parts) != self.kv.shape[1] or any(p.shape != parts[0].shape for p in parts) \
+                or parts[0].shape[0:2] != shape[0:2] or parts[0].shape[3] != shape[3]:
+            got = tuple(parts[0].shape) if parts else ()
+            raise ValueError(f"KV shape {got} does not fit this model's cache {tuple(shape)}")
+        n = parts[0].shape[2]
         self.n = 0
         self.reserve(n)
-        self.k[:, :, :n] = k.to(self.kv)
-        self.v[:, :, :n] = v.to(self.kv)
+        for i, p in enumerate(parts):
+            self.kv[:, i, :, :n] = p.to(self.kv)
         self.n = n
 
 
@@ -144,21 +178,21 @@ def _grown(cap: int, n: int, n_ctx: int) -> int:
 
 
 class KVPool:
-    """`n_slots` caches in one tensor; `caches[i]` is slot i's cache."""
+    """`n_slots` caches in one tensor; `caches[i]` is slot i's cache (same layout arguments)."""
 
     def __init__(self, n_layer: int, n_slots: int, n_head_kv: int, head_dim: int, n_ctx: int,
-                 dtype: torch.dtype, device: torch.device, initial: int = 256):
+                 dtype: torch.dtype, device: torch.device, initial: int = 256, parts: int = 2):
         self.n_ctx = n_ctx
         with _ordinary():
-            self.kv = torch.zeros((n_layer, 2, n_slots, n_head_kv, min(initial, n_ctx), head_dim),
+            self.kv = torch.zeros((n_layer, parts, n_slots, n_head_kv, min(initial, n_ctx), head_dim),
                                   dtype=dtype, device=device)
             self._split()
-        self.caches = [KVCache(n_layer, n_head_kv, head_dim, n_ctx, dtype, device, pool=self, slot=i)
+        self.caches = [KVCache(n_layer, n_head_kv, head_dim, n_ctx, dtype, device, pool=self, slot=i, parts=parts)
                        for i in range(n_slots)]
 
     def _split(self) -> None:
-        self.layer_kv = list(self.kv.unbind(0))  # [2, n_slots, n_head_kv, capacity, head_dim] each
-        self.layer_rows = [t.view(-1, t.shape[-1]) for t in self.layer_kv]  # one row per (kv, slot, head, pos)
+        self.layer_kv = list(self.kv.unbind(0))  # [parts, n_slots, heads, capacity, width] each
+        self.layer_rows = [t.view(-1, t.shape[-1]) for t in self.layer_kv]  # one row per (part, slot, head, pos)
 
     @property
     def capacity(self) -> int:
@@ -179,12 +213,12 @@ class KVPool:
                 c.attach_slot(new)
 
     def row_index(self, slots: list[int], positions: list[int]) -> torch.Tensor:
-        """Indices into `layer_rows[l]` of (K then V) x (each slot's heads) at each slot's position,
-        in the order of a [rows, 2, n_head_kv] block of new keys and values."""
-        _, _, n_slots, n_head_kv, cap, _ = self.kv.shape
+        """Indices into `layer_rows[l]` of (each part: K then V) x (each slot's heads) at each
+        slot's position, in the order of a [rows, parts, heads] block of new keys and values."""
+        _, parts, n_slots, n_head_kv, cap, _ = self.kv.shape
         s = torch.tensor(slots).view(-1, 1, 1)
         p = torch.tensor(positions).view(-1, 1, 1)
-        c = torch.arange(2).view(1, 2, 1)
+        c = torch.arange(parts).view(1, parts, 1)
         h = torch.arange(n_head_kv).view(1, 1, -1)
         return (((c * n_slots + s) * n_head_kv + h) * cap + p).reshape(-1).to(self.kv.device)
 

@@ -36,6 +36,10 @@ Payload format (`save_payload`, little-endian), for the server's disk cache:
   b"DS4KV\\0" | u16 version=1 | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
   | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens
   | i32 tokens[n_tokens] | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
+The three shape fields and the arrays after the tokens are the cache's row layout
+(engine.kvcache.CacheLayout: heads and width, one array per part): keys and values as above,
+or for a latent cache (engine.models.deepseek2) heads 1, width kv_lora_rank + rope dim and one
+array of latent rows, so an entry takes that cache's smaller bytes per token.
 `common_prefix(a, b)` is the engine's one longest-common-prefix count, for every caller that
 compares token sequences.  `extend_logits(ids)` returns the logits after every appended token
 (scoring a text, e.g. corpus KL divergence), where `sync` keeps only the frontier's;
@@ -308,13 +312,13 @@ class Session:
             self._ahead[0].token = logits.greedy_no_eos if done.column else logits.greedy
 
     def save_payload(self) -> bytes:
-        k, v = self.cache.state()
-        cfg = self.model.config
-        header = _HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, _DTYPE_CODES[k.dtype], cfg.n_layer,
-                              cfg.n_head_kv, cfg.head_dim, len(self.tokens))
+        parts = self.cache.state()
+        lay = self.cache.layout
+        header = _HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, _DTYPE_CODES[parts[0].dtype], self.model.config.n_layer,
+                              lay.heads, lay.width, len(self.tokens))
         tok = np.asarray(self.tokens, dtype="<i4").tobytes()
         # Reinterpret as bytes so bfloat16 (no numpy dtype) round-trips too.
-        raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (k, v)]
+        raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in parts]
         return b"".join([header, tok, *raw])
 
     def load_payload(self, data: bytes) -> None:
@@ -323,23 +327,23 @@ class Session:
         magic, version, code, n_layer, n_kv, hd, n = _HEADER.unpack_from(data)
         if magic != PAYLOAD_MAGIC or version != PAYLOAD_VERSION or code not in _DTYPES:
             raise ValueError("not a KV payload of this engine version")
-        cfg = self.model.config
-        if (n_layer, n_kv, hd) != (cfg.n_layer, cfg.n_head_kv, cfg.head_dim):
+        lay = self.cache.layout
+        if (n_layer, n_kv, hd) != (self.model.config.n_layer, lay.heads, lay.width):
             raise ValueError("KV payload was made by a model of another shape")
         self.check_fits(n)
         dtype = _DTYPES[code]
         elem = torch.tensor([], dtype=dtype).element_size()
-        kv_bytes = n_layer * n_kv * n * hd * elem
+        part_bytes = n_layer * n_kv * n * hd * elem
         off = _HEADER.size
-        if len(data) != off + 4 * n + 2 * kv_bytes:
+        if len(data) != off + 4 * n + lay.parts * part_bytes:
             raise ValueError("KV payload length does not match its header")
         self._ahead.clear()
         tokens = np.frombuffer(data, dtype="<i4", count=n, offset=off).tolist()
         off += 4 * n
         shape = (n_layer, n_kv, n, hd)
-        k = torch.frombuffer(bytearray(data[off: off + kv_bytes]), dtype=torch.uint8).view(dtype).view(shape)
-        v = torch.frombuffer(bytearray(data[off + kv_bytes:]), dtype=torch.uint8).view(dtype).view(shape)
-        self.cache.restore(k, v)
+        parts = [torch.frombuffer(bytearray(data[off + i * part_bytes: off + (i + 1) * part_bytes]),
+                                  dtype=torch.uint8).view(dtype).view(shape) for i in range(lay.parts)]
+        self.cache.restore(*parts)
         self.tokens = tokens
         self._logits = None
         if tokens:  # recompute frontier logits from the last token

@@ -39,6 +39,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture("gemma", "GemmaModel", rope_style="neox", qk_norm=True),
     # The llama network with fused tensors and LongRoPE tables (engine.models.phi3).
     "phi3": Architecture("phi3", "Phi3Model", rope_style="neox"),
+    # Multi-head latent attention with a latent cache, routed and shared experts (engine.models.deepseek2).
+    "deepseek2": Architecture("deepseek2", "DeepSeek2Model"),
 }
 
 

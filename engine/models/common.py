@@ -1,17 +1,19 @@
 """What every family's network computes the same way: its caches and its memory accounting.
 
 `CachedNetwork` gives a family module (engine/models/<family>.py) the parts of the
-engine.protocols.Network contract that follow from the shape alone: `new_cache`, `new_pool`,
-`kv_bytes_per_token` (keys and values of every layer at one position), `weight_bytes` (blocks,
-embedding, final norm and a separate output head) and `kernel_path`. A family sets `cfg`,
-`device`, `cpu_kernels`, `blocks` (each with `nbytes`), `embed`, `out_norm`, `output` and
-`head_is_table` in its constructor. It holds no forward pass and no family's tensor names.
+engine.protocols.Network contract that follow from the shape alone: `cache_layout` (what one
+layer caches per position: keys and values of every kv head by default; a family that caches
+something else, like engine.models.deepseek2's latent, overrides it), `new_cache`, `new_pool`,
+`kv_bytes_per_token` (the layout's bytes in every layer at one position), `weight_bytes`
+(blocks, embedding, final norm and a separate output head) and `kernel_path`. A family sets
+`cfg`, `device`, `cpu_kernels`, `blocks` (each with `nbytes`), `embed`, `out_norm`, `output`
+and `head_is_table` in its constructor. It holds no forward pass and no family's tensor names.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.kvcache import KVCache, KVPool
+from engine.kvcache import CacheLayout, KVCache, KVPool
 
 
 class CachedNetwork:
@@ -25,15 +27,19 @@ class CachedNetwork:
         out = 0 if self.head_is_table else self.output.nbytes
         return sum(b.nbytes for b in self.blocks) + self.embed.nbytes + self.out_norm.nbytes + out
 
+    def cache_layout(self) -> CacheLayout:
+        """What one layer caches at one position: here K and V of every kv head."""
+        return CacheLayout.keys_values(self.cfg.n_head_kv, self.cfg.head_dim)
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V that one cached position holds in every layer."""
-        cfg = self.cfg
-        return 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * torch.tensor([], dtype=dtype).element_size()
+        """Bytes that one cached position holds in every layer (for K and V:
+        2 * n_layer * n_head_kv * head_dim * element size)."""
+        return self.cache_layout().bytes_per_token(self.cfg.n_layer, dtype)
 
     def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
-        cfg = self.cfg
-        return KVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
+        lay = self.cache_layout()
+        return KVCache(self.cfg.n_layer, lay.heads, lay.width, n_ctx, dtype, self.device, parts=lay.parts)
 
     def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
-        cfg = self.cfg
-        return KVPool(cfg.n_layer, n_slots, cfg.n_head_kv, cfg.head_dim, n_ctx, dtype, self.device)
+        lay = self.cache_layout()
+        return KVPool(self.cfg.n_layer, n_slots, lay.heads, lay.width, n_ctx, dtype, self.device, parts=lay.parts)

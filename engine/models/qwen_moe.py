@@ -30,7 +30,8 @@ an expert that gets 32 rows or more, as for every matmul).  The routing decision
 to the host to group the rows, so decoding steps are not captured in CUDA graphs.
 
 The weight accounting counts every expert (all of them are resident), the routers and the
-shared expert.  The module implements `engine.protocols.Network` through `LlamaModel`; it is
+shared expert.  `Expert`, `stacked_experts`, `float32_rows` and the dispatch `mix_experts` are
+public for the other mixture-of-experts families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through `LlamaModel`; it is
 registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It reads no files and
 knows nothing of tokens' text or sessions.
 """
@@ -70,8 +71,9 @@ class Expert:
         return self.gate_up.nbytes + self.down.nbytes
 
 
-def _stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, device: torch.device,
-                     cpu: CpuKernels | None) -> list[Expert]:
+def stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, device: torch.device,
+                    cpu: CpuKernels | None) -> list[Expert]:
+    """The routed experts of layer prefix `p`, one `Expert` per slice of its 3-D tensors."""
     gate, up, down = (split_experts(t[p + f"ffn_{n}_exps.weight"]) for n in ("gate", "up", "down"))
     if not len(gate) == len(up) == len(down) == n_expert:
         raise UnsupportedModel(f"{p}ffn_*_exps hold {len(gate)}/{len(up)}/{len(down)} experts, "
@@ -80,7 +82,7 @@ def _stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str
             for g, u, d in zip(gate, up, down)]
 
 
-def _float32_rows(w: np.ndarray, device: torch.device) -> Linear:
+def float32_rows(w: np.ndarray, device: torch.device) -> Linear:
     """A float32 matrix whose result for a row does not depend on the other rows: on CPU
     computed one row at a time (torch's float32 GEMM blocks by the number of rows)."""
     dense = DenseLinear(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(device))
@@ -95,7 +97,7 @@ class MoeBlock(Block):
                   cpu: CpuKernels | None) -> None:
         if not 0 < cfg.n_expert_used <= cfg.n_expert:
             raise UnsupportedModel(f"{cfg.n_expert_used} experts used of {cfg.n_expert}")
-        self.experts = _stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
+        self.experts = stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
         router = to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd)
         self.shared: Expert | None = None
         if p + "ffn_up_shexp.weight" in t:
@@ -105,7 +107,7 @@ class MoeBlock(Block):
             # The shared expert's gate rides along as one more router row.
             gate = to_float(t[p + "ffn_gate_inp_shexp.weight"]).reshape(1, cfg.n_embd)
             router = np.concatenate([router, gate])
-        self.router = _float32_rows(router, device)
+        self.router = float32_rows(router, device)
 
     @property
     def ffn_bytes(self) -> int:
@@ -124,6 +126,31 @@ def route(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+def mix_experts(experts: list[Expert], h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32 [T, n_embd]: each row's experts `ids` [T, k] applied to its `h` row and summed
+    with `weights` [T, k] in its top-k order.  Each routed expert runs once, over the rows
+    routed to it, so a row's result does not depend on the other rows (given row-independent
+    expert kernels); the routing is read back to the host once to group the rows."""
+    T, k = ids.shape
+    outs = torch.empty(T, k, h.shape[1], dtype=torch.float32, device=h.device)
+    flat = ids.reshape(-1).cpu()  # the step's one read-back of the routing to the host
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    at = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        slots = order[at: at + n].to(h.device)  # (row, choice) pairs as row * k + choice
+        at += n
+        rows = torch.div(slots, k, rounding_mode="floor")
+        outs.view(T * k, -1)[slots] = experts[e](h[rows])
+    outs *= weights.unsqueeze(-1)
+    acc = outs[:, 0]
+    for j in range(1, k):
+        acc = acc + outs[:, j]
+    return acc
 
 
 class QwenMoeModel(LlamaModel):
@@ -145,23 +172,7 @@ class QwenMoeModel(LlamaModel):
         h = ops.norm(x, blk.ffn_norm)
         scores = blk.router(h).float()
         ids, weights = route(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
-        T, k = ids.shape
-        outs = torch.empty(T, k, cfg.n_embd, dtype=torch.float32, device=x.device)
-        flat = ids.reshape(-1).cpu()  # the step's one read-back of the routing to the host
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=cfg.n_expert).tolist()
-        at = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            slots = order[at: at + n].to(x.device)  # (row, choice) pairs as row * k + choice
-            at += n
-            rows = torch.div(slots, k, rounding_mode="floor")
-            outs.view(T * k, -1)[slots] = blk.experts[e](h[rows])
-        outs *= weights.unsqueeze(-1)
-        acc = outs[:, 0]
-        for j in range(1, k):
-            acc = acc + outs[:, j]
+        acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + torch.sigmoid(scores[:, cfg.n_expert:]) * blk.shared(h)
         x += acc

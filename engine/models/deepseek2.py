@@ -1,0 +1,429 @@
+"""The deepseek2 family (DeepSeek-V2, V2-Lite, V3, R1 in llama.cpp's GGUF): multi-head latent
+attention and a mixture of experts with shared experts.
+
+Attention (MLA), per layer, with llama.cpp's tensor names and H heads of key width
+`head_dim` = nope + rope (`ModelConfig.rope_dim` rotated dimensions last) and value width
+`head_dim_v`:
+
+- queries: `attn_q` [H * head_dim, n_embd], or with a q bottleneck (`q_lora_rank`) `attn_q_a`,
+  an RMSNorm by `attn_q_a_norm` and `attn_q_b`; each head's last `rope_dim` dimensions rotate;
+- `attn_kv_a_mqa` [kv_lora_rank + rope_dim, n_embd] gives one latent row per token: its first
+  `kv_lora_rank` values, RMS-normed by `attn_kv_a_norm`, are the compressed keys and values of
+  every head, the rest is one rotated key part shared by all heads;
+- `attn_kv_b` [H * (nope + head_dim_v), kv_lora_rank] (or, in files converted for llama.cpp's
+  latent cache, its halves `attn_k_b` [H, kv_lora_rank, nope] and `attn_v_b` [H, head_dim_v,
+  kv_lora_rank]) expands the latent into each head's unrotated key and its value.
+
+The cache keeps, per layer and position, only the normed latent and the rotated key part
+(engine.kvcache.CacheLayout(1, 1, kv_lora_rank + rope_dim)): `kv_bytes_per_token` is
+n_layer * (kv_lora_rank + rope_dim) * element size, instead of n_layer * H * (head_dim +
+head_dim_v) * element size for the same heads cached as keys and values.  Attention never expands the
+cache: the up-projections are absorbed into the query and the output (q_nope . (W_k c) =
+(W_k^T q_nope) . c, and sum_j p_j W_v c_j = W_v sum_j p_j c_j), so a query attends in latent
+space to [absorbed q_nope, q_rope] . [latent, key rope] and its latent output goes through W_v.
+W_k and W_v are held in float32.  On CPU every row attends alone (decode steps, batched rows
+and prefill chunks alike, with the same operations on the same shapes), so prefill,
+token-by-token decoding and batched decoding compute the same bits; other devices attend a
+prefill chunk, and a decoding step's rows of one pool, in one masked batch.  Rope turns
+adjacent pairs (llama.cpp's rope type for deepseek2); YaRN scaling in the metadata (`rope.scaling.type`
+yarn) blends interpolated and original frequencies per dimension and scales the attention
+logits by mscale^2 with mscale = 1 + `rope.scaling.yarn_log_multiplier` * ln(factor), as
+llama.cpp does for this family.
+
+FFN: the first `leading_dense_block_count` layers have a dense SwiGLU (`ffn_gate/up/down`);
+the others a routed mixture (engine.models.qwen_moe's experts and dispatch) plus the shared
+experts (`ffn_*_shexp`, one SwiGLU every token runs, ungated).  Routing follows llama.cpp:
+softmax or sigmoid scores (`expert_gating_func`); the expert bias `exp_probs_b` is added for
+the selection only; with `expert_group_count` > 1 a token's experts come from the
+`expert_group_used_count` groups whose two best biased scores sum highest; the top-k (ties to
+the lower index) are weighted by their unbiased scores, renormalised where
+`expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
+float32, one row at a time.
+
+`DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
+engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (the routing is
+read back to the host) and no step is launched ahead.  It reads no files and knows nothing of
+tokens' text or sessions.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig, UnsupportedModel
+from engine.device_sampling import StepLogits
+from engine.errors import Cancelled
+from engine.gguf_file import GGUFContents, TensorRecord
+from engine.kernels import CpuKernels
+from engine.kvcache import CacheLayout, KVCache
+from engine.models.common import CachedNetwork
+from engine.models.qwen_moe import Expert, float32_rows, mix_experts, stacked_experts
+from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
+
+# llama.cpp's floor on the sum that renormalised routing weights are divided by.
+_MIN_WEIGHT_SUM = 6.103515625e-5
+
+# Router scores -> each expert's weight, by `ModelConfig.expert_gating`.
+GATING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "softmax": lambda scores: torch.softmax(scores, dim=-1),
+    "sigmoid": torch.sigmoid,
+}
+
+
+def route(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None = None, n_groups: int = 0,
+          n_groups_used: int = 0, normalise: bool = False, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router scores [T, n_expert] -> (expert ids [T, k], float32 weights [T, k]) by llama.cpp's
+    rule (see the module docstring).  Of equal selection scores the lower index comes first."""
+    scores = scores.float()
+    probs = GATING[gating](scores)
+    select = probs if bias is None else probs + bias
+    if n_groups > 1 and n_groups_used < n_groups:
+        T, E = select.shape
+        grouped = select.view(T, n_groups, E // n_groups)
+        best = torch.topk(grouped, min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, n_groups]
+        kept = torch.sort(best, dim=-1, descending=True, stable=True).indices[:, :n_groups_used]
+        dropped = torch.ones_like(best, dtype=torch.bool).scatter_(1, kept, False)
+        select = grouped.masked_fill(dropped.unsqueeze(-1), float("-inf")).view(T, E)
+    # A stable sort, not topk: topk's order among equal scores is unspecified.
+    ids = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
+    weights = probs.gather(1, ids)
+    if normalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
+    return ids, weights * scale
+
+
+def yarn_rope(cfg: ModelConfig, meta: Mapping[str, Any]) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies of the rope_dim/2 pairs, float64; the attention logits' factor
+    mscale^2) for the metadata's rope scaling: none, or YaRN as ggml computes it (beta_fast
+    32, beta_slow 1, the rope's magnitude left at 1 for this family)."""
+    a = cfg.arch
+    d = cfg.rope_dim
+    inv = cfg.rope_base ** -(torch.arange(0, d, 2, dtype=torch.float64) / d)
+    kind = meta.get(f"{a}.rope.scaling.type") or "none"
+    factor = float(meta.get(f"{a}.rope.scaling.factor") or 1.0)
+    if kind == "none" or factor == 1.0:
+        return inv, 1.0
+    if kind != "yarn":
+        raise UnsupportedModel(f"rope scaling {kind!r} ({a}.rope.scaling.type)")
+    orig = float(meta.get(f"{a}.rope.scaling.original_context_length") or cfg.n_ctx_train)
+    beta_fast = float(meta.get(f"{a}.rope.scaling.yarn_beta_fast") or 32.0)
+    beta_slow = float(meta.get(f"{a}.rope.scaling.yarn_beta_slow") or 1.0)
+
+    def corr_dim(rotations: float) -> float:
+        return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_base))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(d - 1.0, math.ceil(corr_dim(beta_slow)))
+    pair = torch.arange(d // 2, dtype=torch.float64)
+    extrapolated = 1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)  # 1: keep the original frequency
+    inv = inv * (extrapolated + (1 - extrapolated) / factor)
+    mscale = 1.0 + float(meta.get(f"{a}.rope.scaling.yarn_log_multiplier") or 0.0) * math.log(factor)
+    return inv, mscale * mscale
+
+
+def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x [..., rope_dim] with its adjacent pairs turned by `rope` (complex, broadcast to
+    [..., rope_dim / 2]): a new float32 tensor."""
+    pairs = torch.view_as_complex(x.float().contiguous().view(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rope).flatten(-2)
+
+
+class MlaBlock:
+    """One layer's weights: latent attention and a dense or mixture FFN."""
+
+    def __init__(self, cfg: ModelConfig, t: dict[str, TensorRecord], i: int, fmt: str, device: torch.device,
+                 cpu: CpuKernels | None):
+        p = f"blk.{i}."
+        H, rank = cfg.n_head, cfg.kv_lora_rank
+        nope, dv = cfg.head_dim - cfg.rope_dim, cfg.head_dim_v or cfg.head_dim
+
+        def vec(name: str) -> torch.Tensor:
+            return torch.from_numpy(to_float(t[p + name]).reshape(-1)).to(device)
+
+        def dense(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)
+
+        self.attn_norm = vec("attn_norm.weight")
+        self.ffn_norm = vec("ffn_norm.weight")
+        self.kv_a_norm = vec("attn_kv_a_norm.weight")
+        # q (or q's bottleneck) and the latent row read the same normed input: one matmul.
+        q_in = "attn_q_a.weight" if cfg.q_lora_rank else "attn_q.weight"
+        self.w_in: Linear = build_linear([t[p + q_in], t[p + "attn_kv_a_mqa.weight"]], fmt, device, cpu=cpu)
+        self.q_a_norm = vec("attn_q_a_norm.weight") if cfg.q_lora_rank else None
+        self.w_q_b: Linear | None = build_linear([t[p + "attn_q_b.weight"]], fmt, device, cpu=cpu) \
+            if cfg.q_lora_rank else None
+        def up(name: str, *shape: int) -> np.ndarray:
+            w = to_float(t[p + name])
+            if w.size != math.prod(shape):
+                raise UnsupportedModel(f"{p}{name} has shape {tuple(w.shape)}, not {' x '.join(map(str, shape))} "
+                                       f"(heads x widths from the metadata)")
+            return w.reshape(shape)
+
+        if p + "attn_kv_b.weight" in t:
+            kv_b = up("attn_kv_b.weight", H, nope + dv, rank)
+            w_k, w_v = kv_b[:, :nope], kv_b[:, nope:]
+        else:
+            w_k = up("attn_k_b.weight", H, rank, nope).transpose(0, 2, 1)
+            w_v = up("attn_v_b.weight", H, dv, rank)
+        self.w_uk = dense(w_k)  # [H, nope, rank]: q_nope [H, 1, nope] @ w_uk -> the absorbed query
+        self.w_uv = dense(w_v.transpose(0, 2, 1))  # [H, rank, dv]: latent output [H, 1, rank] @ w_uv
+        self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
+        self.dense: Expert | None = None
+        self.experts: list[Expert] = []
+        self.router: Linear | None = None
+        self.bias: torch.Tensor | None = None
+        self.shared: Expert | None = None
+        if i < cfg.n_layer_dense_lead:
+            self.dense = Expert(build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device, cpu=cpu),
+                                build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu))
+            return
+        self.experts = stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
+        self.router = float32_rows(to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd), device)
+        if p + "exp_probs_b.bias" in t:
+            self.bias = vec("exp_probs_b.bias")
+        if p + "ffn_up_shexp.weight" in t:
+            self.shared = Expert(build_linear([t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"]], fmt,
+                                              device, cpu=cpu),
+                                 build_linear([t[p + "ffn_down_shexp.weight"]], fmt, device, cpu=cpu))
+
+    @property
+    def nbytes(self) -> int:
+        ffn = [self.dense, self.shared, self.router, *self.experts]
+        mats = [self.w_in, self.w_q_b, self.wo, *ffn]
+        vecs = [self.attn_norm, self.ffn_norm, self.kv_a_norm, self.q_a_norm, self.bias, self.w_uk, self.w_uv]
+        return sum(m.nbytes for m in mats if m is not None) + sum(v.nbytes for v in vecs if v is not None)
+
+
+class DeepSeek2Model(CachedNetwork):
+    """engine.protocols.Network for deepseek2 files (see the module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
+                 cpu_kernels: CpuKernels | None = None):
+        if cfg.kv_lora_rank <= 0:
+            raise UnsupportedModel(f"{cfg.arch} without attention.kv_lora_rank in its metadata")
+        if not 2 <= cfg.rope_dim < cfg.head_dim or cfg.rope_dim % 2:
+            raise UnsupportedModel(f"rope dim {cfg.rope_dim} for key width {cfg.head_dim}")
+        if cfg.n_layer_dense_lead < cfg.n_layer and not 0 < cfg.n_expert_used <= cfg.n_expert:
+            raise UnsupportedModel(f"{cfg.n_expert_used} experts used of {cfg.n_expert}")
+        if cfg.n_expert_groups > 1 and (cfg.n_expert % cfg.n_expert_groups or cfg.n_group_used < 1):
+            raise UnsupportedModel(f"{cfg.n_expert} experts in {cfg.n_expert_groups} groups, "
+                                   f"{cfg.n_group_used} used")
+        t = dict(gguf.tensors)
+        self.cfg = cfg
+        self.device = device
+        self.fmt = fmt
+        self.cpu_kernels = cpu_kernels if device.type == "cpu" else None
+        if device.type == "cpu" and cpu_kernels is None:
+            raise ValueError("a CPU model needs a CPU kernel path (engine.kernels.cpu_kernels)")
+        try:
+            self.blocks = [MlaBlock(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
+            self.embed = Embedding(t["token_embd.weight"], fmt, device)
+            self.out_norm = torch.from_numpy(to_float(t["output_norm.weight"]).reshape(-1)).to(device)
+        except KeyError as e:
+            raise UnsupportedModel(f"GGUF lacks tensor {e.args[0]}") from None
+        self.head_is_table = "output.weight" not in t and self.embed.table is not None
+        if self.head_is_table:
+            self.output: Linear = DenseLinear(self.embed.table)
+        else:
+            self.output = build_linear([t.get("output.weight", t["token_embd.weight"])], fmt, device,
+                                       cpu=self.cpu_kernels)
+        # Whether every row attends alone, in prefill chunks as in decoding steps, so that they
+        # compute the same bits (CPU); else a chunk's rows, and a step's rows of one pool,
+        # attend in one masked batch (other devices).
+        self.rows_alone = device.type == "cpu"
+        self.eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
+        self.renormalise = bool(cfg.expert_weights_norm)  # llama.cpp's default for this family: no
+        inv, logit_factor = yarn_rope(cfg, gguf.metadata)
+        self.scale = logit_factor / math.sqrt(cfg.head_dim)
+        angles = torch.outer(torch.arange(cfg.n_ctx_train, dtype=torch.float64), inv)
+        self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)  # [n_ctx, rope/2]
+
+    # -- the Network contract -------------------------------------------------------------
+
+    def cache_layout(self) -> CacheLayout:
+        """One row per layer and position: the normed latent, then the rotated key part."""
+        return CacheLayout(1, 1, self.cfg.kv_lora_rank + self.cfg.rope_dim)
+
+    @property
+    def attention_path(self) -> str:
+        return f"latent attention, absorbed projections (torch ops, {self.device.type})"
+
+    def work_bytes(self, n_tokens: int, ctx: int) -> int:
+        """Working buffers of one step of `n_tokens` rows against `ctx` positions: float32
+        activations (residual, norms, projections, latent rows, absorbed queries, outputs),
+        routing buffers, one layer's cache read as float32, scores, one row of logits."""
+        cfg = self.cfg
+        T, H = n_tokens, cfg.n_head
+        row = cfg.kv_lora_rank + cfg.rope_dim
+        attn = cfg.q_lora_rank + H * cfg.head_dim + row + H * (row + (cfg.head_dim_v or cfg.head_dim))
+        width = max(cfg.n_ff, cfg.n_ff_exp * max(1, cfg.n_expert_used))
+        ffn = cfg.n_expert_used * cfg.n_embd + 3 * width + cfg.n_expert
+        return 4 * T * (4 * cfg.n_embd + attn + ffn) + 4 * (ctx * row + H * T * ctx) + 4 * cfg.n_vocab
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
+                cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:
+        T = tokens.shape[0]
+        end = start + T
+        cache.reserve(end)
+        x = self.embed(tokens)
+        rope = self.rope[start:end]
+        for li, blk in enumerate(self.blocks):
+            if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
+                raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
+            q, rows = self._project(blk, x, rope)
+            layer = cache.layer_k[li][0]  # [capacity, kv_lora_rank + rope_dim]
+            layer[start:end] = rows.to(layer.dtype)
+            if self.rows_alone:
+                # Widened once for the chunk, not once per row (exact: the rows see the same values).
+                lat = layer[:end].float()
+                out = torch.stack([self._attend_row(blk, q[i], lat[: start + i + 1]) for i in range(T)])
+            else:
+                out = self._attend_chunk(blk, q, layer[:end], start)
+            blk.wo.accumulate(x, out)
+            self._feed_forward(blk, x)
+        cache.n = end
+        if logits == "last":
+            return self._head(x[-1:])[0]
+        if logits == "all":
+            return self._head(x)
+        return None
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: torch.Tensor, caches: list[KVCache]) -> torch.Tensor:
+        """tokens [N], caches N distinct caches -> logits [N, n_vocab] (float32)."""
+        pos = [c.n for c in caches]
+        for c in caches:
+            c.reserve(c.n + 1)
+        x = self.embed(tokens)
+        rope = self.rope[torch.tensor(pos, device=self.device)]
+        attend = self._row_attention(caches, pos)
+        for li, blk in enumerate(self.blocks):
+            q, rows = self._project(blk, x, rope)
+            blk.wo.accumulate(x, attend(li, blk, q, rows))
+            self._feed_forward(blk, x)
+        for c, p in zip(caches, pos):
+            c.n = p + 1
+        return self._head(x)
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
+        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
+        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
+
+    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
+                        cancel: Callable[[], bool] | None = None) -> Any:
+        if cancel is not None and cancel():
+            raise Cancelled("cancelled before a one-token step")
+        return self.decode([token], [cache], eos_ids).row(0)
+
+    def decode_ahead(self, token: int | None, cache: KVCache, eos_ids: frozenset[int], ahead: int,
+                     after: Any = None, column: int = 0) -> None:
+        """No step is launched ahead (the routing waits for the host at every layer)."""
+        return None
+
+    # -- the computation ------------------------------------------------------------------
+
+    def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[..., torch.Tensor]:
+        """attend(layer, block, q [N, H, head_dim], rows [N, width]) -> [N, H * dv] for one
+        decoding step: stores each row's latent at its position and attends each row to its
+        own cache.  Rows alone (CPU) attend one by one; otherwise rows of one pool attend in
+        one batch over the longest row's length, each masked to its own (positions past a
+        shorter row's end are zero-filled pool memory, finite under the mask)."""
+        pool = caches[0].pool
+        if self.rows_alone or len(caches) == 1 or pool is None or any(c.pool is not pool for c in caches):
+            def attend(li: int, blk: MlaBlock, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+                layers = [c.layer_k[li][0] for c in caches]
+                for i, (layer, p) in enumerate(zip(layers, pos)):
+                    layer[p] = rows[i].to(layer.dtype)
+                return torch.stack([self._attend_row(blk, q[i], layer[: p + 1])
+                                    for i, (layer, p) in enumerate(zip(layers, pos))])
+            return attend
+        slots = [c.slot for c in caches]
+        where = pool.row_index(slots, pos)  # one row per (slot, position) in a one-part layout
+        picked = torch.tensor(slots, device=self.device)
+        L = max(pos) + 1
+        hidden = torch.arange(L, device=self.device)[None, :] > torch.tensor(pos, device=self.device)[:, None]
+
+        def attend_pooled(li: int, blk: MlaBlock, q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            pool.layer_rows[li].index_copy_(0, where, rows.to(pool.kv.dtype))
+            lat = pool.layer_kv[li][0, :, 0, :L].index_select(0, picked)  # [N, L, width]
+            return self._attend_rows_masked(blk, q, lat, hidden)
+        return attend_pooled
+
+    def _attend_rows_masked(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor,
+                            hidden: torch.Tensor) -> torch.Tensor:
+        """N rows' queries [N, H, head_dim] against their own latents [N, L, width], positions
+        where `hidden` [N, L] is True left out: [N, H * dv]."""
+        N = q.shape[0]
+        nope, rank = self.cfg.head_dim - self.cfg.rope_dim, self.cfg.kv_lora_rank
+        lat = lat.float()
+        absorbed = torch.bmm(q[:, :, :nope].transpose(0, 1), blk.w_uk).transpose(0, 1)  # [N, H, rank]
+        scores = torch.bmm(torch.cat([absorbed, q[:, :, nope:]], dim=2), lat.transpose(1, 2))  # [N, H, L]
+        probs = torch.softmax((scores * self.scale).masked_fill_(hidden[:, None], float("-inf")), dim=-1)
+        out = torch.bmm(torch.bmm(probs, lat[:, :, :rank]).transpose(0, 1), blk.w_uv)  # [H, N, dv]
+        return out.transpose(0, 1).reshape(N, -1)
+
+    def _project(self, blk: MlaBlock, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, H, head_dim] float32, latent rows [T, kv_lora_rank + rope_dim] float32)
+        of x's T rows, the rope parts of both rotated by `rope` [T, rope_dim/2]."""
+        cfg = self.cfg
+        T, H, rank, nope = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
+        both = blk.w_in(self.norm(x, blk.attn_norm)).float()
+        split = both.shape[1] - rank - cfg.rope_dim
+        if blk.w_q_b is not None:
+            q = blk.w_q_b(self.norm(both[:, :split], blk.q_a_norm)).float()
+        else:
+            q = both[:, :split]
+        q = q.reshape(T, H, cfg.head_dim)
+        q = torch.cat([q[:, :, :nope], _rotate(q[:, :, nope:], rope.unsqueeze(1))], dim=2)
+        latent = self.norm(both[:, split: split + rank], blk.kv_a_norm)
+        return q, torch.cat([latent, _rotate(both[:, split + rank:], rope)], dim=1)
+
+    def _attend_row(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
+        """One row's queries [H, head_dim] against its cached rows [L, rank + rope] -> [H * dv]:
+        the query absorbed into latent space, softmax, the latent output through W_v."""
+        nope, rank = self.cfg.head_dim - self.cfg.rope_dim, self.cfg.kv_lora_rank
+        lat = lat.float()
+        absorbed = torch.bmm(q[:, None, :nope], blk.w_uk)[:, 0]  # [H, rank]
+        scores = torch.cat([absorbed, q[:, nope:]], dim=1) @ lat.T  # [H, L]
+        probs = torch.softmax(scores * self.scale, dim=-1)
+        return torch.bmm((probs @ lat[:, :rank])[:, None], blk.w_uv).reshape(-1)
+
+    def _attend_chunk(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor, start: int) -> torch.Tensor:
+        """Every row of a chunk at once (positions start..), causally masked: [T, H * dv]."""
+        T = q.shape[0]
+        nope, rank = self.cfg.head_dim - self.cfg.rope_dim, self.cfg.kv_lora_rank
+        lat = lat.float()
+        absorbed = torch.bmm(q[:, :, :nope].transpose(0, 1), blk.w_uk)  # [H, T, rank]
+        scores = torch.cat([absorbed, q[:, :, nope:].transpose(0, 1)], dim=2) @ lat.T  # [H, T, L]
+        hidden = torch.arange(lat.shape[0], device=q.device)[None, :] > \
+            (start + torch.arange(T, device=q.device))[:, None]
+        probs = torch.softmax((scores * self.scale).masked_fill_(hidden, float("-inf")), dim=-1)
+        out = torch.bmm(probs @ lat[:, :rank], blk.w_uv)  # [H, T, dv]
+        return out.transpose(0, 1).reshape(T, -1)
+
+    def _feed_forward(self, blk: MlaBlock, x: torch.Tensor) -> None:
+        """x += the block's dense FFN, or its routed experts plus its shared ones, of x."""
+        cfg = self.cfg
+        h = self.norm(x, blk.ffn_norm)
+        if blk.dense is not None:
+            x += blk.dense(h)
+            return
+        ids, weights = route(blk.router(h), cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups,
+                             cfg.n_group_used, self.renormalise, cfg.expert_weights_scale)
+        acc = mix_experts(blk.experts, h, ids, weights)
+        if blk.shared is not None:
+            acc = acc + blk.shared(h)
+        x += acc
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x's rows (float32), each row on its own."""
+        ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h, self.out_norm)).float()
