@@ -20,8 +20,9 @@
 // for bit: the difference that the activations' rounding to bfloat16 would otherwise amplify
 // into visibly different log-probabilities.
 //
-// Each (row, kv head) pair is one job that one thread runs start to finish, in an order of
-// operations fixed by that row's length alone: a row's result is bitwise the same whatever the
+// Each (row, kv head) pair is one job that one thread runs start to finish (a long row's pair is
+// one job per span of 256 keys, merged after: see `S`), in an order of operations fixed by that
+// row's length alone: a row's result is bitwise the same whatever the
 // other rows, their number and the thread count.  That is what lets batched decoding reproduce
 // single-row decoding exactly while still reading each cache once per step, without padding.
 // Softmax runs in float32 with a vectorised exp (within 2 ulp) and the usual max shift.
@@ -42,6 +43,7 @@
 #include "isa.h"
 #include "vexp.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -165,9 +167,18 @@ struct Job {
   const float* new_v;
   T* k;                // position l's key at k + l * D
   T* v;
-  float* out;          // G * D
+  float* out;          // G * D normalised outputs; null: a span's partial result instead
   int64_t len;
+  float* partial;      // with out null: G maxima, G softmax denominators, G * D unnormalised sums
 };
+
+// Rows longer than one span attend span by span (keys [0, S), [S, 2S), ...) as separate jobs, each
+// with its own maximum and denominator, merged in span order by `merge_spans`: so that the kv
+// heads of one decoding row are work for every thread.  The spans follow from the row's length
+// alone, and a row of at most S keys is one span, computed as before spans existed.
+constexpr int64_t S = 256;
+
+inline int64_t spans_of(int64_t len) { return (len + S - 1) / S; }
 
 // Rows of a float32 cache are read in place; float16 rows are widened once per block into
 // `tmp`, so that each of the group's queries does not widen them again.
@@ -183,6 +194,8 @@ struct Scratch {
   std::vector<vf> qacc;    // the group's queries, then its output accumulators
   std::vector<vf> tmp;     // one widened block of keys or values
   std::vector<float> inv;  // 1 / softmax denominator per query
+  std::vector<float> max;  // the scores' maximum per query
+  std::vector<float> total;  // softmax denominator per query
 };
 
 constexpr int64_t KB = W;   // keys per score block: one transposing reduction
@@ -223,12 +236,15 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
     }
   }
   sc.inv.resize(G);
+  sc.max.resize(G);
+  sc.total.resize(G);
   float* inv = sc.inv.data();
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * Lp;
     vf m = load(sg);
     for (int64_t l = W; l < Lp; l += W) { vf x = load(sg + l); m = x > m ? x : m; }
-    const vf mx = splat(hmax(m));
+    sc.max[g] = hmax(m);
+    const vf mx = splat(sc.max[g]);
     vf sum{};
     for (int64_t l = 0; l < Lp; l += W) {
       vf e = vexp(load(sg + l) - mx);
@@ -237,6 +253,7 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
     }
     float total = hsum(sum);
     for (int64_t l = L / W * W; l < L; ++l) total += sg[l];
+    sc.total[g] = total;
     inv[g] = 1.0f / total;
   }
   // Weighted values, a block at a time, two queries per pass over it; each output lane sums
@@ -273,8 +290,37 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
       for (int c = 0; c < NV; ++c) acc[g * NV + c] = a[c];
     }
   }
+  if (job.out != nullptr) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int c = 0; c < NV; ++c) store(job.out + g * D + c * W, acc[g * NV + c] * inv[g]);
+    return;
+  }
+  float* p = job.partial;
+  for (int64_t g = 0; g < G; ++g) p[g] = sc.max[g], p[G + g] = sc.total[g];
   for (int64_t g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c) store(job.out + g * D + c * W, acc[g * NV + c] * inv[g]);
+    for (int c = 0; c < NV; ++c) store(p + 2 * G + g * D + c * W, acc[g * NV + c]);
+}
+
+// One row's spans, partial results [n][2 G + G D] in span order, into G * D outputs: each
+// span's sums scaled by exp(its maximum - the overall maximum), added in span order.
+inline void merge_spans(const float* partials, int64_t n, int64_t G, int64_t D, float* out) {
+  const int64_t stride = 2 * G + G * D;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = partials[g];
+    for (int64_t i = 1; i < n; ++i) m = partials[i * stride + g] > m ? partials[i * stride + g] : m;
+    float total = 0.0f;
+    std::vector<float> f(n);
+    for (int64_t i = 0; i < n; ++i) {
+      f[i] = vexp(splat(partials[i * stride + g] - m))[0];
+      total += partials[i * stride + G + g] * f[i];
+    }
+    const vf inv = splat(1.0f / total);
+    for (int64_t c = 0; c < D; c += W) {
+      vf acc{};
+      for (int64_t i = 0; i < n; ++i) acc += load(partials + i * stride + 2 * G + g * D + c) * f[i];
+      store(out + g * D + c, acc * inv);
+    }
+  }
 }
 
 // attend<nv> for the head dim's nv vectors (1 <= nv <= NV).
@@ -287,13 +333,43 @@ void attend_width(int64_t nv, const Job<T>& job, int64_t G, float scale, Scratch
   }
 }
 
+// The jobs, a row longer than one span split into one job per span (the new key and value
+// stored by the span that holds their position), then the split rows merged.
 template <typename T>
 void run_jobs(const std::vector<Job<T>>& jobs, int64_t G, int64_t D, float scale) {
-  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+  std::vector<Job<T>> work;
+  std::vector<int64_t> first;  // per split job: its first span's index in `work`
+  int64_t n_partial = 0;
+  for (const Job<T>& job : jobs) n_partial += spans_of(job.len) > 1 ? spans_of(job.len) : 0;
+  std::vector<float> partials(n_partial * (2 * G + G * D));
+  float* next = partials.data();
+  for (const Job<T>& job : jobs) {
+    const int64_t n = spans_of(job.len);
+    if (n == 1) {
+      work.push_back(job);
+      continue;
+    }
+    first.push_back(static_cast<int64_t>(work.size()));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t begin = i * S, len = std::min(S, job.len - begin);
+      const bool last = i == n - 1;
+      work.push_back({job.q, last ? job.new_k : nullptr, last ? job.new_v : nullptr, job.k + begin * D,
+                      job.v + begin * D, nullptr, len, next});
+      next += 2 * G + G * D;
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
     for (int64_t j = begin; j < end; ++j) {
-      attend_width<128 / W>(D / W, jobs[j], G, scale, scratch);
+      attend_width<128 / W>(D / W, work[j], G, scale, scratch);
     }
+  });
+  std::vector<const Job<T>*> split;
+  for (const Job<T>& job : jobs)
+    if (spans_of(job.len) > 1) split.push_back(&job);
+  at::parallel_for(0, static_cast<int64_t>(split.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      merge_spans(work[first[i]].partial, spans_of(split[i]->len), G, D, split[i]->out);
   });
 }
 
@@ -357,6 +433,25 @@ void run_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t start, float
       jobs.push_back({q0 + i * q.stride(0) + h * G * D, nullptr, nullptr, base + h * kv.stride(1),
                       base + kv.stride(0) + h * kv.stride(1), out0 + i * H * D + h * G * D, start + i + 1});
   run_jobs(jobs, G, D, scale);
+}
+
+// A float16 cache is widened once for the whole chunk (exactly), so that its rows, which all
+// read the same prefix, do not each widen it again; then the float32 jobs run on the copy.
+template <>
+void run_prefill<at::Half>(const at::Tensor& q, const at::Tensor& kv, int64_t start, float scale, int64_t H,
+                           int64_t Hkv, int64_t D, at::Tensor& out) {
+  const int64_t L = start + q.size(0);
+  at::Tensor wide = at::empty({2, Hkv, L, D}, q.options());
+  const at::Half* src = kv.data_ptr<at::Half>();
+  float* dst = wide.data_ptr<float>();
+  at::parallel_for(0, 2 * Hkv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const at::Half* from = src + (i / Hkv) * kv.stride(0) + (i % Hkv) * kv.stride(1);
+      float* to = dst + i * L * D;
+      for (int64_t j = 0; j < L * D; j += W) store(to + j, load(from + j));
+    }
+  });
+  run_prefill<float>(q, wide, start, scale, H, Hkv, D, out);
 }
 
 at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, int64_t start, double scale) {

@@ -163,8 +163,8 @@ def with_threads(check):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_row_is_bitwise_independent_of_its_batch_and_thread_count(attention, dtype):
     H, Hkv, D = 9, 3, 64
-    positions = [3, 130, 17, 255, 64]
-    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=256, seed=1, dtype=dtype)
+    positions = [3, 130, 17, 255, 64, 256, 700]  # one span of 256 keys, just past it, three spans
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=768, seed=1, dtype=dtype)
     start = pool.clone()
     together = attention(qkv, caches, positions, D ** -0.5)
 
@@ -174,6 +174,22 @@ def test_attention_row_is_bitwise_independent_of_its_batch_and_thread_count(atte
             alone = attention(qkv[i:i + 1], [caches[i]], [p], D ** -0.5)
             assert torch.equal(alone[0], together[i]), (n_threads, i)
     with_threads(check)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_attention_gives_each_row_the_bits_of_decoding_it(path, dtype):
+    """A prefill chunk [start, start + T) attends like T decoding steps, row by row, bit for bit:
+    here across the first span boundary (256 keys) and into a third span."""
+    H, Hkv, D, start, T = 9, 3, 64, 240, 300
+    g = torch.Generator().manual_seed(7)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    kv = (torch.randn(2, Hkv, 768, D, generator=g) * 2).to(dtype)
+    kv[0, :, start:start + T] = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D).transpose(0, 1).to(dtype)
+    kv[1, :, start:start + T] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1).to(dtype)
+    chunk = path.prefill_attention(qkv[:, : H * D], kv, start, D ** -0.5)
+    for i in (0, 15, 16, 17, 100, T - 1):  # positions 240 .. 539
+        step = path.attention(qkv[i:i + 1], [kv.clone()], [start + i], D ** -0.5)
+        assert torch.equal(step[0], chunk[i]), i
 
 
 def test_attention_bad_arguments_are_errors_with_messages(attention):
