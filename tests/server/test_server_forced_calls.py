@@ -26,7 +26,13 @@ WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLengt
            "required": ["city", "days"], "additionalProperties": False}
 CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}}, "required": ["zone"],
          "additionalProperties": False}
-SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+# Strings under a pattern, a format and a length that allows several lines and "<" (the XML-style
+# syntaxes write them as raw text).
+BOOKING = {"type": "object", "properties": {"day": {"type": "string", "format": "date"},
+                                            "room": {"type": "string", "pattern": "^[A-Z][0-9]{2}$"},
+                                            "note": {"type": "string", "maxLength": 40}},
+           "required": ["day", "room", "note"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK, "book_room": BOOKING}
 OPENAI_TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} of a place", "parameters": s}}
                 for n, s in SCHEMAS.items()]
 RESPONSES_TOOLS = [{"type": "function", "name": n, "description": f"{n} of a place", "parameters": s}
@@ -62,7 +68,7 @@ def check_calls(calls: list[tuple[str, dict]], named: str | None, single: bool) 
     assert len(calls) == 1 or not single
     for name, arguments in calls:
         assert name == named if named else name in SCHEMAS
-        jsonschema.validate(arguments, SCHEMAS[name])
+        jsonschema.validate(arguments, SCHEMAS[name], format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +85,7 @@ def test_a_model_without_sense_still_makes_only_valid_forced_calls(random_model,
     config = ServerConfig(allowed_hosts=(TEST_CLIENT_HOST,), tools=ToolsConfig(tool_syntax=syntax))
     with TestClient(create_app(random_model, config)) as client:
         for api, named, temperature in (("chat", None, 0.0), ("responses", "get_time", 1.0),
-                                        ("messages", "get_weather", 0.7)):
+                                        ("messages", "get_weather", 0.7), ("chat", "book_room", 1.0)):
             calls = forced_calls(client, api, "weather in Paris?", named, max_tokens=400, temperature=temperature,
                                  seed=3, **({"parallel_tool_calls": False} if api != "messages" else {}))
             check_calls(calls, named, single=api != "messages")
