@@ -11,10 +11,13 @@ Contract
   file's SHA-256 comes from `model_file` (`--model-file GGUF`: the file the server was started
   with, for any server), else from the server's own `GET /v1/models` listing of the served
   model (`served_model_facts`: ds4-server's `meta.sha256`), which also gives the counting rule
-  (`meta.completion_tokens_include_eos`). A field nobody knows is "".
+  (`meta.completion_tokens_include_eos`). A server whose listing does not state the rule has it
+  measured (`measure(endpoint, served_model, api_key)`, by default
+  `countrule.measure_eos_counting`: two or three short greedy requests, asked once per process).
+  A field nobody knows is "".
 - `gen_tokens_eos`: whether a run's generated-token counts include the end-of-sequence token
   that ended a generation: "yes" (the engine and ds4-server count every sampled token), "no"
-  (llama.cpp's servers count only the tokens of the text), "" when unknown.
+  (llama.cpp's servers count only the tokens of the text, as measured), "" when unknown.
 - `file_sha256(path)`: SHA-256 of a file, cached by (absolute path, size, mtime) in
   `<cache dir>/file-sha256.json` (`$XDG_CACHE_HOME/ds4eval`, default `~/.cache/ds4eval`), so a
   second run costs one stat. The cache is rewritten atomically; a damaged or unwritable cache
@@ -44,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ds4eval.atomicfile import write_text_atomic
+from ds4eval.run import countrule
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 CACHE_FILE_NAME = "file-sha256.json"
@@ -234,9 +238,11 @@ def fetch_models(endpoint: str, api_key: str | None) -> Any:
 
 
 def run_provenance(backend: Any, file_hash=file_sha256, *, model_file: str | None = None,
-                   api_key: str | None = None, fetch=fetch_models) -> dict[str, str]:
+                   api_key: str | None = None, fetch=fetch_models, measure=None) -> dict[str, str]:
     """The run-level provenance fields of a run through `backend` (see the module docstring);
-    `fetch(endpoint, api_key)` reads a server's model listing."""
+    `fetch(endpoint, api_key)` reads a server's model listing and `measure(endpoint, model,
+    api_key)` (default: `countrule.measure_eos_counting`, looked up at the call) finds the counting
+    rule of a server that does not state it."""
     reported = backend.provenance() if hasattr(backend, "provenance") else {}
     unknown = set(reported) - set(BACKEND_FIELDS)
     if unknown:
@@ -250,6 +256,10 @@ def run_provenance(backend: Any, file_hash=file_sha256, *, model_file: str | Non
         facts = served_model_facts(fetch(out["endpoint"], api_key), out["served_model"])
         out["model_sha256"] = out["model_sha256"] or facts.model_sha256
         out["gen_tokens_eos"] = out["gen_tokens_eos"] or facts.gen_tokens_eos
+        if not out["gen_tokens_eos"]:
+            # Several endpoints of one run serve one model (the probe checks it): the first stands for all.
+            measure = measure or countrule.measure_eos_counting
+            out["gen_tokens_eos"] = measure(out["endpoint"].split()[0], out["served_model"], api_key)
     out["extractor_version"] = extractor_version()
     out["ds4eval_version"] = ds4eval_version()
     out["git_commit"] = git_commit()

@@ -179,6 +179,7 @@ class Dsml(Syntax):
         )
 
     call_suffix = f"{INVOKE_CLOSE}\n{CLOSE}"
+    value_ends = PARAM_CLOSES
 
     def call_prefix(self, name: str) -> str:
         return f'{OPEN}\n{INVOKE_OPEN}{name}">\n'

@@ -201,6 +201,10 @@ class Syntax:
     # True: a call's arguments are one JSON object; False: one parameter block per argument (`param_literals`).
     json_arguments = False
 
+    # The texts that end an argument value (XML-style syntaxes): a value holds none of them except
+    # escaped (`canonical.DelimiterEscaper`, which the scanner undoes).
+    value_ends: tuple[str, ...] = ()
+
     def param_literals(self, key: str, is_string: bool) -> tuple[str, str]:
         """The text around the value of argument `key` as `render_calls` writes it (XML-style syntaxes),
         `is_string` saying whether the value is written as text or as JSON."""

@@ -148,6 +148,7 @@ class QwenXml(Syntax):
         )
 
     call_suffix = f"{Q_FUNC_END}\n{CLOSE}"
+    value_ends = (Q_PARAM_END,)
 
     def call_prefix(self, name: str) -> str:
         return f"{OPEN}\n{Q_FUNC}{name}>\n"
@@ -266,6 +267,7 @@ class Glm(Syntax):
         )
 
     call_suffix = CLOSE
+    value_ends = (G_VAL_END,)
 
     def call_prefix(self, name: str) -> str:
         return f"{OPEN}{name}\n"

@@ -21,3 +21,19 @@ def data_dir() -> Path:
     if not (d / "core.jsonl").is_file():
         pytest.skip(f"eval data not found in {d}")
     return d
+
+
+@pytest.fixture
+def measures_counting():
+    """Asked for by a test whose runs measure a server's counting rule for real (see below)."""
+
+
+@pytest.fixture(autouse=True)
+def no_counting_measurement(request, monkeypatch):
+    """Keep a run's provenance from sending its counting-rule requests (`countrule`) to the fake
+    servers, whose request logs the tests read, unless the test asks for `measures_counting`."""
+    if "measures_counting" in request.fixturenames:
+        return
+    from ds4eval.run import countrule
+
+    monkeypatch.setattr(countrule, "measure_eos_counting", lambda endpoint, model, api_key=None: "")
