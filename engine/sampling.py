@@ -125,10 +125,12 @@ class Sampler:
         if self.params.logit_bias:
             logits = apply_logit_bias(logits, self.params.logit_bias)
         if self.params.argmax_ignoring_eos:
-            if self.eos_ids:
+            best = int(torch.argmax(logits))
+            if best in self.eos_ids:  # only then is a masked copy worth its cost
                 logits = logits.clone()
                 logits[list(self.eos_ids)] = float("-inf")
-            return int(torch.argmax(logits))
+                best = int(torch.argmax(logits))
+            return best
         if self.params.temperature == 0.0:
             return int(torch.argmax(logits))
         probs = filtered_probs(logits, self.params)

@@ -13,6 +13,10 @@ LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 def test_greedy_is_argmax_and_ignoring_eos_skips_it():
     assert Sampler(SamplingParams())(LOGITS) == 5
     assert Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({5}))(LOGITS) == 0
+    assert Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({1}))(LOGITS) == 5  # eos not the best
+    tie = torch.tensor([3.0, 1.0, 3.0])  # an eos id tied first with another: the other wins
+    assert Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({0}))(tie) == 2
+    assert torch.equal(tie, torch.tensor([3.0, 1.0, 3.0]))  # the caller's row is not modified
 
 
 def test_top_k_keeps_k_tokens():
