@@ -305,7 +305,12 @@ class KVCache:
         n = parts[0].shape[2]
         self.n = 0
         self.reserve(n)
-        lo = 0 if lay.ring is None else max(0, n - lay.ring.window)
+        if lay.ring is None:  # one copy per part
+            for i, p in enumerate(parts):
+                self.kv[:, i, :, :n] = p.to(self.kv)
+            self.n = n
+            return
+        lo = max(0, n - lay.ring.window)
         for li, (ringed, _) in enumerate(self._homes):
             start = lo if ringed else 0
             self.store(li, start, torch.stack([p[li, :, start:] for p in parts]).to(self.kv))

@@ -160,3 +160,35 @@ def test_a_saved_payload_restores_to_the_same_logits(paths, arch):
     for t in more:
         restored.eval(t)
     assert torch.equal(restored.logits, decoded(m, a, more)[-1])
+
+
+def test_a_ring_cache_by_itself():
+    """engine.kvcache's ring without a model: slots wrap at the ring's size, what a step
+    overwrites is forgotten, and a copy takes only what the other ring still holds."""
+    from engine.kvcache import CacheLayout, KVCache, Ring
+
+    with pytest.raises(ValueError, match="cannot serve"):
+        Ring((0,), window=5, size=4)
+    ring = Ring((0, 2), window=3, size=5)
+    lay = CacheLayout.keys_values(1, 2, ring)
+    assert (ring.step, lay.bytes_per_token(3, torch.float32), lay.bytes_at(3, 100, torch.float32)) == (3, 16, 1600 + 2 * 5 * 16)
+    c = KVCache(3, 1, 2, 64, torch.float32, torch.device("cpu"), initial=4, ring=ring)
+    for start in range(0, 12, 3):  # positions 0..11, three at a time, value = position
+        c.will_write(start, start + 3)
+        rows = torch.arange(start, start + 3, dtype=torch.float32).view(1, 1, 3, 1).expand(2, 1, 3, 2)
+        for li in range(3):
+            c.store(li, start, rows)
+        c.n = start + 3
+    assert c.ring_capacity == 5 and c.capacity == 16 and c.held_from(12) == 7
+    assert c.positions(0, 7, 12)[0, 0, :, 0].tolist() == [7, 8, 9, 10, 11]  # wraps inside the range
+    assert c.positions(1, 0, 12)[0, 0, :, 0].tolist() == list(range(12))
+    assert (c.reusable(12), c.reusable(9), c.reusable(8), c.reusable(0)) == (12, 9, 0, 0)
+    with pytest.raises(ValueError, match="overruns"):
+        c.will_write(12, 16)
+    other = KVCache(3, 1, 2, 64, torch.float32, torch.device("cpu"), initial=4, ring=ring)
+    other.copy_prefix(c, 10)
+    assert other.held_from(10) == 7 and other.positions(2, 7, 10)[1, 0, :, 1].tolist() == [7, 8, 9]
+    state = c.state()[0]
+    assert state[0, 0, :7].abs().sum() == 0 and state[0, 0, 7:, 0].tolist() == [7, 8, 9, 10, 11]
+    other.restore(*c.state())
+    assert other.n == 12 and other.held_from(12) == 9 and other.reusable(11) == 11 and other.reusable(10) == 0
