@@ -199,7 +199,7 @@ class Model:
         """Weights + KV for n sessions of `ctx` tokens + the largest prefill step's working buffers."""
         ctx = self.n_ctx if ctx is None else ctx
         work = self.net.work_bytes(self.prefill_chunk, ctx)
-        return self.weight_bytes + n_sessions * ctx * self.kv_bytes_per_token + work
+        return self.weight_bytes + n_sessions * self.net.kv_bytes(ctx, self.kv_dtype) + work
 
 def generate(session: Session, params: SamplingParams, max_tokens: int,
              cancel: Callable[[], bool] | None = None) -> Iterator[int]:

@@ -159,6 +159,8 @@ class Network(Protocol):
 
     def kv_bytes_per_token(self, dtype: "torch.dtype") -> int: ...
 
+    def kv_bytes(self, ctx: int, dtype: "torch.dtype") -> int: ...  # one cache's bytes at ctx positions
+
     def work_bytes(self, n_tokens: int, ctx: int) -> int: ...  # one step's buffers, logits included
 
     def new_cache(self, n_ctx: int, dtype: "torch.dtype") -> "KVCache": ...

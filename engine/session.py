@@ -32,6 +32,16 @@ layers of a chunk's forward pass; when it returns True `Cancelled` is raised wit
 valid at the last complete chunk (keys and values a cancelled chunk wrote lie beyond the
 cache's valid length and are overwritten later), so cancelling takes a fraction of a chunk.
 
+Bounded caches (a ring on a family's windowed layers, engine.kvcache): such a cache can
+continue at a position only while its ring still holds the window before it.  `sync` then
+reuses the common prefix only where it can (`KVCache.reusable`), else prefills from the start,
+as llama.cpp does with its sliding-window cache; a `truncate` (or `copy_prefix_from`) to a
+position whose window was overwritten is honoured lazily: the next evaluation first
+recomputes the kept tokens from the start (`_recompute_lost`), so logits are never computed
+from overwritten keys.  A payload holds a ring's last `window` positions of its layers (the
+others are zeros), which is what continuing at its end, or one token before (as
+`load_payload` does), reads; a restored session reusing a shorter prefix recomputes.
+
 Payload format (`save_payload`, little-endian), for the server's disk cache:
   b"DS4KV\\0" | u16 version=1 | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
   | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens
@@ -195,6 +205,7 @@ class Session:
         one-row decode step and sets `logits`; without, no logits are computed (an inner chunk)."""
         net, device = self.model.net, self.model.device
         self._ahead.clear()
+        self._recompute_lost()
         threads.before_forward()
         body = ids[:-1] if frontier else ids
         if body:
@@ -205,6 +216,24 @@ class Session:
         if frontier:
             self._logits = net.decode_frontier(ids[-1], self.cache, self.model.eos_ids, cancel)
             self.tokens.append(ids[-1])
+
+    def _recompute_lost(self, at: int | None = None) -> None:
+        """Make the cache able to continue at `at` (default: the frontier): where a bounded
+        cache's ring overwrote the window before it (after a truncation), every cached token is
+        evaluated again from the start, in prefill chunks, without logits (see the module
+        docstring).  The frontier logits, if any, stay: the keys recomputed are the same."""
+        at = len(self.tokens) if at is None else at
+        if self.cache.reusable(at) == at:
+            return
+        redo, self.tokens = self.tokens, []
+        self.cache.n = 0
+        net, device, step = self.model.net, self.model.device, self.model.prefill_chunk
+        for start in range(0, len(redo), step):
+            part = redo[start: start + step]
+            threads.before_forward()
+            net.forward(torch.tensor(part, dtype=torch.long, device=device), len(self.tokens), self.cache,
+                        logits="none")
+            self.tokens.extend(part)
 
     def extend_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Append `ids` after the cached tokens and return the logits after each of them: float32
@@ -229,6 +258,7 @@ class Session:
         net, device, step = self.model.net, self.model.device, self.model.prefill_chunk
         self._ahead.clear()
         self._logits = None
+        self._recompute_lost()
         for start in range(0, len(ids), step):
             if cancel is not None and cancel():
                 raise Cancelled(f"cancelled after {start} of {len(ids)} scored tokens")
@@ -249,6 +279,7 @@ class Session:
         if keep == len(ids) and keep == len(self.tokens) and self._logits is not None:
             return Prefill(self, ids, keep)
         keep = min(keep, len(ids) - 1)  # always evaluate at least the last token for fresh logits
+        keep = self.cache.reusable(keep)  # a ring that overwrote the window before it: from scratch
         self.truncate(keep)
         return Prefill(self, ids, keep)
 
@@ -312,6 +343,8 @@ class Session:
             self._ahead[0].token = logits.greedy_no_eos if done.column else logits.greedy
 
     def save_payload(self) -> bytes:
+        if self.tokens:  # load_payload continues one token before the end (see the module docstring)
+            self._recompute_lost(len(self.tokens) - 1)
         parts = self.cache.state()
         lay = self.cache.layout
         header = _HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, _DTYPE_CODES[parts[0].dtype], self.model.config.n_layer,

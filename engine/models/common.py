@@ -4,7 +4,8 @@
 engine.protocols.Network contract that follow from the shape alone: `cache_layout` (what one
 layer caches per position: keys and values of every kv head by default; a family that caches
 something else, like engine.models.deepseek2's latent, overrides it), `new_cache`, `new_pool`,
-`kv_bytes_per_token` (the layout's bytes in every layer at one position), `weight_bytes`
+`kv_bytes_per_token` (the layout's bytes in every layer at one position, but for the layers a
+ring bounds to a window), `kv_bytes` (one cache's bytes at a context size), `weight_bytes`
 (blocks, embedding, final norm and a separate output head) and `kernel_path`. A family sets
 `cfg`, `device`, `cpu_kernels`, `blocks` (each with `nbytes`), `embed`, `out_norm`, `output`
 and `head_is_table` in its constructor. It holds no forward pass and no family's tensor names.
@@ -36,10 +37,17 @@ class CachedNetwork:
         2 * n_layer * n_head_kv * head_dim * element size)."""
         return self.cache_layout().bytes_per_token(self.cfg.n_layer, dtype)
 
+    def kv_bytes(self, ctx: int, dtype: torch.dtype) -> int:
+        """Bytes one cache of `ctx` positions holds: `ctx * kv_bytes_per_token`, plus a ring's
+        bounded layers at most its size each (engine.kvcache.CacheLayout.bytes_at)."""
+        return self.cache_layout().bytes_at(self.cfg.n_layer, ctx, dtype)
+
     def new_cache(self, n_ctx: int, dtype: torch.dtype) -> KVCache:
         lay = self.cache_layout()
-        return KVCache(self.cfg.n_layer, lay.heads, lay.width, n_ctx, dtype, self.device, parts=lay.parts)
+        return KVCache(self.cfg.n_layer, lay.heads, lay.width, n_ctx, dtype, self.device, parts=lay.parts,
+                       ring=lay.ring)
 
     def new_pool(self, n_slots: int, n_ctx: int, dtype: torch.dtype) -> KVPool:
         lay = self.cache_layout()
-        return KVPool(self.cfg.n_layer, n_slots, lay.heads, lay.width, n_ctx, dtype, self.device, parts=lay.parts)
+        return KVPool(self.cfg.n_layer, n_slots, lay.heads, lay.width, n_ctx, dtype, self.device, parts=lay.parts,
+                      ring=lay.ring)

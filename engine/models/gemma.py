@@ -21,12 +21,17 @@ the GGUF's metadata (`GemmaParams.from_metadata`):
   10000, and `rope.freq_base`), and a linear rope scaling in the metadata applies to the global
   layers only; rope rotates dimension i with i + head_dim/2 (neox pairing).
 
-The KV cache is the engine's shared one (engine.kvcache): every layer keeps every position,
-and local layers honour the window by reading only the window's slice of it.  A local layer
-therefore costs as much cache memory per token as a global one; `kv_bytes_per_token` counts
-all layers, so the engine's memory accounting and capacity checks stay true.  (A cache bounded
-to the window would overwrite positions that a session needs again when it truncates to a
-shorter prefix, which prefix reuse does.)
+The KV cache (engine.kvcache) keeps every position of the global layers and bounds the local
+layers to a ring (`cache_layout`): each keeps its last 2 * window - 1 positions, position p in
+slot p % size, so a forward step may store up to `window` positions (longer ones run in
+pieces of that many rows) and its first query still finds the window before it.  A cache of
+n positions therefore holds n per global layer and min(n, 2 * window - 1) per local layer
+(`kv_bytes`; `kv_bytes_per_token` counts the global layers only), and decoding far past the
+window grows only the global layers.  A ring forgets: a session truncating to a prefix whose
+window the ring has overwritten recomputes from the start (engine.session), and every step
+refuses a start whose window is gone (`KVCache.will_write`) rather than read stale keys.
+`bounded_cache = False` (before making caches) keeps every position on every layer, the
+reference the ring is tested against.
 
 Attention runs in torch ops.  On CPU each row (a decoding step's, or a prefill chunk's row by
 row) attends to its own cache slice with one code path, so a row decoded in a batch, alone, or
@@ -54,7 +59,7 @@ from engine.device_sampling import DeviceLogits, StepLogits
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import CpuKernels
-from engine.kvcache import KVCache
+from engine.kvcache import CacheLayout, KVCache, Ring
 from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
@@ -211,6 +216,17 @@ class GemmaModel(CachedNetwork):
         # A prefill chunk attends in one masked batch (CUDA), or row by row as decoding does
         # (CPU: prefill and decoding then agree bit for bit).
         self.batched_prefill = device.type != "cpu"
+        # Local layers in a ring of their last 2 * window - 1 positions (see the module docstring).
+        self.bounded_cache = True
+
+    def cache_layout(self) -> CacheLayout:
+        """K and V of every kv head; the local layers in a ring (while `bounded_cache`)."""
+        full = super().cache_layout()
+        prm = self.params
+        local = tuple(li for li in range(self.cfg.n_layer) if prm.is_local(li))
+        if not self.bounded_cache or not local:
+            return full
+        return CacheLayout.keys_values(full.heads, full.width, Ring(local, prm.window, 2 * prm.window - 1))
 
     # --- Network: accounting and banners ---
 
@@ -266,7 +282,8 @@ class GemmaModel(CachedNetwork):
         cfg = self.cfg
         lo = self.params.first_visible(li, pos)
         q = q.reshape(cfg.n_head_kv, cfg.n_head // cfg.n_head_kv, cfg.head_dim)
-        return self._attend_one(q, cache.layer_k[li][:, lo: pos + 1], cache.layer_v[li][:, lo: pos + 1]).reshape(-1)
+        keys, vals = cache.positions(li, lo, pos + 1)
+        return self._attend_one(q, keys, vals).reshape(-1)
 
     def _attend_chunk(self, li: int, q: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """[T, H * D] attention of a chunk's T rows (positions start..) in one masked batch
@@ -275,7 +292,7 @@ class GemmaModel(CachedNetwork):
         T, end = q.shape[0], start + q.shape[0]
         lo = self.params.first_visible(li, start)
         G = cfg.n_head // cfg.n_head_kv
-        keys, vals = cache.layer_k[li][:, lo:end].float(), cache.layer_v[li][:, lo:end].float()  # [Hkv, L, D]
+        keys, vals = cache.positions(li, lo, end).float()  # [Hkv, L, D] each
         qh = q.view(T, cfg.n_head_kv, G, cfg.head_dim).permute(1, 0, 2, 3).reshape(cfg.n_head_kv, T * G, -1)
         scores = softcap(torch.bmm(qh, keys.transpose(1, 2)), self.params.attn_softcap)  # [Hkv, T*G, L]
         qpos = torch.arange(start, end, device=q.device).repeat_interleave(G)[:, None]
@@ -309,16 +326,16 @@ class GemmaModel(CachedNetwork):
         at the end of each cache; each row attends to its own cache at its own length."""
         pos = [c.n for c in caches]
         for c in caches:
-            c.reserve(c.n + 1)
+            c.will_write(c.n, c.n + 1)
         ropes = self._rope(torch.tensor(pos))
         eps = self.cfg.norm_eps
         x = self._embed(tokens)
         for li, blk in enumerate(self.blocks):
             q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
-            kv = torch.stack([k, v], dim=1)  # [N, 2, Hkv, D]
+            kv = torch.stack([k, v], dim=1).unsqueeze(3)  # [N, 2, Hkv, 1, D]
             rows = []
             for i, (c, p) in enumerate(zip(caches, pos)):
-                c.layer_kv[li][:, :, p] = kv[i]
+                c.store(li, p, kv[i])
                 rows.append(self._attend_row(li, q[i], c, p))
             x += rms_norm(blk.wo(torch.stack(rows)).float(), blk.post_attn_norm, eps)
             self._ffn(blk, x)
@@ -337,8 +354,11 @@ class GemmaModel(CachedNetwork):
             if cancel is not None and cancel():
                 raise Cancelled("cancelled before a one-token step")
             return self.forward_rows(tokens, [cache])[0]
+        ring = cache.layout.ring
+        if ring is not None and T > ring.step:
+            return self._forward_pieces(tokens, start, cache, logits, cancel, ring.step)
         end = start + T
-        cache.reserve(end)
+        cache.will_write(start, end)
         ropes = self._rope(torch.arange(start, end))
         eps = self.cfg.norm_eps
         x = self._embed(tokens)
@@ -346,7 +366,7 @@ class GemmaModel(CachedNetwork):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
             q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
-            cache.layer_kv[li][:, :, start:end] = torch.stack([k, v]).transpose(1, 2)  # [2, Hkv, T, D]
+            cache.store(li, start, torch.stack([k, v]).transpose(1, 2))  # [2, Hkv, T, D]
             if self.batched_prefill:
                 att = self._attend_chunk(li, q, cache, start)
             else:  # row by row, exactly as decoding attends
@@ -359,6 +379,23 @@ class GemmaModel(CachedNetwork):
         if logits == "all":
             return self.head(x)
         return None
+
+    def _forward_pieces(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str,
+                        cancel: Callable[[], bool] | None, step: int) -> torch.Tensor | None:
+        """`forward` of more positions than a ring takes at once, `step` rows at a time (on CPU
+        the same bits as one chunk: rows are computed independently).  Cancelled part-way, the
+        cache is left valid at `start`, as after a cancelled chunk."""
+        outs, T = [], tokens.shape[0]
+        try:
+            for i in range(0, T, step):
+                wanted = "none" if logits == "last" and i + step < T else logits
+                outs.append(self.forward(tokens[i: i + step], start + i, cache, wanted, cancel))
+        except Cancelled:
+            cache.n = start
+            raise
+        if logits == "last":
+            return outs[-1]
+        return torch.cat(outs) if logits == "all" else None
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:

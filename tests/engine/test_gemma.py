@@ -172,7 +172,11 @@ def test_batched_decoding_equals_alone(gemma_gguf, pooled):
 def test_sessions_generate_and_report_their_memory(gemma_gguf):
     m = engine.load_model(gemma_gguf("gemma3", "Q8_0"), ctx=64)
     cfg = m.config
-    assert m.kv_bytes_per_token == 2 * cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2  # float16, every layer
+    layer = 2 * cfg.n_head_kv * cfg.head_dim * 2  # K and V of one layer at one position, float16
+    # 6 layers: 5 local in a ring of 2 * window - 1 = 7 positions, 1 global that keeps every one.
+    assert m.kv_bytes_per_token == layer
+    assert m.net.kv_bytes(64, m.kv_dtype) == 64 * layer + 5 * 7 * layer
+    assert m.memory_bytes(2, 64) == m.weight_bytes + 2 * (64 + 35) * layer + m.net.work_bytes(m.prefill_chunk, 64)
     s = m.new_session()
     s.sync(m.prompt_ids(TOKENS))
     assert len(list(generate(s, GREEDY, 20))) == 20
