@@ -10,6 +10,7 @@ import zlib
 import pytest
 
 from engine.synthetic import RandomModelSpec, write_random_gguf
+from gguf_files import file_maker
 
 K_QUANTS = {"Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"}
 
@@ -25,16 +26,9 @@ def tiny_spec(arch: str, qtype: str, **kw) -> RandomModelSpec:
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
     """tiny_gguf(arch, qtype, **spec) -> path of a cached random model."""
-    root = tmp_path_factory.mktemp("gguf")
-    made: dict = {}
-
-    def make(arch: str = "llama", qtype: str = "Q4_1", **kw) -> str:
-        key = (arch, qtype, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = write_random_gguf(root / f"{arch}-{qtype}-{len(made)}.gguf", tiny_spec(arch, qtype, **kw))
-        return str(made[key])
-
-    return make
+    return file_maker(tmp_path_factory.mktemp("gguf"),
+                      lambda path, arch, qtype, kw: str(write_random_gguf(path, tiny_spec(arch, qtype, **kw))),
+                      kind="llama", qtype="Q4_1")
 
 
 @pytest.fixture(scope="session")

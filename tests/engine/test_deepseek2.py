@@ -18,6 +18,7 @@ from engine import SamplingParams, generate
 from engine.batch import decode_batch
 from engine.config import ModelConfig, UnsupportedModel
 from engine.models.deepseek2 import route, yarn_rope
+from gguf_files import file_maker
 from deepseek2_models import DeepSeek2Spec, reference_logits, write_random_deepseek2
 from moe_models import read_weights
 
@@ -36,17 +37,10 @@ GREEDY = SamplingParams(argmax_ignoring_eos=True)
 @pytest.fixture(scope="module")
 def ds_gguf(tmp_path_factory):
     """ds_gguf(variant, qtype, **spec) -> path of a cached random deepseek2 model."""
-    root = tmp_path_factory.mktemp("deepseek2")
-    made: dict = {}
-
-    def make(variant: str = "v2", qtype: str = "F32", **kw) -> str:
-        key = (variant, qtype, tuple(sorted(kw.items())))
-        if key not in made:
-            spec = DeepSeek2Spec(qtype=qtype, **{**VARIANTS[variant], **kw})
-            made[key] = write_random_deepseek2(root / f"{variant}-{qtype}-{len(made)}.gguf", spec)
-        return made[key]
-
-    return make
+    return file_maker(tmp_path_factory.mktemp("deepseek2"),
+                      lambda path, variant, qtype, kw: write_random_deepseek2(
+                          path, DeepSeek2Spec(qtype=qtype, **{**VARIANTS[variant], **kw})),
+                      kind="v2", qtype="F32")
 
 
 def all_logits(m, tokens: list[int]) -> np.ndarray:

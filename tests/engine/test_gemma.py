@@ -16,6 +16,7 @@ from engine.batch import decode_batch
 from engine.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplate, ChatTemplateRejected
 from engine.config import ModelConfig
 from engine.models.gemma import GemmaParams
+from gguf_files import file_maker
 from gemma_models import GemmaSpec, reference_logits, vocabulary, write_random_gemma
 
 QTYPES = ["F32", "F16", "Q8_0", "Q4_K", "Q6_K"]
@@ -37,16 +38,9 @@ def spec(arch: str, qtype: str = "F32", **kw) -> GemmaSpec:
 @pytest.fixture(scope="module")
 def gemma_gguf(tmp_path_factory):
     """gemma_gguf(arch, qtype, **spec) -> path of a cached random Gemma model."""
-    root = tmp_path_factory.mktemp("gemma")
-    made: dict = {}
-
-    def make(arch: str = "gemma3", qtype: str = "F32", **kw) -> str:
-        key = (arch, qtype, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = write_random_gemma(root / f"{arch}-{qtype}-{len(made)}.gguf", spec(arch, qtype, **kw))
-        return made[key]
-
-    return make
+    return file_maker(tmp_path_factory.mktemp("gemma"),
+                      lambda path, arch, qtype, kw: write_random_gemma(path, spec(arch, qtype, **kw)),
+                      kind="gemma3", qtype="F32")
 
 
 def all_logits(m, tokens: list[int]) -> np.ndarray:

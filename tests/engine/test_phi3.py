@@ -20,6 +20,7 @@ from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import read_gguf
 from engine.kernels import cpu_kernels
 from engine.models.phi3 import Phi3Model
+from gguf_files import file_maker
 from phi3_models import Phi3Spec, reference_logits, write_random_phi3
 
 # 13 tokens against a window of 4: most positions see only part of the past.
@@ -33,18 +34,11 @@ PATHS = ["kernel", "torch-ops"]
 @pytest.fixture(scope="module")
 def phi3_gguf(tmp_path_factory):
     """phi3_gguf(variant, qtype, **spec) -> path of a cached random model."""
-    root = tmp_path_factory.mktemp("phi3")
-    made: dict = {}
-
-    def make(variant: str = "phi3", qtype: str = "F32", **kw) -> str:
-        key = (variant, qtype, tuple(sorted(kw.items())))
-        if key not in made:
-            # One seed per variant and type: files that differ in one setting share their weights.
-            spec = Phi3Spec(**{**VARIANTS[variant], "qtype": qtype, "seed": len(variant) + len(qtype), **kw})
-            made[key] = write_random_phi3(root / f"{variant}-{qtype}-{len(made)}.gguf", spec)
-        return made[key]
-
-    return make
+    # One seed per variant and type: files that differ in one setting share their weights.
+    return file_maker(tmp_path_factory.mktemp("phi3"),
+                      lambda path, variant, qtype, kw: write_random_phi3(path, Phi3Spec(
+                          **{**VARIANTS[variant], "qtype": qtype, "seed": len(variant) + len(qtype), **kw})),
+                      kind="phi3", qtype="F32")
 
 
 def load(path: str, attention: str = "kernel", **kw):

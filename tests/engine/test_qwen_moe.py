@@ -14,6 +14,7 @@ import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
 from engine.models.qwen_moe import route
+from gguf_files import file_maker
 from moe_models import MoeSpec, read_weights, reference_logits, write_random_moe
 
 TOKENS = [5, 77, 130, 2, 250, 9, 9, 41, 200, 13, 66, 101, 3]
@@ -27,16 +28,9 @@ GREEDY = SamplingParams(argmax_ignoring_eos=True)
 @pytest.fixture(scope="module")
 def moe_gguf(tmp_path_factory):
     """moe_gguf(arch, qtype, **spec) -> path of a cached random MoE model."""
-    root = tmp_path_factory.mktemp("moe")
-    made: dict = {}
-
-    def make(arch: str = "qwen3moe", qtype: str = "F32", **kw) -> str:
-        key = (arch, qtype, tuple(sorted(kw.items())))
-        if key not in made:
-            made[key] = write_random_moe(root / f"{arch}-{qtype}-{len(made)}.gguf", MoeSpec(arch=arch, qtype=qtype, **kw))
-        return made[key]
-
-    return make
+    return file_maker(tmp_path_factory.mktemp("moe"),
+                      lambda path, arch, qtype, kw: write_random_moe(path, MoeSpec(arch=arch, qtype=qtype, **kw)),
+                      kind="qwen3moe", qtype="F32")
 
 
 def all_logits(m, tokens: list[int]) -> np.ndarray:
