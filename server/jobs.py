@@ -515,9 +515,10 @@ def over_limit(requests: Sequence[GenerationRequest], n_ctx: int, limits: WorkLi
     budgets = [max(0, min(r.max_tokens, n_ctx - len(r.prompt_ids))) for r in requests]
     total = sum(budgets)
     if total > limits.generated_tokens:
-        return OverLimit(f"this request may generate {total:,} tokens ({len(budgets)} choices x up to "
-                         f"{max(budgets):,} tokens each); the server allows at most {limits.generated_tokens:,} "
-                         "per request (--max-request-tokens): ask for fewer choices or a smaller token limit", False)
+        shape = f" ({len(budgets)} choices x up to {max(budgets):,} tokens each)" if len(budgets) > 1 else ""
+        return OverLimit(f"this request may generate {total:,} tokens{shape}; the server allows at most "
+                         f"{limits.generated_tokens:,} per request (--max-request-tokens): ask for fewer choices "
+                         "or a smaller token limit", False)
     scored = [len(r.prompt_ids) for r in requests if r.prompt_logprobs is not None]
     if sum(scored) > limits.scored_tokens:
         return OverLimit(f"this request scores {sum(scored):,} prompt tokens ({len(scored)} prompts of up to "

@@ -141,6 +141,25 @@ def test_a_request_over_the_ceiling_is_answered_400_before_it_is_queued():
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
+def test_messages_and_responses_are_checked_against_the_ceiling_too():
+    app = fake_app(max_request_tokens=10)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        over = {"/v1/messages": ({"model": "m", "max_tokens": 11}, "max_tokens"),
+                "/v1/responses": ({"max_output_tokens": 11}, "max_output_tokens")}
+        for path, (limit, param) in over.items():
+            body = {"messages" if path == "/v1/messages" else "input": [{"role": "user", "content": "hi"}], **limit}
+            r = c.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err.get("param", param) == param and "(--max-request-tokens)" in err["message"], (path, err)
+            assert "may generate 11 tokens; the server allows at most 10" in err["message"]
+            ok_limit = {k: 10 for k in limit if k != "model"}
+            assert c.post(path, json={**body, **ok_limit}).status_code == 200, path
+        # Only the requests within the ceiling ran (a job is recorded just after its answer).
+        assert app.state.worker.wait_finished(2, 10) is not None
+        assert [s.job_id for s in app.state.worker.finished] == [1, 2]
+
+
 # --- queue time -----------------------------------------------------------------------------------
 
 def test_queue_time_is_one_observation_per_request_in_metrics_and_in_the_log(caplog):
