@@ -188,13 +188,11 @@ def main(**flags: object) -> None:
 
 
 def _serve(config: ServerConfig, sock: socket.socket) -> None:
-    import uvicorn
-
     from engine import ModelLoadError, load_model
     from engine.batch import CapacityError
     from engine.threads import EngineThread
     from server.app import create_app
-    from server.edge import EdgeLimits, listen, uvicorn_config
+    from server.edge import DrainingServer, EdgeLimits, listen, uvicorn_config
 
     # Claimed before the model loads, so that a second server on the directory fails in a
     # second; held while the server runs (the store shares this process's claim).
@@ -226,7 +224,9 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
     click.echo(banner(model, config, port=sock.getsockname()[1]), err=True)
     limits = EdgeLimits(header_timeout_s=config.header_timeout_sec, max_connections=config.max_connections)
     try:
-        uvicorn.Server(uvicorn_config(app, limits, log_level=config.log_level)).run(sockets=[sock])
+        # The work in flight is cancelled as the exit begins: its requests are answered 503.
+        DrainingServer(uvicorn_config(app, limits, log_level=config.log_level),
+                       on_exit=app.state.worker.cancel_all).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on; the shutdown was clean
         pass
     finally:

@@ -92,6 +92,12 @@ class InferenceWorker:
         self._loop = self.engine_thread.submit(self.serving.run)
         self._loop.add_done_callback(_log_loop_failure)
 
+    def cancel_all(self) -> None:
+        """Cancel the running and the queued jobs (any thread); the loop goes on serving what
+        comes later. Their handlers answer as for a shutdown."""
+        self.serving.cancel_all()
+        self.jobs.cancel_queued()
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel running jobs, drop queued ones, and join the thread.
 
@@ -102,8 +108,7 @@ class InferenceWorker:
             return
         if timeout is None:
             timeout = 10.0 if self.kv is None else 120.0
-        self.serving.cancel_all()
-        self.jobs.cancel_queued()
+        self.cancel_all()
         self.jobs.request_stop()
         try:
             self._loop.result(timeout)
