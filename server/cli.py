@@ -140,6 +140,9 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
                    "to keep it, and a save that cannot keep it is skipped.")
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
+@click.option("--interleave", type=int, default=ServerConfig.interleave, show_default=True,
+              help="Without --batched-session: jobs of different requests in progress at once, each in a "
+                   "session of its own, their tokens interleaved fairly; 1: one job at a time.")
 @click.option("--max-request-tokens", type=int, default=ServerConfig.max_request_tokens, show_default=True,
               help="Tokens one request may ask to generate over all its choices (n x max_tokens); "
                    "beyond it: HTTP 400 before it is queued.")

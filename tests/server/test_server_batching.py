@@ -9,7 +9,7 @@ import time
 import pytest
 
 from server import kvstore as kv
-from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, route
+from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, decoding_rows, route
 from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
 from server.prompting import prompt_ids
 from server.jobs import Failed, Finished, GenerationRequest, PromptReady, SamplingSpec, TextDelta
@@ -71,6 +71,12 @@ def test_least_recently_used_slot_idle_over_an_hour_before_the_shortest():
 
 
 # --- the batched worker on a tiny model ---------------------------------------------------------
+
+def test_decoding_rows_are_those_within_a_quantum_of_the_least_served():
+    assert decoding_rows([]) == []
+    assert decoding_rows([3.0, 0.0, 0.04], quantum=0.05) == [False, True, True]
+    assert decoding_rows([1.0, 1.0], quantum=0.0) == [True, True]
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -144,6 +150,29 @@ def test_requests_in_flight_decode_together_and_match_one_at_a_time(tiny):
     # One session reuses the shared system prompt of the previous request; separate slots cannot.
     assert [(ev[-1].usage.prompt_tokens, ev[-1].usage.completion_tokens) for _, ev in batched] == \
         [(ev[-1].usage.prompt_tokens, ev[-1].usage.completion_tokens) for _, ev in serial]
+
+
+def test_a_newcomer_decodes_alone_while_the_long_request_waits_parked_and_outputs_do_not_change(tiny):
+    long_prompt, short_prompt = chat(tiny, "a long story, please"), chat(tiny, "one short answer")
+    w = started(tiny, 2)
+    try:
+        alone = [text_of(collect(w, [req(tiny, p, n)])[0][1]) for p, n in ((long_prompt, 200), (short_prompt, 12))]
+        w.batched.quantum = 0.0  # strict: the least served request decodes alone
+        q_long: queue.Queue = queue.Queue()
+        long_job = w.submit(req(tiny, long_prompt, 200), q_long.put)
+        while long_job.stats.n_generated < 20:
+            time.sleep(0.001)
+        short = collect(w, [req(tiny, short_prompt, 12)])[0]
+        assert long_job.stats.finished_at is None  # the newcomer ended first
+        long_events = []
+        while not isinstance(ev := q_long.get(timeout=30), (Finished, Failed)):
+            long_events.append(ev)
+        parks = w.batched.parks
+    finally:
+        w.stop()
+    assert parks >= 1
+    assert [text_of(long_events), text_of(short[1])] == alone
+    assert ev.usage.completion_tokens == 256 - ev.usage.prompt_tokens  # to the end of the context
 
 
 def test_requests_beyond_the_slots_wait_and_reuse_routes_to_the_right_slot(tiny):
