@@ -7,9 +7,9 @@ Each run starts `python -m server.cli` (the embedded model) from `--repo` (defau
 checkout; give another checkout to measure the code before a change), sends the normal request
 three times alone (the best time is the idle latency), then fires the load from threads: the
 many-choice request and the schema requests, each a chat completion constrained by the largest
-schema the server still admits (`worst_case_schema`: one object of optional properties, as
-many as fit in `server.constraints.MAX_SCHEMA_BYTES`; the grammar engine's cost grows with
-them). It waits until `/health` says the worker is busy and every load request has reached the
+schema the server still admits (`worst_case_schema`: one object of as many optional properties
+as `server.constraints.MAX_SCHEMA_MEMBERS` admits, their names as long as `MAX_SCHEMA_BYTES`
+allows; the grammar engine's cost grows with them). It waits until `/health` says the worker is busy and every load request has reached the
 server, then times the normal request again, and stops the server without waiting for the load.
 Both timed requests are greedy `/v1/completions` with different prompts. It prints each run's
 figures, then the ratios' spread. A measurement, not a test: pytest does not collect it. The
@@ -35,24 +35,25 @@ from server_support import model_server_process  # noqa: E402
 
 NORMAL = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
 SCHEMA_LIMIT_BYTES = 64 * 1024
-"""`server.constraints.MAX_SCHEMA_BYTES` (not imported: `--repo` may be another checkout)."""
+SCHEMA_LIMIT_MEMBERS = 256
+"""`server.constraints.MAX_SCHEMA_BYTES` and `MAX_SCHEMA_MEMBERS` (not imported: `--repo` may be
+another checkout)."""
 
 
-def worst_case_schema(limit: int = SCHEMA_LIMIT_BYTES) -> dict:
-    """The object of the most optional string properties whose compact JSON fits in `limit` bytes."""
-    def schema(n: int) -> dict:
-        return {"type": "object", "properties": {f"p{i:05d}": {"type": "string"} for i in range(n)}}
+def worst_case_schema(limit: int = SCHEMA_LIMIT_BYTES, members: int = SCHEMA_LIMIT_MEMBERS) -> dict:
+    """One object of `members` optional string properties whose names are as long as `limit`
+    bytes of compact JSON allow (the most properties in one object, the largest lexemes)."""
+    def schema(width: int) -> dict:
+        return {"type": "object",
+                "properties": {f"p{i:0{width}d}": {"type": "string"} for i in range(members)}}
 
-    def size(n: int) -> int:
-        return len(json.dumps(schema(n), separators=(",", ":")).encode())
+    def size(width: int) -> int:
+        return len(json.dumps(schema(width), separators=(",", ":")).encode())
 
-    lo, hi = 1, 1
-    while size(hi) <= limit:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # size(lo) fits, size(hi) does not
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid) <= limit else (lo, mid)
-    return schema(lo)
+    width = 5
+    while size(width + 1) <= limit:
+        width += 1
+    return schema(width)
 
 
 def timed(base: str, path: str, body: dict) -> tuple[float, int]:
