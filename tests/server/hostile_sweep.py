@@ -1,8 +1,10 @@
 """`python tests/server/hostile_sweep.py [--base URL] [--fast] [--batched-session N]`: issue 42's
 held-out hostile set, fired at a real ds4-server on 127.0.0.1, with the status codes counted.
 
-Without `--base` it starts `python -m server.cli` (the embedded model) on a free port and stops
-it afterwards. The cases (`cases(fast)`), each named `family/what`:
+Without `--base` it starts `python -m server.cli` (the embedded model) on a free port with
+`SERVER_FLAGS` and stops it afterwards: a context of 2,048 tokens and a ceiling of 1,024
+generated tokens per request, so that the cases that ask for huge token counts are answered
+(400 beyond the ceiling, or a generation to the context's end) in seconds, not minutes. The cases (`cases(fast)`), each named `family/what`:
   json       malformed JSON and UTF-8, deep nesting, huge and non-finite numbers, duplicate
              keys, bodies of the wrong JSON type, on every API;
   fields     huge, negative, zero and wrongly typed values of every field that bounds work
@@ -23,7 +25,8 @@ it afterwards. The cases (`cases(fast)`), each named `family/what`:
 Each case returns the status codes it saw (0: the connection ended without an answer, which
 framing and disconnect cases expect). `sweep(base, fast)` runs them all and returns
 `{case: [statuses]}`; afterwards the server must still answer a normal request. `main` prints
-the counts per status and every case that saw a 5xx, and exits 1 when any did.
+the counts per status and every case that saw a 5xx, and exits 1 when any did other than the
+documented 503 of a connection flood (`BY_DESIGN`).
 
 `tests/server/test_server_hostile_sweep.py` runs the fast subset as a normal test and the full
 sweep as a `slow` one. A measurement tool, not a test: pytest does not collect this file.
@@ -48,6 +51,7 @@ CHAT, COMPLETIONS, MESSAGES, RESPONSES = "/v1/chat/completions", "/v1/completion
 INFERENCE = (CHAT, COMPLETIONS, MESSAGES, RESPONSES)
 SMALL = 4
 """max_tokens of every case that is meant to run: the sweep is about answers, not text."""
+SERVER_FLAGS = ("--ctx", "2048", "--max-request-tokens", "1024")
 
 
 def user(text: str = "hi") -> list[dict[str, Any]]:
@@ -170,6 +174,9 @@ def field_cases(fast: bool) -> Iterator[tuple[str, Case]]:
     yield "fields/logit_bias-abuse", posts(CHAT, *({**base_body(CHAT), **b} for b in bias))
 
 
+JSON_TYPE = "Content-Type: application/json\r\n"
+
+
 def framing_cases(t_head: str = "/v1/completions") -> Iterator[tuple[str, Case]]:
     body = json.dumps({"prompt": "hi", "max_tokens": 1}).encode()
 
@@ -178,15 +185,15 @@ def framing_cases(t_head: str = "/v1/completions") -> Iterator[tuple[str, Case]]
         return [t.raw(t.head(t_head, smuggled, "Transfer-Encoding: chunked\r\n"))]
 
     def two_cl(t: Target) -> list[int]:
-        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n"
+        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\n{JSON_TYPE}Content-Length: 5\r\nContent-Length: 6\r\n\r\n"
                       "hello!".encode())]
 
     def short_body(t: Target) -> list[int]:
-        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\nContent-Length: 1000\r\n\r\n".encode() + body,
+        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\n{JSON_TYPE}Content-Length: 1000\r\n\r\n".encode() + body,
                       read_s=90)]
 
     def bad_chunk(t: Target) -> list[int]:
-        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\nTransfer-Encoding: chunked\r\n\r\n"
+        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\n{JSON_TYPE}Transfer-Encoding: chunked\r\n\r\n"
                       "zz\r\nabc\r\n0\r\n\r\n".encode())]
 
     def huge_header(t: Target) -> list[int]:
@@ -200,7 +207,7 @@ def framing_cases(t_head: str = "/v1/completions") -> Iterator[tuple[str, Case]]
         return [t.raw(t.head(t_head, body) * 3)]
 
     def negative_cl(t: Target) -> list[int]:
-        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\nContent-Length: -5\r\n\r\n".encode())]
+        return [t.raw(f"POST {t_head} HTTP/1.1\r\nHost: {t.host}\r\n{JSON_TYPE}Content-Length: -5\r\n\r\n".encode())]
 
     def wrong_type(t: Target) -> list[int]:
         return [t.post(t_head, raw=body, headers={"Content-Type": "text/plain"}),
@@ -276,10 +283,13 @@ def worst_object(limit: int = 64 * 1024) -> dict[str, Any]:
 
 def schema_bombs(fast: bool) -> dict[str, Any]:
     deep: Any = {"type": "string"}
-    for _ in range(200 if fast else 2000):
+    # 130 levels nest 260 deep, past the body parser's 256; 300 stay within json.dumps's recursion.
+    for _ in range(130 if fast else 300):
         deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
     bombs = {
-        "widest-admitted-object": worst_object(),
+        "widest-object-64k": worst_object(),
+        "widest-admitted-object": {"type": "object", "properties": {
+            f"p{i:0230d}": {"type": "string"} for i in range(256)}},
         "deep-nesting": deep,
         "required-ref-cycle": {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {
             "c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}},
@@ -385,10 +395,11 @@ def storm_cases(fast: bool) -> Iterator[tuple[str, Case]]:
                 socks.append(socket.create_connection((t.host, t.port), timeout=5))
             except OSError:
                 break
-        statuses = [t.post(COMPLETIONS, base_body(COMPLETIONS))]
+        during = t.post(COMPLETIONS, base_body(COMPLETIONS))  # 503 once the flood holds every connection
         for s in socks:
             s.close()
-        return statuses
+        time.sleep(1.0)
+        return [during, t.post(COMPLETIONS, base_body(COMPLETIONS))]
 
     yield "storm/mixed", storm
     yield "storm/connection-flood", connection_flood
@@ -409,9 +420,11 @@ def cases(fast: bool) -> list[tuple[str, Case]]:
     return every
 
 
-def sweep(base: str, fast: bool = False, log: Callable[[str], None] = lambda _line: None) -> dict[str, list[int]]:
+def sweep(base: str, fast: bool = False, log: Callable[[str], None] = lambda _line: None,
+          verbose: bool = False) -> dict[str, list[int]]:
     """Every case against the server at `base`: {case name: statuses}, then a normal request
-    (`after/normal`, which must be 200)."""
+    (`after/normal`, which must be 200). `log` hears of each case with a 5xx (every case with
+    `verbose`)."""
     target = Target(base)
     seen: dict[str, list[int]] = {}
     for name, case in cases(fast):
@@ -420,7 +433,7 @@ def sweep(base: str, fast: bool = False, log: Callable[[str], None] = lambda _li
         except OSError as e:  # the harness's own connection failed: counted as no answer
             seen[name] = [0]
             log(f"{name}: {type(e).__name__}: {e}")
-        if any(s >= 500 for s in seen[name]):
+        if verbose or any(s >= 500 for s in seen[name]):
             log(f"{name}: {seen[name]}")
     seen["after/normal"] = [target.post(COMPLETIONS, base_body(COMPLETIONS))]
     return seen
@@ -430,8 +443,14 @@ def counts(seen: dict[str, list[int]]) -> collections.Counter[int]:
     return collections.Counter(s for statuses in seen.values() for s in statuses)
 
 
+BY_DESIGN = {"storm/connection-flood": {503}}
+"""5xx answers that are the server's documented defence, not a failure: a connection beyond
+`--max-connections` open ones gets 503 with `Retry-After: 1` (`server.edge`)."""
+
+
 def fivexx(seen: dict[str, list[int]]) -> dict[str, list[int]]:
-    return {name: st for name, st in seen.items() if any(s >= 500 for s in st)}
+    """The cases with a 5xx other than those `BY_DESIGN`."""
+    return {name: st for name, st in seen.items() if any(s >= 500 and s not in BY_DESIGN.get(name, ()) for s in st)}
 
 
 def main() -> None:
@@ -440,11 +459,12 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="a running server (default: start the embedded model's)")
     ap.add_argument("--fast", action="store_true", help="the subset the normal test runs")
     ap.add_argument("--batched-session", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="print every case's statuses as it ends")
     args = ap.parse_args()
 
     def run(base: str) -> dict[str, list[int]]:
         t0 = time.monotonic()
-        seen = sweep(base, args.fast, log=lambda line: print(line, flush=True))
+        seen = sweep(base, args.fast, log=lambda line: print(line, flush=True), verbose=args.verbose)
         print(f"{len(seen)} cases, {sum(len(v) for v in seen.values())} requests in {time.monotonic() - t0:.0f} s")
         return seen
 
@@ -452,12 +472,16 @@ def main() -> None:
         seen = run(args.base)
     else:
         from server_support import model_server_process
-        with model_server_process("--batched-session", str(args.batched_session), "--log-level", "warning") as srv:
+        with model_server_process("--batched-session", str(args.batched_session), "--log-level", "warning",
+                                  *SERVER_FLAGS) as srv:
             seen = run(srv.base)
             alive = srv.proc.poll() is None
         print(f"server alive afterwards: {alive}")
     print("status counts:", dict(sorted(counts(seen).items())))
     bad = fivexx(seen)
+    for name, codes in BY_DESIGN.items():
+        if any(s in codes for s in seen.get(name, ())):
+            print(f"by design: {name}: {seen[name]}")
     for name, statuses in bad.items():
         print(f"5xx: {name}: {statuses}")
     sys.exit(1 if bad else 0)

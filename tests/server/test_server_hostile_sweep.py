@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hostile_sweep import cases, counts, fivexx, sweep
+from hostile_sweep import SERVER_FLAGS, cases, counts, fivexx, sweep
 from server_support import model_server_process, server_process
 
 
@@ -17,7 +17,7 @@ def test_every_family_is_in_the_fast_subset():
 
 
 def test_the_fast_hostile_subset_gets_no_5xx(tmp_path):
-    with server_process(tmp_path / "server.log") as srv:
+    with server_process(tmp_path / "server.log", *SERVER_FLAGS) as srv:
         seen = sweep(srv.base, fast=True)
         alive = srv.proc.poll() is None
     assert not fivexx(seen), fivexx(seen)
@@ -30,7 +30,7 @@ def test_the_fast_hostile_subset_gets_no_5xx(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("slots", [1, 2], ids=["serial", "batched2"])
 def test_the_full_hostile_sweep_gets_no_5xx_from_the_embedded_model(slots):
-    with model_server_process("--batched-session", str(slots), "--log-level", "warning") as srv:
+    with model_server_process("--batched-session", str(slots), "--log-level", "warning", *SERVER_FLAGS) as srv:
         seen = sweep(srv.base, fast=False)
         alive = srv.proc.poll() is None
     print(f"\n{len(seen)} cases, status counts {dict(sorted(counts(seen).items()))}")
