@@ -43,6 +43,15 @@ taking jobs from the same `server.jobs.JobLedger` and recording them there. It o
      picks each token (greedy inside tool-call structure, else the request's sampler) and
      `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
      or a cancelled job ends only that request (`GenRequest.cancel`).
+Between steps it decides which decoding jobs take the next one (`decoding_rows`, pure): those
+whose request has had within `BATCH_QUANTUM_S` of the least loop time so far (each step's time
+is charged to the requests of its rows, shared among them: `server.jobs.JobLedger.charge`). The
+others are parked: their GenRequest ends at the step (cancelled), the slot keeps their session,
+whose cache and frontier logits are their prompt and output so far, and a later GenRequest of
+exactly those ids resumes them without recomputing anything, so outputs do not change. A
+newcomer therefore decodes alone, at one row's speed, until it has had about as much time as
+the requests it found running. A slot is never taken from a running job: a newcomer that finds
+every slot busy waits for the first job to end.
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
 slot's session (reason shutdown) before it returns.
 
@@ -190,6 +199,8 @@ class _Running:
         """Asked to leave the batch at the next step (its GenRequest then ends cancelled)."""
         self.parked = False
         """Out of the batch, its slot's session holding its prompt and output with their logits."""
+        self.evicting = False
+        """Parking to give its slot to a newcomer: its session is then copied out (`BatchedLoop.evicted`)."""
         self.decode_calls: tuple[Any, Any, Any, Any] = (None, None, None, None)
         """(choose, on_token, cancel, params) of its decoding GenRequests."""
 
@@ -227,6 +238,11 @@ class BatchedLoop:
         """`decoding_rows`'s quantum: how far ahead of the least served a request still decodes."""
         self.parks = 0
         """Times a decoding job left the batch to let less served requests go first (`decoding_rows`)."""
+        self.evicted: list[tuple[_Running, Any]] = []
+        """Jobs parked out of their slot for a newcomer, each with the session that holds its
+        prompt, output and logits (at most one per slot), oldest first."""
+        self.evictions = 0
+        """Times a job left its slot that way."""
         self._lock = threading.Lock()
 
     @property
@@ -235,7 +251,8 @@ class BatchedLoop:
 
     @property
     def n_active(self) -> int:
-        return sum(1 for s in self.info if s.running is not None)
+        """Jobs taken from the ledger and not ended: in slots, or evicted from one."""
+        return sum(1 for s in self.info if s.running is not None) + len(self.evicted)
 
     @property
     def busy(self) -> bool:
@@ -253,6 +270,7 @@ class BatchedLoop:
         ledger's (`JobLedger.cancel_queued`)."""
         with self._lock:
             jobs = [s.running.job for s in self.info if s.running is not None]
+            jobs += [run.job for run, _ in self.evicted]
         for job in jobs:
             job.cancel()
 
@@ -270,6 +288,8 @@ class BatchedLoop:
                 stopping = True
                 self.cancel_all()
             self._admit_waiting(stopping)
+            if not stopping:
+                self._evict_for_newcomer()
             self._arrange_rows()
             if self.scheduler.busy:
                 stepping = [s.running for s in self.info if s.running is not None and not s.running.parked]
@@ -293,8 +313,8 @@ class BatchedLoop:
         picks: a parked job's GenRequest ends (cancelled) at the step, its slot keeping the
         session; resumed, a new GenRequest of the same ids finds the session holding them with
         their logits and decodes on without recomputing anything."""
-        runs = [s.running for s in self.info
-                if s.running is not None and s.running.decoding and not s.running.job.is_cancelled()]
+        runs = [s.running for s in self.info if s.running is not None and s.running.decoding
+                and not s.running.evicting and not s.running.job.is_cancelled()]
         if len(runs) < 2 and not any(run.parked for run in runs):
             return
         rows = decoding_rows([self.jobs.served(run.job) for run in runs], self.quantum)
@@ -309,6 +329,7 @@ class BatchedLoop:
         """Give free slots to queued jobs, in the ledger's fair order: a request with fewer jobs
         in slots goes first, so a request of n choices holds every slot only while nobody else
         waits, and a newcomer gets the next slot that frees."""
+        self._drop_cancelled_evicted()
         if stopping:
             while (job := self.jobs.take_next()) is not None:
                 job.cancel()
@@ -316,7 +337,13 @@ class BatchedLoop:
                 self.jobs.record(job)
             return
         while any(s.running is None for s in self.info):
-            job = self.jobs.take_next(self._can_start)
+            # A newcomer first, then a job evicted for one earlier, then the ledger's next.
+            job = self.jobs.take_next(self._newcomer)
+            if job is None and self.evicted:
+                self._return_evicted(next(i for i, s in enumerate(self.info) if s.running is None))
+                continue
+            if job is None:
+                job = self.jobs.take_next(self._can_start)
             if job is None:
                 return
             if job.is_cancelled():
@@ -341,6 +368,64 @@ class BatchedLoop:
                     continue
                 log.exception("job %d failed to start", job.id)
                 self._fail(job, e)
+
+    def _requests_in_progress(self) -> set[int]:
+        return ({s.running.job.stats.request_id for s in self.info if s.running is not None}
+                | {run.job.stats.request_id for run, _ in self.evicted})
+
+    def _newcomer(self, job: Job) -> bool:
+        """A job of a request that has none in progress (and that may start: `_can_start`)."""
+        return job.stats.request_id not in self._requests_in_progress() and self._can_start(job)
+
+    def _evict_for_newcomer(self) -> None:
+        """When a newcomer waits and every slot is busy, park the decoding job of the most served
+        request (beyond the quantum) to give its slot away; its session is copied out once the
+        step has parked it (`_advance`). One eviction at a time, at most one per slot."""
+        if any(s.running is None or s.running.evicting for s in self.info) or len(self.evicted) >= self.n_slots:
+            return
+        if not self.jobs.has_waiting(self._newcomer):
+            return
+        runs = [s.running for s in self.info if s.running is not None and s.running.decoding
+                and not s.running.parking and not s.running.job.is_cancelled()]
+        served = {id(run): self.jobs.served(run.job) for run in runs}
+        victims = [run for run in runs if served[id(run)] > self.quantum]
+        if victims:
+            victim = max(victims, key=lambda run: served[id(run)])
+            victim.evicting = True
+            if victim.parked:  # already out of the batch: its session can go at once
+                self._evict(victim)
+            else:
+                victim.parking = True
+
+    def _evict(self, run: _Running) -> None:
+        """Copy a parked job's session out of its slot and free the slot."""
+        i = run.slot
+        spare = self.model.new_session()
+        spare.copy_from(self.session(i))
+        run.evicting = False
+        with self._lock:
+            self.evicted.append((run, spare))
+            self.info[i] = _SlotInfo(last_used=self.clock())  # the slot's tokens match no known text now
+        self.evictions += 1
+        log.info("job %d: parked out of slot %d for a newcomer (%d tokens kept)", run.job.id, i, len(spare.tokens))
+
+    def _return_evicted(self, i: int) -> None:
+        """Put the oldest evicted job back into free slot i, its session copied in, and resume it."""
+        with self._lock:
+            run, spare = self.evicted.pop(0)
+        self._save_slot(i, policy.EVICT, list(spare.tokens))
+        self.session(i).copy_from(spare)
+        run.slot = run.job.stats.slot = i
+        self.info[i].running = run
+        run.parked = False
+        self._resume(run)
+
+    def _drop_cancelled_evicted(self) -> None:
+        for run, spare in [e for e in self.evicted if e[0].job.is_cancelled()]:
+            with self._lock:
+                self.evicted.remove((run, spare))
+            self.jobs.finish_cancelled(run.job)
+            self.jobs.record(run.job)
 
     def _can_start(self, job: Job) -> bool:
         """A cancelled job can always leave the queue; another waits while a running job is
@@ -508,6 +593,8 @@ class BatchedLoop:
             run.output += gen.output
             run.parking, run.parked = False, True
             self.parks += 1
+            if run.evicting:
+                self._evict(run)
         elif gen.finish == "cancelled" and job.is_cancelled() and not run.decoder.done:
             # An interrupted prefill leaves tokens that match no known text.
             self._end(i, keep_text=run.final and run.ready)

@@ -692,6 +692,11 @@ class JobLedger:
         with self._cv:
             return self._take_locked(can_start)
 
+    def has_waiting(self, can_start: Callable[[Job], bool]) -> bool:
+        """Whether a queued job that `can_start` admits is first in line of its request."""
+        with self._cv:
+            return any(r.queued and can_start(r.queued[0]) for r in self._requests.values())
+
     def _take_locked(self, can_start: Callable[[Job], bool] | None) -> Job | None:
         turns = [r.turn() for r in self._requests.values()
                  if r.queued and (can_start is None or can_start(r.queued[0]))]
