@@ -50,8 +50,12 @@ others are parked: their GenRequest ends at the step (cancelled), the slot keeps
 whose cache and frontier logits are their prompt and output so far, and a later GenRequest of
 exactly those ids resumes them without recomputing anything, so outputs do not change. A
 newcomer therefore decodes alone, at one row's speed, until it has had about as much time as
-the requests it found running. A slot is never taken from a running job: a newcomer that finds
-every slot busy waits for the first job to end.
+the requests it found running. A newcomer (a request with no job in progress) that finds every
+slot busy takes one (`_evict_for_newcomer`): the decoding job of the most served request is
+parked, its session copied out with its logits (`engine.session.Session.copy_from`) and the slot
+freed; the evicted job goes back into the next free slot before the ledger's next job, copied
+in, and resumes unchanged. At most one job per slot is out at a time (their sessions are the
+memory this costs).
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
 slot's session (reason shutdown) before it returns.
 
