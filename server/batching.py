@@ -53,8 +53,9 @@ newcomer therefore decodes alone, at one row's speed, until it has had about as 
 the requests it found running. A newcomer (a request with no job in progress) that finds every
 slot busy takes one (`_evict_for_newcomer`): the decoding job of the most served request is
 parked, its session copied out with its logits (`engine.session.Session.copy_from`) and the slot
-freed; the evicted job goes back into the next free slot before the ledger's next job, copied
-in, and resumes unchanged. At most one job per slot is out at a time (their sessions are the
+freed; the evicted job goes back into the next free slot that no newcomer takes, before the
+ledger's other jobs, copied in, and resumes unchanged (a steady stream of newcomers can hold
+it out meanwhile). At most one job per slot is out at a time (their sessions are the
 memory this costs).
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
 slot's session (reason shutdown) before it returns.
