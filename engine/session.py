@@ -187,6 +187,15 @@ class Session:
         self._logits = None
         self._sampler = None
 
+    def copy_from(self, other: "Session") -> None:
+        """Become a copy of `other` (a session of the same model): its tokens, keys and values,
+        and its frontier logits, copied to the host so that they outlive the device buffers of
+        later steps. The next token is then chosen exactly as `other` would have chosen it, with
+        nothing evaluated again (a server parks a generation this way and resumes it later)."""
+        logits = host_row(other.raw_logits).clone()
+        self.copy_prefix_from(other, len(other.tokens))
+        self._logits = logits
+
     def check_fits(self, n: int) -> None:
         """Raise ValueError unless n tokens fit this session's context."""
         if n > self.cache.n_ctx:

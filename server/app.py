@@ -106,7 +106,8 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     if kv is not None and kv_save_policy is not None:
         kv.save_policy = kv_save_policy
     metrics = ServerMetrics(model.name, config.batched_session)
-    worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, clock=clock,
+    worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, interleave=config.interleave,
+                             clock=clock,
                              engine_thread=engine_thread, observer=metrics,
                              stream_interval=config.stream_interval_ms / 1000, limits=config.work_limits)
     calling = ToolCalling.for_model(model, config.tools)

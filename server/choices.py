@@ -17,7 +17,8 @@ The order of choices is prompt-major, as OpenAI and vLLM return them: choice
   schedule (its choices take turns with other requests' jobs, `server.jobs.JobLedger`); the
   returned queue receives `ChoiceEvent(index, event)` from the worker thread. A request that
   asks for more work than the worker's limits (`InferenceWorker.check`: choices x max_tokens,
-  prompts x prompt length when scored) is refused with a 400 before anything is queued.
+  prompts x prompt length when scored) is refused with a 400 before anything is queued
+  (`check_work`, which the one-job APIs call too).
 - `choice_events(queue, n, keepalive)`: those events in arrival order with `None` keepalive
   ticks until the first text, ending once every choice has finished or failed.
 - `collect_choices(queue, n)`: the whole output of every choice, or the first `Failed`.
@@ -67,11 +68,18 @@ def fan_out(gen: GenerationRequest, n: int) -> list[GenerationRequest]:
             for i in range(n)]
 
 
-def submit_choices(worker: Any, gens: Sequence[GenerationRequest],
-                   loop: asyncio.AbstractEventLoop) -> tuple[list[Job], asyncio.Queue[ChoiceEvent]]:
+def check_work(worker: Any, gens: Sequence[GenerationRequest], param: str) -> None:
+    """Raise the 400 for a request whose jobs ask for more work than the worker's limits
+    (`InferenceWorker.check`); `param` names the field to blame for too many tokens to generate
+    (the scored prompts are always `prompt`)."""
     refused = worker.check(gens)
     if refused is not None:
-        raise ApiError(400, refused.message, param="prompt" if refused.scored else "n", code="request_too_large")
+        raise ApiError(400, refused.message, param="prompt" if refused.scored else param, code="request_too_large")
+
+
+def submit_choices(worker: Any, gens: Sequence[GenerationRequest],
+                   loop: asyncio.AbstractEventLoop) -> tuple[list[Job], asyncio.Queue[ChoiceEvent]]:
+    check_work(worker, gens, "n")
     queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
     def sink(index: int) -> Any:

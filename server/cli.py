@@ -140,6 +140,9 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
                    "to keep it, and a save that cannot keep it is skipped.")
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
+@click.option("--interleave", type=int, default=ServerConfig.interleave, show_default=True,
+              help="Without --batched-session: jobs of different requests in progress at once, each in a "
+                   "session of its own, their tokens interleaved fairly; 1: one job at a time.")
 @click.option("--max-request-tokens", type=int, default=ServerConfig.max_request_tokens, show_default=True,
               help="Tokens one request may ask to generate over all its choices (n x max_tokens); "
                    "beyond it: HTTP 400 before it is queued.")
@@ -188,13 +191,11 @@ def main(**flags: object) -> None:
 
 
 def _serve(config: ServerConfig, sock: socket.socket) -> None:
-    import uvicorn
-
     from engine import ModelLoadError, load_model
     from engine.batch import CapacityError
     from engine.threads import EngineThread
     from server.app import create_app
-    from server.edge import EdgeLimits, listen, uvicorn_config
+    from server.edge import DrainingServer, EdgeLimits, listen, uvicorn_config
 
     # Claimed before the model loads, so that a second server on the directory fails in a
     # second; held while the server runs (the store shares this process's claim).
@@ -213,6 +214,14 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
                                    kv_type=config.kv_type, batch_invariant=config.batch_invariant)
     except (ModelLoadError, OSError, ValueError) as e:
         raise click.ClickException(f"cannot load model: {e}") from None
+    # The grammars' vocabulary (about 0.6 s of Python for 49k tokens), built now rather than by
+    # the first requests with a schema or forced tool calls, which would hold the interpreter
+    # lock meanwhile and stall every other request.
+    from server.constraints import grammar_tokenizer
+    try:
+        grammar_tokenizer(model)
+    except Exception as e:  # the first request that needs it then meets the same error, as before
+        logging.getLogger("ds4.server").warning("grammar vocabulary not built: %s: %s", type(e).__name__, e)
     try:
         app = create_app(model, config, engine_thread=engine_thread)
     except CapacityError as e:
@@ -226,7 +235,9 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
     click.echo(banner(model, config, port=sock.getsockname()[1]), err=True)
     limits = EdgeLimits(header_timeout_s=config.header_timeout_sec, max_connections=config.max_connections)
     try:
-        uvicorn.Server(uvicorn_config(app, limits, log_level=config.log_level)).run(sockets=[sock])
+        # The work in flight is cancelled as the exit begins: its requests are answered 503.
+        DrainingServer(uvicorn_config(app, limits, log_level=config.log_level),
+                       on_exit=app.state.worker.cancel_all).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on; the shutdown was clean
         pass
     finally:

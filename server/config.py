@@ -21,6 +21,7 @@ from server.guard import LOOPBACK_HOSTS, is_loopback, normalize_host
 from server.apibase import DEFAULT_MAX_TOKENS, RequestDefaults
 from server.jobs import DEFAULT_MAX_REQUEST_SCORED_TOKENS, DEFAULT_MAX_REQUEST_TOKENS, WorkLimits
 from server.kvstore import KVStoreConfig
+from server.serial import DEFAULT_MAX_LIVE
 from server.tools import ToolsConfig
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -64,6 +65,9 @@ class ServerConfig:
     batched_session: int = 1
     """Resident engine sessions decoded together (1: one job at a time; a request's choices and
     prompts take turns with other requests' jobs either way)."""
+    interleave: int = DEFAULT_MAX_LIVE
+    """--interleave: jobs of different requests in progress at once in the serial loop (each in a
+    session of its own, their tokens interleaved fairly, `server.serial`); 1: one job at a time."""
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     """--max-request-tokens: tokens one request may ask to generate over all its choices
     (choices x max_tokens, each at most the room its prompt leaves in the context); beyond it: 400."""
@@ -102,6 +106,8 @@ class ServerConfig:
             raise ValueError(f"keepalive_sec must be positive, got {self.keepalive_sec}")
         if not 0 <= self.stream_interval_ms <= 1000:
             raise ValueError(f"stream_interval_ms must be in 0..1000, got {self.stream_interval_ms}")
+        if self.interleave < 1:
+            raise ValueError(f"interleave must be at least 1, got {self.interleave}")
         if self.max_body_mb <= 0:
             raise ValueError(f"max_body_mb must be positive, got {self.max_body_mb}")
         self.request_defaults  # validates its fields

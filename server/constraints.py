@@ -31,7 +31,11 @@ matching exactly one of the texts.
 Schemas are checked before any grammar work, in bounded time (`schema_problem`): at most
 `MAX_SCHEMA_BYTES` of compact JSON (the grammar engine's cost grows with the schema: a 0.3 MB
 schema of 10,000 optional properties took seconds to validate and 7 to 20 s to compile on the
-inference thread), and no `$ref` cycle through required members only (`{"$ref": "#/$defs/n"}`
+inference thread), at most `MAX_SCHEMA_MEMBERS` object properties and `anyOf`/`oneOf`
+alternatives in all (`schema_members`; the compilation's cost grows faster than their number:
+64 KiB of one object's optional properties, about 2,400, took 0.5 s of validation and
+compilation, all of it holding the interpreter lock, and the grammar engine gave up at the first
+token of such an object beyond about 490 optional properties; 256 take about 10 ms), and no `$ref` cycle through required members only (`{"$ref": "#/$defs/n"}`
 with `n` requiring a property `c` of schema `n`): no finite document matches such a schema,
 and the grammar engine gives up on it only at the first generated token. Every message the
 grammar engine gives (`brief`) is cut to its first line and `MAX_MESSAGE_CHARS`: its verbose
@@ -59,6 +63,8 @@ log = logging.getLogger("ds4.server.constraints")
 _SPECIAL_MARK = b"\xff"
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SCHEMA_BYTES = 64 * 1024
+MAX_SCHEMA_MEMBERS = 256
+"""Object properties plus `anyOf`/`oneOf` alternatives in one schema, all of them counted."""
 MAX_MESSAGE_CHARS = 300
 
 
@@ -117,11 +123,33 @@ def schema_problem(schema: dict[str, Any] | None) -> str | None:
     if size > MAX_SCHEMA_BYTES:
         return (f"the schema is {size:,} bytes of JSON, more than the limit of {MAX_SCHEMA_BYTES:,} bytes "
                 "(MAX_SCHEMA_BYTES)")
+    members = schema_members(schema)
+    if members > MAX_SCHEMA_MEMBERS:
+        return (f"the schema has {members:,} object properties and anyOf/oneOf alternatives, more than the "
+                f"limit of {MAX_SCHEMA_MEMBERS:,} (MAX_SCHEMA_MEMBERS)")
     cycle = required_cycle(schema)
     if cycle is not None:
         return ("no finite JSON document matches the schema: it requires " + " -> ".join(cycle)
                 + ", a $ref cycle through required members only")
     return None
+
+
+def schema_members(schema: Any) -> int:
+    """Object properties and `anyOf`/`oneOf` alternatives anywhere in `schema` (`$defs` included),
+    counted iteratively (a schema nests as deep as its JSON)."""
+    count = 0
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            props = node.get("properties")
+            count += len(props) if isinstance(props, dict) else 0
+            for key in ("anyOf", "oneOf"):
+                count += len(node[key]) if isinstance(node.get(key), list) else 0
+            stack.extend(node.values())
+    return count
 
 
 def required_cycle(schema: dict[str, Any]) -> list[str] | None:

@@ -25,6 +25,11 @@ headers are in, where uvicorn's own HTTP/1.1 protocol (h11) sets no limits.
   closes once the client has closed its side (uvicorn closes on EOF) or `linger_s` has passed: closing a
   socket with unread input would reset it, and the client would lose the answer.
 - `uvicorn_config(app, limits, ...)`: the uvicorn `Config` that uses that protocol, on uvloop.
+- `DrainingServer(config, on_exit)`: uvicorn's server that, when told to exit (SIGINT,
+  SIGTERM), also calls `on_exit` once on a thread of its own (ds4-server cancels the inference
+  work there): requests in flight then end with their shutdown answer (503, or a stream's
+  end) within uvicorn's graceful period, instead of being cancelled when it runs out, which
+  answers 500.
 - `ensure_fd_budget(max_connections)`: raises the soft open-files limit when it is lower than
   the connection limit needs, or says why it cannot.
 
@@ -42,11 +47,12 @@ import json
 import logging
 import resource
 import socket
+import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import h11
-from uvicorn import Config
+from uvicorn import Config, Server
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from server.framing import framing_error, head_end
@@ -220,6 +226,23 @@ def uvicorn_config(app: Any, limits: EdgeLimits, *, log_level: str, timeout_grac
                   loop="uvloop",
                   # Our own check answers 431 first; h11's (a 400) is only a backstop.
                   h11_max_incomplete_event_size=limits.max_header_bytes + 1024)
+
+
+class DrainingServer(Server):
+    """A uvicorn `Server` that calls `on_exit` once, on its own thread, when told to exit."""
+
+    def __init__(self, config: Config, on_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._exiting = threading.Event()
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if not self._exiting.is_set():
+            self._exiting.set()
+            # Not in the signal handler itself: it may have interrupted a holder of a lock
+            # that `on_exit` takes.
+            threading.Thread(target=self._on_exit, name="ds4-exit", daemon=True).start()
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

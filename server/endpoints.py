@@ -56,7 +56,7 @@ from server.config import ServerConfig
 from server.errors import ApiError, Dialect
 from server.httpbody import CLIENT_CLOSED, body_headers_error, read_body
 from server.jobs import Event, Failed, Finished, GenerationRequest, TextDelta, TokenLogprob
-from server.choices import choice_events, collect_choices, submit_choices
+from server.choices import check_work, choice_events, collect_choices, submit_choices
 from server.jsonparse import JsonBodyError, parse_json_body
 from server.kvstore import KVStore
 from server.metrics import CONTENT_TYPE, ServerMetrics
@@ -210,6 +210,9 @@ class InferenceApi:
     takes their outputs and `stream` their merged `ChoiceEvent`s."""
     chat: bool = True
     """Renders through the chat template (every API but raw completions)."""
+    token_param: str = "max_tokens"
+    """The field an answer over the per-request work ceiling names (one-job APIs; with
+    choices it is `n`)."""
 
 
 def inference(api: InferenceApi, name: str) -> RouteFactory:
@@ -225,6 +228,7 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
                                                 served.calling, defaults)
             if api.choices:
                 return await answer_choices(served, api, request, body, gen, ctx)
+            check_work(worker, [gen], api.token_param)
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Event] = asyncio.Queue()
             job = worker.submit(gen, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev))
@@ -284,7 +288,7 @@ MESSAGES = InferenceApi(
 RESPONSES = InferenceApi(
     api_responses.ResponsesRequest, api_responses.responses_job,
     lambda ctx, c: api_responses.response_object(ctx, c.finished.output, c.finished, c.deltas),
-    api_responses.responses_stream, api_responses.stream_error)
+    api_responses.responses_stream, api_responses.stream_error, token_param="max_output_tokens")
 
 
 class CountTokensRequest(StrictModel):

@@ -18,6 +18,9 @@
 - Fair scheduling: the ledger hands out one job at a time from the request `next_turn` picks
   (pure: fewest jobs running, then longest without service), so a request of many jobs shares
   the loop with the requests that arrive while it runs instead of holding it first in, first out.
+  Within a loop, the jobs in progress take steps in the order `next_step` gives (pure: the
+  request with the least loop time so far first, `JobLedger.charge` and `served`), so a newcomer's
+  first step comes at the next step boundary.
 - `WorkLimits` and `over_limit(requests, n_ctx, limits)`: the per-request ceiling on total work
   (choices x max_tokens; prompts x prompt length when scored) that the APIs answer with a 400
   before anything is queued.
@@ -515,9 +518,10 @@ def over_limit(requests: Sequence[GenerationRequest], n_ctx: int, limits: WorkLi
     budgets = [max(0, min(r.max_tokens, n_ctx - len(r.prompt_ids))) for r in requests]
     total = sum(budgets)
     if total > limits.generated_tokens:
-        return OverLimit(f"this request may generate {total:,} tokens ({len(budgets)} choices x up to "
-                         f"{max(budgets):,} tokens each); the server allows at most {limits.generated_tokens:,} "
-                         "per request (--max-request-tokens): ask for fewer choices or a smaller token limit", False)
+        shape = f" ({len(budgets)} choices x up to {max(budgets):,} tokens each)" if len(budgets) > 1 else ""
+        return OverLimit(f"this request may generate {total:,} tokens{shape}; the server allows at most "
+                         f"{limits.generated_tokens:,} per request (--max-request-tokens): ask for fewer choices "
+                         "or a smaller token limit", False)
     scored = [len(r.prompt_ids) for r in requests if r.prompt_logprobs is not None]
     if sum(scored) > limits.scored_tokens:
         return OverLimit(f"this request scores {sum(scored):,} prompt tokens ({len(scored)} prompts of up to "
@@ -547,6 +551,26 @@ def next_turn(turns: Sequence[RequestTurn]) -> int | None:
     return min(turns, key=lambda t: (t.running, t.since, t.request_id)).request_id
 
 
+@dataclass(frozen=True)
+class StepTurn:
+    """What step-level scheduling knows of one job in progress."""
+    served_s: float
+    """Loop time its request has had so far, over all its jobs (`JobLedger.charge`)."""
+    last_step: int
+    """Loop tick of the job's latest step (lower: longer ago)."""
+
+
+def next_step(turns: Sequence[StepTurn]) -> int | None:
+    """The index of the job whose step goes next: the one whose request has had the least loop
+    time (least attained service), then the one that waited longest. A request that arrives
+    while others run therefore has the loop to itself until it has had as much time as the
+    least served of them, and requests that have had the same then alternate step by step: a
+    newcomer waits for at most the step in progress, never for another request's choice."""
+    if not turns:
+        return None
+    return min(range(len(turns)), key=lambda i: (turns[i].served_s, turns[i].last_step))
+
+
 class _Request:
     """The ledger's book on one request: its queued jobs (in order) and how many run."""
 
@@ -561,6 +585,8 @@ class _Request:
         """From arrival to the start of its first job (None until then)."""
         self.left = len(jobs)
         """Jobs not yet recorded nor dropped from the queue."""
+        self.served_s = 0.0
+        """Loop time charged to its jobs (`JobLedger.charge`)."""
 
     def turn(self) -> RequestTurn:
         return RequestTurn(self.id, self.running, self.since)
@@ -666,6 +692,11 @@ class JobLedger:
         with self._cv:
             return self._take_locked(can_start)
 
+    def has_waiting(self, can_start: Callable[[Job], bool]) -> bool:
+        """Whether a queued job that `can_start` admits is first in line of its request."""
+        with self._cv:
+            return any(r.queued and can_start(r.queued[0]) for r in self._requests.values())
+
     def _take_locked(self, can_start: Callable[[Job], bool] | None) -> Job | None:
         turns = [r.turn() for r in self._requests.values()
                  if r.queued and (can_start is None or can_start(r.queued[0]))]
@@ -689,6 +720,19 @@ class JobLedger:
             if r is not None and r.queue_s is None:
                 r.queue_s = stats.request_queue_s = max(0.0, stats.started_at - r.arrived)
         self.observer.job_started(stats)
+
+    def charge(self, job: Job, seconds: float) -> None:
+        """Add `seconds` of the loop's time to the job's request (step-level fairness)."""
+        with self._cv:
+            r = self._requests.get(job.stats.request_id)
+            if r is not None:
+                r.served_s += seconds
+
+    def served(self, job: Job) -> float:
+        """Loop time charged to the job's request so far (0 once the request has ended)."""
+        with self._cv:
+            r = self._requests.get(job.stats.request_id)
+            return r.served_s if r is not None else 0.0
 
     def finish_cancelled(self, job: Job) -> None:
         job.stats.status = "cancelled"

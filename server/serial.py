@@ -1,4 +1,4 @@
-"""The one-session (serial) inference loop: one job at a time, in the ledger's fair order.
+"""The serial inference loop: one forward pass at a time, the steps of several requests' jobs interleaved fairly.
 
 HTTP handlers run concurrently on the event loop; inference does not. Each request is
 turned into a `GenerationRequest` (already rendered and tokenized, API-independent) and
@@ -27,26 +27,33 @@ Events reach the handler through the `sink` callable given at submission (the ro
 wraps `loop.call_soon_threadsafe`), so the worker never touches the event loop.
 
 Cancellation: `Job.cancel()` may be called from any thread (disconnects do it). A queued
-job is skipped; a running job stops at the next prefill chunk or decode step and the
-worker records how long that took (`JobStats.cancel_latency_s`).
+job is skipped; a running job stops at the next prefill chunk or decode step (its own: a
+parked job stops at its next turn) and the worker records how long that took
+(`JobStats.cancel_latency_s`).
 
-Fair scheduling: a request of several choices or prompts is several jobs, and the ledger
-hands out one job at a time, the next from the request that has waited longest without
-service (`server.jobs.next_turn`). A request that arrives while a 128-choice request runs
-therefore waits for the choice in progress, not for all of them. The unit of work is one
-choice or one prompt: a job is never interrupted to serve another. The price is prefix reuse:
-a choice that follows another request's job prefills its prompt again (or restores it from
-the disk cache).
+Fair scheduling, at token granularity: a request of several choices or prompts is several
+jobs, and the ledger hands out one job at a time (`server.jobs.next_turn`). The loop keeps up to
+`max_live` jobs in progress at once, at most one per request, each in a session of its own, and
+interleaves their steps: a step is a job's start (its decoding constraint is built and its
+prompt prefilled) or one generated token. Which job steps next is `server.jobs.next_step`'s: the
+one whose request has had the least loop time so far (each step is timed and charged to its
+request, `JobLedger.charge`). A request that arrives while a 128-choice request runs therefore
+starts at the next step boundary and has the loop to itself until it has had as much time as
+that request; requests that have had as much alternate token by token. A job that waits between
+steps (parked) keeps its session and KV cache, so its output is what it would be alone. The
+sessions are made when needed (a KV cache grows with its tokens) and all but one idle session
+are dropped as jobs end.
 
-The session is kept between jobs so that a prompt sharing a prefix with the previous one
-(multi-turn chat, agents) reuses its KV cache; the reused count is published by the APIs as
+An idle session is kept between jobs so that a prompt sharing a prefix with the previous one
+(multi-turn chat, agents) reuses its KV cache (a new job takes the idle session with the
+longest common prefix); the reused count is published by the APIs as
 cached tokens.
 
 Disk KV cache (`kv`, a `server.kvstore.KVStore`, or None): before a job replaces the live
-session, the worker stores it (reason evict) when the policy wants it
+session (or drops it), the worker stores it (reason evict) when the policy wants it
 (`server.kvplan.save_resident`); the prefill runs the plan of `server.kvplan` (restore the
 longest checkpoint on disk, then prefill in stages that store cold / continued checkpoints); when the thread receives its stop
-sentinel it stores the live session (reason shutdown) before it returns, so a clean exit
+sentinel it stores its sessions (reason shutdown) before it returns, so a clean exit
 of the server keeps the last conversation. Cached tokens then count what was restored from
 disk too, and `Usage.cache_written_tokens` the prompt tokens newly covered by a checkpoint.
 All of it runs on the worker thread, the only one that touches sessions.
@@ -61,12 +68,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 from engine.session import common_prefix
 from server import kvstore_policy
-from server.jobs import (Failed, Job, JobCancelled, JobLedger, PrefillProgress, PromptReady, TokenDecoder,
-                         decode_budget, sampling_params, written_tokens)
+from server.jobs import (Failed, Job, JobCancelled, JobLedger, PrefillProgress, PromptReady, StepTurn, TokenDecoder,
+                         decode_budget, next_step, sampling_params, written_tokens)
 from server.kvplan import Resident, prefill_with_cache, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
 from server.scoring import score_prompt
@@ -74,85 +82,183 @@ from server.scoring import score_prompt
 # Job records are the worker's report, whichever loop served the job.
 log = logging.getLogger("ds4.server.worker")
 
+DEFAULT_MAX_LIVE = 8
+"""Jobs in progress at once (each in its own session): beyond it a newcomer waits for one to end."""
+
+
+@dataclass(eq=False)
+class _Pooled:
+    """One session of the loop and what the disk cache knows of it."""
+    session: Any
+    resident: Resident = field(default_factory=Resident)
+    last_used: float = 0.0
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class _Live:
+    """A job in progress: its session and the steps it has left."""
+    job: Job
+    pooled: _Pooled
+    steps: Iterator[None]
+    last_step: int = 0
+
 
 class SerialLoop:
-    """One session, one job at a time in the ledger's fair order (runs on the worker's thread)."""
+    """Sessions served one step at a time, the steps of up to `max_live` jobs interleaved in the
+    ledger's fair order (runs on the worker's thread)."""
 
-    def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None) -> None:
+    def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None, *,
+                 max_live: int = DEFAULT_MAX_LIVE) -> None:
         """`engine` provides `SamplingParams` and `Cancelled` (the `engine` package or a fake)."""
+        if max_live < 1:
+            raise ValueError(f"max_live must be at least 1, got {max_live}")
         self.model = model
         self.engine = engine
         self.jobs = jobs
         self.kv = kv
-        self._session: Any = None
-        self._live = Resident()  # what the live session holds, for the disk cache
-        self._current: Job | None = None
-        self._lock = threading.Lock()
+        self.max_live = max_live
+        self._pool: list[_Pooled] = []
+        self._live: list[_Live] = []
+        self._ticks = 0
+        self._lock = threading.Lock()  # guards the lists for readers on other threads
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return bool(self._live)
 
     @property
     def n_active(self) -> int:
-        return 1 if self._current is not None else 0
+        return len(self._live)
 
     def resident_tokens(self) -> list[int]:
-        """Tokens in each resident session's KV cache (any thread: a moment's reading)."""
-        session = self._session
-        return [len(session.tokens) if session is not None else 0]
+        """Tokens in each session's KV cache (any thread: a moment's reading)."""
+        with self._lock:
+            return [len(p.session.tokens) for p in self._pool] or [0]
 
     def cancel_all(self) -> None:
-        """Cancel the running job (any thread); queued ones are the ledger's."""
+        """Cancel the jobs in progress (any thread); queued ones are the ledger's."""
         with self._lock:
-            if self._current is not None:
-                self._current.cancel()
+            jobs = [live.job for live in self._live]
+        for job in jobs:
+            job.cancel()
 
     def run(self) -> None:
+        stopping = False
         while True:
-            job = self.jobs.take()
+            if not self._live and not stopping:
+                self.jobs.wait_for_work()
+            if not stopping and self.jobs.take_stop():
+                stopping = True
+                self.cancel_all()
+            self._admit(stopping)
+            if not self._live:
+                if stopping:
+                    break
+                continue
+            self._step(self._pick())
+        for pooled in self._pool:
+            self._save(pooled, kvstore_policy.SHUTDOWN)
+
+    # -- admission --
+
+    def _admit(self, stopping: bool) -> None:
+        """Start queued jobs while fewer than `max_live` are in progress, one per request, in
+        the ledger's order (on the stop request, every queued job ends cancelled instead)."""
+        while stopping or len(self._live) < self.max_live:
+            job = self.jobs.take_next(None if stopping else self._can_start)
             if job is None:
-                self._save_live(kvstore_policy.SHUTDOWN)
                 return
-            with self._lock:
-                self._current = job
-            try:
-                self._serve(job)
-            finally:
-                with self._lock:
-                    self._current = None
+            if stopping:
+                job.cancel()
+            if job.is_cancelled():
+                self.jobs.finish_cancelled(job)
                 self.jobs.record(job)
+                continue
+            pooled = self._session_for(job)
+            self.jobs.start(job)
+            live = _Live(job, pooled, self._steps(job, pooled), self._tick())
+            with self._lock:
+                self._live.append(live)
 
-    def _acquire_session(self) -> Any:
-        if self._session is None:
-            self._session = self.model.new_session()
-            self._live.forget()
-        return self._session
+    def _can_start(self, job: Job) -> bool:
+        """A cancelled job may always leave the queue; another waits while a job of its request
+        is in progress (a request's choices run one after another, sharing the prompt's prefix)."""
+        return job.is_cancelled() or all(live.job.stats.request_id != job.stats.request_id for live in self._live)
 
-    def _save_live(self, reason: str, next_ids: list[int] | None = None) -> None:
-        """Store the live session in the disk cache before it is replaced (evict) or at exit."""
-        if self._session is not None:
-            save_resident(self.kv, self.model, self._session, self._live, reason, next_ids)
+    def _session_for(self, job: Job) -> _Pooled:
+        """The idle session that shares the longest prefix with the job's prompt (most recent
+        first), stored in the disk cache before the prompt replaces it; a new one when none is idle."""
+        ids = list(job.request.prompt_ids)
+        idle = [p for p in self._pool if not p.busy]
+        if idle:
+            pooled = max(idle, key=lambda p: (common_prefix(p.session.tokens, ids), p.last_used))
+        else:
+            pooled = _Pooled(self.model.new_session())
+            with self._lock:
+                self._pool.append(pooled)
+        pooled.busy = True
+        return pooled
 
-    def _serve(self, job: Job) -> None:
-        if job.is_cancelled():
-            self.jobs.finish_cancelled(job)
-            return
-        self.jobs.start(job)
+    # -- steps --
+
+    def _tick(self) -> int:
+        self._ticks += 1
+        return self._ticks
+
+    def _pick(self) -> _Live:
+        turns = [StepTurn(self.jobs.served(live.job), live.last_step) for live in self._live]
+        chosen = next_step(turns)
+        assert chosen is not None  # called with jobs in progress
+        return self._live[chosen]
+
+    def _step(self, live: _Live) -> None:
+        """One step of one job, timed and charged to its request; the job ends when its steps do."""
+        job = live.job
+        live.last_step = self._tick()
+        t0 = time.monotonic()
         try:
-            self._generate(job)
+            if job.is_cancelled():
+                raise JobCancelled
+            next(live.steps)
+            return
+        except StopIteration:
+            pass
         except (JobCancelled, self.engine.Cancelled):
             self.jobs.finish_cancelled(job)
         except Exception as e:  # the worker must survive anything one request does
             if job.is_cancelled():
                 self.jobs.finish_cancelled(job)
-                return
-            log.exception("job %d failed", job.id)
-            job.stats.status = "failed"
-            # The session may be half-updated; a fresh one is always consistent.
-            self._session = None
-            self._live.forget()
-            job.emit(Failed(f"inference failed: {type(e).__name__}"))
+            else:
+                log.exception("job %d failed", job.id)
+                job.stats.status = "failed"
+                job.emit(Failed(f"inference failed: {type(e).__name__}"))
+                # The session may be half-updated: it is not reused.
+                live.pooled.resident.forget()
+                live.pooled.session = None
+        finally:
+            self.jobs.charge(job, time.monotonic() - t0)
+        self._end(live)
+
+    def _end(self, live: _Live) -> None:
+        """The job has left the loop: record it, free its session and keep at most one idle one."""
+        pooled = live.pooled
+        pooled.busy, pooled.last_used = False, time.monotonic()
+        with self._lock:
+            self._live.remove(live)
+            if pooled.session is None:
+                self._pool.remove(pooled)
+            idle = sorted((p for p in self._pool if not p.busy), key=lambda p: p.last_used)
+            dropped = idle[:-1]
+            for p in dropped:
+                self._pool.remove(p)
+        for p in dropped:
+            self._save(p, kvstore_policy.EVICT)
+        self.jobs.record(live.job)
+
+    def _save(self, pooled: _Pooled, reason: str, next_ids: list[int] | None = None) -> None:
+        """Store a session in the disk cache before it is replaced or dropped (evict) or at exit."""
+        save_resident(self.kv, self.model, pooled.session, pooled.resident, reason, next_ids)
 
     def _progress_hook(self, job: Job) -> Callable[[int, int], None]:
         last_report = time.monotonic()
@@ -165,24 +271,30 @@ class SerialLoop:
             job.emit(PrefillProgress(done, total))
         return progress
 
-    def _generate(self, job: Job) -> None:
+    def _steps(self, job: Job, pooled: _Pooled) -> Iterator[None]:
+        """The job's work, one step per iteration: its start (decoding constraint and prefill),
+        then one token each; it emits the job's events as it goes."""
         req = job.request
         model = self.model
-        session = self._acquire_session()
+        session = pooled.session
+        live = pooled.resident
         ids = list(req.prompt_ids)
+        # Built before anything else of the job: a large grammar's compilation is a step of its own.
+        decoder = TokenDecoder(model, job)
+        yield
 
         # 1. prefill: save what the new prompt drops, restore from disk, prefill the rest
-        self._save_live(kvstore_policy.EVICT, ids)
-        kept_on_disk = min(self._live.on_disk, common_prefix(session.tokens, ids))
+        self._save(pooled, kvstore_policy.EVICT, ids)
+        kept_on_disk = min(live.on_disk, common_prefix(session.tokens, ids))
         boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
-        self._live.prompt_text = None  # until the prefill completes, the session matches no text
+        live.prompt_text = None  # until the prefill completes, the session matches no text
         if req.prompt_logprobs is not None:
             job.emit(score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled))
         out = prefill_with_cache(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
                                  progress=self._progress_hook(job), cancel=job.is_cancelled)
         ids = out.ids
-        self._live.prompt_text, self._live.n_prompt = req.prompt_text, len(ids)
-        self._live.on_disk = max(out.n_on_disk, kept_on_disk)
+        live.prompt_text, live.n_prompt = req.prompt_text, len(ids)
+        live.on_disk = max(out.n_on_disk, kept_on_disk)
         job.stats.n_prompt = len(ids)
         # A scored prompt was computed in full: what the session kept came from the scoring.
         job.stats.n_cached = 0 if req.prompt_logprobs is not None else int(out.n_reused)
@@ -190,10 +302,10 @@ class SerialLoop:
         if job.is_cancelled():
             raise JobCancelled
         job.emit(PromptReady(len(ids), job.stats.n_cached, job.stats.n_written))
+        yield
 
         # 2. decode
         params = sampling_params(self.engine.SamplingParams, req.sampling)
-        decoder = TokenDecoder(model, job)
         # A constraint hands the sampler a masked row: draw from that row, not the session's.
         sample: Callable[[Any], int] = (self.engine.Sampler(params, model.eos_ids) if decoder.constraint is not None
                                         else lambda _logits: session.sample(params))
@@ -208,4 +320,5 @@ class SerialLoop:
             if not decoder.accept(token):
                 break
             pending = token
+            yield
         decoder.finish("length")

@@ -1,7 +1,7 @@
 """The inference worker: the thread that owns the engine and runs one of the two loops.
 
-The per-job work of the one-session loop is `server.serial.SerialLoop` (prefix reuse, the
-disk cache plan, token decoding). Which job goes next is the ledger's (`server.jobs.JobLedger`):
+The per-job work of the serial loop is `server.serial.SerialLoop` (prefix reuse, the disk
+cache plan, token decoding, the steps of several requests' jobs interleaved). Which job goes next is the ledger's (`server.jobs.JobLedger`):
 the jobs of one client request (its choices or prompts) are submitted together
 (`submit_request`) and take turns with other requests' jobs, in both loops. `check` is the
 per-request ceiling on work (`server.jobs.WorkLimits`), for the APIs to answer before queueing.
@@ -33,7 +33,7 @@ from server.batching import BatchedLoop
 from server.jobs import (NO_OBSERVER, CoalescingSink, Event, GenerationRequest, Job, JobLedger, JobObserver,
                          JobStats, OverLimit, ServingLoad, WorkLimits, default_engine, over_limit)
 from server.kvstore import KVStore
-from server.serial import SerialLoop
+from server.serial import DEFAULT_MAX_LIVE, SerialLoop
 
 log = logging.getLogger("ds4.server.worker")
 
@@ -45,10 +45,10 @@ def _log_loop_failure(loop: Future) -> None:
 
 
 class InferenceWorker:
-    """One thread owns the engine: one session serving one job at a time, or a batch of slots."""
+    """One thread owns the engine: sessions stepped one at a time (serial), or a batch of slots."""
 
     def __init__(self, model: Any, engine: Any = None, *,
-                 history: int = 256, kv: KVStore | None = None, n_slots: int = 1,
+                 history: int = 256, kv: KVStore | None = None, n_slots: int = 1, interleave: int = DEFAULT_MAX_LIVE,
                  clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None,
                  observer: JobObserver = NO_OBSERVER, stream_interval: float = 0.0,
                  limits: WorkLimits = WorkLimits()) -> None:
@@ -57,7 +57,8 @@ class InferenceWorker:
         `engine.threads`); the worker's loop runs there. Without one the worker starts its own
         and ends it in `stop()`. `observer` watches every job (`server.jobs.JobObserver`).
         `stream_interval` > 0 wraps each job's sink in a `server.jobs.CoalescingSink`. `limits`
-        is the most work one request may ask for (`check`)."""
+        is the most work one request may ask for (`check`). `interleave` is how many jobs of
+        different requests the serial loop keeps in progress at once (`server.serial`)."""
         self.model = model
         self.limits = limits
         self.stream_interval = stream_interval
@@ -75,7 +76,7 @@ class InferenceWorker:
                                                    clock=clock)
             self.serving = self.batched
         else:
-            self.serving = SerialLoop(model, self.engine, self.jobs, kv)
+            self.serving = SerialLoop(model, self.engine, self.jobs, kv, max_live=interleave)
 
     @property
     def finished(self) -> deque[JobStats]:
@@ -92,6 +93,12 @@ class InferenceWorker:
         self._loop = self.engine_thread.submit(self.serving.run)
         self._loop.add_done_callback(_log_loop_failure)
 
+    def cancel_all(self) -> None:
+        """Cancel the running and the queued jobs (any thread); the loop goes on serving what
+        comes later. Their handlers answer as for a shutdown."""
+        self.serving.cancel_all()
+        self.jobs.cancel_queued()
+
     def stop(self, timeout: float | None = None) -> None:
         """Cancel running jobs, drop queued ones, and join the thread.
 
@@ -102,8 +109,7 @@ class InferenceWorker:
             return
         if timeout is None:
             timeout = 10.0 if self.kv is None else 120.0
-        self.serving.cancel_all()
-        self.jobs.cancel_queued()
+        self.cancel_all()
         self.jobs.request_stop()
         try:
             self._loop.result(timeout)
@@ -127,7 +133,7 @@ class InferenceWorker:
     def submit_request(self, requests: Sequence[GenerationRequest],
                        sinks: Sequence[Callable[[Event], None]]) -> list[Job]:
         """Queue the jobs of one client request (its choices or prompts, in order): the loop
-        shares its time between requests, one job at a time (`server.jobs.JobLedger`)."""
+        shares its time between requests (`server.jobs.JobLedger`)."""
         if self.stream_interval > 0:
             sinks = [CoalescingSink(sink, self.stream_interval) for sink in sinks]
         return self.jobs.submit_request(requests, sinks)

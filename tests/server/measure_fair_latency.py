@@ -1,18 +1,26 @@
-"""`python tests/server/measure_fair_latency.py [--repo DIR] [--n 128] [--max-tokens 16] [--batched-session N]`:
-issue 42's fairness target on the embedded model: a normal request's latency while one request of
-`--n` choices runs, as a ratio to its idle latency.
+"""`python tests/server/measure_fair_latency.py [--repo DIR] [--n 128] [--max-tokens 16] [--schemas 4]
+[--batched-session N] [--runs 3]`: issue 42's fairness target on the embedded model: a normal
+request's latency while one request of `--n` choices and `--schemas` worst-case JSON-schema
+requests run, as a ratio to its idle latency (the target is 2x).
 
-It starts `python -m server.cli` (the embedded model) from `--repo` (default: this checkout; give
-another checkout to measure the code before a change), sends the normal request three times alone
-(the best time is the idle latency), then the many-choice request from a thread, waits until
-`/health` says the worker is busy, and times the normal request again. Both are greedy
-`/v1/completions` with different prompts. It prints the figures and the ratio. A measurement, not a
-test: pytest does not collect it. The figures in docs/server.md under "Scheduling" come from it.
+Each run starts `python -m server.cli` (the embedded model) from `--repo` (default: this
+checkout; give another checkout to measure the code before a change), sends the normal request
+three times alone (the best time is the idle latency), then fires the load from threads: the
+many-choice request and the schema requests, each a chat completion constrained by the largest
+schema the server still admits (`worst_case_schema`: one object of as many optional properties
+as `server.constraints.MAX_SCHEMA_MEMBERS` admits, their names as long as `MAX_SCHEMA_BYTES`
+allows; the grammar engine's cost grows with them). It waits until `/health` says the worker is busy and every load request has reached the
+server, then times the normal request again, and stops the server without waiting for the load.
+Both timed requests are greedy `/v1/completions` with different prompts. It prints each run's
+figures, then the ratios' spread. A measurement, not a test: pytest does not collect it. The
+figures in docs/server.md under "Scheduling" come from it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import threading
 import time
@@ -26,13 +34,67 @@ import httpx  # noqa: E402
 from server_support import model_server_process  # noqa: E402
 
 NORMAL = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+SCHEMA_LIMIT_BYTES = 64 * 1024
+SCHEMA_LIMIT_MEMBERS = 256
+"""`server.constraints.MAX_SCHEMA_BYTES` and `MAX_SCHEMA_MEMBERS` (not imported: `--repo` may be
+another checkout)."""
 
 
-def timed(base: str, body: dict) -> float:
+def worst_case_schema(limit: int = SCHEMA_LIMIT_BYTES, members: int = SCHEMA_LIMIT_MEMBERS) -> dict:
+    """One object of `members` optional string properties whose names are as long as `limit`
+    bytes of compact JSON allow (the most properties in one object, the largest lexemes)."""
+    def schema(width: int) -> dict:
+        return {"type": "object",
+                "properties": {f"p{i:0{width}d}": {"type": "string"} for i in range(members)}}
+
+    def size(width: int) -> int:
+        return len(json.dumps(schema(width), separators=(",", ":")).encode())
+
+    width = 5
+    while size(width + 1) <= limit:
+        width += 1
+    return schema(width)
+
+
+def timed(base: str, path: str, body: dict) -> tuple[float, int]:
     t0 = time.monotonic()
-    r = httpx.post(base + "/v1/completions", json=body, timeout=3600)
-    r.raise_for_status()
-    return time.monotonic() - t0
+    r = httpx.post(base + path, json=body, timeout=3600)
+    return time.monotonic() - t0, r.status_code
+
+
+def one_run(args: argparse.Namespace) -> tuple[float, float, list[int]]:
+    """(idle seconds, loaded seconds, statuses of the load requests that ended meanwhile)."""
+    schema = worst_case_schema()
+    loads = [("/v1/completions", {"prompt": "Once upon a time, in a land far away,", "max_tokens": args.max_tokens,
+                                  "temperature": 0, "n": args.n})]
+    loads += [("/v1/chat/completions",
+               {"messages": [{"role": "user", "content": f"Fill in record {i} as JSON."}],
+                "max_tokens": args.max_tokens, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema}}})
+              for i in range(args.schemas)]
+    with model_server_process("--batched-session", str(args.batched_session), "--log-level", "warning",
+                              root=args.repo.resolve()) as srv:
+        idle = min(timed(srv.base, "/v1/completions", NORMAL)[0] for _ in range(3))
+        sent = threading.Semaphore(0)
+        statuses: list[int] = []
+
+        def fire(path: str, body: dict) -> None:
+            sent.release()
+            try:
+                statuses.append(timed(srv.base, path, body)[1])
+            except httpx.HTTPError:
+                pass  # the server stopped under it: the run is over
+
+        for path, body in loads:
+            threading.Thread(target=fire, args=(path, body), daemon=True).start()
+        for _ in loads:
+            sent.acquire()
+        while not httpx.get(srv.base + "/health", timeout=10).json()["busy"]:
+            time.sleep(0.01)
+        loaded, status = timed(srv.base, "/v1/completions", NORMAL)
+        if status != 200:
+            raise SystemExit(f"the normal request answered {status}")
+    return idle, loaded, statuses
 
 
 def main() -> None:
@@ -40,24 +102,20 @@ def main() -> None:
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
     ap.add_argument("--n", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--schemas", type=int, default=4, help="worst-case JSON-schema requests in the load")
     ap.add_argument("--batched-session", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=3, help="fresh servers, one measurement each")
     args = ap.parse_args()
 
-    with model_server_process("--batched-session", str(args.batched_session), "--log-level", "warning",
-                              root=args.repo.resolve()) as srv:
-        idle = min(timed(srv.base, NORMAL) for _ in range(3))
-        load = {"prompt": "Once upon a time, in a land far away,", "max_tokens": args.max_tokens,
-                "temperature": 0, "n": args.n}
-        load_s: list[float] = []
-        bg = threading.Thread(target=lambda: load_s.append(timed(srv.base, load)), daemon=True)
-        bg.start()
-        while not httpx.get(srv.base + "/health", timeout=10).json()["busy"]:
-            time.sleep(0.01)
-        loaded = timed(srv.base, NORMAL)
-        bg.join()
-    print(f"repo {args.repo}, --batched-session {args.batched_session}: a 12-token completion "
-          f"{idle:.2f} s idle, {loaded:.2f} s while an n={args.n} x {args.max_tokens}-token request ran "
-          f"({load_s[0]:.1f} s in all): {loaded / idle:.2f}x")
+    ratios = []
+    for k in range(args.runs):
+        idle, loaded, statuses = one_run(args)
+        ratios.append(loaded / idle)
+        print(f"run {k + 1}: a 12-token completion {idle:.2f} s idle, {loaded:.2f} s while an n={args.n} x "
+              f"{args.max_tokens}-token request and {args.schemas} worst-case schema requests ran: "
+              f"{loaded / idle:.2f}x (load answers so far: {sorted(statuses)})", flush=True)
+    spread = f"{min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x"
+    print(f"repo {args.repo}, --batched-session {args.batched_session}: {spread} over {args.runs} runs")
 
 
 if __name__ == "__main__":

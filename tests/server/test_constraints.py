@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from server.constraints import (MAX_MESSAGE_CHARS, MAX_SCHEMA_BYTES, GrammarConstraint, brief, grammar_error,
+from server.constraints import (MAX_MESSAGE_CHARS, MAX_SCHEMA_BYTES, MAX_SCHEMA_MEMBERS, GrammarConstraint, brief, grammar_error,
                                 json_grammar, literal_choice, required_cycle, schema_problem, unpack_mask)
 from server.jobs import Finished, GenerationRequest, Job, TextDelta, TokenDecoder
 from server.tools.records import ToolCall
@@ -218,6 +218,20 @@ def test_the_size_limit_counts_compact_json():
     fits = {"enum": ["x" * (MAX_SCHEMA_BYTES - 20)]}
     assert schema_problem(fits) is None
     assert "(MAX_SCHEMA_BYTES)" in schema_problem({"enum": ["x" * MAX_SCHEMA_BYTES]})
+
+
+def test_the_members_limit_counts_properties_and_alternatives_everywhere():
+    def obj(n: int) -> dict:
+        return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(n)}}
+
+    assert schema_problem(obj(MAX_SCHEMA_MEMBERS)) is None
+    assert "(MAX_SCHEMA_MEMBERS)" in schema_problem(obj(MAX_SCHEMA_MEMBERS + 1))
+    # Spread over nested objects, $defs and anyOf branches, they add up.
+    half = MAX_SCHEMA_MEMBERS // 2
+    spread = {"$defs": {"d": obj(half)}, "anyOf": [obj(half - 2), {"type": "null"}]}
+    assert schema_problem(spread) is None  # half + (half - 2) properties + 2 alternatives
+    spread["anyOf"].append({"type": "integer"})
+    assert f"has {MAX_SCHEMA_MEMBERS + 1} object properties" in schema_problem(spread)
 
 
 def test_grammar_messages_are_one_short_line():

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from server import kvstore as kv
-from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, route
+from server.batching import EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, common_text, decoding_rows, route
 from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
 from server.prompting import prompt_ids
 from server.jobs import Failed, Finished, GenerationRequest, PromptReady, SamplingSpec, TextDelta
@@ -71,6 +71,12 @@ def test_least_recently_used_slot_idle_over_an_hour_before_the_shortest():
 
 
 # --- the batched worker on a tiny model ---------------------------------------------------------
+
+def test_decoding_rows_are_those_within_a_quantum_of_the_least_served():
+    assert decoding_rows([]) == []
+    assert decoding_rows([3.0, 0.0, 0.04], quantum=0.05) == [False, True, True]
+    assert decoding_rows([1.0, 1.0], quantum=0.0) == [True, True]
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -146,8 +152,85 @@ def test_requests_in_flight_decode_together_and_match_one_at_a_time(tiny):
         [(ev[-1].usage.prompt_tokens, ev[-1].usage.completion_tokens) for _, ev in serial]
 
 
+def test_a_newcomer_decodes_alone_while_the_long_request_waits_parked_and_outputs_do_not_change(tiny):
+    long_prompt, short_prompt = chat(tiny, "a long story, please"), chat(tiny, "one short answer")
+    w = started(tiny, 2)
+    try:
+        alone = [text_of(collect(w, [req(tiny, p, n)])[0][1]) for p, n in ((long_prompt, 200), (short_prompt, 12))]
+        w.batched.quantum = 0.0  # strict: the least served request decodes alone
+        q_long: queue.Queue = queue.Queue()
+        long_job = w.submit(req(tiny, long_prompt, 200), q_long.put)
+        while long_job.stats.n_generated < 20:
+            time.sleep(0.001)
+        short = collect(w, [req(tiny, short_prompt, 12)])[0]
+        assert long_job.stats.finished_at is None  # the newcomer ended first
+        long_events = []
+        while not isinstance(ev := q_long.get(timeout=30), (Finished, Failed)):
+            long_events.append(ev)
+        parks = w.batched.parks
+    finally:
+        w.stop()
+    assert parks >= 1
+    assert [text_of(long_events), text_of(short[1])] == alone
+    assert ev.usage.completion_tokens == 256 - ev.usage.prompt_tokens  # to the end of the context
+
+
+def test_a_newcomer_takes_a_slot_from_a_many_choice_request_whose_choice_resumes_unchanged(tiny):
+    long_prompt, short_prompt = chat(tiny, "two long stories, please"), chat(tiny, "one short answer")
+    w = started(tiny, 2)
+    try:
+        alone = [text_of(collect(w, [req(tiny, p, n)])[0][1]) for p, n in ((long_prompt, 120), (short_prompt, 12))]
+        w.batched.quantum = 0.0
+        queues = [queue.Queue(), queue.Queue()]
+        choices = w.submit_request([req(tiny, long_prompt, 120)] * 2, [q.put for q in queues])
+        while min(job.stats.n_generated for job in choices) < 20:  # both slots decoding
+            time.sleep(0.001)
+        short = collect(w, [req(tiny, short_prompt, 12)])[0]
+        assert all(job.stats.finished_at is None for job in choices)  # the newcomer did not wait for them
+        texts = []
+        for q in queues:
+            events = []
+            while not isinstance(ev := q.get(timeout=30), (Finished, Failed)):
+                events.append(ev)
+            assert isinstance(ev, Finished) and ev.usage.completion_tokens == 120
+            texts.append(text_of(events))
+        evictions = w.batched.evictions
+        assert not w.batched.evicted
+    finally:
+        w.stop()
+    assert evictions >= 1
+    assert texts == [alone[0], alone[0]] and text_of(short[1]) == alone[1]
+
+
+def test_a_cancelled_evicted_job_ends_cancelled(tiny):
+    long_prompt, short_prompt = chat(tiny, "two long stories, please"), chat(tiny, "another short answer")
+    w = started(tiny, 2)
+    try:
+        w.batched.quantum = 0.0
+        got: dict[int, queue.Queue] = {0: queue.Queue(), 1: queue.Queue()}
+        choices = w.submit_request([req(tiny, long_prompt, 150)] * 2, [got[0].put, got[1].put])
+        while min(c.stats.n_generated for c in choices) < 20:
+            time.sleep(0.001)
+        newcomer = w.submit(req(tiny, short_prompt, 150), lambda _e: None)
+        while not w.batched.evicted:
+            time.sleep(0.001)
+        job = w.batched.evicted[0][0].job
+        job.cancel()
+        assert w.wait_finished(job.id, 30).status == "cancelled"
+        assert w.wait_finished(newcomer.id, 30).status == "done"
+    finally:
+        w.stop()
+    events = []
+    q = got[choices.index(job)]
+    while not q.empty():
+        events.append(q.get())
+    assert isinstance(events[-1], Finished) and events[-1].finish_reason == "cancelled"
+
+
 def test_requests_beyond_the_slots_wait_and_reuse_routes_to_the_right_slot(tiny):
     w = started(tiny, 2)
+    # Routing alone: no request is ever far enough ahead to be parked or evicted (tested above).
+    w.batched.quantum = float("inf")
     try:
         first = collect(w, [req(tiny, chat(tiny, "alpha alpha alpha")), req(tiny, chat(tiny, "beta beta beta")),
                             req(tiny, chat(tiny, "gamma gamma"))])

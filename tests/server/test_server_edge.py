@@ -298,3 +298,53 @@ def test_a_port_in_use_is_a_one_line_error_before_the_model_loads():
     assert r.stderr == f"Error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert "listening" not in r.stdout + r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_the_draining_server_calls_on_exit_once_on_a_thread_of_its_own():
+    import signal
+    import threading
+
+    from uvicorn import Config
+
+    from server.edge import DrainingServer
+
+    called: list[str] = []
+    done = threading.Event()
+
+    def on_exit() -> None:
+        called.append(threading.current_thread().name)
+        done.set()
+
+    srv = DrainingServer(Config(app=lambda *_: None), on_exit=on_exit)
+    srv.handle_exit(signal.SIGTERM, None)
+    srv.handle_exit(signal.SIGINT, None)  # a second signal forces the exit; the work is already cancelled
+    assert done.wait(5) and srv.should_exit
+    time.sleep(0.05)
+    assert called == ["ds4-exit"]
+
+
+@pytest.mark.model
+def test_work_in_flight_is_answered_503_when_the_server_is_told_to_exit():
+    """uvicorn cancels handlers still running after its graceful period, which answers 500;
+    the work is cancelled as the exit begins instead."""
+    import threading
+
+    from server_support import ModelServerProcess
+
+    srv = ModelServerProcess("--log-level", "warning", startup_s=60)
+    try:
+        answers: list[tuple[int, str]] = []
+
+        def fire() -> None:
+            r = httpx.post(srv.base + "/v1/completions", timeout=60,
+                           json={"prompt": "Once upon a time", "max_tokens": 64, "n": 64, "temperature": 0})
+            answers.append((r.status_code, r.text))
+
+        t = threading.Thread(target=fire)
+        t.start()
+        while not httpx.get(srv.base + "/health", timeout=10).json()["busy"]:
+            time.sleep(0.01)
+    finally:
+        srv.stop()
+    t.join(30)
+    assert answers and answers[0][0] == 503 and "shutting down" in answers[0][1], answers

@@ -22,8 +22,8 @@ from fastapi.testclient import TestClient
 
 from server.app import create_app
 from server.config import ServerConfig
-from server.jobs import (Finished, GenerationRequest, JobLedger, RequestTurn, SamplingSpec, WorkLimits,
-                         next_turn, over_limit)
+from server.jobs import (Finished, GenerationRequest, JobLedger, RequestTurn, SamplingSpec, StepTurn, TextDelta,
+                         WorkLimits, next_step, next_turn, over_limit)
 from server.worker import InferenceWorker
 from server_fake_engine import FAKE_ENGINE, FakeModel
 from server_support import fake_app, live_server
@@ -47,6 +47,21 @@ def test_next_turn_prefers_fewer_running_jobs_then_the_longest_wait():
     assert next_turn([]) is None
     assert next_turn([RequestTurn(1, running=2, since=0), RequestTurn(2, running=0, since=9)]) == 2
     assert next_turn([RequestTurn(1, running=0, since=5), RequestTurn(2, running=0, since=3)]) == 2
+
+
+def test_next_step_prefers_the_least_served_request_then_the_longest_wait():
+    assert next_step([]) is None
+    assert next_step([StepTurn(served_s=5.0, last_step=1), StepTurn(served_s=0.0, last_step=9)]) == 1
+    assert next_step([StepTurn(served_s=1.0, last_step=7), StepTurn(served_s=1.0, last_step=3)]) == 1
+
+
+def test_the_ledger_charges_loop_time_to_the_request_of_all_its_jobs():
+    ledger = JobLedger()
+    jobs = ledger.submit_request([gen("a"), gen("b")], [ignore] * 2)
+    other = ledger.submit(gen("c"), ignore)
+    ledger.charge(jobs[0], 0.5)
+    ledger.charge(jobs[1], 0.25)
+    assert ledger.served(jobs[1]) == 0.75 and ledger.served(other) == 0.0
 
 
 def test_a_request_that_arrives_during_a_choice_goes_before_the_next_choice():
@@ -141,6 +156,25 @@ def test_a_request_over_the_ceiling_is_answered_400_before_it_is_queued():
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
+def test_messages_and_responses_are_checked_against_the_ceiling_too():
+    app = fake_app(max_request_tokens=10)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        over = {"/v1/messages": ({"model": "m", "max_tokens": 11}, "max_tokens"),
+                "/v1/responses": ({"max_output_tokens": 11}, "max_output_tokens")}
+        for path, (limit, param) in over.items():
+            body = {"messages" if path == "/v1/messages" else "input": [{"role": "user", "content": "hi"}], **limit}
+            r = c.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err.get("param", param) == param and "(--max-request-tokens)" in err["message"], (path, err)
+            assert "may generate 11 tokens; the server allows at most 10" in err["message"]
+            ok_limit = {k: 10 for k in limit if k != "model"}
+            assert c.post(path, json={**body, **ok_limit}).status_code == 200, path
+        # Only the requests within the ceiling ran (a job is recorded just after its answer).
+        assert app.state.worker.wait_finished(2, 10) is not None
+        assert [s.job_id for s in app.state.worker.finished] == [1, 2]
+
+
 # --- queue time -----------------------------------------------------------------------------------
 
 def test_queue_time_is_one_observation_per_request_in_metrics_and_in_the_log(caplog):
@@ -215,6 +249,66 @@ def test_a_normal_request_waits_about_one_choice_of_a_many_choice_request_serial
         ratio, idle, loaded, _ = loaded_ratio(srv.base, srv.worker, normal, other, load)
     assert ratio < 4.0, f"a normal request took {ratio:.1f}x its idle latency under an n=16 request"
     assert loaded["choices"][0]["message"] == idle["choices"][0]["message"]
+
+
+def test_a_newcomer_starts_at_the_next_token_of_a_long_single_choice_serial():
+    # One choice of 200 tokens x 5 ms: whole choices as the unit of work made a 40-token request
+    # wait about a second; steps are tokens now, and the newcomer, least served, goes first.
+    model = FakeModel(decode_delay=0.005, reply="word " * 400)
+    with live_server(fake_app(model)) as srv:
+        normal = {"messages": [{"role": "user", "content": "hello"}], "temperature": 0, "max_tokens": 40}
+        load = {"messages": [{"role": "user", "content": "load"}], "temperature": 0, "max_tokens": 200}
+        other = {"messages": [{"role": "user", "content": "another"}], "max_tokens": 1}
+        ratio, idle, loaded, long = loaded_ratio(srv.base, srv.worker, normal, other, load)
+    assert ratio < 2.0, f"a normal request took {ratio:.1f}x its idle latency under one long choice"
+    assert loaded["choices"][0]["message"] == idle["choices"][0]["message"]
+    assert long["usage"]["completion_tokens"] == 200
+
+
+def test_interleaved_jobs_emit_their_own_events_in_order():
+    # Three requests in progress at once in the serial loop: every job's text and its end come
+    # out whole and in order, whatever the interleaving.
+    model = FakeModel(decode_delay=0.002, reply="alpha beta gamma delta epsilon zeta eta theta")
+    w = InferenceWorker(model, FAKE_ENGINE)
+    got: dict[int, list] = {0: [], 1: [], 2: []}
+    w.start()
+    try:
+        alone = []
+        for i in range(3):
+            q: queue.Queue = queue.Queue()
+            w.submit(GenerationRequest(f"p{i}", tuple(model.tokenize(f"p{i}")), 40, sampling=GREEDY), q.put)
+            text = ""
+            while not isinstance(event := q.get(timeout=10), Finished):
+                text += event.text if isinstance(event, TextDelta) else ""
+            alone.append(text)
+        jobs = [w.submit(GenerationRequest(f"p{i}", tuple(model.tokenize(f"p{i}")), 40, sampling=GREEDY),
+                         got[i].append) for i in range(3)]
+        for job in jobs:
+            assert w.wait_finished(job.id, 10) is not None
+    finally:
+        w.stop()
+    for i in range(3):
+        assert isinstance(got[i][-1], Finished) and got[i][-1].usage.completion_tokens == 40
+        assert "".join(e.text for e in got[i] if isinstance(e, TextDelta)) == alone[i]
+    starts = sorted(s.started_at for s in w.finished if s.job_id in {j.id for j in jobs})
+    ends = sorted(s.finished_at for s in w.finished if s.job_id in {j.id for j in jobs})
+    assert starts[-1] < ends[0]  # all three were in progress at once
+
+
+@pytest.mark.model
+def test_greedy_outputs_do_not_change_when_the_serial_loop_interleaves_requests(embedded):
+    prompts = ["The capital of France is", "Once upon a time, in a land far away,", "def fibonacci(n):"]
+    bodies = [{"prompt": p, "max_tokens": 24, "temperature": 0, "logprobs": 1} for p in prompts]
+    with live_server(create_app(embedded, ServerConfig())) as srv:
+        alone = [answers(timed_post(srv.base, "/v1/completions", b)[1]) for b in bodies]
+        together = [Background(srv.base, "/v1/completions", b) for b in bodies]
+        shared = [answers(bg.join()) for bg in together]
+        for job_id in (4, 5, 6):
+            assert srv.worker.wait_finished(job_id, 10) is not None
+        stats = [s for s in srv.worker.finished if s.job_id > 3]
+    assert shared == alone
+    # At least two of them were in progress at once (the requests reach the loop one by one).
+    assert min(s.finished_at for s in stats) > sorted(s.started_at for s in stats)[1]
 
 
 @pytest.fixture(scope="module")

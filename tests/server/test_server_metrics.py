@@ -176,7 +176,8 @@ def test_counts_after_streamed_and_plain_requests_an_error_and_a_cancel():
 
 def test_running_and_waiting_while_one_request_decodes_and_one_queues():
     model = FakeModel(reply, decode_delay=0.005)
-    with live_server(fake_app(model)) as srv:
+    # One job at a time, so that the second request waits (by default it would be interleaved).
+    with live_server(fake_app(model, interleave=1)) as srv:
         body = json.dumps({"messages": user(SLOW_WORD), "stream": True}).encode()
         first = raw_request(srv.port, "POST", CHAT, body)
         assert wait_until(lambda: srv.worker.busy)

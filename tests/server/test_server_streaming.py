@@ -118,7 +118,8 @@ def test_disconnect_of_a_non_streaming_request_cancels_quickly():
 
 def test_jobs_run_first_in_first_out_and_queued_cancels_are_skipped():
     model = FakeModel(prefill_chunk=8, prefill_delay=0.01)
-    with live_server(fake_app(model)) as srv:
+    # One job at a time: the order of a queue (by default jobs of different requests interleave).
+    with live_server(fake_app(model, interleave=1)) as srv:
         socks = []
         for i in range(3):
             body = {"prompt": f"{i}" * 200, "max_tokens": 2}
