@@ -21,7 +21,7 @@
 // into visibly different log-probabilities.
 //
 // Each (row, kv head) pair is one job that one thread runs start to finish (a long row's pair is
-// one job per span of 256 keys, merged after: see `S`), in an order of operations fixed by that
+// one job per span of 512 keys, merged after: see `S`), in an order of operations fixed by that
 // row's length alone: a row's result is bitwise the same whatever the
 // other rows, their number and the thread count.  That is what lets batched decoding reproduce
 // single-row decoding exactly while still reading each cache once per step, without padding.
@@ -176,7 +176,7 @@ struct Job {
 // with its own maximum and denominator, merged in span order by `merge_spans`: so that the kv
 // heads of one decoding row are work for every thread.  The spans follow from the row's length
 // alone, and a row of at most S keys is one span, computed as before spans existed.
-constexpr int64_t S = 256;
+constexpr int64_t S = 512;
 
 inline int64_t spans_of(int64_t len) { return (len + S - 1) / S; }
 

@@ -124,8 +124,8 @@ def attention(path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H,Hkv,D", [(4, 2, 16), (9, 3, 64), (8, 8, 32), (8, 2, 128), (6, 1, 48)])
 def test_attention_matches_float64_reference_and_stores_kv(attention, H, Hkv, D, dtype):
-    positions = [0, 14, 15, 16, 47, 300]
-    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=320, dtype=dtype)
+    positions = [0, 14, 15, 16, 47, 300, 600]  # the last one in two spans of keys
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=640, dtype=dtype)
     before = pool.clone()
     out = attention(qkv, caches, positions, D ** -0.5)
     assert out.shape == (len(positions), H * D) and out.dtype == torch.float32
@@ -163,8 +163,8 @@ def with_threads(check):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_row_is_bitwise_independent_of_its_batch_and_thread_count(attention, dtype):
     H, Hkv, D = 9, 3, 64
-    positions = [3, 130, 17, 255, 64, 256, 700]  # one span of 256 keys, just past it, three spans
-    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=768, seed=1, dtype=dtype)
+    positions = [3, 130, 17, 511, 64, 512, 1100]  # one span of 512 keys, just past it, three spans
+    qkv, pool, caches = make(len(positions), H, Hkv, D, cap=1152, seed=1, dtype=dtype)
     start = pool.clone()
     together = attention(qkv, caches, positions, D ** -0.5)
 
@@ -179,15 +179,15 @@ def test_attention_row_is_bitwise_independent_of_its_batch_and_thread_count(atte
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_attention_gives_each_row_the_bits_of_decoding_it(path, dtype):
     """A prefill chunk [start, start + T) attends like T decoding steps, row by row, bit for bit:
-    here across the first span boundary (256 keys) and into a third span."""
-    H, Hkv, D, start, T = 9, 3, 64, 240, 300
+    here across the first span boundary (512 keys) and into a third span."""
+    H, Hkv, D, start, T = 9, 3, 64, 500, 600
     g = torch.Generator().manual_seed(7)
     qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
-    kv = (torch.randn(2, Hkv, 768, D, generator=g) * 2).to(dtype)
+    kv = (torch.randn(2, Hkv, 1152, D, generator=g) * 2).to(dtype)
     kv[0, :, start:start + T] = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D).transpose(0, 1).to(dtype)
     kv[1, :, start:start + T] = qkv[:, (H + Hkv) * D:].view(T, Hkv, D).transpose(0, 1).to(dtype)
     chunk = path.prefill_attention(qkv[:, : H * D], kv, start, D ** -0.5)
-    for i in (0, 15, 16, 17, 100, T - 1):  # positions 240 .. 539
+    for i in (0, 11, 12, 13, 300, T - 1):  # positions 500 .. 1099
         step = path.attention(qkv[i:i + 1], [kv.clone()], [start + i], D ** -0.5)
         assert torch.equal(step[0], chunk[i]), i
 
