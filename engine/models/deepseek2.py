@@ -60,6 +60,7 @@ from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
+from engine.models.llama import TorchKernels
 from engine.models.qwen_moe import Expert, float32_rows, mix_experts, stacked_experts
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
@@ -234,7 +235,9 @@ class DeepSeek2Model(CachedNetwork):
         # compute the same bits (CPU); else a chunk's rows, and a step's rows of one pool,
         # attend in one masked batch (other devices).
         self.rows_alone = device.type == "cpu"
-        self.eps = torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device)
+        # The llama family's norm: on CPU the compiled kernel, in prefill and decoding alike.
+        self.ops = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff,
+                                self.cpu_kernels)
         self.renormalise = bool(cfg.expert_weights_norm)  # llama.cpp's default for this family: no
         inv, logit_factor = yarn_rope(cfg, gguf.metadata)
         self.scale = logit_factor / math.sqrt(cfg.head_dim)
@@ -422,8 +425,7 @@ class DeepSeek2Model(CachedNetwork):
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of x's rows (float32), each row on its own."""
-        ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
+        return self.ops.norm(x, weight)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h, self.out_norm)).float()
