@@ -1,7 +1,7 @@
 """`ds4-bench product`: the engine's decode speed through every product path, side by side.
 
-    ds4-bench product [-m GGUF] [--rounds 3] [--decode-tokens 128] [--streams 8] [--threads N]
-                      [--busy N] [--json FILE]
+    ds4-bench product [-m GGUF] [--device cpu|cuda] [--rounds 3] [--decode-tokens 128] [--streams 8]
+                      [--threads N] [--busy N] [--json FILE]
 
 What users get is not the engine's speed in a tight loop but the engine inside ds4-eval or
 behind ds4-server.  This benchmark measures, in one process and interleaved round by round
@@ -35,6 +35,13 @@ slower moment of the host.  A line per single-stream path then gives its time ou
 beyond the engine's loop as a share of the engine's time per token (`own_work_lines`): both
 parts of a split come from one measurement, so this share does not move with the host's speed
 the way a ratio of two measurements does.
+Each single-stream path also has a whole-request time (`wall`): the engine's from a fresh
+session to its last token, ds4-eval's from the case starting to the case finished (rendering,
+tokenizing, prefill, decoding, extraction and grading), the server's from sending the request to
+its last event.  The same tokens and prefill sit in all three, so a path's wall time minus the
+engine's in the same round (`over_ms`, median over rounds) is what that path adds per request
+or case: on CUDA, where a step is short, this is where a product loses the GPU.
+`--device cuda` loads the model on the GPU (every path shares it, as on the CPU).
 `--busy N` measures beside N child processes that each spin on a core (a competing load, for
 the engine thread's thread-count choice).  Only same-run ratios mean anything on a shared
 machine; absolute figures are context.
@@ -71,6 +78,7 @@ class ProductBenchConfig:
     """One `ds4-bench product` run; each field is one command-line flag."""
 
     model: str | None = None  # -m/--model: GGUF (default: the embedded model)
+    device: str = "cpu"  # --device: where the model runs, "cpu" or "cuda"
     rounds: int = 3  # --rounds: interleaved repetitions of every path
     decode_tokens: int = 128  # --decode-tokens: tokens generated per measurement
     streams: int = 8  # --streams: N of the batched server path; 0 leaves it out
@@ -80,6 +88,8 @@ class ProductBenchConfig:
     json_path: str | None = None  # --json: write the samples and the summary here
 
     def validate(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise ProductBenchError(f"--device must be cpu or cuda, not {self.device!r}")
         if self.rounds < 1:
             raise ProductBenchError("--rounds must be >= 1")
         if self.decode_tokens < 8:
@@ -106,6 +116,7 @@ class Sample:
     seconds: float
     steps: int = 0  # the network's one-row decode steps in the whole measurement (StepClock)
     step_seconds: float = 0.0  # their time on the engine thread
+    wall: float | None = None  # the whole request's seconds, single-stream paths only
 
     @property
     def tps(self) -> float:
@@ -162,6 +173,8 @@ class PathSummary:
     ratio_high: float | None = None  # single rounds strayed, so a reader can tell noise from a change
     step_ms: float | None = None  # medians over rounds of Sample.step_ms and Sample.outside_ms:
     outside_ms: float | None = None  # whether a slower path lost its time in the step or around it
+    wall_ms: float | None = None  # median over rounds of Sample.wall
+    over_ms: float | None = None  # median over rounds of (wall - the engine's wall in that round)
 
 
 def _median_of(values: Sequence[float | None]) -> float | None:
@@ -174,12 +187,18 @@ def summarize(samples: Sequence[Sample], paths: Sequence[str]) -> list[PathSumma
     # Paths run interleaved within a round, so each round's ratio to that round's engine sample
     # cancels the host's drift between rounds; the ratio is the median of those.
     engine_in = {s.round: s.tps for s in samples if s.path == ENGINE and s.tps > 0}
+    engine_wall = {s.round: s.wall for s in samples if s.path == ENGINE and s.wall is not None}
     out = []
     for p in paths:
         v = by_path.get(p) or [0.0]
         mine = [s for s in samples if s.path == p]
+        walls = [s.wall for s in mine if s.wall is not None]
+        over = [(s.wall - engine_wall[s.round]) * 1e3 for s in mine
+                if p != ENGINE and s.wall is not None and s.round in engine_wall]
         split = {"step_ms": _median_of([s.step_ms for s in mine]),
-                 "outside_ms": _median_of([s.outside_ms for s in mine])}
+                 "outside_ms": _median_of([s.outside_ms for s in mine]),
+                 "wall_ms": statistics.median(walls) * 1e3 if walls else None,
+                 "over_ms": _median_of(over)}
         per_round = [s.tps / engine_in[s.round] for s in mine if s.round in engine_in]
         if p == ENGINE or not per_round:
             out.append(PathSummary(p, statistics.median(v), min(v), max(v), None, **split))
@@ -208,10 +227,11 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
         return "-" if v is None else f"{v:.3f}"
 
     rows = [[s.path, f"{s.median_tps:.1f}", f"[{s.low_tps:.1f}, {s.high_tps:.1f}]", ratio(s), ms(s.step_ms),
-             ms(s.outside_ms)] for s in summary]
+             ms(s.outside_ms), ms(s.wall_ms), ms(s.over_ms)] for s in summary]
     single = next((s for s in summary if s.path == SERVER), None)
     lines = [tabulate(rows, headers=["path", "decode tok/s (median)", f"[min, max] of {rounds}",
-                                     "x engine [min, max of rounds]", "step ms", "outside ms/token"],
+                                     "x engine [min, max of rounds]", "step ms", "outside ms/token",
+                                     "request ms", "+ms vs engine"],
                       disable_numparse=True)]
     for s in summary:
         if s.path.startswith("server-x") and single is not None and single.median_tps > 0:
@@ -269,13 +289,25 @@ class _Stamps:
 
     times: list[float] = field(default_factory=list)
     last: int = 0
+    started: float | None = None  # the case set running
+    finished: float | None = None  # the case graded
 
     def on_event(self, event: object) -> None:
-        from ds4eval.run.runner import Progress
+        from ds4eval.run.runner import CaseFinished, Progress, Status, StatusChanged
 
         if isinstance(event, Progress) and event.gen_tokens > self.last:
             self.last = event.gen_tokens
             self.times.append(time.perf_counter())
+        elif isinstance(event, StatusChanged) and event.status is Status.PREFILL and self.started is None:
+            self.started = time.perf_counter()
+        elif isinstance(event, CaseFinished):
+            self.finished = time.perf_counter()
+
+    @property
+    def wall(self) -> float | None:
+        if self.started is None or self.finished is None:
+            return None
+        return self.finished - self.started
 
 
 class StepClock:
@@ -322,7 +354,8 @@ class _Paths:
         if getattr(model, "add_bos", False):
             self.prompt_ids = [model.bos_id] + self.prompt_ids
 
-    def run(self, path: str) -> tuple[int, float]:
+    def run(self, path: str) -> tuple[int, float, float | None]:
+        """(tokens after the first, their seconds, the whole request's seconds or None)."""
         if path == ENGINE:
             return self.thread.call(self._engine)
         if path == EVAL:
@@ -331,22 +364,23 @@ class _Paths:
             return self._server(1)
         return self._server(self.cfg.streams)
 
-    def _engine(self) -> tuple[int, float]:
+    def _engine(self) -> tuple[int, float, float]:
         from engine import SamplingParams
 
+        start = time.perf_counter()
         session = self.model.new_session()
         session.sync(self.prompt_ids)
         greedy = SamplingParams(temperature=0)
-        stamps = []
+        # decode_tokens tokens, as the other paths are asked for: a stamp as each is sampled.
         tok = session.sample(greedy)
-        for _ in range(self.cfg.decode_tokens):
-            stamps.append(time.perf_counter())
+        stamps = [time.perf_counter()]
+        for _ in range(self.cfg.decode_tokens - 1):
             session.eval(tok)
             tok = session.sample(greedy)
-        stamps.append(time.perf_counter())
-        return decode_rate(stamps)
+            stamps.append(time.perf_counter())
+        return (*decode_rate(stamps), stamps[-1] - start)
 
-    def _eval(self) -> tuple[int, float]:
+    def _eval(self) -> tuple[int, float, float | None]:
         from ds4eval.run.backends.engine_backend import EngineBackend
         from ds4eval.cases.case import Case
         from ds4eval.config import EvalConfig
@@ -362,9 +396,9 @@ class _Paths:
             Runner(cfg, [case], backend, [stamps]).run()
         finally:
             backend.close()
-        return decode_rate(stamps.times)
+        return (*decode_rate(stamps.times), stamps.wall)
 
-    def _server(self, streams: int) -> tuple[int, float]:
+    def _server(self, streams: int) -> tuple[int, float, float | None]:
         from server.app import create_app
         from server.config import ServerConfig
 
@@ -410,19 +444,22 @@ class _LiveServer:
 _CONTENT, _EMPTY_CONTENT, _USAGE = '"content":', '"content":""', '"usage":{'
 
 
-def _streams(base: str, n: int, tokens: int) -> tuple[int, float]:
-    """Decode rate of `n` concurrent chat streams read by the light client (`rawstream`)."""
+def _streams(base: str, n: int, tokens: int) -> tuple[int, float, float | None]:
+    """Decode rate of `n` concurrent chat streams read by the light client (`rawstream`), and
+    for one stream the seconds from sending its request to its last content piece."""
     body = {"model": "default", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     host, port = base.removeprefix("http://").rsplit(":", 1)
+    sent = time.perf_counter()
     try:
         streams = post_streams(host, int(port), "/v1/chat/completions", [body] * max(1, n))
     except RawStreamError as e:
         raise RuntimeError(f"ds4-server's stream: {e}") from None
     results = [_content_stamps(s) for s in streams]
     if n <= 1:
-        return decode_rate(*results[0])
-    return aggregate_rate(results)
+        stamps = results[0][0]
+        return (*decode_rate(*results[0]), stamps[-1] - sent if stamps else None)
+    return (*aggregate_rate(results), None)
 
 
 def _content_stamps(stream: StampedStream) -> tuple[list[float], int]:
@@ -476,13 +513,14 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
         k = r % len(order)
         for p in order[k:] + order[:k]:
             with StepClock(model.net) as steps:
-                n, sec = paths.run(p)
+                n, sec, wall = paths.run(p)
             if n < 1 or sec <= 0:
                 raise RuntimeError(f"the {p} path gave fewer than two timed output pieces: nothing to measure "
                                    "(a case skipped for its context, or output held back until the end)")
-            s = Sample(p, r, n, sec, steps.steps, steps.seconds)
+            s = Sample(p, r, n, sec, steps.steps, steps.seconds, wall)
             samples.append(s)
             split = "" if s.step_ms is None else f"; step {s.step_ms:.3f} ms, outside {s.outside_ms:.3f} ms/token"
+            split += "" if wall is None else f"; request {wall * 1e3:.1f} ms"
             report(f"[{r}] {p:<10} {s.tps:8.1f} tok/s ({n} tokens in {sec:.2f} s{split})")
     return samples
 
@@ -492,6 +530,8 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
 @click.command("product")
 @click.option("-m", "--model", type=click.Path(dir_okay=False), default=None,
               help="GGUF file (default: the embedded SmolLM2-135M-Instruct).")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where the model runs (every path shares it).")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Interleaved repetitions of every path.")
 @click.option("--decode-tokens", type=int, default=128, show_default=True, help="Tokens per measurement.")
 @click.option("--streams", type=int, default=8, show_default=True,
@@ -503,13 +543,13 @@ def run_product_bench(cfg: ProductBenchConfig, model: Any, engine_thread: Any,
               help="Measure beside this many other processes that each keep a core busy.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write every sample and the summary as JSON.")
-def product_command(model: str | None, rounds: int, decode_tokens: int, streams: int, threads: int | None,
+def product_command(model: str | None, device: str, rounds: int, decode_tokens: int, streams: int, threads: int | None,
                     kv_type: str | None, busy: int, json_path: str | None) -> int:
     """Decode tokens/s of the engine, ds4-eval and ds4-server in one process, as ratios to the engine."""
     from engine import ModelLoadError, load_model
     from engine.threads import EngineThread
 
-    cfg = ProductBenchConfig(model=model, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
+    cfg = ProductBenchConfig(model=model, device=device, rounds=rounds, decode_tokens=decode_tokens, streams=streams,
                              threads=threads, kv_type=kv_type, busy=busy, json_path=json_path)
     try:
         cfg.validate()
@@ -518,10 +558,10 @@ def product_command(model: str | None, rounds: int, decode_tokens: int, streams:
     path = model_file(cfg.model)
     with EngineThread("ds4-engine", threads=cfg.threads) as thread:
         try:
-            loaded = thread.call(load_model, path, kv_type=cfg.kv_type)
+            loaded = thread.call(load_model, path, device=cfg.device, kv_type=cfg.kv_type)
         except ModelLoadError as e:
             raise UsageFailure(str(e)) from None
-        click.echo(f"{os.path.basename(path)}: paths {', '.join(cfg.paths)}; {cfg.rounds} rounds of "
+        click.echo(f"{os.path.basename(path)} on {cfg.device}: paths {', '.join(cfg.paths)}; {cfg.rounds} rounds of "
                    f"{cfg.decode_tokens} tokens; {cfg.busy} busy processes beside; threads "
                    f"{cfg.threads or 'auto'}; load average {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
                    err=True)
