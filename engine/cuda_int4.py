@@ -193,7 +193,10 @@ if AVAILABLE:
         xsum = tl.sum(x.to(tl.float32), axis=1)
         return dot * scale[None, :] + xsum[:, None] * minimum[None, :]
 
-    @triton.jit
+    # Row counts and split lengths are not specialized on (Triton compiles a variant for
+    # values of 1 and multiples of 16 otherwise): prompts of every length reach these kernels,
+    # and each new variant cost a compile of up to a second in the middle of a case.
+    @triton.jit(do_not_specialize=["M", "groups_per_split"])
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
                    OPERAND: tl.constexpr):
@@ -258,7 +261,7 @@ if AVAILABLE:
             y += tl.load(out, mask=nm, other=0.0)
         tl.store(out, y, mask=nm)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["total"])
     def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
