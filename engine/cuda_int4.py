@@ -163,6 +163,13 @@ def scale_pairs(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(half if np.isfinite(half).all() else pairs.astype(np.float32))
 
 
+def device_scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """`scale_pairs` of float32 tensors, on their device: [K/32, N, 2], float16 where finite."""
+    pairs = torch.stack([scale, minimum], dim=-1).transpose(0, 1).contiguous()
+    half = pairs.half()
+    return half if bool(torch.isfinite(half).all()) else pairs
+
+
 # The tensor cores' operand type: activations are rounded to it (the nibbles are exact in it).
 OPERAND = tl.bfloat16 if AVAILABLE else None
 
@@ -317,6 +324,20 @@ class Int4Weight:
         self.words = self.nibbles.view(torch.int32)  # the same bytes, four to a word (one-row products)
         self.pairs = torch.from_numpy(scale_pairs(scale, minimum)).to(device)
         self.gemm_rows = gemm_rows_for(self.n, self.k)
+
+    @classmethod
+    def from_nibbles(cls, nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> "Int4Weight":
+        """The matrix from tensors already on its device (engine.device_blocks.int4_groups):
+        nibbles uint8 [N, K/2] in this module's layout, scale and minimum float32 [N, K/32]."""
+        self = cls.__new__(cls)
+        self.n, self.k = nibbles.shape[0], nibbles.shape[1] * 2
+        if self.k % GROUP:
+            raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {self.k}")
+        self.nibbles = nibbles.contiguous()
+        self.words = self.nibbles.view(torch.int32)
+        self.pairs = device_scale_pairs(scale, minimum)
+        self.gemm_rows = gemm_rows_for(self.n, self.k)
+        return self
 
     @property
     def nbytes(self) -> int:

@@ -20,6 +20,8 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   in float16 where exact, else float32) and scales with the number of rows; from a measured number of rows on (prefill
   chunks of large matrices) that module dequantizes to bfloat16 for cuBLAS instead.  CUDA
   without Triton runs torch's groupwise int4 weight-only layout with zero = min + 8*scale.
+  On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
+  as are the float and Q8_0 tensors that become dense matrices and embedding tables.
 - `Int8Linear` (CPU): Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS stay 8-bit
   with their float32 group scales, and minimums where the type has them (Q5_1, Q5_K, Q2_K):
   exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
@@ -61,7 +63,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from engine import cuda_int4
+from engine import cuda_int4, device_blocks
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
 from engine.quants import (BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, Int8Groups, dequantize, unpack_int4_groups,
@@ -280,7 +282,7 @@ class Embedding:
             self.rows = raw.reshape(self.n_rows, self.n_cols // per_block * block_bytes)
         else:
             dtype = torch.float32 if fmt == "float32" else torch.bfloat16
-            self.table = torch.from_numpy(to_float(record)).to(device=device, dtype=dtype)
+            self.table = device_float([record], device).to(dtype)
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.table is not None:
@@ -358,6 +360,16 @@ class Int4Linear(Linear):
         sz = np.stack([scale, minimum + 8.0 * scale], axis=-1).transpose(1, 0, 2)
         self.scales_zeros = torch.from_numpy(np.ascontiguousarray(sz)).to(device, torch.bfloat16)
         self._mm = torch.ops.aten._weight_int4pack_mm
+
+    @classmethod
+    def on_cuda(cls, weight: "cuda_int4.Int4Weight", device: torch.device,
+                bias: torch.Tensor | None = None) -> "Int4Linear":
+        """A CUDA matrix already built on its device (engine.device_blocks, Int4Weight.from_nibbles)."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = weight.n, weight.k
+        self.bias, self.device = bias, device
+        self._cuda, self.out_dtype = weight, torch.float32
+        return self
 
     @classmethod
     def from_cpu_layout(cls, packed: torch.Tensor, scales: torch.Tensor, out_features: int, cpu: CpuKernels,
@@ -450,6 +462,17 @@ def split_experts(record: TensorRecord) -> list[TensorRecord]:
             for e in range(n_expert)]
 
 
+def device_float(records: Sequence[TensorRecord], device: torch.device) -> torch.Tensor:
+    """float32 [rows, cols] on `device` of records stacked along their rows: on a GPU the raw
+    bytes cross once and the device dequantizes them (engine.device_blocks) where it can."""
+    if device.type == "cuda" and all(r.qtype in device_blocks.DEQUANTIZED for r in records):
+        return torch.cat([device_blocks.dequantize(r.qtype, device_blocks.raw_rows(r, device), r.n_cols)
+                          for r in records])
+    k = records[0].n_cols
+    parts = [to_float(r).reshape(-1, k) for r in records]
+    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts)).to(device)
+
+
 def to_float(record: TensorRecord) -> np.ndarray:
     """Dequantize a record to float32 with its torch-order shape."""
     return dequantize(record.qtype, record.data, record.n_cols).reshape(record.shape)
@@ -484,7 +507,16 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
         packed, scales = cpu.repack_int4([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                          _row_order(records, row_perm), k, COLUMNS)
         return Int4Linear.from_cpu_layout(packed, scales, n, cpu, bias)
-    if fmt == "packed" and device.type != "cpu" and all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0:
+    int4 = all(r.qtype in INT4_GROUPED for r in records) and k % 64 == 0
+    if fmt == "packed" and device.type == "cuda" and cuda_int4.AVAILABLE and int4:
+        # The file's blocks cross to the GPU as they are and are unpacked there.
+        parts = [device_blocks.int4_groups(r.qtype, device_blocks.raw_rows(r, device), r.n_cols) for r in records]
+        nibbles, scale, minimum = (torch.cat(x) for x in zip(*parts))
+        if row_perm is not None:
+            at = torch.from_numpy(np.ascontiguousarray(row_perm)).to(device)
+            nibbles, scale, minimum = nibbles[at], scale[at], minimum[at]
+        return Int4Linear.on_cuda(cuda_int4.Int4Weight.from_nibbles(nibbles, scale, minimum), device, bias)
+    if fmt == "packed" and device.type != "cpu" and int4:
         parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in records]
         q = np.concatenate([p.q for p in parts])
         scale = np.concatenate([p.scale for p in parts])
@@ -504,6 +536,11 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
             min8 = None if min8 is None else min8[row_perm]
         minimums = None if min8 is None else group_values_layout(min8)
         return Int8Linear(*int8_layout(q8, scale8, g8.group), n, cpu.int8, bias, minimums=minimums)
+    if device.type == "cuda":
+        wd = device_float(records, device)
+        if row_perm is not None:
+            wd = wd[torch.from_numpy(np.ascontiguousarray(row_perm)).to(device)]
+        return DenseLinear(wd.to(torch.float32 if fmt == "float32" else torch.bfloat16).contiguous(), bias)
     w = np.concatenate([to_float(r).reshape(-1, k) for r in records])
     if row_perm is not None:
         w = w[row_perm]
