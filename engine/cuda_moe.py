@@ -1,0 +1,393 @@
+"""Mixture-of-experts FFNs on CUDA with no host synchronisation: Triton kernels over a layer's
+routed experts held stacked.
+
+`StackedExperts.build(gate, up, down, device)` takes the 3-D expert tensors of one layer
+(`ffn_{gate,up,down}_exps`, torch order [n_expert, rows, cols]) and holds them as two stacked
+matrices, gate/up [n_expert, 2 * n_ff, n_embd] (each expert's gate rows, then its up rows) and
+down [n_expert, n_embd, n_ff].  Q4_0, Q4_1 and Q4_K stay 4-bit in engine.cuda_int4's layout
+(nibbles two per byte, even input high; per group of 32 inputs and output column the pair
+(scale, minimum), float16 where every pair of the stack is finite in it, else float32).  Other
+types are dequantized once to bfloat16: exact for none of them but the F16/BF16 ones, and 2
+bytes a weight where llama.cpp reads their own blocks (a Q6_K or Q5_0 stack reads 2.4 to 2.9
+times the bytes; an 8-bit grouped layout is not written yet).
+
+`experts(h, ids, weights, into=x)`: h [T, n_embd] (float32 or bfloat16), ids [T, k] (each row's
+experts, on the device), weights [T, k] float32 -> float32 [T, n_embd], each row's
+sum over its k slots, in slot order, of weight * down(silu(gate(h)) * up(h)) of that slot's
+expert; with `into` ([T, n_embd] float32, the residual stream) the sum is added to it in the last
+kernel.  Nothing is read back to the host and every launch shape depends only on T, k and the
+weights' shapes, so the call can be captured in a CUDA graph (engine.cuda_graphs).  The
+arithmetic is engine.cuda_int4's: activations rounded to bfloat16, the products with the
+nibbles (or bfloat16 weights) exact, summed in float32 per group, then scale and minimum *
+(sum of the group's activations) in float32.  The gate/up outputs stay float32 for the SwiGLU.
+
+Two shapes of work, by rows:
+
+- up to `GEMV_MAX_ROWS` rows (decoding one or a few sequences): an indexed product on the CUDA
+  cores, engine.cuda_int4's one-row loop.  Gate/up runs one program per (row, slot, column
+  tile), reading its expert's id from the device, and writes silu(gate) * up; down runs one
+  program per (row, column tile), looping over the row's k slots in order, so a row's sum is
+  formed in one place without atomics and added to the residual there.
+- more rows (prefill chunks, wide decoding batches): the (row, slot) pairs are grouped by expert
+  on the device (`_align`: counts per expert, each expert's pairs padded to a whole number of
+  `block_m` blocks, in pair order within an expert, and the owner expert of every block; the
+  grid covers the most blocks T * k pairs can need, and blocks past the last do nothing), then
+  a grouped tensor-core product runs each block against its expert's weights once, gate/up
+  fused with the SwiGLU, and down scaled by each pair's weight; one more kernel sums a row's k
+  slots in order and adds them to the residual.
+
+Either way a row's result depends on its own routing and activations only (not on the other
+rows), except that the two shapes sum a group's products in different orders, so a row decoded
+alone and in a wide batch differ in the last bits of float32 sums (tests bound it).
+
+Without Triton (`AVAILABLE` False) nothing here runs; engine.models keeps the per-expert path.
+It does not route (engine.models.qwen_moe / deepseek2 choose the experts with torch ops on the
+device) and knows nothing of shared experts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from engine.cuda_attention import AVAILABLE, tl, triton
+from engine.cuda_int4 import GROUP, OPERAND
+from engine.gguf_file import TensorRecord
+from engine.quants import INT4_GROUPED, unpack_int4_groups
+from engine.weights import split_experts, to_float
+
+if AVAILABLE:
+    from engine.cuda_int4 import gemv_columns, group_product
+
+GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
+ALIGN_PAIRS = 128  # (row, slot) pairs `_align` compares with every expert at once
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """Launch shapes: the indexed products' columns per program, groups per loop step and warps;
+    the grouped GEMM's columns per program, warps and pipeline stages."""
+
+    gemv_bn: int = 8
+    gemv_gb: int = 32
+    gemv_warps: int = 8
+    gemm_bn: int = 64
+    gemm_warps: int = 4
+    gemm_stages: int = 3
+
+
+LAUNCH = MoeLaunch()
+
+
+def block_m(pairs: int, n_expert: int) -> int:
+    """Pairs per grouped-GEMM block: 16 (the tensor cores' least) while an expert gets few
+    pairs on average (decoding batches), more for prefill chunks."""
+    mean = pairs / n_expert
+    return 16 if mean <= 16 else 32 if mean <= 32 else 64
+
+
+def max_blocks(pairs: int, n_expert: int, bm: int) -> int:
+    """Blocks that `pairs` pairs grouped by expert can fill at most: sum over experts of
+    ceil(count / bm) <= pairs / bm + the number of experts that have any."""
+    return -(-pairs // bm) + min(n_expert, pairs)
+
+
+class StackedWeight:
+    """n_expert matrices of the same shape [n, k] held as one: int4 (`nibbles` [E, n, k/2] uint8,
+    `words` the same bytes as int32, `pairs` [E, k/32, n, 2] float16 or float32) or bfloat16
+    (`dense` [E, n, k])."""
+
+    def __init__(self, experts: Sequence[Sequence[TensorRecord]], device: torch.device):
+        """experts[e]: the records whose rows, concatenated, are expert e's matrix."""
+        first = experts[0]
+        self.n_expert = len(experts)
+        self.n, self.k = sum(r.shape[0] for r in first), first[0].n_cols
+        if self.k % GROUP:
+            raise ValueError(f"stacked experts need in_features divisible by {GROUP}, got {self.k}")
+        self.packed = all(r.qtype in INT4_GROUPED for recs in experts for r in recs)
+        self.nibbles = self.words = self.pairs = self.dense = None
+        if self.packed:
+            self._pack(experts, device)
+        else:
+            dense = torch.empty((self.n_expert, self.n, self.k), dtype=torch.bfloat16)
+            for e, recs in enumerate(experts):
+                dense[e] = torch.from_numpy(np.concatenate([to_float(r).reshape(-1, self.k) for r in recs]))
+            self.dense = dense.to(device)
+
+    def _pack(self, experts: Sequence[Sequence[TensorRecord]], device: torch.device) -> None:
+        E, n, k = self.n_expert, self.n, self.k
+        nibbles = np.empty((E, n, k // 2), dtype=np.uint8)
+        pairs = np.empty((E, k // GROUP, n, 2), dtype=np.float32)
+        for e, recs in enumerate(experts):
+            parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in recs]
+            q = np.concatenate([p.q for p in parts]).astype(np.uint8)
+            nibbles[e] = (q[:, ::2] << 4) | q[:, 1::2]
+            scale = np.concatenate([p.scale for p in parts])
+            minimum = np.concatenate([p.minimum for p in parts])
+            pairs[e] = np.stack([scale, minimum], axis=-1).transpose(1, 0, 2)
+        with np.errstate(over="ignore"):
+            half = pairs.astype(np.float16)
+        self.nibbles = torch.from_numpy(nibbles).to(device)
+        self.words = self.nibbles.view(torch.int32)
+        self.pairs = torch.from_numpy(half if np.isfinite(half).all() else pairs).to(device)
+
+    def row_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(matrices, scales) as the indexed one-row products read them: the int32 words and the
+        (scale, minimum) pairs, or the bfloat16 stack twice (its scales are never read)."""
+        return (self.words, self.pairs) if self.packed else (self.dense, self.dense)
+
+    def block_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(matrices, scales) as the grouped tensor-core products read them: the nibbles as
+        bytes (16 per group) and the pairs, or the bfloat16 stack twice."""
+        return (self.nibbles, self.pairs) if self.packed else (self.dense, self.dense)
+
+    @property
+    def nbytes(self) -> int:
+        if self.packed:
+            return self.nibbles.nbytes + self.pairs.nbytes
+        return self.dense.nbytes
+
+
+if AVAILABLE:
+    @triton.jit
+    def _dense_columns(x_ptr, w_ptr, n, nm, K, BN: tl.constexpr, BK: tl.constexpr, OPERAND: tl.constexpr):
+        """[BN] float32: one row x times columns `n` of a bfloat16 matrix [*, K] at w_ptr (exact
+        products of bfloat16 values, float32 sums)."""
+        kk = tl.arange(0, BK)
+        acc = tl.zeros([BN, BK], tl.float32)
+        for k0 in range(0, K, BK):
+            km = k0 + kk < K
+            w = tl.load(w_ptr + n[:, None] * K + (k0 + kk)[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            x = tl.load(x_ptr + k0 + kk, mask=km, other=0.0).to(OPERAND).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _expert_columns(x_ptr, w_ptr, sm_ptr, e, n, nm, N, K, n_groups, PACKED: tl.constexpr, BN: tl.constexpr,
+                        GB: tl.constexpr, OPERAND: tl.constexpr):
+        """[BN] float32: one row x times columns `n` of expert e's [N, K] matrix (K = 32 * n_groups)."""
+        if PACKED:
+            y = gemv_columns(x_ptr, w_ptr + e * N * (K // 8), sm_ptr + e * n_groups * N * 2, n, nm, N, K,
+                             0, n_groups, BN, GB, OPERAND)
+        else:
+            y = _dense_columns(x_ptr, w_ptr + e * N * K, n, nm, K, BN, GB * 32, OPERAND)
+        return y
+
+    @triton.jit
+    def _silu_times(gate, up):
+        return gate / (1.0 + tl.exp(-gate)) * up
+
+    @triton.jit
+    def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,
+                      PACKED: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+        """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert."""
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < F
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        x = x_ptr + (p // TOPK) * stride_x
+        gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, PACKED, BN, GB, OPERAND)
+        up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, PACKED, BN, GB, OPERAND)
+        tl.store(act_ptr + p * F + n, _silu_times(gate, up), mask=nm)
+
+    @triton.jit
+    def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr, ADD: tl.constexpr,
+                   PACKED: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+        """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
+        weight_j * down_j(act[t * TOPK + j])."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < D
+        y = tl.zeros([BN], tl.float32)
+        for j in range(TOPK):
+            p = t * TOPK + j
+            e = tl.load(ids_ptr + p).to(tl.int64)
+            weight = tl.load(wt_ptr + p)
+            y += weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, PACKED, BN, GB, OPERAND)
+        out = out_ptr + t * D + n
+        if ADD:  # the residual stream, updated in place after the row's own sum
+            y += tl.load(out, mask=nm, other=0.0)
+        tl.store(out, y, mask=nm)
+
+    @triton.jit
+    def _align(ids_ptr, sorted_ptr, owner_ptr, P, E, n_blocks, BM: tl.constexpr, EB: tl.constexpr,
+               PB: tl.constexpr, NB: tl.constexpr):
+        """One program: the pairs 0..P-1 (expert ids at ids_ptr) grouped by expert.  Expert e's
+        pairs, in pair order, go to sorted[start_e ..], start_e the sum of the earlier experts'
+        counts each rounded up to BM (the slots between stay as the caller filled them: P, no
+        pair); owner[b] is the expert of block b, -1 past the last."""
+        experts = tl.arange(0, EB)
+        counts = tl.zeros([EB], tl.int32)
+        for c in range(0, P, PB):
+            i = c + tl.arange(0, PB)
+            ids = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32)
+            counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        padded = (counts + BM - 1) // BM * BM
+        ends = tl.cumsum(padded, 0)
+        starts = ends - padded
+        seen = tl.zeros([EB], tl.int32)
+        for c in range(0, P, PB):
+            i = c + tl.arange(0, PB)
+            ids = tl.load(ids_ptr + i, mask=i < P, other=-1).to(tl.int32)
+            hit = (ids[:, None] == experts[None, :]).to(tl.int32)  # [PB, EB]
+            rank = tl.cumsum(hit, 0) - 1 + seen[None, :]  # among the expert's earlier pairs
+            where = tl.sum(hit * (starts[None, :] + rank), axis=1)
+            tl.store(sorted_ptr + where, i, mask=i < P)
+            seen += tl.sum(hit, axis=0)
+        real = experts < E
+        for b0 in range(0, n_blocks, NB):
+            b = b0 + tl.arange(0, NB)
+            # the block's expert: the number of experts that end at or before its first slot
+            owner = tl.sum(((ends[None, :] <= (b * BM)[:, None]) & real[None, :]).to(tl.int32), axis=1)
+            tl.store(owner_ptr + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
+
+    @triton.jit
+    def _block_product(x_ptr, w_ptr, sm_ptr, e, m, n, mm, nm, g, N, K, n_groups, stride_x, PACKED: tl.constexpr,
+                       OPERAND: tl.constexpr):
+        """Group g's contribution to the [BM, BN] tile of rows m (of x) and columns n of expert e."""
+        if PACKED:
+            y = group_product(x_ptr, w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, m, n, mm, nm, g,
+                              N, K, stride_x, OPERAND)
+        else:
+            kk = g * 32 + tl.arange(0, 32)
+            w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0.0)
+            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mm[:, None], other=0.0)
+            y = tl.dot(x.to(OPERAND), tl.trans(w.to(OPERAND)))
+        return y
+
+    @triton.jit
+    def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
+                        TOPK: tl.constexpr, PACKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        OPERAND: tl.constexpr):
+        """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up."""
+        e = tl.load(owner_ptr + tl.program_id(0))
+        if e < 0:
+            return
+        e = e.to(tl.int64)
+        pair = tl.load(sorted_ptr + tl.program_id(0) * BM + tl.arange(0, BM))
+        pm = pair < P
+        rows = pair // TOPK
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < F
+        gate = tl.zeros([BM, BN], tl.float32)
+        up = tl.zeros([BM, BN], tl.float32)
+        for g in range(0, n_groups):
+            gate += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
+                                   PACKED, OPERAND)
+            up += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
+                                 PACKED, OPERAND)
+        tl.store(act_ptr + pair[:, None] * F + n[None, :], _silu_times(gate, up), mask=pm[:, None] & nm[None, :])
+
+    @triton.jit
+    def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
+                     PACKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OPERAND: tl.constexpr):
+        """One block and D-column tile: part[pair] = weight[pair] * down(act[pair])."""
+        e = tl.load(owner_ptr + tl.program_id(0))
+        if e < 0:
+            return
+        e = e.to(tl.int64)
+        pair = tl.load(sorted_ptr + tl.program_id(0) * BM + tl.arange(0, BM))
+        pm = pair < P
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < D
+        acc = tl.zeros([BM, BN], tl.float32)
+        for g in range(0, n_groups):
+            acc += _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, PACKED, OPERAND)
+        weight = tl.load(wt_ptr + pair, mask=pm, other=0.0)
+        tl.store(part_ptr + pair[:, None] * D + n[None, :], acc * weight[:, None], mask=pm[:, None] & nm[None, :])
+
+    @triton.jit
+    def _sum_slots(part_ptr, out_ptr, D, TOPK: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+        """out[t] (+)= part[t * TOPK] + part[t * TOPK + 1] + ..., in slot order."""
+        t = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        nm = n < D
+        y = tl.load(part_ptr + t * TOPK * D + n, mask=nm, other=0.0)
+        for j in range(1, TOPK):
+            y += tl.load(part_ptr + (t * TOPK + j) * D + n, mask=nm, other=0.0)
+        if ADD:
+            y += tl.load(out_ptr + t * D + n, mask=nm, other=0.0)
+        tl.store(out_ptr + t * D + n, y, mask=nm)
+
+
+def _groups_per_step(n_groups: int, most: int) -> int:
+    """Groups per loop step of the indexed products: `most`, or fewer for short inputs (a
+    power of two, so no step is mostly masked)."""
+    return max(1, min(most, triton.next_power_of_2(n_groups)))
+
+
+class StackedExperts:
+    """One layer's routed experts on CUDA (see the module docstring)."""
+
+    def __init__(self, gate_up: StackedWeight, down: StackedWeight, launch: MoeLaunch = LAUNCH):
+        if gate_up.n_expert != down.n_expert or gate_up.n != 2 * down.k or gate_up.k != down.n:
+            raise ValueError(f"gate/up [{gate_up.n_expert}, {gate_up.n}, {gate_up.k}] and down "
+                             f"[{down.n_expert}, {down.n}, {down.k}] do not make one SwiGLU")
+        self.gate_up, self.down = gate_up, down
+        self.n_expert, self.n_ff, self.n_embd = down.n_expert, down.k, down.n
+        self.launch = launch
+
+    @classmethod
+    def build(cls, gate: TensorRecord, up: TensorRecord, down: TensorRecord, device: torch.device) -> "StackedExperts":
+        """From a layer's 3-D ffn_gate_exps, ffn_up_exps and ffn_down_exps records."""
+        g, u, d = split_experts(gate), split_experts(up), split_experts(down)
+        return cls(StackedWeight([[a, b] for a, b in zip(g, u)], device), StackedWeight([[x] for x in d], device))
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 into: torch.Tensor | None = None) -> torch.Tensor:
+        T, k = ids.shape
+        if h.stride(-1) != 1:
+            h = h.contiguous()
+        ids = ids.reshape(-1).contiguous()
+        weights = weights.reshape(-1).float().contiguous()
+        add = into is not None
+        if add and not (into.dtype == torch.float32 and into.shape == (T, self.n_embd) and into.is_contiguous()):
+            into += self(h, ids.view(T, k), weights.view(T, k))
+            return into
+        out = into if add else torch.empty((T, self.n_embd), dtype=torch.float32, device=h.device)
+        act = torch.empty((T * k, self.n_ff), dtype=torch.float32, device=h.device)
+        if T <= GEMV_MAX_ROWS:
+            self._rows(h, ids, weights, act, out, k, add)
+        else:
+            self._blocks(h, ids, weights, act, out, k, add)
+        return out
+
+    def _rows(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
+              out: torch.Tensor, k: int, add: bool) -> None:
+        cfg, gu, dn = self.launch, self.gate_up, self.down
+        T, F, D = h.shape[0], self.n_ff, self.n_embd
+        bn = cfg.gemv_bn
+        _gate_up_rows[(T * k, triton.cdiv(F, bn))](
+            h, ids, *gu.row_operands(), act, F, gu.k, gu.k // GROUP, h.stride(0), TOPK=k, PACKED=gu.packed, BN=bn,
+            GB=_groups_per_step(gu.k // GROUP, cfg.gemv_gb), OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+        _down_rows[(T, triton.cdiv(D, bn))](
+            act, ids, weights, *dn.row_operands(), out, D, F, F // GROUP, TOPK=k, ADD=add, PACKED=dn.packed, BN=bn,
+            GB=_groups_per_step(F // GROUP, cfg.gemv_gb), OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+
+    def _blocks(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
+                out: torch.Tensor, k: int, add: bool) -> None:
+        cfg, gu, dn = self.launch, self.gate_up, self.down
+        T, F, D, E = h.shape[0], self.n_ff, self.n_embd, self.n_expert
+        P = T * k
+        bm = block_m(P, E)
+        n_blocks = max_blocks(P, E, bm)
+        pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=h.device)
+        owner = torch.empty((n_blocks,), dtype=torch.int32, device=h.device)
+        _align[(1,)](ids, pairs, owner, P, E, n_blocks, BM=bm, EB=triton.next_power_of_2(E),
+                     PB=ALIGN_PAIRS, NB=64, num_warps=8)
+        bn = cfg.gemm_bn
+        _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
+            h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.k // GROUP, h.stride(0), TOPK=k, PACKED=gu.packed,
+            BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+        part = torch.empty((P, D), dtype=torch.float32, device=h.device)
+        _down_blocks[(n_blocks, triton.cdiv(D, bn))](
+            act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, F // GROUP, PACKED=dn.packed, BM=bm, BN=bn,
+            OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+        block = min(1024, triton.next_power_of_2(D))
+        _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4)

@@ -1,0 +1,227 @@
+"""engine.cuda_moe's stacked experts against a float64 reference written from the expert
+tensors: the indexed one-row products and the grouped GEMM (with its grouping of (row, slot)
+pairs by expert on the device), 4-bit and bfloat16 stacks, the sum into the residual stream,
+wide and narrow batches against rows alone, and the layout's bookkeeping.
+
+The kernels run on a CUDA device (gpu-marked) or, where none is present, under Triton's
+interpreter on CPU tensors when the process was started with TRITON_INTERPRET=1 (Triton reads
+it when the kernels are defined); else those tests are skipped, as they are without Triton.
+The interpreter rounds float32 to bfloat16 by truncation and multiplies bfloat16 tensor-core
+operands wrongly, so there the kernels take float32 operands and the inputs are bfloat16 values
+already: that checks every index, mask, grouping and sum, and the device checks the rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+
+from engine import cuda_int4, cuda_moe
+from engine.gguf_file import TensorRecord
+from engine.quants import unpack_int4_groups
+from engine.synthetic import RANDOM_BLOCKS, random_blocks
+from engine.weights import split_experts, to_float
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# gate products of the random Q6_K blocks overflow exp(-g) to infinity, which SiLU takes (to -0)
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available() or not cuda_moe.AVAILABLE, reason="needs a CUDA device and Triton")]),
+           pytest.param("cpu", marks=pytest.mark.skipif(
+               not (INTERPRETED and cuda_moe.AVAILABLE), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    if request.param == "cpu":
+        monkeypatch.setattr(cuda_moe, "OPERAND", cuda_moe.tl.float32)
+    return torch.device(request.param)
+
+
+def record(name: str, w: np.ndarray, qtype: QT) -> TensorRecord:
+    """w in `qtype`; types gguf cannot quantize get random blocks of w's shape instead."""
+    if qtype in RANDOM_BLOCKS:
+        data = random_blocks(qtype, w.size // w.shape[-1], w.shape[-1], np.random.default_rng(w.size))
+    else:
+        data = w.astype(np.float32) if qtype == QT.F32 else gq.quantize(w.astype(np.float32), qtype)
+    return TensorRecord(name, qtype, w.shape, np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+
+
+def expert_records(n_expert: int, n_embd: int, n_ff: int, qtype: QT, seed: int = 0) -> list[TensorRecord]:
+    rng = np.random.default_rng(seed)
+    gate, up = (rng.standard_normal((n_expert, n_ff, n_embd)) * n_embd ** -0.5 for _ in range(2))
+    down = rng.standard_normal((n_expert, n_embd, n_ff)) * n_ff ** -0.5
+    return [record("ffn_gate_exps", gate, qtype), record("ffn_up_exps", up, qtype),
+            record("ffn_down_exps", down, qtype)]
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(a).float().to(torch.bfloat16).double().numpy()
+
+
+def reference(records: list[TensorRecord], h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+              rounds: bool, stacked_bf16: bool) -> np.ndarray:
+    """float64: each row's sum over its slots, in order, of weight * down(silu(gate) * up) of the
+    slot's expert, the activations (and the gate/up product) rounded to bfloat16 where the
+    kernels round them, the weights as the stack holds them."""
+    gate, up, down = (to_float(r).astype(np.float64) for r in records)
+    if stacked_bf16:
+        gate, up, down = bf16(gate), bf16(up), bf16(down)
+    x = bf16(h) if rounds else h.astype(np.float64)
+    out = np.zeros((h.shape[0], down.shape[1]))
+    for t, (row, w) in enumerate(zip(ids, weights)):
+        for e, wt in zip(row, w):
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            a = g / (1 + np.exp(-g)) * u
+            out[t] += wt * (down[e] @ (bf16(a) if rounds else a))
+    return out
+
+
+def routing(rows: int, n_expert: int, k: int, seed: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(n_expert)[:k] for _ in range(rows)])
+    return ids, rng.random((rows, k)).astype(np.float32)
+
+
+def run(experts: cuda_moe.StackedExperts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+        device: torch.device, into: np.ndarray | None = None) -> np.ndarray:
+    args = (torch.from_numpy(h).to(device), torch.from_numpy(ids).to(device), torch.from_numpy(weights).to(device))
+    if into is None:
+        return experts(*args).double().cpu().numpy()
+    out = torch.from_numpy(into.copy()).to(device)
+    assert experts(*args, into=out) is out
+    return out.double().cpu().numpy()
+
+
+def inputs(rows: int, n_embd: int, device: torch.device, seed: int = 2) -> np.ndarray:
+    h = np.random.default_rng(seed).standard_normal((rows, n_embd)).astype(np.float32)
+    return h if device.type == "cuda" else bf16(h).astype(np.float32)  # see the module docstring
+
+
+# Rows on both sides of GEMV_MAX_ROWS: the indexed products and the grouped GEMM.
+ROWS = [1, 3, cuda_moe.GEMV_MAX_ROWS + 1, 40]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "F16", "Q6_K"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_experts_match_the_float64_reference(device, qtype, rows):
+    E, d, f, k = 8, 64, 64, 2
+    if qtype.endswith("_K"):  # whole super-blocks of 256 inputs
+        d = f = 256
+    recs = expert_records(E, d, f, QT[qtype])
+    experts = cuda_moe.StackedExperts.build(*recs, device)
+    packed = qtype.startswith("Q4")
+    assert experts.gate_up.packed == experts.down.packed == packed
+    h = inputs(rows, d, device)
+    ids, w = routing(rows, E, k)
+    want = reference(recs, h, ids, w, rounds=device.type == "cuda", stacked_bf16=not packed)
+    got = run(experts, h, ids, w, device)
+    scale = np.abs(want).max()
+    # float32 sums in another order, and a bfloat16 rounding of gate/up's output that may fall
+    # on the other side of a tie
+    assert np.abs(got - want).max() <= 2e-3 * scale
+    residual = np.random.default_rng(3).standard_normal(want.shape).astype(np.float32)
+    added = run(experts, h, ids, w, device, into=residual)
+    assert np.abs(added - (residual + got)).max() <= 1e-6 * np.abs(added).max()
+
+
+@pytest.mark.parametrize("k", [1, 6])
+def test_many_experts_few_used_and_a_stride(device, k):
+    """64 experts, k of them per row (DeepSeek-V2-Lite's 6), rows that repeat an expert, and h a
+    strided view."""
+    E, d, f, rows = 64, 64, 96, 20
+    recs = expert_records(E, d, f, QT.Q4_0, seed=5)
+    experts = cuda_moe.StackedExperts.build(*recs, device)
+    wide = inputs(rows, 2 * d, device)
+    h = wide[:, :d]
+    ids, w = routing(rows, E, k, seed=6)
+    ids[1] = ids[0]  # two rows on the same experts
+    want = reference(recs, np.ascontiguousarray(h), ids, w, rounds=device.type == "cuda", stacked_bf16=False)
+    got = run(experts, h, ids, w, device)  # run copies h, so pass the view through torch as a view
+    view = torch.from_numpy(wide).to(device)[:, :d]
+    strided = experts(view, torch.from_numpy(ids).to(device), torch.from_numpy(w).to(device))
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+    assert torch.equal(strided.cpu(), torch.from_numpy(got).float())
+
+
+def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
+    """Rows alone take the indexed products; the same rows in a wide batch the grouped GEMM:
+    the same values up to the order of float32 sums.  Within one shape, a row's result does
+    not depend on the other rows at all."""
+    E, d, f, k, rows = 8, 64, 64, 2, 24
+    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT.Q4_0), device)
+    h = inputs(rows, d, device)
+    ids, w = routing(rows, E, k)
+    batch = run(experts, h, ids, w, device)
+    alone = np.concatenate([run(experts, h[i: i + 1], ids[i: i + 1], w[i: i + 1], device) for i in range(rows)])
+    assert np.abs(batch - alone).max() <= 1e-3 * np.abs(alone).max()
+    half = rows // 2  # still the grouped GEMM, other rows beside them
+    part = run(experts, h[half:], ids[half:], w[half:], device)
+    np.testing.assert_array_equal(part, batch[half:])
+    few = run(experts, h[:3], ids[:3], w[:3], device)
+    np.testing.assert_array_equal(few[1:], run(experts, h[1:3], ids[1:3], w[1:3], device))
+
+
+def test_pairs_are_grouped_by_expert_in_whole_blocks(device):
+    rng = np.random.default_rng(4)
+    E, P, bm = 16, 300, 16
+    ids = torch.from_numpy(rng.integers(0, E, P)).to(device)
+    ids[:40] = 3  # one expert with several blocks
+    n_blocks = cuda_moe.max_blocks(P, E, bm)
+    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=device)
+    owner = torch.empty(n_blocks, dtype=torch.int32, device=device)
+    cuda_moe._align[(1,)](ids, pairs, owner, P, E, n_blocks, BM=bm, EB=E, PB=cuda_moe.ALIGN_PAIRS, NB=64)
+    pairs, owner, ids = pairs.cpu().view(n_blocks, bm), owner.cpu(), ids.cpu()
+    seen = []
+    for b in range(n_blocks):
+        real = pairs[b][pairs[b] < P]
+        if owner[b] < 0:
+            assert len(real) == 0
+            continue
+        assert (ids[real.long()] == owner[b]).all()
+        seen.extend(real.tolist())
+    assert sorted(seen) == list(range(P)) and len(seen) == P  # every pair exactly once
+    used = owner[owner >= 0]
+    assert (used[1:] >= used[:-1]).all()  # experts in order, then the unused blocks
+    assert (owner[len(used):] == -1).all()
+    counts = torch.bincount(ids, minlength=E)
+    assert len(used) == int(((counts + bm - 1) // bm).sum())
+    assert seen == sorted(seen, key=lambda p: (int(ids[p]), p))  # within an expert, pair order
+
+
+def test_block_sizes_and_the_grid_bound():
+    assert cuda_moe.block_m(32 * 8, 128) == 16 and cuda_moe.block_m(512 * 8, 128) == 32
+    assert cuda_moe.block_m(2048 * 8, 64) == 64
+    rng = np.random.default_rng(0)
+    for P, E, bm in ((8, 128, 16), (256, 128, 16), (4096, 64, 64), (300, 16, 16)):
+        for _ in range(20):
+            counts = np.bincount(rng.integers(0, rng.integers(1, E + 1), P), minlength=E)
+            assert (-(-counts // bm)).sum() <= cuda_moe.max_blocks(P, E, bm)
+
+
+def test_stacks_refuse_mismatched_shapes():
+    gate, _, down = (split_experts(r) for r in expert_records(4, 64, 64, QT.F32))
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="do not make one SwiGLU"):  # gate without up
+        cuda_moe.StackedExperts(cuda_moe.StackedWeight([[g] for g in gate], cpu),
+                                cuda_moe.StackedWeight([[d] for d in down], cpu))
+
+
+def test_packed_stacks_hold_the_int4_layout():
+    """The nibbles and (scale, minimum) pairs of each expert are engine.cuda_int4's, and the
+    bytes are counted."""
+    recs = expert_records(4, 64, 64, QT.Q4_1)
+    experts = cuda_moe.StackedExperts.build(*recs, torch.device("cpu"))
+    gu = experts.gate_up
+    assert gu.nibbles.shape == (4, 128, 32) and gu.pairs.shape == (4, 2, 128, 2) and gu.pairs.dtype == torch.float16
+    g, u = split_experts(recs[0])[2], split_experts(recs[1])[2]
+    parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in (g, u)]
+    q = np.concatenate([p.q for p in parts]).astype(np.uint8)
+    np.testing.assert_array_equal(gu.nibbles[2].numpy(), (q[:, ::2] << 4) | q[:, 1::2])
+    pairs = cuda_int4.scale_pairs(np.concatenate([p.scale for p in parts]), np.concatenate([p.minimum for p in parts]))
+    np.testing.assert_array_equal(gu.pairs[2].numpy(), pairs)
+    assert experts.nbytes == sum(t.nbytes for t in (gu.nibbles, gu.pairs, experts.down.nibbles, experts.down.pairs))
