@@ -177,7 +177,8 @@ if AVAILABLE:
 
     @triton.jit
     def _silu_times(gate, up):
-        return gate / (1.0 + tl.exp(-gate)) * up
+        """silu(gate) * up in float32, the division correctly rounded as torch's F.silu's."""
+        return tl.div_rn(gate, 1.0 + tl.exp(-gate)) * up
 
     @triton.jit
     def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,

@@ -38,11 +38,15 @@ the selection only; with `expert_group_count` > 1 a token's experts come from th
 `expert_group_used_count` groups whose two best biased scores sum highest; the top-k (ties to
 the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
-float32, one row at a time.
+float32, one row at a time.  On CUDA with packed weights the routed experts are
+engine.cuda_moe's stacked experts (engine.models.qwen_moe.routed_experts): routed on the
+device and added to the residual stream with no read-back to the host; elsewhere the
+per-expert dispatch, which reads the routing back once per layer.
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
-engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (the routing is
-read back to the host) and no step is launched ahead.  It reads no files and knows nothing of
+engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (latent attention
+has no graph path: a step copies its rows' positions to the device as it starts) and no step
+is launched ahead.  It reads no files and knows nothing of
 tokens' text or sessions.
 """
 from __future__ import annotations
@@ -61,7 +65,8 @@ from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
 from engine.models.llama import TorchKernels
-from engine.models.qwen_moe import Expert, float32_rows, mix_experts, stacked_experts
+from engine import cuda_moe
+from engine.models.qwen_moe import Expert, experts_nbytes, float32_rows, mix_experts, routed_experts
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
@@ -173,7 +178,7 @@ class MlaBlock:
         self.w_uv = dense(w_v.transpose(0, 2, 1))  # [H, rank, dv]: latent output [H, 1, rank] @ w_uv
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
         self.dense: Expert | None = None
-        self.experts: list[Expert] = []
+        self.experts: list[Expert] | cuda_moe.StackedExperts = []
         self.router: Linear | None = None
         self.bias: torch.Tensor | None = None
         self.shared: Expert | None = None
@@ -181,7 +186,7 @@ class MlaBlock:
             self.dense = Expert(build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device, cpu=cpu),
                                 build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu))
             return
-        self.experts = stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
+        self.experts = routed_experts(t, p, cfg.n_expert, fmt, device, cpu)
         self.router = float32_rows(to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd), device)
         if p + "exp_probs_b.bias" in t:
             self.bias = vec("exp_probs_b.bias")
@@ -192,10 +197,10 @@ class MlaBlock:
 
     @property
     def nbytes(self) -> int:
-        ffn = [self.dense, self.shared, self.router, *self.experts]
-        mats = [self.w_in, self.w_q_b, self.wo, *ffn]
+        mats = [self.w_in, self.w_q_b, self.wo, self.dense, self.shared, self.router]
         vecs = [self.attn_norm, self.ffn_norm, self.kv_a_norm, self.q_a_norm, self.bias, self.w_uk, self.w_uv]
-        return sum(m.nbytes for m in mats if m is not None) + sum(v.nbytes for v in vecs if v is not None)
+        return (sum(m.nbytes for m in mats if m is not None) + sum(v.nbytes for v in vecs if v is not None)
+                + experts_nbytes(self.experts))
 
 
 class DeepSeek2Model(CachedNetwork):
@@ -418,6 +423,11 @@ class DeepSeek2Model(CachedNetwork):
             return
         ids, weights = route(blk.router(h), cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups,
                              cfg.n_group_used, self.renormalise, cfg.expert_weights_scale)
+        if isinstance(blk.experts, cuda_moe.StackedExperts):  # CUDA: nothing read back to the host
+            if blk.shared is not None:
+                x += blk.shared(h)
+            blk.experts(h, ids, weights, into=x)
+            return
         acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + blk.shared(h)
