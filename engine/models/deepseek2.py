@@ -292,7 +292,7 @@ class DeepSeek2Model(CachedNetwork):
             else:
                 out = self._attend_chunk(blk, q, layer[:end], start)
             blk.wo.accumulate(x, out)
-            self._feed_forward(blk, x)
+            self.feed_forward(blk, x)
         cache.n = end
         if logits == "last":
             return self._head(x[-1:])[0]
@@ -312,7 +312,7 @@ class DeepSeek2Model(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             q, rows = self._project(blk, x, rope)
             blk.wo.accumulate(x, attend(li, blk, q, rows))
-            self._feed_forward(blk, x)
+            self.feed_forward(blk, x)
         for c, p in zip(caches, pos):
             c.n = p + 1
         return self._head(x)
@@ -414,7 +414,7 @@ class DeepSeek2Model(CachedNetwork):
         out = torch.bmm(probs @ lat[:, :rank], blk.w_uv)  # [H, T, dv]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _feed_forward(self, blk: MlaBlock, x: torch.Tensor) -> None:
+    def feed_forward(self, blk: MlaBlock, x: torch.Tensor) -> None:
         """x += the block's dense FFN, or its routed experts plus its shared ones, of x."""
         cfg = self.cfg
         h = self.norm(x, blk.ffn_norm)
