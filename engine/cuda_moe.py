@@ -56,7 +56,7 @@ from engine.cuda_attention import AVAILABLE, tl, triton
 from engine.cuda_int4 import GROUP, OPERAND
 from engine.gguf_file import TensorRecord
 from engine.quants import INT4_GROUPED, unpack_int4_groups
-from engine.weights import split_experts, to_float
+from engine.weights import to_float
 
 if AVAILABLE:
     from engine.cuda_int4 import gemv_columns, group_product
@@ -99,34 +99,33 @@ class StackedWeight:
     `words` the same bytes as int32, `pairs` [E, k/32, n, 2] float16 or float32) or bfloat16
     (`dense` [E, n, k])."""
 
-    def __init__(self, experts: Sequence[Sequence[TensorRecord]], device: torch.device):
-        """experts[e]: the records whose rows, concatenated, are expert e's matrix."""
-        first = experts[0]
-        self.n_expert = len(experts)
-        self.n, self.k = sum(r.shape[0] for r in first), first[0].n_cols
+    def __init__(self, parts: Sequence[TensorRecord], device: torch.device):
+        """parts: 3-D expert tensors [n_expert, rows, k]; expert e's matrix is its rows of each
+        part, one part after the other (gate's, then up's)."""
+        shapes = {(r.shape[0], r.shape[2]) for r in parts}
+        if len(shapes) != 1 or any(len(r.shape) != 3 for r in parts):
+            raise ValueError(f"cannot stack {[(r.name, r.shape) for r in parts]} as one matrix per expert")
+        (self.n_expert, self.k), = shapes
+        self.n = sum(r.shape[1] for r in parts)
         if self.k % GROUP:
             raise ValueError(f"stacked experts need in_features divisible by {GROUP}, got {self.k}")
-        self.packed = all(r.qtype in INT4_GROUPED for recs in experts for r in recs)
+        self.packed = all(r.qtype in INT4_GROUPED for r in parts)
         self.nibbles = self.words = self.pairs = self.dense = None
         if self.packed:
-            self._pack(experts, device)
+            self._pack(parts, device)
         else:
-            dense = torch.empty((self.n_expert, self.n, self.k), dtype=torch.bfloat16)
-            for e, recs in enumerate(experts):
-                dense[e] = torch.from_numpy(np.concatenate([to_float(r).reshape(-1, self.k) for r in recs]))
-            self.dense = dense.to(device)
+            dense = torch.cat([torch.from_numpy(to_float(r)).to(torch.bfloat16) for r in parts], dim=1)
+            self.dense = dense.contiguous().to(device)
 
-    def _pack(self, experts: Sequence[Sequence[TensorRecord]], device: torch.device) -> None:
-        E, n, k = self.n_expert, self.n, self.k
-        nibbles = np.empty((E, n, k // 2), dtype=np.uint8)
-        pairs = np.empty((E, k // GROUP, n, 2), dtype=np.float32)
-        for e, recs in enumerate(experts):
-            parts = [unpack_int4_groups(r.qtype, r.data, r.n_cols) for r in recs]
-            q = np.concatenate([p.q for p in parts]).astype(np.uint8)
-            nibbles[e] = (q[:, ::2] << 4) | q[:, 1::2]
-            scale = np.concatenate([p.scale for p in parts])
-            minimum = np.concatenate([p.minimum for p in parts])
-            pairs[e] = np.stack([scale, minimum], axis=-1).transpose(1, 0, 2)
+    def _pack(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
+        E, k = self.n_expert, self.k
+        groups = [unpack_int4_groups(r.qtype, r.data, k) for r in parts]
+        q = np.concatenate([g.q.reshape(E, -1, k) for g in groups], axis=1).astype(np.uint8, copy=False)
+        nibbles = np.ascontiguousarray((q[..., ::2] << 4) | q[..., 1::2])
+        del q
+        scale, minimum = (np.concatenate([getattr(g, f).reshape(E, -1, k // GROUP) for g in groups], axis=1)
+                          for f in ("scale", "minimum"))
+        pairs = np.ascontiguousarray(np.stack([scale, minimum], axis=-1).transpose(0, 2, 1, 3))  # [E, k/32, n, 2]
         with np.errstate(over="ignore"):
             half = pairs.astype(np.float16)
         self.nibbles = torch.from_numpy(nibbles).to(device)
@@ -333,8 +332,7 @@ class StackedExperts:
     @classmethod
     def build(cls, gate: TensorRecord, up: TensorRecord, down: TensorRecord, device: torch.device) -> "StackedExperts":
         """From a layer's 3-D ffn_gate_exps, ffn_up_exps and ffn_down_exps records."""
-        g, u, d = split_experts(gate), split_experts(up), split_experts(down)
-        return cls(StackedWeight([[a, b] for a, b in zip(g, u)], device), StackedWeight([[x] for x in d], device))
+        return cls(StackedWeight([gate, up], device), StackedWeight([down], device))
 
     @property
     def nbytes(self) -> int:

@@ -207,11 +207,13 @@ def test_block_sizes_and_the_grid_bound():
 
 
 def test_stacks_refuse_mismatched_shapes():
-    gate, _, down = (split_experts(r) for r in expert_records(4, 64, 64, QT.F32))
+    gate, up, down = expert_records(4, 64, 64, QT.F32)
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="do not make one SwiGLU"):  # gate without up
-        cuda_moe.StackedExperts(cuda_moe.StackedWeight([[g] for g in gate], cpu),
-                                cuda_moe.StackedWeight([[d] for d in down], cpu))
+        cuda_moe.StackedExperts(cuda_moe.StackedWeight([gate], cpu), cuda_moe.StackedWeight([down], cpu))
+    other = expert_records(4, 96, 64, QT.F32)[0]  # another input width
+    with pytest.raises(ValueError, match="cannot stack"):
+        cuda_moe.StackedWeight([gate, other], cpu)
 
 
 def test_packed_stacks_hold_the_int4_layout():
