@@ -193,8 +193,8 @@ if AVAILABLE:
         tl.store(act_ptr + p * F + n, _silu_times(gate, up), mask=nm)
 
     @triton.jit
-    def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr, ADD: tl.constexpr,
-                   PACKED: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+    def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr,
+                   ADD: tl.constexpr, PACKED: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
         """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
         weight_j * down_j(act[t * TOPK + j])."""
         t = tl.program_id(0)
@@ -205,7 +205,8 @@ if AVAILABLE:
             p = t * TOPK + j
             e = tl.load(ids_ptr + p).to(tl.int64)
             weight = tl.load(wt_ptr + p)
-            y += weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, PACKED, BN, GB, OPERAND)
+            y += weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, PACKED, BN, GB,
+                                          OPERAND)
         out = out_ptr + t * D + n
         if ADD:  # the residual stream, updated in place after the row's own sum
             y += tl.load(out, mask=nm, other=0.0)
@@ -382,8 +383,8 @@ class StackedExperts:
                      PB=ALIGN_PAIRS, NB=64, num_warps=8)
         bn = cfg.gemm_bn
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
-            h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.k // GROUP, h.stride(0), TOPK=k, PACKED=gu.packed,
-            BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.k // GROUP, h.stride(0), TOPK=k,
+            PACKED=gu.packed, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, F // GROUP, PACKED=dn.packed, BM=bm, BN=bn,

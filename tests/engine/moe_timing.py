@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists(path):
         t0 = time.perf_counter()
         written = write_shape(path, shape, n_layer, QT[args.qtype])
-        print(f"wrote {path} ({os.path.getsize(path) / 2 ** 30:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
+        size = os.path.getsize(path) / 2 ** 30
+        print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
     m = engine.load_model(path, device="cuda", ctx=512)
     print(f"loaded in {time.perf_counter() - t0:.0f} s; graphs: {m.net.decode_graphs is not None}")
