@@ -4,12 +4,14 @@ routed experts held stacked.
 `StackedExperts.build(gate, up, down, device)` takes the 3-D expert tensors of one layer
 (`ffn_{gate,up,down}_exps`, torch order [n_expert, rows, cols]) and holds them as two stacked
 matrices, gate/up [n_expert, 2 * n_ff, n_embd] (each expert's gate rows, then its up rows) and
-down [n_expert, n_embd, n_ff].  Q4_0, Q4_1 and Q4_K stay 4-bit in engine.cuda_int4's layout
-(nibbles two per byte, even input high; per group of 32 inputs and output column the pair
-(scale, minimum), float16 where every pair of the stack is finite in it, else float32).  Other
-types are dequantized once to bfloat16: exact for none of them but the F16/BF16 ones, and 2
-bytes a weight where llama.cpp reads their own blocks (a Q6_K or Q5_0 stack reads 2.4 to 2.9
-times the bytes; an 8-bit grouped layout is not written yet).
+down [n_expert, n_embd, n_ff] (`StackedWeight`).  Q4_0, Q4_1 and Q4_K stay 4-bit in
+engine.cuda_int4's layout (nibbles two per byte, even input high; per group of 32 inputs and
+output column the pair (scale, minimum), float16 where every pair of the stack is finite in
+it, else float32).  The 5-, 6- and 8-bit grouped types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q3_K,
+Q2_K, IQ4_NL, IQ4_XS) are held as int8 values with the same pairs per group of 16 or 32, about
+1.1 to 1.3 bytes a weight (a Q4_K_M file's Q6_K down projections, and the Q5_0 that llama.cpp
+writes for rows that are not whole Q4_K blocks, such as DeepSeek-V2-Lite's 1408-wide experts).
+Every other type (F16, BF16, F32) is dequantized once to bfloat16.
 
 `experts(h, ids, weights, into=x)`: h [T, n_embd] (float32 or bfloat16), ids [T, k] (each row's
 experts, on the device), weights [T, k] float32 -> float32 [T, n_embd], each row's
@@ -18,8 +20,9 @@ expert; with `into` ([T, n_embd] float32, the residual stream) the sum is added 
 kernel.  Nothing is read back to the host and every launch shape depends only on T, k and the
 weights' shapes, so the call can be captured in a CUDA graph (engine.cuda_graphs).  The
 arithmetic is engine.cuda_int4's: activations rounded to bfloat16, the products with the
-nibbles (or bfloat16 weights) exact, summed in float32 per group, then scale and minimum *
-(sum of the group's activations) in float32.  The gate/up outputs stay float32 for the SwiGLU.
+nibbles or int8 values (or bfloat16 weights) exact, summed in float32 per group, then scale
+and minimum * (sum of the group's activations) in float32.  The gate/up outputs stay float32
+for the SwiGLU.
 
 Two shapes of work, by rows:
 
@@ -55,7 +58,7 @@ import torch
 from engine.cuda_attention import AVAILABLE, tl, triton
 from engine.cuda_int4 import GROUP, OPERAND
 from engine.gguf_file import TensorRecord
-from engine.quants import INT4_GROUPED, unpack_int4_groups
+from engine.quants import INT4_GROUPED, INT8_GROUPED, Int8Groups, unpack_int4_groups, unpack_int8_groups
 from engine.weights import to_float
 
 if AVAILABLE:
@@ -94,10 +97,23 @@ def max_blocks(pairs: int, n_expert: int, bm: int) -> int:
     return -(-pairs // bm) + min(n_expert, pairs)
 
 
+# A stack's formats, by the index its kernels take (their FMT argument).
+FORMATS = ("int4", "int8", "bf16")
+
+
 class StackedWeight:
-    """n_expert matrices of the same shape [n, k] held as one: int4 (`nibbles` [E, n, k/2] uint8,
-    `words` the same bytes as int32, `pairs` [E, k/32, n, 2] float16 or float32) or bfloat16
-    (`dense` [E, n, k])."""
+    """n_expert matrices of the same shape [n, k] held as one, in one of `FORMATS`:
+
+    - int4 (Q4_0, Q4_1, Q4_K): `nibbles` [E, n, k/2] uint8 (`words`, the same bytes as int32),
+      groups of 32;
+    - int8 (the 5-, 6- and 8-bit grouped types, engine.quants.INT8_GROUPS, and mixtures with
+      the 4-bit ones): `q` [E, n, k] int8, groups of `group` (16 or 32: the smallest of its
+      parts');
+    - bf16 (every other type): `dense` [E, n, k].
+
+    The grouped formats hold `pairs` [E, k/group, n, 2], each group's (scale, minimum) per
+    output column (a zero minimum for types without one), float16 where every pair of the
+    stack is finite in it, else float32."""
 
     def __init__(self, parts: Sequence[TensorRecord], device: torch.device):
         """parts: 3-D expert tensors [n_expert, rows, k]; expert e's matrix is its rows of each
@@ -109,44 +125,87 @@ class StackedWeight:
         self.n = sum(r.shape[1] for r in parts)
         if self.k % GROUP:
             raise ValueError(f"stacked experts need in_features divisible by {GROUP}, got {self.k}")
-        self.packed = all(r.qtype in INT4_GROUPED for r in parts)
-        self.nibbles = self.words = self.pairs = self.dense = None
-        if self.packed:
-            self._pack(parts, device)
+        self.nibbles = self.words = self.q = self.pairs = self.dense = None
+        self.group = GROUP
+        if all(r.qtype in INT4_GROUPED for r in parts):
+            self.format = "int4"
+            self._pack_int4(parts, device)
+        elif all(r.qtype in INT4_GROUPED or r.qtype in INT8_GROUPED for r in parts):
+            self.format = "int8"
+            self._pack_int8(parts, device)
         else:
+            self.format = "bf16"
             dense = torch.cat([torch.from_numpy(to_float(r)).to(torch.bfloat16) for r in parts], dim=1)
             self.dense = dense.contiguous().to(device)
 
-    def _pack(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
-        E, k = self.n_expert, self.k
-        groups = [unpack_int4_groups(r.qtype, r.data, k) for r in parts]
-        q = np.concatenate([g.q.reshape(E, -1, k) for g in groups], axis=1).astype(np.uint8, copy=False)
-        nibbles = np.ascontiguousarray((q[..., ::2] << 4) | q[..., 1::2])
-        del q
-        scale, minimum = (np.concatenate([getattr(g, f).reshape(E, -1, k // GROUP) for g in groups], axis=1)
-                          for f in ("scale", "minimum"))
-        pairs = np.ascontiguousarray(np.stack([scale, minimum], axis=-1).transpose(0, 2, 1, 3))  # [E, k/32, n, 2]
+    def _per_expert(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """Each part's [E * rows, cols] array as [E, rows, cols], the parts joined per expert."""
+        return np.concatenate([a.reshape(self.n_expert, -1, a.shape[-1]) for a in arrays], axis=1)
+
+    def _hold_pairs(self, scale: np.ndarray, minimum: np.ndarray, device: torch.device) -> None:
+        """[E, n, groups] scales and minimums -> `pairs`."""
+        pairs = np.ascontiguousarray(np.stack([scale, minimum], axis=-1).transpose(0, 2, 1, 3))
         with np.errstate(over="ignore"):
             half = pairs.astype(np.float16)
-        self.nibbles = torch.from_numpy(nibbles).to(device)
-        self.words = self.nibbles.view(torch.int32)
         self.pairs = torch.from_numpy(half if np.isfinite(half).all() else pairs).to(device)
 
+    def _pack_int4(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
+        groups = [unpack_int4_groups(r.qtype, r.data, self.k) for r in parts]
+        q = self._per_expert([g.q for g in groups]).astype(np.uint8, copy=False)
+        self.nibbles = torch.from_numpy(np.ascontiguousarray((q[..., ::2] << 4) | q[..., 1::2])).to(device)
+        self.words = self.nibbles.view(torch.int32)
+        self._hold_pairs(self._per_expert([g.scale for g in groups]), self._per_expert([g.minimum for g in groups]),
+                         device)
+
+    def _pack_int8(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
+        groups = [unpack_int8_groups(r.qtype, r.data, self.k) for r in parts]
+        self.group = min(g.group for g in groups)
+
+        def regrouped(g: Int8Groups, values: np.ndarray | None) -> np.ndarray:
+            values = np.zeros_like(g.scale) if values is None else values
+            return np.repeat(values, g.group // self.group, axis=1)  # a larger group's value per smaller group
+
+        self.q = torch.from_numpy(np.ascontiguousarray(self._per_expert([g.q for g in groups]))).to(device)
+        self._hold_pairs(self._per_expert([regrouped(g, g.scale) for g in groups]),
+                         self._per_expert([regrouped(g, g.minimum) for g in groups]), device)
+
+    @property
+    def format_index(self) -> int:
+        return FORMATS.index(self.format)
+
+    @property
+    def n_groups(self) -> int:
+        return self.k // self.group
+
     def row_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(matrices, scales) as the indexed one-row products read them: the int32 words and the
-        (scale, minimum) pairs, or the bfloat16 stack twice (its scales are never read)."""
-        return (self.words, self.pairs) if self.packed else (self.dense, self.dense)
+        """(matrices, scales) as the indexed one-row products read them: the int32 words (int4)
+        or the int8 values, and the pairs; the bfloat16 stack twice (no scales are read)."""
+        held = {"int4": (self.words, self.pairs), "int8": (self.q, self.pairs), "bf16": (self.dense, self.dense)}
+        return held[self.format]
 
     def block_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(matrices, scales) as the grouped tensor-core products read them: the nibbles as
-        bytes (16 per group) and the pairs, or the bfloat16 stack twice."""
-        return (self.nibbles, self.pairs) if self.packed else (self.dense, self.dense)
+        """(matrices, scales) as the grouped tensor-core products read them: the nibbles as bytes
+        (16 per group) for int4, else as `row_operands`."""
+        return (self.nibbles, self.pairs) if self.format == "int4" else self.row_operands()
+
+    def dequantized(self) -> torch.Tensor:
+        """float32 [E, n, k]: the matrices as the kernels see them (for tests and checks)."""
+        if self.format == "bf16":
+            return self.dense.float()
+        pairs = self.pairs.float()
+        if self.format == "int4":
+            b = self.nibbles.to(torch.int32)
+            q = torch.stack([b >> 4, b & 15], dim=-1).reshape(self.n_expert, self.n, self.k)
+        else:
+            q = self.q
+        q = q.float().view(self.n_expert, self.n, self.n_groups, self.group)
+        scale, minimum = (pairs[..., i].transpose(1, 2)[..., None] for i in (0, 1))  # [E, n, groups, 1]
+        return (q * scale + minimum).view(self.n_expert, self.n, self.k)
 
     @property
     def nbytes(self) -> int:
-        if self.packed:
-            return self.nibbles.nbytes + self.pairs.nbytes
-        return self.dense.nbytes
+        held = [self.nibbles, self.q, self.pairs] if self.format != "bf16" else [self.dense]
+        return sum(t.nbytes for t in held if t is not None)
 
 
 if AVAILABLE:
@@ -164,12 +223,39 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _expert_columns(x_ptr, w_ptr, sm_ptr, e, n, nm, N, K, n_groups, PACKED: tl.constexpr, BN: tl.constexpr,
-                        GB: tl.constexpr, OPERAND: tl.constexpr):
-        """[BN] float32: one row x times columns `n` of expert e's [N, K] matrix (K = 32 * n_groups)."""
-        if PACKED:
+    def _int8_columns(x_ptr, q_ptr, sm_ptr, n, nm, N, K, n_groups, G: tl.constexpr, BN: tl.constexpr,
+                      GB: tl.constexpr, OPERAND: tl.constexpr):
+        """[BN] float32: one row x times columns `n` of an int8 matrix [N, K] at q_ptr with groups
+        of G and (scale, minimum) pairs [K/G, N, 2] at sm_ptr: per group the exact products
+        summed in float32, then scale * sum + minimum * (sum of the group's activations)."""
+        gi = tl.arange(0, GB)
+        j = tl.arange(0, G)
+        acc = tl.zeros([BN, GB], tl.float32)
+        for c in range(0, n_groups, GB):
+            gm = c + gi < n_groups
+            g = c + gi
+            col = g[:, None] * G + j[None, :]  # [GB, G]
+            q = tl.load(q_ptr + n[:, None, None] * K + col[None, :, :], mask=nm[:, None, None] & gm[None, :, None],
+                        other=0).to(tl.float32)
+            x = tl.load(x_ptr + col, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+            pair = sm_ptr + (g[None, :] * N + n[:, None]) * 2  # [BN, GB]
+            pm = nm[:, None] & gm[None, :]
+            scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
+            minimum = tl.load(pair + 1, mask=pm, other=0.0).to(tl.float32)
+            acc += tl.sum(q * x[None, :, :], axis=2) * scale + tl.sum(x, axis=1)[None, :] * minimum
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _expert_columns(x_ptr, w_ptr, sm_ptr, e, n, nm, N, K, n_groups, FMT: tl.constexpr, G: tl.constexpr,
+                        BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+        """[BN] float32: one row x times columns `n` of expert e's [N, K] matrix in format FMT
+        (an index into FORMATS: int4, int8, bf16), K = G * n_groups."""
+        if FMT == 0:
             y = gemv_columns(x_ptr, w_ptr + e * N * (K // 8), sm_ptr + e * n_groups * N * 2, n, nm, N, K,
                              0, n_groups, BN, GB, OPERAND)
+        elif FMT == 1:
+            y = _int8_columns(x_ptr, w_ptr + e * N * K, sm_ptr + e * n_groups * N * 2, n, nm, N, K, n_groups, G,
+                              BN, GB, OPERAND)
         else:
             y = _dense_columns(x_ptr, w_ptr + e * N * K, n, nm, K, BN, GB * 32, OPERAND)
         return y
@@ -181,20 +267,21 @@ if AVAILABLE:
 
     @triton.jit
     def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,
-                      PACKED: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+                      FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
         """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert."""
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < F
         e = tl.load(ids_ptr + p).to(tl.int64)
         x = x_ptr + (p // TOPK) * stride_x
-        gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, PACKED, BN, GB, OPERAND)
-        up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, PACKED, BN, GB, OPERAND)
+        gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
+        up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
         tl.store(act_ptr + p * F + n, _silu_times(gate, up), mask=nm)
 
     @triton.jit
     def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr,
-                   ADD: tl.constexpr, PACKED: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+                   ADD: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
+                   OPERAND: tl.constexpr):
         """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
         weight_j * down_j(act[t * TOPK + j])."""
         t = tl.program_id(0)
@@ -205,8 +292,8 @@ if AVAILABLE:
             p = t * TOPK + j
             e = tl.load(ids_ptr + p).to(tl.int64)
             weight = tl.load(wt_ptr + p)
-            y += weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, PACKED, BN, GB,
-                                          OPERAND)
+            y += weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, FMT, G, BN,
+                                          GB, OPERAND)
         out = out_ptr + t * D + n
         if ADD:  # the residual stream, updated in place after the row's own sum
             y += tl.load(out, mask=nm, other=0.0)
@@ -245,22 +332,28 @@ if AVAILABLE:
             tl.store(owner_ptr + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
 
     @triton.jit
-    def _block_product(x_ptr, w_ptr, sm_ptr, e, m, n, mm, nm, g, N, K, n_groups, stride_x, PACKED: tl.constexpr,
-                       OPERAND: tl.constexpr):
-        """Group g's contribution to the [BM, BN] tile of rows m (of x) and columns n of expert e."""
-        if PACKED:
+    def _block_product(x_ptr, w_ptr, sm_ptr, e, m, n, mm, nm, g, N, K, n_groups, stride_x, FMT: tl.constexpr,
+                       G: tl.constexpr, OPERAND: tl.constexpr):
+        """Group g's contribution to the [BM, BN] tile of rows m (of x) and columns n of expert e
+        (format FMT, groups of G)."""
+        if FMT == 0:
             y = group_product(x_ptr, w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, m, n, mm, nm, g,
                               N, K, stride_x, OPERAND)
         else:
-            kk = g * 32 + tl.arange(0, 32)
-            w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0.0)
-            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mm[:, None], other=0.0)
-            y = tl.dot(x.to(OPERAND), tl.trans(w.to(OPERAND)))
+            kk = g * G + tl.arange(0, G)
+            w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0)
+            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
+            y = tl.dot(x, tl.trans(w.to(OPERAND)))  # int8 values are exact in bfloat16
+            if FMT == 1:
+                pair = sm_ptr + e * n_groups * N * 2 + (g * N + n) * 2
+                scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
+                minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+                y = y * scale[None, :] + tl.sum(x.to(tl.float32), axis=1)[:, None] * minimum[None, :]
         return y
 
     @triton.jit
     def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
-                        TOPK: tl.constexpr, PACKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                        TOPK: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         OPERAND: tl.constexpr):
         """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up."""
         e = tl.load(owner_ptr + tl.program_id(0))
@@ -276,14 +369,14 @@ if AVAILABLE:
         up = tl.zeros([BM, BN], tl.float32)
         for g in range(0, n_groups):
             gate += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                   PACKED, OPERAND)
+                                   FMT, G, OPERAND)
             up += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                 PACKED, OPERAND)
+                                 FMT, G, OPERAND)
         tl.store(act_ptr + pair[:, None] * F + n[None, :], _silu_times(gate, up), mask=pm[:, None] & nm[None, :])
 
     @triton.jit
     def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
-                     PACKED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OPERAND: tl.constexpr):
+                     FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OPERAND: tl.constexpr):
         """One block and D-column tile: part[pair] = weight[pair] * down(act[pair])."""
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
@@ -295,7 +388,7 @@ if AVAILABLE:
         nm = n < D
         acc = tl.zeros([BM, BN], tl.float32)
         for g in range(0, n_groups):
-            acc += _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, PACKED, OPERAND)
+            acc += _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, FMT, G, OPERAND)
         weight = tl.load(wt_ptr + pair, mask=pm, other=0.0)
         tl.store(part_ptr + pair[:, None] * D + n[None, :], acc * weight[:, None], mask=pm[:, None] & nm[None, :])
 
@@ -364,11 +457,13 @@ class StackedExperts:
         T, F, D = h.shape[0], self.n_ff, self.n_embd
         bn = cfg.gemv_bn
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
-            h, ids, *gu.row_operands(), act, F, gu.k, gu.k // GROUP, h.stride(0), TOPK=k, PACKED=gu.packed, BN=bn,
-            GB=_groups_per_step(gu.k // GROUP, cfg.gemv_gb), OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+            h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
+            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
+            num_warps=cfg.gemv_warps)
         _down_rows[(T, triton.cdiv(D, bn))](
-            act, ids, weights, *dn.row_operands(), out, D, F, F // GROUP, TOPK=k, ADD=add, PACKED=dn.packed, BN=bn,
-            GB=_groups_per_step(F // GROUP, cfg.gemv_gb), OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+            act, ids, weights, *dn.row_operands(), out, D, F, dn.n_groups, TOPK=k, ADD=add, FMT=dn.format_index,
+            G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
+            num_warps=cfg.gemv_warps)
 
     def _blocks(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
                 out: torch.Tensor, k: int, add: bool) -> None:
@@ -383,11 +478,11 @@ class StackedExperts:
                      PB=ALIGN_PAIRS, NB=64, num_warps=8)
         bn = cfg.gemm_bn
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
-            h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.k // GROUP, h.stride(0), TOPK=k,
-            PACKED=gu.packed, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
+            FMT=gu.format_index, G=gu.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
-            act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, F // GROUP, PACKED=dn.packed, BM=bm, BN=bn,
-            OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
+            G=dn.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
         block = min(1024, triton.next_power_of_2(D))
         _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4)

@@ -66,19 +66,20 @@ def bf16(a: np.ndarray) -> np.ndarray:
     return torch.from_numpy(a).float().to(torch.bfloat16).double().numpy()
 
 
-def reference(records: list[TensorRecord], h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
-              rounds: bool, stacked_bf16: bool) -> np.ndarray:
+def reference(experts: cuda_moe.StackedExperts, h: np.ndarray, ids: np.ndarray, weights: np.ndarray,
+              rounds: bool) -> np.ndarray:
     """float64: each row's sum over its slots, in order, of weight * down(silu(gate) * up) of the
-    slot's expert, the activations (and the gate/up product) rounded to bfloat16 where the
-    kernels round them, the weights as the stack holds them."""
-    gate, up, down = (to_float(r).astype(np.float64) for r in records)
-    if stacked_bf16:
-        gate, up, down = bf16(gate), bf16(up), bf16(down)
+    slot's expert, with the matrices the stack holds (`dequantized`, which
+    test_stacks_hold_the_files_weights holds to the file), the activations (and the gate/up
+    product) rounded to bfloat16 where the kernels round them."""
+    gate_up, down = (w.dequantized().double().cpu().numpy() for w in (experts.gate_up, experts.down))
+    f = experts.n_ff
     x = bf16(h) if rounds else h.astype(np.float64)
-    out = np.zeros((h.shape[0], down.shape[1]))
+    out = np.zeros((h.shape[0], experts.n_embd))
     for t, (row, w) in enumerate(zip(ids, weights)):
         for e, wt in zip(row, w):
-            g, u = gate[e] @ x[t], up[e] @ x[t]
+            gu = gate_up[e] @ x[t]
+            g, u = gu[:f], gu[f:]
             a = g / (1 + np.exp(-g)) * u
             out[t] += wt * (down[e] @ (bf16(a) if rounds else a))
     return out
@@ -109,7 +110,12 @@ def inputs(rows: int, n_embd: int, device: torch.device, seed: int = 2) -> np.nd
 ROWS = [1, 3, cuda_moe.GEMV_MAX_ROWS + 1, 40]
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K", "F16", "Q6_K"])
+# Each format of a stack: int4 (Q4_*), int8 in groups of 32 (Q8_0, Q5_0) and 16 (Q6_K), bfloat16.
+FORMAT_OF = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q8_0": "int8", "Q5_0": "int8", "Q6_K": "int8",
+             "F16": "bf16"}
+
+
+@pytest.mark.parametrize("qtype", list(FORMAT_OF))
 @pytest.mark.parametrize("rows", ROWS)
 def test_experts_match_the_float64_reference(device, qtype, rows):
     E, d, f, k = 8, 64, 64, 2
@@ -117,11 +123,10 @@ def test_experts_match_the_float64_reference(device, qtype, rows):
         d = f = 256
     recs = expert_records(E, d, f, QT[qtype])
     experts = cuda_moe.StackedExperts.build(*recs, device)
-    packed = qtype.startswith("Q4")
-    assert experts.gate_up.packed == experts.down.packed == packed
+    assert experts.gate_up.format == experts.down.format == FORMAT_OF[qtype]
     h = inputs(rows, d, device)
     ids, w = routing(rows, E, k)
-    want = reference(recs, h, ids, w, rounds=device.type == "cuda", stacked_bf16=not packed)
+    want = reference(experts, h, ids, w, rounds=device.type == "cuda")
     got = run(experts, h, ids, w, device)
     scale = np.abs(want).max()
     # float32 sums in another order, and a bfloat16 rounding of gate/up's output that may fall
@@ -143,7 +148,7 @@ def test_many_experts_few_used_and_a_stride(device, k):
     h = wide[:, :d]
     ids, w = routing(rows, E, k, seed=6)
     ids[1] = ids[0]  # two rows on the same experts
-    want = reference(recs, np.ascontiguousarray(h), ids, w, rounds=device.type == "cuda", stacked_bf16=False)
+    want = reference(experts, np.ascontiguousarray(h), ids, w, rounds=device.type == "cuda")
     got = run(experts, h, ids, w, device)  # run copies h, so pass the view through torch as a view
     view = torch.from_numpy(wide).to(device)[:, :d]
     strided = experts(view, torch.from_numpy(ids).to(device), torch.from_numpy(w).to(device))
@@ -232,54 +237,26 @@ def test_packed_stacks_hold_the_int4_layout():
     assert experts.nbytes == sum(t.nbytes for t in (gu.nibbles, gu.pairs, experts.down.nibbles, experts.down.pairs))
 
 
-MOE_TOKENS = [5, 77, 130, 2, 250, 9, 9, 41, 200, 13, 66, 101, 3]
-# tests/engine/test_qwen_moe.py's seeds whose routing has a clear margin on MOE_TOKENS in Q4_0
-QWEN_SEEDS = {"qwen3moe": 7, "qwen2moe": 4}
-INTERPRETER_ONLY = pytest.mark.skipif(not (INTERPRETED and cuda_moe.AVAILABLE),
-                                      reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
-
-
-@pytest.fixture
-def stacked_on_cpu(monkeypatch):
-    """The families' stacked-experts path (the CUDA one) built on CPU, its kernels interpreted."""
-    monkeypatch.setattr(cuda_moe, "OPERAND", cuda_moe.tl.float32)
-    monkeypatch.setattr(qwen_moe, "stacks_experts", lambda device, fmt: fmt == "packed")
-
-
-@INTERPRETER_ONLY
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
-def test_qwen_moe_through_the_stacked_experts(tmp_path, stacked_on_cpu, arch):
-    """The model code of the CUDA path (routing on the device, shared expert, the sum into the
-    residual) against the float64 reference, in a prefill chunk and decoding one row."""
-    import engine
-    from moe_models import MoeSpec, reference_logits, write_random_moe
-    path = write_random_moe(tmp_path / "m.gguf", MoeSpec(arch=arch, qtype="Q4_0", seed=QWEN_SEEDS[arch]))
-    m = engine.load_model(path)
-    assert isinstance(m.net.blocks[0].experts, cuda_moe.StackedExperts)
-    ref = reference_logits(path, MOE_TOKENS).logits
-    s = m.new_session()
-    s.sync(MOE_TOKENS[:-2])
-    full = m.net.forward(torch.tensor(MOE_TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
-    scale = np.abs(ref).max()
-    assert np.abs(full - ref).max() <= 2e-2 * scale
-    for t in MOE_TOKENS[-2:]:
-        s.eval(t)
-    assert np.abs(s.logits.double().numpy() - ref[-1]).max() <= 2e-2 * scale
-
-
-@INTERPRETER_ONLY
-def test_deepseek2_through_the_stacked_experts(tmp_path, stacked_on_cpu):
-    """deepseek2's v3-like routing (sigmoid, groups, bias, renormalised and scaled) and shared
-    experts through the stacked path, against the float64 reference."""
-    import engine
-    from deepseek2_models import DeepSeek2Spec, reference_logits, write_random_deepseek2
-    spec = DeepSeek2Spec(qtype="Q4_0", nope=32, q_lora_rank=0, gating="sigmoid", weights_norm=True,
-                         weights_scale=2.5, split_kv_b=True, seed=0)
-    path = write_random_deepseek2(tmp_path / "d.gguf", spec)
-    m = engine.load_model(path)
-    assert isinstance(m.net.blocks[1].experts, cuda_moe.StackedExperts) and m.net.blocks[0].dense is not None
-    ref = reference_logits(path, MOE_TOKENS).logits
-    full = m.net.forward(torch.tensor(MOE_TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
-    assert np.abs(full - ref).max() <= 2e-2 * np.abs(ref).max()
-
-
+@pytest.mark.parametrize("qtypes", [("Q4_0",), ("Q4_1",), ("Q8_0",), ("Q5_0",), ("Q5_1",), ("Q4_K",), ("Q6_K",),
+                                    ("F16",), ("Q6_K", "Q4_K"), ("Q8_0", "Q4_0")])
+def test_stacks_hold_the_files_weights(qtypes):
+    """Each expert's matrix as the stack holds it equals the file's dequantized values: exactly
+    where the scales are float16 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), to float16's rounding of
+    the scale products of the K types, to bfloat16 for F16; gate and up of different types share
+    the smaller group."""
+    d = f = 256
+    rng = np.random.default_rng(0)
+    parts = [record(f"part{i}", rng.standard_normal((4, f, d)) * d ** -0.5, QT[t]) for i, t in enumerate(qtypes)]
+    parts += [parts[0]] if len(parts) == 1 else []
+    stack = cuda_moe.StackedWeight(parts, torch.device("cpu"))
+    want = np.concatenate([to_float(r).reshape(4, -1, d) for r in parts], axis=1)
+    got = stack.dequantized().double().numpy()
+    formats = {FORMAT_OF.get(t, "int8") for t in qtypes}
+    assert stack.format == ("int4" if formats == {"int4"} else "bf16" if "bf16" in formats else "int8")
+    if stack.format == "int8":
+        assert stack.group == (16 if "Q6_K" in qtypes else 32) and stack.q.dtype == torch.int8
+    exact = all(t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0") for t in qtypes)
+    tol = 0 if exact else 2 ** -8 if stack.format == "bf16" else 2 ** -10
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    per_weight = stack.nbytes / (4 * stack.n * d)
+    assert per_weight <= {"int4": 0.63, "int8": 1.26, "bf16": 2}[stack.format]
