@@ -479,7 +479,8 @@ class StackedExperts:
         bn = cfg.gemm_bn
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
-            FMT=gu.format_index, G=gu.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            FMT=gu.format_index, G=gu.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps,
+            num_stages=cfg.gemm_stages)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,

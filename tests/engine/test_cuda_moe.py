@@ -260,3 +260,56 @@ def test_stacks_hold_the_files_weights(qtypes):
     assert np.abs(got - want).max() <= tol * np.abs(want).max()
     per_weight = stack.nbytes / (4 * stack.n * d)
     assert per_weight <= {"int4": 0.63, "int8": 1.26, "bf16": 2}[stack.format]
+
+
+MOE_TOKENS = [5, 77, 130, 2, 250, 9, 9, 41, 200, 13, 66, 101, 3]
+# tests/engine/test_qwen_moe.py's seeds whose routing has a clear margin on MOE_TOKENS in Q4_0
+QWEN_SEEDS = {"qwen3moe": 7, "qwen2moe": 4}
+INTERPRETER_ONLY = pytest.mark.skipif(not (INTERPRETED and cuda_moe.AVAILABLE),
+                                      reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@pytest.fixture
+def stacked_on_cpu(monkeypatch):
+    """The families' stacked-experts path (the CUDA one) built on CPU, its kernels interpreted."""
+    monkeypatch.setattr(cuda_moe, "OPERAND", cuda_moe.tl.float32)
+    monkeypatch.setattr(qwen_moe, "stacks_experts", lambda device, fmt: fmt == "packed")
+
+
+@INTERPRETER_ONLY
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_qwen_moe_through_the_stacked_experts(tmp_path, stacked_on_cpu, arch):
+    """The model code of the CUDA path (routing on the device, shared expert, the sum into the
+    residual) against the float64 reference, in a prefill chunk and decoding one row."""
+    import engine
+    from moe_models import MoeSpec, reference_logits, write_random_moe
+    path = write_random_moe(tmp_path / "m.gguf", MoeSpec(arch=arch, qtype="Q4_0", seed=QWEN_SEEDS[arch]))
+    m = engine.load_model(path)
+    assert isinstance(m.net.blocks[0].experts, cuda_moe.StackedExperts)
+    ref = reference_logits(path, MOE_TOKENS).logits
+    s = m.new_session()
+    s.sync(MOE_TOKENS[:-2])
+    full = m.net.forward(torch.tensor(MOE_TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(full - ref).max() <= 2e-2 * scale
+    for t in MOE_TOKENS[-2:]:
+        s.eval(t)
+    assert np.abs(s.logits.double().numpy() - ref[-1]).max() <= 2e-2 * scale
+
+
+@INTERPRETER_ONLY
+def test_deepseek2_through_the_stacked_experts(tmp_path, stacked_on_cpu):
+    """deepseek2's v3-like routing (sigmoid, groups, bias, renormalised and scaled) and shared
+    experts through the stacked path, against the float64 reference."""
+    import engine
+    from deepseek2_models import DeepSeek2Spec, reference_logits, write_random_deepseek2
+    spec = DeepSeek2Spec(qtype="Q4_0", nope=32, q_lora_rank=0, gating="sigmoid", weights_norm=True,
+                         weights_scale=2.5, split_kv_b=True, seed=0)
+    path = write_random_deepseek2(tmp_path / "d.gguf", spec)
+    m = engine.load_model(path)
+    assert isinstance(m.net.blocks[1].experts, cuda_moe.StackedExperts) and m.net.blocks[0].dense is not None
+    ref = reference_logits(path, MOE_TOKENS).logits
+    full = m.net.forward(torch.tensor(MOE_TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
+    assert np.abs(full - ref).max() <= 2e-2 * np.abs(ref).max()
+
+
