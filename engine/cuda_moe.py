@@ -43,9 +43,13 @@ Either way a row's result depends on its own routing and activations only (not o
 rows), except that the two shapes sum a group's products in different orders, so a row decoded
 alone and in a wide batch differ in the last bits of float32 sums (tests bound it).
 
+`route_softmax(scores, k, renormalise)` is engine.models.qwen_moe's routing rule (softmax, the
+k most probable, ties to the lower index, optionally renormalised) in one kernel per step and
+layer instead of torch's six; deepseek2's rule (sigmoid, groups, bias) stays torch ops, which
+read nothing back either.
+
 Without Triton (`AVAILABLE` False) nothing here runs; engine.models keeps the per-expert path.
-It does not route (engine.models.qwen_moe / deepseek2 choose the experts with torch ops on the
-device) and knows nothing of shared experts.
+It knows nothing of shared experts or of the models' tensors' names.
 """
 from __future__ import annotations
 
@@ -404,6 +408,51 @@ if AVAILABLE:
         if ADD:
             y += tl.load(out_ptr + t * D + n, mask=nm, other=0.0)
         tl.store(out_ptr + t * D + n, y, mask=nm)
+
+
+if AVAILABLE:
+    @triton.jit
+    def _route_softmax(scores_ptr, ids_ptr, wt_ptr, E, stride, K: tl.constexpr, EB: tl.constexpr,
+                       RENORMALISE: tl.constexpr):
+        """One row: softmax over its E scores, the K most probable experts (of equal ones the lower
+        index first, as torch's stable sort orders them), their probabilities, renormalised to
+        sum to one if asked."""
+        t = tl.program_id(0)
+        e = tl.arange(0, EB)
+        x = tl.load(scores_ptr + t * stride + e, mask=e < E, other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, axis=0))
+        p = p / tl.sum(p, axis=0)
+        # Two passes over the same choices: the first sums the chosen probabilities (in slot
+        # order), the second writes them; a taken expert is marked below every probability.
+        left = tl.where(e < E, p, -1.0)
+        total = 0.0
+        for j in tl.static_range(K):
+            best = tl.argmax(left, axis=0, tie_break_left=True)
+            total += tl.sum(tl.where(e == best, p, 0.0), axis=0)
+            left = tl.where(e == best, -2.0, left)
+        left = tl.where(e < E, p, -1.0)
+        for j in tl.static_range(K):
+            best = tl.argmax(left, axis=0, tie_break_left=True)
+            w = tl.sum(tl.where(e == best, p, 0.0), axis=0)
+            if RENORMALISE:
+                w = w / total
+            tl.store(ids_ptr + t * K + j, best.to(tl.int64))
+            tl.store(wt_ptr + t * K + j, w)
+            left = tl.where(e == best, -2.0, left)
+
+
+def route_softmax(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.models.qwen_moe.route on the device in one kernel: scores [T, n_expert] float32
+    (rows may be strided) -> (expert ids int64 [T, k], float32 weights [T, k]), both contiguous.
+    The softmax and the renormalising sum are summed in another order than torch's."""
+    T, E = scores.shape
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    ids = torch.empty((T, k), dtype=torch.int64, device=scores.device)
+    weights = torch.empty((T, k), dtype=torch.float32, device=scores.device)
+    _route_softmax[(T,)](scores, ids, weights, E, scores.stride(0), K=k, EB=triton.next_power_of_2(E),
+                         RENORMALISE=renormalise, num_warps=4)
+    return ids, weights
 
 
 def _groups_per_step(n_groups: int, most: int) -> int:

@@ -221,13 +221,13 @@ class QwenMoeModel(LlamaModel):
         x += acc
 
     def feed_forward_stacked(self, blk: MoeBlock, x: torch.Tensor) -> None:
-        """feed_forward on CUDA with the experts stacked (engine.cuda_moe): routed on the device,
-        nothing read back, the experts' sum added into x by their last kernel (after the shared
+        """feed_forward on CUDA with the experts stacked (engine.cuda_moe): routed on the device
+        (`route`'s rule in one kernel), nothing read back, the experts' sum added into x by their last kernel (after the shared
         expert's gated output)."""
         cfg = self.cfg
         h = ffn_input(x, blk.ffn_norm, cfg.norm_eps)
         scores = blk.router(h).float()
-        ids, weights = route(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
+        ids, weights = cuda_moe.route_softmax(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
         if blk.shared is not None:
             x += torch.sigmoid(scores[:, cfg.n_expert:]) * blk.shared(h)
         blk.experts(h, ids, weights, into=x)

@@ -174,6 +174,20 @@ def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
     np.testing.assert_array_equal(few[1:], run(experts, h[1:3], ids[1:3], w[1:3], device))
 
 
+@pytest.mark.parametrize("n_expert,k,renormalise", [(8, 2, True), (128, 8, True), (60, 4, False), (4, 4, True)])
+def test_routing_kernel_follows_the_torch_rule(device, n_expert, k, renormalise):
+    """route_softmax against engine.models.qwen_moe.route: the same experts in the same order (a
+    tie to the lower index), the same weights up to float32 sums; strided score rows."""
+    g = torch.Generator().manual_seed(n_expert)
+    scores = torch.randn(6, n_expert + 1, generator=g) * 3
+    scores[0, 1] = scores[0, 3] = 10.0
+    ids, weights = cuda_moe.route_softmax(scores.to(device)[:, :n_expert], k, renormalise)
+    want_ids, want = qwen_moe.route(scores[:, :n_expert], k, renormalise)
+    assert ids.is_contiguous() and weights.is_contiguous() and ids[0, :2].tolist() == [1, 3]
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want, rtol=1e-6, atol=1e-7)
+
+
 def test_pairs_are_grouped_by_expert_in_whole_blocks(device):
     rng = np.random.default_rng(4)
     E, P, bm = 16, 300, 16
