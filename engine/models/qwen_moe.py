@@ -222,8 +222,8 @@ class QwenMoeModel(LlamaModel):
 
     def feed_forward_stacked(self, blk: MoeBlock, x: torch.Tensor) -> None:
         """feed_forward on CUDA with the experts stacked (engine.cuda_moe): routed on the device
-        (`route`'s rule in one kernel), nothing read back, the experts' sum added into x by their last kernel (after the shared
-        expert's gated output)."""
+        (`route`'s rule in one kernel), nothing read back, the experts' sum added into x by
+        their last kernel (after the shared expert's gated output)."""
         cfg = self.cfg
         h = ffn_input(x, blk.ffn_norm, cfg.norm_eps)
         scores = blk.router(h).float()
