@@ -9,6 +9,8 @@ vocabulary is the tests' small one, so the head costs next to nothing.  Then, fo
 
 - step: `decode_batch` over that many pooled sessions, `--steps` steps after warm-up, median
   of `--repeats` timings (qwen3moe decodes through captured graphs; deepseek2 eagerly);
+- with `--per-expert`, the same steps with each expert its own Linear (the path that reads the
+  routing back every layer, without graphs), loaded a second time;
 - experts: one layer's routed experts (`StackedExperts.__call__` with random routing) replayed
   from a CUDA graph over every MoE layer, so launch overhead is as in a graph-decoded step;
   with `--sweep`, the same for a grid of launch shapes (engine.cuda_moe.MoeLaunch), fastest
@@ -39,6 +41,7 @@ from gguf import GGUFWriter
 import engine
 from engine import cuda_moe
 from engine.batch import decode_batch
+from engine.models import qwen_moe
 from engine.quants import BLOCK
 from engine.synthetic import RANDOM_BLOCKS, ROW_FALLBACK, random_blocks
 from gemma_models import vocabulary
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch shapes of the experts")
     ap.add_argument("--gguf", help="use (or keep) the GGUF at this path")
+    ap.add_argument("--per-expert", action="store_true",
+                    help="also time the per-expert path (each expert its own Linear, routing read back)")
     args = ap.parse_args(argv)
     shape = SHAPES[args.shape]
     n_layer = args.layers or shape["n_layer"]
@@ -251,7 +256,14 @@ def main(argv: list[str] | None = None) -> int:
           f"down {'int4' if layers[0].down.packed else 'bf16'}")
     per_token = token_bytes(m)
     k = m.config.n_expert_used
+    old = None
+    if args.per_expert:
+        qwen_moe.stacks_experts = lambda device, fmt: False  # this process only
+        old = engine.load_model(path, device="cuda", ctx=512)
     for rows in [int(r) for r in args.rows.split(",")]:
+        if old is not None:
+            before = time_steps(old, rows, args.steps, args.repeats)
+            print(f"rows {rows:3d}: per-expert path {before * 1e3:7.3f} ms, {rows / before:8.1f} tok/s", flush=True)
         step = time_steps(m, rows, args.steps, args.repeats)
         experts = time_experts(layers, rows, k, cuda_moe.LAUNCH)
         line = (f"rows {rows:3d}: step {step * 1e3:7.3f} ms, {rows / step:8.1f} tok/s; routed experts of "
