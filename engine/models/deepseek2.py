@@ -46,8 +46,7 @@ per-expert dispatch, which reads the routing back once per layer.
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
 engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (latent attention
 has no graph path: a step copies its rows' positions to the device as it starts) and no step
-is launched ahead.  It reads no files and knows nothing of
-tokens' text or sessions.
+is launched ahead.  It reads no files and knows nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
@@ -57,6 +56,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from engine import cuda_moe
 from engine.config import ModelConfig, UnsupportedModel
 from engine.device_sampling import StepLogits
 from engine.errors import Cancelled
@@ -65,7 +65,6 @@ from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
 from engine.models.llama import TorchKernels
-from engine import cuda_moe
 from engine.models.qwen_moe import Expert, experts_nbytes, float32_rows, mix_experts, routed_experts
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 

@@ -36,11 +36,11 @@ captured in CUDA graphs (engine.cuda_graphs) like the dense families'.  That pat
 is one float32 kernel in eager steps and graphs alike, so both route on the same scores.
 
 The weight accounting counts every expert (all of them are resident), the routers and the
-shared expert.  `Expert`, `stacked_experts`, `routed_experts`, `experts_nbytes`, `ffn_input`,
+shared expert.  `Expert`, `stacked_experts`, `routed_experts`, `experts_nbytes`,
 `float32_rows` and the dispatch `mix_experts` are public for the other mixture-of-experts
-families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through `LlamaModel`; it is
-registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It reads no files and
-knows nothing of tokens' text or sessions.
+families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through
+`LlamaModel`; it is registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It
+reads no files and knows nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
@@ -102,13 +102,18 @@ def routed_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, 
     else one `Expert` per slice of the 3-D tensors (`stacked_experts`)."""
     if not stacks_experts(device, fmt):
         return stacked_experts(t, p, n_expert, fmt, device, cpu)
-    experts = cuda_moe.StackedExperts.build(*(t[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")), device)
+    try:
+        experts = cuda_moe.StackedExperts.build(*(t[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")),
+                                                device)
+    except ValueError as e:
+        raise UnsupportedModel(f"{p}ffn_*_exps: {e}") from None
     if experts.n_expert != n_expert:
         raise UnsupportedModel(f"{p}ffn_*_exps hold {experts.n_expert} experts, the metadata says {n_expert}")
     return experts
 
 
 def experts_nbytes(experts: list[Expert] | cuda_moe.StackedExperts) -> int:
+    """Bytes held by a layer's routed experts, either form."""
     if isinstance(experts, cuda_moe.StackedExperts):
         return experts.nbytes
     return sum(e.nbytes for e in experts)
