@@ -31,10 +31,11 @@ Two shapes of work, by rows:
   tile), reading its expert's id from the device, and writes silu(gate) * up; down runs one
   program per (row, column tile), looping over the row's k slots in order, so a row's sum is
   formed in one place without atomics and added to the residual there.
-- more rows (prefill chunks, wide decoding batches): the (row, slot) pairs are grouped by expert
-  on the device (`_align`: counts per expert, each expert's pairs padded to a whole number of
-  `block_m` blocks, in pair order within an expert, and the owner expert of every block; the
-  grid covers the most blocks T * k pairs can need, and blocks past the last do nothing), then
+- more rows (prefill chunks, wide decoding batches): the (row, slot) pairs are grouped by
+  expert on the device (`group_by_expert`, one kernel: counts per expert, each expert's pairs
+  padded to a whole number of `block_m` blocks, in pair order within an expert, and the owner
+  expert of every block; the grid covers the most blocks T * k pairs can need, and blocks past
+  the last do nothing), then
   a grouped tensor-core product runs each block against its expert's weights once, gate/up
   fused with the SwiGLU, and down scaled by each pair's weight; one more kernel sums a row's k
   slots in order and adds them to the residual.
@@ -69,7 +70,7 @@ if AVAILABLE:
     from engine.cuda_int4 import gemv_columns, group_product
 
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
-ALIGN_PAIRS = 128  # (row, slot) pairs `_align` compares with every expert at once
+ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
 
 
 @dataclass(frozen=True)
@@ -455,6 +456,21 @@ def route_softmax(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torc
     return ids, weights
 
 
+def group_by_expert(ids: torch.Tensor, n_expert: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (row, slot) pairs 0..P-1 whose experts are `ids` [P] grouped by expert on the device,
+    in blocks of `bm`: (pairs int32 [max_blocks * bm], owner int32 [max_blocks]); block b holds
+    pairs[b * bm: (b + 1) * bm] of expert owner[b], in pair order, padded with P (no pair);
+    blocks past the last used one have owner -1.  One kernel, nothing read back."""
+    P = ids.shape[0]
+    n_blocks = max_blocks(P, n_expert, bm)
+    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=ids.device)
+    owner = torch.empty((n_blocks,), dtype=torch.int32, device=ids.device)
+    eb = triton.next_power_of_2(n_expert)
+    _align[(1,)](ids, pairs, owner, P, n_expert, n_blocks, BM=bm, EB=eb, PB=max(16, ALIGN_ELEMENTS // eb), NB=64,
+                 num_warps=8)
+    return pairs, owner
+
+
 def _groups_per_step(n_groups: int, most: int) -> int:
     """Groups per loop step of the indexed products: `most`, or fewer for short inputs (a
     power of two, so no step is mostly masked)."""
@@ -520,11 +536,8 @@ class StackedExperts:
         T, F, D, E = h.shape[0], self.n_ff, self.n_embd, self.n_expert
         P = T * k
         bm = block_m(P, E)
-        n_blocks = max_blocks(P, E, bm)
-        pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=h.device)
-        owner = torch.empty((n_blocks,), dtype=torch.int32, device=h.device)
-        _align[(1,)](ids, pairs, owner, P, E, n_blocks, BM=bm, EB=triton.next_power_of_2(E),
-                     PB=ALIGN_PAIRS, NB=64, num_warps=8)
+        pairs, owner = group_by_expert(ids, E, bm)
+        n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,

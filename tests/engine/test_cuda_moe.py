@@ -188,15 +188,15 @@ def test_routing_kernel_follows_the_torch_rule(device, n_expert, k, renormalise)
     torch.testing.assert_close(weights.cpu(), want, rtol=1e-6, atol=1e-7)
 
 
-def test_pairs_are_grouped_by_expert_in_whole_blocks(device):
+def test_pairs_are_grouped_by_expert_in_whole_blocks(device, monkeypatch):
     rng = np.random.default_rng(4)
     E, P, bm = 16, 300, 16
     ids = torch.from_numpy(rng.integers(0, E, P)).to(device)
     ids[:40] = 3  # one expert with several blocks
+    monkeypatch.setattr(cuda_moe, "ALIGN_ELEMENTS", 64 * E)  # the pairs in five chunks
+    pairs, owner = cuda_moe.group_by_expert(ids, E, bm)
     n_blocks = cuda_moe.max_blocks(P, E, bm)
-    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=device)
-    owner = torch.empty(n_blocks, dtype=torch.int32, device=device)
-    cuda_moe._align[(1,)](ids, pairs, owner, P, E, n_blocks, BM=bm, EB=E, PB=cuda_moe.ALIGN_PAIRS, NB=64)
+    assert owner.shape == (n_blocks,) and pairs.shape == (n_blocks * bm,)
     pairs, owner, ids = pairs.cpu().view(n_blocks, bm), owner.cpu(), ids.cpu()
     seen = []
     for b in range(n_blocks):
