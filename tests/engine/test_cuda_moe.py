@@ -185,7 +185,7 @@ def test_routing_kernel_follows_the_torch_rule(device, n_expert, k, renormalise)
     want_ids, want = qwen_moe.route(scores[:, :n_expert], k, renormalise)
     assert ids.is_contiguous() and weights.is_contiguous() and ids[0, :2].tolist() == [1, 3]
     assert torch.equal(ids.cpu(), want_ids)
-    torch.testing.assert_close(weights.cpu(), want, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(weights.cpu(), want, rtol=1e-5, atol=1e-6)  # exp approximated on the device
 
 
 def test_pairs_are_grouped_by_expert_in_whole_blocks(device, monkeypatch):
