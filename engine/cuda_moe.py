@@ -8,8 +8,8 @@ down [n_expert, n_embd, n_ff] (`StackedWeight`).  Q4_0, Q4_1 and Q4_K stay 4-bit
 engine.cuda_int4's layout (nibbles two per byte, even input high; per group of 32 inputs and
 output column the pair (scale, minimum), float16 where every pair of the stack is finite in
 it, else float32).  The 5-, 6- and 8-bit grouped types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, Q3_K,
-Q2_K, IQ4_NL, IQ4_XS) are held as int8 values with the same pairs per group of 16 or 32, about
-1.1 to 1.3 bytes a weight (a Q4_K_M file's Q6_K down projections, and the Q5_0 that llama.cpp
+Q2_K, IQ4_NL, IQ4_XS) are held as int8 values with the same pairs per group of 32 or 16, 1.125
+or 1.25 bytes a weight (a Q4_K_M file's Q6_K down projections, and the Q5_0 that llama.cpp
 writes for rows that are not whole Q4_K blocks, such as DeepSeek-V2-Lite's 1408-wide experts).
 Every other type (F16, BF16, F32) is dequantized once to bfloat16.
 
@@ -35,14 +35,14 @@ Two shapes of work, by rows:
   expert on the device (`group_by_expert`, one kernel: counts per expert, each expert's pairs
   padded to a whole number of `block_m` blocks, in pair order within an expert, and the owner
   expert of every block; the grid covers the most blocks T * k pairs can need, and blocks past
-  the last do nothing), then
-  a grouped tensor-core product runs each block against its expert's weights once, gate/up
-  fused with the SwiGLU, and down scaled by each pair's weight; one more kernel sums a row's k
-  slots in order and adds them to the residual.
+  the last do nothing), then a grouped tensor-core product runs each block against its
+  expert's weights once, gate/up fused with the SwiGLU, and down scaled by each pair's weight;
+  one more kernel sums a row's k slots in order and adds them to the residual.
 
-Either way a row's result depends on its own routing and activations only (not on the other
-rows), except that the two shapes sum a group's products in different orders, so a row decoded
-alone and in a wide batch differ in the last bits of float32 sums (tests bound it).
+Within each shape a row's result depends on its own routing and activations only, not on the
+other rows; the two shapes sum a group's products in different orders, so a row decoded alone
+and in a wide batch differ in the last bits of float32 sums (tests bound it).  Padding rows of
+a captured graph's bucket are routed and computed like any other.
 
 `route_softmax(scores, k, renormalise)` is engine.models.qwen_moe's routing rule (softmax, the
 k most probable, ties to the lower index, optionally renormalised) in one kernel per step and
