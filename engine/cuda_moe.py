@@ -76,7 +76,9 @@ ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pai
 @dataclass(frozen=True)
 class MoeLaunch:
     """Launch shapes: the indexed products' columns per program, groups per loop step and warps;
-    the grouped GEMM's columns per program, warps and pipeline stages."""
+    the grouped GEMM's columns per program, warps and pipeline stages.  The defaults are
+    engine.cuda_int4's choices for matrices of these sizes, not yet swept for these kernels
+    (tests/engine/moe_timing.py --sweep does)."""
 
     gemv_bn: int = 8
     gemv_gb: int = 32
