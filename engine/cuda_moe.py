@@ -46,8 +46,8 @@ a captured graph's bucket are routed and computed like any other.
 
 `route_softmax(scores, k, renormalise)` is engine.models.qwen_moe's routing rule (softmax, the
 k most probable, ties to the lower index, optionally renormalised) in one kernel per step and
-layer instead of torch's six; deepseek2's rule (sigmoid, groups, bias) stays torch ops, which
-read nothing back either.
+layer instead of torch's six, and `route_grouped(...)` is engine.models.deepseek2's (softmax or
+sigmoid, an expert bias for the choice, group-limited top-k, renormalisation and scale).
 
 Without Triton (`AVAILABLE` False) nothing here runs; engine.models keeps the per-expert path.
 It knows nothing of shared experts or of the models' tensors' names.
@@ -455,6 +455,88 @@ def route_softmax(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torc
     weights = torch.empty((T, k), dtype=torch.float32, device=scores.device)
     _route_softmax[(T,)](scores, ids, weights, E, scores.stride(0), K=k, EB=triton.next_power_of_2(E),
                          RENORMALISE=renormalise, num_warps=4)
+    return ids, weights
+
+
+if AVAILABLE:
+    @triton.jit
+    def _take_best(left, e, K: tl.constexpr, KP: tl.constexpr):
+        """The indices `e` of the K largest of `left`, in order (of equal ones the lower index
+        first), as a [KP]-long int32 vector (KP: K rounded up to a power of two; the rest -1).
+        Padding entries of `left` must hold -inf."""
+        slots = tl.arange(0, KP)
+        taken = tl.full([KP], -1, tl.int32)
+        for j in tl.static_range(K):
+            best = tl.argmax(left, axis=0, tie_break_left=True)
+            taken = tl.where(slots == j, best, taken)
+            left = tl.where(e == best, -float("inf"), left)
+        return taken
+
+    @triton.jit
+    def _route_grouped(scores_ptr, bias_ptr, ids_ptr, wt_ptr, E, stride, group_size, min_sum, scale,
+                       K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, SIGMOID: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, NG: tl.constexpr, NG_USED: tl.constexpr,
+                       NORMALISE: tl.constexpr):
+        """One row, by engine.models.deepseek2.route's rule: probabilities (sigmoid or softmax),
+        the bias added for the choice only, the choice limited to the NG_USED of NG groups whose
+        two best biased scores sum highest (NG = 1: no groups), the K best (ties to the lower
+        index), weighted by their probabilities, renormalised (the sum at least min_sum) if
+        asked, times scale."""
+        t = tl.program_id(0)
+        e = tl.arange(0, EB)
+        real = e < E
+        x = tl.load(scores_ptr + t * stride + e, mask=real, other=0.0).to(tl.float32)
+        if SIGMOID:
+            p = 1.0 / (1.0 + tl.exp(-x))
+        else:
+            z = tl.exp(tl.where(real, x, -float("inf")) - tl.max(tl.where(real, x, -float("inf")), axis=0))
+            p = z / tl.sum(z, axis=0)
+        select = p
+        if HAS_BIAS:
+            select = select + tl.load(bias_ptr + e, mask=real, other=0.0).to(tl.float32)
+        select = tl.where(real, select, -float("inf"))
+        if NG > 1:
+            g = tl.arange(0, NG)
+            member = (e[None, :] // group_size) == g[:, None]  # [NG, EB]
+            inside = tl.where(member, select[None, :], -float("inf"))
+            first = tl.max(inside, axis=1)
+            at = tl.argmax(inside, axis=1, tie_break_left=True)
+            second = tl.max(tl.where(e[None, :] == at[:, None], -float("inf"), inside), axis=1)
+            best = first + tl.where(group_size > 1, second, 0.0)
+            kept = _take_best(best, g, NG_USED, NG)
+            keep = tl.sum((g[:, None] == kept[None, :]).to(tl.int32), axis=1) > 0  # [NG]
+            in_kept = tl.sum((member & keep[:, None]).to(tl.int32), axis=0) > 0  # [EB]
+            select = tl.where(in_kept, select, -float("inf"))
+        chosen = _take_best(select, e, K, KP)
+        slots = tl.arange(0, KP)
+        w = tl.sum(tl.where(e[None, :] == chosen[:, None], p[None, :], 0.0), axis=1)  # [KP]
+        w = tl.where(slots < K, w, 0.0)
+        if NORMALISE:
+            w = w / tl.maximum(tl.sum(w, axis=0), min_sum)
+        w = w * scale
+        tl.store(ids_ptr + t * K + slots, chosen.to(tl.int64), mask=slots < K)
+        tl.store(wt_ptr + t * K + slots, w, mask=slots < K)
+
+
+def route_grouped(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None = None, n_groups: int = 0,
+                  n_groups_used: int = 0, normalise: bool = False, scale: float = 1.0,
+                  min_sum: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.models.deepseek2.route on the device in one kernel (its arguments; `min_sum` the
+    floor of a renormalising sum): scores [T, n_expert] -> (ids int64 [T, k], float32 weights
+    [T, k]), both contiguous.  Sums run in another order than torch's."""
+    if gating not in ("softmax", "sigmoid"):
+        raise ValueError(f"no routing kernel for gating {gating!r}")
+    T, E = scores.shape
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    grouped = n_groups > 1 and n_groups_used < n_groups
+    ng = triton.next_power_of_2(n_groups) if grouped else 1
+    ids = torch.empty((T, k), dtype=torch.int64, device=scores.device)
+    weights = torch.empty((T, k), dtype=torch.float32, device=scores.device)
+    _route_grouped[(T,)](scores, scores if bias is None else bias, ids, weights, E, scores.stride(0),
+                         E // n_groups if grouped else E, min_sum, scale, K=k, KP=triton.next_power_of_2(k),
+                         EB=triton.next_power_of_2(E), SIGMOID=gating == "sigmoid", HAS_BIAS=bias is not None,
+                         NG=ng, NG_USED=n_groups_used if grouped else 1, NORMALISE=normalise, num_warps=4)
     return ids, weights
 
 

@@ -39,9 +39,10 @@ the selection only; with `expert_group_count` > 1 a token's experts come from th
 the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
 float32, one row at a time.  On CUDA with packed weights the routed experts are
-engine.cuda_moe's stacked experts (engine.models.qwen_moe.routed_experts): routed on the
-device and added to the residual stream with no read-back to the host; elsewhere the
-per-expert dispatch, which reads the routing back once per layer.
+engine.cuda_moe's stacked experts (engine.models.qwen_moe.routed_experts), routed by
+engine.cuda_moe.route_grouped (this rule in one kernel) and added to the residual stream with
+no read-back to the host; elsewhere the per-expert dispatch, which reads the routing back once
+per layer.
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
 engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (latent attention
@@ -69,7 +70,7 @@ from engine.models.qwen_moe import Expert, experts_nbytes, float32_rows, mix_exp
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
-_MIN_WEIGHT_SUM = 6.103515625e-5
+MIN_WEIGHT_SUM = 6.103515625e-5
 
 # Router scores -> each expert's weight, by `ModelConfig.expert_gating`.
 GATING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -96,7 +97,7 @@ def route(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None =
     ids = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probs.gather(1, ids)
     if normalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
     return ids, weights * scale
 
 
@@ -420,13 +421,15 @@ class DeepSeek2Model(CachedNetwork):
         if blk.dense is not None:
             x += blk.dense(h)
             return
-        ids, weights = route(blk.router(h), cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups,
-                             cfg.n_group_used, self.renormalise, cfg.expert_weights_scale)
-        if isinstance(blk.experts, cuda_moe.StackedExperts):  # CUDA: nothing read back to the host
+        rule = (cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups, cfg.n_group_used,
+                self.renormalise, cfg.expert_weights_scale)
+        if isinstance(blk.experts, cuda_moe.StackedExperts):  # CUDA: routed in one kernel, nothing read back
+            ids, weights = cuda_moe.route_grouped(blk.router(h), *rule, min_sum=MIN_WEIGHT_SUM)
             if blk.shared is not None:
                 x += blk.shared(h)
             blk.experts(h, ids, weights, into=x)
             return
+        ids, weights = route(blk.router(h), *rule)
         acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + blk.shared(h)

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 from engine import cuda_int4, cuda_moe
-from engine.models import qwen_moe
+from engine.models import deepseek2, qwen_moe
 from engine.gguf_file import TensorRecord
 from engine.quants import unpack_int4_groups
 from engine.synthetic import RANDOM_BLOCKS, random_blocks
@@ -186,6 +186,30 @@ def test_routing_kernel_follows_the_torch_rule(device, n_expert, k, renormalise)
     assert ids.is_contiguous() and weights.is_contiguous() and ids[0, :2].tolist() == [1, 3]
     assert torch.equal(ids.cpu(), want_ids)
     torch.testing.assert_close(weights.cpu(), want, rtol=1e-5, atol=1e-6)  # exp approximated on the device
+
+
+@pytest.mark.parametrize("rule", [
+    dict(n_expert=8, k=2, gating="softmax"),
+    dict(n_expert=64, k=6, gating="softmax"),  # DeepSeek-V2-Lite
+    dict(n_expert=160, k=6, gating="softmax", n_groups=8, n_groups_used=3),  # DeepSeek-V2: groups, not a power of two
+    dict(n_expert=256, k=8, gating="sigmoid", bias=True, n_groups=8, n_groups_used=4, normalise=True, scale=2.5),  # V3
+    dict(n_expert=12, k=3, gating="sigmoid", bias=True, n_groups=3, n_groups_used=1),
+], ids=["v2-lite-like", "v2-lite", "v2", "v3", "odd"])
+def test_grouped_routing_kernel_follows_the_torch_rule(device, rule):
+    """route_grouped against engine.models.deepseek2.route: the same experts in the same order
+    (a tie to the lower index), the same weights up to float32 sums."""
+    rule = dict(rule)
+    E, k, gating = rule.pop("n_expert"), rule.pop("k"), rule.pop("gating")
+    g = torch.Generator().manual_seed(E)
+    scores = torch.randn(6, E, generator=g) * 3
+    scores[0, 1] = scores[0, 3] = 10.0
+    bias = 0.3 * torch.randn(E, generator=g) if rule.pop("bias", False) else None
+    ids, weights = cuda_moe.route_grouped(scores.to(device), k, gating, None if bias is None else bias.to(device),
+                                          min_sum=deepseek2.MIN_WEIGHT_SUM, **rule)
+    want_ids, want = deepseek2.route(scores, k, gating, bias, **rule)
+    assert ids.is_contiguous() and weights.is_contiguous()
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(weights.cpu(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_pairs_are_grouped_by_expert_in_whole_blocks(device, monkeypatch):
