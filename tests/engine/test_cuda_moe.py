@@ -1,7 +1,8 @@
-"""engine.cuda_moe's stacked experts against a float64 reference written from the expert
-tensors: the indexed one-row products and the grouped GEMM (with its grouping of (row, slot)
-pairs by expert on the device), 4-bit and bfloat16 stacks, the sum into the residual stream,
-wide and narrow batches against rows alone, and the layout's bookkeeping; and the qwen_moe and
+"""engine.cuda_moe's stacked experts against a float64 reference written from the stack's
+matrices: the indexed one-row products and the grouped GEMM (with its grouping of (row, slot)
+pairs by expert on the device), int4, int8 and bfloat16 stacks, the sum into the residual
+stream, wide and narrow batches against rows alone; the stacks against the file's weights and
+their bookkeeping; the routing kernels against the families' torch rules; and the qwen_moe and
 deepseek2 model code of that path against their float64 references (interpreter only: on a
 device tests/engine/test_qwen_moe.py and test_deepseek2.py cover it).
 
