@@ -261,7 +261,8 @@ def test_cuda_stacked_experts_agree_with_the_per_expert_path(moe_gguf, arch, qty
 @needs_cuda
 def test_cuda_moe_graphs_equal_eager(moe_gguf, arch):
     """The stacked FFN replayed from a captured graph gives the eager call's bits, at 1 row and at
-    a wide batch; whole graph-decoded steps agree with eager ones as the dense families' do."""
+    a wide batch; whole graph-decoded steps agree with eager ones within the CUDA bound (their
+    attention and norms are other kernels)."""
     m = engine.load_model(moe_gguf(arch, "Q4_0", seed=PACKED_SEEDS[arch]), device="cuda")
     torch.manual_seed(0)
     for rows in (1, 4, 24):
@@ -285,15 +286,15 @@ def test_cuda_moe_graphs_equal_eager(moe_gguf, arch):
         assert torch.equal(x, eager)
     eager_model = engine.load_model(moe_gguf(arch, "Q4_0", seed=PACKED_SEEDS[arch]), device="cuda")
     eager_model.net.decode_graphs = None
-    out = []
-    for model in (m, eager_model):
-        s = model.new_session()
-        s.sync(TOKENS)
-        out.append((list(generate(s, GREEDY, 24)), s.logits))
-    assert out[0][0] == out[1][0]
-    scale = float(out[1][1].abs().max())
-    torch.testing.assert_close(out[0][1], out[1][1], rtol=2e-2, atol=2e-2 * scale)
-    assert m.net.decode_graphs.replays >= 24 and m.net.decode_graphs.enabled
+    graph_s, eager_s = m.new_session(), eager_model.new_session()
+    for s in (graph_s, eager_s):
+        s.sync(TOKENS[:3])
+    for t in TOKENS[3:]:  # teacher-forced: TOKENS' routing margins are the seeds' (see PACKED_SEEDS)
+        graph_s.eval(t)
+        eager_s.eval(t)
+        scale = float(eager_s.logits.abs().max())
+        torch.testing.assert_close(graph_s.logits, eager_s.logits, rtol=2e-2, atol=2e-2 * scale)
+    assert m.net.decode_graphs.replays >= len(TOKENS) - 3 and m.net.decode_graphs.enabled
 
 
 @pytest.mark.parametrize("arch", ARCHS)
