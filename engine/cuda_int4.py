@@ -185,7 +185,7 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 if AVAILABLE:
     @triton.jit
-    def _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, OPERAND: tl.constexpr):
+    def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, OPERAND: tl.constexpr):
         """One group's contribution to the [BM, BN] tile: scale * (x . q) + minimum * sum(x)."""
         half = tl.arange(0, 16)  # the 16 bytes of a group
         qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
@@ -216,7 +216,7 @@ if AVAILABLE:
         acc = tl.zeros([BM, BN], tl.float32)
         for c in range(0, groups_per_split // UNROLL):
             for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
-                acc += _group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
+                acc += group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
                                       OPERAND)
         out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
         mask = mm[:, None] & nm[None, :]
@@ -230,21 +230,19 @@ if AVAILABLE:
         return ((words >> shift) & 15).to(tl.float32)
 
     @triton.jit
-    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
-                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, OPERAND: tl.constexpr):
-        """One row: the same sums as _int4_gemm on the CUDA cores.  The nibbles are read as int32
-        words, four per group, so a thread holds a whole group of a column and sums its 32
-        products alone; GB groups per loop step (the last step masked)."""
-        n = tl.program_id(0) * BN + tl.arange(0, BN)
-        split = tl.program_id(1)
-        nm = n < N
+    def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, BN: tl.constexpr, GB: tl.constexpr,
+                     OPERAND: tl.constexpr):
+        """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
+        matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
+        the CUDA cores.  The nibbles are read as int32 words, four per group, so a thread holds
+        a whole group of a column and sums its 32 products alone; GB groups per loop step (the
+        last step masked)."""
         gi = tl.arange(0, GB)
         wi = tl.arange(0, 4)
         words_per_row = K // 8
-        g0 = split * groups_per_split
         acc = tl.zeros([BN, GB], tl.float32)
-        for c in range(0, groups_per_split, GB):
-            gm = c + gi < groups_per_split
+        for c in range(0, n_groups, GB):
+            gm = c + gi < n_groups
             g = g0 + c + gi  # [GB]
             word = g[:, None] * 4 + wi[None, :]  # [GB, 4]; word i holds inputs 8i .. 8i+7
             w = tl.load(w_ptr + n[:, None, None] * words_per_row + word[None, :, :],
@@ -262,7 +260,17 @@ if AVAILABLE:
             scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
             minimum = tl.load(pair + 1, mask=pm, other=0.0).to(tl.float32)
             acc += tl.sum(dot, axis=2) * scale + tl.sum(xsum, axis=1)[None, :] * minimum
-        y = tl.sum(acc, axis=1)
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
+                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, OPERAND: tl.constexpr):
+        """One row: the same sums as _int4_gemm on the CUDA cores (`gemv_columns`)."""
+        n = tl.program_id(0) * BN + tl.arange(0, BN)
+        split = tl.program_id(1)
+        nm = n < N
+        y = gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split, groups_per_split,
+                         BN, GB, OPERAND)
         out = out_ptr + split * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)

@@ -38,12 +38,16 @@ the selection only; with `expert_group_count` > 1 a token's experts come from th
 `expert_group_used_count` groups whose two best biased scores sum highest; the top-k (ties to
 the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
-float32, one row at a time.
+float32, one row at a time.  On CUDA with packed weights the routed experts are
+engine.cuda_moe's stacked experts (engine.models.qwen_moe.routed_experts), routed by
+engine.cuda_moe.route_grouped (this rule in one kernel) and added to the residual stream with
+no read-back to the host; elsewhere the per-expert dispatch, which reads the routing back once
+per layer.
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
-engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (the routing is
-read back to the host) and no step is launched ahead.  It reads no files and knows nothing of
-tokens' text or sessions.
+engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (latent attention
+has no graph path: a step copies its rows' positions to the device as it starts) and no step
+is launched ahead.  It reads no files and knows nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from engine import cuda_moe
 from engine.config import ModelConfig, UnsupportedModel
 from engine.device_sampling import StepLogits
 from engine.errors import Cancelled
@@ -61,11 +66,11 @@ from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
 from engine.models.llama import TorchKernels
-from engine.models.qwen_moe import Expert, float32_rows, mix_experts, stacked_experts
+from engine.models.qwen_moe import Expert, experts_nbytes, float32_rows, mix_experts, routed_experts
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
-_MIN_WEIGHT_SUM = 6.103515625e-5
+MIN_WEIGHT_SUM = 6.103515625e-5
 
 # Router scores -> each expert's weight, by `ModelConfig.expert_gating`.
 GATING: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -92,7 +97,7 @@ def route(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor | None =
     ids = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = probs.gather(1, ids)
     if normalise:
-        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
+        weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(MIN_WEIGHT_SUM)
     return ids, weights * scale
 
 
@@ -173,7 +178,7 @@ class MlaBlock:
         self.w_uv = dense(w_v.transpose(0, 2, 1))  # [H, rank, dv]: latent output [H, 1, rank] @ w_uv
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
         self.dense: Expert | None = None
-        self.experts: list[Expert] = []
+        self.experts: list[Expert] | cuda_moe.StackedExperts = []
         self.router: Linear | None = None
         self.bias: torch.Tensor | None = None
         self.shared: Expert | None = None
@@ -181,7 +186,7 @@ class MlaBlock:
             self.dense = Expert(build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device, cpu=cpu),
                                 build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu))
             return
-        self.experts = stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
+        self.experts = routed_experts(t, p, cfg.n_expert, fmt, device, cpu)
         self.router = float32_rows(to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd), device)
         if p + "exp_probs_b.bias" in t:
             self.bias = vec("exp_probs_b.bias")
@@ -192,10 +197,10 @@ class MlaBlock:
 
     @property
     def nbytes(self) -> int:
-        ffn = [self.dense, self.shared, self.router, *self.experts]
-        mats = [self.w_in, self.w_q_b, self.wo, *ffn]
+        mats = [self.w_in, self.w_q_b, self.wo, self.dense, self.shared, self.router]
         vecs = [self.attn_norm, self.ffn_norm, self.kv_a_norm, self.q_a_norm, self.bias, self.w_uk, self.w_uv]
-        return sum(m.nbytes for m in mats if m is not None) + sum(v.nbytes for v in vecs if v is not None)
+        return (sum(m.nbytes for m in mats if m is not None) + sum(v.nbytes for v in vecs if v is not None)
+                + experts_nbytes(self.experts))
 
 
 class DeepSeek2Model(CachedNetwork):
@@ -287,7 +292,7 @@ class DeepSeek2Model(CachedNetwork):
             else:
                 out = self._attend_chunk(blk, q, layer[:end], start)
             blk.wo.accumulate(x, out)
-            self._feed_forward(blk, x)
+            self.feed_forward(blk, x)
         cache.n = end
         if logits == "last":
             return self._head(x[-1:])[0]
@@ -307,7 +312,7 @@ class DeepSeek2Model(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             q, rows = self._project(blk, x, rope)
             blk.wo.accumulate(x, attend(li, blk, q, rows))
-            self._feed_forward(blk, x)
+            self.feed_forward(blk, x)
         for c, p in zip(caches, pos):
             c.n = p + 1
         return self._head(x)
@@ -409,15 +414,22 @@ class DeepSeek2Model(CachedNetwork):
         out = torch.bmm(probs @ lat[:, :rank], blk.w_uv)  # [H, T, dv]
         return out.transpose(0, 1).reshape(T, -1)
 
-    def _feed_forward(self, blk: MlaBlock, x: torch.Tensor) -> None:
+    def feed_forward(self, blk: MlaBlock, x: torch.Tensor) -> None:
         """x += the block's dense FFN, or its routed experts plus its shared ones, of x."""
         cfg = self.cfg
         h = self.norm(x, blk.ffn_norm)
         if blk.dense is not None:
             x += blk.dense(h)
             return
-        ids, weights = route(blk.router(h), cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups,
-                             cfg.n_group_used, self.renormalise, cfg.expert_weights_scale)
+        rule = (cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups, cfg.n_group_used,
+                self.renormalise, cfg.expert_weights_scale)
+        if isinstance(blk.experts, cuda_moe.StackedExperts):  # CUDA: routed in one kernel, nothing read back
+            ids, weights = cuda_moe.route_grouped(blk.router(h), *rule, min_sum=MIN_WEIGHT_SUM)
+            if blk.shared is not None:
+                x += blk.shared(h)
+            blk.experts(h, ids, weights, into=x)
+            return
+        ids, weights = route(blk.router(h), *rule)
         acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + blk.shared(h)

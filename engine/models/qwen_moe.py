@@ -20,20 +20,27 @@ whose blocks replace the dense FFN by a mixture of experts, with llama.cpp's con
 The router and the shared-expert gate stay float32 (llama.cpp's quantizer keeps
 `ffn_gate_inp` in F32, and a routing decision should not flip on a rounding of the weights):
 one float32 matrix computed one row at a time, so a row's scores never depend on the batch.
-Each expert's gate/up and down are ordinary engine.weights Linear ops (the stacked tensor is
-split into per-expert views of the file's bytes, so packed types stay packed), and a step
-runs only the experts its rows were routed to, each once over the rows routed to it.  The
-kernels' results for a row do not depend on the other rows (engine.weights), and a row adds
-its experts' weighted outputs in its own top-k order, so on CPU a row decoded in a batch, alone
-or as part of a prefill chunk computes the same bits (up to the `amx` tile kernel's caveat for
-an expert that gets 32 rows or more, as for every matmul).  The routing decision is read back
-to the host to group the rows, so decoding steps are not captured in CUDA graphs.
+On CPU (and on CUDA in float32 or without Triton) each expert's gate/up and down are ordinary
+engine.weights Linear ops (the stacked tensor is split into per-expert views of the file's
+bytes, so packed types stay packed), and a step runs only the experts its rows were routed
+to, each once over the rows routed to it.  The kernels' results for a row do not depend on the
+other rows (engine.weights), and a row adds its experts' weighted outputs in its own top-k
+order, so on CPU a row decoded in a batch, alone or as part of a prefill chunk computes the
+same bits (up to the `amx` tile kernel's caveat for an expert that gets 32 rows or more, as
+for every matmul).  That path reads the routing decision back to the host to group the rows.
+
+On CUDA with packed weights (`stacks_experts`) a layer's experts are instead held stacked and
+run by engine.cuda_moe's kernels, which read each row's experts from the device: routing,
+experts and the sum into the residual stream never wait for the host, so decoding steps are
+captured in CUDA graphs (engine.cuda_graphs) like the dense families'.  That path's FFN norm
+is one float32 kernel in eager steps and graphs alike, so both route on the same scores.
 
 The weight accounting counts every expert (all of them are resident), the routers and the
-shared expert.  `Expert`, `stacked_experts`, `float32_rows` and the dispatch `mix_experts` are
-public for the other mixture-of-experts families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through `LlamaModel`; it is
-registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It reads no files and
-knows nothing of tokens' text or sessions.
+shared expert.  `Expert`, `stacked_experts`, `routed_experts`, `experts_nbytes`,
+`float32_rows` and the dispatch `mix_experts` are public for the other mixture-of-experts
+families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through
+`LlamaModel`; it is registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It
+reads no files and knows nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
@@ -43,8 +50,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import cuda_elementwise, cuda_moe
 from engine.config import ModelConfig, UnsupportedModel
-from engine.gguf_file import TensorRecord
+from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import CpuKernels
 from engine.models.llama import Block, LlamaModel, StepKernels
 from engine.weights import DenseLinear, Linear, RowByRow, build_linear, split_experts, to_float
@@ -82,6 +90,41 @@ def stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str,
             for g, u, d in zip(gate, up, down)]
 
 
+def stacks_experts(device: torch.device, fmt: str) -> bool:
+    """Whether routed experts are held stacked for engine.cuda_moe's kernels: on CUDA with
+    packed weights where Triton is present (elsewhere each expert is its own `Expert`)."""
+    return device.type == "cuda" and fmt == "packed" and cuda_moe.AVAILABLE
+
+
+def routed_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, device: torch.device,
+                   cpu: CpuKernels | None) -> list[Expert] | cuda_moe.StackedExperts:
+    """The routed experts of layer prefix `p`: one `StackedExperts` where `stacks_experts`,
+    else one `Expert` per slice of the 3-D tensors (`stacked_experts`)."""
+    if not stacks_experts(device, fmt):
+        return stacked_experts(t, p, n_expert, fmt, device, cpu)
+    try:
+        experts = cuda_moe.StackedExperts.build(*(t[p + f"ffn_{n}_exps.weight"] for n in ("gate", "up", "down")),
+                                                device)
+    except ValueError as e:
+        raise UnsupportedModel(f"{p}ffn_*_exps: {e}") from None
+    if experts.n_expert != n_expert:
+        raise UnsupportedModel(f"{p}ffn_*_exps hold {experts.n_expert} experts, the metadata says {n_expert}")
+    return experts
+
+
+def experts_nbytes(experts: list[Expert] | cuda_moe.StackedExperts) -> int:
+    """Bytes held by a layer's routed experts, either form."""
+    if isinstance(experts, cuda_moe.StackedExperts):
+        return experts.nbytes
+    return sum(e.nbytes for e in experts)
+
+
+def ffn_input(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The stacked path's FFN norm (CUDA): one kernel, float32 out, so that the router scores
+    the same values in eager steps and in captured graphs (whose fused norms write bfloat16)."""
+    return cuda_elementwise.rms_norm(x, weight, eps, torch.float32)
+
+
 def float32_rows(w: np.ndarray, device: torch.device) -> Linear:
     """A float32 matrix whose result for a row does not depend on the other rows: on CPU
     computed one row at a time (torch's float32 GEMM blocks by the number of rows)."""
@@ -97,7 +140,7 @@ class MoeBlock(Block):
                   cpu: CpuKernels | None) -> None:
         if not 0 < cfg.n_expert_used <= cfg.n_expert:
             raise UnsupportedModel(f"{cfg.n_expert_used} experts used of {cfg.n_expert}")
-        self.experts = stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
+        self.experts = routed_experts(t, p, cfg.n_expert, fmt, device, cpu)
         router = to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd)
         self.shared: Expert | None = None
         if p + "ffn_up_shexp.weight" in t:
@@ -112,7 +155,7 @@ class MoeBlock(Block):
     @property
     def ffn_bytes(self) -> int:
         shared = 0 if self.shared is None else self.shared.nbytes
-        return sum(e.nbytes for e in self.experts) + self.router.nbytes + shared
+        return experts_nbytes(self.experts) + self.router.nbytes + shared
 
 
 def route(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,19 +198,24 @@ def mix_experts(experts: list[Expert], h: torch.Tensor, ids: torch.Tensor, weigh
 
 class QwenMoeModel(LlamaModel):
     block_class = MoeBlock
-    captures_graphs = False
+    captures_graphs = False  # per model: True where the experts are stacked (no read-back)
 
-    def __init__(self, cfg: ModelConfig, *args, **kwargs):
+    def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
+                 cpu_kernels: CpuKernels | None = None):
         # The experts' widths come from their tensors' shapes; the counts must be stated.
         if cfg.n_expert <= 0 or cfg.n_expert_used <= 0:
             raise UnsupportedModel(f"{cfg.arch} without expert_count or expert_used_count in its metadata")
         norm = cfg.expert_weights_norm
         self.renormalise = RENORMALISE_TOP_K[cfg.arch] if norm is None else norm
-        super().__init__(cfg, *args, **kwargs)
+        self.captures_graphs = stacks_experts(device, fmt)
+        super().__init__(cfg, gguf, fmt, device, cpu_kernels)
 
     def feed_forward(self, blk: MoeBlock, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's mixture of experts of x: each routed expert runs once, over the
         rows routed to it; each row sums its experts' weighted outputs in its top-k order."""
+        if isinstance(blk.experts, cuda_moe.StackedExperts):
+            self.feed_forward_stacked(blk, x)
+            return
         cfg = self.cfg
         h = ops.norm(x, blk.ffn_norm)
         scores = blk.router(h).float()
@@ -176,6 +224,18 @@ class QwenMoeModel(LlamaModel):
         if blk.shared is not None:
             acc = acc + torch.sigmoid(scores[:, cfg.n_expert:]) * blk.shared(h)
         x += acc
+
+    def feed_forward_stacked(self, blk: MoeBlock, x: torch.Tensor) -> None:
+        """feed_forward on CUDA with the experts stacked (engine.cuda_moe): routed on the device
+        (`route`'s rule in one kernel), nothing read back, the experts' sum added into x by
+        their last kernel (after the shared expert's gated output)."""
+        cfg = self.cfg
+        h = ffn_input(x, blk.ffn_norm, cfg.norm_eps)
+        scores = blk.router(h).float()
+        ids, weights = cuda_moe.route_softmax(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
+        if blk.shared is not None:
+            x += torch.sigmoid(scores[:, cfg.n_expert:]) * blk.shared(h)
+        blk.experts(h, ids, weights, into=x)
 
     def work_bytes(self, n_tokens: int, ctx: int) -> int:
         """The llama estimate plus the routing buffers: the k experts' outputs of every row,

@@ -17,6 +17,8 @@ import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
 from engine.config import ModelConfig, UnsupportedModel
+from engine import cuda_moe
+from engine.models import deepseek2, qwen_moe
 from engine.models.deepseek2 import route, yarn_rope
 from gguf_files import file_maker
 from deepseek2_models import DeepSeek2Spec, reference_logits, write_random_deepseek2
@@ -365,3 +367,61 @@ def test_cuda_forward_matches_reference_and_decoding_agrees(ds_gguf, variant):
     tol = 2e-2 * float(full.logits.abs().max())
     for s in batch:
         torch.testing.assert_close(s.logits.float().cpu(), full.logits.float().cpu(), rtol=2e-2, atol=tol)
+
+
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_stacked_experts_agree_with_the_per_expert_path(ds_gguf, variant, monkeypatch):
+    """engine.cuda_moe's kernels against each expert run as its own Linear (v3: sigmoid routing
+    with groups, bias and scale, all on the device)."""
+    path = ds_gguf(variant, "Q4_0", seed=PACKED_SEEDS[variant])
+    m = engine.load_model(path, device="cuda")
+    assert isinstance(m.net.blocks[1].experts, cuda_moe.StackedExperts)
+    with monkeypatch.context() as mp:
+        mp.setattr(deepseek2, "routed_experts", qwen_moe.stacked_experts)
+        old = engine.load_model(path, device="cuda")
+    assert isinstance(old.net.blocks[1].experts, list)
+    want = all_logits(old, TOKENS)
+    assert np.abs(all_logits(m, TOKENS) - want).max() <= 1e-2 * np.abs(want).max()
+    a, b = m.new_session(), old.new_session()
+    for s in (a, b):
+        s.sync(TOKENS[:4])
+        for t in TOKENS[4:]:
+            s.eval(t)
+    torch.testing.assert_close(a.logits.float().cpu(), b.logits.float().cpu(), rtol=1e-2,
+                               atol=1e-2 * float(b.logits.abs().max()))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_deepseek2_layers_never_wait_for_the_host(ds_gguf):
+    """The FFN (routing with groups and bias, shared and routed experts) under torch's sync debug
+    mode set to raise; and a whole batched decoding step, whose syncs (its positions and tokens
+    copied to the device as it starts) must not grow with the number of layers."""
+    import warnings
+    path = ds_gguf("v3", "Q4_0", seed=PACKED_SEEDS["v3"], n_layer=12)
+    m = engine.load_model(path, device="cuda")
+    xs = [torch.randn(rows, m.config.n_embd, device="cuda") for rows in (1, 3, 40)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            for blk in m.net.blocks:
+                m.net.feed_forward(blk, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    batch = m.new_sessions(3)
+    for s, n in zip(batch, (3, 6, 9)):
+        s.sync(TOKENS[:n])
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            decode_batch(batch, [7, 8, 9])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message)[:80] for w in caught if "synchroniz" in str(w.message)]
+    print(f"{len(syncs)} synchronizing calls in a 3-row step of 12 layers: {syncs}")
+    assert len(syncs) < m.config.n_layer - 1

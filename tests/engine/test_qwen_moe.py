@@ -13,6 +13,8 @@ import torch
 import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
+from engine import cuda_moe
+from engine.models import qwen_moe
 from engine.models.qwen_moe import route
 from gguf_files import file_maker
 from moe_models import MoeSpec, read_weights, reference_logits, write_random_moe
@@ -216,6 +218,102 @@ def test_cuda_decoding_and_batches_agree_with_prefill(moe_gguf, arch):
     tol = 2e-2 * float(full.logits.abs().max())
     for s in batch:
         torch.testing.assert_close(s.logits.float().cpu(), full.logits.float().cpu(), rtol=2e-2, atol=tol)
+
+
+def per_expert(path: str, monkeypatch) -> engine.Model:
+    """The model on CUDA with each expert its own Linear (the path that reads the routing back)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(qwen_moe, "stacks_experts", lambda device, fmt: False)
+        return engine.load_model(path, device="cuda")
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "F32"])
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_stacked_experts_agree_with_the_per_expert_path(moe_gguf, arch, qtype, monkeypatch):
+    """engine.cuda_moe's kernels (4-bit, or the bfloat16 stack of an F32 file) against each expert
+    run as its own Linear, in a prefill chunk (the grouped GEMM) and row by row (the indexed
+    products); the stacked path's bytes are the experts' own."""
+    path = moe_gguf(arch, qtype, seed=PACKED_SEEDS[arch])
+    m = engine.load_model(path, device="cuda")
+    assert isinstance(m.net.blocks[0].experts, cuda_moe.StackedExperts) and m.net.captures_graphs
+    old = per_expert(path, monkeypatch)
+    assert not old.net.captures_graphs and old.net.decode_graphs is None
+    if qtype == "Q4_0":
+        assert m.net.weight_bytes == old.net.weight_bytes
+    want = all_logits(old, TOKENS)
+    scale = np.abs(want).max()
+    assert np.abs(all_logits(m, TOKENS) - want).max() <= 1e-2 * scale
+    ref = reference_logits(path, TOKENS).logits
+    s = m.new_session()
+    s.sync(TOKENS[:1])
+    rows = [s.logits.float().cpu().numpy()]
+    for t in TOKENS[1:]:
+        s.eval(t)
+        rows.append(s.logits.float().cpu().numpy())
+    assert np.abs(np.stack(rows) - ref).max() <= 5e-2 * np.abs(ref).max()
+    assert m.net.decode_graphs.replays > 0  # decoded through captured graphs
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_moe_graphs_equal_eager(moe_gguf, arch):
+    """The stacked FFN replayed from a captured graph gives the eager call's bits, at 1 row and at
+    a wide batch; whole graph-decoded steps agree with eager ones within the CUDA bound (their
+    attention and norms are other kernels)."""
+    m = engine.load_model(moe_gguf(arch, "Q4_0", seed=PACKED_SEEDS[arch]), device="cuda")
+    torch.manual_seed(0)
+    for rows in (1, 4, 24):
+        x0 = torch.randn(rows, m.config.n_embd, device="cuda")
+        eager = x0.clone()
+        for blk in m.net.blocks:
+            m.net.feed_forward_stacked(blk, eager)
+        x = x0.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m.net.feed_forward_stacked(m.net.blocks[0], x0.clone())  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for blk in m.net.blocks:
+                m.net.feed_forward_stacked(blk, x)
+        x.copy_(x0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(x, eager)
+    eager_model = engine.load_model(moe_gguf(arch, "Q4_0", seed=PACKED_SEEDS[arch]), device="cuda")
+    eager_model.net.decode_graphs = None
+    graph_s, eager_s = m.new_session(), eager_model.new_session()
+    for s in (graph_s, eager_s):
+        s.sync(TOKENS[:3])
+    for t in TOKENS[3:]:  # teacher-forced: TOKENS' routing margins are the seeds' (see PACKED_SEEDS)
+        graph_s.eval(t)
+        eager_s.eval(t)
+        scale = float(eager_s.logits.abs().max())
+        torch.testing.assert_close(graph_s.logits, eager_s.logits, rtol=2e-2, atol=2e-2 * scale)
+    assert m.net.decode_graphs.replays >= len(TOKENS) - 3 and m.net.decode_graphs.enabled
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_moe_never_waits_for_the_host(moe_gguf, arch):
+    """Routing and experts under torch's sync debug mode set to raise: no read-back, at decoding
+    widths and a prefill chunk's."""
+    m = engine.load_model(moe_gguf(arch, "Q4_0", seed=PACKED_SEEDS[arch]), device="cuda")
+    xs = [torch.randn(rows, m.config.n_embd, device="cuda") for rows in (1, 3, 40)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x in xs:
+            for blk in m.net.blocks:
+                m.net.feed_forward_stacked(blk, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.isfinite(x).all() for x in xs)
 
 
 def transformers_logits(path: str, spec: MoeSpec, tokens: list[int]) -> np.ndarray:

@@ -1,0 +1,281 @@
+"""Times decoding steps of a mixture-of-experts model on CUDA, at 1 row and at 32 (or any
+widths), and engine.cuda_moe's experts alone; a script for the device, not a test.
+
+It writes a random GGUF of a real model's shape (`SHAPES`: the Qwen3-30B-A3B and
+DeepSeek-V2-Lite shapes) with random blocks of the chosen type, falling back, for matrices whose
+rows are not whole blocks of it, to the type llama.cpp's quantizer falls back to
+(engine.synthetic.ROW_FALLBACK: Q4_K -> Q5_0, which the stacked experts hold as bfloat16).  The
+vocabulary is the tests' small one, so the head costs next to nothing.  Then, for each width:
+
+- step: `decode_batch` over that many pooled sessions, `--steps` steps after warm-up, median
+  of `--repeats` timings (qwen3moe decodes through captured graphs; deepseek2 eagerly);
+- with `--per-expert`, the same steps with each expert its own Linear (the path that reads the
+  routing back every layer, without graphs), loaded a second time;
+- experts: one layer's routed experts (`StackedExperts.__call__` with random routing) replayed
+  from a CUDA graph over every MoE layer, so launch overhead is as in a graph-decoded step;
+  with `--sweep`, the same for a grid of launch shapes (engine.cuda_moe.MoeLaunch), fastest
+  first.
+
+The bytes one token reads (attention, its routed experts, shared experts; the head left out)
+over the step time give the bandwidth a one-row step reaches.
+
+    PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape qwen3-30b-a3b --layers 12
+    PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape deepseek-v2-lite --rows 1,32 --sweep
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import GGUFWriter
+
+import engine
+from engine import cuda_moe
+from engine.batch import decode_batch
+from engine.models import qwen_moe
+from engine.quants import BLOCK
+from engine.synthetic import RANDOM_BLOCKS, ROW_FALLBACK, random_blocks
+from gemma_models import vocabulary
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+                          n_expert=128, n_used=8, n_ff_exp=768, n_ff=6144),
+    "deepseek-v2-lite": dict(arch="deepseek2", n_layer=27, n_embd=2048, n_head=16, kv_lora_rank=512, nope=128,
+                             rope=64, v_dim=128, n_expert=64, n_used=6, n_ff_exp=1408, n_shared=2, n_ff=10944,
+                             n_dense=1),
+}
+# Byte offsets of the float16 scale fields of the types gguf quantizes (random blocks here too).
+SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,)}
+
+
+def raw_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    if qtype in RANDOM_BLOCKS:
+        return random_blocks(qtype, rows, cols, rng)
+    per, nbytes = BLOCK[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        raw[..., off: off + 2] = (rng.random((rows, cols // per, 1)) * 0.002 + 0.0005).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def write_shape(path: str, shape: dict, n_layer: int, qtype: QT) -> dict[str, str]:
+    """A random GGUF of `shape` with `n_layer` layers; returns each written type's count."""
+    rng = np.random.default_rng(0)
+    a = shape["arch"]
+    d, E, f = shape["n_embd"], shape["n_expert"], shape["n_ff_exp"]
+    tokens, types, scores = vocabulary()
+    w = GGUFWriter(path, a)
+    keys = {"block_count": n_layer, "context_length": 4096, "embedding_length": d,
+            "feed_forward_length": shape["n_ff"], "attention.head_count": shape["n_head"],
+            "expert_count": E, "expert_used_count": shape["n_used"], "expert_feed_forward_length": f}
+    if a == "qwen3moe":
+        keys.update({"attention.head_count_kv": shape["n_head_kv"], "attention.key_length": shape["head_dim"],
+                     "attention.value_length": shape["head_dim"]})
+    else:
+        keys.update({"attention.head_count_kv": shape["n_head"], "attention.key_length": shape["nope"] + shape["rope"],
+                     "attention.value_length": shape["v_dim"], "attention.kv_lora_rank": shape["kv_lora_rank"],
+                     "rope.dimension_count": shape["rope"], "expert_shared_count": shape["n_shared"],
+                     "leading_dense_block_count": shape["n_dense"], "expert_gating_func": 1})
+    for key, value in keys.items():
+        w.add_uint32(f"{a}.{key}", value)
+    w.add_float32(f"{a}.rope.freq_base", 10000.0)
+    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
+    if a == "deepseek2":
+        w.add_float32(f"{a}.expert_weights_scale", 1.0)
+        w.add_bool(f"{a}.expert_weights_norm", False)
+    w.add_string("tokenizer.ggml.model", "llama")
+    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_array("tokenizer.ggml.tokens", tokens)
+    w.add_array("tokenizer.ggml.token_type", types)
+    w.add_array("tokenizer.ggml.scores", scores)
+    for key, value in (("bos", 2), ("eos", 1), ("unknown", 3), ("padding", 0)):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    written: dict[str, int] = {}
+
+    def matrix(name: str, *dims: int) -> None:
+        t = qtype if dims[-1] % BLOCK[qtype][0] == 0 else ROW_FALLBACK[qtype]
+        written[t.name] = written.get(t.name, 0) + 1
+        rows = int(np.prod(dims[:-1]))
+        w.add_tensor(name, raw_blocks(t, rows, dims[-1], rng).reshape(*dims[:-1], -1), raw_dtype=t)
+
+    def f32(name: str, *dims: int, around: float = 0.0, spread: float = 1.0) -> None:
+        w.add_tensor(name, (around + spread * rng.standard_normal(dims)).astype(np.float32))
+
+    f32("token_embd.weight", len(tokens), d)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        f32(p + "attn_norm.weight", d, around=1.0, spread=0.1)
+        f32(p + "ffn_norm.weight", d, around=1.0, spread=0.1)
+        if a == "qwen3moe":
+            H, Hkv, hd = shape["n_head"], shape["n_head_kv"], shape["head_dim"]
+            matrix(p + "attn_q.weight", H * hd, d)
+            matrix(p + "attn_k.weight", Hkv * hd, d)
+            matrix(p + "attn_v.weight", Hkv * hd, d)
+            matrix(p + "attn_output.weight", d, H * hd)
+            f32(p + "attn_q_norm.weight", hd, around=1.0, spread=0.1)
+            f32(p + "attn_k_norm.weight", hd, around=1.0, spread=0.1)
+        else:
+            H, rank, rope = shape["n_head"], shape["kv_lora_rank"], shape["rope"]
+            matrix(p + "attn_q.weight", H * (shape["nope"] + rope), d)
+            matrix(p + "attn_kv_a_mqa.weight", rank + rope, d)
+            f32(p + "attn_kv_a_norm.weight", rank, around=1.0, spread=0.1)
+            matrix(p + "attn_kv_b.weight", H * (shape["nope"] + shape["v_dim"]), rank)
+            matrix(p + "attn_output.weight", d, H * shape["v_dim"])
+            if i < shape["n_dense"]:
+                for n, dims in (("gate", (shape["n_ff"], d)), ("up", (shape["n_ff"], d)), ("down", (d, shape["n_ff"]))):
+                    matrix(p + f"ffn_{n}.weight", *dims)
+                continue
+            width = f * shape["n_shared"]
+            matrix(p + "ffn_gate_shexp.weight", width, d)
+            matrix(p + "ffn_up_shexp.weight", width, d)
+            matrix(p + "ffn_down_shexp.weight", d, width)
+        f32(p + "ffn_gate_inp.weight", E, d, spread=3 * d ** -0.5)
+        matrix(p + "ffn_gate_exps.weight", E, f, d)
+        matrix(p + "ffn_up_exps.weight", E, f, d)
+        matrix(p + "ffn_down_exps.weight", E, d, f)
+    f32("output_norm.weight", d, around=1.0, spread=0.1)
+    matrix("output.weight", len(tokens), d)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
+
+
+def token_bytes(m: engine.Model) -> int:
+    """Bytes of weights one decoded token reads, the head and embedding left out: every dense
+    matrix of a layer, and k of its n_expert routed experts."""
+    total = 0
+    for blk in m.net.blocks:
+        total += blk.nbytes
+        if isinstance(blk.experts, cuda_moe.StackedExperts):
+            total -= blk.experts.nbytes * (blk.experts.n_expert - m.config.n_expert_used) // blk.experts.n_expert
+    return total
+
+
+def time_steps(m: engine.Model, rows: int, steps: int, repeats: int) -> float:
+    """Median seconds of one decoding step of `rows` pooled sessions."""
+    sessions = m.new_sessions(rows)
+    for i, s in enumerate(sessions):
+        s.sync([5 + (i * 7 + j) % 200 for j in range(16)])
+    for _ in range(3):
+        decode_batch(sessions, [9] * rows)
+    times = []
+    for r in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for step in range(steps):
+            decode_batch(sessions, [10 + (step + r) % 100] * rows)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / steps)
+        for s in sessions:  # keep the contexts short and equal across repeats
+            s.truncate(16)
+    return statistics.median(times)
+
+
+def time_experts(layers: list[cuda_moe.StackedExperts], rows: int, k: int, launch: cuda_moe.MoeLaunch,
+                 replays: int = 20) -> float:
+    """Seconds of every layer's routed experts at `rows` rows, replayed from one CUDA graph."""
+    first = layers[0]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    h = torch.randn(rows, first.n_embd, device="cuda", generator=g)
+    ids = torch.stack([torch.randperm(first.n_expert, device="cuda", generator=g)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, device="cuda", generator=g)
+    x = torch.zeros(rows, first.n_embd, device="cuda")
+    for e in layers:
+        e.launch = launch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        first(h, ids, weights, into=x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for e in layers:
+            e(h, ids, weights, into=x)
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / replays
+
+
+SWEEP = {"rows": dict(gemv_bn=(4, 8, 16, 32), gemv_gb=(8, 16, 32), gemv_warps=(2, 4, 8)),
+         "blocks": dict(gemm_bn=(32, 64, 128), gemm_warps=(4, 8), gemm_stages=(2, 3, 4))}
+
+
+def sweep(layers: list[cuda_moe.StackedExperts], rows: int, k: int) -> list[tuple[float, cuda_moe.MoeLaunch]]:
+    grid = SWEEP["rows" if rows <= cuda_moe.GEMV_MAX_ROWS else "blocks"]
+    found = []
+    for values in itertools.product(*grid.values()):
+        launch = dataclasses.replace(cuda_moe.LAUNCH, **dict(zip(grid, values)))
+        try:
+            found.append((time_experts(layers, rows, k, launch), launch))
+        except Exception as e:  # a shape the compiler refuses (registers, shared memory)
+            print(f"  {launch}: {type(e).__name__}", file=sys.stderr)
+    return sorted(found, key=lambda f: f[0])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=0, help="layers to write (default: the shape's)")
+    ap.add_argument("--qtype", default="Q4_K")
+    ap.add_argument("--rows", default="1,32")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="time a grid of launch shapes of the experts")
+    ap.add_argument("--gguf", help="use (or keep) the GGUF at this path")
+    ap.add_argument("--per-expert", action="store_true",
+                    help="also time the per-expert path (each expert its own Linear, routing read back)")
+    args = ap.parse_args(argv)
+    shape = SHAPES[args.shape]
+    n_layer = args.layers or shape["n_layer"]
+    path = args.gguf or os.path.join(tempfile.mkdtemp(), f"{args.shape}-{n_layer}.gguf")
+    if not os.path.exists(path):
+        t0 = time.perf_counter()
+        written = write_shape(path, shape, n_layer, QT[args.qtype])
+        size = os.path.getsize(path) / 2 ** 30
+        print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
+    t0 = time.perf_counter()
+    m = engine.load_model(path, device="cuda", ctx=512)
+    print(f"loaded in {time.perf_counter() - t0:.0f} s; graphs: {m.net.decode_graphs is not None}")
+    layers = [b.experts for b in m.net.blocks if isinstance(b.experts, cuda_moe.StackedExperts)]
+    print(f"{len(layers)} stacked layers: gate/up {'int4' if layers[0].gate_up.packed else 'bf16'}, "
+          f"down {'int4' if layers[0].down.packed else 'bf16'}")
+    per_token = token_bytes(m)
+    k = m.config.n_expert_used
+    old = None
+    if args.per_expert:
+        qwen_moe.stacks_experts = lambda device, fmt: False  # this process only
+        old = engine.load_model(path, device="cuda", ctx=512)
+    for rows in [int(r) for r in args.rows.split(",")]:
+        if old is not None:
+            before = time_steps(old, rows, args.steps, args.repeats)
+            print(f"rows {rows:3d}: per-expert path {before * 1e3:7.3f} ms, {rows / before:8.1f} tok/s", flush=True)
+        step = time_steps(m, rows, args.steps, args.repeats)
+        experts = time_experts(layers, rows, k, cuda_moe.LAUNCH)
+        line = (f"rows {rows:3d}: step {step * 1e3:7.3f} ms, {rows / step:8.1f} tok/s; routed experts of "
+                f"{len(layers)} layers {experts * 1e3:7.3f} ms")
+        if rows == 1:
+            line += f"; {per_token / 2 ** 20:.0f} MiB per token, {per_token / step / 1e9:.0f} GB/s"
+        print(line, flush=True)
+        if args.sweep:
+            for seconds, launch in sweep(layers, rows, k)[:5]:
+                print(f"    {seconds * 1e3:7.3f} ms  {launch}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
