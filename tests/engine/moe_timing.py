@@ -250,10 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
     m = engine.load_model(path, device="cuda", ctx=512)
-    print(f"loaded in {time.perf_counter() - t0:.0f} s; graphs: {m.net.decode_graphs is not None}")
-    layers = [b.experts for b in m.net.blocks if isinstance(b.experts, cuda_moe.StackedExperts)]
-    print(f"{len(layers)} stacked layers: gate/up {'int4' if layers[0].gate_up.packed else 'bf16'}, "
-          f"down {'int4' if layers[0].down.packed else 'bf16'}")
+    print(f"loaded in {time.perf_counter() - t0:.0f} s; graphs: {getattr(m.net, 'decode_graphs', None) is not None}")
+    layers = [b.experts for b in m.net.blocks if isinstance(getattr(b, "experts", None), cuda_moe.StackedExperts)]
+    print(f"{len(layers)} stacked layers: gate/up {layers[0].gate_up.format}, down {layers[0].down.format}")
     per_token = token_bytes(m)
     k = m.config.n_expert_used
     old = None
