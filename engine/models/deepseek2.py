@@ -38,7 +38,8 @@ the selection only; with `expert_group_count` > 1 a token's experts come from th
 `expert_group_used_count` groups whose two best biased scores sum highest; the top-k (ties to
 the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
-float32, one row at a time.
+float32, one row at a time.  On CPU the dense, routed and shared FFNs add into the residual
+themselves (qwen_moe's `add_experts_cpu` and `Expert.add_to`: fused SwiGLU, fused add).
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
 engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (the routing is
@@ -61,7 +62,7 @@ from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
 from engine.models.llama import TorchKernels
-from engine.models.qwen_moe import Expert, float32_rows, mix_experts, stacked_experts
+from engine.models.qwen_moe import Expert, add_experts_cpu, float32_rows, mix_experts, stacked_experts, swiglu_expert
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
@@ -178,17 +179,16 @@ class MlaBlock:
         self.bias: torch.Tensor | None = None
         self.shared: Expert | None = None
         if i < cfg.n_layer_dense_lead:
-            self.dense = Expert(build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device, cpu=cpu),
-                                build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu))
+            self.dense = swiglu_expert(t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"], fmt,
+                                       device, cpu)
             return
         self.experts = stacked_experts(t, p, cfg.n_expert, fmt, device, cpu)
         self.router = float32_rows(to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd), device)
         if p + "exp_probs_b.bias" in t:
             self.bias = vec("exp_probs_b.bias")
         if p + "ffn_up_shexp.weight" in t:
-            self.shared = Expert(build_linear([t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"]], fmt,
-                                              device, cpu=cpu),
-                                 build_linear([t[p + "ffn_down_shexp.weight"]], fmt, device, cpu=cpu))
+            self.shared = swiglu_expert(t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"],
+                                        t[p + "ffn_down_shexp.weight"], fmt, device, cpu)
 
     @property
     def nbytes(self) -> int:
@@ -413,11 +413,20 @@ class DeepSeek2Model(CachedNetwork):
         """x += the block's dense FFN, or its routed experts plus its shared ones, of x."""
         cfg = self.cfg
         h = self.norm(x, blk.ffn_norm)
+        cpu = x.device.type == "cpu"
         if blk.dense is not None:
-            x += blk.dense(h)
+            if cpu:
+                blk.dense.add_to(x, h)
+            else:
+                x += blk.dense(h)
             return
         ids, weights = route(blk.router(h), cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups,
                              cfg.n_group_used, self.renormalise, cfg.expert_weights_scale)
+        if cpu:  # the routed experts, then the shared ones, added into the residual row by row
+            add_experts_cpu(blk.experts, x, h, ids, weights)
+            if blk.shared is not None:
+                blk.shared.add_to(x, h)
+            return
         acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + blk.shared(h)
