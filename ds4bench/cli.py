@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from ds4bench import engine_bench as eb
-from ds4bench import random_gguf
+from ds4bench import random_gguf, readbytes
 from ds4bench.csvfile import write_csv
 from ds4bench.errors import RunFailure, UsageFailure
 from ds4bench.inputs import check_csv_dir, model_file
@@ -119,6 +119,9 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
               help="Ids each batch row holds before its timed steps.")
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
+@click.option("--bandwidth", type=float, default=None,
+              help="Memory bandwidth in GB/s (e.g. 4800 for an H200): show each decode figure as a share of the "
+                   "tokens/s that reading a step's weights (only the routed experts of MoE models) allows.")
 def engine_command(model: str | None, ctx: int | None, device: str, weights: str, cpu_kernels: str | None,
                    batch_invariant: bool, repeats: int, warmup: int,
                    csv_path: str | None, compare: str | None, llama_bench: str | None,
@@ -126,7 +129,7 @@ def engine_command(model: str | None, ctx: int | None, device: str, weights: str
                    llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
                    decode_tokens: int | None, batch_sizes: tuple[int, ...], batch_context: int, quick: bool,
-                   seed: int) -> int:
+                   seed: int, bandwidth: float | None) -> int:
     """Load time, prefill and decode tokens/s (and batched decode with --batch-sizes), optionally side by
     side with llama.cpp or transformers."""
     cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, cpu_kernels=cpu_kernels,
@@ -136,7 +139,8 @@ def engine_command(model: str | None, ctx: int | None, device: str, weights: str
                                threads=threads, llama_extra_buffers=llama_extra_buffers,
                                prompt_lengths=prompt_lengths,
                                decode_contexts=decode_contexts, decode_tokens=decode_tokens,
-                               batch_sizes=batch_sizes, batch_context=batch_context, quick=quick, seed=seed)
+                               batch_sizes=batch_sizes, batch_context=batch_context, quick=quick, seed=seed,
+                               bandwidth=bandwidth)
     return run_engine(cfg)
 
 
@@ -180,6 +184,11 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
 
     click.echo(f"{eb.model_label(path)}: {eb.describe_plan(cfg)}; engines {', '.join(r.engine for r in runners)}",
                err=True)
+    try:
+        for n in sorted({1, *cfg.batch_sizes}):
+            click.echo(readbytes.describe(readbytes.from_gguf(path, n)), err=True)
+    except readbytes.Unreadable:
+        pass  # loading the model says what is wrong with the file, in the engine's words
     for r in runners:
         try:
             click.echo(f"{r.engine} kernels: {r.kernels()}", err=True)
@@ -195,6 +204,11 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
     engines = eb.engines_of(measurements)
     rows = eb.summarize(measurements, cfg.compare)
     click.echo(eb.render_table(rows, engines, cfg.compare))
+    if cfg.bandwidth is not None:
+        click.echo()
+        for line in eb.bandwidth_lines(rows, engines, lambda n: readbytes.bound_tokens_per_s(
+                readbytes.from_gguf(path, n), cfg.bandwidth), cfg.bandwidth):
+            click.echo(line)
     checks = eb.check_bar(rows, cfg.compare, embedded=_is_embedded(path))
     if checks:
         click.echo()

@@ -130,6 +130,7 @@ class EngineBenchConfig:
     batch_context: int = 128  # ids each batch row holds before its timed steps
     quick: bool = False  # short default lengths for smoke tests; explicit lengths still win
     seed: int = 0  # seed of the benchmark token sequence
+    bandwidth: float | None = None  # --bandwidth GB/s: each decode figure as a share of the weight-streaming bound
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:
@@ -201,6 +202,8 @@ class EngineBenchConfig:
             raise BenchConfigError("--batch-sizes cannot be measured with --compare llama.cpp: "
                                    "llama-cpp-python decodes one sequence at a time (--llama-bench measures "
                                    "them with llama.cpp's llama-batched-bench)")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise BenchConfigError(f"--bandwidth must be positive GB/s, not {self.bandwidth}")
         if self.ctx is not None and self.ctx < self.required_ctx:
             raise BenchConfigError(f"--ctx {self.ctx} is too small: the longest step needs {self.required_ctx} "
                                    f"tokens (prompt or context + decode tokens)")
@@ -560,6 +563,20 @@ def check_bar(rows: Sequence[SummaryRow], other: str | None, *, embedded: bool =
             target = BAR_PREFILL_RATIO if row.metric == "prefill" else BAR_DECODE_RATIO
             checks.append(BarCheck(row.label, row.ratio, f">= {target:.2f}x {other}", row.ratio >= target))
     return checks
+
+
+def bandwidth_lines(rows: Sequence[SummaryRow], engines: Sequence[str], bound: Callable[[int], float],
+                    bandwidth: float) -> list[str]:
+    """Each decode row's medians as shares of `bound(batch)`, the tokens/s that streaming the
+    weights a step reads at `bandwidth` GB/s allows (ds4bench.readbytes)."""
+    out = []
+    for row in rows:
+        if row.metric not in ("decode", "decode_batch"):
+            continue
+        limit = bound(row.batch)
+        shares = ", ".join(f"{e} {row.stats[e].median / limit:.0%}" for e in engines if e in row.stats)
+        out.append(f"{row.label}: weight-read bound {limit:.1f} tok/s at {bandwidth:g} GB/s; {shares}")
+    return out
 
 
 def csv_rows(measurements: Sequence[Measurement]) -> list[dict[str, object]]:

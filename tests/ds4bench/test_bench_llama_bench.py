@@ -153,7 +153,8 @@ def test_engine_against_llama_bench_binaries(fake_bin, moe_file, tmp_path):
     r = CliRunner().invoke(cli.main, [
         "engine", "-m", moe_file, "--compare", "llama.cpp", "--llama-bench", fake_bin, "--llama-flash-attn", "on",
         "--prompt-lengths", "16", "--decode-contexts", "4,32", "--decode-tokens", "3", "--batch-sizes", "1,4",
-        "--batch-context", "8", "--repeats", "2", "--warmup", "0", "--threads", "2", "--csv", str(out)])
+        "--batch-context", "8", "--repeats", "2", "--warmup", "0", "--threads", "2", "--csv", str(out),
+        "--bandwidth", "100"])
     assert r.exit_code == 0, r.output
     made = calls(tmp_path)
     assert [c[0] for c in made] == ["llama-bench", "llama-bench", "llama-batched-bench"] * 2  # one set a repetition
@@ -168,6 +169,9 @@ def test_engine_against_llama_bench_binaries(fake_bin, moe_file, tmp_path):
     assert got[("decode", 32, 1, 1)] == pytest.approx(1 / (0.010 + 32e-6))
     assert got[("decode_batch", 8, 4, 0)] == pytest.approx(4 / 0.020)
     assert "decode x4 after 8" in r.output and "ds4/llama.cpp" in r.output
+    assert "weights read per decoding step of 4 rows" in r.output  # the routed experts' share, on stderr
+    bound = [line for line in r.output.splitlines() if line.startswith("decode x4 after 8: weight-read bound")]
+    assert len(bound) == 1 and "ds4 " in bound[0] and "llama.cpp " in bound[0]
 
 
 def test_llama_bench_errors_are_one_line(fake_bin, moe_file, tmp_path, monkeypatch):
