@@ -57,6 +57,10 @@ CSV columns (one row per measurement):
   tokens_per_s  n_prompt / seconds (prefill), n_decode / seconds (decode), batch * n_decode /
                 seconds (decode_batch), empty (load)
 
+With a memory bandwidth (`bandwidth`, GB/s) `bandwidth_lines` states each decode figure as a
+share of the tokens/s that streaming a step's weights allows (ds4bench.readbytes counts them:
+for a mixture of experts only the routed ones).
+
 It does not load models (see `ds4bench.runners`), parse flags (see `ds4bench.cli`)
 or write files (see `ds4bench.csvfile`).
 """

@@ -603,8 +603,9 @@ PRESETS: dict[str, MoeSpec] = {
 
 
 def _fill_slab(plan: TensorPlan, index: int, start: int, stop: int, seed: int) -> np.ndarray:
-    """Rows [start, stop) of tensor number `index`, a contiguous array of the file's bytes; each slab draws from its own
-    generator seeded by (seed, tensor, first row), so the bytes do not depend on the threads."""
+    """Rows [start, stop) of tensor number `index`, a contiguous array of the file's bytes; each
+    slab draws from its own generator seeded by (seed, tensor, first row), so the bytes do not
+    depend on the threads."""
     bits = np.random.SFC64(np.random.SeedSequence([seed, index, start]))
     cols, n = plan.shape[-1], stop - start
     if plan.qtype in (QT.F32, QT.F16):
@@ -619,17 +620,17 @@ def _fill_slab(plan: TensorPlan, index: int, start: int, stop: int, seed: int) -
         return values.astype(np.float32 if plan.qtype == QT.F32 else np.float16)
     per, size = GGML_QUANT_SIZES[plan.qtype]
     blocks = n * (cols // per)
-    raw = bits.random_raw(-(-blocks * size // 8)).view(np.uint8)[: blocks * size].reshape(blocks, size)
+    words = bits.random_raw(-(-blocks * size // 8)).view(np.uint16)[: blocks * size // 2]
+    words = words.reshape(blocks, size // 2)  # every block size and scale offset is even
     offsets, largest = STREAM_BLOCKS[plan.qtype]
     # Scales in [s, 2s) with s a power of two near 1 / (largest * sqrt(cols)): the exponent
-    # bits of s and the random mantissa already in the field (integer operations only).
+    # bits of s and the random mantissa already in the field, changed in place.
     top = np.float16(1.0 / (largest * cols ** 0.5)).view(np.uint16) & np.uint16(0xFC00)
     for off in offsets:
-        field = raw[:, off: off + 2].copy().view(np.uint16)
+        field = words[:, off // 2]
         field &= np.uint16(0x03FF)
         field |= top
-        raw[:, off: off + 2] = field.view(np.uint8)
-    return raw
+    return words.view(np.uint8)
 
 
 def _slabs(plans: list[TensorPlan]) -> list[tuple[int, int, int]]:
@@ -672,7 +673,8 @@ def write_moe_gguf(path: str | os.PathLike, spec: MoeSpec, threads: int | None =
     plans = spec.tensors()
     for plan in plans:
         if plan.qtype.name not in STREAM_TYPES:
-            raise ValueError(f"{plan.name}: type {plan.qtype.name} cannot be streamed (one of {', '.join(STREAM_TYPES)})")
+            raise ValueError(f"{plan.name}: type {plan.qtype.name} cannot be streamed "
+                             f"(one of {', '.join(STREAM_TYPES)})")
     threads = threads or os.cpu_count() or 1
     tmp = f"{path}.tmp.{os.getpid()}"
     w = GGUFWriter(tmp, spec.arch)

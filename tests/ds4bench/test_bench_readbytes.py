@@ -44,8 +44,8 @@ def test_bound_and_description():
 
 
 def test_bandwidth_lines_give_each_engines_share():
-    row = eb.SummaryRow("decode", 16, 128, "tok/s", {"ds4": eb.Stat(50, 40, 60, 3), "llama.cpp": eb.Stat(100, 90, 110, 3)},
-                        0.5)
+    stats = {"ds4": eb.Stat(50, 40, 60, 3), "llama.cpp": eb.Stat(100, 90, 110, 3)}
+    row = eb.SummaryRow("decode", 16, 128, "tok/s", stats, 0.5)
     batch = eb.SummaryRow("decode_batch", 128, 128, "tok/s", {"ds4": eb.Stat(400, 400, 400, 1)}, None, batch=32)
     load = eb.SummaryRow("load", 0, 0, "s", {"ds4": eb.Stat(1, 1, 1, 1)}, None)
     lines = eb.bandwidth_lines([load, row, batch], ["ds4", "llama.cpp"], lambda n: 200.0 * n, 4800)
