@@ -161,7 +161,8 @@ def add_experts_cpu(experts: list[Expert], x: torch.Tensor, h: torch.Tensor, ids
     (into x itself when every row chose it, as in one-row decoding; else into a gathered copy
     written back).  A row's experts are added in ascending expert id, each its own step, so a
     row's result depends on its routing alone, not on the other rows (given row-independent
-    kernels); the routing is grouped on the host, in Python (a step's T * k slots are few)."""
+    kernels); the routing is grouped on the host in a Python loop over the T * k slots,
+    cheaper than tensor operations for a decoding step's handful."""
     T, k = ids.shape
     groups: dict[int, list[int]] = {}  # expert -> its (row, choice) slots row * k + choice, rows ascending
     for slot, e in enumerate(ids.reshape(-1).tolist()):
