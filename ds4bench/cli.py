@@ -1,6 +1,6 @@
 """`ds4-bench` command line: a click group, one subcommand per benchmark (eight in all).
 
-  ds4-bench engine [-m GGUF] [--compare llama.cpp|transformers] [--batch-sizes 1,64] [--quick] [--csv FILE] ...
+  ds4-bench engine [-m GGUF] [--compare llama.cpp|transformers] [--llama-bench PATH] [--batch-sizes 1,64] ...
   ds4-bench sessions [-m GGUF] [--sessions 1,8] [--contexts 128,1024] ...
   ds4-bench serve --url URL [--concurrency 1,8] ...
   ds4-bench kvcache [-m GGUF] [--prompt-tokens N] ...
@@ -27,7 +27,7 @@ from typing import Any
 import click
 
 from ds4bench import engine_bench as eb
-from ds4bench import random_gguf
+from ds4bench import random_gguf, readbytes
 from ds4bench.csvfile import write_csv
 from ds4bench.errors import RunFailure, UsageFailure
 from ds4bench.inputs import check_csv_dir, model_file
@@ -97,6 +97,11 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--compare", type=click.Choice(eb.COMPARE_ENGINES), default=None,
               help="Measure llama-cpp-python on the same GGUF, or transformers on a random bfloat16 model "
                    "of its shape, interleaved, and print ratios.")
+@click.option("--llama-bench", "llama_bench", type=click.Path(dir_okay=False), default=None,
+              help="With --compare llama.cpp: run llama.cpp's own llama-bench binary (e.g. a CUDA build), and "
+                   "llama-batched-bench from the same folder for --batch-sizes, instead of llama-cpp-python.")
+@click.option("--llama-flash-attn", type=click.Choice(eb.LLAMA_FLASH_ATTN), default=None,
+              help="With --llama-bench: pass -fa VALUE to the binaries (default: their own default).")
 @click.option("--transformers-compile/--transformers-eager", default=True, show_default=True,
               help="With --compare transformers: its one-token step under torch.compile, or eager.")
 @click.option("--threads", type=int, default=None, help="llama.cpp threads (default: torch.get_num_threads()).")
@@ -109,27 +114,33 @@ def _lengths(ctx: click.Context, param: click.Parameter, value: str | None) -> t
 @click.option("--decode-tokens", type=int, default=None, help="Tokens per decode measurement (default 128).")
 @click.option("--batch-sizes", callback=_lengths, default="",
               help="Also decode this many sequences at once, e.g. 1,8,64: --decode-tokens steps of all rows, "
-                   "aggregate tokens/s (ds4 and transformers; not with --compare llama.cpp).")
+                   "aggregate tokens/s (ds4, transformers, and llama.cpp through --llama-bench).")
 @click.option("--batch-context", type=int, default=128, show_default=True,
               help="Ids each batch row holds before its timed steps.")
 @click.option("--quick", is_flag=True, help="Short default lengths, for smoke tests.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the benchmark token sequence.")
+@click.option("--bandwidth", type=float, default=None,
+              help="Memory bandwidth in GB/s (e.g. 4800 for an H200): show each decode figure as a share of the "
+                   "tokens/s that reading a step's weights (only the routed experts of MoE models) allows.")
 def engine_command(model: str | None, ctx: int | None, device: str, weights: str, cpu_kernels: str | None,
                    batch_invariant: bool, repeats: int, warmup: int,
-                   csv_path: str | None, compare: str | None, transformers_compile: bool, threads: int | None,
+                   csv_path: str | None, compare: str | None, llama_bench: str | None,
+                   llama_flash_attn: str | None, transformers_compile: bool, threads: int | None,
                    llama_extra_buffers: bool,
                    prompt_lengths: tuple[int, ...] | None, decode_contexts: tuple[int, ...] | None,
                    decode_tokens: int | None, batch_sizes: tuple[int, ...], batch_context: int, quick: bool,
-                   seed: int) -> int:
+                   seed: int, bandwidth: float | None) -> int:
     """Load time, prefill and decode tokens/s (and batched decode with --batch-sizes), optionally side by
     side with llama.cpp or transformers."""
     cfg = eb.EngineBenchConfig(model=model, ctx=ctx, device=device, weights=weights, cpu_kernels=cpu_kernels,
                                batch_invariant=batch_invariant, repeats=repeats, warmup=warmup,
-                               csv=csv_path, compare=compare, transformers_compile=transformers_compile,
+                               csv=csv_path, compare=compare, llama_bench=llama_bench,
+                               llama_flash_attn=llama_flash_attn, transformers_compile=transformers_compile,
                                threads=threads, llama_extra_buffers=llama_extra_buffers,
                                prompt_lengths=prompt_lengths,
                                decode_contexts=decode_contexts, decode_tokens=decode_tokens,
-                               batch_sizes=batch_sizes, batch_context=batch_context, quick=quick, seed=seed)
+                               batch_sizes=batch_sizes, batch_context=batch_context, quick=quick, seed=seed,
+                               bandwidth=bandwidth)
     return run_engine(cfg)
 
 
@@ -146,6 +157,7 @@ def _is_embedded(path: str) -> bool:
 def run_engine(cfg: eb.EngineBenchConfig) -> int:
     from engine import ModelLoadError
 
+    from ds4bench.llama_bench import LlamaBenchError, LlamaBenchRunner
     from ds4bench.runners import (Ds4Runner, LlamaCppMissing, LlamaCppRunner, TransformersRunner,
                                   TransformersUnavailable, default_threads)
 
@@ -153,20 +165,30 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
         cfg.validate()
         path = model_file(cfg.model)
         check_csv_dir(cfg.csv)
-        runners: list[eb.Runner] = [Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights,
-                                              cpu_kernels=cfg.cpu_kernels, batch_invariant=cfg.batch_invariant)]
-        if cfg.compare == eb.LLAMA_CPP:
-            threads = cfg.threads if cfg.threads is not None else default_threads()
+        runners: list[eb.Runner | eb.SelfTimedRunner] = [
+            Ds4Runner(path, ctx=cfg.load_ctx, device=cfg.device, weights=cfg.weights, cpu_kernels=cfg.cpu_kernels,
+                      batch_invariant=cfg.batch_invariant)]
+        threads = cfg.threads if cfg.threads is not None else default_threads()
+        if cfg.llama_bench is not None:
+            runners.append(LlamaBenchRunner(path, binary=cfg.llama_bench, ctx=cfg.load_ctx, threads=threads,
+                                            device=cfg.device, flash_attn=cfg.llama_flash_attn,
+                                            batched=bool(cfg.batch_sizes)))
+        elif cfg.compare == eb.LLAMA_CPP:
             runners.append(LlamaCppRunner(path, ctx=cfg.load_ctx, threads=threads, device=cfg.device,
                                           extra_buffers=cfg.llama_extra_buffers))
         elif cfg.compare == eb.TRANSFORMERS:
             runners.append(TransformersRunner(path, ctx=cfg.load_ctx, device=cfg.device,
                                               compile=cfg.transformers_compile, seed=cfg.seed))
-    except (eb.BenchConfigError, LlamaCppMissing, TransformersUnavailable, ModelLoadError) as e:
+    except (eb.BenchConfigError, LlamaCppMissing, LlamaBenchError, TransformersUnavailable, ModelLoadError) as e:
         raise UsageFailure(str(e)) from None
 
     click.echo(f"{eb.model_label(path)}: {eb.describe_plan(cfg)}; engines {', '.join(r.engine for r in runners)}",
                err=True)
+    try:
+        for n in sorted({1, *cfg.batch_sizes}):
+            click.echo(readbytes.describe(readbytes.from_gguf(path, n)), err=True)
+    except readbytes.Unreadable:
+        pass  # loading the model says what is wrong with the file, in the engine's words
     for r in runners:
         try:
             click.echo(f"{r.engine} kernels: {r.kernels()}", err=True)
@@ -182,6 +204,11 @@ def run_engine(cfg: eb.EngineBenchConfig) -> int:
     engines = eb.engines_of(measurements)
     rows = eb.summarize(measurements, cfg.compare)
     click.echo(eb.render_table(rows, engines, cfg.compare))
+    if cfg.bandwidth is not None:
+        click.echo()
+        for line in eb.bandwidth_lines(rows, engines, lambda n: readbytes.bound_tokens_per_s(
+                readbytes.from_gguf(path, n), cfg.bandwidth), cfg.bandwidth):
+            click.echo(line)
     checks = eb.check_bar(rows, cfg.compare, embedded=_is_embedded(path))
     if checks:
         click.echo()

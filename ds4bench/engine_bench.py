@@ -23,7 +23,11 @@ context and library handles, kernel compilation, graph capture, page faults) tha
 the engine's steady speed.
 
 Side by side (`compare`), the engines alternate within every repetition (ds4, llama.cpp,
-ds4, llama.cpp, ...) so that the slow phases of a shared machine hit both alike. The
+ds4, llama.cpp, ...) so that the slow phases of a shared machine hit both alike. llama.cpp is
+llama-cpp-python in process, or with `llama_bench` its own `llama-bench` and
+`llama-batched-bench` binaries (a CUDA build on a GPU machine), which time themselves
+(`SelfTimedRunner`, ds4bench.llama_bench): one invocation per repetition, their own
+untimed warm-up, no load figure, and batched decoding through llama-batched-bench. The
 summary gives each metric's median with min and max over the repetitions, and the ratio
 ds4 / other of the medians (for load, of seconds: below 1 means ds4 loads faster; for
 the rest, of tokens/s: above 1 means ds4 is faster). The other engine is llama.cpp on the
@@ -53,6 +57,10 @@ CSV columns (one row per measurement):
   tokens_per_s  n_prompt / seconds (prefill), n_decode / seconds (decode), batch * n_decode /
                 seconds (decode_batch), empty (load)
 
+With a memory bandwidth (`bandwidth`, GB/s) `bandwidth_lines` states each decode figure as a
+share of the tokens/s that streaming a step's weights allows (ds4bench.readbytes counts them:
+for a mixture of experts only the routed ones).
+
 It does not load models (see `ds4bench.runners`), parse flags (see `ds4bench.cli`)
 or write files (see `ds4bench.csvfile`).
 """
@@ -73,6 +81,7 @@ TRANSFORMERS = "transformers"
 COMPARE_ENGINES = (LLAMA_CPP, TRANSFORMERS)
 DEVICES = ("cpu", "cuda")
 WEIGHT_FORMATS = ("packed", "float32")
+LLAMA_FLASH_ATTN = ("on", "off", "auto")
 # engine.kernels.PATHS, named here so that this module imports no torch (a test holds them equal)
 CPU_KERNEL_PATHS = ("amx", "avx512", "avx2", "portable", "torch")
 
@@ -113,6 +122,8 @@ class EngineBenchConfig:
     warmup: int = 1  # untimed repetitions per engine before the timed ones
     csv: str | None = None  # write one row per measurement here (atomically)
     compare: str | None = None  # "llama.cpp" / "transformers": measure that engine on the same shape too
+    llama_bench: str | None = None  # --llama-bench: llama.cpp through this llama-bench binary, not the binding
+    llama_flash_attn: str | None = None  # --llama-flash-attn on|off|auto: passed to the binaries as -fa
     transformers_compile: bool = True  # --transformers-compile/--transformers-eager: its decode step compiled
     threads: int | None = None  # llama.cpp n_threads; None: torch.get_num_threads(), as ds4 uses
     llama_extra_buffers: bool = False  # --llama-extra-buffers: ggml's repacked/AMX weight layouts on
@@ -123,6 +134,7 @@ class EngineBenchConfig:
     batch_context: int = 128  # ids each batch row holds before its timed steps
     quick: bool = False  # short default lengths for smoke tests; explicit lengths still win
     seed: int = 0  # seed of the benchmark token sequence
+    bandwidth: float | None = None  # --bandwidth GB/s: each decode figure as a share of the weight-streaming bound
 
     @property
     def prefill_lengths(self) -> tuple[int, ...]:
@@ -182,9 +194,20 @@ class EngineBenchConfig:
             raise BenchConfigError(f"--decode-tokens must be at least 1, not {self.n_decode}")
         if self.batch_context < 1:
             raise BenchConfigError(f"--batch-context must be at least 1, not {self.batch_context}")
-        if self.batch_sizes and self.compare == LLAMA_CPP:
+        if self.llama_bench is not None and self.compare != LLAMA_CPP:
+            raise BenchConfigError("--llama-bench needs --compare llama.cpp")
+        if self.llama_flash_attn is not None:
+            if self.llama_bench is None:
+                raise BenchConfigError("--llama-flash-attn applies to --llama-bench only")
+            if self.llama_flash_attn not in LLAMA_FLASH_ATTN:
+                raise BenchConfigError(f"--llama-flash-attn must be one of {', '.join(LLAMA_FLASH_ATTN)}, "
+                                       f"not {self.llama_flash_attn!r}")
+        if self.batch_sizes and self.compare == LLAMA_CPP and self.llama_bench is None:
             raise BenchConfigError("--batch-sizes cannot be measured with --compare llama.cpp: "
-                                   "llama-cpp-python decodes one sequence at a time")
+                                   "llama-cpp-python decodes one sequence at a time (--llama-bench measures "
+                                   "them with llama.cpp's llama-batched-bench)")
+        if self.bandwidth is not None and not self.bandwidth > 0:
+            raise BenchConfigError(f"--bandwidth must be positive GB/s, not {self.bandwidth}")
         if self.ctx is not None and self.ctx < self.required_ctx:
             raise BenchConfigError(f"--ctx {self.ctx} is too small: the longest step needs {self.required_ctx} "
                                    f"tokens (prompt or context + decode tokens)")
@@ -262,6 +285,22 @@ class Runner(Protocol):
     def prefill_batch(self, rows: Sequence[Sequence[int]]) -> None: ...  # fresh contexts, row i holding rows[i]
 
     def decode_batch(self, n: int, banned: frozenset[int]) -> list[list[int]]: ...  # n greedy steps of every row
+
+    def close(self) -> None: ...
+
+
+class SelfTimedRunner(Protocol):
+    """An engine that times itself (llama.cpp's benchmark binaries): asked for a whole
+    repetition's measurements, its warm-up its own."""
+
+    engine: str
+    times_itself: bool  # True
+    device: str
+    threads: int
+
+    def kernels(self) -> str: ...
+
+    def measure(self, cfg: "EngineBenchConfig", repeat: int) -> list["Measurement"]: ...
 
     def close(self) -> None: ...
 
@@ -374,7 +413,15 @@ def measure_engine(runner: Runner, cfg: EngineBenchConfig, repeat: int, ids_for:
         runner.close()
 
 
-def run_engine_bench(cfg: EngineBenchConfig, runners: Sequence[Runner],
+def repetition(runner: Runner | SelfTimedRunner, cfg: EngineBenchConfig, repeat: int, ids_for: IdsFor,
+               clock: Callable[[], float] = time.perf_counter) -> Iterable[Measurement]:
+    """One repetition on one engine, timed here or (a SelfTimedRunner) by the engine itself."""
+    if getattr(runner, "times_itself", False):
+        return runner.measure(cfg, repeat)
+    return measure_engine(runner, cfg, repeat, ids_for, clock)
+
+
+def run_engine_bench(cfg: EngineBenchConfig, runners: Sequence[Runner | SelfTimedRunner],
                      clock: Callable[[], float] = time.perf_counter,
                      report: Callable[[Measurement], None] | None = None) -> list[Measurement]:
     """All repetitions, the engines interleaved within each; the first runner supplies the vocabulary."""
@@ -391,12 +438,13 @@ def run_engine_bench(cfg: EngineBenchConfig, runners: Sequence[Runner],
 
     for _ in range(cfg.warmup):  # untimed: one-off costs of a fresh process stay out of the figures
         for runner in runners:
-            for _m in measure_engine(runner, cfg, -1, ids_for, clock):
-                pass
+            if not getattr(runner, "times_itself", False):  # those warm up inside every run
+                for _m in measure_engine(runner, cfg, -1, ids_for, clock):
+                    pass
     out: list[Measurement] = []
     for repeat in range(cfg.repeats):
         for runner in runners:
-            for m in measure_engine(runner, cfg, repeat, ids_for, clock):
+            for m in repetition(runner, cfg, repeat, ids_for, clock):
                 out.append(m)
                 if report is not None:
                     report(m)
@@ -519,6 +567,20 @@ def check_bar(rows: Sequence[SummaryRow], other: str | None, *, embedded: bool =
             target = BAR_PREFILL_RATIO if row.metric == "prefill" else BAR_DECODE_RATIO
             checks.append(BarCheck(row.label, row.ratio, f">= {target:.2f}x {other}", row.ratio >= target))
     return checks
+
+
+def bandwidth_lines(rows: Sequence[SummaryRow], engines: Sequence[str], bound: Callable[[int], float],
+                    bandwidth: float) -> list[str]:
+    """Each decode row's medians as shares of `bound(batch)`, the tokens/s that streaming the
+    weights a step reads at `bandwidth` GB/s allows (ds4bench.readbytes)."""
+    out = []
+    for row in rows:
+        if row.metric not in ("decode", "decode_batch"):
+            continue
+        limit = bound(row.batch)
+        shares = ", ".join(f"{e} {row.stats[e].median / limit:.0%}" for e in engines if e in row.stats)
+        out.append(f"{row.label}: weight-read bound {limit:.1f} tok/s at {bandwidth:g} GB/s; {shares}")
+    return out
 
 
 def csv_rows(measurements: Sequence[Measurement]) -> list[dict[str, object]]:

@@ -38,11 +38,12 @@ the selection only; with `expert_group_count` > 1 a token's experts come from th
 `expert_group_used_count` groups whose two best biased scores sum highest; the top-k (ties to
 the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
-float32, one row at a time.  On CUDA with packed weights the routed experts are
-engine.cuda_moe's stacked experts (engine.models.qwen_moe.routed_experts), routed by
-engine.cuda_moe.route_grouped (this rule in one kernel) and added to the residual stream with
-no read-back to the host; elsewhere the per-expert dispatch, which reads the routing back once
-per layer.
+float32, one row at a time.  On CPU the dense, routed and shared FFNs add into the residual
+themselves (qwen_moe's `add_experts_cpu` and `Expert.add_to`: fused SwiGLU, fused add).  On
+CUDA with packed weights the routed experts are engine.cuda_moe's stacked experts
+(engine.models.qwen_moe.routed_experts), routed by engine.cuda_moe.route_grouped (this rule in
+one kernel) and added to the residual stream with no read-back to the host; elsewhere the
+per-expert dispatch, which reads the routing back once per layer.
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
 engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (latent attention
@@ -66,7 +67,8 @@ from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
 from engine.models.llama import TorchKernels
-from engine.models.qwen_moe import Expert, experts_nbytes, float32_rows, mix_experts, routed_experts
+from engine.models.qwen_moe import (Expert, add_experts_cpu, experts_nbytes, float32_rows, mix_experts,
+                                    routed_experts, swiglu_expert)
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
@@ -183,17 +185,16 @@ class MlaBlock:
         self.bias: torch.Tensor | None = None
         self.shared: Expert | None = None
         if i < cfg.n_layer_dense_lead:
-            self.dense = Expert(build_linear([t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"]], fmt, device, cpu=cpu),
-                                build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu))
+            self.dense = swiglu_expert(t[p + "ffn_gate.weight"], t[p + "ffn_up.weight"], t[p + "ffn_down.weight"], fmt,
+                                       device, cpu)
             return
         self.experts = routed_experts(t, p, cfg.n_expert, fmt, device, cpu)
         self.router = float32_rows(to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd), device)
         if p + "exp_probs_b.bias" in t:
             self.bias = vec("exp_probs_b.bias")
         if p + "ffn_up_shexp.weight" in t:
-            self.shared = Expert(build_linear([t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"]], fmt,
-                                              device, cpu=cpu),
-                                 build_linear([t[p + "ffn_down_shexp.weight"]], fmt, device, cpu=cpu))
+            self.shared = swiglu_expert(t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"],
+                                        t[p + "ffn_down_shexp.weight"], fmt, device, cpu)
 
     @property
     def nbytes(self) -> int:
@@ -418,8 +419,12 @@ class DeepSeek2Model(CachedNetwork):
         """x += the block's dense FFN, or its routed experts plus its shared ones, of x."""
         cfg = self.cfg
         h = self.norm(x, blk.ffn_norm)
+        cpu = x.device.type == "cpu"
         if blk.dense is not None:
-            x += blk.dense(h)
+            if cpu:
+                blk.dense.add_to(x, h)
+            else:
+                x += blk.dense(h)
             return
         rule = (cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups, cfg.n_group_used,
                 self.renormalise, cfg.expert_weights_scale)
@@ -430,6 +435,11 @@ class DeepSeek2Model(CachedNetwork):
             blk.experts(h, ids, weights, into=x)
             return
         ids, weights = route(blk.router(h), *rule)
+        if cpu:  # the routed experts, then the shared ones, added into the residual row by row
+            add_experts_cpu(blk.experts, x, h, ids, weights)
+            if blk.shared is not None:
+                blk.shared.add_to(x, h)
+            return
         acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + blk.shared(h)

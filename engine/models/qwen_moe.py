@@ -23,11 +23,15 @@ one float32 matrix computed one row at a time, so a row's scores never depend on
 On CPU (and on CUDA in float32 or without Triton) each expert's gate/up and down are ordinary
 engine.weights Linear ops (the stacked tensor is split into per-expert views of the file's
 bytes, so packed types stay packed), and a step runs only the experts its rows were routed
-to, each once over the rows routed to it.  The kernels' results for a row do not depend on the
-other rows (engine.weights), and a row adds its experts' weighted outputs in its own top-k
-order, so on CPU a row decoded in a batch, alone or as part of a prefill chunk computes the
-same bits (up to the `amx` tile kernel's caveat for an expert that gets 32 rows or more, as
-for every matmul).  That path reads the routing decision back to the host to group the rows.
+to, each once over the rows routed to it.  On CPU (`add_experts_cpu`) an expert's SwiGLU is the
+compiled kernels' fused op, its hidden activations are scaled by the rows' routing weights, and
+its down-projection adds into the residual rows itself (the int4 kernels' fused add), experts
+in ascending id, then the shared expert; elsewhere (`mix_experts`) a row adds its experts'
+weighted outputs in its own top-k order.  The kernels' results for a row do not depend on the
+other rows (engine.weights), so on CPU a row decoded in a batch, alone or as part of a prefill
+chunk computes the same bits (up to the `amx` tile kernel's caveat for an expert that gets 32
+rows or more, as for every matmul).  These paths read the routing decision back to the host to
+group the rows.
 
 On CUDA with packed weights (`stacks_experts`) a layer's experts are instead held stacked and
 run by engine.cuda_moe's kernels, which read each row's experts from the device: routing,
@@ -36,15 +40,17 @@ captured in CUDA graphs (engine.cuda_graphs) like the dense families'.  That pat
 is one float32 kernel in eager steps and graphs alike, so both route on the same scores.
 
 The weight accounting counts every expert (all of them are resident), the routers and the
-shared expert.  `Expert`, `stacked_experts`, `routed_experts`, `experts_nbytes`,
-`float32_rows` and the dispatch `mix_experts` are public for the other mixture-of-experts
-families (engine.models.deepseek2).  The module implements `engine.protocols.Network` through
-`LlamaModel`; it is registered for qwen2moe and qwen3moe in engine.models.ARCHITECTURES.  It
-reads no files and knows nothing of tokens' text or sessions.
+shared expert.  `Expert`, `swiglu_expert`, `stacked_experts`, `routed_experts`,
+`experts_nbytes`, `float32_rows` and the dispatches `add_experts_cpu` and `mix_experts` are
+public for the other mixture-of-experts families (engine.models.deepseek2).  The module
+implements `engine.protocols.Network` through `LlamaModel`; it is registered for qwen2moe and
+qwen3moe in engine.models.ARCHITECTURES.  It reads no files and knows nothing of tokens' text
+or sessions.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,20 +69,41 @@ RENORMALISE_TOP_K = {"qwen3moe": True, "qwen2moe": False}
 
 @dataclass(frozen=True)
 class Expert:
-    """One SwiGLU FFN: gate and up fused into one matrix (gate's rows first), and down."""
+    """One SwiGLU FFN: gate and up fused into one matrix (gate's rows first), and down.  On CPU
+    `swiglu` is the compiled kernels' fused silu(gate) * up (None: torch's ops)."""
 
     gate_up: Linear
     down: Linear
+    swiglu: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, n_embd] -> float32 [n, width]: silu(gate) * up."""
+        gu = self.gate_up(h).float()
+        if self.swiglu is not None and gu.stride(-1) == 1:
+            return self.swiglu(gu)
+        width = gu.shape[1] // 2
+        return F.silu(gu[:, :width]) * gu[:, width:]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """[n, n_embd] -> float32 [n, n_embd]."""
-        gu = self.gate_up(h).float()
-        width = gu.shape[1] // 2
-        return self.down(F.silu(gu[:, :width]) * gu[:, width:]).float()
+        return self.down(self.hidden(h)).float()
+
+    def add_to(self, out: torch.Tensor, h: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """out += down(hidden(h) * scale) for float32 `out` [n, n_embd] and per-row `scale` [n, 1]
+        (None: 1), the down-projection adding into `out` itself where its kernel can."""
+        a = self.hidden(h)
+        self.down.accumulate(out, a if scale is None else a * scale)
 
     @property
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
+
+
+def swiglu_expert(gate: TensorRecord, up: TensorRecord, down: TensorRecord, fmt: str, device: torch.device,
+                  cpu: CpuKernels | None) -> Expert:
+    """An `Expert` of the three matrices, with the CPU kernels' fused SwiGLU where they have one."""
+    return Expert(build_linear([gate, up], fmt, device, cpu=cpu), build_linear([down], fmt, device, cpu=cpu),
+                  cpu.swiglu if cpu is not None and device.type == "cpu" else None)
 
 
 def stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, device: torch.device,
@@ -86,8 +113,7 @@ def stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str,
     if not len(gate) == len(up) == len(down) == n_expert:
         raise UnsupportedModel(f"{p}ffn_*_exps hold {len(gate)}/{len(up)}/{len(down)} experts, "
                                f"the metadata says {n_expert}")
-    return [Expert(build_linear([g, u], fmt, device, cpu=cpu), build_linear([d], fmt, device, cpu=cpu))
-            for g, u, d in zip(gate, up, down)]
+    return [swiglu_expert(g, u, d, fmt, device, cpu) for g, u, d in zip(gate, up, down)]
 
 
 def stacks_experts(device: torch.device, fmt: str) -> bool:
@@ -144,9 +170,8 @@ class MoeBlock(Block):
         router = to_float(t[p + "ffn_gate_inp.weight"]).reshape(cfg.n_expert, cfg.n_embd)
         self.shared: Expert | None = None
         if p + "ffn_up_shexp.weight" in t:
-            self.shared = Expert(build_linear([t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"]], fmt,
-                                              device, cpu=cpu),
-                                 build_linear([t[p + "ffn_down_shexp.weight"]], fmt, device, cpu=cpu))
+            self.shared = swiglu_expert(t[p + "ffn_gate_shexp.weight"], t[p + "ffn_up_shexp.weight"],
+                                        t[p + "ffn_down_shexp.weight"], fmt, device, cpu)
             # The shared expert's gate rides along as one more router row.
             gate = to_float(t[p + "ffn_gate_inp_shexp.weight"]).reshape(1, cfg.n_embd)
             router = np.concatenate([router, gate])
@@ -169,6 +194,33 @@ def route(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torch.Tensor
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights
+
+
+def add_experts_cpu(experts: list[Expert], x: torch.Tensor, h: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> None:
+    """CPU: x [T, n_embd] += each row's experts `ids` [T, k] of its `h` row, weighted by
+    `weights` [T, k].  Each routed expert runs once over the rows routed to it: its hidden
+    activations times the rows' weights, then its down-projection added into those rows of x
+    (into x itself when every row chose it, as in one-row decoding; else into a gathered copy
+    written back).  A row's experts are added in ascending expert id, each its own step, so a
+    row's result depends on its routing alone, not on the other rows (given row-independent
+    kernels); the routing is grouped on the host in a Python loop over the T * k slots,
+    cheaper than tensor operations for a decoding step's handful."""
+    T, k = ids.shape
+    groups: dict[int, list[int]] = {}  # expert -> its (row, choice) slots row * k + choice, rows ascending
+    for slot, e in enumerate(ids.reshape(-1).tolist()):
+        groups.setdefault(e, []).append(slot)
+    scale = weights.reshape(-1, 1)
+    for e in sorted(groups):
+        slots = groups[e]
+        if len(slots) == T:  # every row, in order: no gather
+            picked = scale[slots[0]: slots[0] + 1] if T == 1 else scale[slots]
+            experts[e].add_to(x, h, picked)
+            continue
+        rows = torch.tensor([slot // k for slot in slots])
+        part = x.index_select(0, rows)
+        experts[e].add_to(part, h.index_select(0, rows), scale[slots])
+        x.index_copy_(0, rows, part)
 
 
 def mix_experts(experts: list[Expert], h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -220,6 +272,11 @@ class QwenMoeModel(LlamaModel):
         h = ops.norm(x, blk.ffn_norm)
         scores = blk.router(h).float()
         ids, weights = route(scores[:, : cfg.n_expert], cfg.n_expert_used, self.renormalise)
+        if x.device.type == "cpu":
+            add_experts_cpu(blk.experts, x, h, ids, weights)
+            if blk.shared is not None:
+                blk.shared.add_to(x, h, torch.sigmoid(scores[:, cfg.n_expert:]))
+            return
         acc = mix_experts(blk.experts, h, ids, weights)
         if blk.shared is not None:
             acc = acc + torch.sigmoid(scores[:, cfg.n_expert:]) * blk.shared(h)
