@@ -710,6 +710,11 @@ class JobLedger:
         with self._cv:
             return any(r.queued and can_start(r.queued[0]) for r in self._requests.values())
 
+    def waiting_requests(self, can_start: Callable[[Job], bool]) -> int:
+        """How many requests have a queued job that `can_start` admits first in line."""
+        with self._cv:
+            return sum(1 for r in self._requests.values() if r.queued and can_start(r.queued[0]))
+
     def _take_locked(self, can_start: Callable[[Job], bool] | None) -> Job | None:
         turns = [r.turn() for r in self._requests.values()
                  if r.queued and (can_start is None or can_start(r.queued[0]))]
