@@ -60,8 +60,8 @@ most served request is parked, its session copied out with its logits
 (`engine.session.Session.copy_from`) and the slot freed, one slot for each newcomer that waits,
 in the same step; the evicted job goes back into the next free slot that no newcomer takes,
 before the ledger's other jobs, copied in, and resumes unchanged (a steady stream of newcomers
-can hold it out meanwhile). At most one job per slot is out at a time (their sessions are the
-memory this costs).
+can hold it out meanwhile). The jobs out of their slots hold at most `n_slots` contexts' worth of
+tokens together (their sessions are the memory this costs: at most as much as the slots').
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
 slot's session (reason shutdown) before it returns.
 
@@ -272,7 +272,7 @@ class BatchedLoop:
         """Times a decoding job left the batch to let less served requests go first (`decoding_rows`)."""
         self.evicted: list[tuple[_Running, Any]] = []
         """Jobs parked out of their slot for a newcomer, each with the session that holds its
-        prompt, output and logits (at most one per slot), oldest first."""
+        prompt, output and logits (at most `n_slots` contexts' worth of tokens in all), oldest first."""
         self.evictions = 0
         """Times a job left its slot that way."""
         self.decode_step_s: float | None = None
@@ -425,24 +425,29 @@ class BatchedLoop:
         """For each newcomer that waits beyond the free slots and the slots already being given
         up, park the decoding job of the most served request (beyond the quantum) to give its
         slot away; its session is copied out once the step has parked it (`_advance`). Several
-        newcomers that arrive together thus get their slots after one step, not one step each;
-        at most one evicted job per slot."""
-        free = sum(1 for s in self.info if s.running is None)
-        giving = sum(1 for s in self.info if s.running is not None and s.running.evicting)
-        wanted = min(self.jobs.waiting_requests(self._newcomer) - free - giving,
-                     self.n_slots - len(self.evicted) - giving)
+        newcomers that arrive together thus get their slots after one step, not one step each.
+        The copies out hold at most `n_slots` contexts' worth of tokens together (the memory of
+        the slots themselves), so a victim whose tokens do not fit stays."""
+        giving = [s.running for s in self.info if s.running is not None and s.running.evicting]
+        wanted = (self.jobs.waiting_requests(self._newcomer) - sum(1 for s in self.info if s.running is None)
+                  - len(giving))
         if wanted <= 0:
             return
+        room = (self.n_slots * self.model.n_ctx - sum(len(spare.tokens) for _, spare in self.evicted)
+                - sum(len(self.session(run.slot).tokens) for run in giving))
         runs = [s.running for s in self.info if s.running is not None and s.running.decoding
-                and not s.running.parking and not s.running.evicting and not s.running.job.is_cancelled()]
+                and not s.running.evicting and not s.running.job.is_cancelled()]
         served = {id(run): self.jobs.served(run.job) for run in runs}
-        victims = sorted((run for run in runs if served[id(run)] > self.quantum), key=lambda run: -served[id(run)])
-        for victim in victims[:wanted]:
+        for victim in sorted((run for run in runs if served[id(run)] > self.quantum), key=lambda run: -served[id(run)]):
+            size = len(self.session(victim.slot).tokens)
+            if wanted == 0 or size > room:
+                continue
+            wanted, room = wanted - 1, room - size
             victim.evicting = True
             if victim.parked:  # already out of the batch: its session can go at once
                 self._evict(victim)
             else:
-                victim.parking = True
+                victim.parking = True  # a job already parking is copied out once it has parked
 
     def _evict(self, run: _Running) -> None:
         """Copy a parked job's session out of its slot and free the slot."""
