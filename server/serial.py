@@ -106,6 +106,8 @@ class _Live:
     steps: Iterator[None] = field(default_factory=lambda: iter(()))
     last_step: int = 0
     pooled: _Pooled | None = None
+    step_started: float = 0.0
+    """When its latest step began (a prefill chunk's time excludes other jobs' steps before it)."""
 
 
 class SerialLoop:
@@ -221,7 +223,7 @@ class SerialLoop:
         """One step of one job, timed and charged to its request; the job ends when its steps do."""
         job = live.job
         live.last_step = self._tick()
-        t0 = time.monotonic()
+        t0 = live.step_started = time.monotonic()
         try:
             if job.is_cancelled():
                 raise JobCancelled
@@ -266,13 +268,16 @@ class SerialLoop:
         """Store a session in the disk cache before it is replaced or dropped (evict) or at exit."""
         save_resident(self.kv, self.model, pooled.session, pooled.resident, reason, next_ids)
 
-    def _progress_hook(self, job: Job) -> Callable[[int, int], None]:
+    def _progress_hook(self, live: _Live) -> Callable[[int, int], None]:
+        job = live.job
         last_report = time.monotonic()
 
         def progress(done: int, total: int) -> None:
             nonlocal last_report
             now = time.monotonic()
-            job.stats.longest_prefill_chunk_s = max(job.stats.longest_prefill_chunk_s, now - last_report)
+            # A chunk starts after the previous report or with the job's step, whichever is later.
+            chunk_s = now - max(last_report, live.step_started)
+            job.stats.longest_prefill_chunk_s = max(job.stats.longest_prefill_chunk_s, chunk_s)
             last_report = now
             job.emit(PrefillProgress(done, total))
         return progress
@@ -302,7 +307,7 @@ class SerialLoop:
             job.emit((yield from iter_score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled)))
             yield
         out = yield from iter_prefill(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
-                                      progress=self._progress_hook(job), cancel=job.is_cancelled)
+                                      progress=self._progress_hook(live), cancel=job.is_cancelled)
         ids = out.ids
         resident.prompt_text, resident.n_prompt = req.prompt_text, len(ids)
         resident.on_disk = max(out.n_on_disk, kept_on_disk)
