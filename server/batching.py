@@ -58,8 +58,8 @@ long prompt's prefill waits between its chunks meanwhile. A newcomer (a request 
 progress) that finds every slot busy takes one (`_evict_for_newcomer`): the decoding job of the
 most served request is parked, its session copied out with its logits
 (`engine.session.Session.copy_from`) and the slot freed, one slot for each newcomer that waits,
-in the same step; the evicted job goes back into the next free slot that no newcomer takes,
-before the ledger's other jobs, copied in, and resumes unchanged (a steady stream of newcomers
+in the same step; the evicted job goes back into a free slot that no newcomer takes (the one
+`route` picks for it), before the ledger's other jobs, copied in, and resumes unchanged (a steady stream of newcomers
 can hold it out meanwhile). The jobs out of their slots hold at most `n_slots` contexts' worth of
 tokens together (their sessions are the memory this costs: at most as much as the slots').
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
@@ -384,7 +384,7 @@ class BatchedLoop:
             # A newcomer first, then a job evicted for one earlier, then the ledger's next.
             job = self.jobs.take_next(self._newcomer)
             if job is None and self.evicted:
-                self._return_evicted(next(i for i, s in enumerate(self.info) if s.running is None))
+                self._return_evicted()
                 continue
             if job is None:
                 job = self.jobs.take_next(self._can_start)
@@ -395,9 +395,7 @@ class BatchedLoop:
                 self.jobs.record(job)
                 continue
             req = job.request
-            views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
-                     for i, s in enumerate(self.info)]
-            decision = route(views, req.prompt_text, req.prompt_ids, self.clock())
+            decision = route(self._slot_views(), req.prompt_text, req.prompt_ids, self.clock())
             assert decision is not None  # a slot is free
             self.routes.append((job.id, decision))
             log.info("route job %d -> slot %d: reused %d tokens, evicted %d tokens (%s)", job.id,
@@ -461,14 +459,26 @@ class BatchedLoop:
         self.evictions += 1
         log.info("job %d: parked out of slot %d for a newcomer (%d tokens kept)", run.job.id, i, len(spare.tokens))
 
-    def _return_evicted(self, i: int) -> None:
-        """Put the oldest evicted job back into free slot i, its session copied in, and resume it."""
+    def _slot_views(self) -> list[SlotView]:
+        return [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
+                for i, s in enumerate(self.info)]
+
+    def _return_evicted(self) -> None:
+        """Put the oldest evicted job back into the free slot `route` picks for it (so that a
+        kept conversation is not overwritten while an empty, idle or shorter slot is free), its
+        session copied in, and resume it. With one free slot, whatever it holds is replaced: an
+        evicted job that returns can displace a finished conversation that a later turn would
+        have reused."""
         with self._lock:
             run, spare = self.evicted.pop(0)
+        decision = route(self._slot_views(), run.job.request.prompt_text, spare.tokens, self.clock())
+        assert decision is not None  # called with a slot free
+        i = decision.slot
+        log.info("job %d: back in slot %d (%s)", run.job.id, i, decision.reason)
         self._save_slot(i, policy.EVICT, list(spare.tokens))
         self.session(i).copy_from(spare)
         run.slot = run.job.stats.slot = i
-        self.info[i].running = run
+        self.info[i] = _SlotInfo(last_used=self.clock(), running=run)  # known text again when it ends
         run.parked = False
         self._resume(run)
 
