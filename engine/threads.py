@@ -16,9 +16,10 @@ keeps a core busy: every parallel region then waits for a thread that is not run
 embedded model fell from about 70 to 5-18 tok/s beside one busy process, where one thread
 ran at 40).  So by default the engine thread governs its own thread count: every
 `interval_s` (checked before each forward pass, on the engine thread) it reads how much CPU
-other processes used (/proc/stat less this process, niced processes left out since they
-yield to us) and uses the cores they leave free, at least one; it drops at once and rises
-only after two windows agree, so that a passing spike does not make it flap.  The engine's
+other processes used (/proc/stat less this process; niced processes left out since they
+yield to us, unless this process is niced too) and uses the cores they leave free, at least
+one; it drops at once and rises only after two windows agree, so that a passing spike does
+not make it flap.  The engine's
 decode output does not depend on the thread count (its kernels are thread-count invariant,
 and a model test holds greedy outputs to it), so this changes speed only.  A second cause of
 lost speed is the GIL: each torch op releases it, and a Python thread that grabbed it
@@ -72,7 +73,8 @@ _local = threading.local()
 
 @dataclass(frozen=True)
 class CpuTimes:
-    """CPU seconds used so far: by the whole machine (niced processes excluded) and by us."""
+    """CPU seconds used so far: by the whole machine (niced processes excluded unless we are
+    niced too) and by us."""
 
     machine_s: float
     own_s: float
@@ -88,12 +90,16 @@ def read_cpu_times() -> CpuTimes | None:
     except (OSError, IndexError):
         return None
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    # cpu user nice system idle iowait irq softirq steal ...: all busy time but nice's.
-    user, system, irq, softirq = (int(fields[i]) for i in (1, 3, 6, 7))
+    # cpu user nice system idle iowait irq softirq steal ...: all busy time but nice's, unless
+    # this process is niced itself: then niced processes compete with it on equal terms (a
+    # pool of two threads beside other niced work collapsed to seconds per token, unseen).
+    user, nice, system, irq, softirq = (int(fields[i]) for i in (1, 2, 3, 6, 7))
     steal = int(fields[8]) if len(fields) > 8 else 0
     utime, stime = int(own[11]), int(own[12])  # fields 14 and 15 of the stat line
-    own_counted = stime + (utime if os.getpriority(os.PRIO_PROCESS, 0) <= 0 else 0)
-    return CpuTimes((user + system + irq + softirq + steal) / tick, own_counted / tick)
+    niced = os.getpriority(os.PRIO_PROCESS, 0) > 0
+    # This process's user time is in the nice column exactly when it is niced: counted either way.
+    busy = user + system + irq + softirq + steal + (nice if niced else 0)
+    return CpuTimes(busy / tick, (utime + stime) / tick)
 
 
 def choose_threads(current: int, max_threads: int, others_cores: float, pending_up: bool) -> tuple[int, bool]:

@@ -22,7 +22,8 @@ taking jobs from the same `server.jobs.JobLedger` and recording them there. It o
      (`server.jobs.next_turn`: the request with the fewest jobs in slots first, so the n
      choices of one request fill the slots only while no other request waits, and a request
      that arrives meanwhile gets the next slot that frees; a choice that would copy the prompt
-     another slot is still prefilling waits for it, without holding up other requests),
+     another slot is still prefilling waits until the part they share is cached there,
+     without holding up other requests),
      routes it and logs the decision (slot, reused tokens, evicted tokens, reason);
   2. a request for prompt log-probs is scored in the slot's session at once
      (`server.scoring`, on this thread, before the slot joins the batch: the other slots
@@ -43,20 +44,24 @@ taking jobs from the same `server.jobs.JobLedger` and recording them there. It o
      picks each token (greedy inside tool-call structure, else the request's sampler) and
      `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
      or a cancelled job ends only that request (`GenRequest.cancel`).
-Between steps it decides which decoding jobs take the next one (`decoding_rows`, pure): those
-whose request has had within `BATCH_QUANTUM_S` of the least loop time so far (each step's time
-is charged to the requests of its rows, shared among them: `server.jobs.JobLedger.charge`). The
-others are parked: their GenRequest ends at the step (cancelled), the slot keeps their session,
-whose cache and frontier logits are their prompt and output so far, and a later GenRequest of
-exactly those ids resumes them without recomputing anything, so outputs do not change. A
-newcomer therefore decodes alone, at one row's speed, until it has had about as much time as
-the requests it found running. A newcomer (a request with no job in progress) that finds every
-slot busy takes one (`_evict_for_newcomer`): the decoding job of the most served request is
-parked, its session copied out with its logits (`engine.session.Session.copy_from`) and the slot
-freed; the evicted job goes back into the next free slot that no newcomer takes, before the
-ledger's other jobs, copied in, and resumes unchanged (a steady stream of newcomers can hold
-it out meanwhile). At most one job per slot is out at a time (their sessions are the
-memory this costs).
+Between steps it decides which jobs take the next one (`decoding_rows`, pure), decoding or
+prefilling alike: those whose request has had within `BATCH_QUANTUM_S` of the least loop time
+so far. Each step's time is charged to the requests of its rows (`server.jobs.JobLedger.charge`)
+by what each row evaluated (`step_charges`, pure): the decoding rows share what a decoding step
+lately takes, the row whose prefill chunk ran has the rest. The others are parked: their
+GenRequest ends at the step (cancelled), the slot keeps their session, whose cache (and, decoding,
+frontier logits) are their prompt and output so far, and a later GenRequest of exactly those ids
+resumes them without recomputing anything; a parked prefill resumes at its next chunk, the
+chunks of an uninterrupted one, so outputs do not change. A newcomer therefore decodes alone,
+at one row's speed, until it has had about as much time as the requests it found running, and a
+long prompt's prefill waits between its chunks meanwhile. A newcomer (a request with no job in
+progress) that finds every slot busy takes one (`_evict_for_newcomer`): the decoding job of the
+most served request is parked, its session copied out with its logits
+(`engine.session.Session.copy_from`) and the slot freed, one slot for each newcomer that waits,
+in the same step; the evicted job goes back into a free slot that no newcomer takes (the one
+`route` picks for it), before the ledger's other jobs, copied in, and resumes unchanged (a steady stream of newcomers
+can hold it out meanwhile). The jobs out of their slots hold at most `n_slots` contexts' worth of
+tokens together (their sessions are the memory this costs: at most as much as the slots').
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
 slot's session (reason shutdown) before it returns.
 
@@ -176,6 +181,28 @@ def decoding_rows(served: Sequence[float], quantum: float = BATCH_QUANTUM_S) -> 
     return [s <= floor for s in served]
 
 
+def step_charges(seconds: float, advanced: Sequence[int], decode_step_s: float | None) -> list[float]:
+    """How one batched step's time is charged to its rows, given the tokens each row evaluated
+    (`advanced`: 1 for a decoding row, more for the row whose prefill chunk ran, 0 for a row that
+    evaluated nothing, e.g. one that was parked or ended). Without a chunk the decoding rows share
+    the time equally. With one, the decoding rows share what a step of decoding alone has lately
+    taken (`decode_step_s`, at most the whole time) and the chunk's row has the rest: a chunk costs
+    many decoding steps, and a newcomer that decodes beside another request's long prefill must not
+    pay for it. A step in which no row evaluated anything is shared by all its rows."""
+    n = len(advanced)
+    if not any(advanced):
+        return [seconds / n] * n if n else []
+    decoding = [i for i, a in enumerate(advanced) if a == 1]
+    chunk = [i for i, a in enumerate(advanced) if a > 1]
+    out = [0.0] * n
+    decode_s = seconds if not chunk else min(seconds, decode_step_s or 0.0) if decoding else 0.0
+    for i in decoding:
+        out[i] = decode_s / len(decoding)
+    for i in chunk:
+        out[i] = (seconds - decode_s) / len(chunk)
+    return out
+
+
 # --- the loop ------------------------------------------------------------------------------
 
 class _Running:
@@ -245,9 +272,11 @@ class BatchedLoop:
         """Times a decoding job left the batch to let less served requests go first (`decoding_rows`)."""
         self.evicted: list[tuple[_Running, Any]] = []
         """Jobs parked out of their slot for a newcomer, each with the session that holds its
-        prompt, output and logits (at most one per slot), oldest first."""
+        prompt, output and logits (at most `n_slots` contexts' worth of tokens in all), oldest first."""
         self.evictions = 0
         """Times a job left its slot that way."""
+        self.decode_step_s: float | None = None
+        """What a step that ran no prefill chunk has lately taken (`step_charges`)."""
         self._lock = threading.Lock()
 
     @property
@@ -298,6 +327,7 @@ class BatchedLoop:
             self._arrange_rows()
             if self.scheduler.busy:
                 stepping = [s.running for s in self.info if s.running is not None and not s.running.parked]
+                before = [len(self.session(run.slot).tokens) for run in stepping]
                 t0 = time.monotonic()
                 try:
                     self.scheduler.step()
@@ -305,29 +335,38 @@ class BatchedLoop:
                     log.exception("batched step failed")
                     self._fail_all(e)
                     continue
-                share = (time.monotonic() - t0) / max(1, len(stepping))
-                for run in stepping:
-                    self.jobs.charge(run.job, share)
+                self._charge(stepping, before, time.monotonic() - t0)
                 self.jobs.observer.batch_step(self.n_active)
             self._collect()
         for i in range(self.n_slots):
             self._save_slot(i, policy.SHUTDOWN, None)
 
+    def _charge(self, stepping: list[_Running], before: list[int], seconds: float) -> None:
+        """Charge a step's time to the requests of its rows (`step_charges`), and keep the
+        estimate of a decoding step's time current (from the steps that ran no prefill chunk)."""
+        advanced = [max(0, len(self.session(run.slot).tokens) - n) for run, n in zip(stepping, before)]
+        if advanced and max(advanced) == 1:
+            self.decode_step_s = seconds if self.decode_step_s is None else 0.8 * self.decode_step_s + 0.2 * seconds
+        for run, share in zip(stepping, step_charges(seconds, advanced, self.decode_step_s)):
+            self.jobs.charge(run.job, share)
+
     def _arrange_rows(self) -> None:
-        """Park and resume decoding jobs so that the next step decodes those `decoding_rows`
-        picks: a parked job's GenRequest ends (cancelled) at the step, its slot keeping the
-        session; resumed, a new GenRequest of the same ids finds the session holding them with
-        their logits and decodes on without recomputing anything."""
-        runs = [s.running for s in self.info if s.running is not None and s.running.decoding
-                and not s.running.evicting and not s.running.job.is_cancelled()]
+        """Park and resume jobs so that the next step serves those `decoding_rows` picks, whether
+        they decode or prefill: a parked job's GenRequest ends (cancelled) at the step, its slot
+        keeping the session; resumed, a new GenRequest of the same ids finds the session holding
+        them (with their logits, when decoding) and goes on without recomputing anything. A
+        prefill parked between chunks resumes at the next chunk (`Session.start_prefill` keeps
+        what is cached), so its chunks, and its numbers, are those of an uninterrupted one."""
+        runs = [s.running for s in self.info if s.running is not None and s.running.gen is not None
+                and not s.running.evicting and not s.running.job.is_cancelled() and not s.running.decoder.done]
         if len(runs) < 2 and not any(run.parked for run in runs):
             return
         rows = decoding_rows([self.jobs.served(run.job) for run in runs], self.quantum)
-        for run, decode in zip(runs, rows):
-            if decode and run.parked:
+        for run, go in zip(runs, rows):
+            if go and run.parked:
                 run.parked = False
                 self._resume(run)
-            elif not decode and not run.parked and not run.parking and not run.gen.done:
+            elif not go and not run.parked and not run.parking and not run.gen.done:
                 run.parking = True
 
     def _admit_waiting(self, stopping: bool) -> None:
@@ -345,7 +384,7 @@ class BatchedLoop:
             # A newcomer first, then a job evicted for one earlier, then the ledger's next.
             job = self.jobs.take_next(self._newcomer)
             if job is None and self.evicted:
-                self._return_evicted(next(i for i, s in enumerate(self.info) if s.running is None))
+                self._return_evicted()
                 continue
             if job is None:
                 job = self.jobs.take_next(self._can_start)
@@ -356,9 +395,7 @@ class BatchedLoop:
                 self.jobs.record(job)
                 continue
             req = job.request
-            views = [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
-                     for i, s in enumerate(self.info)]
-            decision = route(views, req.prompt_text, req.prompt_ids, self.clock())
+            decision = route(self._slot_views(), req.prompt_text, req.prompt_ids, self.clock())
             assert decision is not None  # a slot is free
             self.routes.append((job.id, decision))
             log.info("route job %d -> slot %d: reused %d tokens, evicted %d tokens (%s)", job.id,
@@ -383,24 +420,32 @@ class BatchedLoop:
         return job.stats.request_id not in self._requests_in_progress() and self._can_start(job)
 
     def _evict_for_newcomer(self) -> None:
-        """When a newcomer waits and every slot is busy, park the decoding job of the most served
-        request (beyond the quantum) to give its slot away; its session is copied out once the
-        step has parked it (`_advance`). One eviction at a time, at most one per slot."""
-        if any(s.running is None or s.running.evicting for s in self.info) or len(self.evicted) >= self.n_slots:
+        """For each newcomer that waits beyond the free slots and the slots already being given
+        up, park the decoding job of the most served request (beyond the quantum) to give its
+        slot away; its session is copied out once the step has parked it (`_advance`). Several
+        newcomers that arrive together thus get their slots after one step, not one step each.
+        The copies out hold at most `n_slots` contexts' worth of tokens together (the memory of
+        the slots themselves), so a victim whose tokens do not fit stays."""
+        giving = [s.running for s in self.info if s.running is not None and s.running.evicting]
+        wanted = (self.jobs.waiting_requests(self._newcomer) - sum(1 for s in self.info if s.running is None)
+                  - len(giving))
+        if wanted <= 0:
             return
-        if not self.jobs.has_waiting(self._newcomer):
-            return
+        room = (self.n_slots * self.model.n_ctx - sum(len(spare.tokens) for _, spare in self.evicted)
+                - sum(len(self.session(run.slot).tokens) for run in giving))
         runs = [s.running for s in self.info if s.running is not None and s.running.decoding
-                and not s.running.parking and not s.running.job.is_cancelled()]
+                and not s.running.evicting and not s.running.job.is_cancelled()]
         served = {id(run): self.jobs.served(run.job) for run in runs}
-        victims = [run for run in runs if served[id(run)] > self.quantum]
-        if victims:
-            victim = max(victims, key=lambda run: served[id(run)])
+        for victim in sorted((run for run in runs if served[id(run)] > self.quantum), key=lambda run: -served[id(run)]):
+            size = len(self.session(victim.slot).tokens)
+            if wanted == 0 or size > room:
+                continue
+            wanted, room = wanted - 1, room - size
             victim.evicting = True
             if victim.parked:  # already out of the batch: its session can go at once
                 self._evict(victim)
             else:
-                victim.parking = True
+                victim.parking = True  # a job already parking is copied out once it has parked
 
     def _evict(self, run: _Running) -> None:
         """Copy a parked job's session out of its slot and free the slot."""
@@ -414,14 +459,26 @@ class BatchedLoop:
         self.evictions += 1
         log.info("job %d: parked out of slot %d for a newcomer (%d tokens kept)", run.job.id, i, len(spare.tokens))
 
-    def _return_evicted(self, i: int) -> None:
-        """Put the oldest evicted job back into free slot i, its session copied in, and resume it."""
+    def _slot_views(self) -> list[SlotView]:
+        return [SlotView(self._slot_text(i), self.session(i).tokens, s.running is not None, s.last_used)
+                for i, s in enumerate(self.info)]
+
+    def _return_evicted(self) -> None:
+        """Put the oldest evicted job back into the free slot `route` picks for it (so that a
+        kept conversation is not overwritten while an empty, idle or shorter slot is free), its
+        session copied in, and resume it. With one free slot, whatever it holds is replaced: an
+        evicted job that returns can displace a finished conversation that a later turn would
+        have reused."""
         with self._lock:
             run, spare = self.evicted.pop(0)
+        decision = route(self._slot_views(), run.job.request.prompt_text, spare.tokens, self.clock())
+        assert decision is not None  # called with a slot free
+        i = decision.slot
+        log.info("job %d: back in slot %d (%s)", run.job.id, i, decision.reason)
         self._save_slot(i, policy.EVICT, list(spare.tokens))
         self.session(i).copy_from(spare)
         run.slot = run.job.stats.slot = i
-        self.info[i].running = run
+        self.info[i] = _SlotInfo(last_used=self.clock(), running=run)  # known text again when it ends
         run.parked = False
         self._resume(run)
 
@@ -434,24 +491,27 @@ class BatchedLoop:
 
     def _can_start(self, job: Job) -> bool:
         """A cancelled job can always leave the queue; another waits while a running job is
-        still prefilling a prompt it shares (`_prefilling_shared_prompt`)."""
+        still prefilling the part of a prompt it shares (`_prefilling_shared_prompt`)."""
         return job.is_cancelled() or not self._prefilling_shared_prompt(job.request.prompt_ids)
 
     def _prefilling_shared_prompt(self, ids: Sequence[int]) -> bool:
-        """Whether a running job is still prefilling a prompt that shares most of `ids`
-        (`shares_prompt`): the job then waits for that prefill and copies it (`_copy_shared`)
-        instead of computing the same positions a second time."""
+        """Whether a running job is still prefilling the part of a prompt that shares most of
+        `ids` (`shares_prompt`): the job then waits until that part is cached and copies it
+        (`_copy_shared`) instead of computing the same positions a second time, not for the rest
+        of that prefill."""
         return any(s.running is not None and not s.running.ready and shares_prompt(s.running.ids, ids)
-                   for s in self.info)
+                   and len(self.session(i).tokens) < min(common_prefix(s.running.ids, ids), len(ids) - 1)
+                   for i, s in enumerate(self.info))
 
     def _copy_shared(self, i: int, ids: list[int], kept: int) -> int:
         """Copy into slot i the longest prefix of `ids` that another slot's session holds and
         slot i's does not (at most all but the last prompt token, whose logits the prefill
         must produce); the tokens slot i now holds in common with `ids`."""
         best, donor = kept, None
-        for j, s in enumerate(self.info):
-            if j == i or (s.running is not None and not s.running.ready):
-                continue  # a slot in the middle of its prefill is no donor
+        for j in range(self.n_slots):
+            if j == i:
+                continue
+            # A slot in the middle of its prefill holds the chunks done: they are valid keys and values.
             shared = min(common_prefix(self.session(j).tokens, ids), len(ids) - 1)
             if shared > best:
                 best, donor = shared, j
@@ -558,9 +618,13 @@ class BatchedLoop:
             job.stats.n_cached = 0 if scored else max(run.n_restored, int(run.gen.reused))
 
     def _resume(self, run: _Running) -> None:
-        """Put a parked job back in the batch: a GenRequest of its prompt and output so far."""
+        """Put a parked job back in the batch: its prefill stage again (it continues where it
+        stopped), or a GenRequest of its prompt and output so far."""
         from engine.batch import GenRequest
 
+        if not run.final:
+            self._submit_next(run)
+            return
         choose, on_token, cancel, params = run.decode_calls
         run.gen = GenRequest(ids=list(run.ids) + run.output, params=params,
                              max_tokens=max(1, run.budget - len(run.output)), on_token=on_token, choose=choose,
@@ -584,8 +648,8 @@ class BatchedLoop:
         """A job's GenRequest is done: store its checkpoint and go on, or finish the job."""
         gen, job = run.gen, run.job
         if run.parked:
-            if job.is_cancelled():  # its session holds its prompt and output: their text is known
-                self._end(i)
+            if job.is_cancelled():  # decoding, its session holds its prompt and output: their text is known
+                self._end(i, keep_text=run.decoding)
                 self.jobs.finish_cancelled(job)
                 self.jobs.record(job)
             return
@@ -594,7 +658,8 @@ class BatchedLoop:
             self._reset_slot(i)
             self._fail(job, run.error or RuntimeError(gen.error or "engine error"))
         elif run.parking and gen.finish == "cancelled" and not job.is_cancelled() and not run.decoder.done:
-            # Parked between steps: every token it chose was evaluated, its logits are the frontier.
+            # Parked between steps: every token it chose was evaluated, its logits are the frontier
+            # (or, in its prefill, the chunks done are cached).
             run.output += gen.output
             run.parking, run.parked = False, True
             self.parks += 1

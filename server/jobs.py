@@ -3,6 +3,7 @@
 - Requests: `GenerationRequest` (already rendered and tokenized, API-independent) with its
   `SamplingSpec`; `sampling_params(engine.SamplingParams, spec)` turns the spec into the
   engine's sampling parameters, `decode_budget(model, request, n_prompt)` bounds the tokens to generate.
+  `run_to_end(steps)` runs a generator of steps (an interruptible prefill or scoring) at once.
 - Events, in order: `PrefillProgress`*, `server.scoring.PromptScored` (only when the request
   asks for prompt log-probs), `PromptReady`, `TextDelta`*, then one `Finished` (or `Failed`);
   `Usage` rides on `Finished`.
@@ -46,7 +47,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar
 
 import torch
 
@@ -58,6 +59,8 @@ from server.stops import StopMatcher
 
 # Job records are the worker's report, whichever loop served the job.
 log = logging.getLogger("ds4.server.worker")
+
+T = TypeVar("T")
 
 
 def default_engine() -> Any:
@@ -356,6 +359,16 @@ def sampling_params(params_type: Callable[..., Any], sp: SamplingSpec) -> Any:
 
 def decode_budget(model: Any, req: GenerationRequest, n_prompt: int) -> int:
     return max(0, min(req.max_tokens, model.n_ctx - n_prompt))
+
+
+def run_to_end(steps: Generator[Any, Any, T]) -> T:
+    """Run a generator of steps (a prefill, a prompt's scoring) without stopping between them;
+    its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def written_tokens(n_on_disk: int, n_reused: int, n_saved: int) -> int:
@@ -696,6 +709,11 @@ class JobLedger:
         """Whether a queued job that `can_start` admits is first in line of its request."""
         with self._cv:
             return any(r.queued and can_start(r.queued[0]) for r in self._requests.values())
+
+    def waiting_requests(self, can_start: Callable[[Job], bool]) -> int:
+        """How many requests have a queued job that `can_start` admits first in line."""
+        with self._cv:
+            return sum(1 for r in self._requests.values() if r.queued and can_start(r.queued[0]))
 
     def _take_locked(self, can_start: Callable[[Job], bool] | None) -> Job | None:
         turns = [r.turn() for r in self._requests.values()

@@ -9,10 +9,12 @@ One planner for a prefill, run by both loops:
       2. the stages: the checkpoints of `kvstore_policy.plan_prefill_saves` that split text
          and tokens cleanly (`kvstore_policy.prefix_text_at`), ascending, each beyond the
          previous one and beyond what the session already holds.
-  The serial loop runs a plan with `run_prefill` (`session.sync` to each stage, store it,
-  then sync the whole prompt); the batched loop turns each stage into a scheduler request
-  that ends at the stage and stores the slot's session when it is done. `prefill_with_cache`
-  is plan and run in one call.
+  `run_prefill` runs a plan (`session.sync` to each stage, store it, then sync the whole
+  prompt); the batched loop turns each stage into a scheduler request that ends at the stage
+  and stores the slot's session when it is done. `prefill_with_cache` is plan and run in one
+  call. The serial loop runs the same as steps, `iter_prefill`: a generator that does one
+  restore, one prefill chunk (`iter_sync`, the chunks `session.sync` runs) or one checkpoint
+  store per step and returns the outcome, so that other requests' steps come between them.
 
 One way to save a resident session (reasons evict and shutdown):
   save_resident(store, model, session, resident, reason, next_ids=None, label=...)
@@ -29,10 +31,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Generator
 
+from engine.errors import Cancelled
 from engine.session import common_prefix
 from server import kvstore_policy as policy
+from server.jobs import run_to_end
 from server.kvstore import SUFFIX, Entry, KVStore
 from server.prompting import prompt_ids
 
@@ -134,36 +138,82 @@ class PrefillOutcome:
     saved: list[Entry] = field(default_factory=list)
 
 
-def run_prefill(plan: PrefillPlan, store: KVStore, session: Any, *,
-                progress: Callable[[int, int], None] | None = None,
-                cancel: Callable[[], bool] | None = None) -> PrefillOutcome:
-    """Run a plan with `session.sync`: each stage, its checkpoint, then the whole prompt.
+def iter_sync(session: Any, ids: list[int], progress: Callable[[int, int], None] | None = None,
+              cancel: Callable[[], bool] | None = None) -> Generator[None, None, int]:
+    """`session.sync(ids, progress, cancel)` one prefill chunk at a time: it yields between
+    chunks (never before the first nor after the last) and returns the tokens reused. The chunks
+    are the ones `sync` runs, so the cache and the frontier logits are bitwise the same however
+    long the caller waits between them (each session's state is its own)."""
+    job = session.start_prefill(ids)
+    first = True
+    while not job.done:
+        if not first:
+            yield
+        first = False
+        if cancel is not None and cancel():
+            raise Cancelled(f"cancelled after {job.evaluated} of {job.total} prefill tokens")
+        job.step(cancel)
+        if progress is not None:
+            progress(job.evaluated, job.total)
+    return int(job.reused)
+
+
+def iter_run_prefill(plan: PrefillPlan, store: KVStore, session: Any, *,
+                     progress: Callable[[int, int], None] | None = None,
+                     cancel: Callable[[], bool] | None = None) -> Generator[None, None, PrefillOutcome]:
+    """Run a plan one prefill chunk at a time (`iter_sync`): each stage, its checkpoint, then the
+    whole prompt; it yields between chunks and between a checkpoint's store and the next chunk.
 
     `progress(done, total)` counts over the whole prefill (from `plan.base`); `cancel` is
-    passed to every `sync`, so `engine.Cancelled` propagates with the session valid."""
+    polled before every chunk and passed into it, so `engine.Cancelled` propagates with the
+    session valid."""
     ids = plan.ids
     out = PrefillOutcome(ids=ids, n_restored=plan.n_restored, n_on_disk=plan.n_restored)
     total = len(ids) - plan.base
     first_reuse: int | None = None
 
-    def sync_to(n: int) -> None:
+    def sync_to(n: int) -> Generator[None, None, None]:
         nonlocal first_reuse
         offset = max(0, common_prefix(session.tokens, ids) - plan.base)
         hook = None if progress is None else (lambda done, _n: progress(offset + done, total))
-        reused = session.sync(ids[:n], progress=hook, cancel=cancel)
+        reused = yield from iter_sync(session, ids[:n], progress=hook, cancel=cancel)
         if first_reuse is None:
             first_reuse = reused
 
     for stage in plan.stages:
-        sync_to(stage.n_tokens)
+        yield from sync_to(stage.n_tokens)
         entry = store.store(stage.prefix_text, session, stage.reason)
         if entry is not None:
             out.saved.append(entry)
             out.n_written += entry.n_tokens
             out.n_on_disk = stage.n_tokens
-    sync_to(len(ids))
+        yield
+    yield from sync_to(len(ids))
     out.n_reused = int(first_reuse or 0)
     return out
+
+
+def run_prefill(plan: PrefillPlan, store: KVStore, session: Any, *,
+                progress: Callable[[int, int], None] | None = None,
+                cancel: Callable[[], bool] | None = None) -> PrefillOutcome:
+    """`iter_run_prefill` at once."""
+    return run_to_end(iter_run_prefill(plan, store, session, progress=progress, cancel=cancel))
+
+
+def iter_prefill(store: KVStore | None, model: Any, session: Any, text: str, ids: list[int], *,
+                 user_boundary: int | None = None,
+                 progress: Callable[[int, int], None] | None = None,
+                 cancel: Callable[[], bool] | None = None) -> Generator[None, None, PrefillOutcome]:
+    """`prefill_with_cache` one step at a time for a loop that interleaves other work: the
+    restore step and every prefill chunk are steps of their own (it yields between them). Without
+    a store this is `iter_sync`."""
+    if store is None:
+        reused = yield from iter_sync(session, list(ids), progress=progress, cancel=cancel)
+        return PrefillOutcome(ids=list(ids), n_reused=reused)
+    plan = plan_prefill(store, model, session, text, ids, user_boundary)
+    if plan.n_restored:
+        yield
+    return (yield from iter_run_prefill(plan, store, session, progress=progress, cancel=cancel))
 
 
 def prefill_with_cache(store: KVStore | None, model: Any, session: Any, text: str, ids: list[int], *,
@@ -172,10 +222,8 @@ def prefill_with_cache(store: KVStore | None, model: Any, session: Any, text: st
                        cancel: Callable[[], bool] | None = None) -> PrefillOutcome:
     """Bring `session` to the prompt `text` (tokenized as `ids`), using and filling the disk
     cache: `plan_prefill` then `run_prefill`. Without a store this is `session.sync(ids)`."""
-    if store is None:
-        return PrefillOutcome(ids=list(ids), n_reused=session.sync(list(ids), progress=progress, cancel=cancel))
-    plan = plan_prefill(store, model, session, text, ids, user_boundary)
-    return run_prefill(plan, store, session, progress=progress, cancel=cancel)
+    return run_to_end(iter_prefill(store, model, session, text, ids, user_boundary=user_boundary,
+                                   progress=progress, cancel=cancel))
 
 
 # --- saving a resident session ----------------------------------------------------------------

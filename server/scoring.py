@@ -10,6 +10,8 @@ Contract:
   dropped: cached positions carry no logits, so nothing can be reused. The caller then syncs
   the full prompt as usual, which evaluates only the frontier token (the same one-row step
   as every other request, so a generation after scoring matches one without).
+  `iter_score_prompt` is the same as steps, one chunk each (a generator that returns the
+  `PromptScored`), for a loop that interleaves other requests' work between them.
 - `PromptScored` is the event a loop emits before `PromptReady` for a request with
   `prompt_logprobs` set.
 - `legacy_logprobs(...)` renders prompt and generated entries as the `logprobs` object of a
@@ -25,12 +27,12 @@ the decode loop.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
 from engine.logprobs import score_rows
-from server.jobs import TokenLogprob
+from server.jobs import TokenLogprob, run_to_end
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,10 @@ def chunk_entries(model: Any, logits: torch.Tensor, targets: Sequence[int], k: i
             for t, lp, top in zip(targets, chosen, tops)]
 
 
-def score_prompt(model: Any, session: Any, ids: Sequence[int], k: int,
-                 cancel: Callable[[], bool] | None = None) -> PromptScored:
+def iter_score_prompt(model: Any, session: Any, ids: Sequence[int], k: int,
+                      cancel: Callable[[], bool] | None = None) -> Generator[None, None, PromptScored]:
+    """`score_prompt` one prefill chunk at a time: it yields between chunks and returns the
+    `PromptScored`. The chunks are `score_prompt`'s, so are the numbers."""
     ids = [int(t) for t in ids]
     session.reset()
     entries: list[TokenLogprob] = []
@@ -64,7 +68,14 @@ def score_prompt(model: Any, session: Any, ids: Sequence[int], k: int,
         for start, logits in session.iter_extend_logits(inputs, cancel):
             rows = logits.shape[0]
             entries.extend(chunk_entries(model, logits, ids[start + 1: start + 1 + rows], k))
+            if start + rows < len(inputs):
+                yield  # before the next chunk is computed
     return PromptScored(ids[0], model.detokenize([ids[0]]), tuple(entries))
+
+
+def score_prompt(model: Any, session: Any, ids: Sequence[int], k: int,
+                 cancel: Callable[[], bool] | None = None) -> PromptScored:
+    return run_to_end(iter_score_prompt(model, session, ids, k, cancel))
 
 
 # --- the legacy completions form --------------------------------------------------------------

@@ -9,7 +9,7 @@ in the ledger's order and, for each (`SerialLoop`):
    prefill; the progress hook emits `PrefillProgress`, the cancel hook is checked at every
    chunk boundary); a request for prompt log-probs is first scored from an empty session
    (`server.scoring`, which emits `PromptScored`), and the prefill then evaluates only its
-   last token,
+   last token; every chunk of either is a step of its own (below),
 2. decodes token by token: sample, stop on EOS / stop sequence / token limit / context
    end, turn tokens into UTF-8-safe text, hold back possible stop-sequence prefixes,
 3. emits `TextDelta` events and finally one `Finished` (or `Failed`) event.
@@ -34,12 +34,16 @@ parked job stops at its next turn) and the worker records how long that took
 Fair scheduling, at token granularity: a request of several choices or prompts is several
 jobs, and the ledger hands out one job at a time (`server.jobs.next_turn`). The loop keeps up to
 `max_live` jobs in progress at once, at most one per request, each in a session of its own, and
-interleaves their steps: a step is a job's start (its decoding constraint is built and its
-prompt prefilled) or one generated token. Which job steps next is `server.jobs.next_step`'s: the
+interleaves their steps: a step is a job's start (its session is found or made and its decoding
+constraint built), a disk-cache restore or checkpoint, one prefill or scoring chunk (the
+engine's `prefill_chunk` tokens, `server.kvplan.iter_prefill`, `server.scoring.iter_score_prompt`:
+the chunks an uninterrupted prefill runs, so the numbers do not change), or one generated token.
+Which job steps next is `server.jobs.next_step`'s: the
 one whose request has had the least loop time so far (each step is timed and charged to its
 request, `JobLedger.charge`). A request that arrives while a 128-choice request runs therefore
-starts at the next step boundary and has the loop to itself until it has had as much time as
-that request; requests that have had as much alternate token by token. A job that waits between
+starts at the next step boundary (at most one prefill chunk away, however long the prompt in
+progress) and has the loop to itself until it has had as much time as that request; requests
+that have had as much alternate step by step. A job that waits between
 steps (parked) keeps its session and KV cache, so its output is what it would be alone. The
 sessions are made when needed (a KV cache grows with its tokens) and all but one idle session
 are dropped as jobs end.
@@ -75,9 +79,9 @@ from engine.session import common_prefix
 from server import kvstore_policy
 from server.jobs import (Failed, Job, JobCancelled, JobLedger, PrefillProgress, PromptReady, StepTurn, TokenDecoder,
                          decode_budget, next_step, sampling_params, written_tokens)
-from server.kvplan import Resident, prefill_with_cache, save_resident, user_boundary_tokens
+from server.kvplan import Resident, iter_prefill, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
-from server.scoring import score_prompt
+from server.scoring import iter_score_prompt
 
 # Job records are the worker's report, whichever loop served the job.
 log = logging.getLogger("ds4.server.worker")
@@ -97,11 +101,13 @@ class _Pooled:
 
 @dataclass(eq=False)
 class _Live:
-    """A job in progress: its session and the steps it has left."""
+    """A job in progress: its session (from its first step on) and the steps it has left."""
     job: Job
-    pooled: _Pooled
-    steps: Iterator[None]
+    steps: Iterator[None] = field(default_factory=lambda: iter(()))
     last_step: int = 0
+    pooled: _Pooled | None = None
+    step_started: float = 0.0
+    """When its latest step began (a prefill chunk's time excludes other jobs' steps before it)."""
 
 
 class SerialLoop:
@@ -175,9 +181,9 @@ class SerialLoop:
                 self.jobs.finish_cancelled(job)
                 self.jobs.record(job)
                 continue
-            pooled = self._session_for(job)
             self.jobs.start(job)
-            live = _Live(job, pooled, self._steps(job, pooled), self._tick())
+            live = _Live(job, last_step=self._tick())
+            live.steps = self._steps(live)
             with self._lock:
                 self._live.append(live)
 
@@ -188,7 +194,8 @@ class SerialLoop:
 
     def _session_for(self, job: Job) -> _Pooled:
         """The idle session that shares the longest prefix with the job's prompt (most recent
-        first), stored in the disk cache before the prompt replaces it; a new one when none is idle."""
+        first); a new one when none is idle (a job's first step: making a session's cache takes
+        milliseconds, charged to the job that needs it)."""
         ids = list(job.request.prompt_ids)
         idle = [p for p in self._pool if not p.busy]
         if idle:
@@ -216,7 +223,7 @@ class SerialLoop:
         """One step of one job, timed and charged to its request; the job ends when its steps do."""
         job = live.job
         live.last_step = self._tick()
-        t0 = time.monotonic()
+        t0 = live.step_started = time.monotonic()
         try:
             if job.is_cancelled():
                 raise JobCancelled
@@ -233,9 +240,9 @@ class SerialLoop:
                 log.exception("job %d failed", job.id)
                 job.stats.status = "failed"
                 job.emit(Failed(f"inference failed: {type(e).__name__}"))
-                # The session may be half-updated: it is not reused.
-                live.pooled.resident.forget()
-                live.pooled.session = None
+                if live.pooled is not None:  # the session may be half-updated: it is not reused
+                    live.pooled.resident.forget()
+                    live.pooled.session = None
         finally:
             self.jobs.charge(job, time.monotonic() - t0)
         self._end(live)
@@ -243,10 +250,11 @@ class SerialLoop:
     def _end(self, live: _Live) -> None:
         """The job has left the loop: record it, free its session and keep at most one idle one."""
         pooled = live.pooled
-        pooled.busy, pooled.last_used = False, time.monotonic()
+        if pooled is not None:
+            pooled.busy, pooled.last_used = False, time.monotonic()
         with self._lock:
             self._live.remove(live)
-            if pooled.session is None:
+            if pooled is not None and pooled.session is None:
                 self._pool.remove(pooled)
             idle = sorted((p for p in self._pool if not p.busy), key=lambda p: p.last_used)
             dropped = idle[:-1]
@@ -260,24 +268,31 @@ class SerialLoop:
         """Store a session in the disk cache before it is replaced or dropped (evict) or at exit."""
         save_resident(self.kv, self.model, pooled.session, pooled.resident, reason, next_ids)
 
-    def _progress_hook(self, job: Job) -> Callable[[int, int], None]:
+    def _progress_hook(self, live: _Live) -> Callable[[int, int], None]:
+        job = live.job
         last_report = time.monotonic()
 
         def progress(done: int, total: int) -> None:
             nonlocal last_report
             now = time.monotonic()
-            job.stats.longest_prefill_chunk_s = max(job.stats.longest_prefill_chunk_s, now - last_report)
+            # A chunk starts after the previous report or with the job's step, whichever is later.
+            chunk_s = now - max(last_report, live.step_started)
+            job.stats.longest_prefill_chunk_s = max(job.stats.longest_prefill_chunk_s, chunk_s)
             last_report = now
             job.emit(PrefillProgress(done, total))
         return progress
 
-    def _steps(self, job: Job, pooled: _Pooled) -> Iterator[None]:
-        """The job's work, one step per iteration: its start (decoding constraint and prefill),
-        then one token each; it emits the job's events as it goes."""
+    def _steps(self, live: _Live) -> Iterator[None]:
+        """The job's work, one step per iteration: its start (its session and decoding
+        constraint), the prefill (one step per chunk, `server.kvplan.iter_prefill`; a scored
+        prompt's chunks first, `server.scoring.iter_score_prompt`), then one token each; it emits
+        the job's events as it goes."""
+        job = live.job
         req = job.request
         model = self.model
+        pooled = live.pooled = self._session_for(job)
         session = pooled.session
-        live = pooled.resident
+        resident = pooled.resident
         ids = list(req.prompt_ids)
         # Built before anything else of the job: a large grammar's compilation is a step of its own.
         decoder = TokenDecoder(model, job)
@@ -285,16 +300,17 @@ class SerialLoop:
 
         # 1. prefill: save what the new prompt drops, restore from disk, prefill the rest
         self._save(pooled, kvstore_policy.EVICT, ids)
-        kept_on_disk = min(live.on_disk, common_prefix(session.tokens, ids))
+        kept_on_disk = min(resident.on_disk, common_prefix(session.tokens, ids))
         boundary = user_boundary_tokens(self.kv, model, req.prompt_text, req.user_boundary, ids)
-        live.prompt_text = None  # until the prefill completes, the session matches no text
+        resident.prompt_text = None  # until the prefill completes, the session matches no text
         if req.prompt_logprobs is not None:
-            job.emit(score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled))
-        out = prefill_with_cache(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
-                                 progress=self._progress_hook(job), cancel=job.is_cancelled)
+            job.emit((yield from iter_score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled)))
+            yield
+        out = yield from iter_prefill(self.kv, model, session, req.prompt_text, ids, user_boundary=boundary,
+                                      progress=self._progress_hook(live), cancel=job.is_cancelled)
         ids = out.ids
-        live.prompt_text, live.n_prompt = req.prompt_text, len(ids)
-        live.on_disk = max(out.n_on_disk, kept_on_disk)
+        resident.prompt_text, resident.n_prompt = req.prompt_text, len(ids)
+        resident.on_disk = max(out.n_on_disk, kept_on_disk)
         job.stats.n_prompt = len(ids)
         # A scored prompt was computed in full: what the session kept came from the scoring.
         job.stats.n_cached = 0 if req.prompt_logprobs is not None else int(out.n_reused)
@@ -302,9 +318,8 @@ class SerialLoop:
         if job.is_cancelled():
             raise JobCancelled
         job.emit(PromptReady(len(ids), job.stats.n_cached, job.stats.n_written))
-        yield
 
-        # 2. decode
+        # 2. decode (the first token is chosen from the prefill's logits, in the prefill's last step)
         params = sampling_params(self.engine.SamplingParams, req.sampling)
         # A constraint hands the sampler a masked row: draw from that row, not the session's.
         sample: Callable[[Any], int] = (self.engine.Sampler(params, model.eos_ids) if decoder.constraint is not None

@@ -16,8 +16,10 @@ checks it against them and against the real classes):
   scripted reply first (30) and EOS second (20); once the reply is spelled out, EOS first and
   "." second, so `argmax_ignoring_eos` continues with dots.  The script advances when the
   token evaluated is the scripted one (or the reply is done): a token the caller forces in
-  (an injected think-close, say) does not consume the script.  `iter_extend_logits` scores
-  teacher-forced: after byte b, byte b + 1 is likeliest (logit 30) and EOS second (20).
+  (an injected think-close, say) does not consume the script.  `start_prefill(ids)` returns
+  the rest of a sync as chunk steps (`FakePrefill`, as `engine.session.Prefill`; `sync` runs
+  them).  `iter_extend_logits` scores teacher-forced: after byte b, byte b + 1 is likeliest
+  (logit 30) and EOS second (20).
 Slowness is controllable (`prefill_delay` per prefill chunk, `decode_delay` per eval) for
 pause, keepalive and cancellation tests.  Nothing here loads weights or runs torch kernels
 beyond building small logits tensors.
@@ -118,6 +120,35 @@ def peaked_logits(n_vocab: int, first: int, second: int) -> torch.Tensor:
     return out
 
 
+class FakePrefill:
+    """`engine.session.Prefill`'s interface: the rest of a sync, one chunk per `step()`."""
+
+    def __init__(self, session: "FakeSession", ids: list[int], reused: int) -> None:
+        self.session = session
+        self.ids = ids
+        self.reused = reused
+        self.total = len(ids) - reused
+        self.evaluated = 0
+        if self.total == 0:
+            session._start(len(ids))
+
+    @property
+    def done(self) -> bool:
+        return self.evaluated >= self.total
+
+    def step(self, cancel: Callable[[], bool] | None = None) -> int:
+        s = self.session
+        if s.model.prefill_delay:
+            time.sleep(s.model.prefill_delay)
+        n = len(s.tokens)
+        part = self.ids[n:n + s.model.prefill_chunk]
+        s.tokens.extend(part)
+        self.evaluated += len(part)
+        if self.done:
+            s._start(len(self.ids))
+        return len(part)
+
+
 class FakeSession:
     def __init__(self, model: "FakeModel") -> None:
         self.model = model
@@ -144,8 +175,9 @@ class FakeSession:
         self._advanced = []
         self._reply = self.model.reply_ids(self.model.detokenize(self.tokens[:prompt_len]))
 
-    def sync(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
-             cancel: Callable[[], bool] | None = None) -> int:
+    def start_prefill(self, ids: list[int]) -> "FakePrefill":
+        """As the engine's: truncate to the common prefix (the last token is evaluated again)
+        and return the rest of the prefill as chunk steps."""
         ids = list(ids)
         if not ids:
             raise ValueError("sync needs at least one token")
@@ -157,17 +189,18 @@ class FakeSession:
             reused += 1
         reused = min(reused, len(ids) - 1)  # like the engine: the last token is evaluated again
         del self.tokens[reused:]
-        while len(self.tokens) < len(ids):
+        return FakePrefill(self, ids, reused)
+
+    def sync(self, ids: list[int], progress: Callable[[int, int], None] | None = None,
+             cancel: Callable[[], bool] | None = None) -> int:
+        job = self.start_prefill(ids)
+        while not job.done:
             if cancel is not None and cancel():
                 raise FakeCancelled()
-            if self.model.prefill_delay:
-                time.sleep(self.model.prefill_delay)
-            n = len(self.tokens)
-            self.tokens.extend(ids[n:n + self.model.prefill_chunk])
+            job.step(cancel)
             if progress is not None:
                 progress(len(self.tokens), len(ids))
-        self._start(len(ids))
-        return reused
+        return job.reused
 
     @property
     def logits(self) -> torch.Tensor:

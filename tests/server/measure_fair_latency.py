@@ -1,7 +1,8 @@
 """`python tests/server/measure_fair_latency.py [--repo DIR] [--n 128] [--max-tokens 16] [--schemas 4]
-[--batched-session N] [--runs 3]`: issue 42's fairness target on the embedded model: a normal
-request's latency while one request of `--n` choices and `--schemas` worst-case JSON-schema
-requests run, as a ratio to its idle latency (the target is 2x).
+[--long-prompts K] [--delay S] [--batched-session N] [--runs 3]`: issue 42's fairness target on the
+embedded model: a normal request's latency while one request of `--n` choices, `--schemas`
+worst-case JSON-schema requests and `--long-prompts` long-prompt completions run, as a ratio to
+its idle latency (the target is 2x).
 
 Each run starts `python -m server.cli` (the embedded model) from `--repo` (default: this
 checkout; give another checkout to measure the code before a change), sends the normal request
@@ -9,8 +10,15 @@ three times alone (the best time is the idle latency), then fires the load from 
 many-choice request and the schema requests, each a chat completion constrained by the largest
 schema the server still admits (`worst_case_schema`: one object of as many optional properties
 as `server.constraints.MAX_SCHEMA_MEMBERS` admits, their names as long as `MAX_SCHEMA_BYTES`
-allows; the grammar engine's cost grows with them). It waits until `/health` says the worker is busy and every load request has reached the
-server, then times the normal request again, and stops the server without waiting for the load.
+allows; the grammar engine's cost grows with them; each schema's names differ, so that no
+cache of compiled grammars can serve one from another), and the long prompts (about
+`--long-prompt-tokens` each, different from their first word, so that each is prefilled in
+full). It waits until `/health` says the worker is busy and every load request has left the
+client, `--delay` seconds more (0: the normal request arrives with the load; more: into a load
+already running), then times the normal request again, and stops the server without waiting
+for the load. `--server-log PREFIX` keeps each run's server log (level info), `--py-spy EXE`
+profiles the server from just before the load until the normal request is answered (raw
+collapsed stacks of every thread, idle ones included, in `--py-spy-out`.K.txt).
 Both timed requests are greedy `/v1/completions` with different prompts. It prints each run's
 figures, then the ratios' spread. A measurement, not a test: pytest does not collect it. The
 figures in docs/server.md under "Scheduling" come from it.
@@ -40,12 +48,14 @@ SCHEMA_LIMIT_MEMBERS = 256
 another checkout)."""
 
 
-def worst_case_schema(limit: int = SCHEMA_LIMIT_BYTES, members: int = SCHEMA_LIMIT_MEMBERS) -> dict:
+def worst_case_schema(variant: int = 0, limit: int = SCHEMA_LIMIT_BYTES,
+                      members: int = SCHEMA_LIMIT_MEMBERS) -> dict:
     """One object of `members` optional string properties whose names are as long as `limit`
-    bytes of compact JSON allow (the most properties in one object, the largest lexemes)."""
+    bytes of compact JSON allow (the most properties in one object, the largest lexemes).
+    Schemas of different `variant`s differ in every name (no grammar cache can share them)."""
     def schema(width: int) -> dict:
         return {"type": "object",
-                "properties": {f"p{i:0{width}d}": {"type": "string"} for i in range(members)}}
+                "properties": {f"v{variant}p{i:0{width}d}": {"type": "string"} for i in range(members)}}
 
     def size(width: int) -> int:
         return len(json.dumps(schema(width), separators=(",", ":")).encode())
@@ -62,18 +72,45 @@ def timed(base: str, path: str, body: dict) -> tuple[float, int]:
     return time.monotonic() - t0, r.status_code
 
 
-def one_run(args: argparse.Namespace) -> tuple[float, float, list[int]]:
-    """(idle seconds, loaded seconds, statuses of the load requests that ended meanwhile)."""
-    schema = worst_case_schema()
-    loads = [("/v1/completions", {"prompt": "Once upon a time, in a land far away,", "max_tokens": args.max_tokens,
-                                  "temperature": 0, "n": args.n})]
+def long_prompt(variant: int, words: int) -> str:
+    """A prompt of about `words` tokens, different from the first word on for each `variant`
+    (no prefix cache can serve one from another)."""
+    return f"Variant {variant}. " + " ".join(f"w{variant}x{i % 97}" for i in range(words // 4))
+
+
+def load_requests(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    loads: list[tuple[str, dict]] = []
+    if args.n:
+        loads.append(("/v1/completions", {"prompt": "Once upon a time, in a land far away,",
+                                          "max_tokens": args.max_tokens, "temperature": 0, "n": args.n}))
     loads += [("/v1/chat/completions",
                {"messages": [{"role": "user", "content": f"Fill in record {i} as JSON."}],
                 "max_tokens": args.max_tokens, "temperature": 0,
-                "response_format": {"type": "json_schema", "json_schema": {"name": f"r{i}", "schema": schema}}})
+                "response_format": {"type": "json_schema",
+                                    "json_schema": {"name": f"r{i}", "schema": worst_case_schema(i)}}})
               for i in range(args.schemas)]
-    with model_server_process("--batched-session", str(args.batched_session), "--log-level", "warning",
-                              root=args.repo.resolve()) as srv:
+    loads += [("/v1/completions", {"prompt": long_prompt(i, args.long_prompt_tokens),
+                                   "max_tokens": args.max_tokens, "temperature": 0})
+              for i in range(args.long_prompts)]
+    return loads
+
+
+def describe_load(args: argparse.Namespace) -> str:
+    parts = [f"an n={args.n} x {args.max_tokens}-token request"] if args.n else []
+    if args.schemas:
+        parts.append(f"{args.schemas} worst-case schema requests")
+    if args.long_prompts:
+        parts.append(f"{args.long_prompts} prompts of about {args.long_prompt_tokens} tokens")
+    return " and ".join(parts) or "nothing"
+
+
+def one_run(args: argparse.Namespace, k: int) -> tuple[float, float, list[int]]:
+    """(idle seconds, loaded seconds, statuses of the load requests that ended meanwhile)."""
+    import subprocess
+
+    loads = load_requests(args)
+    flags = ["--batched-session", str(args.batched_session), "--log-level", "info" if args.server_log else "warning"]
+    with model_server_process(*flags, *args.server_flag, root=args.repo.resolve()) as srv:
         idle = min(timed(srv.base, "/v1/completions", NORMAL)[0] for _ in range(3))
         sent = threading.Semaphore(0)
         statuses: list[int] = []
@@ -85,13 +122,25 @@ def one_run(args: argparse.Namespace) -> tuple[float, float, list[int]]:
             except httpx.HTTPError:
                 pass  # the server stopped under it: the run is over
 
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen([args.py_spy, "record", "--threads", "--idle", "-r", "200", "-f", "raw",
+                                    "-o", f"{args.py_spy_out}.{k}.txt", "-p", str(srv.proc.pid)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(1.0)  # py-spy attaches
         for path, body in loads:
             threading.Thread(target=fire, args=(path, body), daemon=True).start()
         for _ in loads:
             sent.acquire()
-        while not httpx.get(srv.base + "/health", timeout=10).json()["busy"]:
+        while loads and not httpx.get(srv.base + "/health", timeout=10).json()["busy"]:
             time.sleep(0.01)
+        time.sleep(args.delay)
         loaded, status = timed(srv.base, "/v1/completions", NORMAL)
+        if spy is not None:
+            spy.send_signal(2)
+            spy.wait(timeout=60)
+        if args.server_log:
+            Path(f"{args.server_log}.{k}.log").write_text("".join(srv.log))
         if status != 200:
             raise SystemExit(f"the normal request answered {status}")
     return idle, loaded, statuses
@@ -100,20 +149,27 @@ def one_run(args: argparse.Namespace) -> tuple[float, float, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=Path(__file__).resolve().parents[2])
-    ap.add_argument("--n", type=int, default=128)
+    ap.add_argument("--n", type=int, default=128, help="choices of the many-choice request (0: none)")
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--schemas", type=int, default=4, help="worst-case JSON-schema requests in the load")
+    ap.add_argument("--schemas", type=int, default=4, help="worst-case JSON-schema requests in the load, each distinct")
+    ap.add_argument("--long-prompts", type=int, default=0, help="long-prompt completions in the load, each distinct")
+    ap.add_argument("--long-prompt-tokens", type=int, default=1800, help="about how long each of them is")
+    ap.add_argument("--delay", type=float, default=0.0,
+                    help="seconds between the worker turning busy and the normal request")
     ap.add_argument("--batched-session", type=int, default=1)
+    ap.add_argument("--server-flag", action="append", default=[], help="one more ds4-server argument (repeatable)")
     ap.add_argument("--runs", type=int, default=3, help="fresh servers, one measurement each")
+    ap.add_argument("--server-log", default=None, help="write each run's server log (level info) to PREFIX.K.log")
+    ap.add_argument("--py-spy", default=None, help="a py-spy executable: profile the server under load")
+    ap.add_argument("--py-spy-out", default="fair-profile", help="py-spy's raw output: PREFIX.K.txt")
     args = ap.parse_args()
 
     ratios = []
     for k in range(args.runs):
-        idle, loaded, statuses = one_run(args)
+        idle, loaded, statuses = one_run(args, k + 1)
         ratios.append(loaded / idle)
-        print(f"run {k + 1}: a 12-token completion {idle:.2f} s idle, {loaded:.2f} s while an n={args.n} x "
-              f"{args.max_tokens}-token request and {args.schemas} worst-case schema requests ran: "
-              f"{loaded / idle:.2f}x (load answers so far: {sorted(statuses)})", flush=True)
+        print(f"run {k + 1}: a 12-token completion {idle:.2f} s idle, {loaded:.2f} s while {describe_load(args)} "
+              f"ran: {loaded / idle:.2f}x (load answers so far: {sorted(statuses)})", flush=True)
     spread = f"{min(ratios):.2f}-{max(ratios):.2f}x, median {statistics.median(ratios):.2f}x"
     print(f"repo {args.repo}, --batched-session {args.batched_session}: {spread} over {args.runs} runs")
 
