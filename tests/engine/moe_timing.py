@@ -1,11 +1,11 @@
 """Times decoding steps of a mixture-of-experts model on CUDA, at 1 row and at 32 (or any
 widths), and engine.cuda_moe's experts alone; a script for the device, not a test.
 
-It writes a random GGUF of a real model's shape (`SHAPES`: the Qwen3-30B-A3B and
-DeepSeek-V2-Lite shapes) with random blocks of the chosen type, falling back, for matrices whose
-rows are not whole blocks of it, to the type llama.cpp's quantizer falls back to
-(engine.synthetic.ROW_FALLBACK: Q4_K -> Q5_0, which the stacked experts hold as bfloat16).  The
-vocabulary is the tests' small one, so the head costs next to nothing.  Then, for each width:
+It writes a random GGUF of a real model's shape (`SHAPES`: engine.synthetic's Qwen3-30B-A3B
+and DeepSeek-V2-Lite presets, their full vocabularies and heads included) with random blocks of
+the chosen type, falling back, for matrices whose rows are not whole blocks of it, to the type
+llama.cpp's quantizer falls back to (Q4_K -> Q5_0, which the stacked experts hold as int8).
+Then, for each width:
 
 - step: `decode_batch` over that many pooled sessions, `--steps` steps after warm-up, median
   of `--repeats` timings (qwen3moe decodes through captured graphs; deepseek2 eagerly);
@@ -33,122 +33,22 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QT
-from gguf import GGUFWriter
 
 import engine
 from engine import cuda_moe
 from engine.batch import decode_batch
 from engine.models import qwen_moe
-from engine.quants import BLOCK
-from engine.synthetic import RANDOM_BLOCKS, ROW_FALLBACK, random_blocks
-from gemma_models import vocabulary
+from engine.synthetic import PRESETS, write_moe_gguf
 
-SHAPES = {
-    "qwen3-30b-a3b": dict(arch="qwen3moe", n_layer=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
-                          n_expert=128, n_used=8, n_ff_exp=768, n_ff=6144),
-    "deepseek-v2-lite": dict(arch="deepseek2", n_layer=27, n_embd=2048, n_head=16, kv_lora_rank=512, nope=128,
-                             rope=64, v_dim=128, n_expert=64, n_used=6, n_ff_exp=1408, n_shared=2, n_ff=10944,
-                             n_dense=1),
-}
-# Byte offsets of the float16 scale fields of the types gguf quantizes (random blocks here too).
-SCALE_FIELDS = {QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,)}
+SHAPES = ("qwen3-30b-a3b", "deepseek-v2-lite")  # engine.synthetic.PRESETS
 
 
-def raw_blocks(qtype: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    if qtype in RANDOM_BLOCKS:
-        return random_blocks(qtype, rows, cols, rng)
-    per, nbytes = BLOCK[qtype]
-    raw = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
-        raw[..., off: off + 2] = (rng.random((rows, cols // per, 1)) * 0.002 + 0.0005).astype(np.float16).view(np.uint8)
-    return raw.reshape(rows, -1)
-
-
-def write_shape(path: str, shape: dict, n_layer: int, qtype: QT) -> dict[str, str]:
-    """A random GGUF of `shape` with `n_layer` layers; returns each written type's count."""
-    rng = np.random.default_rng(0)
-    a = shape["arch"]
-    d, E, f = shape["n_embd"], shape["n_expert"], shape["n_ff_exp"]
-    tokens, types, scores = vocabulary()
-    w = GGUFWriter(path, a)
-    keys = {"block_count": n_layer, "context_length": 4096, "embedding_length": d,
-            "feed_forward_length": shape["n_ff"], "attention.head_count": shape["n_head"],
-            "expert_count": E, "expert_used_count": shape["n_used"], "expert_feed_forward_length": f}
-    if a == "qwen3moe":
-        keys.update({"attention.head_count_kv": shape["n_head_kv"], "attention.key_length": shape["head_dim"],
-                     "attention.value_length": shape["head_dim"]})
-    else:
-        keys.update({"attention.head_count_kv": shape["n_head"], "attention.key_length": shape["nope"] + shape["rope"],
-                     "attention.value_length": shape["v_dim"], "attention.kv_lora_rank": shape["kv_lora_rank"],
-                     "rope.dimension_count": shape["rope"], "expert_shared_count": shape["n_shared"],
-                     "leading_dense_block_count": shape["n_dense"], "expert_gating_func": 1})
-    for key, value in keys.items():
-        w.add_uint32(f"{a}.{key}", value)
-    w.add_float32(f"{a}.rope.freq_base", 10000.0)
-    w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", 1e-6)
-    if a == "deepseek2":
-        w.add_float32(f"{a}.expert_weights_scale", 1.0)
-        w.add_bool(f"{a}.expert_weights_norm", False)
-    w.add_string("tokenizer.ggml.model", "llama")
-    w.add_string("tokenizer.ggml.pre", "default")
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", types)
-    w.add_array("tokenizer.ggml.scores", scores)
-    for key, value in (("bos", 2), ("eos", 1), ("unknown", 3), ("padding", 0)):
-        w.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
-    written: dict[str, int] = {}
-
-    def matrix(name: str, *dims: int) -> None:
-        t = qtype if dims[-1] % BLOCK[qtype][0] == 0 else ROW_FALLBACK[qtype]
-        written[t.name] = written.get(t.name, 0) + 1
-        rows = int(np.prod(dims[:-1]))
-        w.add_tensor(name, raw_blocks(t, rows, dims[-1], rng).reshape(*dims[:-1], -1), raw_dtype=t)
-
-    def f32(name: str, *dims: int, around: float = 0.0, spread: float = 1.0) -> None:
-        w.add_tensor(name, (around + spread * rng.standard_normal(dims)).astype(np.float32))
-
-    f32("token_embd.weight", len(tokens), d)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        f32(p + "attn_norm.weight", d, around=1.0, spread=0.1)
-        f32(p + "ffn_norm.weight", d, around=1.0, spread=0.1)
-        if a == "qwen3moe":
-            H, Hkv, hd = shape["n_head"], shape["n_head_kv"], shape["head_dim"]
-            matrix(p + "attn_q.weight", H * hd, d)
-            matrix(p + "attn_k.weight", Hkv * hd, d)
-            matrix(p + "attn_v.weight", Hkv * hd, d)
-            matrix(p + "attn_output.weight", d, H * hd)
-            f32(p + "attn_q_norm.weight", hd, around=1.0, spread=0.1)
-            f32(p + "attn_k_norm.weight", hd, around=1.0, spread=0.1)
-        else:
-            H, rank, rope = shape["n_head"], shape["kv_lora_rank"], shape["rope"]
-            matrix(p + "attn_q.weight", H * (shape["nope"] + rope), d)
-            matrix(p + "attn_kv_a_mqa.weight", rank + rope, d)
-            f32(p + "attn_kv_a_norm.weight", rank, around=1.0, spread=0.1)
-            matrix(p + "attn_kv_b.weight", H * (shape["nope"] + shape["v_dim"]), rank)
-            matrix(p + "attn_output.weight", d, H * shape["v_dim"])
-            if i < shape["n_dense"]:
-                for n, dims in (("gate", (shape["n_ff"], d)), ("up", (shape["n_ff"], d)), ("down", (d, shape["n_ff"]))):
-                    matrix(p + f"ffn_{n}.weight", *dims)
-                continue
-            width = f * shape["n_shared"]
-            matrix(p + "ffn_gate_shexp.weight", width, d)
-            matrix(p + "ffn_up_shexp.weight", width, d)
-            matrix(p + "ffn_down_shexp.weight", d, width)
-        f32(p + "ffn_gate_inp.weight", E, d, spread=3 * d ** -0.5)
-        matrix(p + "ffn_gate_exps.weight", E, f, d)
-        matrix(p + "ffn_up_exps.weight", E, f, d)
-        matrix(p + "ffn_down_exps.weight", E, d, f)
-    f32("output_norm.weight", d, around=1.0, spread=0.1)
-    matrix("output.weight", len(tokens), d)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return written
+def write_shape(path: str, preset: str, n_layer: int, qtype: str) -> str:
+    """The preset's GGUF with `n_layer` layers and `qtype` layer matrices (engine.synthetic)."""
+    spec = dataclasses.replace(PRESETS[preset], n_layer=n_layer, qtype=qtype)
+    report = write_moe_gguf(path, spec)
+    return f"{report.n_tensors} tensors"
 
 
 def token_bytes(m: engine.Model) -> int:
@@ -229,7 +129,7 @@ def sweep(layers: list[cuda_moe.StackedExperts], rows: int, k: int) -> list[tupl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
+    ap.add_argument("--shape", choices=SHAPES, default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=0, help="layers to write (default: the shape's)")
     ap.add_argument("--qtype", default="Q4_K")
     ap.add_argument("--rows", default="1,32")
@@ -240,12 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-expert", action="store_true",
                     help="also time the per-expert path (each expert its own Linear, routing read back)")
     args = ap.parse_args(argv)
-    shape = SHAPES[args.shape]
-    n_layer = args.layers or shape["n_layer"]
+    n_layer = args.layers or PRESETS[args.shape].n_layer
     path = args.gguf or os.path.join(tempfile.mkdtemp(), f"{args.shape}-{n_layer}.gguf")
     if not os.path.exists(path):
         t0 = time.perf_counter()
-        written = write_shape(path, shape, n_layer, QT[args.qtype])
+        written = write_shape(path, args.shape, n_layer, args.qtype)
         size = os.path.getsize(path) / 2 ** 30
         print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
     t0 = time.perf_counter()
