@@ -1,5 +1,5 @@
 // Row-wise elementwise work of a forward step on CPU, fused so that a decoding step dispatches
-// one op where torch would dispatch several: the RMSNorm and the SwiGLU.
+// one op where torch would dispatch several: the RMSNorm, the SwiGLU and the GeGLU.
 //
 // ds4::rms_norm_<isa>(x, w, eps) -> y          (isa: see isa.h)
 //   x    [M, K] float32, rows may be strided, each row contiguous
@@ -16,6 +16,12 @@
 //           silu(g) = g / (1 + e) for g >= 0 and g * e / (1 + e) below, e = exp(-|g|) (vexp.h,
 //           within 2 ulp; the argument is never positive, so nothing overflows)
 // Elementwise, so a value's result depends on that value alone.
+//
+// ds4::geglu_<isa>(gate_up) -> y
+//   the same shapes; y[r, i] = gelu(g) * u with GELU's tanh approximation (Gemma's), computed
+//   as g * sigmoid(a), a = 2 * sqrt(2 / pi) * (g + 0.044715 * g^3) (0.5 * (1 + tanh(a / 2)) is
+//   sigmoid(a)), the sigmoid as in the SwiGLU: within a few ulp of torch's
+//   gelu(approximate="tanh"), elementwise.
 //
 // Neither matches torch's own ops bit for bit (reduction order, exp); they are not used where
 // torch's run (CUDA, the `torch` path), and prefill and decoding both use them on CPU.
@@ -89,10 +95,25 @@ inline vf8 silu_times(vf8 g, vf8 u) {
   return s * u;
 }
 
-at::Tensor swiglu(const at::Tensor& gate_up) {
+// g * sigmoid(a) * u: e = exp(-|a|), sigmoid(a) = 1 / (1 + e) for a >= 0 and e / (1 + e) below.
+inline vf8 gated(vf8 g, vf8 a, vf8 u) {
+  const vf8 zero{};
+  const vf8 e = ds4_math::exp_nonpositive<vf8, vi8>(a < zero ? a : -a);
+  const vf8 s = (a < zero ? g * e : g) / (1.0f + e);
+  return s * u;
+}
+
+inline vf8 gelu_times(vf8 g, vf8 u) {
+  const vf8 a = (g + 0.044715f * (g * g * g)) * 1.5957691216057308f;  // 2 * sqrt(2 / pi)
+  return gated(g, a, u);
+}
+
+// y = act(gate) * up, row by row, 8 values at a time (the tail through the same vector code).
+template <vf8 (*Act)(vf8, vf8)>
+at::Tensor glu(const at::Tensor& gate_up, const char* name) {
   TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1 &&
                   gate_up.size(1) % 2 == 0,
-              "swiglu: gate_up must be [M, 2F] float32 with contiguous rows");
+              name, ": gate_up must be [M, 2F] float32 with contiguous rows");
   const int64_t M = gate_up.size(0), F = gate_up.size(1) / 2;
   at::Tensor y = at::empty({M, F}, gate_up.options());
   const float* g0 = gate_up.data_ptr<float>();
@@ -109,14 +130,14 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
         vf8 gv, uv;
         std::memcpy(&gv, g + i, sizeof gv);
         std::memcpy(&uv, u + i, sizeof uv);
-        const vf8 out = silu_times(gv, uv);
+        const vf8 out = Act(gv, uv);
         std::memcpy(yr + i, &out, sizeof out);
       }
       if (i < F) {  // the tail through the same vector code, so its values round alike
         vf8 gv{}, uv{};
         std::memcpy(&gv, g + i, (F - i) * sizeof(float));
         std::memcpy(&uv, u + i, (F - i) * sizeof(float));
-        const vf8 out = silu_times(gv, uv);
+        const vf8 out = Act(gv, uv);
         std::memcpy(yr + i, &out, (F - i) * sizeof(float));
       }
     }
@@ -124,15 +145,20 @@ at::Tensor swiglu(const at::Tensor& gate_up) {
   return y;
 }
 
+at::Tensor swiglu(const at::Tensor& gate_up) { return glu<silu_times>(gate_up, "swiglu"); }
+at::Tensor geglu(const at::Tensor& gate_up) { return glu<gelu_times>(gate_up, "geglu"); }
+
 }  // namespace elementwise
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("rms_norm") "(Tensor x, Tensor w, float eps) -> Tensor");
   m.def(DS4_OP("swiglu") "(Tensor gate_up) -> Tensor");
+  m.def(DS4_OP("geglu") "(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("rms_norm"), &elementwise::rms_norm);
   m.impl(DS4_OP("swiglu"), &elementwise::swiglu);
+  m.impl(DS4_OP("geglu"), &elementwise::geglu);
 }

@@ -39,7 +39,8 @@ prefilled computes the same bits (with the row-independent matmul kernels of eng
 On CUDA a prefill chunk attends in one masked batch; decode rows attend one by one, and no
 graphs are captured (engine.cuda_graphs serves the llama family only).
 The residual stream, norms, rope, attention and soft-capping run in float32; matmuls in the
-weights' compute dtype (engine.weights).
+weights' compute dtype (engine.weights).  On CPU the norms and the GeGLU are the kernel path's
+compiled ops (engine.kernels: one op each, in prefill and decoding alike), elsewhere torch's.
 
 `GemmaModel` implements `engine.protocols.Network` and is registered for gemma2 and gemma3 in
 engine.models.ARCHITECTURES.  It reads no files beyond the given records and knows nothing
@@ -193,6 +194,10 @@ class GemmaModel(CachedNetwork):
         self.cpu_kernels = cpu_kernels if device.type == "cpu" else None
         if device.type == "cpu" and cpu_kernels is None:
             raise ValueError("a CPU model needs a CPU kernel path (engine.kernels.cpu_kernels)")
+        # The compiled RMSNorm and GeGLU where the path has them: one op each where torch
+        # dispatches seven and three, six norms a layer (prefill and decoding both use them).
+        self._fused_norm = self.cpu_kernels.rms_norm if self.cpu_kernels is not None else None
+        self._fused_geglu = self.cpu_kernels.geglu if self.cpu_kernels is not None else None
         try:
             self.blocks = [GemmaBlock(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
         except KeyError as e:
@@ -246,6 +251,15 @@ class GemmaModel(CachedNetwork):
 
     # --- the layers ---
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last axis (the compiled op on CPU, rows of any leading shape)."""
+        if self._fused_norm is None:
+            return rms_norm(x, weight, self.cfg.norm_eps)
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype != torch.float32 or rows.stride(-1) != 1:
+            rows = rows.float().contiguous()
+        return self._fused_norm(rows, weight, self.cfg.norm_eps).view(x.shape)
+
     def _rope(self, positions: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, sin) [T, 1, D/2] float32 at `positions` for local (True) and global layers,
         from float64 angles: a position's values do not depend on the others."""
@@ -259,14 +273,14 @@ class GemmaModel(CachedNetwork):
     def _qkv(self, blk: GemmaBlock, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, H, D] (scaled), k and v [T, Hkv, D], float32, q and k normed and rotated."""
-        cfg, eps = self.cfg, self.cfg.norm_eps
+        cfg = self.cfg
         T, H, Hkv, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        qkv = blk.wqkv(rms_norm(x, blk.attn_norm, eps)).float()
+        qkv = blk.wqkv(self._norm(x, blk.attn_norm)).float()
         q = qkv[:, : H * D].view(T, H, D)
         k = qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         if blk.q_norm is not None:
-            q, k = rms_norm(q, blk.q_norm, eps), rms_norm(k, blk.k_norm, eps)
+            q, k = self._norm(q, blk.q_norm), self._norm(k, blk.k_norm)
         q, k = rotate_halves(q, *rope), rotate_halves(k, *rope)
         return q * self.params.query_scale, k, v
 
@@ -306,16 +320,19 @@ class GemmaModel(CachedNetwork):
 
     def _ffn(self, blk: GemmaBlock, x: torch.Tensor) -> None:
         """x += the post-normed GeGLU FFN of x."""
-        eps, n_ff = self.cfg.norm_eps, self.cfg.n_ff
-        gate_up = blk.w_gate_up(rms_norm(x, blk.ffn_norm, eps)).float()
-        act = F.gelu(gate_up[:, :n_ff], approximate="tanh") * gate_up[:, n_ff:]
-        x += rms_norm(blk.w_down(act).float(), blk.post_ffn_norm, eps)
+        n_ff = self.cfg.n_ff
+        gate_up = blk.w_gate_up(self._norm(x, blk.ffn_norm)).float()
+        if self._fused_geglu is not None:
+            act = self._fused_geglu(gate_up)
+        else:
+            act = F.gelu(gate_up[:, :n_ff], approximate="tanh") * gate_up[:, n_ff:]
+        x += self._norm(blk.w_down(act).float(), blk.post_ffn_norm)
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed(tokens) * self.embed_scale
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        logits = self.output(rms_norm(h, self.out_norm, self.cfg.norm_eps)).float()
+        logits = self.output(self._norm(h, self.out_norm)).float()
         return softcap(logits, self.params.final_softcap)
 
     # --- Network: forward passes ---
@@ -328,7 +345,6 @@ class GemmaModel(CachedNetwork):
         for c in caches:
             c.will_write(c.n, c.n + 1)
         ropes = self._rope(torch.tensor(pos))
-        eps = self.cfg.norm_eps
         x = self._embed(tokens)
         for li, blk in enumerate(self.blocks):
             q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
@@ -337,7 +353,7 @@ class GemmaModel(CachedNetwork):
             for i, (c, p) in enumerate(zip(caches, pos)):
                 c.store(li, p, kv[i])
                 rows.append(self._attend_row(li, q[i], c, p))
-            x += rms_norm(blk.wo(torch.stack(rows)).float(), blk.post_attn_norm, eps)
+            x += self._norm(blk.wo(torch.stack(rows)).float(), blk.post_attn_norm)
             self._ffn(blk, x)
         logits = self.head(x)
         for c, p in zip(caches, pos):
@@ -360,7 +376,6 @@ class GemmaModel(CachedNetwork):
         end = start + T
         cache.will_write(start, end)
         ropes = self._rope(torch.arange(start, end))
-        eps = self.cfg.norm_eps
         x = self._embed(tokens)
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
@@ -371,7 +386,7 @@ class GemmaModel(CachedNetwork):
                 att = self._attend_chunk(li, q, cache, start)
             else:  # row by row, exactly as decoding attends
                 att = torch.stack([self._attend_row(li, q[i], cache, start + i) for i in range(T)])
-            x += rms_norm(blk.wo(att).float(), blk.post_attn_norm, eps)
+            x += self._norm(blk.wo(att).float(), blk.post_attn_norm)
             self._ffn(blk, x)
         cache.n = end
         if logits == "last":

@@ -751,3 +751,20 @@ def test_swiglu_bad_arguments_are_errors_with_messages(path):
         path.swiglu(torch.zeros(2, 7))
     with pytest.raises(RuntimeError, match=r"swiglu: gate_up must be \[M, 2F\] float32"):
         path.swiglu(torch.zeros(2, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("f", [2048, 13])  # whole vectors, and a tail
+def test_geglu_is_tanh_gelu_times_up_within_a_few_ulp_and_elementwise(path, f):
+    torch.manual_seed(f)
+    gate_up = torch.randn(9, 2 * f + 5)[:, : 2 * f] * 4  # strided rows
+    gate_up[0, :4] = torch.tensor([0.0, -0.0, -100.0, 100.0])  # exp's clamp and the large side
+    y = path.geglu(gate_up)
+    g, u = gate_up[:, :f].double(), gate_up[:, f:].double()
+    want = torch.nn.functional.gelu(g, approximate="tanh") * u
+    torch.testing.assert_close(y.double(), want, rtol=2e-6, atol=1e-12)  # far left, gelu is about 0
+    assert not torch.isnan(y).any()
+    assert torch.equal(path.geglu(gate_up[3:5].contiguous()), y[3:5])
+    shifted = torch.cat([gate_up[:, 1:f], gate_up[:, :1], gate_up[:, f + 1:], gate_up[:, f:f + 1]], dim=1)
+    assert torch.equal(path.geglu(shifted), torch.cat([y[:, 1:], y[:, :1]], dim=1))
+    with pytest.raises(RuntimeError, match=r"geglu: gate_up must be \[M, 2F\] float32"):
+        path.geglu(torch.zeros(2, 7))
