@@ -86,7 +86,8 @@ class StepKernels(Protocol):
 class TorchKernels:
     """StepKernels in torch ops, float32 (the CPU path, prefill and eager CUDA decoding).  On CPU
     the compiled kernels' `rms_norm` and `swiglu` (engine.kernels) replace the norm's five torch
-    ops for [rows, n_embd] inputs and the SwiGLU's three, the same ops in prefill and decoding."""
+    ops for [rows, n_embd] inputs (and for per-head [T, heads, D] ones, the heads taken as rows)
+    and the SwiGLU's three, the same ops in prefill and decoding."""
 
     def __init__(self, eps: torch.Tensor, n_ff: int, cpu: CpuKernels | None = None):
         self.eps = eps  # a device scalar: no host value enters the expression
@@ -98,6 +99,9 @@ class TorchKernels:
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.fused_norm is not None and x.dim() == 2:
             return self.fused_norm(x, weight, self.eps_value)
+        if self.fused_norm is not None and x.dim() > 2 and x.dtype == torch.float32:
+            # Per-head norms (qwen3's q/k, [T, heads, D]): the heads as rows, one op.
+            return self.fused_norm(x.reshape(-1, x.shape[-1]), weight, self.eps_value).view(x.shape)
         # mean(x^2) + eps as |x|^2 / n + eps: two fused operations instead of four.
         ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
