@@ -156,16 +156,11 @@ def launch_for(rows: int, n: int, k: int) -> Launch:
     return Launch(bn=32, unroll=4, waves=4) if rows > 16 else Launch(bn=64, unroll=1, waves=4)
 
 
-def scale_pairs(scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
-    """[N, K/32] scales and minimums -> [K/32, N, 2] (scale, minimum), float16 where finite."""
-    pairs = np.stack([scale, minimum], axis=-1).transpose(1, 0, 2)
-    half = pairs.astype(np.float16)
-    return np.ascontiguousarray(half if np.isfinite(half).all() else pairs.astype(np.float32))
-
-
-def device_scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """`scale_pairs` of float32 tensors, on their device: [K/32, N, 2], float16 where finite."""
-    pairs = torch.stack([scale, minimum], dim=-1).transpose(0, 1).contiguous()
+def scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """Float32 scales and minimums [..., N, K/32] -> [..., K/32, N, 2] (scale, minimum) pairs on
+    their device: float16 where every pair is finite in it (exact for Q4_0 and Q4_1, whose
+    fields are float16), else float32."""
+    pairs = torch.stack([scale, minimum], dim=-1).transpose(-3, -2).contiguous()
     half = pairs.half()
     return half if bool(torch.isfinite(half).all()) else pairs
 
@@ -325,27 +320,30 @@ class Int4Weight:
     """An int4 matrix on a CUDA device; `w(x)` is x @ W^T in float32 (see the module docstring)."""
 
     def __init__(self, q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, device: torch.device):
-        self.n, self.k = q.shape
-        if self.k % GROUP:
-            raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {self.k}")
-        self.nibbles = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
-        self.words = self.nibbles.view(torch.int32)  # the same bytes, four to a word (one-row products)
-        self.pairs = torch.from_numpy(scale_pairs(scale, minimum)).to(device)
-        self.gemm_rows = gemm_rows_for(self.n, self.k)
+        """From host arrays: q [N, K] 4-bit values, scale and minimum [N, K/32]."""
+        nibbles = torch.from_numpy(np.ascontiguousarray((q[:, ::2] << 4) | q[:, 1::2])).to(device)
+
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)
+
+        self._hold(nibbles, tensor(scale), tensor(minimum))
 
     @classmethod
     def from_nibbles(cls, nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> "Int4Weight":
         """The matrix from tensors already on its device (engine.device_blocks.int4_groups):
         nibbles uint8 [N, K/2] in this module's layout, scale and minimum float32 [N, K/32]."""
         self = cls.__new__(cls)
+        self._hold(nibbles, scale, minimum)
+        return self
+
+    def _hold(self, nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
         self.n, self.k = nibbles.shape[0], nibbles.shape[1] * 2
         if self.k % GROUP:
             raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {self.k}")
         self.nibbles = nibbles.contiguous()
-        self.words = self.nibbles.view(torch.int32)
-        self.pairs = device_scale_pairs(scale, minimum)
+        self.words = self.nibbles.view(torch.int32)  # the same bytes, four to a word (one-row products)
+        self.pairs = scale_pairs(scale, minimum)
         self.gemm_rows = gemm_rows_for(self.n, self.k)
-        return self
 
     @property
     def nbytes(self) -> int:

@@ -62,7 +62,7 @@ import torch
 
 from engine import device_blocks
 from engine.cuda_attention import AVAILABLE, tl, triton
-from engine.cuda_int4 import GROUP, OPERAND
+from engine.cuda_int4 import GROUP, OPERAND, scale_pairs
 from engine.gguf_file import TensorRecord
 from engine.quants import INT4_GROUPED, INT8_GROUPED, Int8Groups, unpack_int8_groups
 from engine.weights import to_float
@@ -151,19 +151,6 @@ class StackedWeight:
         """Each part's [E * rows, cols] array as [E, rows, cols], the parts joined per expert."""
         return np.concatenate([a.reshape(self.n_expert, -1, a.shape[-1]) for a in arrays], axis=1)
 
-    def _hold_device_pairs(self, scale: torch.Tensor, minimum: torch.Tensor) -> None:
-        """`_hold_pairs` of [E, n, groups] tensors already on the device."""
-        pairs = torch.stack([scale, minimum], dim=-1).transpose(1, 2).contiguous()
-        half = pairs.half()
-        self.pairs = half if bool(torch.isfinite(half).all()) else pairs
-
-    def _hold_pairs(self, scale: np.ndarray, minimum: np.ndarray, device: torch.device) -> None:
-        """[E, n, groups] scales and minimums -> `pairs`."""
-        pairs = np.ascontiguousarray(np.stack([scale, minimum], axis=-1).transpose(0, 2, 1, 3))
-        with np.errstate(over="ignore"):
-            half = pairs.astype(np.float16)
-        self.pairs = torch.from_numpy(half if np.isfinite(half).all() else pairs).to(device)
-
     def _pack_int4(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
         # The file's blocks cross to the device as stored and are unpacked there
         # (engine.device_blocks: the host's numbers bit for bit, in a fraction of the time).
@@ -176,7 +163,7 @@ class StackedWeight:
             minimum.append(mn.view(self.n_expert, r.shape[1], -1))
         self.nibbles = torch.cat(nibbles, dim=1).contiguous()
         self.words = self.nibbles.view(torch.int32)
-        self._hold_device_pairs(torch.cat(scale, dim=1), torch.cat(minimum, dim=1))
+        self.pairs = scale_pairs(torch.cat(scale, dim=1), torch.cat(minimum, dim=1))
 
     def _pack_int8(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
         groups = [unpack_int8_groups(r.qtype, r.data, self.k) for r in parts]
@@ -187,8 +174,9 @@ class StackedWeight:
             return np.repeat(values, g.group // self.group, axis=1)  # a larger group's value per smaller group
 
         self.q = torch.from_numpy(np.ascontiguousarray(self._per_expert([g.q for g in groups]))).to(device)
-        self._hold_pairs(self._per_expert([regrouped(g, g.scale) for g in groups]),
-                         self._per_expert([regrouped(g, g.minimum) for g in groups]), device)
+        scale, minimum = (torch.from_numpy(self._per_expert([regrouped(g, v) for g, v in zip(groups, values)]))
+                          .to(device) for values in ([g.scale for g in groups], [g.minimum for g in groups]))
+        self.pairs = scale_pairs(scale, minimum)
 
     @property
     def format_index(self) -> int:

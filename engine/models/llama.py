@@ -67,11 +67,12 @@ from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_floa
 
 # Prefill attention off the CPU: flash attention for a causal chunk from position 0 in a 16-bit
 # cache, the memory-efficient kernel where a mask is needed or the cache is float32, the math
-# path where neither applies.  Not
-# cuDNN's attention, which torch prefers on Hopper: it builds an execution plan for every new
-# shape, and each prompt length is one (about 70 ms per new length on an H200, against a
-# 25 ms prefill of 91 tokens), so short cases of varied lengths paid it again and again.
+# path where neither applies.  Not cuDNN's attention, which torch prefers on Hopper: it builds
+# an execution plan for every new shape, and each prompt length is one (about 70 ms per new
+# length on an H200, against a 25 ms prefill of 91 tokens), so short cases of varied lengths
+# paid it again and again.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 class StepKernels(Protocol):
     """A forward pass's elementwise work: the block and output RMSNorms (not qwen3's per-head

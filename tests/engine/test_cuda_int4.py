@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from engine import cuda_int4
 
@@ -35,15 +36,17 @@ def test_row_blocks():
 
 def test_scale_pairs_keep_float16_where_exact_or_finite_else_float32():
     rng = np.random.default_rng(0)
-    scale = rng.random((5, 3)).astype(np.float16).astype(np.float32)
-    minimum = -rng.random((5, 3)).astype(np.float16).astype(np.float32)
+    scale = torch.from_numpy(rng.random((5, 3)).astype(np.float16).astype(np.float32))
+    minimum = torch.from_numpy(-rng.random((5, 3)).astype(np.float16).astype(np.float32))
     pairs = cuda_int4.scale_pairs(scale, minimum)
-    assert pairs.dtype == np.float16 and pairs.shape == (3, 5, 2)  # [groups, columns, (scale, min)]
-    assert np.array_equal(pairs[..., 0].T.astype(np.float32), scale)
-    assert np.array_equal(pairs[..., 1].T.astype(np.float32), minimum)
+    assert pairs.dtype == torch.float16 and pairs.shape == (3, 5, 2)  # [groups, columns, (scale, min)]
+    assert torch.equal(pairs[..., 0].T.float(), scale) and torch.equal(pairs[..., 1].T.float(), minimum)
+    # Leading axes are kept (a stack of experts' matrices): [E, columns, groups] -> [E, groups, columns, 2].
+    stacked = cuda_int4.scale_pairs(torch.stack([scale, 2 * scale]), torch.stack([minimum, minimum]))
+    assert stacked.shape == (2, 3, 5, 2) and torch.equal(stacked[1, ..., 0].T.float(), 2 * scale)
     scale[4, 2] = 1e6
     wide = cuda_int4.scale_pairs(scale, minimum)
-    assert wide.dtype == np.float32 and wide[2, 4, 0] == 1e6
+    assert wide.dtype == torch.float32 and wide[2, 4, 0] == 1e6
 
 
 def test_large_matrices_take_cublas_from_gemm_rows_on():
