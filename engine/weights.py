@@ -90,6 +90,11 @@ class Linear:
         their last step do so, saving a kernel and a tensor."""
         out += self(x)
 
+    def vector_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The int4 CPU kernel's (packed, scales) where a product of `rows` rows is that op
+        alone (Int4Linear); None for every other matrix."""
+        return None
+
     @property
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -394,6 +399,14 @@ class Int4Linear(Linear):
 
     def _uses_tiles(self, x: torch.Tensor) -> bool:
         return self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
+
+    def vector_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(packed, scales) where a product of `rows` rows runs the CPU vector op with nothing
+        around it (no bias, no padding columns): what engine/kernels/block.cpp takes in place
+        of calling this matrix; None otherwise."""
+        if self._add is None or self.bias is not None or self._pad or (self._tiles is not None and rows >= TILE_MIN_ROWS):
+            return None
+        return self.packed, self.scales_zeros
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:

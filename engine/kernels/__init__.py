@@ -19,7 +19,8 @@ an error (`KernelsUnavailable`), never a silent substitute.  `host_paths()` list
 executes, for tests that run every path.  The ops and their contracts are in the .cpp files:
 `attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_add` / `int4_tiles` (int4_linear.cpp), `int8` and `f16`
 (dense_linear.cpp), `repack_int4` / `repack_q8_0` (repack.cpp), which lay GGUF blocks out
-for them at load, and `rms_norm` / `swiglu` / `geglu` (elementwise.cpp).  Every op computes a row's result from that row alone, in a fixed order.
+for them at load, `rms_norm` / `swiglu` / `geglu` (elementwise.cpp), and `attention_block` /
+`ffn_block` (block.cpp), a llama decoding layer's two halves each in one call of the ops above.  Every op computes a row's result from that row alone, in a fixed order.
 
 Each path's sources are compiled once per machine with that instruction set's flags (isa.h
 names the ops per set, so libraries for several sets load side by side in one process) into
@@ -106,6 +107,8 @@ class CpuKernels:
     int4_add: Callable[..., None] | None = None  # (x, packed, scales, out): out += int4(x, ...)
     swiglu: Callable[..., torch.Tensor] | None = None  # (gate_up [M, 2F]) -> silu(gate) * up [M, F]
     geglu: Callable[..., torch.Tensor] | None = None  # (gate_up [M, 2F]) -> gelu_tanh(gate) * up [M, F]
+    attention_block: Callable[..., None] | None = None  # a llama decoding layer's attention half, one op
+    ffn_block: Callable[..., None] | None = None  # ...and its SwiGLU feed-forward half (block.cpp)
 
     def describe(self) -> str:
         """One line for banners: the path and why."""
@@ -287,7 +290,8 @@ def _build_path(name: str, reason: str) -> CpuKernels:
                       int4_tiles=tiles, int8=_op("int8_linear", vec), f16=_op("f16_linear", vec),
                       repack_int4=_op("repack_int4", vec), repack_q8_0=_op("repack_q8_0", vec),
                       rms_norm=_op("rms_norm", vec), int4_add=_op("int4_linear_add", vec),
-                      swiglu=_op("swiglu", vec), geglu=_op("geglu", vec))
+                      swiglu=_op("swiglu", vec), geglu=_op("geglu", vec),
+                      attention_block=_op("attention_block", vec), ffn_block=_op("ffn_block", vec))
 
 
 _chosen: dict[tuple[str | None, str], CpuKernels] = {}

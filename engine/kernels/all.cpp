@@ -6,3 +6,4 @@
 #include "dense_linear.cpp"
 #include "int4_linear.cpp"
 #include "repack.cpp"
+#include "block.cpp"  // last: it calls the ops above

@@ -398,7 +398,7 @@ void run(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, fl
 }
 
 
-at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, double scale) {
+DS4_ENTRY at::Tensor decode_attention(const at::Tensor& qkv, at::TensorList kv, at::IntArrayRef positions, double scale) {
   const int64_t N = qkv.size(0);
   TORCH_CHECK(N > 0 && static_cast<int64_t>(kv.size()) == N && static_cast<int64_t>(positions.size()) == N,
               "decode_attention: needs rows, and one cache and one position per row");

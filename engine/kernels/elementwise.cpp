@@ -59,7 +59,7 @@ inline float sum_of_squares(const float* x, int64_t K) {
   return lanes[0];
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+DS4_ENTRY at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "rms_norm: x must be [M, K] float32 with contiguous rows");
   const int64_t M = x.size(0), K = x.size(1);
@@ -145,7 +145,7 @@ at::Tensor glu(const at::Tensor& gate_up, const char* name) {
   return y;
 }
 
-at::Tensor swiglu(const at::Tensor& gate_up) { return glu<silu_times>(gate_up, "swiglu"); }
+DS4_ENTRY at::Tensor swiglu(const at::Tensor& gate_up) { return glu<silu_times>(gate_up, "swiglu"); }
 at::Tensor geglu(const at::Tensor& gate_up) { return glu<gelu_times>(gate_up, "geglu"); }
 
 }  // namespace elementwise

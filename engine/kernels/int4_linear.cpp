@@ -415,7 +415,7 @@ void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::T
 
 #if !defined(DS4_ISA_AMX)
 // The vector ops' entry points, over the one `int4_linear_with` this build defines above.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+DS4_ENTRY at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
   check_arguments(x, packed, scales);
   const int64_t N = packed.size(0) * C;
   at::Tensor y = at::empty({x.size(0), N}, x.options());
@@ -424,7 +424,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-void int4_linear_add(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+DS4_ENTRY void int4_linear_add(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
   check_arguments(x, packed, scales);
   const int64_t N = packed.size(0) * C;
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&

@@ -19,3 +19,9 @@
 
 // "int4_linear" -> "int4_linear_avx2" (a string literal, for schemas and registrations)
 #define DS4_OP(name) name "_" DS4_ISA
+
+// An op's entry point that another op also calls (block.cpp): compiled once, never inlined into
+// or cloned for a caller, so that both compute the same bits.  Inlined, the same source can
+// compile to other arithmetic: GCC contracts a * b + c into a fused multiply-add, or not,
+// depending on the code around it.
+#define DS4_ENTRY __attribute__((noipa))

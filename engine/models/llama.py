@@ -31,7 +31,9 @@ its own length (its kernels block the key axis by its size), and the activations
 bfloat16 at the int4 matmuls amplifies a last-bit difference into other greedy tokens within
 a few dozen steps.  On CPU the compiled kernel (engine.kernels) stores and attends every row
 of a layer in one call, each (row, kv head) on one thread; where it cannot be built, torch
-matmuls attend row by row.  Either way batched and single decoding agree exactly.  A prefill
+matmuls attend row by row.  With that kernel, each half of a decoding layer whose matrices are
+plain int4 runs as one compiled op of the same kernels (`decode_layers_in_blocks`), the same
+bits without a dozen dispatches between them.  Either way batched and single decoding agree exactly.  A prefill
 chunk's rows attend the same way on CPU (the kernel's prefill op, or the torch-ops rows), and
 its matmuls are the same row-independent kernels, so a prompt prefilled in chunks, scored
 position by position or decoded token by token gives the same logits bit for bit (the `amx`
@@ -186,6 +188,9 @@ class LlamaModel(CachedNetwork):
     # Whether decoding steps may be captured in CUDA graphs: not where the FFN reads routing
     # decisions back to the host (engine.models.qwen_moe).
     captures_graphs = True
+    # Whether `feed_forward` is the block's dense SwiGLU, which a decoding step may run as one op
+    # on CPU (a family with another FFN sets False: engine.models.qwen_moe).
+    dense_ffn = True
 
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):
@@ -224,6 +229,11 @@ class LlamaModel(CachedNetwork):
         # float32 or float16 caches); None keeps the torch-ops path.
         fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
         self.attention_kernel = self.cpu_kernels.attention if fits and self.cpu_kernels else None
+        # Where the compiled kernel attends, each half of a decoding layer whose matrices allow it
+        # runs as one op of the same kernels (engine/kernels/block.cpp): the same bits, without
+        # the dozen dispatches between them.  None keeps the step in Python.
+        blocks_fit = self.attention_kernel is not None and self.cpu_kernels.attention_block is not None
+        self.block_ops = self.cpu_kernels if blocks_fit else None
         # Every layer attends to the last `window` positions only (Mistral-style files); None: all.
         self.window = cfg.sliding_window
         self.rope_tables(t)
@@ -318,23 +328,21 @@ class LlamaModel(CachedNetwork):
         probs = torch.softmax(torch.bmm(q, keys.transpose(1, 2)), dim=-1, dtype=torch.float32)
         return torch.bmm(probs if vals.dtype == torch.float32 else probs.to(vals.dtype), vals)
 
-    def _row_attention(self, caches: list[KVCache], pos: list[int]) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    def _row_attention(self, caches: list[KVCache], pos: list[int],
+                       kernel: Callable[[int], tuple[list[torch.Tensor], list[int]]] | None = None
+                       ) -> Callable[[int, torch.Tensor], torch.Tensor]:
         """attend(layer, qkv [N, ...]) -> [N, H * D] for one decode step: stores each row's K and V
         at its position, then attends each row to its own cache: all rows in one call of the
         compiled kernel on CPU, else one row after another (on CUDA, rows pooled together attend
-        in one masked batch: see _pooled_attention)."""
+        in one masked batch: see _pooled_attention).  `kernel`: _kernel_rows's, where the caller
+        has it already."""
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qd = H * D
-        op = self.attention_kernel
         lo = [self.first_visible(p) for p in pos]
-        if op is not None and caches[0].kv.dtype in (torch.float32, torch.float16):
-            layers = [c.layer_kv for c in caches]
-            if self.window is None:
-                return lambda li, qkv: op(qkv, [kv[li] for kv in layers], pos, D ** -0.5)
-            # The kernel attends a row to positions [0, p] of the cache it is given: a view
-            # starting at the window's first position makes that the window.
-            rel = [p - first for p, first in zip(pos, lo)]
-            return lambda li, qkv: op(qkv, [kv[li][:, :, first:] for kv, first in zip(layers, lo)], rel, D ** -0.5)
+        kernel = kernel or self._kernel_rows(caches, pos)
+        if kernel is not None:
+            op = self.attention_kernel
+            return lambda li, qkv: op(qkv, *kernel(li), D ** -0.5)
         pool = caches[0].pool
         if len(caches) > 1 and pool is not None and all(c.pool is pool for c in caches):
             where = pool.row_index([c.slot for c in caches], pos)
@@ -357,6 +365,21 @@ class LlamaModel(CachedNetwork):
                     for i, (c, p, first) in enumerate(zip(caches, pos, lo))]
             return (rows[0] if N == 1 else torch.stack(rows)).view(N, qd)
         return attend
+
+    def _kernel_rows(self, caches: list[KVCache], pos: list[int]
+                     ) -> Callable[[int], tuple[list[torch.Tensor], list[int]]] | None:
+        """where(layer) -> (each row's cache of that layer, each row's position in it): the
+        compiled attention kernel's arguments for one decode step; None where it does not run."""
+        if self.attention_kernel is None or caches[0].kv.dtype not in (torch.float32, torch.float16):
+            return None
+        layers = [c.layer_kv for c in caches]
+        if self.window is None:
+            return lambda li: ([kv[li] for kv in layers], pos)
+        # The kernel attends a row to positions [0, p] of the cache it is given: a view starting
+        # at the window's first position makes that the window.
+        lo = [self.first_visible(p) for p in pos]
+        rel = [p - first for p, first in zip(pos, lo)]
+        return lambda li: ([kv[li][:, :, first:] for kv, first in zip(layers, lo)], rel)
 
     def _pooled_attention(self, pool: KVPool, slots: list[int], pos: list[int], lo: list[int],
                           store: Callable[[int, torch.Tensor], None]) -> Callable[[int, torch.Tensor], torch.Tensor]:
@@ -391,7 +414,8 @@ class LlamaModel(CachedNetwork):
         pos = [c.n for c in caches]
         for c in caches:
             c.reserve(c.n + 1)
-        attend = self._row_attention(caches, pos)
+        kernel = self._kernel_rows(caches, pos)
+        attend = self._row_attention(caches, pos, kernel)
         tables = [self.rope_for(c.n_ctx) for c in caches]
         if len(pos) == 1:
             rope = tables[0][pos[0]: pos[0] + 1].unsqueeze(1)  # [1, 1, D/2]
@@ -399,7 +423,10 @@ class LlamaModel(CachedNetwork):
             rope = tables[0][torch.tensor(pos, device=self.device)].unsqueeze(1)  # [N, 1, D/2]
         else:  # rows made for contexts on both sides of a LongRoPE switch
             rope = torch.stack([tb[p] for tb, p in zip(tables, pos)]).view(len(pos), 1, -1)
-        logits = self.decode_layers(tokens, rope, attend)
+        if kernel is not None and self.block_ops is not None:
+            logits = self.decode_layers_in_blocks(tokens, rope, attend, kernel)
+        else:
+            logits = self.decode_layers(tokens, rope, attend)
         for c, p in zip(caches, pos):
             c.n = p + 1
         return logits
@@ -417,6 +444,31 @@ class LlamaModel(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
             self.feed_forward(blk, x, ops)
+        return self.head(x, ops)
+
+    def decode_layers_in_blocks(self, tokens: torch.Tensor, rope: torch.Tensor,
+                                attend: Callable[[int, torch.Tensor], torch.Tensor],
+                                where: Callable[[int], tuple[list[torch.Tensor], list[int]]]) -> torch.Tensor:
+        """decode_layers on CPU, each layer half whose matrices are int4 with nothing around
+        them in one op of the compiled kernels (`block_ops`), the others as decode_layers runs
+        them: the same kernels in the same order, so the same bits."""
+        N = tokens.shape[0]
+        ops, fused = self.torch_kernels, self.block_ops
+        eps, scale = ops.eps_value, self.cfg.head_dim ** -0.5
+        turns = torch.view_as_real(rope).reshape(N, -1)  # [N, D]: (cos, sin) per pair
+        x = self.embed(tokens)
+        for li, blk in enumerate(self.blocks):
+            qkv, wo = blk.wqkv.vector_operands(N), blk.wo.vector_operands(N)
+            if qkv is not None and wo is not None and blk.q_norm is None:
+                fused.attention_block(x, blk.attn_norm, eps, *qkv, turns, *where(li), scale, *wo)
+            else:
+                blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
+            gate_up = blk.w_gate_up.vector_operands(N) if self.dense_ffn else None
+            down = blk.w_down.vector_operands(N) if gate_up is not None else None
+            if down is not None:
+                fused.ffn_block(x, blk.ffn_norm, eps, *gate_up, *down)
+            else:
+                self.feed_forward(blk, x, ops)
         return self.head(x, ops)
 
     @torch.inference_mode()

@@ -251,6 +251,7 @@ def mix_experts(experts: list[Expert], h: torch.Tensor, ids: torch.Tensor, weigh
 class QwenMoeModel(LlamaModel):
     block_class = MoeBlock
     captures_graphs = False  # per model: True where the experts are stacked (no read-back)
+    dense_ffn = False  # the experts: its own feed_forward
 
     def __init__(self, cfg: ModelConfig, gguf: GGUFContents, fmt: str, device: torch.device,
                  cpu_kernels: CpuKernels | None = None):

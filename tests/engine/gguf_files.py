@@ -13,7 +13,7 @@ def file_maker(root: Path, write: Callable[[Path, str, str, dict], Any], kind: s
     made: dict = {}
 
     def make(kind: str = kind, qtype: str = qtype, **kw) -> Any:
-        key = (kind, qtype, tuple(sorted(kw.items())))
+        key = (kind, qtype, repr(sorted(kw.items())))  # repr: a spec may hold a dict (extra_metadata)
         if key not in made:
             made[key] = write(root / f"{kind}-{qtype}-{len(made)}.gguf", kind, qtype, kw)
         return made[key]
