@@ -1,5 +1,5 @@
 """`python tests/server/measure_fair_latency.py [--repo DIR] [--n 128] [--max-tokens 16] [--schemas 4]
-[--long-prompts K] [--delay S] [--batched-session N] [--runs 3]`: issue 42's fairness target on the
+[--schema-kind admitted|issue] [--long-prompts K] [--delay S] [--batched-session N] [--runs 3]`: issue 42's fairness target on the
 embedded model: a normal request's latency while one request of `--n` choices, `--schemas`
 worst-case JSON-schema requests and `--long-prompts` long-prompt completions run, as a ratio to
 its idle latency (the target is 2x).
@@ -11,7 +11,8 @@ many-choice request and the schema requests, each a chat completion constrained 
 schema the server still admits (`worst_case_schema`: one object of as many optional properties
 as `server.constraints.MAX_SCHEMA_MEMBERS` admits, their names as long as `MAX_SCHEMA_BYTES`
 allows; the grammar engine's cost grows with them; each schema's names differ, so that no
-cache of compiled grammars can serve one from another), and the long prompts (about
+cache of compiled grammars can serve one from another) or, with `--schema-kind issue`, by the
+hostile schemas the server refuses (`issue_schema`), and the long prompts (about
 `--long-prompt-tokens` each, different from their first word, so that each is prefilled in
 full). It waits until `/health` says the worker is busy and every load request has left the
 client, `--delay` seconds more (0: the normal request arrives with the load; more: into a load
@@ -66,6 +67,19 @@ def worst_case_schema(variant: int = 0, limit: int = SCHEMA_LIMIT_BYTES,
     return schema(width)
 
 
+def issue_schema(variant: int) -> dict:
+    """The worst cases of the schemas that hostile clients sent, alternately: a required recursive
+    `$ref` (variant even) and an object of 10,000 optional properties, about 0.3 MB (odd). The
+    server refuses both before queuing (a cycle of required references; over its size limit)."""
+    if variant % 2 == 0:
+        return {"$ref": "#/$defs/n", "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                                                     "required": ["c"]}}}
+    return {"type": "object", "properties": {f"v{variant}f{i:05d}": {"type": "string"} for i in range(10_000)}}
+
+
+SCHEMAS = {"admitted": worst_case_schema, "issue": issue_schema}
+
+
 def timed(base: str, path: str, body: dict) -> tuple[float, int]:
     t0 = time.monotonic()
     r = httpx.post(base + path, json=body, timeout=3600)
@@ -87,7 +101,7 @@ def load_requests(args: argparse.Namespace) -> list[tuple[str, dict]]:
                {"messages": [{"role": "user", "content": f"Fill in record {i} as JSON."}],
                 "max_tokens": args.max_tokens, "temperature": 0,
                 "response_format": {"type": "json_schema",
-                                    "json_schema": {"name": f"r{i}", "schema": worst_case_schema(i)}}})
+                                    "json_schema": {"name": f"r{i}", "schema": SCHEMAS[args.schema_kind](i)}}})
               for i in range(args.schemas)]
     loads += [("/v1/completions", {"prompt": long_prompt(i, args.long_prompt_tokens),
                                    "max_tokens": args.max_tokens, "temperature": 0})
@@ -98,7 +112,8 @@ def load_requests(args: argparse.Namespace) -> list[tuple[str, dict]]:
 def describe_load(args: argparse.Namespace) -> str:
     parts = [f"an n={args.n} x {args.max_tokens}-token request"] if args.n else []
     if args.schemas:
-        parts.append(f"{args.schemas} worst-case schema requests")
+        kind = "worst-case admitted" if args.schema_kind == "admitted" else "refused hostile"
+        parts.append(f"{args.schemas} {kind} schema requests")
     if args.long_prompts:
         parts.append(f"{args.long_prompts} prompts of about {args.long_prompt_tokens} tokens")
     return " and ".join(parts) or "nothing"
@@ -132,7 +147,9 @@ def one_run(args: argparse.Namespace, k: int) -> tuple[float, float, list[int]]:
             threading.Thread(target=fire, args=(path, body), daemon=True).start()
         for _ in loads:
             sent.acquire()
-        while loads and not httpx.get(srv.base + "/health", timeout=10).json()["busy"]:
+        # Refused requests never make the worker busy: wait for them to be answered instead.
+        while (loads and len(statuses) < len(loads)
+               and not httpx.get(srv.base + "/health", timeout=10).json()["busy"]):
             time.sleep(0.01)
         time.sleep(args.delay)
         loaded, status = timed(srv.base, "/v1/completions", NORMAL)
@@ -152,6 +169,8 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=128, help="choices of the many-choice request (0: none)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--schemas", type=int, default=4, help="worst-case JSON-schema requests in the load, each distinct")
+    ap.add_argument("--schema-kind", choices=sorted(SCHEMAS), default="admitted",
+                    help="admitted: the largest schemas the server still compiles; issue: the hostile ones it refuses")
     ap.add_argument("--long-prompts", type=int, default=0, help="long-prompt completions in the load, each distinct")
     ap.add_argument("--long-prompt-tokens", type=int, default=1800, help="about how long each of them is")
     ap.add_argument("--delay", type=float, default=0.0,

@@ -39,6 +39,19 @@ def test_depth_limit_exact_boundary():
         parse_json_body(too_deep)
 
 
+def test_many_shallow_objects_are_neither_too_deep_nor_duplicates_unless_one_is():
+    """A body of 10,000 sibling objects has more brackets than the depth limit, which makes the
+    parser walk it: it is shallow and parses; one repeated key in the last object is found."""
+    doc = {"properties": {f"p{i:05d}": {"type": "string"} for i in range(10_000)}}
+    raw = json.dumps(doc)
+    assert parse_json_body(raw.encode()) == doc
+    with pytest.raises(JsonBodyError, match="duplicate key 'type'"):
+        parse_json_body((raw[:-3] + ', "type": "x"}}}').encode())
+    nested = b'{"a": ' * (MAX_DEPTH + 1) + b"[]" + b"}" * (MAX_DEPTH + 1)  # the innermost array too deep
+    with pytest.raises(JsonBodyError, match="nested deeper"):
+        parse_json_body(nested)
+
+
 def test_depth_beyond_interpreter_recursion_limit():
     body = b'{"a":' * 200_000 + b"1" + b"}" * 200_000
     with pytest.raises(JsonBodyError, match="nested deeper"):
