@@ -19,8 +19,10 @@ agreed with the CPU float32 path at 98.05% of teacher-forced positions, against 
 decoding and eager) with these kernels.
 
 One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
-as int32 words, four to a group, so each thread sums a whole group of a column alone.  Two rows and more
-(`_int4_gemm`) run on the tensor cores, one group per product.  Measured on an H200 per
+as int32 words, four to a group, so each thread sums a whole group of a column alone.  A few
+rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
+one-row products in one launch, each row's sums in its order alone; more rows (`_int4_gemm`)
+run on the tensor cores, one group per product.  Measured on an H200 per
 product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
 at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
 earlier, split version 4.1-5.2 us) and 4.2-14.7 us on the 1B shape's (torch 3.4-12.0); at 64
@@ -64,6 +66,17 @@ GROUP = 32
 BLOCK_N = 64  # output columns per program (default launch)
 MAX_BLOCK_M = 64  # rows per program; more rows take more row tiles
 ADD_IN_KERNEL_ROWS = MAX_BLOCK_M  # `into` is added by the product's kernel up to this many rows
+# A product of rows x n x k up to this many weight elements, times rows, runs as that many one-row
+# products in one launch (`gemv`), each row's sums as alone, instead of the tensor-core GEMM, which
+# costs the same from 2 to 16 rows: on an H200, 2 rows of a 3072 x 576 matrix 5.2 against 8.3 us,
+# 8 rows of 576 x 576 4.5 against 5.5 us, and the other way round from about twice this.
+GEMV_ROW_ELEMENTS = 4 * 2 ** 20
+
+
+def gemv_rows_for(n: int, k: int) -> int:
+    """Most rows an n x k matrix multiplies as one-row products (at least 1)."""
+    return max(1, GEMV_ROW_ELEMENTS // (n * k))
+
 # Dequantize + cuBLAS from this many rows on, for matrices of at least GEMM_MIN_ELEMENTS.
 GEMM_ROWS = 512
 GEMM_MIN_ELEMENTS = 4 * 2 ** 20
@@ -82,7 +95,8 @@ def block_m(rows: int) -> int:
 
 @functools.cache
 def multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The device's multiprocessors (1 for CPU tensors, which only Triton's interpreter runs)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @functools.lru_cache(maxsize=4096)  # asked for on every eager product (prefill): a few shapes, many calls
@@ -258,15 +272,17 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, groups_per_split,
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, OPERAND: tl.constexpr):
-        """One row: the same sums as _int4_gemm on the CUDA cores (`gemv_columns`)."""
+        """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
+        CUDA cores (`gemv_columns`), each row's in the order it has alone."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         split = tl.program_id(1)
+        row = tl.program_id(2)
         nm = n < N
-        y = gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split, groups_per_split,
-                         BN, GB, OPERAND)
-        out = out_ptr + split * N + n
+        y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
+                         groups_per_split, BN, GB, OPERAND)
+        out = out_ptr + (split * tl.num_programs(2) + row) * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)
         tl.store(out, y, mask=nm)
@@ -344,6 +360,7 @@ class Int4Weight:
         self.words = self.nibbles.view(torch.int32)  # the same bytes, four to a word (one-row products)
         self.pairs = scale_pairs(scale, minimum)
         self.gemm_rows = gemm_rows_for(self.n, self.k)
+        self.gemv_rows = gemv_rows_for(self.n, self.k)
 
     @property
     def nbytes(self) -> int:
@@ -363,20 +380,23 @@ class Int4Weight:
         if rows >= self.gemm_rows:
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
             return y.float() if into is None else into.add_(y)
-        return self.gemv(x, into=into) if rows == 1 else self.fused(x, into=into)
+        return self.gemv(x, into=into) if rows <= self.gemv_rows else self.fused(x, into=into)
 
     def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None,
              into: torch.Tensor | None = None) -> torch.Tensor:
-        """x [1, K] -> [1, N] float32 (x's one row contiguous), or added to `into`."""
+        """x [M, K] -> [M, N] float32 (each row of x contiguous), or added to `into`: each row
+        as the one-row kernel computes it alone, one launch for all."""
+        rows = x.shape[0]
         cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
         tiles = triton.cdiv(self.n, cfg.bn)
+        # Split as for one row, whatever the rows: each row's sums then run in its one-row order.
         splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
-        out, part = _outputs(1, self.n, splits, x.device, into)
+        out, part = _outputs(rows, self.n, splits, x.device, into)
         add = into is not None
-        _int4_gemv[(tiles, splits)](x, self.words, self.pairs, part, self.n, self.k, n_groups // splits,
-                                    BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1, OPERAND=OPERAND,
-                                    num_warps=cfg.warps, num_stages=cfg.stages)
+        _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
+                                          n_groups // splits, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
+                                          OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

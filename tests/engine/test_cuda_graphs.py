@@ -232,6 +232,29 @@ def test_int4_gemm_rows_of_a_batch_match_rows_computed_alone():
         torch.testing.assert_close(w(x[:rows]), batch[:rows], rtol=1e-6, atol=1e-6 * float(batch.abs().max()))
 
 
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (2048, 8192)])
+def test_few_rows_as_one_row_products_equal_each_row_alone(n, k):
+    """Up to `gemv_rows` rows run as one-row products in one launch: each row's bits are those of
+    the row alone, split or not (2048 x 8192 is split), and added into an output alike."""
+    from engine.cuda_int4 import Int4Weight, gemv_rows_for
+
+    q, scale, minimum, dense = _random_int4(n, k, seed=n + k)
+    w = Int4Weight(q, scale, minimum, torch.device("cuda"))
+    assert w.gemv_rows == gemv_rows_for(n, k) >= 1
+    w.gemv_rows = 8  # also the matrices that take the GEMM from 2 rows on
+    torch.manual_seed(2)
+    x = torch.randn(8, k, device="cuda")
+    alone = torch.cat([w(x[i:i + 1]) for i in range(8)])
+    for rows in (2, 5, 8):
+        assert torch.equal(w(x[:rows]), alone[:rows])
+        r = torch.randn(rows, n, device="cuda")
+        into = r.clone()
+        w(x[:rows], into=into)
+        assert torch.equal(into, r + alone[:rows])
+    want = x.bfloat16().double().cpu() @ dense.T
+    torch.testing.assert_close(alone.double().cpu(), want, rtol=0, atol=1e-5 * float(want.abs().max()))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K", "Q4_0"])
 def test_dequantized_cublas_path_matches_the_int4_gemm(tiny_gguf, qtype):
     m = engine.load_model(tiny_gguf("qwen2", qtype), device="cuda")

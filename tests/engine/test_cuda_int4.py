@@ -69,3 +69,9 @@ def test_one_row_products_of_all_but_the_largest_matrices_are_one_unsplit_kernel
         assert launch.bn & (launch.bn - 1) == 0 and launch.gb & (launch.gb - 1) == 0  # tl.arange sizes
         if n * k < cuda_int4.LARGE_GEMV_ELEMENTS:  # on an H200 (132 multiprocessors): no second kernel
             assert cuda_int4.split_k(k // cuda_int4.GROUP, -(-n // launch.bn), launch.waves * 132) == 1
+
+
+def test_few_rows_take_one_row_products_only_on_small_matrices():
+    assert cuda_int4.gemv_rows_for(960, 576) == 7 and cuda_int4.gemv_rows_for(576, 576) == 12
+    assert cuda_int4.gemv_rows_for(3072, 576) == 2 and cuda_int4.gemv_rows_for(576, 1536) == 4
+    assert all(cuda_int4.gemv_rows_for(n, k) == 1 for n, k in ((3072, 2048), (16384, 2048), (2048, 8192)))
