@@ -1,7 +1,8 @@
 """Batched sessions: several resident sessions decoding together.
 
 - `decode_batch(sessions, tokens)` evaluates one token for each of N sessions in one forward
-  pass (the network's `forward_rows`): the weights are read once for all rows, and each row
+  pass (the network's `forward_rows`; `start_decode_batch` splits it into starting the step
+  and waiting for it, so that on CUDA the host works while the GPU computes): the weights are read once for all rows, and each row
   attends to its own session's cache at its own length (on CPU all rows of a layer in one
   call of the compiled kernel; sessions made together by `Model.new_sessions` share a KV
   pool).  On CPU each row's logits are bitwise equal to decoding it alone; on CUDA the step
@@ -68,20 +69,32 @@ def check_capacity(model: "Model", n_sessions: int, ctx: int, margin: float = 0.
 
 def decode_batch(sessions: list[Session], tokens: list[int]) -> None:
     """Append tokens[i] to sessions[i] for all i in one forward pass and refresh their logits."""
+    start_decode_batch(sessions, tokens)()
+
+
+def start_decode_batch(sessions: list[Session], tokens: list[int]) -> Callable[[], None]:
+    """`decode_batch` in two halves: the step starts, and the returned call waits for it and
+    appends the tokens.  Under a captured CUDA graph the GPU computes the step meanwhile, so the
+    caller's work in between (the tokens' text, streaming them) costs no step time; elsewhere
+    the step is done before this returns.  The sessions must not be used in between."""
     if len(sessions) != len(tokens) or len({id(s) for s in sessions}) != len(sessions):
         raise ValueError("decode_batch needs one token for each of distinct sessions")
     if not sessions:
-        return
+        return lambda: None
     if len(sessions) == 1:
         sessions[0].eval(tokens[0])
-        return
+        return lambda: None
     model = sessions[0].model
     for s in sessions:
         s.check_fits(s.n_past + 1)
     threads.before_forward()
-    step = model.net.decode(tokens, [s.cache for s in sessions], model.eos_ids)
-    for i, (s, t) in enumerate(zip(sessions, tokens)):
-        s.append_decoded(t, step.row(i))  # on CUDA the row stays on the device until read
+    finish_step = model.net.decode_started(tokens, [s.cache for s in sessions], model.eos_ids)
+
+    def finish() -> None:
+        step = finish_step()
+        for i, (s, t) in enumerate(zip(sessions, tokens)):
+            s.append_decoded(t, step.row(i))  # on CUDA the row stays on the device until read
+    return finish
 
 
 @dataclass
@@ -234,7 +247,10 @@ class BatchScheduler:
         return False
 
     def _decode(self) -> bool:
-        rows, tokens = [], []
+        """Each generating slot's next token; the step that evaluates them is started before the
+        tokens go to their requests (`on_token`, finishing), which runs while the GPU computes
+        it (engine.batch.start_decode_batch), each request's events in the order they had."""
+        rows, tokens, taken = [], [], []
         for slot in self.slots:
             req = slot.request
             if req is None or slot.prefill is not None:
@@ -247,17 +263,25 @@ class BatchScheduler:
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
             req.output.append(token)
-            if req.on_token is not None:
-                req.on_token(token)
+            finish = None
             if token in self.model.eos_ids and not req.params.argmax_ignoring_eos:
-                self._finish(slot, "stop")
+                finish = "stop"
             elif len(req.output) >= req.max_tokens or slot.session.n_past >= self.model.n_ctx:
-                self._finish(slot, "length")
+                finish = "length"
             else:
                 rows.append(slot.session)
                 tokens.append(token)
-        if rows:
-            decode_batch(rows, tokens)
+            taken.append((slot, req, token, finish))
+        wait = start_decode_batch(rows, tokens) if rows else None
+        try:
+            for slot, req, token, finish in taken:
+                if req.on_token is not None:
+                    req.on_token(token)
+                if finish is not None:
+                    self._finish(slot, finish)
+        finally:  # even where a callback raised: the sessions hold the step they started
+            if wait is not None:
+                wait()
         return bool(rows)
 
     def step(self) -> bool:

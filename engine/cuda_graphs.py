@@ -190,11 +190,12 @@ class DecodeGraphs:
 
     def _fill(self, cap: _Captured, slot: int, tokens: list[int], caches: list[KVCache],
               base: torch.Tensor, ahead: int = 0) -> None:
-        rows = [[t, c.n + ahead, *self._place(c.kv, base)] for t, c in zip(tokens, caches)]
-        pad = [0, 0, *self._place(base, base)]
-        rows += [pad] * (cap.table.shape[0] - len(rows))
         host = cap.hosts[slot]
-        host.copy_(torch.tensor(rows, dtype=torch.long))
+        table = host.numpy()  # the pinned buffer itself: no tensor is built per step
+        n = len(caches)
+        if n:
+            table[:n] = [[t, c.n + ahead, *self._place(c.kv, base)] for t, c in zip(tokens, caches)]
+        table[n:] = [0, 0, *self._place(base, base)]
         cap.table.copy_(host, non_blocking=True)
 
     def _compute_dtype(self) -> torch.dtype:

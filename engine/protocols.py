@@ -176,6 +176,11 @@ class Network(Protocol):
     # device keeps them (on CUDA a captured graph, only greedy ids copied to the host).
     def decode(self, tokens: list[int], caches: list["KVCache"], eos_ids: frozenset[int] = frozenset()) -> Any: ...
 
+    # `decode` in two halves: the step starts (where the device computes on its own, it runs
+    # meanwhile) and the returned call waits for it, advances the caches and gives its logits.
+    def decode_started(self, tokens: list[int], caches: list["KVCache"],
+                       eos_ids: frozenset[int] = frozenset()) -> Callable[[], Any]: ...
+
     def decode_frontier(self, token: int, cache: "KVCache", eos_ids: frozenset[int] = frozenset(),
                         cancel: Callable[[], bool] | None = None) -> Any: ...
 

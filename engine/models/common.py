@@ -6,11 +6,14 @@ layer caches per position: keys and values of every kv head by default; a family
 something else, like engine.models.deepseek2's latent, overrides it), `new_cache`, `new_pool`,
 `kv_bytes_per_token` (the layout's bytes in every layer at one position, but for the layers a
 ring bounds to a window), `kv_bytes` (one cache's bytes at a context size), `weight_bytes`
-(blocks, embedding, final norm and a separate output head) and `kernel_path`. A family sets
+(blocks, embedding, final norm and a separate output head), `kernel_path` and `decode_started`
+(the family's `decode`, finished before it returns). A family sets
 `cfg`, `device`, `cpu_kernels`, `blocks` (each with `nbytes`), `embed`, `out_norm`, `output`
 and `head_is_table` in its constructor. It holds no forward pass and no family's tensor names.
 """
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch
 
@@ -18,6 +21,13 @@ from engine.kvcache import CacheLayout, KVCache, KVPool
 
 
 class CachedNetwork:
+    def decode_started(self, tokens: list[int], caches: list[KVCache],
+                       eos_ids: frozenset[int] = frozenset()) -> Callable[[], Any]:
+        """`decode`, already done when this returns (a family whose steps the device runs on its
+        own overrides it to return at once)."""
+        step = self.decode(tokens, caches, eos_ids)
+        return lambda: step
+
     @property
     def kernel_path(self) -> str:
         """Which CPU kernels run and why (engine.kernels), or the device, for banners."""

@@ -484,6 +484,25 @@ class LlamaModel(CachedNetwork):
         ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
         return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
 
+    def decode_started(self, tokens: list[int], caches: list[KVCache],
+                       eos_ids: frozenset[int] = frozenset()) -> Callable[[], StepLogits]:
+        """`decode` in two halves: under a captured graph the step is launched and the returned
+        call waits for it and advances the caches, so the host can work while the GPU computes;
+        otherwise the step is computed before this returns."""
+        if self.decode_graphs is not None and self.decode_graphs.accepts(caches):
+            try:
+                pending = self.decode_graphs.launch([int(t) for t in tokens], caches, eos_ids)
+            except cuda_graphs.GraphsUnavailable:
+                pass
+            else:
+                def finish() -> StepLogits:
+                    out = pending.result()
+                    for c in caches:
+                        c.n += 1
+                    return out
+                return finish
+        return super().decode_started(tokens, caches, eos_ids)
+
     def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
                         cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
         """One token appended to `cache`: the logits row a session keeps (see decode).  Without

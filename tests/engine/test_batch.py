@@ -143,6 +143,31 @@ def test_cancel_and_stop(model):
     assert not sched.busy
 
 
+def test_a_failing_token_callback_leaves_the_started_step_whole(model):
+    """The batched step starts before the tokens go to their requests: where a request's
+    `on_token` raises, the step still completes, so every session holds the tokens it evaluated
+    and continues as if nothing had happened."""
+    ps = prompts(3)
+    expected = [alone(model, p, 8) for p in ps]
+    sched = BatchScheduler(model, 3, check_memory=False)
+    calls = {"n": 0}
+
+    def flaky(_token: int) -> None:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("a client went away")
+    reqs = [GenRequest(p, GREEDY, 8, on_token=flaky if i == 1 else None) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.submit(r)
+    with pytest.raises(RuntimeError, match="went away"):
+        sched.run()
+    for slot in range(3):
+        s = sched.session(slot)
+        assert s.cache.n == len(s.tokens)
+    sched.run()
+    assert [r.output for r in reqs] == expected
+
+
 def test_too_long_prompt_is_an_error_not_a_crash(model):
     sched = BatchScheduler(model, 1, check_memory=False)
     r = GenRequest(list(range(100)) * 6, GREEDY, 4)
