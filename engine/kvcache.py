@@ -23,6 +23,12 @@ ring has overwritten some of them, in which case the caller recomputes from the 
 with `will_write(start, end)`, which grows the cache and forgets the ring positions the step
 overwrites, even if it is cancelled half-way.  Bytes: `CacheLayout.bytes_at`.
 
+Saving and restoring: `held_state()` copies what continuing at n, or at n - 1, reads (a
+`HeldRows`): every position of the layers that keep them all, the last min(n, window) of a
+ring's layers, `CacheLayout.held_bytes` in all; `restore_held` takes it back.  `state()` and
+`restore()` are the older full form, n positions of every layer (a ring's forgotten ones zeros),
+kept for payloads written in it.
+
 Capacity grows by doubling up to the context size (a ring's up to its size), so short sessions
 do not pay for the whole context.  A standalone cache owns its tensors.  A `KVPool` owns
 tensors of shape [layers, parts, n_slots, heads, capacity, width] and hands out one cache per
@@ -102,6 +108,16 @@ class CacheLayout:
         ring = 0 if self.ring is None else self.n_ring * min(n, self.ring.size) * self.layer_bytes(dtype)
         return n * self.bytes_per_token(n_layer, dtype) + ring
 
+    def held_positions(self, n: int) -> int:
+        """Positions a ring layer of a cache of n positions saves: the last `window`, all that
+        continuing at n, or at n - 1, reads (n for a layout without a ring)."""
+        return n if self.ring is None else min(n, self.ring.window)
+
+    def held_bytes(self, n_layer: int, n: int, dtype: torch.dtype) -> int:
+        """Bytes `KVCache.held_state` copies of a cache of n positions: n per layer that keeps
+        every position, plus `held_positions(n)` per ring layer."""
+        return (n * (n_layer - self.n_ring) + self.held_positions(n) * self.n_ring) * self.layer_bytes(dtype)
+
     def homes(self, n_layer: int) -> list[tuple[bool, int]]:
         """For each layer: (whether the ring holds it, its index in that tensor)."""
         ring = set(() if self.ring is None else self.ring.layers)
@@ -112,6 +128,19 @@ class CacheLayout:
             out.append((r, counts[r]))
             counts[r] += 1
         return out
+
+
+@dataclass(frozen=True)
+class HeldRows:
+    """What a cache of `n` positions holds that continuing at n, or at n - 1, reads, per part
+    (keys, values; or one latent part): `full[i]` the layers that keep every position, in layer
+    order, [layers, heads, n, width]; `ring[i]` the ring's layers, in layer order, their last
+    `CacheLayout.held_positions(n)` positions [ring layers, heads, m, width] (empty without a
+    ring).  Copies on the CPU."""
+
+    n: int
+    full: tuple[torch.Tensor, ...]
+    ring: tuple[torch.Tensor, ...] = ()
 
 
 @contextmanager
@@ -262,7 +291,8 @@ class KVCache:
     def state(self) -> tuple[torch.Tensor, ...]:
         """The valid positions of each part, [n_layer, heads, n, width] each (copies, on CPU):
         keys and values, or a one-part layout's rows.  Positions a ring no longer holds
-        (before `held_from(n)`) are zeros in its layers."""
+        (before `held_from(n)`) are zeros in its layers: the older full form, which
+        `held_state` replaces for saving."""
         n, lo = self.n, self.held_from(self.n)
         if self.ring_kv is None:  # one copy per part
             return tuple(self.kv[:, i, :, :n].cpu().clone() for i in range(self.kv.shape[1]))
@@ -274,6 +304,45 @@ class KVCache:
                 part[li, :, start:] = self.positions(li, start, n)[i].cpu()
             out.append(part)
         return tuple(out)
+
+    def held_state(self) -> HeldRows:
+        """The positions `restore_held` needs (see `HeldRows`), `layout.held_bytes` in all.
+        Refuses a cache whose ring no longer holds its last `window` positions (after a
+        truncation: recompute first) rather than save zeros in their place."""
+        n, lay = self.n, self.layout
+        full = tuple(self.kv[:, i, :, :n].cpu().clone() for i in range(lay.parts))
+        if lay.ring is None:
+            return HeldRows(n, full)
+        lo = n - lay.held_positions(n)
+        if self.held_from(n) > lo:
+            raise RuntimeError(f"the ring no longer holds positions {lo}..{n - 1}; recompute before saving")
+        slots = torch.arange(lo, n, device=self.ring_kv.device) % self.ring_capacity
+        rows = self.ring_kv.index_select(3, slots).cpu()  # [ring layers, parts, heads, m, width]
+        return HeldRows(n, full, tuple(rows[:, i].clone() for i in range(lay.parts)))
+
+    def restore_held(self, held: HeldRows) -> None:
+        """Hold what `held_state` returned (of a cache of this layout); checked before anything
+        changes, so a refused one leaves the cache as it was."""
+        lay = self.layout
+        n, m = held.n, lay.held_positions(held.n)
+        want_full = (self.n_layer - lay.n_ring, lay.heads, n, lay.width)
+        want_ring = (lay.n_ring, lay.heads, m, lay.width)
+        if len(held.full) != lay.parts or any(tuple(p.shape) != want_full for p in held.full) \
+                or len(held.ring) != (0 if lay.ring is None else lay.parts) \
+                or any(tuple(p.shape) != want_ring for p in held.ring):
+            raise ValueError(f"held rows of {n} positions do not fit this cache: per part {want_full}"
+                             + ("" if lay.ring is None else f" and {want_ring}"))
+        if n > self.n_ctx:
+            raise ValueError(f"context overflow: {n} positions > context size {self.n_ctx}")
+        self.n = 0
+        self.reserve(n)
+        for i, p in enumerate(held.full):
+            self.kv[:, i, :, :n] = p.to(self.kv)
+        if lay.ring is not None:
+            slots = torch.arange(n - m, n, device=self.ring_kv.device) % self.ring_capacity
+            self.ring_kv.index_copy_(3, slots, torch.stack(held.ring, dim=1).to(self.ring_kv))
+            self._ring_lo = n - m
+        self.n = n
 
     def copy_prefix(self, other: "KVCache", n: int) -> None:
         """Hold the first n positions of `other`, a cache of the same layout and dtype (copied on

@@ -38,15 +38,26 @@ reuses the common prefix only where it can (`KVCache.reusable`), else prefills f
 as llama.cpp does with its sliding-window cache; a `truncate` (or `copy_prefix_from`) to a
 position whose window was overwritten is honoured lazily: the next evaluation first
 recomputes the kept tokens from the start (`_recompute_lost`), so logits are never computed
-from overwritten keys.  A payload holds a ring's last `window` positions of its layers (the
-others are zeros), which is what continuing at its end, or one token before (as
-`load_payload` does), reads; a restored session reusing a shorter prefix recomputes.
+from overwritten keys.  A payload holds what continuing at its end, or one token before (as
+`load_payload` does), reads: a ring's layers only their last `window` positions
+(`KVCache.held_state`); a restored session reusing a shorter prefix recomputes.
 
 Payload format (`save_payload`, little-endian), for the server's disk cache:
-  b"DS4KV\\0" | u16 version=1 | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
-  | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens
-  | i32 tokens[n_tokens] | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
-The three shape fields and the arrays after the tokens are the cache's row layout
+  b"DS4KV\\0" | u16 version | u8 dtype code (0 f32, 1 f16, 2 bf16) | u8 pad
+  | u32 n_layer | u32 n_head_kv | u32 head_dim | u32 n_tokens | i32 tokens[n_tokens]
+then, version 1 (a layout without a ring; older payloads of any layout):
+  | K [n_layer, n_head_kv, n_tokens, head_dim] | V (same shape)
+version 2 (a layout with a ring, engine.kvcache.Ring):
+  | u32 window | u32 n_ring | u32 ring layer indices[n_ring]
+  | per part: [n_layer - n_ring, n_head_kv, n_tokens, head_dim] (the other layers, in order),
+    then [n_ring, n_head_kv, min(n_tokens, window), head_dim] (the ring's, their last positions)
+so the rows take (n_tokens x (n_layer - n_ring) + min(n_tokens, window) x n_ring) x L bytes,
+L one layer's bytes at one position (`CacheLayout.held_bytes`), where version 1 took
+n_tokens x n_layer x L.  For Gemma 3 270M (18 layers, 15 of them a ring of window 512, L = 1
+KiB in float16) the rows of 32K tokens take 103.5 MiB, not 576 MiB.  Version 1 payloads still
+load, into either layout (a ring takes their last `window` positions); a version 2 payload
+loads only into a cache with the same ring.
+The three shape fields and the rows are the cache's row layout
 (engine.kvcache.CacheLayout: heads and width, one array per part): keys and values as above,
 or for a latent cache (engine.models.deepseek2) heads 1, width kv_lora_rank + rope dim and one
 array of latent rows, so an entry takes that cache's smaller bytes per token.
@@ -69,6 +80,7 @@ import torch
 from engine import threads
 from engine.device_sampling import DeviceLogits, host_row
 from engine.errors import Cancelled
+from engine.kvcache import HeldRows
 from engine.sampling import Sampler, SamplingParams
 
 if TYPE_CHECKING:
@@ -78,8 +90,10 @@ if TYPE_CHECKING:
 
 
 PAYLOAD_MAGIC = b"DS4KV\0"
-PAYLOAD_VERSION = 1
+PAYLOAD_VERSION = 1  # every position of every layer: layouts without a ring
+PAYLOAD_VERSION_HELD = 2  # a ring's layers only their last `window` positions
 _HEADER = struct.Struct("<6sHBxIIII")
+_RING_HEAD = struct.Struct("<II")  # window, ring layer count (their indices follow)
 _DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 _DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
 
@@ -354,41 +368,93 @@ class Session:
     def save_payload(self) -> bytes:
         if self.tokens:  # load_payload continues one token before the end (see the module docstring)
             self._recompute_lost(len(self.tokens) - 1)
-        parts = self.cache.state()
-        lay = self.cache.layout
-        header = _HEADER.pack(PAYLOAD_MAGIC, PAYLOAD_VERSION, _DTYPE_CODES[parts[0].dtype], self.model.config.n_layer,
-                              lay.heads, lay.width, len(self.tokens))
+        held = self.cache.held_state()
+        ring = self.cache.layout.ring
+        version = PAYLOAD_VERSION if ring is None else PAYLOAD_VERSION_HELD
+        header = _HEADER.pack(PAYLOAD_MAGIC, version, _DTYPE_CODES[held.full[0].dtype], self.model.config.n_layer,
+                              self.cache.layout.heads, self.cache.layout.width, len(self.tokens))
         tok = np.asarray(self.tokens, dtype="<i4").tobytes()
-        # Reinterpret as bytes so bfloat16 (no numpy dtype) round-trips too.
-        raw = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in parts]
-        return b"".join([header, tok, *raw])
+        ring_head = b"" if ring is None else \
+            _RING_HEAD.pack(ring.window, len(ring.layers)) + np.asarray(ring.layers, dtype="<u4").tobytes()
+        rows = [t for i, full in enumerate(held.full) for t in (full, *held.ring[i:i + 1])]
+        return b"".join([header, tok, ring_head, *map(_raw, rows)])
 
     def load_payload(self, data: bytes) -> None:
+        """Hold the tokens and keys and values of `save_payload`'s `data` (either format
+        version), with the frontier logits evaluated again.  A payload that is malformed or
+        does not fit this model's cache raises ValueError and changes nothing."""
         if len(data) < _HEADER.size:
             raise ValueError("KV payload is truncated")
         magic, version, code, n_layer, n_kv, hd, n = _HEADER.unpack_from(data)
-        if magic != PAYLOAD_MAGIC or version != PAYLOAD_VERSION or code not in _DTYPES:
+        form = _PAYLOAD_FORMS.get(version)
+        if magic != PAYLOAD_MAGIC or form is None or code not in _DTYPES:
             raise ValueError("not a KV payload of this engine version")
         lay = self.cache.layout
         if (n_layer, n_kv, hd) != (self.model.config.n_layer, lay.heads, lay.width):
             raise ValueError("KV payload was made by a model of another shape")
         self.check_fits(n)
-        dtype = _DTYPES[code]
-        elem = torch.tensor([], dtype=dtype).element_size()
-        part_bytes = n_layer * n_kv * n * hd * elem
-        off = _HEADER.size
-        if len(data) != off + 4 * n + lay.parts * part_bytes:
+        off = _HEADER.size + 4 * n
+        if len(data) < off:
             raise ValueError("KV payload length does not match its header")
+        restore = form(memoryview(data)[off:], _DTYPES[code], n, self.cache)
         self._ahead.clear()
-        tokens = np.frombuffer(data, dtype="<i4", count=n, offset=off).tolist()
-        off += 4 * n
-        shape = (n_layer, n_kv, n, hd)
-        parts = [torch.frombuffer(bytearray(data[off + i * part_bytes: off + (i + 1) * part_bytes]),
-                                  dtype=torch.uint8).view(dtype).view(shape) for i in range(lay.parts)]
-        self.cache.restore(*parts)
+        tokens = np.frombuffer(data, dtype="<i4", count=n, offset=_HEADER.size).tolist()
+        restore()
         self.tokens = tokens
         self._logits = None
         if tokens:  # recompute frontier logits from the last token
             last = tokens[-1]
             self.truncate(n - 1)
             self.eval(last)
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    # Reinterpret as bytes so bfloat16 (no numpy dtype) round-trips too.
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _arrays(rows: memoryview, dtype: torch.dtype, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    """Consecutive arrays of `shapes` filling `rows` exactly (ValueError otherwise)."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    sizes = [int(np.prod(shape)) * elem for shape in shapes]
+    if len(rows) != sum(sizes):
+        raise ValueError("KV payload length does not match its header")
+    out, off = [], 0
+    for shape, size in zip(shapes, sizes):
+        out.append(torch.frombuffer(bytearray(rows[off: off + size]), dtype=torch.uint8).view(dtype).view(shape))
+        off += size
+    return out
+
+
+def _full_form(rows: memoryview, dtype: torch.dtype, n: int, cache: "KVCache") -> Callable[[], None]:
+    """Version 1: every layer's n positions, per part; a ring takes their last `window`."""
+    lay = cache.layout
+    parts = _arrays(rows, dtype, [(cache.n_layer, lay.heads, n, lay.width)] * lay.parts)
+    return lambda: cache.restore(*parts)
+
+
+def _held_form(rows: memoryview, dtype: torch.dtype, n: int, cache: "KVCache") -> Callable[[], None]:
+    """Version 2: the ring named after the tokens, then per part the other layers' n positions
+    and the ring's layers' last min(n, window)."""
+    lay, ring = cache.layout, cache.layout.ring
+    if len(rows) < _RING_HEAD.size:
+        raise ValueError("KV payload length does not match its header")
+    window, n_ring = _RING_HEAD.unpack_from(rows)
+    end = _RING_HEAD.size + 4 * n_ring
+    if len(rows) < end:
+        raise ValueError("KV payload length does not match its header")
+    layers = tuple(np.frombuffer(rows, dtype="<u4", count=n_ring, offset=_RING_HEAD.size).tolist())
+    if ring is None:
+        raise ValueError("KV payload holds only the window of its sliding-window layers; "
+                         "this model's cache keeps every position")
+    if (window, layers) != (ring.window, ring.layers):
+        raise ValueError(f"KV payload's ring (window {window}, layers {list(layers)}) is not this model's "
+                         f"(window {ring.window}, layers {list(ring.layers)})")
+    full = (cache.n_layer - lay.n_ring, lay.heads, n, lay.width)
+    ringed = (lay.n_ring, lay.heads, lay.held_positions(n), lay.width)
+    arrays = _arrays(rows[end:], dtype, [full, ringed] * lay.parts)
+    held = HeldRows(n, tuple(arrays[0::2]), tuple(arrays[1::2]))
+    return lambda: cache.restore_held(held)
+
+
+_PAYLOAD_FORMS = {PAYLOAD_VERSION: _full_form, PAYLOAD_VERSION_HELD: _held_form}

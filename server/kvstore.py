@@ -43,8 +43,9 @@ File format, version 1 (all integers little-endian; offsets in bytes):
    152 32   SHA-256 of bytes 0..136, then the text, the payload and the trailer
    184  T   prefix text, UTF-8
  184+T  P   session payload (`engine.Session.save_payload()`; its token ids are read
-            from it: b"DS4KV\\0", u16 version 1, ..., u32 n_tokens at offset 20, then
-            i32 ids at offset 24)
+            from it: b"DS4KV\\0", u16 version 1 or 2, ..., u32 n_tokens at offset 20, then
+            i32 ids at offset 24; version 2, for a cache with a sliding-window ring, keeps
+            only the window of those layers, so P is that much smaller)
   ...   R   trailer: opaque bytes for tool replay memory, empty when R = 0
 The file size is exactly 184 + T + P + R.
 
@@ -115,6 +116,7 @@ REASON_NAMES = {v: k for k, v in REASON_CODES.items()}
 
 _PAYLOAD_MAGIC = b"DS4KV\0"
 _PAYLOAD_HEAD = struct.Struct("<6sHBxIIII")
+_PAYLOAD_VERSIONS = (1, 2)  # both keep the token ids at the same place
 MIB = 1 << 20
 # A temporary file older than this is left over from a crash even when its PID runs again.
 TEMP_MAX_AGE_S = 3600.0
@@ -252,12 +254,12 @@ def _unpad(raw: bytes) -> str:
 
 
 def payload_tokens(payload: bytes) -> list[int]:
-    """Token ids inside an engine session payload (format version 1)."""
+    """Token ids inside an engine session payload (format version 1 or 2)."""
     if len(payload) < _PAYLOAD_HEAD.size:
         raise EntryError("payload is truncated")
     magic, version, _code, _nl, _nkv, _hd, n = _PAYLOAD_HEAD.unpack_from(payload)
-    if magic != _PAYLOAD_MAGIC or version != 1:
-        raise EntryError("payload is not an engine session payload of version 1")
+    if magic != _PAYLOAD_MAGIC or version not in _PAYLOAD_VERSIONS:
+        raise EntryError("payload is not an engine session payload of version 1 or 2")
     if len(payload) < _PAYLOAD_HEAD.size + 4 * n:
         raise EntryError("payload is shorter than its token list")
     return list(struct.unpack_from(f"<{n}i", payload, _PAYLOAD_HEAD.size))

@@ -9,7 +9,7 @@ widths in `attention.key_length_mla` / `value_length_mla`), leading dense layers
 experts stacked in 3-D tensors with the router `ffn_gate_inp` in F32, the shared experts
 `ffn_*_shexp`, and for sigmoid gating the expert bias `exp_probs_b.bias` and expert groups.
 Matrices are random in one tensor type; the vocabulary is the small SentencePiece one of
-tests/engine/gemma_models.py.
+tests/gemma_models.py.
 `reference_logits(path, tokens)` is the textbook forward pass written from the GGUF alone
 (gguf-py dequantizes the weights), in float64 and without the absorbed projections: every
 head's keys and values expanded from the latent, adjacent-pair rope on the decoupled part,

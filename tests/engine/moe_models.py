@@ -6,7 +6,7 @@ metadata keys of llama.cpp's converter for these families: experts stacked in 3-
 `ffn_gate_inp` kept in F32 (as llama.cpp's quantizer keeps it), and for qwen2moe the shared
 expert (`ffn_{gate,up,down}_shexp`) with its gate `ffn_gate_inp_shexp` [n_embd], plus q/k/v
 biases; qwen3moe has per-head q/k norms instead.  Matrices are random in one tensor type; the
-vocabulary is the small SentencePiece one of tests/engine/gemma_models.py.
+vocabulary is the small SentencePiece one of tests/gemma_models.py.
 `reference_logits(path, tokens)` is the forward pass written from the families' definitions
 and the GGUF alone (gguf-py dequantizes the weights), in float64: softmax routing over all
 experts, top-k, renormalised for qwen3moe (or as `expert_weights_norm` says), each token's

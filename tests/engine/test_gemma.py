@@ -1,5 +1,5 @@
 """The gemma2/gemma3 family on random-weight GGUFs: the forward pass against a plain float64
-reference (tests/engine/gemma_models.py), past the sliding window and with soft-capping that
+reference (tests/gemma_models.py), past the sliding window and with soft-capping that
 bites; decoding against prefill, batched against alone, the hyperparameters read from the
 metadata, and the CUDA path (gpu-marked, skipped without a device)."""
 from __future__ import annotations

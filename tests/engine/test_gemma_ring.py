@@ -3,8 +3,11 @@
 cache (`bounded_cache = False`) the logits are bitwise equal past the window on CPU; decoding far
 past the window keeps the rings' size; prefix reuse, truncation and copies that need positions
 a ring overwrote recompute them (the same logits as a fresh prefill, never stale keys);
-batched decoding equals decoding alone, and a saved payload restores to the same logits."""
+batched decoding equals decoding alone, and a saved payload (only the window of the ring's
+layers) restores to the same logits; payloads of the older full form still restore."""
 from __future__ import annotations
+
+import struct
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import torch
 
 import engine
 from engine.batch import decode_batch
+from engine.session import PAYLOAD_VERSION, PAYLOAD_VERSION_HELD
 from gemma_models import GemmaSpec, write_random_gemma
 
 WINDOW, RING = 4, 7  # the ring holds 2 * window - 1 positions; a step stores at most `window`
@@ -36,6 +40,17 @@ def load(path: str, bounded: bool = True, chunk: int = 5):
     m.net.bounded_cache = bounded
     m.prefill_chunk = chunk  # chunks longer than a ring step: the forward pass runs them in pieces
     return m
+
+
+def full_form_payload(s) -> bytes:
+    """`s` saved as payloads were before the ring's layers kept only their window: format
+    version 1, every layer at every position (zeros where the ring forgot them)."""
+    parts = s.cache.state()
+    lay = s.cache.layout
+    head = struct.pack("<6sHBxIIII", b"DS4KV\0", PAYLOAD_VERSION, 1, s.cache.n_layer, lay.heads, lay.width,
+                       len(s.tokens))
+    return b"".join([head, np.asarray(s.tokens, dtype="<i4").tobytes(),
+                     *(p.contiguous().view(torch.uint8).numpy().tobytes() for p in parts)])
 
 
 def decoded(m, prompt: list[int], more: list[int]) -> torch.Tensor:
@@ -141,11 +156,14 @@ def test_a_saved_payload_restores_to_the_same_logits(paths, arch):
     s = m.new_session()
     s.sync(a)
     payload = s.save_payload()
+    assert struct.unpack_from("<H", payload, 6) == (PAYLOAD_VERSION_HELD,)
     restored = m.new_session()
     restored.load_payload(payload)
     assert restored.tokens == a and torch.equal(restored.logits, s.logits)
-    for t in more:
+    for t in more:  # the original, the restored copy and a cold prefill decode alike
+        s.eval(t)
         restored.eval(t)
+        assert torch.equal(restored.logits, s.logits)
     assert torch.equal(restored.logits, decoded(m, a, more)[-1])
     # Saved after a truncation past the ring: what it saves is recomputed first.
     s.truncate(15)
@@ -153,7 +171,7 @@ def test_a_saved_payload_restores_to_the_same_logits(paths, arch):
     assert restored.tokens == a[:15] and torch.equal(restored.logits, decoded(m, a[:15], [])[-1])
     # A restored session holds only the window: a shorter prefix is recomputed, not misread.
     assert restored.sync(a[:6] + more) == 0 and torch.equal(restored.logits, decoded(m, a[:6] + more, [])[-1])
-    # A payload of the full cache (the format is the same) restores into the ring.
+    # A payload of the full cache (format version 1, as before the ring) restores into the ring.
     full = load(paths[arch], bounded=False).new_session()
     full.sync(a)
     restored.load_payload(full.save_payload())
@@ -162,10 +180,91 @@ def test_a_saved_payload_restores_to_the_same_logits(paths, arch):
     assert torch.equal(restored.logits, decoded(m, a, more)[-1])
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_full_form_payload_of_the_ring_still_restores(paths, arch):
+    m = load(paths[arch])
+    a, more = ids(30, 13), ids(6, 14)
+    s = m.new_session()
+    s.sync(a)
+    old = full_form_payload(s)
+    restored = m.new_session()
+    restored.load_payload(old)
+    assert restored.tokens == a and torch.equal(restored.logits, s.logits)
+    for t in more:
+        restored.eval(t)
+    assert torch.equal(restored.logits, decoded(m, a, more)[-1])
+    # Saved again, it takes the compact form: the same rows the compact save of `s` holds.
+    restored.load_payload(old)
+    assert restored.save_payload() == s.save_payload()
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 30])
+def test_the_payload_keeps_the_window_of_the_ring_layers_and_every_position_of_the_others(paths, n):
+    m = load(paths["gemma3"])
+    s = m.new_session()
+    s.sync(ids(n, 15))
+    cfg, lay = m.config, s.cache.layout
+    layer = 2 * cfg.n_head_kv * cfg.head_dim * 2  # K and V of one layer at one position, float16
+    n_ring = len(lay.ring.layers)
+    head = 26 + 4 * n + 8 + 4 * n_ring  # header, tokens, the ring's window, count and layers
+    rows = (n * (cfg.n_layer - n_ring) + min(n, WINDOW) * n_ring) * layer
+    assert rows == lay.held_bytes(cfg.n_layer, n, m.kv_dtype)
+    payload = s.save_payload()
+    assert len(payload) == head + rows
+    old = full_form_payload(s)
+    assert len(old) == 26 + 4 * n + n * cfg.n_layer * layer
+    assert len(old) - len(payload) == (n - min(n, WINDOW)) * n_ring * layer - 8 - 4 * n_ring
+
+
+def test_a_layout_without_a_ring_saves_the_full_form_byte_for_byte(paths):
+    """The full cache's payload (no ring) is version 1, the same bytes as before: header,
+    tokens, then `state()`'s keys and values."""
+    m = load(paths["gemma3"], bounded=False)
+    s = m.new_session()
+    s.sync(ids(30, 16))
+    assert s.save_payload() == full_form_payload(s)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_damaged_compact_payload_is_refused_and_changes_nothing(paths, arch):
+    m = load(paths[arch])
+    a, b = ids(30, 17), ids(9, 18)
+    donor = m.new_session()
+    donor.sync(a)
+    good = donor.save_payload()
+    ring_at = 26 + 4 * len(a)  # u32 window, u32 ring layer count, then the layers
+    window_off = bytearray(good)
+    window_off[ring_at: ring_at + 4] = struct.pack("<I", WINDOW + 1)
+    layers_off = bytearray(good)
+    layers_off[ring_at + 8: ring_at + 12] = struct.pack("<I", 1)  # gemma2's and gemma3's first ring layer is 0
+    cases = {
+        "length does not match": [good[:-1], good[:-2 * 64], good[:ring_at + 6], good[:ring_at + 9], good + b"\0"],
+        "ring": [bytes(window_off), bytes(layers_off)],
+        "engine version": [good[:6] + struct.pack("<H", 3) + good[8:]],
+    }
+    s = m.new_session()
+    s.sync(b)
+    before = (list(s.tokens), s.logits.clone(), s.cache.n, s.cache.held_from(s.cache.n))
+    for message, bad in cases.items():
+        for data in bad:
+            with pytest.raises(ValueError, match=message):
+                s.load_payload(data)
+            assert (s.tokens, s.cache.n, s.cache.held_from(s.cache.n)) == (before[0], before[2], before[3])
+            assert torch.equal(s.logits, before[1])
+    s.eval(a[0])  # the session still continues as if nothing had been offered
+    assert torch.equal(s.logits, decoded(m, b, a[:1])[-1])
+    # Into a cache that keeps every position the window is not enough: refused.
+    full = load(paths[arch], bounded=False).new_session()
+    with pytest.raises(ValueError, match="only the window"):
+        full.load_payload(good)
+    assert full.tokens == [] and full.cache.n == 0
+
+
 def test_a_ring_cache_by_itself():
     """engine.kvcache's ring without a model: slots wrap at the ring's size, what a step
-    overwrites is forgotten, and a copy takes only what the other ring still holds."""
-    from engine.kvcache import CacheLayout, KVCache, Ring
+    overwrites is forgotten, a copy takes only what the other ring still holds, and the held
+    state keeps the ring's last window."""
+    from engine.kvcache import CacheLayout, HeldRows, KVCache, Ring
 
     with pytest.raises(ValueError, match="cannot serve"):
         Ring((0,), window=5, size=4)
@@ -194,6 +293,25 @@ def test_a_ring_cache_by_itself():
     assert state[0, 0, :7].abs().sum() == 0 and state[0, 0, 7:, 0].tolist() == [7, 8, 9, 10, 11]
     other.restore(*c.state())
     assert other.n == 12 and other.held_from(12) == 9 and other.reusable(11) == 11 and other.reusable(10) == 0
+    # The compact form: every position of layer 1, the last `window` of the ring's layers 0 and 2.
+    held = c.held_state()
+    assert [tuple(p.shape) for p in held.full + held.ring] == [(1, 1, 12, 2)] * 2 + [(2, 1, 3, 2)] * 2
+    assert held.ring[1][:, 0, :, 0].tolist() == [[9, 10, 11]] * 2
+    assert held.full[0][0, 0, :, 1].tolist() == list(range(12))
+    assert lay.held_bytes(3, 12, torch.float32) == (12 + 2 * 3) * 16
+    fresh = KVCache(3, 1, 2, 64, torch.float32, torch.device("cpu"), initial=4, ring=ring)
+    fresh.restore_held(held)
+    assert fresh.n == 12 and fresh.held_from(12) == 9 and fresh.reusable(11) == 11 and fresh.reusable(10) == 0
+    assert all(torch.equal(fresh.positions(li, 9, 12), c.positions(li, 9, 12)) for li in range(3))
+    assert torch.equal(fresh.positions(1, 0, 12), c.positions(1, 0, 12))
+    # A held state of another shape is refused before anything changes.
+    with pytest.raises(ValueError, match="do not fit"):
+        fresh.restore_held(HeldRows(12, held.full, tuple(p[:, :, 1:] for p in held.ring)))
+    assert fresh.n == 12 and torch.equal(fresh.positions(0, 9, 12), c.positions(0, 9, 12))
+    # A ring that lost its last window (a truncation nobody recomputed) is not saved as zeros.
+    c.n = 8
+    with pytest.raises(RuntimeError, match="no longer holds"):
+        c.held_state()
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])

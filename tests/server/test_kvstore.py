@@ -36,9 +36,10 @@ class Clock:
         return self.t
 
 
-def payload(n_tokens: int, kv_bytes: int = 0, first: int = 1) -> bytes:
-    """A payload in the engine's layout (version 1) with `kv_bytes` of filler for K and V."""
-    head = struct.pack("<6sHBxIIII", b"DS4KV\0", 1, 0, 1, 1, 1, n_tokens)
+def payload(n_tokens: int, kv_bytes: int = 0, first: int = 1, version: int = 1) -> bytes:
+    """A payload in the engine's layout (version 1, or 2 for a cache with a ring) with
+    `kv_bytes` of filler for the rest."""
+    head = struct.pack("<6sHBxIIII", b"DS4KV\0", version, 0, 1, 1, 1, n_tokens)
     return head + struct.pack(f"<{n_tokens}i", *range(first, first + n_tokens)) + bytes(kv_bytes)
 
 
@@ -217,6 +218,13 @@ def test_payload_token_count_must_match_the_header(store_dir):
     (store_dir / (hashlib.sha1(b"abc").hexdigest() + ".kv")).write_bytes(bytes(data))
     store = KVStore(store_dir, IDENT)
     assert store.lookup("abcd") is None and kv_files(store_dir) == []
+
+
+def test_token_ids_are_read_from_both_payload_versions_and_no_other():
+    assert kv.payload_tokens(payload(3, 16, first=5)) == [5, 6, 7]
+    assert kv.payload_tokens(payload(3, 16, first=5, version=2)) == [5, 6, 7]
+    with pytest.raises(kv.EntryError, match="version 1 or 2"):
+        kv.payload_tokens(payload(3, 16, version=3))
 
 
 def test_unrelated_files_are_left_alone(store_dir):
@@ -481,6 +489,39 @@ def test_restored_session_matches_a_cold_prefill(tiny_model, store_dir):
     again = m.new_session()
     again.load_payload(hit.payload)
     assert again.save_payload() == hit.payload
+
+
+def test_a_ring_models_checkpoint_holds_only_the_window_of_its_ring_layers(store_dir, tmp_path):
+    """Gemma 3 (five sliding-window layers of six, window 4): an entry past the window takes the
+    ring layers' last 4 positions only, the budget counts those bytes, and the restored session
+    decodes bit for bit as the one that was saved."""
+    from engine import load_model
+    from gemma_models import GemmaSpec, write_random_gemma
+
+    m = load_model(write_random_gemma(tmp_path / "gemma3.gguf", GemmaSpec(arch="gemma3", qtype="Q8_0", seed=4)))
+    cfg, ring = m.config, m.new_session().cache.layout.ring
+    assert (ring.window, len(ring.layers)) == (4, 5)
+    ids, more = list(range(10, 50)), [7, 8, 9, 11]
+    src = m.new_session()
+    src.sync(ids)
+    store = KVStore(store_dir, kv.identity_of(m), 10**7)
+    entry = store.store("gemma prefix", src, COLD)
+    layer = 2 * cfg.n_head_kv * cfg.head_dim * 2  # K and V of one layer at one position, float16
+    rows = (len(ids) * 1 + 4 * 5) * layer  # one global layer at every position, five at the window's
+    payload_size = 26 + 4 * len(ids) + 8 + 4 * 5 + rows  # header, tokens, the ring's window and layers
+    assert entry.file_size == HEADER_SIZE + len("gemma prefix") + payload_size
+    assert store.stats().bytes == entry.file_size
+    assert 4 * rows == len(ids) * cfg.n_layer * layer  # the full form held every layer at every position
+
+    hit = KVStore(store_dir, kv.identity_of(m), 10**7).lookup("gemma prefix and what follows")
+    assert list(hit.tokens) == ids and len(hit.payload) == payload_size
+    warm = m.new_session()
+    warm.load_payload(hit.payload)
+    assert torch.equal(warm.logits, src.logits)
+    for t in more:
+        warm.eval(t)
+        src.eval(t)
+        assert torch.equal(warm.logits, src.logits)
 
 
 def test_identity_changes_with_the_weights(tmp_path, tiny_model):

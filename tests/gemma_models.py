@@ -1,4 +1,5 @@
-"""Random-weight gemma2/gemma3 GGUFs for the family's tests, and a plain float64 reference.
+"""Random-weight gemma2/gemma3 GGUFs for the family's tests (the engine's and the disk cache's),
+and a plain float64 reference.
 
 `write_random_gemma(path, GemmaSpec(...))` writes a loadable GGUF with the tensor names and
 metadata keys llama.cpp's converter writes for Gemma (norm weights stored as 1 + w, as the
