@@ -11,8 +11,8 @@ it, else float32).  The 5-, 6- and 8-bit grouped types (Q5_0, Q5_1, Q5_K, Q6_K, 
 Q2_K, IQ4_NL, IQ4_XS) are held as int8 values with the same pairs per group of 32 or 16, 1.125
 or 1.25 bytes a weight (a Q4_K_M file's Q6_K down projections, and the Q5_0 that llama.cpp
 writes for rows that are not whole Q4_K blocks, such as DeepSeek-V2-Lite's 1408-wide experts).
-Both are unpacked on the device from the file's blocks as stored (engine.device_blocks, the
-host's numbers bit for bit).  Every other type (F16, BF16, F32) is dequantized once to bfloat16.
+Both are unpacked on the device from the file's blocks as stored, a few experts at a time
+(engine.device_blocks, the host's numbers bit for bit).  Every other type (F16, BF16, F32) is dequantized once to bfloat16.
 
 `experts(h, ids, weights, into=x)`: h [T, n_embd] (float32 or bfloat16), ids [T, k] (each row's
 experts, on the device), weights [T, k] float32 -> float32 [T, n_embd], each row's
@@ -56,7 +56,7 @@ It knows nothing of shared experts or of the models' tensors' names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -65,7 +65,7 @@ from engine import device_blocks
 from engine.cuda_attention import AVAILABLE, tl, triton
 from engine.cuda_int4 import GROUP, OPERAND, scale_pairs
 from engine.gguf_file import TensorRecord
-from engine.quants import INT4_GROUPED, INT8_GROUPED
+from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
@@ -73,6 +73,7 @@ if AVAILABLE:
 
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
 ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
+CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is built
 
 
 @dataclass(frozen=True)
@@ -153,36 +154,57 @@ class StackedWeight:
             dense = torch.cat([torch.from_numpy(to_float(r)).to(torch.bfloat16) for r in parts], dim=1)
             self.dense = dense.contiguous().to(device)
 
-    def _raw(self, record: TensorRecord, device: torch.device) -> torch.Tensor:
-        """A part's bytes on `device` as the rows of all its experts: uint8 [E * rows, row_bytes]."""
-        return device_blocks.raw_rows(record, device).reshape(self.n_expert * record.shape[1], -1)
+    def _expert_chunks(self, record: TensorRecord, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+        """A part's bytes on `device`, `CHUNK_WEIGHTS` weights' worth of experts at a time:
+        (those experts, their rows uint8 [experts * rows, row_bytes])."""
+        raw = device_blocks.raw_rows(record, device)  # [E, rows * row_bytes]
+        step = max(1, CHUNK_WEIGHTS // (record.shape[1] * self.k))
+        for first in range(0, self.n_expert, step):
+            chunk = raw[first: first + step]
+            yield slice(first, first + chunk.shape[0]), chunk.reshape(chunk.shape[0] * record.shape[1], -1)
 
-    def _per_expert(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Each part's [E * rows, cols] tensor as [E, rows, cols], the parts joined per expert."""
-        return torch.cat([t.view(self.n_expert, -1, t.shape[-1]) for t in tensors], dim=1)
+    def _fill(self, parts: Sequence[TensorRecord], device: torch.device, held: Sequence[torch.Tensor],
+              unpack: Callable[[QT, torch.Tensor], Sequence[torch.Tensor]]) -> None:
+        """Writes each part's rows of every expert into `held` ([E, n, ...] tensors on `device`),
+        `unpack(qtype, raw rows)` giving one [rows, ...] tensor for each of `held`.  The file's
+        blocks cross to the device as stored and are unpacked there (engine.device_blocks: the
+        host's numbers bit for bit) a chunk of experts at a time: the unpacking's intermediates,
+        a few bytes a weight, then take device memory for at most `CHUNK_WEIGHTS` weights beside
+        the stack and the part's bytes, however large the stack (a DeepSeek-V2-Lite down
+        stack of 198 MiB: 564 MiB more at the peak on a CPU unpacked whole, 334 MiB in chunks)."""
+        first = 0
+        for r in parts:
+            rows = slice(first, first + r.shape[1])
+            for experts, raw in self._expert_chunks(r, device):
+                for into, t in zip(held, unpack(r.qtype, raw), strict=True):
+                    into[experts, rows] = t.reshape(experts.stop - experts.start, r.shape[1], -1)
+            first = rows.stop
 
     def _pack_int4(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
-        # The file's blocks cross to the device as stored and are unpacked there
-        # (engine.device_blocks: the host's numbers bit for bit, in a fraction of the time).
-        nibbles, scale, minimum = zip(*(device_blocks.int4_groups(r.qtype, self._raw(r, device), self.k)
-                                        for r in parts))
-        self.nibbles = self._per_expert(nibbles).contiguous()
+        self.nibbles = torch.empty((self.n_expert, self.n, self.k // 2), dtype=torch.uint8, device=device)
+        scale, minimum = (torch.empty((self.n_expert, self.n, self.k // GROUP), dtype=torch.float32, device=device)
+                          for _ in range(2))
+        self._fill(parts, device, (self.nibbles, scale, minimum),
+                   lambda qtype, raw: device_blocks.int4_groups(qtype, raw, self.k))
         self.words = self.nibbles.view(torch.int32)
-        self.pairs = scale_pairs(self._per_expert(scale), self._per_expert(minimum))
+        self.pairs = scale_pairs(scale, minimum)
 
     def _pack_int8(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
         # Unpacked on the device as the int4 stacks are: numpy on the host took most of a
         # Q5_0-heavy load (DeepSeek-V2-Lite's 1408-wide down projections).
-        groups = [device_blocks.int8_groups(r.qtype, self._raw(r, device), self.k) for r in parts]
-        self.group = min(g.group for g in groups)
+        self.group = min(INT8_GROUPS.get(r.qtype, GROUP) for r in parts)  # the 4-bit types: groups of 32
+        self.q = torch.empty((self.n_expert, self.n, self.k), dtype=torch.int8, device=device)
+        scale, minimum = (torch.empty((self.n_expert, self.n, self.n_groups), dtype=torch.float32, device=device)
+                          for _ in range(2))
 
-        def regrouped(g: device_blocks.Int8Tensors, values: torch.Tensor | None) -> torch.Tensor:
-            values = torch.zeros_like(g.scale) if values is None else values
-            return values.repeat_interleave(g.group // self.group, dim=1)  # a larger group's value per smaller group
+        def unpack(qtype: QT, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            g = device_blocks.int8_groups(qtype, raw, self.k)
+            # a larger group's scale and minimum (zero for types without one) once per smaller group
+            return g.q, *((torch.zeros_like(g.scale) if v is None else v).repeat_interleave(g.group // self.group, 1)
+                          for v in (g.scale, g.minimum))
 
-        self.q = self._per_expert([g.q for g in groups]).contiguous()
-        self.pairs = scale_pairs(self._per_expert([regrouped(g, g.scale) for g in groups]),
-                                 self._per_expert([regrouped(g, g.minimum) for g in groups]))
+        self._fill(parts, device, (self.q, scale, minimum), unpack)
+        self.pairs = scale_pairs(scale, minimum)
 
     @property
     def format_index(self) -> int:

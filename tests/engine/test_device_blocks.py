@@ -168,6 +168,13 @@ def expert_part(name: str, qtype: QT, n_expert: int, rows: int, cols: int, seed:
     return TensorRecord(name, qtype, (n_expert, rows, cols), raw.reshape(-1))
 
 
+# CHUNK_WEIGHTS for the stacks below (3 experts of 7 + 5 rows of 512): all at once, one expert
+# at a time, and two then one
+CHUNKS = [pytest.param(cuda_moe.CHUNK_WEIGHTS, id="whole"), pytest.param(1, id="1-expert"),
+          pytest.param(2 * 7 * 512, id="2-experts")]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("qtypes,extreme", [
     ((QT.Q5_0,), False),  # DeepSeek-V2-Lite's down projections
@@ -177,9 +184,11 @@ def expert_part(name: str, qtype: QT, n_expert: int, rows: int, cols: int, seed:
     ((QT.IQ4_XS, QT.Q5_1), False),
     ((QT.Q3_K, QT.IQ4_NL), False),
 ], ids=lambda v: "-".join(t.name for t in v) if isinstance(v, tuple) else str(v))
-def test_int8_stacks_built_on_the_device_equal_the_host_built_ones(device, qtypes, extreme):
-    """Several experts, parts of different row counts (none a multiple of 16) and types: the
-    stack's int8 values and (scale, minimum) pairs are the ones numpy's unpacking gave."""
+def test_int8_stacks_built_on_the_device_equal_the_host_built_ones(monkeypatch, chunk, device, qtypes, extreme):
+    """Several experts, parts of different row counts (none a multiple of 16) and types, built
+    in chunks of experts: the stack's int8 values and (scale, minimum) pairs are the ones
+    numpy's unpacking gave."""
+    monkeypatch.setattr(cuda_moe, "CHUNK_WEIGHTS", chunk)
     E, k = 3, 512
     parts = [expert_part(f"part{i}", t, E, rows, k, seed=10 * i + int(t), extreme=extreme)
              for i, (t, rows) in enumerate(zip(qtypes * 2, (7, 5)))]
@@ -192,3 +201,21 @@ def test_int8_stacks_built_on_the_device_equal_the_host_built_ones(device, qtype
     assert stack.pairs.dtype == pairs.dtype and torch.equal(stack.pairs, pairs)
     if extreme:
         assert pairs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_int4_stacks_built_in_chunks_hold_each_experts_groups(monkeypatch, chunk, device):
+    monkeypatch.setattr(cuda_moe, "CHUNK_WEIGHTS", chunk)
+    E, k = 3, 512
+    parts = [expert_part("gate", QT.Q4_K, E, 7, k, seed=1, extreme=True),
+             expert_part("up", QT.Q4_0, E, 5, k, seed=2, extreme=False)]
+    stack = cuda_moe.StackedWeight(parts, torch.device(device))
+    assert stack.format == "int4" and stack.nibbles.device.type == device
+    groups = [unpack_int4_groups(r.qtype, r.data, k) for r in parts]
+    q = np.concatenate([g.q.reshape(E, -1, k) for g in groups], axis=1)
+    scale, minimum = (torch.from_numpy(np.concatenate([getattr(g, f).reshape(E, -1, k // 32) for g in groups], axis=1))
+                      for f in ("scale", "minimum"))
+    assert torch.equal(stack.nibbles.cpu(), torch.from_numpy((q[..., ::2] << 4) | q[..., 1::2]))
+    assert torch.equal(stack.pairs.cpu(), cuda_int4.scale_pairs(scale, minimum))
+    assert stack.pairs.dtype == torch.float32  # Q4_K's extreme scale products leave float16's range
