@@ -11,7 +11,8 @@ it, else float32).  The 5-, 6- and 8-bit grouped types (Q5_0, Q5_1, Q5_K, Q6_K, 
 Q2_K, IQ4_NL, IQ4_XS) are held as int8 values with the same pairs per group of 32 or 16, 1.125
 or 1.25 bytes a weight (a Q4_K_M file's Q6_K down projections, and the Q5_0 that llama.cpp
 writes for rows that are not whole Q4_K blocks, such as DeepSeek-V2-Lite's 1408-wide experts).
-Every other type (F16, BF16, F32) is dequantized once to bfloat16.
+Both are unpacked on the device from the file's blocks as stored, a few experts at a time
+(engine.device_blocks, the host's numbers bit for bit).  Every other type (F16, BF16, F32) is dequantized once to bfloat16.
 
 `experts(h, ids, weights, into=x)`: h [T, n_embd] (float32 or bfloat16), ids [T, k] (each row's
 experts, on the device), weights [T, k] float32 -> float32 [T, n_embd], each row's
@@ -55,16 +56,16 @@ It knows nothing of shared experts or of the models' tensors' names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
-import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine import device_blocks
 from engine.cuda_attention import AVAILABLE, tl, triton
 from engine.cuda_int4 import GROUP, OPERAND, scale_pairs
 from engine.gguf_file import TensorRecord
-from engine.quants import INT4_GROUPED, INT8_GROUPED, Int8Groups, unpack_int8_groups
+from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
@@ -72,6 +73,7 @@ if AVAILABLE:
 
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
 ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
+CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is built
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,13 @@ def max_blocks(pairs: int, n_expert: int, bm: int) -> int:
 FORMATS = ("int4", "int8", "bf16")
 
 
+def stack_format(qtypes: Sequence[QT]) -> str:
+    """The format (of `FORMATS`) a stack of parts of these types is held in."""
+    if all(t in INT4_GROUPED for t in qtypes):
+        return "int4"
+    return "int8" if all(t in INT4_GROUPED or t in INT8_GROUPED for t in qtypes) else "bf16"
+
+
 class StackedWeight:
     """n_expert matrices of the same shape [n, k] held as one, in one of `FORMATS`:
 
@@ -136,46 +145,65 @@ class StackedWeight:
             raise ValueError(f"stacked experts need in_features divisible by {GROUP}, got {self.k}")
         self.nibbles = self.words = self.q = self.pairs = self.dense = None
         self.group = GROUP
-        if all(r.qtype in INT4_GROUPED for r in parts):
-            self.format = "int4"
+        self.format = stack_format([r.qtype for r in parts])
+        if self.format == "int4":
             self._pack_int4(parts, device)
-        elif all(r.qtype in INT4_GROUPED or r.qtype in INT8_GROUPED for r in parts):
-            self.format = "int8"
+        elif self.format == "int8":
             self._pack_int8(parts, device)
         else:
-            self.format = "bf16"
             dense = torch.cat([torch.from_numpy(to_float(r)).to(torch.bfloat16) for r in parts], dim=1)
             self.dense = dense.contiguous().to(device)
 
-    def _per_expert(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        """Each part's [E * rows, cols] array as [E, rows, cols], the parts joined per expert."""
-        return np.concatenate([a.reshape(self.n_expert, -1, a.shape[-1]) for a in arrays], axis=1)
+    def _expert_chunks(self, record: TensorRecord, device: torch.device) -> Iterator[tuple[slice, torch.Tensor]]:
+        """A part's bytes on `device`, `CHUNK_WEIGHTS` weights' worth of experts at a time:
+        (those experts, their rows uint8 [experts * rows, row_bytes])."""
+        raw = device_blocks.raw_rows(record, device)  # [E, rows * row_bytes]
+        step = max(1, CHUNK_WEIGHTS // (record.shape[1] * self.k))
+        for first in range(0, self.n_expert, step):
+            chunk = raw[first: first + step]
+            yield slice(first, first + chunk.shape[0]), chunk.reshape(chunk.shape[0] * record.shape[1], -1)
+
+    def _fill(self, parts: Sequence[TensorRecord], device: torch.device, held: Sequence[torch.Tensor],
+              unpack: Callable[[QT, torch.Tensor], Sequence[torch.Tensor]]) -> None:
+        """Writes each part's rows of every expert into `held` ([E, n, ...] tensors on `device`),
+        `unpack(qtype, raw rows)` giving one [rows, ...] tensor for each of `held`.  The file's
+        blocks cross to the device as stored and are unpacked there (engine.device_blocks: the
+        host's numbers bit for bit) a chunk of experts at a time: the unpacking's intermediates,
+        a few bytes a weight, then take device memory for at most `CHUNK_WEIGHTS` weights beside
+        the stack and the part's bytes, however large the stack (a DeepSeek-V2-Lite down
+        stack of 198 MiB: 564 MiB more at the peak on a CPU unpacked whole, 334 MiB in chunks)."""
+        first = 0
+        for r in parts:
+            rows = slice(first, first + r.shape[1])
+            for experts, raw in self._expert_chunks(r, device):
+                for into, t in zip(held, unpack(r.qtype, raw), strict=True):
+                    into[experts, rows] = t.reshape(experts.stop - experts.start, r.shape[1], -1)
+            first = rows.stop
 
     def _pack_int4(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
-        # The file's blocks cross to the device as stored and are unpacked there
-        # (engine.device_blocks: the host's numbers bit for bit, in a fraction of the time).
-        nibbles, scale, minimum = [], [], []
-        for r in parts:
-            raw = device_blocks.raw_rows(r, device).reshape(self.n_expert * r.shape[1], -1)
-            nib, sc, mn = device_blocks.int4_groups(r.qtype, raw, self.k)
-            nibbles.append(nib.view(self.n_expert, r.shape[1], -1))
-            scale.append(sc.view(self.n_expert, r.shape[1], -1))
-            minimum.append(mn.view(self.n_expert, r.shape[1], -1))
-        self.nibbles = torch.cat(nibbles, dim=1).contiguous()
+        self.nibbles = torch.empty((self.n_expert, self.n, self.k // 2), dtype=torch.uint8, device=device)
+        scale, minimum = (torch.empty((self.n_expert, self.n, self.k // GROUP), dtype=torch.float32, device=device)
+                          for _ in range(2))
+        self._fill(parts, device, (self.nibbles, scale, minimum),
+                   lambda qtype, raw: device_blocks.int4_groups(qtype, raw, self.k))
         self.words = self.nibbles.view(torch.int32)
-        self.pairs = scale_pairs(torch.cat(scale, dim=1), torch.cat(minimum, dim=1))
+        self.pairs = scale_pairs(scale, minimum)
 
     def _pack_int8(self, parts: Sequence[TensorRecord], device: torch.device) -> None:
-        groups = [unpack_int8_groups(r.qtype, r.data, self.k) for r in parts]
-        self.group = min(g.group for g in groups)
+        # Unpacked on the device as the int4 stacks are: numpy on the host took most of a
+        # Q5_0-heavy load (DeepSeek-V2-Lite's 1408-wide down projections).
+        self.group = min(INT8_GROUPS.get(r.qtype, GROUP) for r in parts)  # the 4-bit types: groups of 32
+        self.q = torch.empty((self.n_expert, self.n, self.k), dtype=torch.int8, device=device)
+        scale, minimum = (torch.empty((self.n_expert, self.n, self.n_groups), dtype=torch.float32, device=device)
+                          for _ in range(2))
 
-        def regrouped(g: Int8Groups, values: np.ndarray | None) -> np.ndarray:
-            values = np.zeros_like(g.scale) if values is None else values
-            return np.repeat(values, g.group // self.group, axis=1)  # a larger group's value per smaller group
+        def unpack(qtype: QT, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            g = device_blocks.int8_groups(qtype, raw, self.k)
+            # a larger group's scale and minimum (zero for types without one) once per smaller group
+            return g.q, *((torch.zeros_like(g.scale) if v is None else v).repeat_interleave(g.group // self.group, 1)
+                          for v in (g.scale, g.minimum))
 
-        self.q = torch.from_numpy(np.ascontiguousarray(self._per_expert([g.q for g in groups]))).to(device)
-        scale, minimum = (torch.from_numpy(self._per_expert([regrouped(g, v) for g, v in zip(groups, values)]))
-                          .to(device) for values in ([g.scale for g in groups], [g.minimum for g in groups]))
+        self._fill(parts, device, (self.q, scale, minimum), unpack)
         self.pairs = scale_pairs(scale, minimum)
 
     @property
