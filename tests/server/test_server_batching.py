@@ -1,5 +1,6 @@
 """Batched sessions in ds4-server: routing rules (pure), and the batched worker on tiny random
-GGUF models (concurrency, prefix routing, eviction saves, cancellation, greedy equality)."""
+GGUF models (concurrency, prefix routing, eviction saves, cancellation, greedy equality, prompt
+scoring one chunk per step beside the other slots' decoding)."""
 from __future__ import annotations
 
 import queue
@@ -14,6 +15,7 @@ from server.batching import (EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, com
 from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
 from server.prompting import prompt_ids
 from server.jobs import Failed, Finished, GenerationRequest, PromptReady, SamplingSpec, TextDelta
+from server.scoring import PromptScored, score_prompt
 from server.worker import InferenceWorker
 
 HOUR = 3600.0
@@ -516,3 +518,130 @@ def test_newcomers_that_arrive_together_each_take_a_slot_and_the_evicted_choices
     assert evictions >= 2
     assert texts == [alone[0]] * 3
     assert [text_of(events) for _, events in newcomers] == alone[1:]
+
+
+# --- prompt scoring one chunk per step ----------------------------------------------------------
+
+SCORE_CHUNK = 16
+LONG_QUESTION = "a long question: " + "tell me about the sea and the sky and the land " * 3
+
+
+def scoring_chunks(model, monkeypatch, on_chunk=lambda: None, delay: float = 0.0) -> list:
+    """Prefill chunks of `SCORE_CHUNK` tokens; every chunk that computes all its rows' logits (a
+    scoring chunk) calls `on_chunk()` first, whose values are returned in order, and then takes
+    `delay` more seconds (a real model's time, so that a step of the tiny model is not a blink)."""
+    monkeypatch.setattr(model, "prefill_chunk", SCORE_CHUNK)
+    forward = model.net.forward
+    seen: list = []
+
+    def watched(ids, *args, **kw):
+        if kw.get("logits") == "all":
+            seen.append(on_chunk())
+            time.sleep(delay)
+        return forward(ids, *args, **kw)
+
+    monkeypatch.setattr(model.net, "forward", watched)
+    return seen
+
+
+def scored_of(events) -> PromptScored:
+    scored = [e for e in events if isinstance(e, PromptScored)]
+    assert len(scored) == 1, events
+    return scored[0]
+
+
+def test_a_scored_long_prompt_gives_the_log_probs_of_one_piece_scoring_and_of_the_serial_loop(tiny, monkeypatch):
+    scoring_chunks(tiny, monkeypatch)
+    long_prompt, other = chat(tiny, LONG_QUESTION), chat(tiny, "one short answer")
+    scored = req(tiny, long_prompt, 8, prompt_logprobs=3)
+    ids = list(scored.prompt_ids)
+    assert len(ids) > 8 * SCORE_CHUNK  # many chunks, each a step of its own
+    one_piece = score_prompt(tiny, tiny.new_session(), ids, 3)
+    w1 = started(tiny, 1)
+    try:
+        (_, serial), = collect(w1, [scored])
+    finally:
+        w1.stop()
+    w = started(tiny, 2)
+    try:
+        # Another slot decodes all along, so the chunks are interleaved with its steps.
+        (_, decoding), (job, batched) = collect(w, [req(tiny, other, 60), scored])
+    finally:
+        w.stop()
+    assert scored_of(batched) == one_piece == scored_of(serial)
+    assert text_of(batched) == text_of(serial) and isinstance(batched[-1], Finished)
+    assert batched[-1].usage.cached_tokens == 0  # computed in full for its scores
+    assert isinstance(decoding[-1], Finished) and decoding[-1].usage.completion_tokens == 60
+    assert job.stats.status == "done"
+
+
+def test_a_newcomer_decodes_between_the_chunks_of_a_long_scored_prompt_and_outputs_do_not_change(tiny, monkeypatch):
+    long_prompt, short_prompt = chat(tiny, LONG_QUESTION), chat(tiny, "one short answer")
+    w = started(tiny, 2)
+    try:
+        alone = [collect(w, [r])[0][1] for r in (req(tiny, long_prompt, 8, prompt_logprobs=2),
+                                                  req(tiny, short_prompt, 8))]
+    finally:
+        w.stop()
+    newcomer: dict = {}
+    # At each scoring chunk: the tokens the newcomer (once submitted) has generated so far.
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: newcomer["job"].stats.n_generated if newcomer else None,
+                            delay=0.02)
+    order: list = []  # both jobs' events, in the order the loop emitted them
+    w = started(tiny, 2)  # fresh slots: the long prompt is scored in full
+    try:
+        w.batched.quantum = 0.0  # strict: the least served request goes alone
+        long_job = w.submit(req(tiny, long_prompt, 8, prompt_logprobs=2), lambda e: order.append(("long", e)))
+        while not chunks:  # its scoring has begun
+            time.sleep(0.001)
+        newcomer["job"] = w.submit(req(tiny, short_prompt, 8), lambda e: order.append(("short", e)))
+        assert w.wait_finished(long_job.id, 30) is not None and w.wait_finished(newcomer["job"].id, 30) is not None
+        parks = w.batched.parks
+    finally:
+        w.stop()
+    progress = [n for n in chunks if n is not None]
+    # The newcomer's decoding went on between two chunks of the scoring, which it did not wait for.
+    assert any(a < b for a, b in zip(progress, progress[1:])), chunks
+    kinds = [(who, type(e)) for who, e in order]
+    assert kinds.index(("short", Finished)) < kinds.index(("long", PromptScored))
+    assert parks >= 1
+    long_events = [e for who, e in order if who == "long"]
+    assert scored_of(long_events) == scored_of(alone[0])
+    assert [text_of(long_events), text_of(e for who, e in order if who == "short")] == [text_of(ev) for ev in alone]
+
+
+def test_cancelling_a_scored_prompt_between_its_chunks_frees_its_slot_and_changes_no_other_output(tiny, monkeypatch):
+    long_prompt = chat(tiny, LONG_QUESTION)
+    keep, later = chat(tiny, "keep me going"), chat(tiny, "one more, after the cancel")
+    w = started(tiny, 2)
+    try:
+        alone = [text_of(collect(w, [req(tiny, p, n)])[0][1]) for p, n in ((keep, 150), (later, 8))]
+    finally:
+        w.stop()
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: None, delay=0.02)
+    w = started(tiny, 2)
+    try:
+        q_keep: queue.Queue = queue.Queue()
+        kept = w.submit(req(tiny, keep, 150), q_keep.put)
+        cancelled_events: list = []
+        scored = w.submit(req(tiny, long_prompt, 8, prompt_logprobs=1), cancelled_events.append)
+        while len(chunks) < 2:  # two chunks into its scoring
+            time.sleep(0.001)
+        scored.cancel()
+        stats = w.wait_finished(scored.id, 30)
+        n_chunks = len(chunks)
+        # Its slot is free: a request that comes now starts there, without waiting for the other slot.
+        (after_job, after), = collect(w, [req(tiny, later, 8)])
+        kept_events = []
+        while not isinstance(ev := q_keep.get(timeout=30), (Finished, Failed)):
+            kept_events.append(ev)
+        kept_stats = w.wait_finished(kept.id, 30)
+    finally:
+        w.stop()
+    n_scored = -(-(len(prompt_ids(tiny, long_prompt)) - 1) // SCORE_CHUNK)
+    assert stats.status == "cancelled" and n_chunks < n_scored
+    assert isinstance(cancelled_events[-1], Finished) and cancelled_events[-1].finish_reason == "cancelled"
+    assert not any(isinstance(e, (PromptScored, PromptReady, TextDelta)) for e in cancelled_events)
+    assert after_job.stats.slot == scored.stats.slot and after_job.stats.finished_at < kept_stats.finished_at
+    assert isinstance(ev, Finished) and ev.usage.completion_tokens == 150
+    assert [text_of(kept_events), text_of(after)] == alone
