@@ -526,21 +526,29 @@ SCORE_CHUNK = 16
 LONG_QUESTION = "a long question: " + "tell me about the sea and the sky and the land " * 3
 
 
-def scoring_chunks(model, monkeypatch, on_chunk=lambda: None, delay: float = 0.0) -> list:
+def scoring_chunks(model, monkeypatch, on_chunk=lambda: None, delay: float = 0.0, other_delay: float = 0.0) -> list:
     """Prefill chunks of `SCORE_CHUNK` tokens; every chunk that computes all its rows' logits (a
     scoring chunk) calls `on_chunk()` first, whose values are returned in order, and then takes
-    `delay` more seconds (a real model's time, so that a step of the tiny model is not a blink)."""
+    `delay` more seconds, every other forward pass (decoding steps too) `other_delay` more: a
+    real model's time, so that a step of the tiny model is not a blink."""
     monkeypatch.setattr(model, "prefill_chunk", SCORE_CHUNK)
-    forward = model.net.forward
+    forward, decode = model.net.forward, model.net.decode
     seen: list = []
 
     def watched(ids, *args, **kw):
         if kw.get("logits") == "all":
             seen.append(on_chunk())
             time.sleep(delay)
+        else:
+            time.sleep(other_delay)
         return forward(ids, *args, **kw)
 
+    def slow_decode(*args, **kw):
+        time.sleep(other_delay)
+        return decode(*args, **kw)
+
     monkeypatch.setattr(model.net, "forward", watched)
+    monkeypatch.setattr(model.net, "decode", slow_decode)
     return seen
 
 
@@ -573,6 +581,62 @@ def test_a_scored_long_prompt_gives_the_log_probs_of_one_piece_scoring_and_of_th
     assert batched[-1].usage.cached_tokens == 0  # computed in full for its scores
     assert isinstance(decoding[-1], Finished) and decoding[-1].usage.completion_tokens == 60
     assert job.stats.status == "done"
+
+
+class StepMarks:
+    """A `JobObserver` that marks the end of each batched step in `order`."""
+
+    def __init__(self, order: list) -> None:
+        self.order = order
+
+    def job_started(self, stats) -> None:
+        pass
+
+    def token(self, stats, now: float) -> None:
+        pass
+
+    def job_finished(self, stats) -> None:
+        pass
+
+    def batch_step(self, busy_slots: int) -> None:
+        self.order.append("step")
+
+
+def test_a_scoring_chunk_and_a_prefill_chunk_take_turns_one_chunk_per_step(tiny, monkeypatch):
+    scored_prompt = chat(tiny, LONG_QUESTION)
+    prefilled_prompt = chat(tiny, "another long one: " + "rivers run down to the sea under a grey sky " * 3)
+    w = started(tiny, 2)
+    try:
+        alone = [collect(w, [r])[0][1] for r in (req(tiny, scored_prompt, 8, prompt_logprobs=1),
+                                                  req(tiny, prefilled_prompt, 8))]
+    finally:
+        w.stop()
+    order: list = []
+    monkeypatch.setattr(tiny, "prefill_chunk", SCORE_CHUNK)
+    forward = tiny.net.forward
+
+    def marked(ids, *args, **kw):
+        if len(ids) > 1:
+            order.append("score" if kw.get("logits") == "all" else "prefill")
+        return forward(ids, *args, **kw)
+
+    monkeypatch.setattr(tiny.net, "forward", marked)
+    w = started(tiny, 2, observer=StepMarks(order))  # fresh slots: both prompts computed in full
+    try:
+        w.batched.quantum = float("inf")  # both served in every step: only the chunk rule decides
+        together = [events for _, events in collect(w, [req(tiny, scored_prompt, 8, prompt_logprobs=1),
+                                                        req(tiny, prefilled_prompt, 8)])]
+    finally:
+        w.stop()
+    steps, chunks = [[]], [c for c in order if c != "step"]
+    for mark in order:
+        steps.append([]) if mark == "step" else steps[-1].append(mark)
+    assert all(len(step) <= 1 for step in steps), steps
+    first, last = chunks.index("score"), len(chunks) - 1 - chunks[::-1].index("score")
+    assert "prefill" in chunks[first:last]  # the prefill's chunks went between the scoring's
+    assert chunks.count("score") == -(-(len(prompt_ids(tiny, scored_prompt)) - 1) // SCORE_CHUNK)
+    assert scored_of(together[0]) == scored_of(alone[0])
+    assert [text_of(e) for e in together] == [text_of(e) for e in alone]
 
 
 def test_a_newcomer_decodes_between_the_chunks_of_a_long_scored_prompt_and_outputs_do_not_change(tiny, monkeypatch):
@@ -618,7 +682,8 @@ def test_cancelling_a_scored_prompt_between_its_chunks_frees_its_slot_and_change
         alone = [text_of(collect(w, [req(tiny, p, n)])[0][1]) for p, n in ((keep, 150), (later, 8))]
     finally:
         w.stop()
-    chunks = scoring_chunks(tiny, monkeypatch, lambda: None, delay=0.02)
+    # The other request's 150 steps (over 0.75 s) outlast the cancel and the request after it.
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: None, delay=0.02, other_delay=0.005)
     w = started(tiny, 2)
     try:
         q_keep: queue.Queue = queue.Queue()
