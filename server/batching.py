@@ -56,13 +56,14 @@ Between steps it decides which jobs take the next one (`decoding_rows`, pure), d
 prefilling or scoring alike: those whose request has had within `BATCH_QUANTUM_S` of the least loop time
 so far. Each step's time is charged to the requests of its rows (`server.jobs.JobLedger.charge`)
 by what each row evaluated (`step_charges`, pure): the decoding rows share what a decoding step
-lately takes, the row whose prefill chunk ran has the rest. The others are parked: their
-GenRequest ends at the step (cancelled), the slot keeps their session, whose cache (and, decoding,
-frontier logits) are their prompt and output so far, and a later GenRequest of exactly those ids
-resumes them without recomputing anything; a parked prefill resumes at its next chunk, the
-chunks of an uninterrupted one, so outputs do not change. A newcomer therefore decodes alone,
+lately takes, the row whose chunk ran (a prefill's or a scored prompt's) has the rest. The others
+are parked: their GenRequest ends at the step (cancelled), the slot keeps their session, whose cache
+(and, decoding, frontier logits) are their prompt and output so far, and a later GenRequest of
+exactly those ids resumes them without recomputing anything; a parked prefill resumes at its next
+chunk, the chunks of an uninterrupted one, so outputs do not change (a parked scoring job, which
+has no GenRequest, only skips its turns). A newcomer therefore decodes alone,
 at one row's speed, until it has had about as much time as the requests it found running, and a
-long prompt's prefill waits between its chunks meanwhile. A newcomer (a request with no job in
+long prompt's prefill or scoring waits between its chunks meanwhile. A newcomer (a request with no job in
 progress) that finds every slot busy takes one (`_evict_for_newcomer`): the decoding job of the
 most served request is parked, its session copied out with its logits
 (`engine.session.Session.copy_from`) and the slot freed, one slot for each newcomer that waits,
