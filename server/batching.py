@@ -428,6 +428,7 @@ class BatchedLoop:
         except Cancelled:
             pass  # only raised once the job is cancelled: `_after_scoring` ends it
         except Exception as e:
+            log.exception("job %d: scoring failed", run.job.id)
             run.error = e
 
     def _admit_waiting(self, stopping: bool) -> None:

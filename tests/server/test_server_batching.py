@@ -710,3 +710,32 @@ def test_cancelling_a_scored_prompt_between_its_chunks_frees_its_slot_and_change
     assert after_job.stats.slot == scored.stats.slot and after_job.stats.finished_at < kept_stats.finished_at
     assert isinstance(ev, Finished) and ev.usage.completion_tokens == 150
     assert [text_of(kept_events), text_of(after)] == alone
+
+
+def test_a_scoring_chunk_that_fails_fails_only_its_job(tiny, monkeypatch):
+    long_prompt, other = chat(tiny, LONG_QUESTION), chat(tiny, "keep me going")
+    w = started(tiny, 2)
+    try:
+        alone = text_of(collect(w, [req(tiny, other, 40)])[0][1])
+    finally:
+        w.stop()
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: None)
+    forward = tiny.net.forward
+
+    def third_scoring_chunk_fails(ids, *args, **kw):
+        if kw.get("logits") == "all" and len(chunks) == 2:
+            chunks.append(None)
+            raise RuntimeError("a broken chunk")
+        return forward(ids, *args, **kw)
+
+    monkeypatch.setattr(tiny.net, "forward", third_scoring_chunk_fails)
+    w = started(tiny, 2)
+    try:
+        (ok, decoding), (job, failed) = collect(w, [req(tiny, other, 40), req(tiny, long_prompt, 8, prompt_logprobs=1)])
+        assert w.wait_finished(ok.id, 30) is not None and w.wait_finished(job.id, 30) is not None
+        assert w.batched.n_active == 0 and w.batched.resident_tokens()[job.stats.slot] == 0  # its slot emptied
+    finally:
+        w.stop()
+    assert isinstance(failed[-1], Failed) and job.stats.status == "failed"
+    assert not any(isinstance(e, PromptScored) for e in failed)
+    assert isinstance(decoding[-1], Finished) and text_of(decoding) == alone
