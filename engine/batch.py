@@ -12,8 +12,10 @@
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
   never stalls decoding for more than one chunk) and then one batched decode step for every
-  slot that is generating.  It is single-threaded: callers drive `step()` from the thread
-  that owns the model (the server's worker, a benchmark loop).
+  slot that is generating.  `step(prefill=False)` runs no chunk, for a caller that runs a
+  chunk of its own work in that step (the server scores prompts in slots that hold no
+  request); `prefilling` says whether a chunk waits.  It is single-threaded: callers drive
+  `step()` from the thread that owns the model (the server's worker, a benchmark loop).
 - `check_capacity(model, n_sessions, ctx)` refuses configurations whose memory need (weights
   + KV + working buffers, from the model's own accounting, with a 10% margin) exceeds what
   the device has available, with the figures in the message.
@@ -193,6 +195,11 @@ class BatchScheduler:
     def busy(self) -> bool:
         return bool(self.queue) or any(s.request is not None for s in self.slots)
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether a slot's request is still prefilling (the next `step()` would run a chunk)."""
+        return any(s.request is not None and s.prefill is not None for s in self.slots)
+
     # --- what callers may see and do between steps ---
     @property
     def n_slots(self) -> int:
@@ -284,10 +291,10 @@ class BatchScheduler:
                 wait()
         return bool(rows)
 
-    def step(self) -> bool:
-        """One prefill chunk (if any) and one batched decode step; False when idle."""
+    def step(self, prefill: bool = True) -> bool:
+        """One prefill chunk (if any, and if `prefill`) and one batched decode step; False when idle."""
         self._admit()
-        did = self._prefill_one_chunk()
+        did = prefill and self._prefill_one_chunk()
         did = self._decode() or did
         self._admit()
         return did or self.busy

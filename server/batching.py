@@ -25,16 +25,24 @@ taking jobs from the same `server.jobs.JobLedger` and recording them there. It o
      another slot is still prefilling waits until the part they share is cached there,
      without holding up other requests),
      routes it and logs the decision (slot, reused tokens, evicted tokens, reason);
-  2. a request for prompt log-probs is scored in the slot's session at once
-     (`server.scoring`, on this thread, before the slot joins the batch: the other slots
-     pause for that prefill);
+  2. a request for prompt log-probs is scored in the slot's session (emptied first) one
+     prefill chunk per step (`server.scoring.iter_score_prompt`, on this thread, before the
+     slot joins the scheduler's batch): a step runs one chunk at most, a scoring chunk or the
+     scheduler's prefill chunk (`BatchScheduler.step(prefill=False)`), which take turns while
+     both wait, and the decoding rows step as usual beside it. The chunks are those of
+     `score_prompt` in one piece, so are the numbers. Between two chunks the job is like a
+     prefilling one: `decoding_rows` may park it (it then only skips its turns), the step
+     charges count its chunk, a cancelled job stops there (the slot keeps the chunks done,
+     matching no known text) and it is never evicted for a newcomer (only decoding jobs are);
+     its `PromptScored` goes out after the last chunk, and the prefill below then has only the
+     frontier token left;
   3. with the disk KV cache: stores the slot's session (reason evict) before it is
-     replaced, when the policy wants it (`server.kvplan.save_resident`), then the restore
-     step of the prefill plan (`server.kvplan.plan_prefill`) brings the longest checkpoint
-     of the prompt from disk into the slot. Both happen on this thread before the job's first
-     `GenRequest` is submitted, and this thread is the only one that runs forward passes,
-     so a slot joins the batch only once its restore has completed: there is no moment
-     when a half-restored session is decoded;
+     replaced, when the policy wants it (`server.kvplan.save_resident`; before any scoring),
+     then the restore step of the prefill plan (`server.kvplan.plan_prefill`) brings the
+     longest checkpoint of the prompt from disk into the slot. Both happen on this thread
+     before the job's first `GenRequest` is submitted, and this thread is the only one that
+     runs forward passes, so a slot joins the batch only once its restore has completed:
+     there is no moment when a half-restored session is decoded;
   4. prefills through the scheduler, in the plan's stages, which end at the checkpoints the
      save policy wants (cold / continued): each stage is a `GenRequest` of the prompt up to
      that point and one throw-away token, after which the slot's session holds exactly
@@ -44,17 +52,18 @@ taking jobs from the same `server.jobs.JobLedger` and recording them there. It o
      picks each token (greedy inside tool-call structure, else the request's sampler) and
      `on_token` feeds the stop matcher, the splitter and the event stream. A stop sequence
      or a cancelled job ends only that request (`GenRequest.cancel`).
-Between steps it decides which jobs take the next one (`decoding_rows`, pure), decoding or
-prefilling alike: those whose request has had within `BATCH_QUANTUM_S` of the least loop time
+Between steps it decides which jobs take the next one (`decoding_rows`, pure), decoding,
+prefilling or scoring alike: those whose request has had within `BATCH_QUANTUM_S` of the least loop time
 so far. Each step's time is charged to the requests of its rows (`server.jobs.JobLedger.charge`)
 by what each row evaluated (`step_charges`, pure): the decoding rows share what a decoding step
-lately takes, the row whose prefill chunk ran has the rest. The others are parked: their
-GenRequest ends at the step (cancelled), the slot keeps their session, whose cache (and, decoding,
-frontier logits) are their prompt and output so far, and a later GenRequest of exactly those ids
-resumes them without recomputing anything; a parked prefill resumes at its next chunk, the
-chunks of an uninterrupted one, so outputs do not change. A newcomer therefore decodes alone,
+lately takes, the row whose chunk ran (a prefill's or a scored prompt's) has the rest. The others
+are parked: their GenRequest ends at the step (cancelled), the slot keeps their session, whose cache
+(and, decoding, frontier logits) are their prompt and output so far, and a later GenRequest of
+exactly those ids resumes them without recomputing anything; a parked prefill resumes at its next
+chunk, the chunks of an uninterrupted one, so outputs do not change (a parked scoring job, which
+has no GenRequest, only skips its turns). A newcomer therefore decodes alone,
 at one row's speed, until it has had about as much time as the requests it found running, and a
-long prompt's prefill waits between its chunks meanwhile. A newcomer (a request with no job in
+long prompt's prefill or scoring waits between its chunks meanwhile. A newcomer (a request with no job in
 progress) that finds every slot busy takes one (`_evict_for_newcomer`): the decoding job of the
 most served request is parked, its session copied out with its logits
 (`engine.session.Session.copy_from`) and the slot freed, one slot for each newcomer that waits,
@@ -75,17 +84,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Generator, Sequence
 
 import torch
 
+from engine.errors import Cancelled
 from engine.session import common_prefix
 from server import kvstore_policy as policy
 from server.jobs import (Failed, Job, JobLedger, PromptReady, TokenDecoder, decode_budget, sampling_params,
                          written_tokens)
 from server.kvplan import Resident, Stage, plan_prefill, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
-from server.scoring import score_prompt
+from server.scoring import PromptScored, iter_score_prompt
 
 log = logging.getLogger("ds4.server.batching")
 
@@ -206,22 +216,31 @@ def step_charges(seconds: float, advanced: Sequence[int], decode_step_s: float |
 # --- the loop ------------------------------------------------------------------------------
 
 class _Running:
-    """One job in one slot: its stages, its decoder and the GenRequest in the scheduler."""
+    """One job in one slot: its scoring or its stages, its decoder and the GenRequest in the scheduler."""
 
-    def __init__(self, job: Job, slot: int, ids: list[int], stages: list[Stage], decoder: TokenDecoder,
-                 n_restored: int) -> None:
+    def __init__(self, job: Job, slot: int, ids: list[int], decoder: TokenDecoder, boundary: Any,
+                 kept_on_disk: int) -> None:
         self.job = job
         self.slot = slot
         self.ids = ids
-        self.stages = stages
+        """The prompt ids, then those of the prefill plan (`BatchedLoop._prefill`)."""
         self.decoder = decoder
-        self.n_restored = n_restored
+        self.boundary = boundary
+        """`user_boundary_tokens` of the prompt, for the plan."""
+        self.kept_on_disk = kept_on_disk
+        """Tokens of the prompt that the slot's disk checkpoint already held when the job started."""
+        self.stages: list[Stage] = []
+        self.n_restored = 0
+        self.scoring: Generator[None, None, PromptScored] | None = None
+        """The prompt's scoring while it lasts (`server.scoring.iter_score_prompt`), one chunk a step."""
+        self.scored: PromptScored | None = None
+        """Its result, from the step that ran the last chunk until the loop emits it."""
         self.gen: Any = None
         self.first = True  # the next GenRequest is the job's first (its reuse is the cached count)
         self.ready = False  # PromptReady sent
         self.final = False
         self.error: BaseException | None = None
-        self.n_on_disk = n_restored
+        self.n_on_disk = 0
         self.n_saved = 0
         self.budget = 0
         """Tokens it may generate (set when its decoding starts)."""
@@ -230,7 +249,8 @@ class _Running:
         self.parking = False
         """Asked to leave the batch at the next step (its GenRequest then ends cancelled)."""
         self.parked = False
-        """Out of the batch, its slot's session holding its prompt and output with their logits."""
+        """Out of the batch, its slot's session holding its prompt and output with their logits (or,
+        scoring or prefilling, the chunks done)."""
         self.evicting = False
         """Parking to give its slot to a newcomer: its session is then copied out (`BatchedLoop.evicted`)."""
         self.decode_calls: tuple[Any, Any, Any, Any] = (None, None, None, None)
@@ -277,6 +297,10 @@ class BatchedLoop:
         """Times a job left its slot that way."""
         self.decode_step_s: float | None = None
         """What a step that ran no prefill chunk has lately taken (`step_charges`)."""
+        self._next_score = 0
+        """The slot from which `_scoring_turn` looks for the next scoring job (round-robin)."""
+        self._scored_last = False
+        """Whether the latest step's chunk was a scoring one (scoring and prefills take turns)."""
         self._lock = threading.Lock()
 
     @property
@@ -325,12 +349,15 @@ class BatchedLoop:
             if not stopping:
                 self._evict_for_newcomer()
             self._arrange_rows()
-            if self.scheduler.busy:
+            scoring = self._scoring_turn()
+            if self.scheduler.busy or scoring is not None:
                 stepping = [s.running for s in self.info if s.running is not None and not s.running.parked]
                 before = [len(self.session(run.slot).tokens) for run in stepping]
                 t0 = time.monotonic()
+                if scoring is not None:
+                    self._score_chunk(scoring)
                 try:
-                    self.scheduler.step()
+                    self.scheduler.step(prefill=scoring is None)  # one chunk a step, whichever it is
                 except Exception as e:  # a failed forward pass: the slots' sessions are suspect
                     log.exception("batched step failed")
                     self._fail_all(e)
@@ -352,22 +379,57 @@ class BatchedLoop:
 
     def _arrange_rows(self) -> None:
         """Park and resume jobs so that the next step serves those `decoding_rows` picks, whether
-        they decode or prefill: a parked job's GenRequest ends (cancelled) at the step, its slot
-        keeping the session; resumed, a new GenRequest of the same ids finds the session holding
-        them (with their logits, when decoding) and goes on without recomputing anything. A
-        prefill parked between chunks resumes at the next chunk (`Session.start_prefill` keeps
-        what is cached), so its chunks, and its numbers, are those of an uninterrupted one."""
-        runs = [s.running for s in self.info if s.running is not None and s.running.gen is not None
+        they decode, prefill or score: a parked job's GenRequest ends (cancelled) at the step, its
+        slot keeping the session; resumed, a new GenRequest of the same ids finds the session
+        holding them (with their logits, when decoding) and goes on without recomputing anything.
+        A prefill parked between chunks resumes at the next chunk (`Session.start_prefill` keeps
+        what is cached), so its chunks, and its numbers, are those of an uninterrupted one. A
+        scoring job is always between two chunks here: parking it only skips its turn."""
+        runs = [s.running for s in self.info if s.running is not None
+                and (s.running.gen is not None or s.running.scoring is not None)
                 and not s.running.evicting and not s.running.job.is_cancelled() and not s.running.decoder.done]
         if len(runs) < 2 and not any(run.parked for run in runs):
             return
         rows = decoding_rows([self.jobs.served(run.job) for run in runs], self.quantum)
         for run, go in zip(runs, rows):
-            if go and run.parked:
+            if run.scoring is not None:
+                if not go and not run.parked:
+                    self.parks += 1
+                run.parked = not go
+            elif go and run.parked:
                 run.parked = False
                 self._resume(run)
             elif not go and not run.parked and not run.parking and not run.gen.done:
                 run.parking = True
+
+    def _scoring_turn(self) -> _Running | None:
+        """The scoring job whose next chunk this step runs, if any: a step runs one chunk at most,
+        a scoring one or the scheduler's prefill (`BatchScheduler.prefilling`), which take turns
+        while both wait; the scoring jobs take theirs in slot order."""
+        n = self.n_slots
+        order = [self.info[(self._next_score + k) % n].running for k in range(n)]
+        waiting = [run for run in order if run is not None and run.scoring is not None and run.scored is None
+                   and not run.parked and not run.job.is_cancelled() and run.error is None]
+        if not waiting or (self._scored_last and self.scheduler.prefilling):
+            self._scored_last = False
+            return None
+        run = waiting[0]
+        self._next_score, self._scored_last = (run.slot + 1) % n, True
+        return run
+
+    def _score_chunk(self, run: _Running) -> None:
+        """Run one chunk of a job's scoring; its result, cancellation or failure is taken up
+        after the step (`_after_scoring`), so that no exception of one job aborts the step."""
+        assert run.scoring is not None
+        try:
+            next(run.scoring)
+        except StopIteration as done:
+            run.scored = done.value
+        except Cancelled:
+            pass  # only raised once the job is cancelled: `_after_scoring` ends it
+        except Exception as e:
+            log.exception("job %d: scoring failed", run.job.id)
+            run.error = e
 
     def _admit_waiting(self, stopping: bool) -> None:
         """Give free slots to queued jobs, in the ledger's fair order: a request with fewer jobs
@@ -404,7 +466,7 @@ class BatchedLoop:
                 self._start(job, decision.slot)
             except Exception as e:
                 self._reset_slot(decision.slot)
-                if job.is_cancelled():  # e.g. cancelled while its prompt was being scored
+                if job.is_cancelled():  # e.g. cancelled while its checkpoint was being restored
                     self.jobs.finish_cancelled(job)
                     self.jobs.record(job)
                     continue
@@ -542,26 +604,27 @@ class BatchedLoop:
         # 1. the slot's current session goes to disk before it is replaced
         self._save_slot(i, policy.EVICT, ids)
         kept = common_prefix(session.tokens, ids)
-        kept_on_disk = min(info.on_disk, kept)
+        info.running = run = _Running(job, i, ids, TokenDecoder(model, job), boundary, min(info.on_disk, kept))
         info.prompt_text, info.on_disk = None, 0
-        if req.prompt_logprobs is None:  # a scored prompt is computed in full anyway
-            kept = self._copy_shared(i, ids, kept)
         if req.prompt_logprobs is not None:
-            # Scored here, on the loop's thread, before the slot joins the batch: the other
-            # slots wait for this prefill (like for a disk restore), and the plan's prefill
-            # then has only the frontier token left.
-            job.emit(score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled))
+            # 2. scored one chunk per step (`_scoring_turn`); the slot's content goes now, not at
+            #    the first chunk, so that the step charges count that chunk's tokens. The plan's
+            #    prefill then has only the frontier token left (`_after_scoring`).
+            session.reset()
+            run.scoring = iter_score_prompt(model, session, ids, req.prompt_logprobs, job.is_cancelled)
+            return
+        self._copy_shared(i, ids, kept)  # a scored prompt is computed in full anyway
+        self._prefill(run)
 
-        # 2. the plan (`server.kvplan`): its restore step brings the prompt's longest checkpoint
-        #    back before the slot joins the batch; its stages are the checkpoints to leave on disk
-        plan = plan_prefill(self.kv, model, session, req.prompt_text, ids, boundary)
-        ids, n_restored = plan.ids, plan.n_restored
-        stages = list(plan.stages)
-
-        run = _Running(job, i, ids, stages, TokenDecoder(model, job), n_restored)
-        run.n_on_disk = max(n_restored, kept_on_disk)
-        job.stats.n_prompt = len(ids)
-        info.running = run
+    def _prefill(self, run: _Running) -> None:
+        """3. the plan (`server.kvplan`): its restore step brings the prompt's longest checkpoint
+        back before the slot joins the batch; its stages are the checkpoints to leave on disk."""
+        job = run.job
+        plan = plan_prefill(self.kv, self.model, self.session(run.slot), job.request.prompt_text, run.ids,
+                            run.boundary)
+        run.ids, run.stages, run.n_restored = plan.ids, list(plan.stages), plan.n_restored
+        run.n_on_disk = max(plan.n_restored, run.kept_on_disk)
+        job.stats.n_prompt = len(run.ids)
         self._submit_next(run)
 
     def _submit_next(self, run: _Running) -> None:
@@ -634,15 +697,38 @@ class BatchedLoop:
     def _collect(self) -> None:
         for i, info in enumerate(self.info):
             run = info.running
-            if run is None or run.gen is None or not run.gen.done:
+            if run is not None and run.scoring is not None:
+                after = self._after_scoring
+            elif run is not None and run.gen is not None and run.gen.done:
+                after = self._advance
+            else:
                 continue
             try:
-                self._advance(i, run)
+                after(i, run)
             except Exception as e:  # e.g. a failing splitter at finish: only this job fails
                 log.exception("job %d failed", run.job.id)
                 self.info[i].running = None
                 self._reset_slot(i)
                 self._fail(run.job, e)
+
+    def _after_scoring(self, i: int, run: _Running) -> None:
+        """Between two steps of a job's scoring: end it when it failed or was cancelled (its slot
+        holds the chunks done, which match no known text); once scored, emit the `PromptScored`
+        and go on to the prefill plan."""
+        job = run.job
+        if run.error is not None:
+            self._end(i)
+            self._reset_slot(i)
+            self._fail(job, run.error)
+        elif job.is_cancelled():
+            self._end(i, keep_text=False)
+            self.jobs.finish_cancelled(job)
+            self.jobs.record(job)
+        elif run.scored is not None:
+            job.emit(run.scored)
+            run.scoring = run.scored = None
+            run.parked = False
+            self._prefill(run)
 
     def _advance(self, i: int, run: _Running) -> None:
         """A job's GenRequest is done: store its checkpoint and go on, or finish the job."""

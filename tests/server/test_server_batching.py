@@ -1,5 +1,6 @@
 """Batched sessions in ds4-server: routing rules (pure), and the batched worker on tiny random
-GGUF models (concurrency, prefix routing, eviction saves, cancellation, greedy equality)."""
+GGUF models (concurrency, prefix routing, eviction saves, cancellation, greedy equality, prompt
+scoring one chunk per step beside the other slots' decoding)."""
 from __future__ import annotations
 
 import queue
@@ -14,6 +15,7 @@ from server.batching import (EMPTY, IDLE, PREFIX, SHORTEST, Route, SlotView, com
 from server.kvstore_policy import EVICT, SHUTDOWN, SavePolicy
 from server.prompting import prompt_ids
 from server.jobs import Failed, Finished, GenerationRequest, PromptReady, SamplingSpec, TextDelta
+from server.scoring import PromptScored, score_prompt
 from server.worker import InferenceWorker
 
 HOUR = 3600.0
@@ -516,3 +518,224 @@ def test_newcomers_that_arrive_together_each_take_a_slot_and_the_evicted_choices
     assert evictions >= 2
     assert texts == [alone[0]] * 3
     assert [text_of(events) for _, events in newcomers] == alone[1:]
+
+
+# --- prompt scoring one chunk per step ----------------------------------------------------------
+
+SCORE_CHUNK = 16
+LONG_QUESTION = "a long question: " + "tell me about the sea and the sky and the land " * 3
+
+
+def scoring_chunks(model, monkeypatch, on_chunk=lambda: None, delay: float = 0.0, other_delay: float = 0.0) -> list:
+    """Prefill chunks of `SCORE_CHUNK` tokens; every chunk that computes all its rows' logits (a
+    scoring chunk) calls `on_chunk()` first, whose values are returned in order, and then takes
+    `delay` more seconds, every other forward pass (decoding steps too) `other_delay` more: a
+    real model's time, so that a step of the tiny model is not a blink."""
+    monkeypatch.setattr(model, "prefill_chunk", SCORE_CHUNK)
+    forward, decode = model.net.forward, model.net.decode
+    seen: list = []
+
+    def watched(ids, *args, **kw):
+        if kw.get("logits") == "all":
+            seen.append(on_chunk())
+            time.sleep(delay)
+        else:
+            time.sleep(other_delay)
+        return forward(ids, *args, **kw)
+
+    def slow_decode(*args, **kw):
+        time.sleep(other_delay)
+        return decode(*args, **kw)
+
+    monkeypatch.setattr(model.net, "forward", watched)
+    monkeypatch.setattr(model.net, "decode", slow_decode)
+    return seen
+
+
+def scored_of(events) -> PromptScored:
+    scored = [e for e in events if isinstance(e, PromptScored)]
+    assert len(scored) == 1, events
+    return scored[0]
+
+
+def test_a_scored_long_prompt_gives_the_log_probs_of_one_piece_scoring_and_of_the_serial_loop(tiny, monkeypatch):
+    scoring_chunks(tiny, monkeypatch)
+    long_prompt, other = chat(tiny, LONG_QUESTION), chat(tiny, "one short answer")
+    scored = req(tiny, long_prompt, 8, prompt_logprobs=3)
+    ids = list(scored.prompt_ids)
+    assert len(ids) > 8 * SCORE_CHUNK  # many chunks, each a step of its own
+    one_piece = score_prompt(tiny, tiny.new_session(), ids, 3)
+    w1 = started(tiny, 1)
+    try:
+        (_, serial), = collect(w1, [scored])
+    finally:
+        w1.stop()
+    w = started(tiny, 2)
+    try:
+        # Another slot decodes all along, so the chunks are interleaved with its steps.
+        (_, decoding), (job, batched) = collect(w, [req(tiny, other, 60), scored])
+    finally:
+        w.stop()
+    assert scored_of(batched) == one_piece == scored_of(serial)
+    assert text_of(batched) == text_of(serial) and isinstance(batched[-1], Finished)
+    assert batched[-1].usage.cached_tokens == 0  # computed in full for its scores
+    assert isinstance(decoding[-1], Finished) and decoding[-1].usage.completion_tokens == 60
+    assert job.stats.status == "done"
+
+
+class StepMarks:
+    """A `JobObserver` that marks the end of each batched step in `order`."""
+
+    def __init__(self, order: list) -> None:
+        self.order = order
+
+    def job_started(self, stats) -> None:
+        pass
+
+    def token(self, stats, now: float) -> None:
+        pass
+
+    def job_finished(self, stats) -> None:
+        pass
+
+    def batch_step(self, busy_slots: int) -> None:
+        self.order.append("step")
+
+
+def test_a_scoring_chunk_and_a_prefill_chunk_take_turns_one_chunk_per_step(tiny, monkeypatch):
+    scored_prompt = chat(tiny, LONG_QUESTION)
+    prefilled_prompt = chat(tiny, "another long one: " + "rivers run down to the sea under a grey sky " * 3)
+    w = started(tiny, 2)
+    try:
+        alone = [collect(w, [r])[0][1] for r in (req(tiny, scored_prompt, 8, prompt_logprobs=1),
+                                                  req(tiny, prefilled_prompt, 8))]
+    finally:
+        w.stop()
+    order: list = []
+    monkeypatch.setattr(tiny, "prefill_chunk", SCORE_CHUNK)
+    forward = tiny.net.forward
+
+    def marked(ids, *args, **kw):
+        if len(ids) > 1:
+            order.append("score" if kw.get("logits") == "all" else "prefill")
+        return forward(ids, *args, **kw)
+
+    monkeypatch.setattr(tiny.net, "forward", marked)
+    w = started(tiny, 2, observer=StepMarks(order))  # fresh slots: both prompts computed in full
+    try:
+        w.batched.quantum = float("inf")  # both served in every step: only the chunk rule decides
+        together = [events for _, events in collect(w, [req(tiny, scored_prompt, 8, prompt_logprobs=1),
+                                                        req(tiny, prefilled_prompt, 8)])]
+    finally:
+        w.stop()
+    steps, chunks = [[]], [c for c in order if c != "step"]
+    for mark in order:
+        steps.append([]) if mark == "step" else steps[-1].append(mark)
+    assert all(len(step) <= 1 for step in steps), steps
+    first, last = chunks.index("score"), len(chunks) - 1 - chunks[::-1].index("score")
+    assert "prefill" in chunks[first:last]  # the prefill's chunks went between the scoring's
+    assert chunks.count("score") == -(-(len(prompt_ids(tiny, scored_prompt)) - 1) // SCORE_CHUNK)
+    assert scored_of(together[0]) == scored_of(alone[0])
+    assert [text_of(e) for e in together] == [text_of(e) for e in alone]
+
+
+def test_a_newcomer_decodes_between_the_chunks_of_a_long_scored_prompt_and_outputs_do_not_change(tiny, monkeypatch):
+    long_prompt, short_prompt = chat(tiny, LONG_QUESTION), chat(tiny, "one short answer")
+    w = started(tiny, 2)
+    try:
+        alone = [collect(w, [r])[0][1] for r in (req(tiny, long_prompt, 8, prompt_logprobs=2),
+                                                  req(tiny, short_prompt, 8))]
+    finally:
+        w.stop()
+    newcomer: dict = {}
+    # At each scoring chunk: the tokens the newcomer (once submitted) has generated so far.
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: newcomer["job"].stats.n_generated if newcomer else None,
+                            delay=0.02)
+    order: list = []  # both jobs' events, in the order the loop emitted them
+    w = started(tiny, 2)  # fresh slots: the long prompt is scored in full
+    try:
+        w.batched.quantum = 0.0  # strict: the least served request goes alone
+        long_job = w.submit(req(tiny, long_prompt, 8, prompt_logprobs=2), lambda e: order.append(("long", e)))
+        while not chunks:  # its scoring has begun
+            time.sleep(0.001)
+        newcomer["job"] = w.submit(req(tiny, short_prompt, 8), lambda e: order.append(("short", e)))
+        assert w.wait_finished(long_job.id, 30) is not None and w.wait_finished(newcomer["job"].id, 30) is not None
+        parks = w.batched.parks
+    finally:
+        w.stop()
+    progress = [n for n in chunks if n is not None]
+    # The newcomer's decoding went on between two chunks of the scoring, which it did not wait for.
+    assert any(a < b for a, b in zip(progress, progress[1:])), chunks
+    kinds = [(who, type(e)) for who, e in order]
+    assert kinds.index(("short", Finished)) < kinds.index(("long", PromptScored))
+    assert parks >= 1
+    long_events = [e for who, e in order if who == "long"]
+    assert scored_of(long_events) == scored_of(alone[0])
+    assert [text_of(long_events), text_of(e for who, e in order if who == "short")] == [text_of(ev) for ev in alone]
+
+
+def test_cancelling_a_scored_prompt_between_its_chunks_frees_its_slot_and_changes_no_other_output(tiny, monkeypatch):
+    long_prompt = chat(tiny, LONG_QUESTION)
+    keep, later = chat(tiny, "keep me going"), chat(tiny, "one more, after the cancel")
+    w = started(tiny, 2)
+    try:
+        alone = [text_of(collect(w, [req(tiny, p, n)])[0][1]) for p, n in ((keep, 150), (later, 8))]
+    finally:
+        w.stop()
+    # The other request's 150 steps (over 0.75 s) outlast the cancel and the request after it.
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: None, delay=0.02, other_delay=0.005)
+    w = started(tiny, 2)
+    try:
+        q_keep: queue.Queue = queue.Queue()
+        kept = w.submit(req(tiny, keep, 150), q_keep.put)
+        cancelled_events: list = []
+        scored = w.submit(req(tiny, long_prompt, 8, prompt_logprobs=1), cancelled_events.append)
+        while len(chunks) < 2:  # two chunks into its scoring
+            time.sleep(0.001)
+        scored.cancel()
+        stats = w.wait_finished(scored.id, 30)
+        n_chunks = len(chunks)
+        # Its slot is free: a request that comes now starts there, without waiting for the other slot.
+        (after_job, after), = collect(w, [req(tiny, later, 8)])
+        kept_events = []
+        while not isinstance(ev := q_keep.get(timeout=30), (Finished, Failed)):
+            kept_events.append(ev)
+        kept_stats = w.wait_finished(kept.id, 30)
+    finally:
+        w.stop()
+    n_scored = -(-(len(prompt_ids(tiny, long_prompt)) - 1) // SCORE_CHUNK)
+    assert stats.status == "cancelled" and n_chunks < n_scored
+    assert isinstance(cancelled_events[-1], Finished) and cancelled_events[-1].finish_reason == "cancelled"
+    assert not any(isinstance(e, (PromptScored, PromptReady, TextDelta)) for e in cancelled_events)
+    assert after_job.stats.slot == scored.stats.slot and after_job.stats.finished_at < kept_stats.finished_at
+    assert isinstance(ev, Finished) and ev.usage.completion_tokens == 150
+    assert [text_of(kept_events), text_of(after)] == alone
+
+
+def test_a_scoring_chunk_that_fails_fails_only_its_job(tiny, monkeypatch):
+    long_prompt, other = chat(tiny, LONG_QUESTION), chat(tiny, "keep me going")
+    w = started(tiny, 2)
+    try:
+        alone = text_of(collect(w, [req(tiny, other, 40)])[0][1])
+    finally:
+        w.stop()
+    chunks = scoring_chunks(tiny, monkeypatch, lambda: None)
+    forward = tiny.net.forward
+
+    def third_scoring_chunk_fails(ids, *args, **kw):
+        if kw.get("logits") == "all" and len(chunks) == 2:
+            chunks.append(None)
+            raise RuntimeError("a broken chunk")
+        return forward(ids, *args, **kw)
+
+    monkeypatch.setattr(tiny.net, "forward", third_scoring_chunk_fails)
+    w = started(tiny, 2)
+    try:
+        (ok, decoding), (job, failed) = collect(w, [req(tiny, other, 40), req(tiny, long_prompt, 8, prompt_logprobs=1)])
+        assert w.wait_finished(ok.id, 30) is not None and w.wait_finished(job.id, 30) is not None
+        assert w.batched.n_active == 0 and w.batched.resident_tokens()[job.stats.slot] == 0  # its slot emptied
+    finally:
+        w.stop()
+    assert isinstance(failed[-1], Failed) and job.stats.status == "failed"
+    assert not any(isinstance(e, PromptScored) for e in failed)
+    assert isinstance(decoding[-1], Finished) and text_of(decoding) == alone

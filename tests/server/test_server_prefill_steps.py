@@ -7,7 +7,8 @@ one chunk per step, with other requests' steps between them.
 - The serial loop over the fake engine: a short request that arrives during a long prompt's
   prefill is answered before that prefill ends.
 - The embedded model in both loops (`model`): greedy outputs and prompt log-probs of requests
-  served together, long prompts among them, equal those served alone.
+  served together, long prompts among them, equal those served alone; a long prompt scored in
+  the batched loop (one chunk per step) beside a decoding request gets the serial loop's numbers.
 """
 
 from __future__ import annotations
@@ -185,3 +186,18 @@ def test_long_prompts_served_together_give_the_outputs_and_log_probs_of_each_alo
     assert min(s.finished_at for s in stats) > sorted(s.started_at for s in stats)[1]
 
 
+
+
+@pytest.mark.model
+def test_a_long_prompt_scored_beside_a_decoding_request_gets_the_same_log_probs_in_both_loops(embedded):
+    scored = {"prompt": LONG_B, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 2}
+    other = {"prompt": "The capital of France is", "max_tokens": 32, "temperature": 0}
+    got = []
+    for slots in (1, 2):
+        with live_server(create_app(embedded, ServerConfig(batched_session=slots))) as srv:
+            decoding = Background(srv.base, "/v1/completions", other)
+            choice = timed_post(srv.base, "/v1/completions", scored)[1]["choices"][0]
+            got.append((choice["text"], choice["logprobs"], answers(decoding.join())))
+    serial, batched = got
+    assert batched == serial
+    assert len(serial[1]["token_logprobs"]) > 3 * embedded.prefill_chunk  # scored over several chunks
