@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.constraints import (MAX_MESSAGE_CHARS, MAX_SCHEMA_BYTES, MAX_SCHEMA_MEMBERS, GrammarConstraint, brief, grammar_error,
-                                json_grammar, literal_choice, required_cycle, schema_problem, unpack_mask)
+                                json_grammar, literal_choice, required_cycle, schema_members, schema_problem,
+                                unpack_mask)
 from server.jobs import Finished, GenerationRequest, Job, TextDelta, TokenDecoder
 from server.tools.records import ToolCall
 from server.tools.registry import SYNTAXES
@@ -231,7 +232,18 @@ def test_the_members_limit_counts_properties_and_alternatives_everywhere():
     spread = {"$defs": {"d": obj(half)}, "anyOf": [obj(half - 2), {"type": "null"}]}
     assert schema_problem(spread) is None  # half + (half - 2) properties + 2 alternatives
     spread["anyOf"].append({"type": "integer"})
-    assert f"has {MAX_SCHEMA_MEMBERS + 1} object properties" in schema_problem(spread)
+    assert "(MAX_SCHEMA_MEMBERS)" in schema_problem(spread)
+    assert schema_members(spread) == MAX_SCHEMA_MEMBERS + 1
+
+
+def test_a_huge_schema_is_refused_by_its_members_before_it_is_serialised(monkeypatch):
+    """10,000 properties (about 0.3 MB): refused on the members count, which stops at the limit,
+    without serialising the schema to measure its size."""
+    import server.constraints as constraints
+
+    huge = {"type": "object", "properties": {f"field{i:05d}": {"type": "string"} for i in range(10_000)}}
+    monkeypatch.setattr(constraints.json, "dumps", lambda *a, **k: pytest.fail("the schema was serialised"))
+    assert "(MAX_SCHEMA_MEMBERS)" in constraints.schema_problem(huge)
 
 
 def test_grammar_messages_are_one_short_line():
