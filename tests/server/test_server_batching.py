@@ -246,9 +246,10 @@ def test_a_cancelled_evicted_job_ends_cancelled(tiny):
 def test_requests_beyond_the_slots_wait_and_reuse_routes_to_the_right_slot(tiny):
     w = started(tiny, 2)
     # Routing alone: no request is ever far enough ahead to be parked or evicted (tested above).
-    # With evictions, the job evicted for "gamma" may come back into the one slot that frees,
-    # the one where "beta" ended, and replace its conversation: the follow-up below would then
-    # find no prefix to reuse (likely the flake that made this pin; not reproduced).
+    # With evictions, the job evicted for "gamma" comes back into the one slot that frees, the
+    # one where "beta" ended, and replaces its conversation: the follow-up below then finds only
+    # the system prompt to reuse.  (Reproduced: letting a request give way after one decoding
+    # step's time fails this test every run; the documented cost of `_return_evicted`.)
     w.batched.quantum = float("inf")
     try:
         first = collect(w, [req(tiny, chat(tiny, "alpha alpha alpha")), req(tiny, chat(tiny, "beta beta beta")),
