@@ -61,6 +61,11 @@ class BatchInvariant:
         rows = [_row_tensor(self.net.decode_frontier(int(t), c, eos_ids)) for t, c in zip(tokens, caches)]
         return StepLogits.of(torch.stack(rows), eos_ids)
 
+    def decode_started(self, tokens: list[int], caches: list[Any],
+                       eos_ids: frozenset[int] = frozenset()) -> Callable[[], StepLogits]:
+        step = self.decode(tokens, caches, eos_ids)  # row by row, finished before it returns
+        return lambda: step
+
     def forward_rows(self, tokens: torch.Tensor, caches: list[Any]) -> torch.Tensor:
         rows = [_row_tensor(self.net.decode_frontier(int(t), c)) for t, c in zip(tokens.tolist(), caches)]
         return torch.stack(rows).float()

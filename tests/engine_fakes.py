@@ -475,7 +475,12 @@ class FakeScheduler:
             slot.request = req
             req.reused = slot.session.sync(req.ids)
 
-    def step(self) -> bool:
+    @property
+    def prefilling(self) -> bool:
+        return False  # a request syncs whole when admitted: no chunk ever waits
+
+    def step(self, prefill: bool = True) -> bool:
+        """One token for every request; `prefill` holds nothing back (no chunks here)."""
         self._admit()
         eos = self.model.eos_ids
         for slot in self.slots:

@@ -3,7 +3,8 @@ the same GGUF, each a subprocess on a free 127.0.0.1 port.
 
 `served(kind, model_path)` is a context manager yielding the server's base URL once its
 `GET /v1/models` answers, and stopping the process (SIGINT, then SIGKILL) on the way out.
-`LLAMA_CPP` is None when llama-cpp-python is not installed (tests skip on it).
+`LLAMA_CPP` is None when llama-cpp-python or its server's other modules (the `llamacpp` extra) are
+not installed (tests skip on it).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Iterator
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
-LLAMA_CPP = importlib.util.find_spec("llama_cpp")
+# llama-cpp-python's server needs more than the package itself: the `llamacpp` extra's modules.
+_SERVER_NEEDS = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+LLAMA_CPP = importlib.util.find_spec("llama_cpp") if all(importlib.util.find_spec(m) for m in _SERVER_NEEDS) else None
 STARTUP_S = 180.0
 
 

@@ -219,8 +219,10 @@ def test_golden_check_fails_a_broken_kernel(packed_model, embedded_sha, tmp_path
 
     _short_copy(packed_model, tmp_path, "chat_capital", 12)
     monkeypatch.setattr(engine.weights.Int4Linear, "__call__", bug(packed_model))
-    # The residual adds go through the (broken) product too, not the kernel's own add.
+    # The residual adds go through the (broken) product too, not the kernel's own add, and so do
+    # decoding steps, not the compiled layer halves that call the kernels directly.
     monkeypatch.setattr(engine.weights.Int4Linear, "accumulate", engine.weights.Linear.accumulate)
+    monkeypatch.setattr(packed_model.net, "block_ops", None)
     report = golden.check_golden(packed_model, embedded_sha, tmp_path)
     bad = {b.id: b for b in report.mismatches}
     found = bad.pop("chat_capital")
@@ -241,6 +243,7 @@ def test_golden_check_is_not_bit_exact(packed_model, embedded_sha, tmp_path, mon
     _short_copy(packed_model, tmp_path, "chat_capital", 12)
     original = engine.weights.Int4Linear.__call__
     monkeypatch.setattr(engine.weights.Int4Linear, "__call__", lambda self, x: original(self, x) * (1 + 1e-6))
+    monkeypatch.setattr(packed_model.net, "block_ops", None)  # decoding steps through the scaled products too
     report = golden.check_golden(packed_model, embedded_sha, tmp_path)
     assert {b.id for b in report.mismatches} == set(golden.GOLDEN_PROMPTS) - {"chat_capital"}
     [result] = report.prompts

@@ -34,8 +34,9 @@ def swap_top2(rows: torch.Tensor) -> torch.Tensor:
 
 class RunnerUpWhenBatched:
     """Stands in for `model.net`: everything goes to the real network, except that the batched
-    decoding step (`decode`, which engine.batch.decode_batch calls with several rows) returns
-    each row with its runner-up promoted. `batched_steps` counts the steps it changed."""
+    decoding step (`decode_started`, which engine.batch.decode_batch starts with several rows,
+    and `decode`) returns each row with its runner-up promoted. `batched_steps` counts the
+    steps it changed."""
 
     def __init__(self, net):
         self.net = net
@@ -50,6 +51,10 @@ class RunnerUpWhenBatched:
             return step
         self.batched_steps += 1
         return StepLogits.of(swap_top2(step.rows), eos_ids)
+
+    def decode_started(self, tokens, caches, eos_ids=frozenset()):
+        step = self.decode(tokens, caches, eos_ids)
+        return lambda: step
 
 
 def test_swap_top2_exchanges_only_the_two_best_of_each_row():
