@@ -478,11 +478,12 @@ def test_avx2_and_avx512_int4_products_are_the_same_bits():
     if not {"avx2", "avx512"} <= set(COMPILED):
         pytest.skip("needs a CPU with AVX512-BF16 (it runs the AVX2 path too)")
     a, b = path_kernels("avx2").int4, path_kernels("avx512").int4
-    q, scale, minimum, _ = int4_case(960, 1536, seed=5)
-    packed, scales = int4_pack(q, scale, minimum)
-    for rows in (1, 2, 37):
-        x = torch.randn(rows, 1536) * torch.logspace(-3, 3, 1536)  # wide exponents within a group
-        assert torch.equal(a(x, packed, scales), b(x, packed, scales)), rows
+    for n in (960, 976):  # AVX2 takes several rows' column groups in pairs: 61 groups leave one alone
+        q, scale, minimum, _ = int4_case(n, 1536, seed=5)
+        packed, scales = int4_pack(q, scale, minimum)
+        for rows in (1, 2, 37):
+            x = torch.randn(rows, 1536) * torch.logspace(-3, 3, 1536)  # wide exponents within a group
+            assert torch.equal(a(x, packed, scales), b(x, packed, scales)), (n, rows)
 
 
 @pytest.mark.parametrize("other", ["portable", "amx"])
