@@ -96,6 +96,19 @@ inline void store_row(at::Half* dst, const float* src, int64_t n) {
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
 
+// *p in every lane.  AVX2 broadcasts it from memory in one instruction, where splat's zero
+// addition takes two: it counts in the weighted sums' inner loops.
+inline vf splat_from(const float* p) {
+#if defined(DS4_ISA_AVX2)
+  const __m256 v = _mm256_broadcast_ss(p);
+  vf r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+#else
+  return splat(*p);
+#endif
+}
+
 #if !defined(DS4_ISA_AVX2) && !defined(DS4_ISA_AVX512) && !defined(DS4_ISA_AMX)
 inline float hsum(vf v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 
@@ -200,11 +213,17 @@ struct Scratch {
 
 constexpr int64_t KB = W;   // keys per score block: one transposing reduction
 constexpr int64_t VB = 32;  // values per block of the weighted sum
+constexpr int REGISTERS = W == 16 ? 32 : 16;  // vector registers: AVX512 has 32, AVX2 and SSE2 16
+
+// Vectors of the head dim that two queries' weighted sums take at a time: all NV where their
+// 2 NV accumulators leave registers for the operands, else halves.
+template <int NV>
+constexpr int pair_part() { return 2 * NV + 4 <= REGISTERS || NV % 2 != 0 ? NV : NV / 2; }
 
 // One (row, kv head): store the new key and value, scores, softmax, weighted sum of values.
 template <int NV, typename T>
 void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
-  constexpr int D = NV * W;
+  constexpr int D = NV * W, NP = pair_part<NV>();
   const int64_t L = job.len, Lp = (L + W - 1) / W * W;
   if (job.new_k != nullptr) {
     store_row(job.k + (L - 1) * D, job.new_k, D);
@@ -220,18 +239,28 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
   for (int64_t l0 = 0; l0 < L; l0 += KB) {
     const int64_t n = L - l0 < KB ? L - l0 : KB;
     const float* kb = as_float(job.k + l0 * D, n * D, tmp);
+    // KB keys' partial dot products, then one transposing reduction per query: a key's score
+    // is the same fixed sum of its lanes wherever it sits in a block.  A query stays in
+    // registers while four keys' products, independent chains, are summed side by side.
     for (int64_t g = 0; g < G; ++g) {
-      const vf* qg = q + g * NV;
-      // KB keys' partial dot products, then one transposing reduction: a key's score is the
-      // same fixed sum of its lanes wherever it sits in a block.
+      vf qg[NV];
+      for (int c = 0; c < NV; ++c) qg[c] = q[g * NV + c];
       vf acc[KB];
-      for (int64_t j = 0; j < n; ++j) {
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) {
         const float* k = kb + j * D;
-        vf a = qg[0] * load(k);
-        for (int c = 1; c < NV; ++c) a += qg[c] * load(k + c * W);
+        vf a[4];
+        for (int i = 0; i < 4; ++i) a[i] = qg[0] * load(k + i * D);
+        for (int c = 1; c < NV; ++c)
+          for (int i = 0; i < 4; ++i) a[i] += qg[c] * load(k + i * D + c * W);
+        for (int i = 0; i < 4; ++i) acc[j + i] = a[i];
+      }
+      for (; j < n; ++j) {
+        vf a = qg[0] * load(kb + j * D);
+        for (int c = 1; c < NV; ++c) a += qg[c] * load(kb + j * D + c * W);
         acc[j] = a;
       }
-      for (int64_t j = n; j < KB; ++j) acc[j] = splat(-1e30f / W);
+      for (; j < KB; ++j) acc[j] = splat(-1e30f / W);
       store(s + g * Lp + l0, transpose_sum(acc));
     }
   }
@@ -256,8 +285,9 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
     sc.total[g] = total;
     inv[g] = 1.0f / total;
   }
-  // Weighted values, a block at a time, two queries per pass over it; each output lane sums
-  // its terms in key order.
+  // Weighted values, a block at a time, two queries per pass over it (over a part of the head
+  // dim at a time where both queries' accumulators would not fit in registers); each output
+  // lane sums its terms in key order.
   vf* acc = q;  // the queries are no longer needed
   for (int64_t i = 0; i < G * NV; ++i) acc[i] = vf{};
   for (int64_t l0 = 0; l0 < L; l0 += VB) {
@@ -265,26 +295,28 @@ void attend(const Job<T>& job, int64_t G, float scale, Scratch& sc) {
     const float* vb = as_float(job.v + l0 * D, n * D, tmp);
     int64_t g = 0;
     for (; g + 1 < G; g += 2) {
-      vf a[NV], b[NV];
-      for (int c = 0; c < NV; ++c) a[c] = acc[g * NV + c], b[c] = acc[(g + 1) * NV + c];
-      const float* pa = s + g * Lp + l0;
-      const float* pb = pa + Lp;
-      for (int64_t j = 0; j < n; ++j) {
-        const vf wa = splat(pa[j]), wb = splat(pb[j]);
-        for (int c = 0; c < NV; ++c) {
-          const vf x = load(vb + j * D + c * W);
-          a[c] += wa * x;
-          b[c] += wb * x;
+      for (int c0 = 0; c0 < NV; c0 += NP) {
+        vf a[NP], b[NP];
+        for (int c = 0; c < NP; ++c) a[c] = acc[g * NV + c0 + c], b[c] = acc[(g + 1) * NV + c0 + c];
+        const float* pa = s + g * Lp + l0;
+        const float* pb = pa + Lp;
+        for (int64_t j = 0; j < n; ++j) {
+          const vf wa = splat_from(pa + j), wb = splat_from(pb + j);
+          for (int c = 0; c < NP; ++c) {
+            const vf x = load(vb + j * D + (c0 + c) * W);
+            a[c] += wa * x;
+            b[c] += wb * x;
+          }
         }
+        for (int c = 0; c < NP; ++c) acc[g * NV + c0 + c] = a[c], acc[(g + 1) * NV + c0 + c] = b[c];
       }
-      for (int c = 0; c < NV; ++c) acc[g * NV + c] = a[c], acc[(g + 1) * NV + c] = b[c];
     }
     if (g < G) {
       vf a[NV];
       for (int c = 0; c < NV; ++c) a[c] = acc[g * NV + c];
       const float* pa = s + g * Lp + l0;
       for (int64_t j = 0; j < n; ++j) {
-        const vf wa = splat(pa[j]);
+        const vf wa = splat_from(pa + j);
         for (int c = 0; c < NV; ++c) a[c] += wa * load(vb + j * D + c * W);
       }
       for (int c = 0; c < NV; ++c) acc[g * NV + c] = a[c];
@@ -428,8 +460,9 @@ void run_prefill(const at::Tensor& q, const at::Tensor& kv, int64_t start, float
   T* base = kv.data_ptr<T>();
   std::vector<Job<T>> jobs;
   jobs.reserve(N * Hkv);
-  for (int64_t i = 0; i < N; ++i)
-    for (int64_t h = 0; h < Hkv; ++h)
+  // Head by head: consecutive jobs read the same keys and values, which stay in cache.
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t i = 0; i < N; ++i)
       jobs.push_back({q0 + i * q.stride(0) + h * G * D, nullptr, nullptr, base + h * kv.stride(1),
                       base + kv.stride(0) + h * kv.stride(1), out0 + i * H * D + h * G * D, start + i + 1});
   run_jobs(jobs, G, D, scale);
