@@ -21,7 +21,13 @@ for the load. `--server-log PREFIX` keeps each run's server log (level info), `-
 profiles the server from just before the load until the normal request is answered (raw
 collapsed stacks of every thread, idle ones included, in `--py-spy-out`.K.txt).
 Both timed requests are greedy `/v1/completions` with different prompts. It prints each run's
-figures, then the ratios' spread. A measurement, not a test: pytest does not collect it. The
+figures, then the ratios' spread.
+
+The client shares the server's cores, and what it spends there is not the server's doing: so
+the load's bodies are encoded before the clock starts, and the threads that send them run at
+`--load-nice` (Linux nice values are per thread), so that the server's thread governor, which
+leaves niced work out (`engine.threads`), does not give a core up to them; 0 measures with the
+client competing as before. A measurement, not a test: pytest does not collect it. The
 figures in docs/server.md under "Scheduling" come from it.
 """
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -80,9 +87,11 @@ def issue_schema(variant: int) -> dict:
 SCHEMAS = {"admitted": worst_case_schema, "issue": issue_schema}
 
 
-def timed(base: str, path: str, body: dict) -> tuple[float, int]:
+def timed(base: str, path: str, body: dict | bytes) -> tuple[float, int]:
+    """Seconds and status of one POST; `body` a JSON value or its encoded bytes."""
+    encoded = body if isinstance(body, bytes) else json.dumps(body).encode()
     t0 = time.monotonic()
-    r = httpx.post(base + path, json=body, timeout=3600)
+    r = httpx.post(base + path, content=encoded, headers={"content-type": "application/json"}, timeout=3600)
     return time.monotonic() - t0, r.status_code
 
 
@@ -123,14 +132,16 @@ def one_run(args: argparse.Namespace, k: int) -> tuple[float, float, list[int]]:
     """(idle seconds, loaded seconds, statuses of the load requests that ended meanwhile)."""
     import subprocess
 
-    loads = load_requests(args)
+    loads = [(path, json.dumps(body).encode()) for path, body in load_requests(args)]
     flags = ["--batched-session", str(args.batched_session), "--log-level", "info" if args.server_log else "warning"]
     with model_server_process(*flags, *args.server_flag, root=args.repo.resolve()) as srv:
         idle = min(timed(srv.base, "/v1/completions", NORMAL)[0] for _ in range(3))
         sent = threading.Semaphore(0)
         statuses: list[int] = []
 
-        def fire(path: str, body: dict) -> None:
+        def fire(path: str, body: bytes) -> None:
+            if args.load_nice:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), args.load_nice)
             sent.release()
             try:
                 statuses.append(timed(srv.base, path, body)[1])
@@ -176,6 +187,8 @@ def main() -> None:
     ap.add_argument("--delay", type=float, default=0.0,
                     help="seconds between the worker turning busy and the normal request")
     ap.add_argument("--batched-session", type=int, default=1)
+    ap.add_argument("--load-nice", type=int, default=10,
+                    help="nice value of the threads that send the load (0: as the rest of the client)")
     ap.add_argument("--server-flag", action="append", default=[], help="one more ds4-server argument (repeatable)")
     ap.add_argument("--runs", type=int, default=3, help="fresh servers, one measurement each")
     ap.add_argument("--server-log", default=None, help="write each run's server log (level info) to PREFIX.K.log")
