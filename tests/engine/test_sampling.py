@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.device_sampling import DeviceLogits
-from engine.sampling import Sampler, SamplingParams, apply_logit_bias, filtered_probs
+from engine.sampling import Sampler, SamplingParams, apply_logit_bias, filtered_probs, greedy_id
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
 
@@ -17,6 +17,19 @@ def test_greedy_is_argmax_and_ignoring_eos_skips_it():
     tie = torch.tensor([3.0, 1.0, 3.0])  # an eos id tied first with another: the other wins
     assert Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({0}))(tie) == 2
     assert torch.equal(tie, torch.tensor([3.0, 1.0, 3.0]))  # the caller's row is not modified
+
+
+@pytest.mark.parametrize("row", [
+    torch.tensor([1.0, 3.0, 3.0, -1.0]),  # ties: the lowest index
+    torch.tensor([1.0, float("nan"), 5.0, float("nan")]),  # a NaN wins, the first one
+    torch.full((5,), float("-inf")),
+    torch.randn(49152),
+    torch.randn(3, 70000)[1],  # a row of a batch
+    torch.randn(70000)[::7],  # not contiguous
+    torch.randn(5, dtype=torch.float64),
+], ids=["ties", "nan", "all-inf", "vocab", "batch-row", "strided", "float64"])
+def test_greedy_id_is_torch_argmax(row):
+    assert greedy_id(row) == int(torch.argmax(row))
 
 
 def test_top_k_keeps_k_tokens():
