@@ -23,7 +23,8 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
   as are the float and Q8_0 tensors that become dense matrices and embedding tables.
 - `Int8Linear` (CPU): Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS stay 8-bit
-  with their float32 group scales, and minimums where the type has them (Q5_1, Q5_K, Q2_K):
+  with their group scales (float16 where exact, as for Q4_0 above, else float32), and float32
+  minimums where the type has them (Q5_1, Q5_K, Q2_K):
   exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
   and output.  A fused matrix whose parts mix these types (a Q5_K_M file's q/k in Q5_K and v in
   Q6_K) runs as one, at the smallest group of its parts (a scale of 32 inputs repeated for
@@ -203,8 +204,10 @@ class _CpuKernelLinear(Linear):
 
 
 class Int8Linear(_CpuKernelLinear):
-    """8-bit grouped types on CPU: int8 q [N/16, K/G, G, 16], float32 scales [N/16, K/G, 16]
-    per group and, for the types with them, minimums like the scales (the layout of
+    """8-bit grouped types on CPU: int8 q [N/16, K/G, G, 16], scales [N/16, K/G, 16] per group
+    (float16 where every one is exactly a float16, as Q8_0's and Q5_0's are, else float32: the
+    kernel widens them exactly, so only the bytes streamed change) and, for the types with them,
+    float32 minimums like the scales (the layout of
     engine/kernels/dense_linear.cpp; `int8_layout` or CpuKernels.repack_q8_0 makes it), whose
     rows past `out_features` are padding."""
 
@@ -225,9 +228,13 @@ class Int8Linear(_CpuKernelLinear):
 
 
 def int8_layout(q: np.ndarray, scale: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 q [N, K] and scales [N, K/group] in Int8Linear's layout, rows padded to whole blocks."""
+    """int8 q [N, K] and scales [N, K/group] in Int8Linear's layout, rows padded to whole blocks;
+    the scales in float16 where every one is exactly a float16 (`exact_scale_dtype`)."""
     q, scale = _pad_rows(q.shape[0], q, scale)
-    return torch.from_numpy(_column_blocks(q, group)), group_values_layout(scale)
+    scales = group_values_layout(scale)
+    if exact_scale_dtype(scales.numpy()) == np.float16:
+        scales = scales.half()
+    return torch.from_numpy(_column_blocks(q, group)), scales
 
 
 def group_values_layout(values: np.ndarray) -> torch.Tensor:
@@ -313,7 +320,7 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
     column j's input 2c + e in its low nibble and input 2(c + 8) + e in its high one, so that
     widening a chunk to 16-bit lanes gives two vectors of (input pair, column) bfloat16 operands.
     Scales and minimums become [N/16, K/32, 2, 16], float16 when all of them are exactly float16
-    values, else float32 (`int4_scale_dtype`).  The readable statement of the layout: the engine
+    values, else float32 (`exact_scale_dtype`).  The readable statement of the layout: the engine
     builds it from the file's blocks with CpuKernels.repack_int4, which the tests hold to this
     function."""
     n, k = q.shape
@@ -325,10 +332,10 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
         return a.reshape(ng, 16, kb).transpose(0, 2, 1)
 
     sm = np.ascontiguousarray(np.stack([per_group(scale), per_group(minimum)], axis=2), dtype=np.float32)
-    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(sm.astype(int4_scale_dtype(sm)))
+    return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(sm.astype(exact_scale_dtype(sm)))
 
 
-def int4_scale_dtype(values: np.ndarray) -> type:
+def exact_scale_dtype(values: np.ndarray) -> type:
     """float16 when every float32 value survives the round trip through float16 bit for bit
     (so the kernels, which widen it exactly, compute the same bits), else float32."""
     values = np.asarray(values, dtype=np.float32)

@@ -6,8 +6,11 @@
 //   x       [M, K] float32, rows may be strided, each row contiguous; used as they are
 //   q       int8 [N / 16, K / G, G, 16]: 16 output columns over one group of G inputs (G = 16
 //           or 32), the columns contiguous
-//   scales  float32 [N / 16, K / G, 16], so that w = q * scale per column and group
-//   minimums  None, or float32 like scales: then w = q * scale + minimum
+//   scales  float32 or float16 [N / 16, K / G, 16], so that w = q * scale per column and group
+//           (float16 for scales that are exactly float16 values, as Q8_0's are: widened on
+//           load, which is exact, so either dtype gives the same bits; a decoded row streams
+//           an eighth of a byte a weight less)
+//   minimums  None, or float32 [N / 16, K / G, 16]: then w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
 // ds4::f16_linear_<isa>(x, w) -> y
 //   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
@@ -36,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -114,8 +118,12 @@ inline vf group_dot(const float* xv, Widened w) {
 // y = x @ w.T over column groups of 16 and input groups of G; `s0` null for float16.  A
 // last group shorter than G (float16 only) reads x through a zero-padded copy; the padded
 // weights are zero, so the padding adds exact zeros.
-template <typename W, int G>
-at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, const float* m0, int64_t NG,
+// A group's 16 scales as float32: float16 ones widened (exactly).
+inline vf scales16(const float* p) { return loadv(p); }
+inline vf scales16(const at::Half* p) { return widen(p); }
+
+template <typename W, int G, typename S = float>
+at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const float* m0, int64_t NG,
                           int64_t KB) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
@@ -143,7 +151,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const float* s0, con
       std::fill(acc.begin(), acc.end(), vf{});
       for (int64_t b = 0; b < KB; ++b) {
         const W* wg = w0 + (g * KB + b) * G * C;
-        const vf scale = s0 ? loadv(s0 + (g * KB + b) * C) : vf{};
+        const vf scale = s0 ? scales16(s0 + (g * KB + b) * C) : vf{};
         const vf minimum = m0 ? loadv(m0 + (g * KB + b) * C) : vf{};
         auto xrow = [&](int64_t r) {
           return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
@@ -180,9 +188,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
               "int8_linear: q must be contiguous int8 [N/16, K/G, G, 16] with G 16 or 32");
   const int64_t NG = q.size(0), KB = q.size(1), Gq = q.size(2);
   TORCH_CHECK(x.size(1) == KB * Gq, "int8_linear: x has ", x.size(1), " inputs, the weights ", KB * Gq);
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 3 &&
-                  scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == C,
-              "int8_linear: scales must be contiguous float32 [N/16, K/G, 16]");
+  TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
+                  scales.dim() == 3 && scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == C,
+              "int8_linear: scales must be contiguous float32 or float16 [N/16, K/G, 16]");
   const float* m = nullptr;
   if (minimums.has_value()) {
     const at::Tensor& mt = *minimums;
@@ -191,8 +199,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     m = mt.data_ptr<float>();
   }
   const int8_t* w = q.data_ptr<int8_t>();
-  const float* s = scales.data_ptr<float>();
-  return Gq == 32 ? grouped_linear<int8_t, 32>(x, w, s, m, NG, KB) : grouped_linear<int8_t, 16>(x, w, s, m, NG, KB);
+  auto run = [&](const auto* s) {
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
+    return Gq == 32 ? grouped_linear<int8_t, 32, S>(x, w, s, m, NG, KB) : grouped_linear<int8_t, 16, S>(x, w, s, m, NG, KB);
+  };
+  if (scales.scalar_type() == at::kHalf) return run(scales.data_ptr<at::Half>());
+  return run(scales.data_ptr<float>());
 }
 
 at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -201,7 +213,7 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
               "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
   const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
   TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
-  return grouped_linear<at::Half, 32>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
+  return grouped_linear<at::Half, 32, float>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
 }
 
 }  // namespace dense

@@ -12,7 +12,8 @@
 //           whose fields are float16, unless -8 * d overflows), else float32 (Q4_K in general,
 //           whose scales are products); the int4 kernels give the same bits with either.
 // ds4::repack_q8_0_<isa>(raws, order, pad_to) -> (q, scales)
-//   the same for Q8_0 matrices: q int8 [P / 16, K / 32, 32, 16], scales float32 [P / 16, K / 32, 16]
+//   the same for Q8_0 matrices: q int8 [P / 16, K / 32, 32, 16], scales [P / 16, K / 32, 16]
+//           in float16 (the file's own, so always exact; float32 if a NaN's bits would not survive)
 //   (engine.weights.Int8Linear's layout)
 // One pass over the file's bytes, split over output column groups, instead of numpy's
 // several whole-matrix copies: the embedded model's 120 matrices take milliseconds.
@@ -193,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Te
       }
     }
   });
-  return {q, scales};
+  return {q, narrow_if_exact(scales)};  // Q8_0's scales are float16 in the file: always exact
 }
 
 }  // namespace repack

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from engine import kernels
-from engine.weights import Int4Linear, int4_pack, int4_scale_dtype
+from engine.weights import Int4Linear, int4_pack, exact_scale_dtype
 
 COMPILED = [p for p in kernels.host_paths() if p != "torch"]
 
@@ -467,9 +467,9 @@ def test_int4_float16_scales_give_the_bits_of_float32_ones(int4_op, qtype, half,
 
 
 def test_int4_scales_are_float16_only_where_every_value_round_trips():
-    assert int4_scale_dtype(np.array([0.5, -4.0, -0.0, 2 ** -24, 65504.0], np.float32)) == np.float16
+    assert exact_scale_dtype(np.array([0.5, -4.0, -0.0, 2 ** -24, 65504.0], np.float32)) == np.float16
     for inexact in (0.1, 65520.0, 1e5, 2 ** -26):  # rounded, rounded up to infinity, beyond it, to zero
-        assert int4_scale_dtype(np.array([0.5, inexact], np.float32)) == np.float32, inexact
+        assert exact_scale_dtype(np.array([0.5, inexact], np.float32)) == np.float32, inexact
 
 
 def test_avx2_and_avx512_int4_products_are_the_same_bits():
@@ -534,6 +534,18 @@ def test_int8_matches_float64(path, group, m):
     assert y.shape == (m, 64) and y.dtype == torch.float32
     want = x.double() @ w.T
     torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("with_minimums", [False, True])
+def test_int8_float16_scales_give_the_bits_of_float32_ones(path, group, m, with_minimums):
+    q, scales, _ = int8_case(48, 256, group, seed=4)
+    scales = scales.half().float()  # values that float16 holds exactly
+    minimums = (torch.randn(scales.shape) * 0.01) if with_minimums else None
+    x = torch.randn(m, 256)
+    args = () if minimums is None else (minimums,)
+    assert torch.equal(path.int8(x, q, scales.half(), *args), path.int8(x, q, scales, *args))
 
 
 @pytest.mark.parametrize("k", [32, 100, 576])  # 100: a last group of 4 inputs
@@ -780,6 +792,7 @@ def test_repack_q8_0_equals_the_numpy_layout(path):
     got_q, got_s = path.repack_q8_0([torch.from_numpy(raw)], torch.from_numpy(order), 256, 16)
     assert got_q.shape == (3, 8, 32, 16)  # 40 rows padded to 48
     assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    assert got_s.dtype == torch.float16  # Q8_0's scales are the file's float16 values
     # and the layout is the one the int8 kernel reads: the product of the dequantized rows
     x = torch.randn(3, 256)
     want = x.double() @ torch.from_numpy(g.q[order].astype(np.float64) * np.repeat(g.scale[order], 32, axis=1)).T

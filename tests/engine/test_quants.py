@@ -181,10 +181,12 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     if cpu.name == "torch":
         assert isinstance(lin, RowByRow)
         w = exact.half().double()  # torch's float16 kernel (FBGEMM) or bfloat16 matmul
-    elif qtype in INT8_GROUPS:  # 8-bit q and float32 scales: exactly the file's weights
+    elif qtype in INT8_GROUPS:  # 8-bit q and their scales: exactly the file's weights
         padded = rows + -rows % 16  # whole blocks of 16 columns
         assert isinstance(lin, Int8Linear)
-        per_group = 8 if qtype in INT8_WITH_MINIMUM else 4  # float32 scale (and minimum)
+        if qtype in (QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.IQ4_NL):  # one float16 scale a block in the file
+            assert lin.scales.dtype == torch.float16
+        per_group = lin.scales.element_size() + (4 if qtype in INT8_WITH_MINIMUM else 0)  # float32 minimums
         assert lin.nbytes == padded * 512 + padded * 512 // INT8_GROUPS[qtype] * per_group + rows * 4
         w = exact
     else:  # rounded once to float16
@@ -218,7 +220,8 @@ def test_fused_mixtures_of_grouped_types_keep_the_file_weights(parts, cpu):
         assert isinstance(lin, Int8Linear)
         group = min(INT8_GROUPS.get(q, 32) for q in parts)
         minimums = any(q in INT8_WITH_MINIMUM or q in (QT.Q4_1, QT.Q4_K) for q in parts)
-        assert lin.nbytes == 96 * 512 + 96 * 512 // group * (8 if minimums else 4)
+        per_group = lin.scales.element_size() + (4 if minimums else 0)  # float32 minimums
+        assert lin.nbytes == 96 * 512 + 96 * 512 // group * per_group
     x = torch.randn(6, 512, generator=torch.Generator().manual_seed(3))
     got = lin(x)
     ref = x.double() @ exact.T
