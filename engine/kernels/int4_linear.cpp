@@ -366,6 +366,12 @@ inline void column_pair_row(const float* wa, const float* wb, const float* xv, c
   }
 }
 
+// From this many rows on, several rows take column groups in pairs (column_pair_row).  Below it
+// the op is bound by streaming the weights from memory, which the pair's two streams, KB * 256
+// bytes apart, slowed (measured: 2 rows 0.67x, 8 rows 0.88x, 16 rows 1.01x, 32 rows 1.12x); a
+// pair version of group_one_row measured 0.63x for one decoding row, so that one stays alone.
+constexpr int64_t PAIR_ROWS = 16;
+
 template <typename S>
 void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
@@ -377,19 +383,9 @@ void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::T
     });
     return;
   }
-  // Several rows: two column groups at a time, their weights widened once into buffers that
-  // every row reads (a lone last group alone, 16 columns a row).
-  vector_op<float, S, 2>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, int64_t n,
-                                                      const RoundedRows<float>& xr, int64_t b, float* acc_y) {
-    alignas(32) float w[2][G * C];
-    widen_group(q, w[0]);
-    if (n == 2) {
-      widen_group(q + KB * 256, w[1]);
-      for (int64_t r = 0; r < M; ++r)
-        column_pair_row(w[0], w[1], xr.values.data() + r * K + b * G, sc, sc + KB * 2 * C, xr.sums[r * KB + b],
-                        acc_y + r * 2 * C);
-      return;
-    }
+  // Several rows: each column group's weights widened once into a buffer that every row reads.
+  auto rows_of_group = [&](const float* w, const S* sc, const RoundedRows<float>& xr, int64_t b, float* acc_y,
+                           int64_t stride) {
     for (int64_t r = 0; r < M; ++r) {
       const float* xv = xr.values.data() + r * K + b * G;
       __m256 a[4][2];
@@ -398,12 +394,35 @@ void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::T
       for (int p = 0; p < 16; ++p) {
         const __m256 odd = _mm256_broadcast_ss(xv + 2 * p + 1), even = _mm256_broadcast_ss(xv + 2 * p);
         for (int h = 0; h < 2; ++h) {
-          a[p & 3][h] = _mm256_fmadd_ps(odd, _mm256_load_ps(w[0] + (2 * p + 1) * C + 8 * h), a[p & 3][h]);
-          a[p & 3][h] = _mm256_fmadd_ps(even, _mm256_load_ps(w[0] + 2 * p * C + 8 * h), a[p & 3][h]);
+          a[p & 3][h] = _mm256_fmadd_ps(odd, _mm256_load_ps(w + (2 * p + 1) * C + 8 * h), a[p & 3][h]);
+          a[p & 3][h] = _mm256_fmadd_ps(even, _mm256_load_ps(w + 2 * p * C + 8 * h), a[p & 3][h]);
         }
       }
-      finish_group(a, sc, xr.sums[r * KB + b], acc_y + r * 2 * C);
+      finish_group(a, sc, xr.sums[r * KB + b], acc_y + r * stride);
     }
+  };
+  if (M < PAIR_ROWS) {
+    vector_op<float, S>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, int64_t,
+                                                    const RoundedRows<float>& xr, int64_t b, float* acc_y) {
+      alignas(32) float w[G * C];
+      widen_group(q, w);
+      rows_of_group(w, sc, xr, b, acc_y, C);
+    });
+    return;
+  }
+  // Two column groups at a time (a lone last group alone, 16 columns a row).
+  vector_op<float, S, 2>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, int64_t n,
+                                                      const RoundedRows<float>& xr, int64_t b, float* acc_y) {
+    alignas(32) float w[2][G * C];
+    widen_group(q, w[0]);
+    if (n == 1) {
+      rows_of_group(w[0], sc, xr, b, acc_y, 2 * C);
+      return;
+    }
+    widen_group(q + KB * 256, w[1]);
+    for (int64_t r = 0; r < M; ++r)
+      column_pair_row(w[0], w[1], xr.values.data() + r * K + b * G, sc, sc + KB * 2 * C, xr.sums[r * KB + b],
+                      acc_y + r * 2 * C);
   });
 }
 
