@@ -30,9 +30,10 @@
 //
 // A row's result depends on that row alone, in one fixed order of operations per op: the
 // same whatever the number of rows (one decoding row or a prefill chunk), the other rows and
-// the thread count.  Work is split over groups of 16 output columns.  Each op exists only in
-// the library built for its instruction set (isa.h).  The tile op asks the kernel for
-// permission to use the tile registers (Linux arch_prctl) and raises if that is refused.
+// the thread count.  Work is split over groups of 16 output columns (pairs of them in the AVX2
+// op from 16 rows on).  Each op exists only in the library built for its instruction set
+// (isa.h).  The tile op asks the kernel for permission to use the tile registers (Linux
+// arch_prctl) and raises if that is refused.
 // None adds biases or handles K not divisible by 32.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
