@@ -108,7 +108,10 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def greedy_id(logits: torch.Tensor) -> int:
     """The index of the largest value, as `torch.argmax` gives it: the lowest of tied ones, the
-    first NaN if any.  A host row goes through NumPy's vectorised argmax, which agrees on both."""
+    first NaN if any.  A host row goes through NumPy's vectorised argmax, which agrees on both;
+    a row left on the GPU (engine.device_sampling.DeviceLogits) answers for itself."""
+    if not isinstance(logits, torch.Tensor):
+        return int(logits.argmax())
     if logits.device.type == "cpu" and not logits.requires_grad:
         return int(logits.numpy().argmax())
     return int(torch.argmax(logits))

@@ -52,7 +52,7 @@ from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar
 import torch
 
 from engine.device_sampling import host_row
-from engine.sampling import apply_logit_bias
+from engine.sampling import apply_logit_bias, greedy_id
 
 from server.constraints import apply_mask
 from server.stops import StopMatcher
@@ -431,7 +431,7 @@ class TokenDecoder:
             self.job.stats.n_greedy += 1
             if self.logit_bias:  # the request's bans and forced tokens hold here too
                 logits = apply_logit_bias(host_row(logits), self.logit_bias)
-            return int(logits.argmax())
+            return greedy_id(logits)
         return int(sample(logits))
 
     def accept(self, token: int) -> bool:

@@ -411,7 +411,7 @@ def test_int4_empty_input_gives_an_empty_output(int4_op):
     assert int4_op(torch.randn(0, 64), packed, scales).shape == (0, 32)
 
 
-@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("m", [1, 5, 37])  # 37: AVX2 takes column groups in pairs from 16 rows
 @pytest.mark.parametrize("n_out", [192, 181])  # whole column groups, and padding columns dropped
 def test_int4_add_gives_the_bits_of_adding_the_product(path, m, n_out):
     """int4_linear_add(x, ..., out) adds into the residual stream itself: bit for bit what
