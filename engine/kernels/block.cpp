@@ -13,8 +13,8 @@
 //              applied to the adjacent pairs of every q and k head as torch multiplies
 //              complex64 numbers: re = a c - b s, im = a s + b c, each product and the sum
 //              rounded on its own (no fused multiply-add), so the bits equal the Python step's
-//   kv, positions, scale: as decode_attention (decode_attention.cpp), which stores each row's
-//              new key and value and attends
+//   kv, positions, scale: as decode_attention (decode_attention.cpp), without a window or
+//              capping, which stores each row's new key and value and attends
 //   wo_*       the output projection's int4 operands, added into x by int4_linear_add
 // ds4::ffn_block_<isa>(x, norm, eps, gate_up_packed, gate_up_scales, down_packed, down_scales) -> ()
 //   x += down(swiglu(gate_up(rms_norm(x, norm, eps)))), the same way.
@@ -79,7 +79,7 @@ void attention_block(at::Tensor x, const at::Tensor& norm, double eps, const at:
               " heads of ", D);
   at::Tensor qkv = int4::int4_linear(elementwise::rms_norm(x, norm, eps), qkv_packed, qkv_scales);
   rotate(qkv, rope, H + Hkv, D);
-  int4::int4_linear_add(attention::decode_attention(qkv, kv, positions, scale), wo_packed, wo_scales, x);
+  int4::int4_linear_add(attention::decode_attention(qkv, kv, positions, scale, 0, 0.0), wo_packed, wo_scales, x);
 }
 
 void ffn_block(at::Tensor x, const at::Tensor& norm, double eps, const at::Tensor& gate_up_packed,

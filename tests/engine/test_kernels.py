@@ -208,6 +208,169 @@ def test_attention_bad_arguments_are_errors_with_messages(attention):
         attention(torch.randn(1, 4 * 12), [torch.zeros(2, 1, 8, 12)], [0], 0.25)
 
 
+# ---------------------------------------------------------------- windows, ring caches, soft-capping
+
+
+def first_key(p: int, window: int) -> int:
+    return max(0, p + 1 - window) if window else 0
+
+
+def reference_window(qkv: torch.Tensor, kv: torch.Tensor, pos: int, H: int, Hkv: int, D: int, window: int,
+                     softcap: float) -> torch.Tensor:
+    """One row in float64: store its K and V at slot pos % capacity of a copy of kv (rounded to
+    kv's dtype), attend positions [first_key, pos] from their slots, scores capped."""
+    cap = kv.shape[2]
+    stored = qkv.to(kv.dtype).double()
+    kv = kv.double().clone()
+    kv[0, :, pos % cap] = stored[H * D:(H + Hkv) * D].view(Hkv, D)
+    kv[1, :, pos % cap] = stored[(H + Hkv) * D:].view(Hkv, D)
+    slots = torch.tensor([p % cap for p in range(first_key(pos, window), pos + 1)])
+    q = qkv.double()[: H * D].view(Hkv, H // Hkv, D) * D ** -0.5
+    scores = q @ kv[0][:, slots].transpose(1, 2)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    return torch.softmax(scores, dim=-1).matmul(kv[1][:, slots]).reshape(H * D)
+
+
+# (window, softcap, [(position, capacity), ...]): rings that wrap and caches that do not, spans
+# of one key, of a full ring, and past 512 keys (split into spans).
+WINDOW_CASES = [
+    (0, 0.0, [(0, 8), (50, 128), (600, 700)]),
+    (0, 5.0, [(0, 8), (50, 128), (600, 700)]),
+    (100, 0.0, [(50, 100), (99, 100), (250, 100), (1000, 128), (345, 160)]),
+    (700, 5.0, [(50, 900), (699, 700), (2000, 800), (1500, 701)]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 1, 64), (3, 3, 64), (4, 1, 256), (2, 2, 256)])
+@pytest.mark.parametrize("window,softcap,rows", WINDOW_CASES)
+def test_attention_window_ring_softcap_match_float64_reference(attention, H, Hkv, D, dtype, window, softcap, rows):
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(len(rows), (H + 2 * Hkv) * D + 5, generator=g)[:, : (H + 2 * Hkv) * D]
+    caches = [(torch.randn(2, Hkv, cap, D, generator=g) * 2).to(dtype) for _, cap in rows]
+    before = [kv.clone() for kv in caches]
+    positions = [p for p, _ in rows]
+    out = attention(qkv, caches, positions, D ** -0.5, window, softcap)
+    for i, (p, cap) in enumerate(rows):
+        want = reference_window(qkv[i], before[i], p, H, Hkv, D, window, softcap)
+        torch.testing.assert_close(out[i].double(), want, rtol=1e-5, atol=2e-6)
+        slot = p % cap
+        assert torch.equal(caches[i][0, :, slot], qkv[i, H * D:(H + Hkv) * D].view(Hkv, D).to(dtype))
+        assert torch.equal(caches[i][1, :, slot], qkv[i, (H + Hkv) * D:].view(Hkv, D).to(dtype))
+        others = torch.arange(cap) != slot
+        assert torch.equal(caches[i][:, :, others], before[i][:, :, others])
+
+
+def ring_of(keys: torch.Tensor, first: int, cap: int, g: torch.Generator) -> torch.Tensor:
+    """A cache [2, Hkv, cap, D] of random slots that holds keys [2, Hkv, n, D] as positions
+    first .. first + n - 1, each at slot p % cap."""
+    kv = (torch.randn(keys.shape[0], keys.shape[1], cap, keys.shape[3], generator=g) * 2).to(keys.dtype)
+    kv[:, :, torch.arange(first, first + keys.shape[2]) % cap] = keys
+    return kv
+
+
+# (span length, [(capacity, keys before the wrap), ...]): wraps after one key, inside a score
+# block and a value block (37: not a multiple of 4, 8, 16 or 32), on a block's edge, before the
+# last key, and in a row of 1100 keys (three spans of up to 512) inside each of its spans.
+RING_CASES = [(100, [(100, 1), (100, 37), (128, 64), (150, 99), (101, 50)]),
+              (1100, [(1100, 515), (1300, 1031), (1100, 300)])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 1, 256), (6, 3, 64)])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("L,rings", RING_CASES)
+def test_attention_ring_gives_the_bits_of_a_contiguous_cache(attention, H, Hkv, D, dtype, softcap, L, rings):
+    """A row's L keys in a cache of every position (no window) and in rings wrapped at various
+    places (a window of L): the same bits, the order of operations fixed by L alone."""
+    g = torch.Generator().manual_seed(L)
+    qkv = torch.randn(1, (H + 2 * Hkv) * D, generator=g)
+    keys = (torch.randn(2, Hkv, L, D, generator=g) * 2).to(dtype)
+    flat = torch.cat([keys, (torch.randn(2, Hkv, 3, D, generator=g)).to(dtype)], dim=2)
+    want = attention(qkv, [flat], [L - 1], D ** -0.5, 0, softcap)
+    for cap, before_wrap in rings:
+        first = 2 * cap - before_wrap  # slot cap - before_wrap, a lap into the ring
+        kv = ring_of(keys, first, cap, g)
+        got = attention(qkv, [kv], [first + L - 1], D ** -0.5, L, softcap)
+        assert torch.equal(got, want), (cap, before_wrap)
+        assert torch.equal(kv[:, :, (first + L - 1) % cap], flat[:, :, L - 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+def test_prefill_with_window_and_ring_gives_each_row_the_bits_of_decoding_it(path, dtype, softcap):
+    """A chunk of T rows with a window of w over a ring, wrapped at various places, attends as
+    the same keys in a cache of every position do, and as each row's decoding step does."""
+    H, Hkv, D, w, T = 4, 1, 256, 600, 40
+    M = w - 1 + T  # the chunk's keys: from its first row's first key to its last position
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g)
+    keys = (torch.randn(2, Hkv, M, D, generator=g) * 2).to(dtype)
+    keys[:, :, w - 1:] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3).to(dtype)
+    q = qkv[:, : H * D]
+    want = path.prefill_attention(q, ring_of(keys, 0, M, g), w - 1, D ** -0.5, w, softcap)
+    # The same rows past a window that reaches back to 0: their keys at the cache's start.
+    assert torch.equal(path.prefill_attention(q, keys.clone(), w - 1, D ** -0.5, 0, softcap)[0], want[0])
+    for cap, before_wrap in [(M, 1), (M, 37), (M + 9, 520), (M, M - 1)]:
+        first = 3 * cap - before_wrap
+        kv = ring_of(keys, first, cap, g)
+        got = path.prefill_attention(q, kv, first + w - 1, D ** -0.5, w, softcap)
+        assert torch.equal(got, want), (cap, before_wrap)
+        for i in (0, 1, 17, T - 1):
+            step = path.attention(qkv[i:i + 1], [kv.clone()], [first + w - 1 + i], D ** -0.5, w, softcap)
+            assert torch.equal(step[0], want[i]), (cap, before_wrap, i)
+
+
+def test_window_and_softcap_bad_arguments_are_errors_with_messages(path):
+    H, Hkv, D = 4, 1, 64
+    qkv, pool, caches = make(1, H, Hkv, D, cap=64)
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        path.attention(qkv, caches, [3], 0.25, -1, 0.0)
+    with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+        path.attention(qkv, caches, [3], 0.25, 0, -1.0)
+    with pytest.raises(RuntimeError, match="softcap must be finite"):
+        path.attention(qkv, caches, [3], 0.25, 0, float("inf"))
+    with pytest.raises(RuntimeError, match=r"200 \(attending 100 .. 200\) is outside cache 0 of capacity 64"):
+        path.attention(qkv, caches, [200], 0.25, 101, 0.0)
+    path.attention(qkv, caches, [200], 0.25, 64, 0.0)  # a full ring
+    with pytest.raises(RuntimeError, match="multiple of 16 up to 256, not 272"):
+        path.attention(torch.randn(1, 3 * 272), [torch.zeros(2, 1, 8, 272)], [0], 0.25)
+    q, kv = qkv[:, : H * D], caches[0]
+    with pytest.raises(RuntimeError, match="window must be >= 0"):
+        path.prefill_attention(q, kv, 3, 0.25, -2, 0.0)
+    with pytest.raises(RuntimeError, match="softcap must be finite and >= 0"):
+        path.prefill_attention(q, kv, 3, 0.25, 0, -0.5)
+    with pytest.raises(RuntimeError, match="outside the cache of capacity 64"):
+        path.prefill_attention(q.expand(10, -1), kv, 200, 0.25, 60, 0.0)  # keys 141 .. 209: 69
+    path.prefill_attention(q.expand(5, -1), kv, 200, 0.25, 60, 0.0)  # keys 141 .. 204: 64
+    with pytest.raises(RuntimeError, match="multiple of 16 up to 256, not 272"):
+        path.prefill_attention(torch.randn(1, 272), torch.zeros(2, 1, 8, 272), 0, 0.25)
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many float32 values lie between a and b (of one sign or across zero)."""
+    def ordered(x):
+        i = x.view(torch.int32).long()
+        return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def test_softcap_tanh_is_within_an_ulp_or_two(path):
+    op = getattr(torch.ops.ds4, f"attention_softcap_{'avx512' if path.name == 'amx' else path.name}")
+    tiny = torch.logspace(-40, 1.5, 4001)
+    x = torch.cat([torch.linspace(-12, 12, 48001), tiny, -tiny, torch.tensor(
+        [0.0, 0.625, -0.625, 0.6249999, 0.6250001, 1e-45, 88.0, -88.0, 1e4, -1e4, 3e38, -3e38])]).float()
+    got = op(x, 1.0)  # 1 tanh(x / 1): tanh itself
+    assert ulps(got, torch.tanh(x.double()).float()).max() <= 2
+    assert torch.equal(got[x == 0], x[x == 0])  # signed zeros kept
+    # A cap of 30, and lengths that leave a partial vector.
+    y = torch.linspace(-100, 100, 37)
+    for n in (1, 5, 16, 37):
+        want = 30 * torch.tanh(y[:n].double() / 30)
+        torch.testing.assert_close(op(y[:n], 30.0).double(), want, rtol=5e-7, atol=0)
+
+
 def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf, path):
     import engine
 
