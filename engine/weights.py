@@ -91,9 +91,11 @@ class Linear:
         their last step do so, saving a kernel and a tensor."""
         out += self(x)
 
-    def vector_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The int4 CPU kernel's (packed, scales) where a product of `rows` rows is that op
-        alone (Int4Linear); None for every other matrix."""
+    def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
+        """The CPU vector op's operands where a product of `rows` rows is that op alone, with
+        nothing around it (no bias, no padding columns): int4 (packed, scales) or int8 (q,
+        scales[, minimums]), what engine/kernels/block.cpp takes in place of calling this
+        matrix; None for every other matrix."""
         return None
 
     @property
@@ -220,6 +222,11 @@ class Int8Linear(_CpuKernelLinear):
         if self.minimums is None:
             return self._op(x, self.q, self.scales)
         return self._op(x, self.q, self.scales, self.minimums)
+
+    def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
+        if self.bias is not None or self._pad:
+            return None
+        return [self.q, self.scales] + ([] if self.minimums is None else [self.minimums])
 
     @property
     def nbytes(self) -> int:
@@ -407,13 +414,10 @@ class Int4Linear(Linear):
     def _uses_tiles(self, x: torch.Tensor) -> bool:
         return self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
 
-    def vector_operands(self, rows: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(packed, scales) where a product of `rows` rows runs the CPU vector op with nothing
-        around it (no bias, no padding columns): what engine/kernels/block.cpp takes in place
-        of calling this matrix; None otherwise."""
+    def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
         if self._add is None or self.bias is not None or self._pad or (self._tiles is not None and rows >= TILE_MIN_ROWS):
             return None
-        return self.packed, self.scales_zeros
+        return [self.packed, self.scales_zeros]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:

@@ -20,7 +20,9 @@ executes, for tests that run every path.  The ops and their contracts are in the
 `attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_add` / `int4_tiles` (int4_linear.cpp), `int8` and `f16`
 (dense_linear.cpp), `repack_int4` / `repack_q8_0` (repack.cpp), which lay GGUF blocks out
 for them at load, `rms_norm` / `swiglu` / `geglu` (elementwise.cpp), and `attention_block` /
-`ffn_block` (block.cpp), a llama decoding layer's two halves each in one call of the ops above.  Every op computes a row's result from that row alone, in a fixed order.
+`ffn_block` and `gemma_attention_block` / `gemma_ffn_block` (block.cpp), a llama or Gemma
+decoding layer's two halves each in one call of the ops above, with `rotate_halves`, Gemma's
+q/k norms and rope as one op.  Every op computes a row's result from that row alone, in a fixed order.
 
 Each path's sources are compiled once per machine with that instruction set's flags (isa.h
 names the ops per set, so libraries for several sets load side by side in one process) into
@@ -109,6 +111,9 @@ class CpuKernels:
     geglu: Callable[..., torch.Tensor] | None = None  # (gate_up [M, 2F]) -> gelu_tanh(gate) * up [M, F]
     attention_block: Callable[..., None] | None = None  # a llama decoding layer's attention half, one op
     ffn_block: Callable[..., None] | None = None  # ...and its SwiGLU feed-forward half (block.cpp)
+    rotate_halves: Callable[..., None] | None = None  # Gemma's per-head q/k norms and neox rope, in place
+    gemma_attention_block: Callable[..., None] | None = None  # a Gemma decoding layer's halves, one op each
+    gemma_ffn_block: Callable[..., None] | None = None
 
     def describe(self) -> str:
         """One line for banners: the path and why."""
@@ -291,7 +296,10 @@ def _build_path(name: str, reason: str) -> CpuKernels:
                       repack_int4=_op("repack_int4", vec), repack_q8_0=_op("repack_q8_0", vec),
                       rms_norm=_op("rms_norm", vec), int4_add=_op("int4_linear_add", vec),
                       swiglu=_op("swiglu", vec), geglu=_op("geglu", vec),
-                      attention_block=_op("attention_block", vec), ffn_block=_op("ffn_block", vec))
+                      attention_block=_op("attention_block", vec), ffn_block=_op("ffn_block", vec),
+                      rotate_halves=_op("rotate_halves", vec),
+                      gemma_attention_block=_op("gemma_attention_block", vec),
+                      gemma_ffn_block=_op("gemma_ffn_block", vec))
 
 
 _chosen: dict[tuple[str | None, str], CpuKernels] = {}

@@ -180,7 +180,7 @@ void check_x(const at::Tensor& x, const char* op) {
               ": x must be [M, K] float32 with contiguous rows");
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+DS4_ENTRY at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                        const c10::optional<at::Tensor>& minimums) {
   check_x(x, "int8_linear");
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kChar && q.is_contiguous() && q.size(3) == C &&

@@ -59,6 +59,12 @@ inline float sum_of_squares(const float* x, int64_t K) {
   return lanes[0];
 }
 
+// One row's RMSNorm, y may be x: the op's arithmetic, also what block.cpp normalises heads with.
+DS4_ENTRY void norm_row(const float* x, const float* w, int64_t K, float inv_k, float eps, float* y) {
+  const float scale = 1.0f / std::sqrt(sum_of_squares(x, K) * inv_k + eps);
+  for (int64_t k = 0; k < K; ++k) y[k] = (x[k] * scale) * w[k];
+}
+
 DS4_ENTRY at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "rms_norm: x must be [M, K] float32 with contiguous rows");
@@ -74,12 +80,7 @@ DS4_ENTRY at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double e
   // Small work is not worth waking the other threads for: one decoding row is ~1 us.
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1));
   at::parallel_for(0, M, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x0 + r * stride;
-      const float scale = 1.0f / std::sqrt(sum_of_squares(xr, K) * inv_k + feps);
-      float* yr = y0 + r * K;
-      for (int64_t k = 0; k < K; ++k) yr[k] = (xr[k] * scale) * w0[k];
-    }
+    for (int64_t r = begin; r < end; ++r) norm_row(x0 + r * stride, w0, K, inv_k, feps, y0 + r * K);
   });
   return y;
 }
@@ -146,7 +147,7 @@ at::Tensor glu(const at::Tensor& gate_up, const char* name) {
 }
 
 DS4_ENTRY at::Tensor swiglu(const at::Tensor& gate_up) { return glu<silu_times>(gate_up, "swiglu"); }
-at::Tensor geglu(const at::Tensor& gate_up) { return glu<gelu_times>(gate_up, "geglu"); }
+DS4_ENTRY at::Tensor geglu(const at::Tensor& gate_up) { return glu<gelu_times>(gate_up, "geglu"); }
 
 }  // namespace elementwise
 }  // namespace

@@ -33,14 +33,20 @@ refuses a start whose window is gone (`KVCache.will_write`) rather than read sta
 `bounded_cache = False` (before making caches) keeps every position on every layer, the
 reference the ring is tested against.
 
-Attention runs in torch ops.  On CPU each row (a decoding step's, or a prefill chunk's row by
-row) attends to its own cache slice with one code path, so a row decoded in a batch, alone, or
-prefilled computes the same bits (with the row-independent matmul kernels of engine.weights).
-On CUDA a prefill chunk attends in one masked batch; decode rows attend one by one, and no
+On CPU with a compiled kernel path (engine.kernels) every row attends through the kernels'
+attention (`attention` for a decoding step's rows, `prefill_attention` for a chunk's), which
+read a ring layer's keys at slot p % size and take the window and the score cap themselves;
+q/k norms and rope are one op (`rotate_halves`), the norms and the GeGLU one op each.  Both
+attention ops compute a row by the same operations, fixed by its span of keys alone, so a row
+decoded in a batch, alone, or prefilled, from a ring or from a full cache, computes the same
+bits (with the row-independent matmul kernels of engine.weights).  A decoding layer whose
+matrices are plain int4 or int8 runs each half as one op of those same kernels
+(`gemma_attention_block`, `gemma_ffn_block`: the same bits without the Python between them).
+Elsewhere (CUDA, the `torch` path, head dims the kernels do not take) attention runs in torch
+ops: on CUDA a prefill chunk attends in one masked batch and decode rows one by one, and no
 graphs are captured (engine.cuda_graphs serves the llama family only).
 The residual stream, norms, rope, attention and soft-capping run in float32; matmuls in the
-weights' compute dtype (engine.weights).  On CPU the norms and the GeGLU are the kernel path's
-compiled ops (engine.kernels: one op each, in prefill and decoding alike), elsewhere torch's.
+weights' compute dtype (engine.weights).
 
 `GemmaModel` implements `engine.protocols.Network` and is registered for gemma2 and gemma3 in
 engine.models.ARCHITECTURES.  It reads no files beyond the given records and knows nothing
@@ -63,6 +69,9 @@ from engine.kernels import CpuKernels
 from engine.kvcache import CacheLayout, KVCache, Ring
 from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
+
+
+MAX_KERNEL_HEAD_DIM = 256  # the CPU attention kernel's limit (decode_attention.cpp)
 
 
 @dataclass(frozen=True)
@@ -198,6 +207,11 @@ class GemmaModel(CachedNetwork):
         # dispatches seven and three, six norms a layer (prefill and decoding both use them).
         self._fused_norm = self.cpu_kernels.rms_norm if self.cpu_kernels is not None else None
         self._fused_geglu = self.cpu_kernels.geglu if self.cpu_kernels is not None else None
+        # The compiled attention, rope and layer ops (see the module docstring); None: torch's.
+        fits = cfg.head_dim % 16 == 0 and cfg.head_dim <= MAX_KERNEL_HEAD_DIM
+        compiled = self.cpu_kernels is not None and self.cpu_kernels.rotate_halves is not None
+        self.kernels: CpuKernels | None = self.cpu_kernels if fits and compiled else None
+        self.block_ops = self.kernels  # None: decoding layers call the same kernels one by one
         try:
             self.blocks = [GemmaBlock(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
         except KeyError as e:
@@ -238,6 +252,8 @@ class GemmaModel(CachedNetwork):
     @property
     def attention_path(self) -> str:
         window = f", sliding window {self.params.window}" if self.params.window else ""
+        if self.kernels is not None:
+            return f"compiled kernel ({self.kernels.name}{window})"
         return f"torch ops ({self.device.type}{window})"
 
     def work_bytes(self, n_tokens: int, ctx: int) -> int:
@@ -346,6 +362,12 @@ class GemmaModel(CachedNetwork):
             c.will_write(c.n, c.n + 1)
         ropes = self._rope(torch.tensor(pos))
         x = self._embed(tokens)
+        if self.kernels is not None:
+            self._decode_layers_compiled(x, ropes, caches, pos)
+            logits = self.head(x)
+            for c, p in zip(caches, pos):
+                c.n = p + 1
+            return logits
         for li, blk in enumerate(self.blocks):
             q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
             kv = torch.stack([k, v], dim=1).unsqueeze(3)  # [N, 2, Hkv, 1, D]
@@ -359,6 +381,56 @@ class GemmaModel(CachedNetwork):
         for c, p in zip(caches, pos):
             c.n = p + 1
         return logits
+
+    def _layer_attention(self, li: int) -> tuple[int, float, float]:
+        """(window, query scale, score cap) as the compiled attention takes them (0: none)."""
+        prm = self.params
+        return (prm.window if prm.is_local(li) else 0), prm.query_scale, prm.attn_softcap or 0.0
+
+    def _rotate(self, blk: GemmaBlock, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The compiled path's q/k/v [T, (H + 2 Hkv) D] float32: normed, projected, q and k
+        normed per head and rotated in place (what gemma_attention_block computes first)."""
+        qkv = blk.wqkv(self._norm(x, blk.attn_norm)).float()
+        cos, sin = (t.view(t.shape[0], -1) for t in rope)
+        self.kernels.rotate_halves(qkv, self.cfg.n_head, blk.q_norm, blk.k_norm, self.cfg.norm_eps, cos, sin)
+        return qkv
+
+    def _decode_layers_compiled(self, x: torch.Tensor, ropes: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                                caches: list[KVCache], pos: list[int]) -> None:
+        """The layers of a decoding step on the compiled path, x [N, n_embd] updated in place:
+        a layer half whose matrices the block ops take is one op, the others the same kernels
+        called from here."""
+        k, N, eps = self.kernels, x.shape[0], self.cfg.norm_eps
+        fused = self.block_ops is not None
+        for li, blk in enumerate(self.blocks):
+            window, scale, cap = self._layer_attention(li)
+            rope = ropes[self.params.is_local(li)]
+            kv = [c.layer_kv[li] for c in caches]
+            qkv_w, wo_w = blk.wqkv.vector_operands(N), blk.wo.vector_operands(N)
+            if fused and qkv_w is not None and wo_w is not None:
+                cos, sin = (t.view(N, -1) for t in rope)
+                k.gemma_attention_block(x, blk.attn_norm, blk.post_attn_norm, eps, qkv_w, blk.q_norm, blk.k_norm,
+                                        cos, sin, kv, pos, window, scale, cap, wo_w)
+            else:
+                att = k.attention(self._rotate(blk, x, rope), kv, pos, scale, window, cap)
+                x += self._norm(blk.wo(att).float(), blk.post_attn_norm)
+            gate_up, down = blk.w_gate_up.vector_operands(N), blk.w_down.vector_operands(N)
+            if fused and gate_up is not None and down is not None:
+                k.gemma_ffn_block(x, blk.ffn_norm, blk.post_ffn_norm, eps, gate_up, down)
+            else:
+                self._ffn(blk, x)
+
+    def _prefill_attention(self, li: int, blk: GemmaBlock, x: torch.Tensor,
+                           rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int) -> torch.Tensor:
+        """[T, H * D] attention of a chunk on the compiled path: its keys and values stored,
+        then each row attended as a decoding step attends it."""
+        cfg = self.cfg
+        T, H, Hkv, D = x.shape[0], cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        qkv = self._rotate(blk, x, rope)
+        kv = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)  # [2, Hkv, T, D]
+        cache.store(li, start, kv)
+        window, scale, cap = self._layer_attention(li)
+        return self.kernels.prefill_attention(qkv[:, : H * D], cache.layer_kv[li], start, scale, window, cap)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
@@ -380,6 +452,11 @@ class GemmaModel(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
+            if self.kernels is not None:
+                att = self._prefill_attention(li, blk, x, ropes[self.params.is_local(li)], cache, start)
+                x += self._norm(blk.wo(att).float(), blk.post_attn_norm)
+                self._ffn(blk, x)
+                continue
             q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
             cache.store(li, start, torch.stack([k, v]).transpose(1, 2))  # [2, Hkv, T, D]
             if self.batched_prefill:

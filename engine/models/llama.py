@@ -449,7 +449,7 @@ class LlamaModel(CachedNetwork):
     def decode_layers_in_blocks(self, tokens: torch.Tensor, rope: torch.Tensor,
                                 attend: Callable[[int, torch.Tensor], torch.Tensor],
                                 where: Callable[[int], tuple[list[torch.Tensor], list[int]]]) -> torch.Tensor:
-        """decode_layers on CPU, each layer half whose matrices are int4 with nothing around
+        """decode_layers on CPU, each layer half whose matrices are int4 or int8 with nothing around
         them in one op of the compiled kernels (`block_ops`), the others as decode_layers runs
         them: the same kernels in the same order, so the same bits."""
         N = tokens.shape[0]
@@ -460,13 +460,13 @@ class LlamaModel(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             qkv, wo = blk.wqkv.vector_operands(N), blk.wo.vector_operands(N)
             if qkv is not None and wo is not None and blk.q_norm is None:
-                fused.attention_block(x, blk.attn_norm, eps, *qkv, turns, *where(li), scale, *wo)
+                fused.attention_block(x, blk.attn_norm, eps, qkv, turns, *where(li), scale, wo)
             else:
                 blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
             gate_up = blk.w_gate_up.vector_operands(N) if self.dense_ffn else None
             down = blk.w_down.vector_operands(N) if gate_up is not None else None
             if down is not None:
-                fused.ffn_block(x, blk.ffn_norm, eps, *gate_up, *down)
+                fused.ffn_block(x, blk.ffn_norm, eps, gate_up, down)
             else:
                 self.feed_forward(blk, x, ops)
         return self.head(x, ops)

@@ -394,51 +394,80 @@ def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf, path):
 # ---------------------------------------------------------------- a decoding layer's halves in one op
 
 
-def block_case(n: int, seed: int, dtype: torch.dtype):
-    """A layer of E = 128, H = 4 query heads over Hkv = 2 kv heads of D = 32, int4 weights, and n
-    rows at distinct positions of their own caches, with a few large residual values (where a
-    last-bit difference before the bfloat16 rounding shows)."""
-    E, H, Hkv, D, F = 128, 4, 2, 32, 96
+def block_matrix(kind: str, rows: int, cols: int, seed: int) -> list[torch.Tensor]:
+    """A random matrix's operands as the block ops take them: int4 (packed, scales), int8 with
+    group 32 (q, scales) or int8 with group 16 and minimums (q, scales, minimums)."""
+    if kind == "int4":
+        q, scale, minimum, _ = int4_case(rows, cols, seed=seed)
+        return list(int4_pack(q, scale, minimum))
+    group = 32 if kind == "int8" else 16
+    q, scales, _ = int8_case(rows, cols, group, seed=seed)
+    if kind == "int8":
+        return [q, scales]
+    return [q, scales, torch.rand(scales.shape, generator=torch.Generator().manual_seed(seed)) * 0.01]
+
+
+def product(path, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
+    return path.int4(x, *w) if w[0].dtype == torch.uint8 else path.int8(x, *w)
+
+
+def add_product(path, x: torch.Tensor, w: list[torch.Tensor], out: torch.Tensor) -> None:
+    if w[0].dtype == torch.uint8:
+        path.int4_add(x, *w, out)
+    else:
+        out += path.int8(x, *w)
+
+
+BLOCK_KINDS = ["int4", "int8", "int8-minimums"]
+
+
+def block_case(n: int, seed: int, dtype: torch.dtype, kind: str = "int4", D: int = 32):
+    """A layer of E = 128, H = 4 query heads over Hkv = 2 kv heads of D, matrices of `kind`,
+    and n rows at distinct positions of their own caches, with a few large residual values
+    (where a last-bit difference before the bfloat16 rounding shows)."""
+    E, H, Hkv, F = 128, 4, 2, 96
     g = torch.Generator().manual_seed(seed)
 
     def matrix(rows: int, cols: int, s: int):
-        q, scale, minimum, _ = int4_case(rows, cols, seed=seed * 10 + s)
-        return int4_pack(q, scale, minimum)
+        return block_matrix(kind, rows, cols, seed * 10 + s)
     x = torch.randn(n, E, generator=g)
     x[:, 7] *= 60
     pos = [3 + 5 * i for i in range(n)]
-    turns = torch.polar(torch.ones(n, D // 2, dtype=torch.float64),
-                        torch.tensor(pos, dtype=torch.float64)[:, None] * torch.rand(D // 2, generator=g, dtype=torch.float64))
+    angles = torch.tensor(pos, dtype=torch.float64)[:, None] * torch.rand(D // 2, generator=g, dtype=torch.float64)
+    turns = torch.polar(torch.ones(n, D // 2, dtype=torch.float64), angles)
     caches = [(torch.randn(2, Hkv, 40, D, generator=g) * 2).to(dtype) for _ in range(n)]
-    return dict(x=x, norm=torch.rand(E, generator=g) + 0.5, qkv=matrix((H + 2 * Hkv) * D, E, 1),
-                wo=matrix(E, H * D, 2), gate_up=matrix(2 * F, E, 3), down=matrix(E, F, 4),
-                rope=turns.to(torch.complex64), caches=caches, pos=pos, H=H, Hkv=Hkv, D=D)
+    return dict(x=x, norm=torch.rand(E, generator=g) + 0.5, post_norm=torch.rand(E, generator=g) + 0.5,
+                head_norms=[torch.rand(D, generator=g) + 0.5 for _ in range(2)],
+                qkv=matrix((H + 2 * Hkv) * D, E, 1), wo=matrix(E, H * D, 2), gate_up=matrix(2 * F, E, 3),
+                down=matrix(E, F, 4), rope=turns.to(torch.complex64), caches=caches, pos=pos, H=H, Hkv=Hkv, D=D)
 
 
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n", [1, 3])
-def test_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, dtype):
-    c = block_case(n, seed=n, dtype=dtype)
+def test_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, dtype, kind):
+    c = block_case(n, seed=n, dtype=dtype, kind=kind)
     H, Hkv, D, eps = c["H"], c["Hkv"], c["D"], 1e-5
     x, caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
-    qkv = path.int4(path.rms_norm(x, c["norm"], eps), *c["qkv"])
+    qkv = product(path, path.rms_norm(x, c["norm"], eps), c["qkv"])
     torch.view_as_complex(qkv.view(n, -1, D // 2, 2))[:, : H + Hkv].mul_(c["rope"].unsqueeze(1))
-    path.int4_add(path.attention(qkv, caches, c["pos"], D ** -0.5), *c["wo"], x)
+    add_product(path, path.attention(qkv, caches, c["pos"], D ** -0.5), c["wo"], x)
 
     got, got_caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
     turns = torch.view_as_real(c["rope"]).reshape(n, D)
-    path.attention_block(got, c["norm"], eps, *c["qkv"], turns, got_caches, c["pos"], D ** -0.5, *c["wo"])
+    path.attention_block(got, c["norm"], eps, c["qkv"], turns, got_caches, c["pos"], D ** -0.5, c["wo"])
     assert torch.equal(got, x)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))
 
 
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("n", [1, 3])
-def test_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n):
-    c = block_case(n, seed=5 + n, dtype=torch.float32)
+def test_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind):
+    c = block_case(n, seed=5 + n, dtype=torch.float32, kind=kind)
     x = c["x"].clone()
-    path.int4_add(path.swiglu(path.int4(path.rms_norm(x, c["norm"], 1e-5), *c["gate_up"])), *c["down"], x)
+    add_product(path, path.swiglu(product(path, path.rms_norm(x, c["norm"], 1e-5), c["gate_up"])), c["down"], x)
     got = c["x"].clone()
-    path.ffn_block(got, c["norm"], 1e-5, *c["gate_up"], *c["down"])
+    path.ffn_block(got, c["norm"], 1e-5, c["gate_up"], c["down"])
     assert torch.equal(got, x)
 
 
@@ -446,29 +475,40 @@ def test_block_ops_bad_arguments_are_errors_with_messages(path):
     c = block_case(1, seed=9, dtype=torch.float32)
     D = c["D"]
     turns = torch.view_as_real(c["rope"]).reshape(1, D)
-    args = (c["norm"], 1e-5, *c["qkv"])
+    args = (c["norm"], 1e-5, c["qkv"])
     with pytest.raises(RuntimeError, match=r"attention_block: x must be contiguous float32"):
-        path.attention_block(c["x"].repeat(1, 2)[:, ::2], *args, turns, c["caches"], c["pos"], 0.2, *c["wo"])
+        path.attention_block(c["x"].repeat(1, 2)[:, ::2], *args, turns, c["caches"], c["pos"], 0.2, c["wo"])
     with pytest.raises(RuntimeError, match=r"attention_block: rope must be float32 \[N, head dim\]"):
-        path.attention_block(c["x"].clone(), *args, turns[:, :-2], c["caches"], c["pos"], 0.2, *c["wo"])
+        path.attention_block(c["x"].clone(), *args, turns[:, :-2], c["caches"], c["pos"], 0.2, c["wo"])
     narrow = [kv[:, :1] for kv in c["caches"]]  # caches of fewer heads than the projection's width
     with pytest.raises(RuntimeError, match=r"attention_block: the q/k/v projection's width"):
-        path.attention_block(c["x"].clone(), *args, turns, narrow, c["pos"], 0.2, *c["wo"])
+        path.attention_block(c["x"].clone(), *args, turns, narrow, c["pos"], 0.2, c["wo"])
+    with pytest.raises(RuntimeError, match=r"attention_block: qkv must be int4 operands"):
+        path.attention_block(c["x"].clone(), c["norm"], 1e-5, [c["qkv"][0].float(), c["qkv"][1]], turns,
+                             c["caches"], c["pos"], 0.2, c["wo"])
     with pytest.raises(RuntimeError, match=r"ffn_block: x must be contiguous float32"):
-        path.ffn_block(c["x"].double(), c["norm"], 1e-5, *c["gate_up"], *c["down"])
+        path.ffn_block(c["x"].double(), c["norm"], 1e-5, c["gate_up"], c["down"])
+    with pytest.raises(RuntimeError, match=r"ffn_block: down must be int4 operands"):
+        path.ffn_block(c["x"].clone(), c["norm"], 1e-5, c["gate_up"], c["down"][:1])
 
 
-@pytest.mark.parametrize("arch,kw", [("llama", {}), ("qwen2", {}), ("qwen3", {}),
-                                     ("llama", {"extra_metadata": {"llama.attention.sliding_window": 7}})],
-                         ids=["llama", "qwen2-biases", "qwen3-qk-norms", "llama-window"])
-def test_decoding_in_block_ops_gives_the_bits_of_the_python_step(tiny_gguf, path, arch, kw):
+@pytest.mark.parametrize("arch,qtype,kw", [("llama", "Q4_1", {}), ("qwen2", "Q4_1", {}), ("qwen3", "Q4_1", {}),
+                                           ("llama", "Q4_1", {"extra_metadata": {"llama.attention.sliding_window": 7}}),
+                                           ("llama", "Q8_0", {}), ("llama", "Q5_1", {}),
+                                           ("llama", "Q5_K", {"mixture": "Q5_K_M", "n_layer": 3})],
+                         ids=["llama", "qwen2-biases", "qwen3-qk-norms", "llama-window", "int8", "int8-minimums",
+                              "q5_k_m-mixed"])
+def test_decoding_in_block_ops_gives_the_bits_of_the_python_step(tiny_gguf, path, arch, qtype, kw):
     """Greedy decoding of one row and of three rows in one batch, with the layer halves that fit
     in block ops (qwen2's biased q/k/v and qwen3's q/k norms keep their attention half in
-    Python) and with every half in Python: the same logits and caches, bit for bit."""
+    Python; int4 and int8 matrices, mixed in a Q5_K_M file) and with every half in Python: the
+    same logits and caches, bit for bit."""
     import engine
     from engine.batch import decode_batch
 
-    m = engine.load_model(tiny_gguf(arch, "Q4_1", **kw), cpu_kernels=path.name)
+    m = engine.load_model(tiny_gguf(arch, qtype, **kw), cpu_kernels=path.name)
+    fused = [(b.wo.vector_operands(1), b.w_down.vector_operands(1)) for b in m.net.blocks]
+    assert all(wo is not None and down is not None for wo, down in fused)  # the kinds reach the block ops
     assert m.net.block_ops is path
     assert m.net.window == kw.get("extra_metadata", {}).get("llama.attention.sliding_window")
 
