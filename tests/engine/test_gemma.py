@@ -15,6 +15,7 @@ from engine import SamplingParams, generate
 from engine.batch import decode_batch
 from engine.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, ChatTemplate, ChatTemplateRejected
 from engine.config import ModelConfig
+from engine.kernels import host_paths
 from engine.models.gemma import GemmaParams
 from gguf_files import file_maker
 from gemma_models import GemmaSpec, reference_logits, vocabulary, write_random_gemma
@@ -130,6 +131,54 @@ def test_decoding_equals_prefill_exactly(gemma_gguf, arch):
         s.eval(t)
         rows.append(s.logits)
     assert torch.equal(torch.stack(rows), full[2:])
+
+
+@pytest.mark.parametrize("kernel_path", host_paths())
+def test_every_cpu_kernel_path_matches_the_reference_and_decodes_as_it_prefills(gemma_gguf, kernel_path):
+    """The compiled paths (attention with the window and the score cap in the kernel, block
+    ops) and the torch ops path: each within the packed bounds of the float64 reference, and
+    each decoding token by token to its own prefill's logits, bit for bit."""
+    path = gemma_gguf("gemma2", "Q8_0")
+    ref = reference_logits(path, TOKENS)
+    m = engine.load_model(path, cpu_kernels=kernel_path)
+    assert (m.net.kernels is None) == (kernel_path == "torch")
+    got = all_logits(m, TOKENS)
+    assert np.abs(got - ref.logits).max() <= 2e-2 * np.abs(ref.logits).max()
+    s = m.new_session()
+    s.sync(TOKENS[:3])
+    rows = [s.logits]
+    for t in TOKENS[3:]:
+        s.eval(t)
+        rows.append(s.logits)
+    assert np.array_equal(torch.stack(rows).double().numpy(), got[2:])
+
+
+@pytest.mark.parametrize("arch,qtype", [("gemma2", "Q8_0"), ("gemma3", "Q4_K"), ("gemma3", "Q6_K")])
+def test_decoding_in_block_ops_gives_the_bits_of_the_kernels_one_by_one(gemma_gguf, arch, qtype):
+    """One row and three rows a step, past the window (and the ring), with each layer half in
+    one op and with the same kernels called one by one: the same logits and caches."""
+    m = engine.load_model(gemma_gguf(arch, qtype, n_ctx=512))
+    assert m.net.block_ops is not None
+    assert all(b.wqkv.vector_operands(1) is not None and b.w_down.vector_operands(1) is not None
+               for b in m.net.blocks)  # every half takes its op
+
+    def run() -> list[torch.Tensor]:
+        sessions = [m.new_session() for _ in range(3)]
+        for i, s in enumerate(sessions):
+            s.sync(TOKENS[: 3 + 2 * i])
+        out = []
+        for step in range(10):
+            ids = [int(s.logits.argmax()) for s in sessions]
+            if step % 2:
+                sessions[0].eval(ids[0])
+            else:
+                decode_batch(sessions, ids)
+            out += [s.logits.clone() for s in sessions]
+        return out + [s.cache.ring_kv.clone() for s in sessions if s.cache.ring_kv is not None]
+
+    fused = run()
+    m.net.block_ops = None
+    assert all(torch.equal(a, b) for a, b in zip(fused, run()))
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])

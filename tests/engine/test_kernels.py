@@ -492,6 +492,86 @@ def test_block_ops_bad_arguments_are_errors_with_messages(path):
         path.ffn_block(c["x"].clone(), c["norm"], 1e-5, c["gate_up"], c["down"][:1])
 
 
+def neox_rotation(path, qkv: torch.Tensor, H: int, norms: list[torch.Tensor | None], cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """rotate_halves as Gemma's torch step computes it: the q and k heads normed with rms_norm,
+    then a * cos - b * sin, b * cos + a * sin on their halves; the value heads as they were."""
+    N, D = qkv.shape[0], 2 * cos.shape[1]
+    heads = qkv.view(N, -1, D).clone()
+    Hkv = (heads.shape[1] - H) // 2
+    for lo, hi, w in ((0, H, norms[0]), (H, H + Hkv, norms[1])):
+        part = heads[:, lo:hi]
+        if w is not None:
+            part = path.rms_norm(part.reshape(-1, D), w, 1e-6).view(N, hi - lo, D)
+        a, b = part[..., : D // 2], part[..., D // 2:]
+        c, s = cos[:, None], sin[:, None]
+        heads[:, lo:hi] = torch.cat([a * c - b * s, b * c + a * s], dim=-1)
+    return heads.view(N, -1)
+
+
+def gemma_rope(n: int, D: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(n, D // 2, generator=g, dtype=torch.float64) * 40
+    return ang.cos().float(), ang.sin().float()
+
+
+@pytest.mark.parametrize("with_norms", [False, True])
+@pytest.mark.parametrize("D", [32, 256])
+def test_rotate_halves_gives_the_bits_of_the_torch_rotation(path, D, with_norms):
+    n, H, Hkv = 3, 4, 2
+    g = torch.Generator().manual_seed(D)
+    qkv = torch.randn(n, (H + 2 * Hkv) * D, generator=g) * 3
+    strided = torch.zeros(n, qkv.shape[1] + 16)[:, 8: 8 + qkv.shape[1]]  # rows of a wider tensor
+    strided.copy_(qkv)
+    norms = [torch.rand(D, generator=g) + 0.5, torch.rand(D, generator=g) + 0.5] if with_norms else [None, None]
+    cos, sin = gemma_rope(n, D, seed=D + 1)
+    want = neox_rotation(path, qkv, H, norms, cos, sin)
+    path.rotate_halves(strided, H, norms[0], norms[1], 1e-6, cos, sin)
+    assert torch.equal(strided, want)
+
+
+def test_rotate_halves_bad_arguments_are_errors_with_messages(path):
+    cos, sin = gemma_rope(1, 32, seed=0)
+    with pytest.raises(RuntimeError, match=r"rotate_halves: qkv's width 224 is not 4 query heads"):
+        path.rotate_halves(torch.zeros(1, 7 * 32), 4, None, None, 1e-6, cos, sin)
+    with pytest.raises(RuntimeError, match=r"rotate_halves: q_norm must be contiguous float32 \[32\]"):
+        path.rotate_halves(torch.zeros(1, 8 * 32), 4, torch.ones(16), None, 1e-6, cos, sin)
+    with pytest.raises(RuntimeError, match=r"rotate_halves: cos and sin must be float32"):
+        path.rotate_halves(torch.zeros(1, 8 * 32), 4, None, None, 1e-6, cos.double(), sin)
+
+
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (9, 0.0), (9, 2.5)])
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_gemma_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind, window, softcap):
+    c = block_case(n, seed=20 + n, dtype=torch.float16, kind=kind, D=64)
+    H, D, eps, scale = c["H"], c["D"], 1e-6, 0.3
+    cos, sin = gemma_rope(n, D, seed=n)
+    x, caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
+    qkv = product(path, path.rms_norm(x, c["norm"], eps), c["qkv"])
+    path.rotate_halves(qkv, H, *c["head_norms"], eps, cos, sin)
+    att = path.attention(qkv, caches, c["pos"], scale, window, softcap)
+    x += path.rms_norm(product(path, att, c["wo"]), c["post_norm"], eps)
+
+    got, got_caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
+    path.gemma_attention_block(got, c["norm"], c["post_norm"], eps, c["qkv"], *c["head_norms"], cos, sin, got_caches,
+                               c["pos"], window, scale, softcap, c["wo"])
+    assert torch.equal(got, x)
+    assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))
+
+
+@pytest.mark.parametrize("kind", BLOCK_KINDS)
+@pytest.mark.parametrize("n", [1, 3])
+def test_gemma_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind):
+    c = block_case(n, seed=30 + n, dtype=torch.float32, kind=kind)
+    x = c["x"].clone()
+    act = path.geglu(product(path, path.rms_norm(x, c["norm"], 1e-6), c["gate_up"]))
+    x += path.rms_norm(product(path, act, c["down"]), c["post_norm"], 1e-6)
+    got = c["x"].clone()
+    path.gemma_ffn_block(got, c["norm"], c["post_norm"], 1e-6, c["gate_up"], c["down"])
+    assert torch.equal(got, x)
+
+
 @pytest.mark.parametrize("arch,qtype,kw", [("llama", "Q4_1", {}), ("qwen2", "Q4_1", {}), ("qwen3", "Q4_1", {}),
                                            ("llama", "Q4_1", {"extra_metadata": {"llama.attention.sliding_window": 7}}),
                                            ("llama", "Q8_0", {}), ("llama", "Q5_1", {}),
