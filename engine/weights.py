@@ -23,8 +23,8 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
   as are the float and Q8_0 tensors that become dense matrices and embedding tables.
 - `Int8Linear` (CPU): Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS stay 8-bit
-  with their group scales (float16 where exact, as for Q4_0 above, else float32), and float32
-  minimums where the type has them (Q5_1, Q5_K, Q2_K):
+  with their group scales (float16 where exact, as for Q4_0 above, else float32), and
+  minimums where the type has them (Q5_1, Q5_K, Q2_K), float16 where exact as well (Q5_1's):
   exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
   and output.  A fused matrix whose parts mix these types (a Q5_K_M file's q/k in Q5_K and v in
   Q6_K) runs as one, at the smallest group of its parts (a scale of 32 inputs repeated for
@@ -209,7 +209,7 @@ class Int8Linear(_CpuKernelLinear):
     """8-bit grouped types on CPU: int8 q [N/16, K/G, G, 16], scales [N/16, K/G, 16] per group
     (float16 where every one is exactly a float16, as Q8_0's and Q5_0's are, else float32: the
     kernel widens them exactly, so only the bytes streamed change) and, for the types with them,
-    float32 minimums like the scales (the layout of
+    minimums like the scales, float16 where exact in the same way (the layout of
     engine/kernels/dense_linear.cpp; `int8_layout` or CpuKernels.repack_q8_0 makes it), whose
     rows past `out_features` are padding."""
 
@@ -238,10 +238,13 @@ def int8_layout(q: np.ndarray, scale: np.ndarray, group: int) -> tuple[torch.Ten
     """int8 q [N, K] and scales [N, K/group] in Int8Linear's layout, rows padded to whole blocks;
     the scales in float16 where every one is exactly a float16 (`exact_scale_dtype`)."""
     q, scale = _pad_rows(q.shape[0], q, scale)
-    scales = group_values_layout(scale)
-    if exact_scale_dtype(scales.numpy()) == np.float16:
-        scales = scales.half()
-    return torch.from_numpy(_column_blocks(q, group)), scales
+    return torch.from_numpy(_column_blocks(q, group)), narrowed_if_exact(group_values_layout(scale))
+
+
+def narrowed_if_exact(values: torch.Tensor) -> torch.Tensor:
+    """Float32 group values (scales, minimums) as float16 where every one is exactly a float16
+    (`exact_scale_dtype`): the kernels widen them exactly, so only the bytes streamed change."""
+    return values.half() if exact_scale_dtype(values.numpy()) == np.float16 else values
 
 
 def group_values_layout(values: np.ndarray) -> torch.Tensor:
@@ -558,7 +561,7 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
         if row_perm is not None:
             q8, scale8 = q8[row_perm], scale8[row_perm]
             min8 = None if min8 is None else min8[row_perm]
-        minimums = None if min8 is None else group_values_layout(min8)
+        minimums = None if min8 is None else narrowed_if_exact(group_values_layout(min8))
         return Int8Linear(*int8_layout(q8, scale8, g8.group), n, cpu.int8, bias, minimums=minimums)
     if device.type == "cuda":
         wd = device_float(records, device)

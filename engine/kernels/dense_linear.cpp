@@ -10,7 +10,8 @@
 //           (float16 for scales that are exactly float16 values, as Q8_0's are: widened on
 //           load, which is exact, so either dtype gives the same bits; a decoded row streams
 //           an eighth of a byte a weight less)
-//   minimums  None, or float32 [N / 16, K / G, 16]: then w = q * scale + minimum
+//   minimums  None, or float32 or float16 [N / 16, K / G, 16] (float16 where each is exactly
+//           one, as Q5_1's are, widened like the scales): then w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
 // ds4::f16_linear_<isa>(x, w) -> y
 //   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
@@ -122,8 +123,8 @@ inline vf group_dot(const float* xv, Widened w) {
 inline vf scales16(const float* p) { return loadv(p); }
 inline vf scales16(const at::Half* p) { return widen(p); }
 
-template <typename W, int G, typename S = float>
-at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const float* m0, int64_t NG,
+template <typename W, int G, typename S = float, typename Mn = float>
+at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const Mn* m0, int64_t NG,
                           int64_t KB) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
@@ -152,7 +153,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const f
       for (int64_t b = 0; b < KB; ++b) {
         const W* wg = w0 + (g * KB + b) * G * C;
         const vf scale = s0 ? scales16(s0 + (g * KB + b) * C) : vf{};
-        const vf minimum = m0 ? loadv(m0 + (g * KB + b) * C) : vf{};
+        const vf minimum = m0 ? scales16(m0 + (g * KB + b) * C) : vf{};
         auto xrow = [&](int64_t r) {
           return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
         };
@@ -191,20 +192,26 @@ DS4_ENTRY at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.dim() == 3 && scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == C,
               "int8_linear: scales must be contiguous float32 or float16 [N/16, K/G, 16]");
-  const float* m = nullptr;
   if (minimums.has_value()) {
     const at::Tensor& mt = *minimums;
-    TORCH_CHECK(mt.scalar_type() == at::kFloat && mt.is_contiguous() && mt.sizes() == scales.sizes(),
-                "int8_linear: minimums must be contiguous float32 shaped like scales");
-    m = mt.data_ptr<float>();
+    TORCH_CHECK((mt.scalar_type() == at::kFloat || mt.scalar_type() == at::kHalf) && mt.is_contiguous() &&
+                    mt.sizes() == scales.sizes(),
+                "int8_linear: minimums must be contiguous float32 or float16 shaped like scales");
   }
   const int8_t* w = q.data_ptr<int8_t>();
-  auto run = [&](const auto* s) {
+  auto run = [&](const auto* s, const auto* m) {
     using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
-    return Gq == 32 ? grouped_linear<int8_t, 32, S>(x, w, s, m, NG, KB) : grouped_linear<int8_t, 16, S>(x, w, s, m, NG, KB);
+    using Mn = std::remove_cv_t<std::remove_pointer_t<decltype(m)>>;
+    return Gq == 32 ? grouped_linear<int8_t, 32, S, Mn>(x, w, s, m, NG, KB)
+                    : grouped_linear<int8_t, 16, S, Mn>(x, w, s, m, NG, KB);
   };
-  if (scales.scalar_type() == at::kHalf) return run(scales.data_ptr<at::Half>());
-  return run(scales.data_ptr<float>());
+  auto with_minimums = [&](const auto* s) {
+    if (!minimums.has_value()) return run(s, static_cast<const float*>(nullptr));
+    if (minimums->scalar_type() == at::kHalf) return run(s, minimums->data_ptr<at::Half>());
+    return run(s, minimums->data_ptr<float>());
+  };
+  if (scales.scalar_type() == at::kHalf) return with_minimums(scales.data_ptr<at::Half>());
+  return with_minimums(scales.data_ptr<float>());
 }
 
 at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -213,7 +220,7 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
               "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
   const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
   TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
-  return grouped_linear<at::Half, 32, float>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
+  return grouped_linear<at::Half, 32, float, float>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
 }
 
 }  // namespace dense

@@ -821,14 +821,29 @@ def test_int8_matches_float64(path, group, m):
 
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("with_minimums", [False, True])
-def test_int8_float16_scales_give_the_bits_of_float32_ones(path, group, m, with_minimums):
+@pytest.mark.parametrize("minimums", [None, "float32", "float16"])
+def test_int8_float16_scales_give_the_bits_of_float32_ones(path, group, m, minimums):
+    """Scales, and minimums, that float16 holds exactly: either dtype, the same bits."""
     q, scales, _ = int8_case(48, 256, group, seed=4)
-    scales = scales.half().float()  # values that float16 holds exactly
-    minimums = (torch.randn(scales.shape) * 0.01) if with_minimums else None
+    scales = scales.half().float()
     x = torch.randn(m, 256)
-    args = () if minimums is None else (minimums,)
-    assert torch.equal(path.int8(x, q, scales.half(), *args), path.int8(x, q, scales, *args))
+    if minimums is None:
+        assert torch.equal(path.int8(x, q, scales.half()), path.int8(x, q, scales))
+        return
+    mins = (torch.randn(scales.shape) * 0.01).half().float()
+    want = path.int8(x, q, scales, mins)
+    narrow = mins.half() if minimums == "float16" else mins
+    assert torch.equal(path.int8(x, q, scales.half(), narrow), want)
+    assert torch.equal(path.int8(x, q, scales, narrow), want)
+
+
+def test_int8_minimums_are_float16_only_where_every_value_round_trips():
+    from engine.weights import narrowed_if_exact
+
+    exact = torch.tensor([[0.5, -0.25, 3.0]])
+    assert narrowed_if_exact(exact).dtype == torch.float16
+    assert narrowed_if_exact(exact + 1e-4).dtype == torch.float32  # 1.0001 is no float16
+    assert narrowed_if_exact(torch.tensor([[70000.0]])).dtype == torch.float32  # past float16's range
 
 
 @pytest.mark.parametrize("k", [32, 100, 576])  # 100: a last group of 4 inputs
