@@ -123,9 +123,9 @@ inline vf group_dot(const float* xv, Widened w) {
 inline vf scales16(const float* p) { return loadv(p); }
 inline vf scales16(const at::Half* p) { return widen(p); }
 
-template <typename W, int G, typename S = float, typename Mn = float>
-at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const Mn* m0, int64_t NG,
-                          int64_t KB) {
+template <typename W, int G, typename S = float>
+at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const float* m0, int64_t NG,
+                          int64_t KB, const at::Half* m16 = nullptr) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
@@ -136,8 +136,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const M
     for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * G, x0 + r * xs + (KB - 1) * G, tail * sizeof(float));
   // Each row's group sums, for the minimums: a plain loop in input order, which the compiler
   // may not reassociate, so a row's sums never depend on the other rows.
-  std::vector<float> xsum(m0 ? M * KB : 0);
-  for (int64_t r = 0; m0 && r < M; ++r)
+  const bool mins = m0 != nullptr || m16 != nullptr;
+  std::vector<float> xsum(mins ? M * KB : 0);
+  for (int64_t r = 0; mins && r < M; ++r)
     for (int64_t b = 0; b < KB; ++b) {
       const float* xg = x0 + r * xs + b * G;
       float sum = 0.0f;
@@ -153,21 +154,21 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const M
       for (int64_t b = 0; b < KB; ++b) {
         const W* wg = w0 + (g * KB + b) * G * C;
         const vf scale = s0 ? scales16(s0 + (g * KB + b) * C) : vf{};
-        const vf minimum = m0 ? scales16(m0 + (g * KB + b) * C) : vf{};
+        const vf minimum = m0 ? loadv(m0 + (g * KB + b) * C) : m16 ? widen(m16 + (g * KB + b) * C) : vf{};
         auto xrow = [&](int64_t r) {
           return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
         };
         if (M == 1) {  // decoding: widen in registers, no buffer
           const vf dot = group_dot<G>(xrow(0), [&](int k) { return widen(wg + k * C); });
           acc[0] = s0 ? scale * dot + acc[0] : dot + acc[0];
-          if (m0) acc[0] = minimum * xsum[b] + acc[0];
+          if (mins) acc[0] = minimum * xsum[b] + acc[0];
           continue;
         }
         for (int k = 0; k < G; ++k) wf[k] = widen(wg + k * C);
         for (int64_t r = 0; r < M; ++r) {
           const vf dot = group_dot<G>(xrow(r), [&](int k) { return wf[k]; });
           acc[r] = s0 ? scale * dot + acc[r] : dot + acc[r];
-          if (m0) acc[r] = minimum * xsum[r * KB + b] + acc[r];
+          if (mins) acc[r] = minimum * xsum[r * KB + b] + acc[r];
         }
       }
       for (int64_t r = 0; r < M; ++r) std::memcpy(y0 + r * NG * C + g * C, &acc[r], sizeof(vf));
@@ -192,26 +193,27 @@ DS4_ENTRY at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const
   TORCH_CHECK((scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) && scales.is_contiguous() &&
                   scales.dim() == 3 && scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == C,
               "int8_linear: scales must be contiguous float32 or float16 [N/16, K/G, 16]");
+  const float* m = nullptr;
+  const at::Half* m16 = nullptr;
   if (minimums.has_value()) {
     const at::Tensor& mt = *minimums;
     TORCH_CHECK((mt.scalar_type() == at::kFloat || mt.scalar_type() == at::kHalf) && mt.is_contiguous() &&
                     mt.sizes() == scales.sizes(),
                 "int8_linear: minimums must be contiguous float32 or float16 shaped like scales");
+    if (mt.scalar_type() == at::kHalf) {
+      m16 = mt.data_ptr<at::Half>();
+    } else {
+      m = mt.data_ptr<float>();
+    }
   }
   const int8_t* w = q.data_ptr<int8_t>();
-  auto run = [&](const auto* s, const auto* m) {
+  auto run = [&](const auto* s) {
     using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
-    using Mn = std::remove_cv_t<std::remove_pointer_t<decltype(m)>>;
-    return Gq == 32 ? grouped_linear<int8_t, 32, S, Mn>(x, w, s, m, NG, KB)
-                    : grouped_linear<int8_t, 16, S, Mn>(x, w, s, m, NG, KB);
+    return Gq == 32 ? grouped_linear<int8_t, 32, S>(x, w, s, m, NG, KB, m16)
+                    : grouped_linear<int8_t, 16, S>(x, w, s, m, NG, KB, m16);
   };
-  auto with_minimums = [&](const auto* s) {
-    if (!minimums.has_value()) return run(s, static_cast<const float*>(nullptr));
-    if (minimums->scalar_type() == at::kHalf) return run(s, minimums->data_ptr<at::Half>());
-    return run(s, minimums->data_ptr<float>());
-  };
-  if (scales.scalar_type() == at::kHalf) return with_minimums(scales.data_ptr<at::Half>());
-  return with_minimums(scales.data_ptr<float>());
+  if (scales.scalar_type() == at::kHalf) return run(scales.data_ptr<at::Half>());
+  return run(scales.data_ptr<float>());
 }
 
 at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
@@ -220,7 +222,7 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
               "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
   const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
   TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
-  return grouped_linear<at::Half, 32, float, float>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
+  return grouped_linear<at::Half, 32, float>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
 }
 
 }  // namespace dense
