@@ -49,6 +49,18 @@ def all_logits(m, tokens: list[int]) -> np.ndarray:
     return m.net.forward(ids, 0, m.new_session().cache, logits="all").double().cpu().numpy()
 
 
+def decoded_logits(m, tokens: list[int], prompt: int = 3) -> torch.Tensor:
+    """The logits after the first `prompt` tokens, then after each further token decoded one
+    by one: [len(tokens) - prompt + 1, n_vocab]."""
+    s = m.new_session()
+    s.sync(tokens[:prompt])
+    rows = [s.logits]
+    for t in tokens[prompt:]:
+        s.eval(t)
+        rows.append(s.logits)
+    return torch.stack(rows)
+
+
 @pytest.mark.parametrize("qtype", QTYPES)
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_forward_matches_float64_reference(gemma_gguf, arch, qtype):
@@ -124,13 +136,7 @@ def test_decoding_equals_prefill_exactly(gemma_gguf, arch):
     """Token by token past the window, bit for bit the prefill's logits (CPU, packed)."""
     m = engine.load_model(gemma_gguf(arch, "Q8_0"))
     full = m.net.forward(torch.tensor(TOKENS), 0, m.new_session().cache, logits="all")
-    s = m.new_session()
-    s.sync(TOKENS[:3])
-    rows = [s.logits]
-    for t in TOKENS[3:]:
-        s.eval(t)
-        rows.append(s.logits)
-    assert torch.equal(torch.stack(rows), full[2:])
+    assert torch.equal(decoded_logits(m, TOKENS), full[2:])
 
 
 @pytest.mark.parametrize("kernel_path", host_paths())
@@ -144,13 +150,7 @@ def test_every_cpu_kernel_path_matches_the_reference_and_decodes_as_it_prefills(
     assert (m.net.kernels is None) == (kernel_path == "torch")
     got = all_logits(m, TOKENS)
     assert np.abs(got - ref.logits).max() <= 2e-2 * np.abs(ref.logits).max()
-    s = m.new_session()
-    s.sync(TOKENS[:3])
-    rows = [s.logits]
-    for t in TOKENS[3:]:
-        s.eval(t)
-        rows.append(s.logits)
-    assert np.array_equal(torch.stack(rows).double().numpy(), got[2:])
+    assert np.array_equal(decoded_logits(m, TOKENS).double().numpy(), got[2:])
 
 
 @pytest.mark.parametrize("arch,qtype", [("gemma2", "Q8_0"), ("gemma3", "Q4_K"), ("gemma3", "Q6_K")])

@@ -186,7 +186,10 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
         assert isinstance(lin, Int8Linear)
         if qtype in (QT.Q8_0, QT.Q5_0, QT.Q5_1, QT.IQ4_NL):  # one float16 scale a block in the file
             assert lin.scales.dtype == torch.float16
-        per_group = lin.scales.element_size() + (4 if qtype in INT8_WITH_MINIMUM else 0)  # float32 minimums
+        if qtype == QT.Q5_1:  # its minimum is a float16 field too
+            assert lin.minimums.dtype == torch.float16
+        minimum = lin.minimums.element_size() if qtype in INT8_WITH_MINIMUM else 0
+        per_group = lin.scales.element_size() + minimum
         assert lin.nbytes == padded * 512 + padded * 512 // INT8_GROUPS[qtype] * per_group + rows * 4
         w = exact
     else:  # rounded once to float16
