@@ -13,6 +13,9 @@ the next matmul reads.
   kernels and a cast.  Rounding to bfloat16 here is the rounding the int4 products apply to
   their inputs anyway.
 
+- `FusedStepKernels(eps, out_dtype)`: the two as engine.models.llama's StepKernels, for graph
+  steps and eager prefill chunks alike.
+
 - `greedy_pair(rows, eos_index)`: each row's argmax, plain and with end-of-generation ids
   masked (engine.device_sampling's greedy ids), in two kernels.
 
@@ -134,3 +137,18 @@ def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     block = min(triton.next_power_of_2(n_ff), 2048)
     _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out
+
+
+class FusedStepKernels:
+    """A forward pass's norms and SwiGLU (engine.models.llama.StepKernels) as the kernels above,
+    writing the dtype the following matmul computes in."""
+
+    def __init__(self, eps: float, out_dtype: torch.dtype):
+        self.eps = eps
+        self.out_dtype = out_dtype
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, weight, self.eps, self.out_dtype)
+
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up, self.out_dtype)

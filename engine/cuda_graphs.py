@@ -135,21 +135,6 @@ class _Captured:
         return i
 
 
-class _FusedKernels:
-    """`LlamaModel.decode_layers`' StepKernels as engine.cuda_elementwise kernels, writing the
-    dtype the following matmul computes in."""
-
-    def __init__(self, eps: float, out_dtype: torch.dtype):
-        self.eps = eps
-        self.out_dtype = out_dtype
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return cuda_elementwise.rms_norm(x, weight, self.eps, self.out_dtype)
-
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return cuda_elementwise.swiglu(gate_up, self.out_dtype)
-
-
 class DecodeGraphs:
     def __init__(self, net: "LlamaModel"):
         self.net = net
@@ -198,7 +183,7 @@ class DecodeGraphs:
         table[n:] = [0, 0, *self._place(base, base)]
         cap.table.copy_(host, non_blocking=True)
 
-    def _compute_dtype(self) -> torch.dtype:
+    def compute_dtype(self) -> torch.dtype:
         """The dtype the model's matmuls take their inputs in (where fused kernels write)."""
         return torch.float32 if self.net.fmt == "float32" else torch.bfloat16
 
@@ -213,7 +198,7 @@ class DecodeGraphs:
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
             return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D)
 
-        kernels = _FusedKernels(cfg.norm_eps, self._compute_dtype()) if self.fused else None
+        kernels = cuda_elementwise.FusedStepKernels(cfg.norm_eps, self.compute_dtype()) if self.fused else None
         logits = net.decode_layers(tokens, rope, attend, kernels)  # [B, n_vocab]
         return logits, greedy_pair(logits, eos_index)
 
@@ -224,7 +209,7 @@ class DecodeGraphs:
         base = self._base(dtype)
         table = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long, device=device)
         work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device,
-                                        self._compute_dtype() if self.fused else torch.float32)
+                                        self.compute_dtype() if self.fused else torch.float32)
         eos_index = eos_tensor(eos_ids, device)
         cap = _Captured(None, table, b, None, None, work, eos_index)  # type: ignore[arg-type]
         self._fill(cap, cap.next_slot(), [], [], base)  # every row padding: warm-up and capture write only scratch

@@ -50,6 +50,7 @@ It reads no files beyond the given records and knows nothing of tokens' text or 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Protocol
 
 import numpy as np
@@ -60,7 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine import cuda_graphs
+from engine import cuda_elementwise, cuda_graphs
 from engine.device_sampling import DeviceLogits, StepLogits
 from engine.kernels import CpuKernels
 from engine.kvcache import KVCache, KVPool
@@ -87,7 +88,8 @@ class StepKernels(Protocol):
 
 
 class TorchKernels:
-    """StepKernels in torch ops, float32 (the CPU path, prefill and eager CUDA decoding).  On CPU
+    """StepKernels in torch ops, float32 (the CPU path, eager CUDA decoding, and CUDA prefill
+    where no decoding graphs run: elsewhere `prefill_kernels` are the graphs' own).  On CPU
     the compiled kernels' `rms_norm` and `swiglu` (engine.kernels) replace the norm's five torch
     ops for [rows, n_embd] inputs (and for per-head [T, heads, D] ones, the heads taken as rows)
     and the SwiGLU's three, the same ops in prefill and decoding."""
@@ -242,6 +244,12 @@ class LlamaModel(CachedNetwork):
         # per-context rotations keep decoding eager.
         graphs_fit = self.window is None and not self.rope_by_context and self.captures_graphs
         self.decode_graphs = cuda_graphs.DecodeGraphs(self) if graphs_fit and cuda_graphs.usable(device) else None
+        # A CUDA prefill chunk is bound by launching its kernels from Python (a 40-token prompt of
+        # the 135M shape: about 35 ms, for well under a millisecond of GPU work): where the
+        # graphs run, prefill takes their one-kernel norms and SwiGLU too, not torch's six and three.
+        self.prefill_kernels: StepKernels = self.torch_kernels
+        if self.decode_graphs is not None:
+            self.prefill_kernels = cuda_elementwise.FusedStepKernels(cfg.norm_eps, self.decode_graphs.compute_dtype())
 
     def inverse_frequencies(self) -> torch.Tensor:
         """base^(-2i / rope_dim) for the rope_dim/2 rotated pairs, float64."""
@@ -556,9 +564,10 @@ class LlamaModel(CachedNetwork):
             # the masked chunks need, does not): each kv head is repeated for its queries, a
             # copy of `end` positions of a few MB at most.
             keys, vals = keys.repeat_interleave(H // Hkv, dim=0), vals.repeat_interleave(H // Hkv, dim=0)
-        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
-            att = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
-                                                 is_causal=causal)  # [1, H, T, D]
+        # (the backends are chosen once per chunk, in `forward`: entering sdpa_kernel costs more
+        # host time than a small chunk's attention)
+        att = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
+                                             is_causal=causal)  # [1, H, T, D]
         return att[0].transpose(0, 1).reshape(T, H * D)
 
     def _kernel_prefill(self, q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
@@ -606,16 +615,18 @@ class LlamaModel(CachedNetwork):
                 mask &= pos[None, :] > qpos - self.window
             causal = False
         x = self.embed(tokens)  # [T, n_embd] residual stream, float32
-        for li, blk in enumerate(self.blocks):
-            if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
-                raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
-            qkv = self._qkv(blk, x, rope, self.torch_kernels)
-            cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
-            blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
-            self.feed_forward(blk, x, self.torch_kernels)
+        ops = self.prefill_kernels
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS) if self.device.type != "cpu" else contextlib.nullcontext():
+            for li, blk in enumerate(self.blocks):
+                if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
+                    raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
+                qkv = self._qkv(blk, x, rope, ops)
+                cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
+                blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
+                self.feed_forward(blk, x, ops)
         cache.n = end
         if logits == "last":
-            return self.head(x[-1:])[0]
+            return self.head(x[-1:], ops)[0]
         if logits == "all":
-            return self.head(x)
+            return self.head(x, ops)
         return None
