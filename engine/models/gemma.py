@@ -42,7 +42,7 @@ decoded in a batch, alone, or prefilled, from a ring or from a full cache, compu
 bits (with the row-independent matmul kernels of engine.weights).  A decoding layer whose
 matrices are plain int4 or int8 runs each half as one op of those same kernels
 (`gemma_attention_block`, `gemma_ffn_block`: the same bits without the Python between them).
-Elsewhere (CUDA, the `torch` path, head dims the kernels do not take) attention runs in torch
+Elsewhere (CUDA, the `torch` path, head dims the kernels do not take, bfloat16 caches) attention runs in torch
 ops: on CUDA a prefill chunk attends in one masked batch and decode rows one by one, and no
 graphs are captured (engine.cuda_graphs serves the llama family only).
 The residual stream, norms, rope, attention and soft-capping run in float32; matmuls in the
@@ -71,7 +71,8 @@ from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 
-MAX_KERNEL_HEAD_DIM = 256  # the CPU attention kernel's limit (decode_attention.cpp)
+MAX_KERNEL_HEAD_DIM = 256  # the CPU attention kernel's limits (decode_attention.cpp)
+KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -362,7 +363,7 @@ class GemmaModel(CachedNetwork):
             c.will_write(c.n, c.n + 1)
         ropes = self._rope(torch.tensor(pos))
         x = self._embed(tokens)
-        if self.kernels is not None:
+        if self._compiled_for(caches[0]):
             self._decode_layers_compiled(x, ropes, caches, pos)
             logits = self.head(x)
             for c, p in zip(caches, pos):
@@ -381,6 +382,10 @@ class GemmaModel(CachedNetwork):
         for c, p in zip(caches, pos):
             c.n = p + 1
         return logits
+
+    def _compiled_for(self, cache: KVCache) -> bool:
+        """Whether steps on `cache` take the compiled path (a bfloat16 cache keeps torch's)."""
+        return self.kernels is not None and cache.kv.dtype in KERNEL_CACHE_DTYPES
 
     def _layer_attention(self, li: int) -> tuple[int, float, float]:
         """(window, query scale, score cap) as the compiled attention takes them (0: none)."""
@@ -452,7 +457,7 @@ class GemmaModel(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
-            if self.kernels is not None:
+            if self._compiled_for(cache):
                 att = self._prefill_attention(li, blk, x, ropes[self.params.is_local(li)], cache, start)
                 x += self._norm(blk.wo(att).float(), blk.post_attn_norm)
                 self._ffn(blk, x)

@@ -153,6 +153,18 @@ def test_every_cpu_kernel_path_matches_the_reference_and_decodes_as_it_prefills(
     assert np.array_equal(decoded_logits(m, TOKENS).double().numpy(), got[2:])
 
 
+def test_a_bfloat16_cache_on_cpu_keeps_the_torch_attention(gemma_gguf):
+    """The compiled attention reads float32 and float16 caches; a bfloat16 one (--kv-type bf16)
+    runs the torch ops, still within the packed bounds and decoding as it prefills."""
+    path = gemma_gguf("gemma3", "Q8_0")
+    ref = reference_logits(path, TOKENS).logits
+    m = engine.load_model(path, kv_type="bf16")
+    assert m.net.kernels is not None and m.new_session().cache.kv.dtype == torch.bfloat16
+    got = all_logits(m, TOKENS)
+    assert np.abs(got - ref).max() <= 2e-2 * np.abs(ref).max()
+    assert np.array_equal(decoded_logits(m, TOKENS).double().numpy(), got[2:])
+
+
 @pytest.mark.parametrize("arch,qtype", [("gemma2", "Q8_0"), ("gemma3", "Q4_K"), ("gemma3", "Q6_K")])
 def test_decoding_in_block_ops_gives_the_bits_of_the_kernels_one_by_one(gemma_gguf, arch, qtype):
     """One row and three rows a step, past the window (and the ring), with each layer half in
