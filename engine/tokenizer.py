@@ -59,7 +59,7 @@ from tokenizers import Tokenizer as _Backend
 from tokenizers import models as _models
 from tokenizers import pre_tokenizers as _pre
 
-from engine.prompt_text import PromptText
+from engine.prompt_text import PromptText, spellings_pattern
 
 # --- GGUF metadata keys --------------------------------------------------------
 KEY_MODEL = "tokenizer.ggml.model"
@@ -453,18 +453,20 @@ def spm_merges_from_scores(
     these ranks picks, at each step, the adjacent pair whose concatenation is the
     best-scoring token, leftmost first, which is SentencePiece's rule.
     """
-    index = _vocab_dict(tokens)
-    ranked: list[tuple[float, int, str, str]] = []
-    for tid, text in enumerate(tokens):
-        if not mergeable[tid] or len(text) < 2:
-            continue
+    # A text's id is its last occurrence's (_vocab_dict); it joins merges where that id may.
+    joinable = {text for text, tid in _vocab_dict(tokens).items() if mergeable[tid]}
+    # One token's merges rank by their left part, which for cuts of one text is the cut's
+    # length: so sorting the tokens and cutting each from the left gives the ranked list.
+    order = sorted((tid for tid, text in enumerate(tokens) if mergeable[tid] and len(text) >= 2),
+                   key=lambda tid: (-scores[tid], tid))
+    merges: list[tuple[str, str]] = []
+    for tid in order:
+        text = tokens[tid]
         for cut in range(1, len(text)):
             left, right = text[:cut], text[cut:]
-            li, ri = index.get(left), index.get(right)
-            if li is not None and ri is not None and mergeable[li] and mergeable[ri]:
-                ranked.append((-scores[tid], tid, left, right))
-    ranked.sort()
-    return [(left, right) for _, _, left, right in ranked]
+            if left in joinable and right in joinable:
+                merges.append((left, right))
+    return merges
 
 
 def _word_splitter(pre: str) -> _pre.PreTokenizer:
@@ -533,11 +535,11 @@ class Tokenizer:
         eos |= {i for i in self._control if spec.tokens[i] in END_OF_TURN_TEXTS}
         self.eos_ids: frozenset[int] = frozenset(eos)
 
-        # Longest text first, so that of two special tokens starting at the same
-        # place ("<|im_start|>" vs a hypothetical "<|im") the longer one wins.
+        # Of two special tokens starting at the same place ("<|im_start|>" vs a hypothetical
+        # "<|im") the longer one wins.
         def alternation(ids: Iterable[int]) -> re.Pattern[str] | None:
-            texts = sorted({spec.tokens[i] for i in ids if spec.tokens[i]}, key=lambda s: (-len(s), s))
-            return re.compile("|".join(map(re.escape, texts))) if texts else None
+            pattern = spellings_pattern(spec.tokens[i] for i in ids)
+            return re.compile(pattern) if pattern else None
 
         self._special_re = alternation(self._special)
         self._user_re = alternation(i for i in self._special if i not in self._control)

@@ -1,9 +1,12 @@
 """Prompt text: control-token spellings typed into messages stay text; the template's markers are tokens."""
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 
-from engine.prompt_text import MARK, PromptText, escape_strings, from_rendered
+from engine.prompt_text import MARK, PromptText, escape_strings, from_rendered, spellings_pattern
 
 CONTROLS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
 P = PromptText(CONTROLS)
@@ -112,3 +115,42 @@ def test_tojson_ensure_ascii_keeps_message_strings_text():
     # Without the vocabulary's rules the escape is lost, as json writes MARK as \ue000.
     plain = ChatTemplate.from_source(source).render(messages)
     assert [p for p, c in P.split(plain) if c] == ["<|im_start|>", "<|im_end|>", "<|im_start|>", "<|im_end|>"]
+
+
+def flat_alternation(texts) -> str:
+    """The plain reference: every spelling, longest first, one alternative each."""
+    return "|".join(map(re.escape, sorted({t for t in texts if t}, key=lambda s: (-len(s), s))))
+
+
+def test_spellings_pattern_matches_what_the_flat_alternation_matches():
+    rng = random.Random(7)
+    alphabet = "<>|_ab.*(\\\ue000é"
+    for trial in range(200):
+        spellings = {"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 30))}
+        spellings |= {s + "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 3))) for s in list(spellings)[:5]}
+        text = "".join(rng.choice(sorted(spellings)) if rng.random() < 0.3 else rng.choice(alphabet)
+                       for _ in range(rng.randint(0, 60)))
+        want = [m.span() for m in re.finditer(flat_alternation(spellings), text)]
+        assert [m.span() for m in re.finditer(spellings_pattern(spellings), text)] == want, (spellings, text)
+
+
+def test_spellings_pattern_falls_back_to_the_flat_alternation_where_the_trie_nests_too_deep():
+    spellings = ["a" * n for n in range(1, 3000)]  # each a prefix of the next: 3,000 nested groups
+    pattern = spellings_pattern(spellings)
+    assert pattern == flat_alternation(spellings)
+    assert re.match(pattern, "a" * 5000).end() == 2999
+    assert spellings_pattern([]) == "" and spellings_pattern(["", ""]) == ""
+
+
+def test_gemma_sized_control_vocabularies_split_fast_and_alike():
+    """Thousands of control spellings (Gemma's <unused0> .. <unused6241>): the same pieces as the
+    flat alternation gives."""
+    controls = [f"<unused{i}>" for i in range(6242)] + ["<start_of_turn>", "<end_of_turn>", "<bos>"]
+    pt = PromptText(controls)
+    text = "<start_of_turn>user\nhi <unused12> and <unused1234><unused1>x<end_of_turn>" * 50
+    pieces = list(pt.split(text))
+    assert pieces[:4] == [("<start_of_turn>", True), ("user\nhi ", False), ("<unused12>", True), (" and ", False)]
+    flat = re.compile(flat_alternation(controls))
+    assert [p for p, control in pieces if control] == flat.findall(text)
+    assert list(pt.split(pt.escape(text))) == [(text, False)]
+

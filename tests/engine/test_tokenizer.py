@@ -303,6 +303,23 @@ def test_spm_merges_follow_scores():
     assert merges == [("a", "bc"), ("ab", "c"), ("b", "c"), ("a", "b")]
 
 
+def test_spm_merges_equal_the_ranking_of_every_split_by_score():
+    """Against the rule written out (every split of a mergeable token into two mergeable ones,
+    ranked by the joined token's score, then its id, then the left part) on a random vocabulary
+    with duplicate spellings, ties and tokens that may not merge."""
+    rng = random.Random(3)
+    tokens = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 5))) for _ in range(300)]
+    scores = [float(rng.randint(-5, 5)) for _ in tokens]
+    mergeable = [rng.random() < 0.85 for _ in tokens]
+    index = {t: i for i, t in enumerate(tokens)}
+    ranked = sorted((-scores[tid], tid, text[:cut], text[cut:])
+                    for tid, text in enumerate(tokens) if mergeable[tid]
+                    for cut in range(1, len(text))
+                    if text[:cut] in index and text[cut:] in index
+                    and mergeable[index[text[:cut]]] and mergeable[index[text[cut:]]])
+    assert spm_merges_from_scores(tokens, scores, mergeable) == [(a, b) for _, _, a, b in ranked]
+
+
 def test_spm_requires_scores():
     meta = spm_meta()
     del meta["tokenizer.ggml.scores"]
