@@ -87,6 +87,15 @@ _PATH_LIBRARIES = {"amx": ("avx512", "amx"), "avx512": ("avx512",), "avx2": ("av
                    "torch": ()}
 
 
+# What the compiled attention (decode_attention.cpp) takes: head dims that are multiples of 16
+# up to 256, and caches of these dtypes; the families keep torch's attention for the others.
+ATTENTION_CACHE_DTYPES = (torch.float32, torch.float16)
+
+
+def attention_fits(head_dim: int) -> bool:
+    return head_dim % 16 == 0 and 0 < head_dim <= 256
+
+
 class KernelsUnavailable(Exception):
     """A CPU kernel path asked for by name cannot run here (CPU, compiler or operating system)."""
 

@@ -9,7 +9,7 @@
 // 16-column blocks wide.  An int4 matrix that adds into the residual stream adds in its last
 // step (int4_linear_add); an int8 one is computed, then added (the bits of `out += y`).
 //
-// ds4::attention_block_<isa>(x, norm, eps, qkv, rope, kv, positions, scale, wo) -> ()
+// ds4::attention_block_<isa>(x, norm, eps, qkv, rope, kv, positions, window, scale, wo) -> ()
 //   x          [N, E] float32, contiguous: the residual stream, updated in place:
 //              x += wo(attention(rotate(qkv(rms_norm(x, norm, eps)))))
 //   qkv        the fused q/k/v projection's operands, output [N, (H + 2 Hkv) D]
@@ -17,7 +17,7 @@
 //              applied to the adjacent pairs of every q and k head as torch multiplies
 //              complex64 numbers: re = a c - b s, im = a s + b c, each product and the sum
 //              rounded on its own (no fused multiply-add), so the bits equal the Python step's
-//   kv, positions, scale: as decode_attention (decode_attention.cpp), which stores each row's
+//   kv, positions, window, scale: as decode_attention (decode_attention.cpp), which stores each row's
 //              new key and value and attends
 //   wo         the output projection's operands (H D inputs)
 // ds4::ffn_block_<isa>(x, norm, eps, gate_up, down) -> ()
@@ -119,7 +119,7 @@ int64_t query_heads(at::TensorList qkv, at::TensorList wo, at::TensorList kv, co
 }
 
 void attention_block(at::Tensor x, const at::Tensor& norm, double eps, at::TensorList qkv_w, const at::Tensor& rope,
-                     at::TensorList kv, at::IntArrayRef positions, double scale, at::TensorList wo) {
+                     at::TensorList kv, at::IntArrayRef positions, int64_t window, double scale, at::TensorList wo) {
   check_residual(x, "attention_block");
   const int64_t H = query_heads(qkv_w, wo, kv, "attention_block");
   const int64_t Hkv = kv[0].size(1), D = kv[0].size(3);
@@ -128,7 +128,7 @@ void attention_block(at::Tensor x, const at::Tensor& norm, double eps, at::Tenso
               "attention_block: rope must be float32 [N, head dim] with contiguous rows");
   at::Tensor qkv = product(elementwise::rms_norm(x, norm, eps), qkv_w);
   rotate(qkv, rope, H + Hkv, D);
-  add_product(attention::decode_attention(qkv, kv, positions, scale, 0, 0.0), wo, x);
+  add_product(attention::decode_attention(qkv, kv, positions, scale, window, 0.0), wo, x);
 }
 
 void ffn_block(at::Tensor x, const at::Tensor& norm, double eps, at::TensorList gate_up, at::TensorList down) {
@@ -209,7 +209,7 @@ void gemma_ffn_block(at::Tensor x, const at::Tensor& norm, const at::Tensor& pos
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("attention_block") "(Tensor(a!) x, Tensor norm, float eps, Tensor[] qkv, Tensor rope, "
-                                  "Tensor(b!)[] kv, int[] positions, float scale, Tensor[] wo) -> ()");
+                                  "Tensor(b!)[] kv, int[] positions, int window, float scale, Tensor[] wo) -> ()");
   m.def(DS4_OP("ffn_block") "(Tensor(a!) x, Tensor norm, float eps, Tensor[] gate_up, Tensor[] down) -> ()");
   m.def(DS4_OP("rotate_halves") "(Tensor(a!) qkv, int heads, Tensor? q_norm, Tensor? k_norm, float eps, Tensor cos, "
                                 "Tensor sin) -> ()");

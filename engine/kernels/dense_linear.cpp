@@ -116,13 +116,15 @@ inline vf group_dot(const float* xv, Widened w) {
   return (a0 + a1) + (a2 + a3);
 }
 
-// y = x @ w.T over column groups of 16 and input groups of G; `s0` null for float16.  A
-// last group shorter than G (float16 only) reads x through a zero-padded copy; the padded
-// weights are zero, so the padding adds exact zeros.
 // A group's 16 scales as float32: float16 ones widened (exactly).
 inline vf scales16(const float* p) { return loadv(p); }
 inline vf scales16(const at::Half* p) { return widen(p); }
 
+// y = x @ w.T over column groups of 16 and input groups of G; `s0` null for float16.  A
+// last group shorter than G (float16 only) reads x through a zero-padded copy; the padded
+// weights are zero, so the padding adds exact zeros.  The minimums come as float32 (`m0`) or
+// float16 (`m16`) pointers, not as a template parameter like the scales: instantiated per
+// minimum type, the several-row loop compiled to code 1.5x slower.
 template <typename W, int G, typename S = float>
 at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const float* m0, int64_t NG,
                           int64_t KB, const at::Half* m16 = nullptr) {

@@ -65,14 +65,10 @@ from engine.config import ModelConfig, UnsupportedModel
 from engine.device_sampling import DeviceLogits, StepLogits
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine.kernels import CpuKernels
+from engine.kernels import ATTENTION_CACHE_DTYPES, CpuKernels, attention_fits
 from engine.kvcache import CacheLayout, KVCache, Ring
 from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
-
-
-MAX_KERNEL_HEAD_DIM = 256  # the CPU attention kernel's limits (decode_attention.cpp)
-KERNEL_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -209,9 +205,8 @@ class GemmaModel(CachedNetwork):
         self._fused_norm = self.cpu_kernels.rms_norm if self.cpu_kernels is not None else None
         self._fused_geglu = self.cpu_kernels.geglu if self.cpu_kernels is not None else None
         # The compiled attention, rope and layer ops (see the module docstring); None: torch's.
-        fits = cfg.head_dim % 16 == 0 and cfg.head_dim <= MAX_KERNEL_HEAD_DIM
         compiled = self.cpu_kernels is not None and self.cpu_kernels.rotate_halves is not None
-        self.kernels: CpuKernels | None = self.cpu_kernels if fits and compiled else None
+        self.kernels: CpuKernels | None = self.cpu_kernels if compiled and attention_fits(cfg.head_dim) else None
         self.block_ops = self.kernels  # None: decoding layers call the same kernels one by one
         try:
             self.blocks = [GemmaBlock(cfg, t, i, fmt, device, self.cpu_kernels) for i in range(cfg.n_layer)]
@@ -365,19 +360,16 @@ class GemmaModel(CachedNetwork):
         x = self._embed(tokens)
         if self._compiled_for(caches[0]):
             self._decode_layers_compiled(x, ropes, caches, pos)
-            logits = self.head(x)
-            for c, p in zip(caches, pos):
-                c.n = p + 1
-            return logits
-        for li, blk in enumerate(self.blocks):
-            q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
-            kv = torch.stack([k, v], dim=1).unsqueeze(3)  # [N, 2, Hkv, 1, D]
-            rows = []
-            for i, (c, p) in enumerate(zip(caches, pos)):
-                c.store(li, p, kv[i])
-                rows.append(self._attend_row(li, q[i], c, p))
-            x += self._norm(blk.wo(torch.stack(rows)).float(), blk.post_attn_norm)
-            self._ffn(blk, x)
+        else:
+            for li, blk in enumerate(self.blocks):
+                q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
+                kv = torch.stack([k, v], dim=1).unsqueeze(3)  # [N, 2, Hkv, 1, D]
+                rows = []
+                for i, (c, p) in enumerate(zip(caches, pos)):
+                    c.store(li, p, kv[i])
+                    rows.append(self._attend_row(li, q[i], c, p))
+                x += self._norm(blk.wo(torch.stack(rows)).float(), blk.post_attn_norm)
+                self._ffn(blk, x)
         logits = self.head(x)
         for c, p in zip(caches, pos):
             c.n = p + 1
@@ -385,7 +377,7 @@ class GemmaModel(CachedNetwork):
 
     def _compiled_for(self, cache: KVCache) -> bool:
         """Whether steps on `cache` take the compiled path (a bfloat16 cache keeps torch's)."""
-        return self.kernels is not None and cache.kv.dtype in KERNEL_CACHE_DTYPES
+        return self.kernels is not None and cache.kv.dtype in ATTENTION_CACHE_DTYPES
 
     def _layer_attention(self, li: int) -> tuple[int, float, float]:
         """(window, query scale, score cap) as the compiled attention takes them (0: none)."""
@@ -457,17 +449,16 @@ class GemmaModel(CachedNetwork):
         for li, blk in enumerate(self.blocks):
             if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                 raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
+            rope = ropes[self.params.is_local(li)]
             if self._compiled_for(cache):
-                att = self._prefill_attention(li, blk, x, ropes[self.params.is_local(li)], cache, start)
-                x += self._norm(blk.wo(att).float(), blk.post_attn_norm)
-                self._ffn(blk, x)
-                continue
-            q, k, v = self._qkv(blk, x, ropes[self.params.is_local(li)])
-            cache.store(li, start, torch.stack([k, v]).transpose(1, 2))  # [2, Hkv, T, D]
-            if self.batched_prefill:
-                att = self._attend_chunk(li, q, cache, start)
-            else:  # row by row, exactly as decoding attends
-                att = torch.stack([self._attend_row(li, q[i], cache, start + i) for i in range(T)])
+                att = self._prefill_attention(li, blk, x, rope, cache, start)
+            else:
+                q, k, v = self._qkv(blk, x, rope)
+                cache.store(li, start, torch.stack([k, v]).transpose(1, 2))  # [2, Hkv, T, D]
+                if self.batched_prefill:
+                    att = self._attend_chunk(li, q, cache, start)
+                else:  # row by row, exactly as decoding attends
+                    att = torch.stack([self._attend_row(li, q[i], cache, start + i) for i in range(T)])
             x += self._norm(blk.wo(att).float(), blk.post_attn_norm)
             self._ffn(blk, x)
         cache.n = end

@@ -63,7 +63,7 @@ from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
 from engine import cuda_elementwise, cuda_graphs
 from engine.device_sampling import DeviceLogits, StepLogits
-from engine.kernels import CpuKernels
+from engine.kernels import ATTENTION_CACHE_DTYPES, CpuKernels, attention_fits
 from engine.kvcache import KVCache, KVPool
 from engine.models.common import CachedNetwork
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
@@ -228,8 +228,8 @@ class LlamaModel(CachedNetwork):
         self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff,
                                           self.cpu_kernels)
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
-        # float32 or float16 caches); None keeps the torch-ops path.
-        fits = device.type == "cpu" and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
+        # float32 or float16 caches), the window included; None keeps the torch-ops path.
+        fits = device.type == "cpu" and attention_fits(cfg.head_dim)
         self.attention_kernel = self.cpu_kernels.attention if fits and self.cpu_kernels else None
         # Where the compiled kernel attends, each half of a decoding layer whose matrices allow it
         # runs as one op of the same kernels (engine/kernels/block.cpp): the same bits, without
@@ -244,9 +244,9 @@ class LlamaModel(CachedNetwork):
         # per-context rotations keep decoding eager.
         graphs_fit = self.window is None and not self.rope_by_context and self.captures_graphs
         self.decode_graphs = cuda_graphs.DecodeGraphs(self) if graphs_fit and cuda_graphs.usable(device) else None
-        # A CUDA prefill chunk is bound by launching its kernels from Python (a 40-token prompt of
-        # the 135M shape: about 35 ms, for well under a millisecond of GPU work): where the
-        # graphs run, prefill takes their one-kernel norms and SwiGLU too, not torch's six and three.
+        # A short CUDA prefill chunk is bound by launching its kernels from Python (40 tokens of
+        # the 135M shape: 17-19 ms, 3 ms of it on the GPU): where the graphs run, prefill takes
+        # their one-kernel norms and SwiGLU too, not torch's six and three.
         self.prefill_kernels: StepKernels = self.torch_kernels
         if self.decode_graphs is not None:
             self.prefill_kernels = cuda_elementwise.FusedStepKernels(cfg.norm_eps, self.decode_graphs.compute_dtype())
@@ -349,8 +349,8 @@ class LlamaModel(CachedNetwork):
         lo = [self.first_visible(p) for p in pos]
         kernel = kernel or self._kernel_rows(caches, pos)
         if kernel is not None:
-            op = self.attention_kernel
-            return lambda li, qkv: op(qkv, *kernel(li), D ** -0.5)
+            op, window = self.attention_kernel, self.window or 0
+            return lambda li, qkv: op(qkv, *kernel(li), D ** -0.5, window)
         pool = caches[0].pool
         if len(caches) > 1 and pool is not None and all(c.pool is pool for c in caches):
             where = pool.row_index([c.slot for c in caches], pos)
@@ -376,18 +376,13 @@ class LlamaModel(CachedNetwork):
 
     def _kernel_rows(self, caches: list[KVCache], pos: list[int]
                      ) -> Callable[[int], tuple[list[torch.Tensor], list[int]]] | None:
-        """where(layer) -> (each row's cache of that layer, each row's position in it): the
-        compiled attention kernel's arguments for one decode step; None where it does not run."""
-        if self.attention_kernel is None or caches[0].kv.dtype not in (torch.float32, torch.float16):
+        """where(layer) -> (each row's cache of that layer, each row's position): the compiled
+        attention kernel's arguments for one decode step (the window is the kernel's own
+        argument); None where it does not run."""
+        if self.attention_kernel is None or caches[0].kv.dtype not in ATTENTION_CACHE_DTYPES:
             return None
         layers = [c.layer_kv for c in caches]
-        if self.window is None:
-            return lambda li: ([kv[li] for kv in layers], pos)
-        # The kernel attends a row to positions [0, p] of the cache it is given: a view starting
-        # at the window's first position makes that the window.
-        lo = [self.first_visible(p) for p in pos]
-        rel = [p - first for p, first in zip(pos, lo)]
-        return lambda li: ([kv[li][:, :, first:] for kv, first in zip(layers, lo)], rel)
+        return lambda li: ([kv[li] for kv in layers], pos)
 
     def _pooled_attention(self, pool: KVPool, slots: list[int], pos: list[int], lo: list[int],
                           store: Callable[[int, torch.Tensor], None]) -> Callable[[int, torch.Tensor], torch.Tensor]:
@@ -462,13 +457,13 @@ class LlamaModel(CachedNetwork):
         them: the same kernels in the same order, so the same bits."""
         N = tokens.shape[0]
         ops, fused = self.torch_kernels, self.block_ops
-        eps, scale = ops.eps_value, self.cfg.head_dim ** -0.5
+        eps, scale, window = ops.eps_value, self.cfg.head_dim ** -0.5, self.window or 0
         turns = torch.view_as_real(rope).reshape(N, -1)  # [N, D]: (cos, sin) per pair
         x = self.embed(tokens)
         for li, blk in enumerate(self.blocks):
             qkv, wo = blk.wqkv.vector_operands(N), blk.wo.vector_operands(N)
             if qkv is not None and wo is not None and blk.q_norm is None:
-                fused.attention_block(x, blk.attn_norm, eps, qkv, turns, *where(li), scale, wo)
+                fused.attention_block(x, blk.attn_norm, eps, qkv, turns, *where(li), window, scale, wo)
             else:
                 blk.wo.accumulate(x, attend(li, self._qkv(blk, x, rope, ops)))
             gate_up = blk.w_gate_up.vector_operands(N) if self.dense_ffn else None
@@ -551,8 +546,9 @@ class LlamaModel(CachedNetwork):
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         end = start + T
         if self.device.type == "cpu":
-            if self.attention_kernel is not None and cache.kv.dtype in (torch.float32, torch.float16):
-                return self._kernel_prefill(q, cache.layer_kv[li], start)
+            if self.attention_kernel is not None and cache.kv.dtype in ATTENTION_CACHE_DTYPES:
+                # Each row by the operations its decoding step runs, its window included.
+                return self.cpu_kernels.prefill_attention(q, cache.layer_kv[li], start, D ** -0.5, self.window or 0)
             rows = (q * D ** -0.5).view(T, Hkv, H // Hkv, D)
             spans = [slice(self.first_visible(start + i), start + i + 1) for i in range(T)]
             return torch.stack([self._attend_one(rows[i], cache.layer_k[li][:, spans[i]], cache.layer_v[li][:, spans[i]])
@@ -569,23 +565,6 @@ class LlamaModel(CachedNetwork):
         att = F.scaled_dot_product_attention(qh, keys.unsqueeze(0), vals.unsqueeze(0), attn_mask=mask,
                                              is_causal=causal)  # [1, H, T, D]
         return att[0].transpose(0, 1).reshape(T, H * D)
-
-    def _kernel_prefill(self, q: torch.Tensor, kv: torch.Tensor, start: int) -> torch.Tensor:
-        """The compiled prefill op for q's rows (positions start..) against one layer's cache
-        [2, Hkv, capacity, D].  Rows whose window reaches back to position 0 attend in one
-        call; each later row attends through a view of the cache that starts at its window, as
-        its decoding step does (so both compute the same bits)."""
-        scale = self.cfg.head_dim ** -0.5
-        T = q.shape[0]
-        whole = T if self.window is None else max(0, min(T, self.window - start))
-        if whole == T:
-            return self.cpu_kernels.prefill_attention(q, kv, start, scale)
-        op = self.cpu_kernels.prefill_attention
-        rows = [op(q[:whole], kv, start, scale)] if whole else []
-        for i in range(whole, T):
-            first = self.first_visible(start + i)
-            rows.append(op(q[i: i + 1], kv[:, :, first:], start + i - first, scale))
-        return torch.cat(rows)
 
     def first_visible(self, pos: int) -> int:
         """The first cached position a query at `pos` attends to (llama.cpp's window rule: the

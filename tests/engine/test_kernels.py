@@ -442,20 +442,21 @@ def block_case(n: int, seed: int, dtype: torch.dtype, kind: str = "int4", D: int
                 down=matrix(E, F, 4), rope=turns.to(torch.complex64), caches=caches, pos=pos, H=H, Hkv=Hkv, D=D)
 
 
+@pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n", [1, 3])
-def test_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, dtype, kind):
+def test_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, dtype, kind, window):
     c = block_case(n, seed=n, dtype=dtype, kind=kind)
     H, Hkv, D, eps = c["H"], c["Hkv"], c["D"], 1e-5
     x, caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
     qkv = product(path, path.rms_norm(x, c["norm"], eps), c["qkv"])
     torch.view_as_complex(qkv.view(n, -1, D // 2, 2))[:, : H + Hkv].mul_(c["rope"].unsqueeze(1))
-    add_product(path, path.attention(qkv, caches, c["pos"], D ** -0.5), c["wo"], x)
+    add_product(path, path.attention(qkv, caches, c["pos"], D ** -0.5, window), c["wo"], x)
 
     got, got_caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
     turns = torch.view_as_real(c["rope"]).reshape(n, D)
-    path.attention_block(got, c["norm"], eps, c["qkv"], turns, got_caches, c["pos"], D ** -0.5, c["wo"])
+    path.attention_block(got, c["norm"], eps, c["qkv"], turns, got_caches, c["pos"], window, D ** -0.5, c["wo"])
     assert torch.equal(got, x)
     assert all(torch.equal(a, b) for a, b in zip(got_caches, caches))
 
@@ -477,15 +478,15 @@ def test_block_ops_bad_arguments_are_errors_with_messages(path):
     turns = torch.view_as_real(c["rope"]).reshape(1, D)
     args = (c["norm"], 1e-5, c["qkv"])
     with pytest.raises(RuntimeError, match=r"attention_block: x must be contiguous float32"):
-        path.attention_block(c["x"].repeat(1, 2)[:, ::2], *args, turns, c["caches"], c["pos"], 0.2, c["wo"])
+        path.attention_block(c["x"].repeat(1, 2)[:, ::2], *args, turns, c["caches"], c["pos"], 0, 0.2, c["wo"])
     with pytest.raises(RuntimeError, match=r"attention_block: rope must be float32 \[N, head dim\]"):
-        path.attention_block(c["x"].clone(), *args, turns[:, :-2], c["caches"], c["pos"], 0.2, c["wo"])
+        path.attention_block(c["x"].clone(), *args, turns[:, :-2], c["caches"], c["pos"], 0, 0.2, c["wo"])
     narrow = [kv[:, :1] for kv in c["caches"]]  # caches of fewer heads than the projection's width
     with pytest.raises(RuntimeError, match=r"attention_block: the q/k/v projection's width"):
-        path.attention_block(c["x"].clone(), *args, turns, narrow, c["pos"], 0.2, c["wo"])
+        path.attention_block(c["x"].clone(), *args, turns, narrow, c["pos"], 0, 0.2, c["wo"])
     with pytest.raises(RuntimeError, match=r"attention_block: qkv must be int4 operands"):
         path.attention_block(c["x"].clone(), c["norm"], 1e-5, [c["qkv"][0].float(), c["qkv"][1]], turns,
-                             c["caches"], c["pos"], 0.2, c["wo"])
+                             c["caches"], c["pos"], 0, 0.2, c["wo"])
     with pytest.raises(RuntimeError, match=r"ffn_block: x must be contiguous float32"):
         path.ffn_block(c["x"].double(), c["norm"], 1e-5, c["gate_up"], c["down"])
     with pytest.raises(RuntimeError, match=r"ffn_block: down must be int4 operands"):
