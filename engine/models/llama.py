@@ -9,8 +9,8 @@ Partial rotary embeddings (rope_dim < head_dim) turn only each head's first rope
 dimensions: the rope table multiplies the remaining pairs by exactly 1.
 A sliding window in the metadata (`ModelConfig.sliding_window`, Mistral-style files) applies
 to every layer: a query at position p attends to positions p - window + 1 .. p, on every path
-below (the compiled kernel is handed a view of the cache that starts at the window), while the
-cache keeps every position as it does without a window.
+below (the compiled kernels take the window as an argument), while the cache keeps every
+position as it does without a window.
 Subclasses change only what is loaded (engine.models.phi3: `Block.qkv_records` /
 `gate_up_records` name the fused tensors, `rope_tables` / `rope_for` give the rotations).
 
