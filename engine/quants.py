@@ -8,6 +8,10 @@ Three entry points, all pure (numpy in, numpy out, no torch, no I/O):
   whose values are exactly `q * scale + minimum` over groups of 32 columns with 4-bit `q`
   (Q4_0, Q4_1, Q4_K).  The engine feeds these to torch's groupwise int4 matmul kernels
   without re-quantizing anything.
+- `unpack_coded_groups(qtype, raw, n_cols)` -> `CodedGroups(codes, scale, minimum, levels)` for
+  the formats whose values are exactly `value(code) * scale + minimum` over groups of 32
+  columns with a 4- or 5-bit code (`CODED`: the 4-bit types above, Q5_0, Q5_1, Q5_K, IQ4_NL,
+  IQ4_XS), value being the code itself or, for the IQ4 types, the level it names.
 - `unpack_int8_groups(qtype, raw, n_cols)` -> `Int8Groups(q, scale, group, minimum)` for the
   formats whose values are exactly `q * scale (+ minimum)` with an 8-bit signed `q` over groups
   of 32 or 16 columns (`INT8_GROUPS`), the scale (and minimum) a float16 field or the product
@@ -56,6 +60,11 @@ INT8_GROUPS = {QT.Q8_0: 32, QT.Q6_K: 16, QT.Q5_0: 32, QT.Q5_1: 32, QT.Q5_K: 32, 
                QT.IQ4_NL: 32, QT.IQ4_XS: 32}
 INT8_GROUPED = frozenset(INT8_GROUPS)
 INT8_WITH_MINIMUM = frozenset({QT.Q5_1, QT.Q5_K, QT.Q2_K})
+# Types whose values are a 4- or 5-bit code's value times a scale plus a minimum, over groups of
+# 32: the code itself (LINEAR_CODES), or a level of IQ4_LEVELS (the IQ4 types).
+LINEAR_CODES = INT4_GROUPED | {QT.Q5_0, QT.Q5_1, QT.Q5_K}
+LEVEL_CODES = frozenset({QT.IQ4_NL, QT.IQ4_XS})
+CODED = LINEAR_CODES | LEVEL_CODES
 SUPPORTED = frozenset({QT.F32, QT.F16, QT.BF16}) | INT4_GROUPED | INT8_GROUPED
 # qtype -> (elements per block, bytes per block), as gguf defines them
 BLOCK = {q: GGML_QUANT_SIZES[q] for q in SUPPORTED}
@@ -79,6 +88,17 @@ class Int8Groups:
     scale: np.ndarray  # float32 [rows, cols // group]
     group: int
     minimum: np.ndarray | None = None  # float32 [rows, cols // group]; None for the types without
+
+
+@dataclass(frozen=True)
+class CodedGroups:
+    """w[r, c] == value(codes[r, c]) * scale[r, c // 32] + minimum[r, c // 32], exactly, where
+    value(code) is the code (0..31) or, with `levels`, levels[code] (codes 0..15)."""
+
+    codes: np.ndarray  # uint8 [rows, cols]
+    scale: np.ndarray  # float32 [rows, cols // 32]
+    minimum: np.ndarray  # float32 [rows, cols // 32]
+    levels: np.ndarray | None = None  # int8 [16]
 
 
 def _blocks(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:
@@ -232,7 +252,8 @@ def _iq4_nl(b):
     return IQ4_LEVELS[_nibbles_32(b[..., 2:18])], _f16(b[..., 0:2])[..., None], None
 
 
-def _iq4_xs(b):
+def _iq4_xs_codes(b):
+    """IQ4_XS blocks -> (codes [rows, nb, 256], scale float32 [rows, nb, 8])."""
     rows, nb = b.shape[:2]
     d = _f16(b[..., 0:2])
     high = b[..., 2:4].copy().view(np.uint16)  # [rows, nb, 1]: 2 high bits per sub-block
@@ -240,8 +261,13 @@ def _iq4_xs(b):
     low = b[..., 4:8]
     low = np.stack([low & 0x0F, low >> 4], axis=-1).reshape(rows, nb, 8)
     ls = (low | (high.astype(np.uint8) << 4)).astype(np.int16) - 32
-    q = IQ4_LEVELS[_nibbles_32(b[..., 8:136].reshape(rows, nb, 8, 16))].reshape(rows, nb, 256)
-    return q, d[..., None] * ls.astype(np.float32), None
+    codes = _nibbles_32(b[..., 8:136].reshape(rows, nb, 8, 16)).reshape(rows, nb, 256)
+    return codes, d[..., None] * ls.astype(np.float32)
+
+
+def _iq4_xs(b):
+    codes, scale = _iq4_xs_codes(b)
+    return IQ4_LEVELS[codes], scale, None
 
 
 _INT8_UNPACK = {QT.Q8_0: _q8_0, QT.Q6_K: _q6_k, QT.Q5_0: _q5_0, QT.Q5_1: _q5_1, QT.Q5_K: _q5_k,
@@ -267,6 +293,37 @@ def unpack_int8_groups(qtype: QT, raw: np.ndarray, n_cols: int) -> Int8Groups:
 
     return Int8Groups(q=np.ascontiguousarray(q).reshape(rows, n_cols), scale=flat(scale),
                       group=INT8_GROUPS[qtype], minimum=flat(minimum))
+
+
+def unpack_coded_groups(qtype: QT, raw: np.ndarray, n_cols: int) -> CodedGroups:
+    """The coded form of a `CODED` type (see CodedGroups).  Q5_0's w = d * (q - 16) becomes
+    q * d - 16 d, exact in float32 (q has 5 bits, d 11); the IQ4 types' codes are their nibbles."""
+    if qtype in INT4_GROUPED:
+        g4 = unpack_int4_groups(qtype, raw, n_cols)
+        return CodedGroups(codes=g4.q, scale=g4.scale, minimum=g4.minimum)
+    if qtype not in CODED:
+        raise ValueError(f"{qtype.name} is not a coded format")
+    b = _blocks(qtype, raw, n_cols)
+    rows = b.shape[0]
+    levels = None
+    if qtype in LEVEL_CODES:
+        levels = IQ4_LEVELS
+        if qtype == QT.IQ4_NL:
+            codes, scale = _nibbles_32(b[..., 2:18]), _f16(b[..., 0:2])[..., None]
+        else:
+            codes, scale = _iq4_xs_codes(b)
+        minimum = np.zeros_like(scale)
+    else:
+        q, scale, minimum = _INT8_UNPACK[qtype](b)
+        if qtype == QT.Q5_0:
+            q, minimum = q + np.int8(16), -16.0 * scale
+        codes = q.astype(np.uint8)
+
+    def flat(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(rows, -1), dtype=np.float32)
+
+    return CodedGroups(codes=np.ascontiguousarray(codes).reshape(rows, n_cols), scale=flat(scale),
+                       minimum=flat(minimum), levels=levels)
 
 
 def dequantize(qtype: QT, raw: np.ndarray, n_cols: int) -> np.ndarray:

@@ -20,9 +20,20 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   in float16 where exact, else float32) and scales with the number of rows; from a measured number of rows on (prefill
   chunks of large matrices) that module dequantizes to bfloat16 for cuBLAS instead.  CUDA
   without Triton runs torch's groupwise int4 weight-only layout with zero = min + 8*scale.
+  On the CPU paths whose int4 op takes codes (`CpuKernels.int4_codes`: avx512, amx), Q5_0,
+  Q5_1, Q5_K, IQ4_NL and IQ4_XS are int4 matrices too: the 5-bit types with a plane of fifth
+  bits, the IQ4 types with their 16 levels as the codes' values (engine.quants.CODED), the
+  file's weights exactly, activations rounded to bfloat16 as for Q4_*.  Measured against the
+  int8 op on two threads of an AVX512-BF16 host: one decoded row 1.2x (5-bit) and 1.4x (IQ4)
+  as fast, a decoding step of a Q5_K_M-like file 1.1x; the price is the bfloat16 activations
+  (corpus KL of SmolLM2's weights in Q5_0, Q5_1, IQ4_NL: 2.5e-7 to 3.4e-7 on the int8 op,
+  3.8e-5 to 5.1e-5 as codes, what its Q4_1 file measures).  The avx2 and portable int4 ops
+  have no such lookup (AVX2's one-row op converts nibbles in place, which a fifth bit or a
+  table breaks), so those paths keep these types in the int8 op.
   On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
   as are the float and Q8_0 tensors that become dense matrices and embedding tables.
-- `Int8Linear` (CPU): Q8_0, Q6_K, Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL and IQ4_XS stay 8-bit
+- `Int8Linear` (CPU): Q8_0, Q6_K, Q3_K, Q2_K (and, where the int4 op takes no codes or a fused
+  matrix mixes them with the types above, Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS) stay 8-bit
   with their group scales (float16 where exact, as for Q4_0 above, else float32), and
   minimums where the type has them (Q5_1, Q5_K, Q2_K), float16 where exact as well (Q5_1's):
   exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
@@ -67,8 +78,8 @@ from gguf import GGMLQuantizationType as QT
 from engine import cuda_int4, device_blocks
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
-from engine.quants import (BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, Int8Groups, dequantize, unpack_int4_groups,
-                           unpack_int8_groups)
+from engine.quants import (BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, IQ4_LEVELS, LEVEL_CODES, LINEAR_CODES,
+                           Int8Groups, dequantize, unpack_int4_groups, unpack_int8_groups)
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -345,6 +356,29 @@ def int4_pack(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> tuple[to
     return torch.from_numpy(np.ascontiguousarray(packed)), torch.from_numpy(sm.astype(exact_scale_dtype(sm)))
 
 
+def fifth_bits(codes: np.ndarray) -> torch.Tensor:
+    """The fifth bits of 5-bit codes [N, K] (N a multiple of 16) in the int4 kernel's layout,
+    uint8 [N/16, K/32, 16, 4]: for each input pair p of a group, a little-endian 32-bit mask over
+    the bytes of the chunk int4_pack puts that pair in (byte 2j + e: column j, input 2p + e).
+    The readable statement of the layout, as int4_pack's: the engine builds it from the file's
+    blocks with CpuKernels.repack_codes, which the tests hold to this function."""
+    n, k = codes.shape
+    ng, kb = n // 16, k // GROUP
+    bits = (codes >> 4).reshape(ng, 16, kb, 16, 2).transpose(0, 2, 3, 1, 4)  # [ng, kb, pair, column, e]
+    packed = np.packbits(bits.reshape(ng, kb, 16, 32).astype(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(np.ascontiguousarray(packed))
+
+
+def coded_kind(records: Sequence[TensorRecord]) -> str | None:
+    """'linear' or 'levels' where all of `records` are coded types that fuse (engine.quants'
+    LINEAR_CODES, or LEVEL_CODES), else None."""
+    if all(r.qtype in LINEAR_CODES for r in records):
+        return "linear"
+    if all(r.qtype in LEVEL_CODES for r in records):
+        return "levels"
+    return None
+
+
 def exact_scale_dtype(values: np.ndarray) -> type:
     """float16 when every float32 value survives the round trip through float16 bit for bit
     (so the kernels, which widen it exactly, compute the same bits), else float32."""
@@ -395,15 +429,22 @@ class Int4Linear(Linear):
 
     @classmethod
     def from_cpu_layout(cls, packed: torch.Tensor, scales: torch.Tensor, out_features: int, cpu: CpuKernels,
-                        bias: torch.Tensor | None = None) -> "Int4Linear":
+                        bias: torch.Tensor | None = None, high: torch.Tensor | None = None,
+                        levels: torch.Tensor | None = None) -> "Int4Linear":
         """A CPU matrix in the kernels' layout (int4_pack's; CpuKernels.repack_int4 makes it),
-        whose rows past `out_features` are padding."""
+        whose rows past `out_features` are padding; with the 5-bit codes' `high` bits
+        (`fifth_bits`) or the IQ4 types' `levels` (float32 [16]), which only the vector op
+        takes (CpuKernels.int4_codes), at every number of rows."""
         self = cls.__new__(cls)
         self.out_features, self.in_features = out_features, packed.shape[1] * GROUP
         self.bias, self.device = bias, torch.device("cpu")
         self._pad = packed.shape[0] * COLUMNS - out_features
         self.packed, self.scales_zeros = packed, scales
-        self._op, self._tiles, self._add = cpu.int4, cpu.int4_tiles, cpu.int4_add
+        self.high, self.levels = high, levels
+        coded = high is not None or levels is not None
+        if coded and not cpu.int4_codes:
+            raise ValueError(f"the {cpu.name} CPU kernels take no 5-bit or IQ4 codes")
+        self._op, self._tiles, self._add = cpu.int4, None if coded else cpu.int4_tiles, cpu.int4_add
         self.out_dtype = torch.float32
         return self
 
@@ -413,20 +454,28 @@ class Int4Linear(Linear):
     _tiles = None
     _add = None
     _pad = 0
+    high: torch.Tensor | None = None
+    levels: torch.Tensor | None = None
 
     def _uses_tiles(self, x: torch.Tensor) -> bool:
         return self._tiles is not None and x.shape[0] >= TILE_MIN_ROWS
 
+    def _codes(self) -> list[torch.Tensor]:
+        return [t for t in (self.high, self.levels) if t is not None]
+
     def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
         if self._add is None or self.bias is not None or self._pad or (self._tiles is not None and rows >= TILE_MIN_ROWS):
             return None
-        return [self.packed, self.scales_zeros]
+        return [self.packed, self.scales_zeros] + self._codes()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._op is not None:
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.float().contiguous()
-            y = (self._tiles if self._uses_tiles(x) else self._op)(x, self.packed, self.scales_zeros)
+            if self._uses_tiles(x):
+                y = self._tiles(x, self.packed, self.scales_zeros)
+            else:
+                y = self._op(x, self.packed, self.scales_zeros, self.high, self.levels)
         elif self._cuda is not None:
             y = self._cuda(x)
         else:
@@ -443,7 +492,7 @@ class Int4Linear(Linear):
             # The vector op adds into the residual stream itself: the same bits as out += self(x).
             if x.dtype != torch.float32 or x.stride(-1) != 1:
                 x = x.float().contiguous()
-            self._add(x, self.packed, self.scales_zeros, out)
+            self._add(x, self.packed, self.scales_zeros, out, self.high, self.levels)
         else:
             out += self(x)
 
@@ -458,7 +507,20 @@ class Int4Linear(Linear):
         bias = 0 if self.bias is None else self.bias.nbytes
         if self._cuda is not None:
             return self._cuda.nbytes + bias
-        return self.packed.nbytes + self.scales_zeros.nbytes + bias
+        return self.packed.nbytes + self.scales_zeros.nbytes + sum(t.nbytes for t in self._codes()) + bias
+
+
+def _coded_linear(records: Sequence[TensorRecord], row_perm: np.ndarray | None, cpu: CpuKernels,
+                  bias: torch.Tensor | None) -> Int4Linear:
+    """A matrix of coded types (`coded_kind`) in the int4 kernel's layout (CpuKernels.repack_codes,
+    which the tests hold to `int4_pack` and `fifth_bits` of engine.quants.unpack_coded_groups),
+    with fifth bits where a type has them and the levels of the IQ4 types."""
+    n = sum(r.shape[0] for r in records)
+    packed, scales, high = cpu.repack_codes([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
+                                            _row_order(records, row_perm), records[0].n_cols, COLUMNS)
+    five = any(r.qtype in LINEAR_CODES and r.qtype not in INT4_GROUPED for r in records)
+    levels = torch.from_numpy(IQ4_LEVELS.astype(np.float32)) if coded_kind(records) == "levels" else None
+    return Int4Linear.from_cpu_layout(packed, scales, n, cpu, bias, high=high if five else None, levels=levels)
 
 
 def _raw_rows(record: TensorRecord) -> torch.Tensor:
@@ -551,6 +613,8 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
         if row_perm is not None:
             q, scale, minimum = q[row_perm], scale[row_perm], minimum[row_perm]
         return Int4Linear(q, scale, minimum, device, bias)
+    if packed_cpu and cpu.int4_codes and coded_kind(records) is not None and k % GROUP == 0:
+        return _coded_linear(records, row_perm, cpu, bias)
     if packed_cpu and cpu.int8 is not None and all(r.qtype == QT.Q8_0 for r in records):
         q8, scale8 = cpu.repack_q8_0([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
         return Int8Linear(q8, scale8, n, cpu.int8, bias)

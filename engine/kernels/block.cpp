@@ -4,10 +4,11 @@
 // them (about 0.4 ms of a 7 ms decoding step of SmolLM2-135M on two threads, and about 3 ms of
 // a 12 ms step of Gemma 3 270M, whose layers have four norms and per-head q/k norms).
 //
-// A matrix is passed as its operands, a list: int4 (packed uint8, scales) as int4_linear takes
-// them, or int8 (q int8, scales[, minimums]) as int8_linear does; no bias, its output exactly
-// 16-column blocks wide.  An int4 matrix that adds into the residual stream adds in its last
-// step (int4_linear_add); an int8 one is computed, then added (the bits of `out += y`).
+// A matrix is passed as its operands, a list: int4 (packed uint8, scales[, high uint8 or levels
+// float32]) as int4_linear takes them, or int8 (q int8, scales[, minimums]) as int8_linear does;
+// no bias, its output exactly 16-column blocks wide.  An int4 matrix that adds into the residual
+// stream adds in its last step (int4_linear_add); an int8 one is computed, then added (the bits
+// of `out += y`).
 //
 // ds4::attention_block_<isa>(x, norm, eps, qkv, rope, kv, positions, window, scale, wo) -> ()
 //   x          [N, E] float32, contiguous: the residual stream, updated in place:
@@ -57,11 +58,20 @@ inline float rounded(float v) {
   return v;
 }
 
-bool is_int4(at::TensorList w) { return w.size() == 2 && w[0].scalar_type() == at::kByte; }
+bool is_int4(at::TensorList w) { return w.size() >= 2 && w.size() <= 3 && w[0].scalar_type() == at::kByte; }
 
 void check_matrix(at::TensorList w, const char* op, const char* name) {
   TORCH_CHECK(is_int4(w) || (w.size() >= 2 && w.size() <= 3 && w[0].scalar_type() == at::kChar), op, ": ", name,
-              " must be int4 operands (packed uint8, scales) or int8 ones (q int8, scales[, minimums])");
+              " must be int4 operands (packed uint8, scales[, high uint8 or levels float32]) or int8 ones (q int8, "
+              "scales[, minimums])");
+}
+
+// An int4 matrix's third operand, where it has one: its fifth bits (uint8) or its levels (float).
+c10::optional<at::Tensor> int4_high(at::TensorList w) {
+  return w.size() == 3 && w[2].scalar_type() == at::kByte ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
+}
+c10::optional<at::Tensor> int4_levels(at::TensorList w) {
+  return w.size() == 3 && w[2].scalar_type() != at::kByte ? c10::optional<at::Tensor>(w[2]) : c10::nullopt;
 }
 
 // The matrix's inputs and its outputs (16-column blocks), from its operands' shapes.
@@ -69,13 +79,13 @@ int64_t inputs_of(at::TensorList w) { return w[0].dim() == 4 ? w[0].size(1) * (i
 int64_t outputs_of(at::TensorList w) { return w[0].dim() == 4 ? w[0].size(0) * int4::C : 0; }
 
 at::Tensor product(const at::Tensor& x, at::TensorList w) {
-  if (is_int4(w)) return int4::int4_linear(x, w[0], w[1]);
+  if (is_int4(w)) return int4::int4_linear(x, w[0], w[1], int4_high(w), int4_levels(w));
   return dense::int8_linear(x, w[0], w[1], w.size() == 3 ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);
 }
 
 void add_product(const at::Tensor& x, at::TensorList w, at::Tensor& out) {
   if (is_int4(w)) {
-    int4::int4_linear_add(x, w[0], w[1], out);
+    int4::int4_linear_add(x, w[0], w[1], out, int4_high(w), int4_levels(w));
   } else {
     out.add_(product(x, w));
   }

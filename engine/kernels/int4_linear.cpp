@@ -11,8 +11,19 @@
 //           group of 32 inputs (layout: see int4_pack in engine/weights.py)
 //   scales  float32 or float16 [N / 16, K / 32, 2, 16]: per column and group, scale and
 //           minimum, so that w = q * scale + minimum
+//   high    (avx512 only) None, or uint8 [N / 16, K / 32, 16, 4]: a fifth bit per weight, so
+//           that q = nibble + 16 * bit (0..31): Q5_0, Q5_1 and Q5_K.  Entry [.., p, :] is a
+//           little-endian 32-bit mask over the 32 bytes of the chunk that holds input pair p
+//           (chunk p % 8, low nibbles for p < 8, high ones from 8): bit i for byte i
+//   levels  (avx512 only) None, or float32 [16]: the value of each 4-bit code (IQ4_NL's and
+//           IQ4_XS's non-uniform levels), integers of magnitude at most 256 (exact in
+//           bfloat16); not with `high`
 //   y       [M, N] float32 = x @ w.T
-// Q4_0, Q4_1 and Q4_K all have this form.  Float16 scales are for weights whose every scale and
+// Q4_0, Q4_1 and Q4_K all have this form; with `high` or `levels`, Q5_0, Q5_1, Q5_K, IQ4_NL and
+// IQ4_XS too, on the avx512 op, whose nibbles already go through a table of 32 entries (one
+// masked add puts a fifth bit into the index); the avx2 and portable ops refuse them (AVX2's
+// one-row op converts nibbles in place, which a fifth bit or a table of levels breaks), and
+// engine.weights keeps those types in the int8 op there.  Float16 scales are for weights whose every scale and
 // minimum is exactly a float16 (repack.cpp chooses): they are widened to float32 on load, which
 // is exact, so an op gives the same bits with either dtype.  Float32 scales are a third of the
 // bytes a decoding step streams; float16 ones save half of that.  Arithmetic stays float32.
@@ -41,6 +52,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -73,6 +85,37 @@ void check_arguments(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   scales.dim() == 4 && scales.size(0) == NG && scales.size(1) == KB && scales.size(2) == 2 &&
                   scales.size(3) == C,
               "int4_linear: scales must be contiguous float32 or float16 [N/16, K/32, 2, 16]");
+}
+
+// A matrix's codes beyond plain nibbles: its fifth-bit masks, or its table of 16 levels.
+struct Codes {
+  const uint32_t* high = nullptr;
+  const float* levels = nullptr;
+  bool plain() const { return high == nullptr && levels == nullptr; }
+};
+
+Codes check_codes(const at::Tensor& packed, const c10::optional<at::Tensor>& high,
+                  const c10::optional<at::Tensor>& levels) {
+  Codes codes;
+  if (high.has_value()) {
+    const at::Tensor& h = *high;
+    TORCH_CHECK(h.scalar_type() == at::kByte && h.is_contiguous() && h.dim() == 4 && h.size(0) == packed.size(0) &&
+                    h.size(1) == packed.size(1) && h.size(2) == 16 && h.size(3) == 4,
+                "int4_linear: high must be contiguous uint8 [N/16, K/32, 16, 4]");
+    codes.high = static_cast<const uint32_t*>(h.const_data_ptr());
+  }
+  if (levels.has_value()) {
+    const at::Tensor& l = *levels;
+    TORCH_CHECK(l.scalar_type() == at::kFloat && l.is_contiguous() && l.dim() == 1 && l.size(0) == 16,
+                "int4_linear: levels must be contiguous float32 [16]");
+    TORCH_CHECK(codes.high == nullptr, "int4_linear: levels and high bits do not go together");
+    codes.levels = l.const_data_ptr<float>();
+    for (int i = 0; i < 16; ++i)
+      TORCH_CHECK(codes.levels[i] == static_cast<float>(static_cast<int>(codes.levels[i])) &&
+                      std::abs(codes.levels[i]) <= 256.0f,
+                  "int4_linear: levels must be integers of magnitude at most 256");
+  }
+  return codes;
 }
 
 // `body(S{})` with S the scales' element type: float, or uint16_t for float16 bits (each op
@@ -200,14 +243,20 @@ inline __m512 load16(const uint16_t* p) {
 
 // The 16 (input pair, column) bfloat16 operand vectors of one column group over one input
 // group: w[p] holds, for each of the 16 columns, q at inputs 2p and 2p + 1.
+// With fifth bits, code = nibble + 16 * bit indexes the table's 32 entries (0..31); with
+// levels, a nibble indexes them.
 struct NibbleWidener {
-  __m512i lut, low4;
-  NibbleWidener() {
-    // bfloat16 of 0..15, indexed by a nibble; exact, small integers fit bfloat16.
+  __m512i lut, low4, sixteen;
+  explicit NibbleWidener(const float* levels = nullptr) {
+    // bfloat16 of each code's value: 0..31, or the given levels; exact, small integers fit bfloat16.
     alignas(64) uint16_t table[32] = {};
-    for (int i = 0; i < 16; ++i) table[i] = static_cast<uint16_t>(bf16_bits(static_cast<float>(i)) >> 16);
+    for (int i = 0; i < 32; ++i) {
+      const float v = levels == nullptr ? static_cast<float>(i) : i < 16 ? levels[i] : 0.0f;
+      table[i] = static_cast<uint16_t>(bf16_bits(v) >> 16);
+    }
     lut = _mm512_load_si512(table);
     low4 = _mm512_set1_epi16(0x0F);
+    sixteen = _mm512_set1_epi16(16);
   }
   inline void widen(const uint8_t* q, __m512bh w[16]) const {
     for (int c = 0; c < 8; ++c) {
@@ -216,18 +265,34 @@ struct NibbleWidener {
       w[c + 8] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), lut);
     }
   }
+  // The same with each code's fifth bit from `high` (16 masks of 32 bits, one per input pair).
+  inline void widen(const uint8_t* q, const uint32_t* high, __m512bh w[16]) const {
+    for (int c = 0; c < 8; ++c) {
+      __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 32)));
+      const __m512i lo = _mm512_and_si512(bytes, low4), hi = _mm512_srli_epi16(bytes, 4);
+      w[c] = (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(lo, _cvtu32_mask32(high[c]), lo, sixteen), lut);
+      w[c + 8] =
+          (__m512bh)_mm512_permutexvar_epi16(_mm512_mask_add_epi16(hi, _cvtu32_mask32(high[c + 8]), hi, sixteen), lut);
+    }
+  }
 };
 #endif
 
 #if defined(DS4_ISA_AVX512)
 template <typename S>
-void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
+void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out,
+                      const Codes& codes) {
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
-  const NibbleWidener widener;
+  const NibbleWidener widener(codes.levels);
+  const uint8_t* q0 = packed.data_ptr<uint8_t>();
   vector_op<uint16_t, S>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, int64_t,
                                                        const RoundedRows<uint16_t>& xr, int64_t b, float* acc_y) {
     __m512bh w[16];
-    widener.widen(q, w);
+    if (codes.high == nullptr) {
+      widener.widen(q, w);
+    } else {
+      widener.widen(q, codes.high + (q - q0) / 256 * 16, w);
+    }
     const __m512 scale = load16(sc), minimum = load16(sc + C);
     for (int64_t r = 0; r < M; ++r) {
       const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.values.data() + r * K + b * G);
@@ -374,7 +439,9 @@ inline void column_pair_row(const float* wa, const float* wb, const float* xv, c
 constexpr int64_t PAIR_ROWS = 16;
 
 template <typename S>
-void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
+void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out,
+                      const Codes& codes) {
+  TORCH_CHECK(codes.plain(), "int4_linear_" DS4_ISA ": fifth bits and levels are compiled for avx512 only");
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
   if (M == 1) {
     const std::vector<float> xs = scaled_row(x.data_ptr<float>(), K);
@@ -461,7 +528,9 @@ inline void widen_group(const uint8_t* q, float* w) {
 }
 
 template <typename S>
-void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out) {
+void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const Output& out,
+                      const Codes& codes) {
+  TORCH_CHECK(codes.plain(), "int4_linear_" DS4_ISA ": fifth bits and levels are compiled for avx512 only");
   const int64_t K = x.size(1), M = x.size(0), KB = packed.size(1);
   vector_op<float, S>(x, packed, scales, out, [&](const uint8_t* q, const S* sc, int64_t,
                                                     const RoundedRows<float>& xr, int64_t b, float* acc_y) {
@@ -489,23 +558,27 @@ void int4_linear_with(const at::Tensor& x, const at::Tensor& packed, const at::T
 
 #if !defined(DS4_ISA_AMX)
 // The vector ops' entry points, over the one `int4_linear_with` this build defines above.
-DS4_ENTRY at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+DS4_ENTRY at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                                  const c10::optional<at::Tensor>& high, const c10::optional<at::Tensor>& levels) {
   check_arguments(x, packed, scales);
+  const Codes codes = check_codes(packed, high, levels);
   const int64_t N = packed.size(0) * C;
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const Output out{y.data_ptr<float>(), N, N, false};
-  with_scale_type(scales, [&](auto s) { int4_linear_with<decltype(s)>(x, packed, scales, out); });
+  with_scale_type(scales, [&](auto s) { int4_linear_with<decltype(s)>(x, packed, scales, out, codes); });
   return y;
 }
 
-DS4_ENTRY void int4_linear_add(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out) {
+DS4_ENTRY void int4_linear_add(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, at::Tensor out,
+                               const c10::optional<at::Tensor>& high, const c10::optional<at::Tensor>& levels) {
   check_arguments(x, packed, scales);
+  const Codes codes = check_codes(packed, high, levels);
   const int64_t N = packed.size(0) * C;
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0) &&
                   out.size(1) <= N && out.size(1) > N - C,
               "int4_linear_add: out must be float32 [", x.size(0), ", ", N - C + 1, "..", N, "] with contiguous rows");
   const Output into{out.data_ptr<float>(), out.stride(0), out.size(1), true};
-  with_scale_type(scales, [&](auto s) { int4_linear_with<decltype(s)>(x, packed, scales, into); });
+  with_scale_type(scales, [&](auto s) { int4_linear_with<decltype(s)>(x, packed, scales, into, codes); });
 }
 #endif
 
@@ -623,9 +696,12 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
+#if defined(DS4_ISA_AMX)
   m.def(DS4_OP("int4_linear") "(Tensor x, Tensor packed, Tensor scales) -> Tensor");
-#if !defined(DS4_ISA_AMX)
-  m.def(DS4_OP("int4_linear_add") "(Tensor x, Tensor packed, Tensor scales, Tensor(a!) out) -> ()");
+#else
+  m.def(DS4_OP("int4_linear") "(Tensor x, Tensor packed, Tensor scales, Tensor? high=None, Tensor? levels=None) -> Tensor");
+  m.def(DS4_OP("int4_linear_add") "(Tensor x, Tensor packed, Tensor scales, Tensor(a!) out, Tensor? high=None, "
+                                  "Tensor? levels=None) -> ()");
 #endif
 }
 

@@ -11,6 +11,13 @@
 //           The scales are float16 when every one of them is exactly a float16 (Q4_0 and Q4_1,
 //           whose fields are float16, unless -8 * d overflows), else float32 (Q4_K in general,
 //           whose scales are products); the int4 kernels give the same bits with either.
+// ds4::repack_codes_<isa>(raws, qtypes, order, K, pad_to) -> (packed, scales, high)
+//   the same for the coded types as well (Q5_0 = 6, Q5_1 = 7, Q5_K = 13, IQ4_NL = 20,
+//           IQ4_XS = 23, mixed with the three above): their codes' low 4 bits in `packed`, the
+//           fifth bits in `high` uint8 [P / 16, K / 32, 16, 4] (engine.weights.fifth_bits's
+//           layout; zero for the 4-bit types), scales and minimums as
+//           engine.quants.unpack_coded_groups gives them (the IQ4 types' codes name levels,
+//           which the caller passes to the kernels)
 // ds4::repack_q8_0_<isa>(raws, order, pad_to) -> (q, scales)
 //   the same for Q8_0 matrices: q int8 [P / 16, K / 32, 32, 16], scales [P / 16, K / 32, 16]
 //           in float16 (the file's own, so always exact; float32 if a NaN's bits would not survive)
@@ -43,24 +50,30 @@ inline float f16(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-// Input group b (32 values) of one matrix row: the 16 bytes that hold value i in the low nibble
-// and value i + 16 in the high one (Q4_0 and Q4_1 store exactly that), with the group's scale
-// and minimum (w = q * scale + minimum), as engine.quants.unpack_int4_groups computes them.
-inline void int4_group(int64_t qtype, const uint8_t* row, int64_t b, uint8_t out[16], float& scale, float& minimum) {
-  if (qtype == 2 || qtype == 3) {  // Q4_0, Q4_1: blocks of 32
-    const uint8_t* blk = row + b * (qtype == 2 ? 18 : 20);
-    const float d = f16(blk);
-    scale = d;
-    minimum = qtype == 2 ? -8.0f * d : f16(blk + 2);
-    std::memcpy(out, blk + (qtype == 2 ? 2 : 4), 16);
-    return;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23;
+
+bool is_int4(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q4_K; }
+bool is_coded(int64_t t) { return is_int4(t) || t == Q5_0 || t == Q5_1 || t == Q5_K || t == IQ4_NL || t == IQ4_XS; }
+bool has_fifth_bit(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
+bool super_blocks(int64_t t) { return t == Q4_K || t == Q5_K || t == IQ4_XS; }  // of 256 values
+
+// Bytes a row of K values takes in type t.
+int64_t row_bytes(int64_t t, int64_t K) {
+  switch (t) {
+    case Q4_0: return K / 32 * 18;
+    case Q4_1: return K / 32 * 20;
+    case Q5_0: return K / 32 * 22;
+    case Q5_1: return K / 32 * 24;
+    case Q4_K: return K / 256 * 144;
+    case Q5_K: return K / 256 * 176;
+    case IQ4_NL: return K / 32 * 18;
+    case IQ4_XS: return K / 256 * 136;
+    default: return K / 32 * 34;  // Q8_0
   }
-  // Q4_K: super-blocks of 256 with 8 sub-blocks of 32, 6-bit scales and minimums; the 32 bytes
-  // of run j / 2 hold sub-block j in their low (even j) or high (odd j) nibbles.
-  const uint8_t* blk = row + (b / 8) * 144;
-  const int j = static_cast<int>(b % 8);
-  const uint8_t* sc = blk + 4;
-  int sv, mv;
+}
+
+// A k-quant's 6-bit scale and minimum of sub-block j from its 12 scale bytes (Q4_K, Q5_K).
+inline void k_scale(const uint8_t* sc, int j, int& sv, int& mv) {
   if (j < 4) {
     sv = sc[j] & 63;
     mv = sc[j + 4] & 63;
@@ -68,12 +81,70 @@ inline void int4_group(int64_t qtype, const uint8_t* row, int64_t b, uint8_t out
     sv = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 2) & 0x30);
     mv = (sc[j + 4] >> 4) | ((sc[j] >> 2) & 0x30);
   }
-  scale = f16(blk) * static_cast<float>(sv);
-  minimum = -(f16(blk + 2) * static_cast<float>(mv));
-  const uint8_t* run = blk + 16 + (j / 2) * 32;
+}
+
+// Sub-block j's 32 codes from a run of 32 bytes holding sub-blocks 2i and 2i + 1 in its low
+// and high nibbles (Q4_K, Q5_K), in `out`'s form below.
+inline void run_nibbles(const uint8_t* run, int j, uint8_t out[16]) {
   for (int i = 0; i < 16; ++i)
     out[i] = (j & 1) ? static_cast<uint8_t>((run[i] >> 4) | (run[i + 16] & 0xF0))
                      : static_cast<uint8_t>((run[i] & 0x0F) | (run[i + 16] << 4));
+}
+
+// Input group b (32 values) of one matrix row: the 16 bytes that hold code i's low 4 bits in the
+// low nibble and code i + 16's in the high one (Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL store exactly
+// that), the fifth bits (bit i for code i; zero for 4-bit codes), and the group's scale and
+// minimum (w = value(code) * scale + minimum), as engine.quants.unpack_coded_groups gives them.
+inline void coded_group(int64_t qtype, const uint8_t* row, int64_t b, uint8_t out[16], uint32_t& high, float& scale,
+                        float& minimum) {
+  high = 0;
+  minimum = 0.0f;
+  switch (qtype) {
+    case Q4_0:
+    case Q4_1:
+    case Q5_0:
+    case Q5_1:
+    case IQ4_NL: {  // blocks of 32: [d][m, Q4_1 and Q5_1][qh, the Q5 types][16 bytes of nibbles]
+      const uint8_t* blk = row + b * (row_bytes(qtype, 32));
+      const float d = f16(blk);
+      scale = d;
+      const bool m = qtype == Q4_1 || qtype == Q5_1;
+      if (m) minimum = f16(blk + 2);
+      if (qtype == Q4_0) minimum = -8.0f * d;
+      if (qtype == Q5_0) minimum = -16.0f * d;
+      const uint8_t* qs = blk + 2 + (m ? 2 : 0);
+      if (has_fifth_bit(qtype)) {
+        std::memcpy(&high, qs, 4);
+        qs += 4;
+      }
+      std::memcpy(out, qs, 16);
+      return;
+    }
+    case Q4_K:
+    case Q5_K: {  // super-blocks of 256: [d][dmin][12 scale bytes]([qh: 32 bytes], Q5_K)[128 bytes]
+      const int64_t bytes = qtype == Q4_K ? 144 : 176;
+      const uint8_t* blk = row + (b / 8) * bytes;
+      const int j = static_cast<int>(b % 8);
+      int sv, mv;
+      k_scale(blk + 4, j, sv, mv);
+      scale = f16(blk) * static_cast<float>(sv);
+      minimum = -(f16(blk + 2) * static_cast<float>(mv));
+      run_nibbles(blk + (qtype == Q4_K ? 16 : 48) + (j / 2) * 32, j, out);
+      if (qtype == Q5_K)  // value 32 j + i takes bit j of qh[i]
+        for (int i = 0; i < 32; ++i) high |= static_cast<uint32_t>((blk[16 + i] >> j) & 1) << i;
+      return;
+    }
+    default: {  // IQ4_XS: super-blocks of 256: [d][scales_h: u16][scales_l: 4 bytes][8 x 16 bytes]
+      const uint8_t* blk = row + (b / 8) * 136;
+      const int j = static_cast<int>(b % 8);
+      uint16_t sh;
+      std::memcpy(&sh, blk + 2, 2);
+      const int ls = (((blk[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+      scale = f16(blk) * static_cast<float>(ls);
+      std::memcpy(out, blk + 8 + 16 * j, 16);
+      return;
+    }
+  }
 }
 
 // Where row r of the concatenated raws lives.
@@ -109,8 +180,7 @@ int64_t padded_rows(int64_t N, int64_t pad_to) {
 
 int64_t row_width(const Rows& rows, int64_t K) {
   for (size_t i = 0; i < rows.ptr.size(); ++i) {
-    const int64_t t = rows.type[i];
-    const int64_t need = t == 2 ? K / 32 * 18 : t == 3 ? K / 32 * 20 : t == 12 ? K / 256 * 144 : K / 32 * 34;
+    const int64_t need = row_bytes(rows.type[i], K);
     TORCH_CHECK(rows.bytes[i] == need, "repack: matrix ", i, " has rows of ", rows.bytes[i], " bytes, not ", need);
   }
   return K;
@@ -124,23 +194,30 @@ at::Tensor narrow_if_exact(const at::Tensor& values) {
   return exact ? half : values;
 }
 
-std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArrayRef qtypes, const at::Tensor& order,
-                                               int64_t K, int64_t pad_to) {
+// The shared pass of repack_int4 and repack_codes: `high` only where asked for.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_groups(at::TensorList raws, at::IntArrayRef qtypes,
+                                                             const at::Tensor& order, int64_t K, int64_t pad_to,
+                                                             bool codes, const char* op) {
   const std::vector<int64_t> types(qtypes.begin(), qtypes.end());
-  TORCH_CHECK(types.size() == raws.size() && !raws.empty(), "repack_int4: one type per raw matrix");
-  for (int64_t t : types) TORCH_CHECK(t == 2 || t == 3 || t == 12, "repack_int4: type ", t, " is not Q4_0/Q4_1/Q4_K");
-  TORCH_CHECK(K > 0 && K % (types[0] == 12 ? 256 : 32) == 0, "repack_int4: bad width ", K);
-  for (int64_t t : types) TORCH_CHECK(t != 12 || K % 256 == 0, "repack_int4: Q4_K needs a width divisible by 256");
+  TORCH_CHECK(types.size() == raws.size() && !raws.empty(), op, ": one type per raw matrix");
+  for (int64_t t : types)
+    TORCH_CHECK(codes ? is_coded(t) : is_int4(t), op, ": type ", t,
+                codes ? " is not Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS" : " is not Q4_0/Q4_1/Q4_K");
+  TORCH_CHECK(K > 0 && K % 32 == 0, op, ": bad width ", K);
+  for (int64_t t : types)
+    TORCH_CHECK(!super_blocks(t) || K % 256 == 0, op, ": the k-quants and IQ4_XS need a width divisible by 256");
   TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
-              "repack_int4: order must be int64 [N]");
+              op, ": order must be int64 [N]");
   const Rows rows(raws, types);
   row_width(rows, K);
   const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / G;
   at::Tensor packed = at::zeros({NG, KB, 8, 32}, at::kByte);
   at::Tensor scales = at::zeros({NG, KB, 2, C}, at::kFloat);
+  at::Tensor high = at::zeros({codes ? NG : 0, KB, 16, 4}, at::kByte);
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* p0 = packed.data_ptr<uint8_t>();
   float* s0 = scales.data_ptr<float>();
+  uint8_t* h0 = high.data_ptr<uint8_t>();
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     uint8_t bytes[16];
     for (int64_t g = begin; g < end; ++g) {
@@ -150,7 +227,8 @@ std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArray
         const auto [row, type] = rows.row(ord[n]);
         for (int64_t b = 0; b < KB; ++b) {
           float sc, mn;
-          int4_group(type, row, b, bytes, sc, mn);
+          uint32_t hb;
+          coded_group(type, row, b, bytes, hb, sc, mn);
           // chunk c's byte 2j + e: values 2c + e (low nibble) and 2c + e + 16 (high), i.e. byte 2c + e
           uint8_t* chunk = p0 + ((g * KB + b) * 8) * 32 + 2 * j;
           for (int c = 0; c < 8; ++c) {
@@ -159,11 +237,31 @@ std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArray
           }
           s0[((g * KB + b) * 2) * C + j] = sc;
           s0[((g * KB + b) * 2 + 1) * C + j] = mn;
+          if (hb != 0) {
+            // input pair p's mask, bit 2j + e: value 2p + e's fifth bit
+            uint8_t* masks = h0 + (g * KB + b) * 64;
+            for (int v = 0; v < 32; ++v)
+              if ((hb >> v) & 1) {
+                const int bit = 2 * static_cast<int>(j) + (v & 1);
+                masks[(v / 2) * 4 + bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
+              }
+          }
         }
       }
     }
   });
-  return {packed, narrow_if_exact(scales)};
+  return {packed, narrow_if_exact(scales), high};
+}
+
+std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArrayRef qtypes, const at::Tensor& order,
+                                               int64_t K, int64_t pad_to) {
+  auto [packed, scales, high] = repack_groups(raws, qtypes, order, K, pad_to, false, "repack_int4");
+  return {packed, scales};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_codes(at::TensorList raws, at::IntArrayRef qtypes,
+                                                            const at::Tensor& order, int64_t K, int64_t pad_to) {
+  return repack_groups(raws, qtypes, order, K, pad_to, true, "repack_codes");
 }
 
 std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Tensor& order, int64_t K,
@@ -186,7 +284,7 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Te
         if (n >= N) break;
         const uint8_t* row = rows.row(ord[n]).first;
         for (int64_t b = 0; b < KB; ++b) {
-          const uint8_t* blk = row + b * 34;
+          const uint8_t* blk = row + b * row_bytes(Q8_0, 32);
           s0[(g * KB + b) * C + j] = f16(blk);
           int8_t* dst = q0 + ((g * KB + b) * G) * C + j;
           for (int64_t k = 0; k < G; ++k) dst[k * C] = static_cast<int8_t>(blk[2 + k]);
@@ -202,10 +300,12 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("repack_int4") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
+  m.def(DS4_OP("repack_codes") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
   m.def(DS4_OP("repack_q8_0") "(Tensor[] raws, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("repack_int4"), &repack::repack_int4);
+  m.impl(DS4_OP("repack_codes"), &repack::repack_codes);
   m.impl(DS4_OP("repack_q8_0"), &repack::repack_q8_0);
 }

@@ -395,8 +395,12 @@ def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf, path):
 
 
 def block_matrix(kind: str, rows: int, cols: int, seed: int) -> list[torch.Tensor]:
-    """A random matrix's operands as the block ops take them: int4 (packed, scales), int8 with
-    group 32 (q, scales) or int8 with group 16 and minimums (q, scales, minimums)."""
+    """A random matrix's operands as the block ops take them: int4 (packed, scales), int4 with
+    5-bit codes (packed, scales, high) or IQ4 levels (packed, scales, levels), int8 with group 32
+    (q, scales) or int8 with group 16 and minimums (q, scales, minimums)."""
+    if kind in ("int5", "iq4"):
+        packed, scales, high, levels, _ = coded_case(rows, cols, "q5" if kind == "int5" else "iq4", seed=seed)
+        return [packed, scales, high if high is not None else levels]
     if kind == "int4":
         q, scale, minimum, _ = int4_case(rows, cols, seed=seed)
         return list(int4_pack(q, scale, minimum))
@@ -407,18 +411,31 @@ def block_matrix(kind: str, rows: int, cols: int, seed: int) -> list[torch.Tenso
     return [q, scales, torch.rand(scales.shape, generator=torch.Generator().manual_seed(seed)) * 0.01]
 
 
+def int4_codes(w: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An int4 matrix's (high, levels) from its third operand, where it has one."""
+    third = w[2] if len(w) == 3 else None
+    if third is None:
+        return None, None
+    return (third, None) if third.dtype == torch.uint8 else (None, third)
+
+
 def product(path, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
-    return path.int4(x, *w) if w[0].dtype == torch.uint8 else path.int8(x, *w)
+    return path.int4(x, w[0], w[1], *int4_codes(w)) if w[0].dtype == torch.uint8 else path.int8(x, *w)
 
 
 def add_product(path, x: torch.Tensor, w: list[torch.Tensor], out: torch.Tensor) -> None:
     if w[0].dtype == torch.uint8:
-        path.int4_add(x, *w, out)
+        path.int4_add(x, w[0], w[1], out, *int4_codes(w))
     else:
         out += path.int8(x, *w)
 
 
-BLOCK_KINDS = ["int4", "int8", "int8-minimums"]
+BLOCK_KINDS = ["int4", "int8", "int8-minimums", "int5", "iq4"]
+
+
+def skip_unless_taken(path, kind: str) -> None:
+    if kind in ("int5", "iq4") and not path.int4_codes:
+        pytest.skip(f"the {path.name} path takes no 5-bit or IQ4 codes")
 
 
 def block_case(n: int, seed: int, dtype: torch.dtype, kind: str = "int4", D: int = 32):
@@ -447,6 +464,7 @@ def block_case(n: int, seed: int, dtype: torch.dtype, kind: str = "int4", D: int
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n", [1, 3])
 def test_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, dtype, kind, window):
+    skip_unless_taken(path, kind)
     c = block_case(n, seed=n, dtype=dtype, kind=kind)
     H, Hkv, D, eps = c["H"], c["Hkv"], c["D"], 1e-5
     x, caches = c["x"].clone(), [kv.clone() for kv in c["caches"]]
@@ -464,6 +482,7 @@ def test_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, dtype, k
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("n", [1, 3])
 def test_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind):
+    skip_unless_taken(path, kind)
     c = block_case(n, seed=5 + n, dtype=torch.float32, kind=kind)
     x = c["x"].clone()
     add_product(path, path.swiglu(product(path, path.rms_norm(x, c["norm"], 1e-5), c["gate_up"])), c["down"], x)
@@ -545,6 +564,7 @@ def test_rotate_halves_bad_arguments_are_errors_with_messages(path):
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("n", [1, 3])
 def test_gemma_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind, window, softcap):
+    skip_unless_taken(path, kind)
     c = block_case(n, seed=20 + n, dtype=torch.float16, kind=kind, D=64)
     H, D, eps, scale = c["H"], c["D"], 1e-6, 0.3
     cos, sin = gemma_rope(n, D, seed=n)
@@ -564,6 +584,7 @@ def test_gemma_attention_block_gives_the_bits_of_its_ops_in_sequence(path, n, ki
 @pytest.mark.parametrize("kind", BLOCK_KINDS)
 @pytest.mark.parametrize("n", [1, 3])
 def test_gemma_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind):
+    skip_unless_taken(path, kind)
     c = block_case(n, seed=30 + n, dtype=torch.float32, kind=kind)
     x = c["x"].clone()
     act = path.geglu(product(path, path.rms_norm(x, c["norm"], 1e-6), c["gate_up"]))
@@ -576,14 +597,16 @@ def test_gemma_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind):
 @pytest.mark.parametrize("arch,qtype,kw", [("llama", "Q4_1", {}), ("qwen2", "Q4_1", {}), ("qwen3", "Q4_1", {}),
                                            ("llama", "Q4_1", {"extra_metadata": {"llama.attention.sliding_window": 7}}),
                                            ("llama", "Q8_0", {}), ("llama", "Q5_1", {}),
-                                           ("llama", "Q5_K", {"mixture": "Q5_K_M", "n_layer": 3})],
-                         ids=["llama", "qwen2-biases", "qwen3-qk-norms", "llama-window", "int8", "int8-minimums",
-                              "q5_k_m-mixed"])
+                                           ("llama", "Q5_K", {"mixture": "Q5_K_M", "n_layer": 3}),
+                                           ("llama", "IQ4_NL", {})],
+                         ids=["llama", "qwen2-biases", "qwen3-qk-norms", "llama-window", "int8", "q5_1",
+                              "q5_k_m-mixed", "iq4_nl"])
 def test_decoding_in_block_ops_gives_the_bits_of_the_python_step(tiny_gguf, path, arch, qtype, kw):
     """Greedy decoding of one row and of three rows in one batch, with the layer halves that fit
     in block ops (qwen2's biased q/k/v and qwen3's q/k norms keep their attention half in
-    Python; int4 and int8 matrices, mixed in a Q5_K_M file) and with every half in Python: the
-    same logits and caches, bit for bit."""
+    Python; int4 and int8 matrices, mixed in a Q5_K_M file; Q5_1 and IQ4_NL as int4 codes where
+    the path takes them, else int8) and with every half in Python: the same logits and caches,
+    bit for bit."""
     import engine
     from engine.batch import decode_batch
 
@@ -782,6 +805,117 @@ def test_other_int4_kernels_differ_from_the_vector_kernel_only_in_the_last_bits(
     x = torch.randn(48, 576)
     want, got = path_kernels(base).int4(x, packed, scales), op(x, packed, scales)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+
+
+# ---------------------------------------------------------------- 5-bit codes and IQ4 levels
+
+
+CODED = [p for p in COMPILED if p in ("avx512", "amx")]  # the paths whose int4 op takes codes
+
+
+@pytest.fixture(scope="module", params=CODED)
+def coded_path(request) -> kernels.CpuKernels:
+    ks = path_kernels(request.param)
+    assert ks.int4_codes
+    return ks
+
+
+def coded_case(n: int, k: int, kind: str, seed: int = 0):
+    """A random coded matrix in the int4 op's operands (packed, scales, high, levels) and its
+    float64 weights: "q5" codes 0..31 with scales and minimums (Q5_0/Q5_1/Q5_K's form), "iq4"
+    codes 0..15 naming IQ4_NL's levels, with scales only."""
+    from engine.quants import IQ4_LEVELS
+    from engine.weights import fifth_bits
+
+    rng = np.random.default_rng(seed)
+    scale = (rng.random((n, k // 32), dtype=np.float32) * 0.05).astype(np.float32)
+    if kind == "q5":
+        codes = rng.integers(0, 32, size=(n, k), dtype=np.uint8)
+        minimum = (-16 * scale * rng.random((n, k // 32), dtype=np.float32)).astype(np.float32)
+        values, high, levels = codes.astype(np.float64), fifth_bits(codes), None
+    else:
+        codes = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+        minimum = np.zeros_like(scale)
+        values, high, levels = IQ4_LEVELS[codes].astype(np.float64), None, torch.from_numpy(IQ4_LEVELS.astype(np.float32))
+    w = values * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
+    packed, scales = int4_pack(codes & 0x0F, scale, minimum)
+    return packed, scales, high, levels, torch.from_numpy(w)
+
+
+@pytest.mark.parametrize("kind", ["q5", "iq4"])
+@pytest.mark.parametrize("n,k", [(16, 32), (96, 128), (960, 576)])
+@pytest.mark.parametrize("m", [1, 7, 37])
+def test_coded_int4_matches_the_dequantized_matmul(coded_path, kind, n, k, m):
+    packed, scales, high, levels, w = coded_case(n, k, kind, seed=n + m)
+    x = torch.randn(m, k + 3)[:, :k]  # strided rows
+    y = coded_path.int4(x, packed, scales, high, levels)
+    want = x.to(torch.bfloat16).double() @ w.T  # as the plain op: x rounded to bfloat16, float32 after
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["q5", "iq4"])
+def test_coded_rows_are_bitwise_independent_and_add_as_the_product(coded_path, kind):
+    packed, scales, high, levels, _ = coded_case(192, 576, kind, seed=3)
+    x = torch.randn(40, 576)
+    together = coded_path.int4(x, packed, scales, high, levels)
+
+    def check(n_threads):
+        for rows in ([0], [5, 6, 7], list(range(3, 40))):
+            assert torch.equal(coded_path.int4(x[rows], packed, scales, high, levels), together[rows]), (n_threads, rows)
+    with_threads(check)
+    base = torch.randn(40, 190)
+    out = base.clone()
+    coded_path.int4_add(x, packed, scales, out[:, :181], high, levels)
+    assert torch.equal(out[:, :181], base[:, :181] + together[:, :181]) and torch.equal(out[:, 181:], base[:, 181:])
+
+
+def test_codes_that_a_plain_matrix_also_has_give_its_bits(coded_path):
+    """Zero fifth bits, or the levels 0..15, are the plain 4-bit op: the same bits."""
+    q, scale, minimum, _ = int4_case(96, 576, seed=7)
+    packed, scales = int4_pack(q, scale, minimum)
+    no_high = torch.zeros(96 // 16, 576 // 32, 16, 4, dtype=torch.uint8)
+    identity = torch.arange(16, dtype=torch.float32)
+    for rows in (1, 5, 37):
+        x = torch.randn(rows, 576) * torch.logspace(-3, 3, 576)
+        plain = coded_path.int4(x, packed, scales)
+        assert torch.equal(coded_path.int4(x, packed, scales, no_high), plain)
+        assert torch.equal(coded_path.int4(x, packed, scales, None, identity), plain)
+
+
+def test_coded_bad_arguments_are_errors_with_messages(coded_path):
+    packed, scales, high, levels, _ = coded_case(32, 64, "q5")
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"high must be contiguous uint8 \[N/16, K/32, 16, 4\]"):
+        coded_path.int4(x, packed, scales, high[:, :1])
+    iq4 = coded_case(32, 64, "iq4")[3]
+    with pytest.raises(RuntimeError, match="levels and high bits do not go together"):
+        coded_path.int4(x, packed, scales, high, iq4)
+    with pytest.raises(RuntimeError, match=r"levels must be contiguous float32 \[16\]"):
+        coded_path.int4(x, packed, scales, None, iq4[:8])
+    for bad in (0.5, 300.0):
+        with pytest.raises(RuntimeError, match="levels must be integers of magnitude at most 256"):
+            coded_path.int4(x, packed, scales, None, torch.cat([iq4[:15], torch.tensor([bad])]))
+
+
+def test_paths_without_codes_refuse_them_and_keep_such_types_in_int8(path):
+    """The avx2 and portable int4 ops have no table lookup to make codes cheap: they refuse
+    them, and those paths keep the Q5 and IQ4 types in the int8 op."""
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.gguf_file import TensorRecord
+    from engine.weights import Int8Linear, build_linear
+
+    packed, scales, high, _, _ = coded_case(32, 64, "q5")
+    record = TensorRecord("w", QT.Q5_1, (32, 512), raw_matrix(QT.Q5_1, 32, 512, seed=1))
+    lin = build_linear([record], "packed", torch.device("cpu"), cpu=path)
+    if path.int4_codes:
+        assert isinstance(lin, Int4Linear) and lin.high is not None
+        return
+    assert isinstance(lin, Int8Linear)
+    with pytest.raises(RuntimeError, match=f"int4_linear_{path.name}: fifth bits and levels are compiled for avx512 only"):
+        path.int4(torch.randn(2, 64), packed, scales, high)
+    with pytest.raises(ValueError, match=f"the {path.name} CPU kernels take no 5-bit or IQ4 codes"):
+        Int4Linear.from_cpu_layout(packed, scales, 32, path, high=high)
 
 
 # ---------------------------------------------------------------- int8 and float16 products
@@ -1058,6 +1192,46 @@ def test_repack_int4_equals_unpacking_then_packing(path, qtypes):
     # Q4_0 and Q4_1 scales are float16 fields, kept exactly; Q4_K's are products, kept float32.
     assert got[1].dtype == want[1].dtype == (torch.float32 if "Q4_K" in qtypes else torch.float16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("qtypes", [("Q5_0",), ("Q5_1", "Q4_0"), ("Q5_K",), ("Q4_K", "Q5_K", "Q4_1"), ("IQ4_NL",),
+                                    ("IQ4_XS", "IQ4_NL")])
+def test_repack_codes_equals_unpacking_then_packing(path, qtypes):
+    """The coded types straight from their blocks: int4_pack of the codes' low 4 bits, fifth_bits
+    of the codes, and the scales and minimums of engine.quants.unpack_coded_groups, rows
+    reordered and padded; the 4-bit types among them with zero fifth bits."""
+    from gguf import GGMLQuantizationType as QT
+
+    from engine.quants import unpack_coded_groups
+    from engine.weights import fifth_bits
+
+    cols = 512
+    raws = [raw_matrix(QT[t], 24 + 8 * i, cols, seed=i) for i, t in enumerate(qtypes)]
+    parts = [unpack_coded_groups(QT[t], r, cols) for t, r in zip(qtypes, raws)]
+    n = sum(r.shape[0] for r in raws)
+    order = np.random.default_rng(9).permutation(n)
+    codes, scale, minimum = (np.concatenate([getattr(p, f) for p in parts])[order] for f in ("codes", "scale", "minimum"))
+    codes, scale, minimum = (np.concatenate([a, np.zeros((-n % 16, a.shape[1]), a.dtype)]) for a in (codes, scale, minimum))
+    want_packed, want_scales = int4_pack(codes & 0x0F, scale, minimum)
+    packed, scales, high = path.repack_codes([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes],
+                                             torch.from_numpy(order.astype(np.int64)), cols, 16)
+    assert torch.equal(packed, want_packed) and torch.equal(scales, want_scales) and scales.dtype == want_scales.dtype
+    assert torch.equal(high, fifth_bits(codes))
+    assert bool(high.any()) == any(t.startswith("Q5") for t in qtypes)
+
+
+def test_repack_codes_refuses_what_it_does_not_unpack(path):
+    from gguf import GGMLQuantizationType as QT
+
+    raw = torch.from_numpy(raw_matrix(QT.Q5_K, 16, 256, seed=1))
+    with pytest.raises(RuntimeError, match="type 8 is not Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS"):
+        path.repack_codes([raw], [8], torch.arange(16), 256, 16)
+    with pytest.raises(RuntimeError, match="rows of 176 bytes, not 352"):
+        path.repack_codes([raw], [int(QT.Q5_K)], torch.arange(16), 512, 16)
+    with pytest.raises(RuntimeError, match="need a width divisible by 256"):
+        path.repack_codes([raw[:, :88]], [int(QT.Q5_K)], torch.arange(16), 128, 16)
+    with pytest.raises(RuntimeError, match="repack_int4: type 13 is not Q4_0/Q4_1/Q4_K"):
+        path.repack_int4([raw], [int(QT.Q5_K)], torch.arange(16), 256, 16)
 
 
 def test_repack_int4_keeps_float32_scales_where_float16_would_overflow(path):

@@ -1,14 +1,24 @@
-"""The engine's contract for the GGUF types that run as 8-bit groups (Q5_0, Q5_1, Q5_K, Q3_K,
-Q2_K, IQ4_NL, IQ4_XS) and for Q5_K_M- and Q3_K_M-like mixtures of them, on every CPU kernel
+"""The engine's contract for the GGUF types that run as 8-bit groups or, where the path's int4
+kernel takes 5-bit codes and IQ4 levels, as int4 codes (Q5_0, Q5_1, Q5_K, Q3_K, Q2_K, IQ4_NL,
+IQ4_XS) and for Q5_K_M- and Q3_K_M-like mixtures of them, on every CPU kernel
 path this host executes: a forward pass against the plain float64 reference of test_forward
 (weights dequantized by gguf-py), a bounded KL against the engine's own float32 path, and
 batched decoding bitwise equal to decoding each session alone.
 
-The bounds: with a float32 KV cache the compiled paths compute with exactly the file's weights
+The bounds: with a float32 KV cache the int8 kernels compute with exactly the file's weights
 and float32 activations, so they stay within 5e-5 of the reference's largest logit (measured
-1e-7 to 1e-5); the `torch` path rounds weights to float16 once (measured up to 5e-3), and so do
-a mixture's Q4_K matrices on the compiled paths, whose int4 kernels take bfloat16 activations
-(Q3_K_M's attn_output and some ffn_down: measured 1.1e-3).  With the
+1e-7 to 1e-5); the `torch` path rounds weights to float16 once (measured up to 5e-3); the int4
+kernels keep the file's weights but take bfloat16 activations: a mixture's Q4_K matrices
+(Q3_K_M's attn_output and some ffn_down: measured 1.1e-3) and, on the paths whose int4 kernel
+takes 5-bit codes and IQ4 levels (`int4_codes`), the Q5 and IQ4 types.  These random models
+amplify that rounding (their activations must cancel large per-block offsets): measured with a
+float32 cache, 1.5e-3 to 1.9e-3 of the largest logit for the Q5 types, 3.0e-2 and 3.4e-2 for
+IQ4_XS and IQ4_NL, mean KL against the float32 path up to 8.8e-3 (IQ4_XS), where the int8 op
+of the same file measures 3e-6 and 2.5e-10.  The float32 path with the inputs of the same
+matrices rounded to bfloat16 lands as far from float32 (IQ4_NL: 3.4e-2, KL 4.8e-4), so the
+kernels are not the cause; the kernels themselves are held to the rounded product in
+test_kernels.py, and on SmolLM2's own weights requantized to Q5_0, Q5_1 or IQ4_NL the corpus KL
+is 3.8e-5 to 5.1e-5, that of its Q4_1 file (docs/engine.md).  With the
 default float16 cache the cache's rounding dominates on these random models, whose activations
 are large (measured up to 1.5e-2), and the bound is test_forward's for every packed type.
 
@@ -40,23 +50,29 @@ from tests.engine.test_forward import TOKENS, reference_logits
 NEW_TYPES = ["Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"]
 MIXTURES = ["Q5_K_M", "Q3_K_M"]
 KINDS = NEW_TYPES + MIXTURES
+CODED_KINDS = {"Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q5_K_M", "Q3_K_M"}  # with int4 codes where taken
 PATHS = kernels.host_paths()
 
 
 def cases() -> list:
     """(kind, path): every kind on the best path and the mixtures (which hold most of the types)
     on every path by default; each single type on the other paths in the slow run, since the
-    int8 kernel is one for every type and only the unpacking at load differs."""
+    kernels are shared by the types (int8, or int4 with codes) and only the unpacking at load differs."""
     return [pytest.param(kind, path, id=f"{kind}-{path}",
                          marks=() if path == PATHS[0] or kind in MIXTURES else pytest.mark.slow)
             for kind in KINDS for path in PATHS]
 
 # The int8 kernels hold exactly the file's weights and take float32 activations; what is left
-# is float32 sums and the float16 KV cache.  The torch path rounds weights to float16 once.
+# is float32 sums and the float16 KV cache.  The torch path rounds weights to float16 once, and
+# the int4 kernels round activations to bfloat16.
 EXACT_WEIGHTS_BOUND = 5e-5  # float32 cache, compiled paths, no 4-bit matrix
 ROUNDED_BOUND = 2e-2  # float32 cache, the torch path or a mixture with 4-bit matrices
 PACKED_BOUND = 5e-2  # the default float16 cache, as test_forward bounds every packed type
 KL_BOUND = 2e-4  # mean KL of the packed path against the float32 path, as docs/engine.md states
+# The Q5 and IQ4 types as int4 codes, bfloat16 activations on these random models (see above).
+CODED_BOUND = 5e-2  # float32 cache (measured up to 3.4e-2)
+CODED_PACKED_BOUND = 1e-1  # float16 cache (measured up to 5.2e-2)
+CODED_KL_BOUND = 2e-2  # (measured up to 8.8e-3)
 
 
 def model_path(tiny_gguf, kind: str) -> str:
@@ -97,11 +113,13 @@ def test_packed_forward_against_float64_reference(tiny_gguf, references, kind, p
     scale = np.abs(ref).max()
     assert np.abs(f32 - ref).max() <= 2e-5 * scale  # the float32 path, as for every other type
     exact_cache = logits_all(engine.load_model(model_path(tiny_gguf, kind), cpu_kernels=path, kv_type="f32"))
+    coded = kernels.cpu_kernels(path).int4_codes and kind in CODED_KINDS
     rounded = path == "torch" or kind == "Q3_K_M"
-    assert np.abs(exact_cache - ref).max() <= (ROUNDED_BOUND if rounded else EXACT_WEIGHTS_BOUND) * scale
-    assert mean_kl(f32, exact_cache) <= KL_BOUND
+    bound = CODED_BOUND if coded else ROUNDED_BOUND if rounded else EXACT_WEIGHTS_BOUND
+    assert np.abs(exact_cache - ref).max() <= bound * scale
+    assert mean_kl(f32, exact_cache) <= (CODED_KL_BOUND if coded else KL_BOUND)
     got = logits_all(engine.load_model(model_path(tiny_gguf, kind), cpu_kernels=path))
-    assert np.abs(got - ref).max() <= PACKED_BOUND * scale
+    assert np.abs(got - ref).max() <= (CODED_PACKED_BOUND if coded else PACKED_BOUND) * scale
     assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
 
 

@@ -10,8 +10,8 @@ from gguf import quants as gq
 
 from engine import kernels
 from engine.gguf_file import TensorRecord
-from engine.quants import (INT4_GROUPED, INT8_GROUPS, INT8_WITH_MINIMUM, SUPPORTED, dequantize, unpack_int4_groups,
-                           unpack_int8_groups)
+from engine.quants import (CODED, INT4_GROUPED, INT8_GROUPS, INT8_WITH_MINIMUM, LEVEL_CODES, LINEAR_CODES, SUPPORTED,
+                           dequantize, unpack_coded_groups, unpack_int4_groups, unpack_int8_groups)
 from engine.synthetic import _encode
 from engine.weights import DenseLinear, Embedding, F16Linear, Int4Linear, Int8Linear, RowByRow, build_linear
 
@@ -173,14 +173,26 @@ def test_int4_types_in_int8_form_are_the_same_weights(qtype):
 
 @pytest.mark.parametrize("rows", [40, 48])
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16, *NEW_TYPES], ids=lambda q: q.name)
-def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, cpu):
+def test_other_types_keep_the_file_weights_and_rows_independent(qtype, rows, cpu):
+    """Each type's matrix on each path: the int8 op (float32 activations), the int4 op with
+    codes where the path takes them (activations rounded to bfloat16), float16 otherwise; the
+    file's weights, counted in nbytes, and a row's result independent of the others."""
     raw = encoded(qtype, rows=rows, cols=512, seed=4)
+    round_x = False
     bias = TensorRecord("b", QT.F32, (rows,), np.linspace(-1, 1, rows, dtype=np.float32).view(np.uint8))
     lin = build_linear([TensorRecord("w", qtype, (rows, 512), raw)], "packed", CPU, biases=[bias], cpu=cpu)
     exact = torch.from_numpy(dequantize(qtype, raw, 512)).double()
     if cpu.name == "torch":
         assert isinstance(lin, RowByRow)
         w = exact.half().double()  # torch's float16 kernel (FBGEMM) or bfloat16 matmul
+    elif cpu.int4_codes and qtype in CODED:  # codes, scales, minimums: the file's weights, x in bfloat16
+        padded = rows + -rows % 16
+        assert isinstance(lin, Int4Linear) and lin.in_features == 512
+        assert (lin.high is not None) == (qtype in LINEAR_CODES) and (lin.levels is not None) == (qtype in LEVEL_CODES)
+        codes = padded * 512 // 8 if lin.high is not None else lin.levels.nbytes if lin.levels is not None else 0
+        assert lin.nbytes == padded * 256 + padded * 512 // 32 * 2 * lin.scales_zeros.element_size() + codes + rows * 4
+        w = exact
+        round_x = True
     elif qtype in INT8_GROUPS:  # 8-bit q and their scales: exactly the file's weights
         padded = rows + -rows % 16  # whole blocks of 16 columns
         assert isinstance(lin, Int8Linear)
@@ -198,7 +210,7 @@ def test_dense_types_keep_float32_activations_and_rows_independent(qtype, rows, 
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(1))
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (9, rows) and got.is_contiguous()
-    ref = x.double() @ w.T + torch.linspace(-1, 1, rows).double()
+    ref = (x.bfloat16() if round_x else x).double() @ w.T + torch.linspace(-1, 1, rows).double()
     bound = 1e-2 if cpu.name == "torch" and not cpu_has_fbgemm() else 1e-5
     assert (got.double() - ref).abs().max() <= bound * ref.abs().max()
     # A row's result does not depend on the other rows of the batch (batched decoding relies on it).
@@ -230,6 +242,46 @@ def test_fused_mixtures_of_grouped_types_keep_the_file_weights(parts, cpu):
     ref = x.double() @ exact.T
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert torch.equal(torch.cat([lin(x[i: i + 1]) for i in range(6)]), got)
+
+
+@pytest.mark.parametrize("qtype", sorted(CODED), ids=lambda q: q.name)
+def test_coded_groups_are_the_file_weights(qtype):
+    """value(code) * scale + minimum per group of 32 is gguf's weight (a signed zero aside:
+    Q5_0's d * (q - 16) at q = 16 is -0 for a negative d, q * d - 16 d is +0)."""
+    raw = encoded(qtype, cols=512, seed=6)
+    g = unpack_coded_groups(qtype, raw, 512)
+    assert g.codes.dtype == np.uint8 and int(g.codes.max()) < (16 if qtype in LEVEL_CODES or qtype in INT4_GROUPED else 32)
+    assert (g.levels is not None) == (qtype in LEVEL_CODES)
+    values = (g.codes if g.levels is None else g.levels[g.codes]).astype(np.float32)
+    w = values.reshape(6, -1, 32) * g.scale[..., None] + g.minimum[..., None]
+    np.testing.assert_array_equal(w.reshape(6, 512), dequantize(qtype, raw, 512))
+
+
+@pytest.mark.parametrize("parts,coded", [((QT.Q5_1, QT.Q4_K, QT.Q5_0), True), ((QT.IQ4_NL, QT.IQ4_XS), True),
+                                         ((QT.Q5_K, QT.Q4_1), True), ((QT.IQ4_NL, QT.Q5_0), False)],
+                         ids=["q5-q4", "iq4", "q5_k-q4_1", "levels-with-linear"])
+def test_fused_coded_types_stay_int4_where_their_codes_agree(parts, coded, cpu):
+    """A fused matrix of coded types with the same code values (plain codes of 4 and 5 bits, or
+    the IQ4 levels) is one int4 matrix with codes on a path that takes them; levels with plain
+    codes fall back to int8.  The file's weights, x rounded to bfloat16, rows independent."""
+    if not cpu.int4_codes:
+        pytest.skip(f"the {cpu.name} path takes no codes")
+    records = [TensorRecord(f"w{i}", q, (32, 512), encoded(q, 32, 512, 20 + i)) for i, q in enumerate(parts)]
+    n = 32 * len(parts)
+    perm = np.random.default_rng(4).permutation(n)
+    lin = build_linear(records, "packed", CPU, row_perm=perm, cpu=cpu)
+    exact = torch.from_numpy(np.concatenate([dequantize(r.qtype, r.data, 512) for r in records])[perm]).double()
+    x = torch.randn(6, 512, generator=torch.Generator().manual_seed(5))
+    got = lin(x)
+    if coded:
+        assert isinstance(lin, Int4Linear)
+        assert (lin.high is not None) == any(q in LINEAR_CODES - INT4_GROUPED for q in parts)
+        x = x.bfloat16()
+    else:
+        assert isinstance(lin, Int8Linear)
+    ref = x.double() @ exact.T
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert torch.equal(torch.cat([lin(x[i: i + 1].float()) for i in range(6)]), got)
 
 
 def cpu_has_fbgemm() -> bool:
