@@ -10,6 +10,12 @@ the head stride (positions are D apart, elements contiguous).  The new key and v
 stored at position p and the row's attention output [B, H * D] is returned (float32, or the
 dtype the workspace was made for).
 
+With `store_first`, one kernel stores every row's key and value before any row attends, so
+rows may share a cache at consecutive positions: T tokens of one session in one call are its
+causal prefill, row i seeing the cache's past and rows 0..i (engine.cuda_graphs' prefill).
+Without it each row's own program stores its key and value, one launch fewer, for rows of
+distinct caches (decoding).
+
 Because every address and length is read from device memory, one launch shape serves any mix
 of sessions and lengths, so a decoding step that calls this can be captured once in a CUDA
 graph per batch size and replayed (engine.cuda_graphs).  Only the positions a row has are
@@ -73,7 +79,7 @@ if AVAILABLE:
     def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -99,9 +105,10 @@ if AVAILABLE:
         v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
         lo = s * SPLIT
         hi = tl.minimum(lo + SPLIT, p_new + 1)
-        mine = (p_new >= lo) & (p_new < lo + SPLIT)
-        tl.store(k_base + p_new * D + d, k_new, mask=dm & mine)
-        tl.store(v_base + p_new * D + d, v_new, mask=dm & mine)
+        if STORE:
+            mine = (p_new >= lo) & (p_new < lo + SPLIT)
+            tl.store(k_base + p_new * D + d, k_new, mask=dm & mine)
+            tl.store(v_base + p_new * D + d, v_new, mask=dm & mine)
 
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
@@ -140,6 +147,22 @@ if AVAILABLE:
         tl.store(stat_ptr + where * 2 + 1, l_i, mask=gm)
 
     @triton.jit
+    def _store_rows(qkv_ptr, kv_ptr, rows_ptr, layer, qkv_stride, H: tl.constexpr, HKV: tl.constexpr,
+                    D: tl.constexpr, DP: tl.constexpr, FIELDS: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        row = rows_ptr + b * FIELDS
+        p_new = tl.load(row + 1)
+        k_base = kv_ptr + tl.load(row + 2) + layer * tl.load(row + 3) + h * tl.load(row + 5)
+        d = tl.arange(0, DP)
+        dm = d < D
+        q_row = qkv_ptr + b * qkv_stride
+        k_new = tl.load(q_row + H * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
+        v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
+        tl.store(k_base + p_new * D + d, k_new, mask=dm)
+        tl.store(k_base + tl.load(row + 4) + p_new * D + d, v_new, mask=dm)
+
+    @triton.jit
     def _merge_pieces(part_ptr, stat_ptr, rows_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr,
                       NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr):
@@ -161,15 +184,21 @@ if AVAILABLE:
 
 
 def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
-                     work: Workspace, n_head: int, n_head_kv: int, head_dim: int) -> torch.Tensor:
-    """[B, H * D] attention outputs in work.out's dtype (overwritten by the next call)."""
+                     work: Workspace, n_head: int, n_head_kv: int, head_dim: int,
+                     store_first: bool = False) -> torch.Tensor:
+    """[B, H * D] attention outputs in work.out's dtype (overwritten by the next call);
+    `store_first` for rows that share a cache (see the module's docstring)."""
     B = qkv.shape[0]
     H, Hkv, D = n_head, n_head_kv, head_dim
     G = H // Hkv
+    if store_first:
+        _store_rows[(B, Hkv)](qkv, kv_base, rows, layer, qkv.stride(0), H=H, HKV=Hkv, D=D, DP=work.dp,
+                              FIELDS=ROW_FIELDS, num_warps=1)
     _attend_pieces[(B, Hkv, work.n_split)](
         qkv, kv_base, rows, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
-        NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32, num_warps=4)
+        NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
+        STORE=not store_first, num_warps=4)
     _merge_pieces[(B, H)](
         work.part, work.stat, rows, work.out, H=H, D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, num_warps=4)

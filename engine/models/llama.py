@@ -75,6 +75,9 @@ from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_floa
 # length on an H200, against a 25 ms prefill of 91 tokens), so short cases of varied lengths
 # paid it again and again.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Prefills of up to this many tokens replay the decoding graphs' prefill steps on CUDA
+# (engine.cuda_graphs.DecodeGraphs.prefill), 64 rows a replay; longer ones run eagerly.
+PREFILL_GRAPH_TOKENS = 256
 
 
 class StepKernels(Protocol):
@@ -582,6 +585,18 @@ class LlamaModel(CachedNetwork):
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         end = start + T
         cache.reserve(end)
+        graphs = self.decode_graphs
+        if graphs is not None and T <= PREFILL_GRAPH_TOKENS and graphs.accepts([cache]):
+            # A short prefill as graph replays: its kernels launched by the graph, not from Python.
+            if cancel is not None and cancel():
+                raise Cancelled(f"cancelled before a {T}-token step")
+            try:
+                out = graphs.prefill(tokens.tolist(), cache, start, logits)
+            except cuda_graphs.GraphsUnavailable:
+                pass  # graphs turned themselves off, nothing written: the eager prefill below
+            else:
+                cache.n = end
+                return out
         rope = self.rope_for(cache.n_ctx)[start:end].unsqueeze(1)  # [T, 1, D/2]
         mask, causal = None, T > 1 and start == 0
         windowed = self.window is not None and end > self.window

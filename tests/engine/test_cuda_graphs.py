@@ -50,6 +50,69 @@ def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dt
         assert torch.equal(c, e)  # the new keys and values landed where torch put them, nothing else moved
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dtype):
+    """Rows at consecutive positions of one cache, keys and values stored before any row
+    attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does."""
+    from engine import cuda_attention as ca
+
+    torch.manual_seed(1)
+    H, Hkv, D, n_ctx, n_layer, start, T = 9, 3, 64, 300, 2, 37, 50
+    cache = torch.randn(n_layer, 2, Hkv, n_ctx, D, device="cuda").to(dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device="cuda")
+    rows = torch.tensor([[0, start + i, 0, cache.stride(0), cache.stride(1), cache.stride(2)] for i in range(T)],
+                        device="cuda")
+    work = ca.Workspace(T, H, D, n_ctx, Hkv, torch.device("cuda"))
+    expect = cache.clone()
+    for layer in range(n_layer):
+        got = ca.decode_attention(qkv, rows, layer, cache, work, H, Hkv, D, store_first=True).clone()
+        ref = ca.reference_attention(qkv, [expect[layer]] * T, list(range(start, start + T)), H, Hkv, D)
+        tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    assert torch.equal(cache, expect)
+
+
+@pytest.mark.parametrize("length", [2, 16, 40, 64, 100, 256, 300])
+def test_graph_prefill_equals_eager_prefill(tiny_gguf, length):
+    """Prompts of up to PREFILL_GRAPH_TOKENS tokens prefill as graph replays (64 rows each),
+    longer ones eagerly: the same logits within the eager/graph bound, the same cache, and the
+    greedy continuation equal."""
+    from engine.models.llama import PREFILL_GRAPH_TOKENS
+
+    graphs, eager = cuda_pair(tiny_gguf("llama", "Q4_1"))
+    prompt = (TOKENS * 20)[:length]
+    out = []
+    for m in (graphs, eager):
+        s = m.new_session()
+        before = graphs.net.decode_graphs.replays
+        s.sync(prompt)
+        replays = graphs.net.decode_graphs.replays - before
+        out.append((s.logits.clone(), s.cache.kv[:, :, :, :length].float().clone(), list(generate(s, GREEDY, 8))))
+        if m is graphs:
+            assert replays == (-(-length // 64) if length <= PREFILL_GRAPH_TOKENS else 0)
+    scale = float(out[1][0].abs().max())
+    torch.testing.assert_close(out[0][0], out[1][0], rtol=2e-2, atol=2e-2 * scale)
+    torch.testing.assert_close(out[0][1], out[1][1], rtol=2e-2, atol=2e-2 * float(out[1][1].abs().max()))
+    assert out[0][2] == out[1][2]
+
+
+def test_graph_prefill_extends_a_session_and_scores_every_position(tiny_gguf):
+    """A prefill after a cached prefix (start > 0) and one asking for every position's logits
+    (prompt scoring) through the graphs, against the eager forward pass."""
+    graphs, eager = cuda_pair(tiny_gguf("qwen3", "Q4_K"))
+    grown = graphs.new_session()
+    grown.sync(TOKENS[:5])
+    grown.sync(TOKENS)
+    whole = eager.new_session()
+    whole.sync(TOKENS)
+    scale = float(whole.logits.abs().max())
+    torch.testing.assert_close(grown.logits, whole.logits, rtol=2e-2, atol=2e-2 * scale)
+    ids = torch.tensor((TOKENS * 5)[:70], device="cuda")
+    rows = [m.net.forward(ids, 0, m.new_session().cache, logits="all") for m in (graphs, eager)]
+    assert rows[0].shape == rows[1].shape == (70, graphs.n_vocab)
+    torch.testing.assert_close(rows[0], rows[1], rtol=2e-2, atol=2e-2 * float(rows[1].abs().max()))
+
+
 @pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("llama", "Q4_K"), ("qwen2", "Q4_0"),
                                         ("qwen3", "Q8_0"), ("llama", "F16")])
 def test_graph_greedy_tokens_equal_eager(tiny_gguf, arch, qtype):
