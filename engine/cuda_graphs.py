@@ -149,7 +149,8 @@ class DecodeGraphs:
         self.fused = True  # RMSNorm and SwiGLU as Triton kernels (engine.cuda_elementwise); read at capture
         self.disabled_reason: str | None = None
         self.capture_seconds = 0.0
-        self.replays = 0
+        self.replays = 0  # decoding steps
+        self.prefill_replays = 0
         self._graphs: dict[tuple, _Captured] = {}
         self._pool = None
         self._scratch: dict[torch.dtype, torch.Tensor] = {}
@@ -274,7 +275,10 @@ class DecodeGraphs:
                 rows: slice | None = None) -> PendingStep:
         """Replay a filled graph; its logits (the given rows of the first n) and ids are copied out."""
         cap.graph.replay()
-        self.replays += 1
+        if rows is None:
+            self.replays += 1
+        else:
+            self.prefill_replays += 1
         logits = cap.logits[rows or slice(0, n)].clone()  # the next replay overwrites the static outputs
         ids = cap.ids[:n].clone() if keep_ids else cap.ids[:n]
         host = cap.host_ids[slot][:n]

@@ -57,10 +57,10 @@ def test_a_kernel_that_drops_its_last_input_group_fails_the_kl_gate(monkeypatch)
     if good.int4 is None:
         pytest.skip("no compiled int4 kernel on this path")
 
-    def dropping(x, packed, scales):
+    def dropping(x, packed, scales, *codes):
         x = x.clone()
         x[:, -32:] = 0
-        return good.int4(x, packed, scales)
+        return good.int4(x, packed, scales, *codes)
 
     broken = dataclasses.replace(good, int4=dropping, int4_tiles=None, repack_int4=good.repack_int4)
     monkeypatch.setattr(kernels, "cpu_kernels", lambda name=None: broken)
