@@ -1173,22 +1173,29 @@ def raw_matrix(qtype, rows: int, cols: int, seed: int) -> np.ndarray:
     return _encode(rng.standard_normal((rows, cols)).astype(np.float32) * 0.3, qtype, rng).reshape(rows, -1)
 
 
+def repack_case(qtypes, unpack, fields, cols: int = 512):
+    """Random matrices of `qtypes` (raw rows), a row order over all of them, and the `fields` of
+    their unpacked forms concatenated in that order and padded with zero rows to blocks of 16."""
+    from gguf import GGMLQuantizationType as QT
+
+    raws = [raw_matrix(QT[t], 24 + 8 * i, cols, seed=i) for i, t in enumerate(qtypes)]
+    parts = [unpack(QT[t], r, cols) for t, r in zip(qtypes, raws)]
+    n = sum(r.shape[0] for r in raws)
+    order = np.random.default_rng(9).permutation(n)
+    arrays = [np.concatenate([getattr(p, f) for p in parts])[order] for f in fields]
+    padded = [np.concatenate([a, np.zeros((-n % 16, a.shape[1]), a.dtype)]) for a in arrays]
+    return raws, torch.from_numpy(order.astype(np.int64)), padded
+
+
 @pytest.mark.parametrize("qtypes", [("Q4_0",), ("Q4_1", "Q4_1"), ("Q4_K",), ("Q4_0", "Q4_1")])
 def test_repack_int4_equals_unpacking_then_packing(path, qtypes):
     from gguf import GGMLQuantizationType as QT
 
     from engine.quants import unpack_int4_groups
 
-    cols = 512
-    raws = [raw_matrix(QT[t], 24 + 8 * i, cols, seed=i) for i, t in enumerate(qtypes)]
-    parts = [unpack_int4_groups(QT[t], r, cols) for t, r in zip(qtypes, raws)]
-    n = sum(r.shape[0] for r in raws)
-    order = np.random.default_rng(9).permutation(n)
-    q, scale, minimum = (np.concatenate([getattr(p, f) for p in parts])[order] for f in ("q", "scale", "minimum"))
-    pad = -n % 16
-    want = int4_pack(*(np.concatenate([a, np.zeros((pad, a.shape[1]), a.dtype)]) for a in (q, scale, minimum)))
-    got = path.repack_int4([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes],
-                           torch.from_numpy(order.astype(np.int64)), cols, 16)
+    raws, order, arrays = repack_case(qtypes, unpack_int4_groups, ("q", "scale", "minimum"))
+    want = int4_pack(*arrays)
+    got = path.repack_int4([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes], order, 512, 16)
     # Q4_0 and Q4_1 scales are float16 fields, kept exactly; Q4_K's are products, kept float32.
     assert got[1].dtype == want[1].dtype == (torch.float32 if "Q4_K" in qtypes else torch.float16)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -1205,16 +1212,10 @@ def test_repack_codes_equals_unpacking_then_packing(path, qtypes):
     from engine.quants import unpack_coded_groups
     from engine.weights import fifth_bits
 
-    cols = 512
-    raws = [raw_matrix(QT[t], 24 + 8 * i, cols, seed=i) for i, t in enumerate(qtypes)]
-    parts = [unpack_coded_groups(QT[t], r, cols) for t, r in zip(qtypes, raws)]
-    n = sum(r.shape[0] for r in raws)
-    order = np.random.default_rng(9).permutation(n)
-    codes, scale, minimum = (np.concatenate([getattr(p, f) for p in parts])[order] for f in ("codes", "scale", "minimum"))
-    codes, scale, minimum = (np.concatenate([a, np.zeros((-n % 16, a.shape[1]), a.dtype)]) for a in (codes, scale, minimum))
+    raws, order, (codes, scale, minimum) = repack_case(qtypes, unpack_coded_groups, ("codes", "scale", "minimum"))
     want_packed, want_scales = int4_pack(codes & 0x0F, scale, minimum)
     packed, scales, high = path.repack_codes([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes],
-                                             torch.from_numpy(order.astype(np.int64)), cols, 16)
+                                             order, 512, 16)
     assert torch.equal(packed, want_packed) and torch.equal(scales, want_scales) and scales.dtype == want_scales.dtype
     assert torch.equal(high, fifth_bits(codes))
     assert bool(high.any()) == any(t.startswith("Q5") for t in qtypes)
