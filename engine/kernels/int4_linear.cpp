@@ -23,9 +23,10 @@
 // IQ4_XS too, on the avx512 op, whose nibbles already go through a table of 32 entries (one
 // masked add puts a fifth bit into the index); the avx2 and portable ops refuse them (AVX2's
 // one-row op converts nibbles in place, which a fifth bit or a table of levels breaks), and
-// engine.weights keeps those types in the int8 op there.  Float16 scales are for weights whose every scale and
-// minimum is exactly a float16 (repack.cpp chooses): they are widened to float32 on load, which
-// is exact, so an op gives the same bits with either dtype.  Float32 scales are a third of the
+// engine.weights keeps those types in the int8 op there.
+// Float16 scales are for weights whose every scale and minimum is exactly a float16 (repack.cpp
+// chooses): they are widened to float32 on load, which is exact, so an op gives the same bits
+// with either dtype.  Float32 scales are a third of the
 // bytes a decoding step streams; float16 ones save half of that.  Arithmetic stays float32.
 //
 // Per group, one dot product of the rounded x with q and two fused multiply-adds:
@@ -110,10 +111,11 @@ Codes check_codes(const at::Tensor& packed, const c10::optional<at::Tensor>& hig
                 "int4_linear: levels must be contiguous float32 [16]");
     TORCH_CHECK(codes.high == nullptr, "int4_linear: levels and high bits do not go together");
     codes.levels = l.const_data_ptr<float>();
-    for (int i = 0; i < 16; ++i)
-      TORCH_CHECK(codes.levels[i] == static_cast<float>(static_cast<int>(codes.levels[i])) &&
-                      std::abs(codes.levels[i]) <= 256.0f,
+    for (int i = 0; i < 16; ++i) {
+      const float v = codes.levels[i];
+      TORCH_CHECK(std::isfinite(v) && std::nearbyint(v) == v && std::abs(v) <= 256.0f,
                   "int4_linear: levels must be integers of magnitude at most 256");
+    }
   }
   return codes;
 }

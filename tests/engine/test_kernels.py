@@ -892,7 +892,7 @@ def test_coded_bad_arguments_are_errors_with_messages(coded_path):
         coded_path.int4(x, packed, scales, high, iq4)
     with pytest.raises(RuntimeError, match=r"levels must be contiguous float32 \[16\]"):
         coded_path.int4(x, packed, scales, None, iq4[:8])
-    for bad in (0.5, 300.0):
+    for bad in (0.5, 300.0, float("nan")):
         with pytest.raises(RuntimeError, match="levels must be integers of magnitude at most 256"):
             coded_path.int4(x, packed, scales, None, torch.cat([iq4[:15], torch.tensor([bad])]))
 
