@@ -269,17 +269,14 @@ class DecodeGraphs:
         self._fill(cap, slot, [(t, c.n + ahead, c) for t, c in zip(tokens, caches)], self._base(caches[0].kv.dtype))
         if after is not None:
             cap.table[:n, cuda_attention.TOKEN].copy_(after.ids[:n, column])
+        self.replays += 1
         return self._replay(cap, slot, n, eos_ids, keep_ids)
 
     def _replay(self, cap: _Captured, slot: int, n: int, eos_ids: frozenset[int], keep_ids: bool = False,
                 rows: slice | None = None) -> PendingStep:
-        """Replay a filled graph; its logits (the given rows of the first n) and ids are copied out."""
+        """Replay a filled graph; its logits (`rows`, default the first n) and ids are copied out."""
         cap.graph.replay()
-        if rows is None:
-            self.replays += 1
-        else:
-            self.prefill_replays += 1
-        logits = cap.logits[rows or slice(0, n)].clone()  # the next replay overwrites the static outputs
+        logits = cap.logits[slice(0, n) if rows is None else rows].clone()  # the next replay overwrites them
         ids = cap.ids[:n].clone() if keep_ids else cap.ids[:n]
         host = cap.host_ids[slot][:n]
         host.copy_(ids, non_blocking=True)
@@ -287,11 +284,12 @@ class DecodeGraphs:
         step = cap.owners[slot] = PendingStep(logits, ids if keep_ids else None, cap.events[slot], host, eos_ids)
         return step
 
-    def prefill(self, tokens: list[int], cache: KVCache, start: int, logits: str | None = "last") -> torch.Tensor | None:
+    def prefill(self, tokens: list[int], cache: KVCache, start: int, logits: str = "last") -> torch.Tensor | None:
         """Tokens at positions start.. of one cache (room for them reserved, the positions
         before `start` valid), in steps of up to the largest bucket of rows: stores their keys
-        and values and returns the logits (`logits`: "last" -> [n_vocab], "all" -> [T, n_vocab],
-        None -> None).  The cache's length is left as it is (the caller sets it)."""
+        and values and returns the logits as `LlamaModel.forward` does (`logits`: "last" ->
+        [n_vocab], "all" -> [T, n_vocab], anything else -> None).  The cache's length is left
+        as it is (the caller sets it)."""
         B = BUCKETS[-1]
         base = self._base(cache.kv.dtype)
         out = []
@@ -301,12 +299,17 @@ class DecodeGraphs:
             cap = self._graph_for(n, cache.kv.dtype, cache.n_ctx, frozenset(), shared=True)
             slot = cap.next_slot()
             self._fill(cap, slot, [(t, start + at + i, cache) for i, t in enumerate(part)], base)
-            last = at + B >= len(tokens)
-            want = slice(0, n) if logits == "all" else slice(n - 1, n) if logits == "last" and last else slice(0, 0)
+            if logits == "all":
+                want = slice(0, n)
+            elif logits == "last" and at + B >= len(tokens):
+                want = slice(n - 1, n)
+            else:
+                want = slice(0, 0)
+            self.prefill_replays += 1
             out.append(self._replay(cap, slot, n, frozenset(), rows=want).rows)
-        if logits is None:
-            return None
-        return out[-1][0] if logits == "last" else torch.cat(out)
+        if logits == "last":
+            return out[-1][0]
+        return torch.cat(out) if logits == "all" else None
 
     def run(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
         """One token for each of N caches (N <= the largest bucket): stores their keys and

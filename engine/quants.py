@@ -62,7 +62,8 @@ INT8_GROUPED = frozenset(INT8_GROUPS)
 INT8_WITH_MINIMUM = frozenset({QT.Q5_1, QT.Q5_K, QT.Q2_K})
 # Types whose values are a 4- or 5-bit code's value times a scale plus a minimum, over groups of
 # 32: the code itself (LINEAR_CODES), or a level of IQ4_LEVELS (the IQ4 types).
-LINEAR_CODES = INT4_GROUPED | {QT.Q5_0, QT.Q5_1, QT.Q5_K}
+FIFTH_BIT_CODES = frozenset({QT.Q5_0, QT.Q5_1, QT.Q5_K})  # codes of 5 bits: 0..31
+LINEAR_CODES = INT4_GROUPED | FIFTH_BIT_CODES
 LEVEL_CODES = frozenset({QT.IQ4_NL, QT.IQ4_XS})
 CODED = LINEAR_CODES | LEVEL_CODES
 SUPPORTED = frozenset({QT.F32, QT.F16, QT.BF16}) | INT4_GROUPED | INT8_GROUPED

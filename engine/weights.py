@@ -78,8 +78,8 @@ from gguf import GGMLQuantizationType as QT
 from engine import cuda_int4, device_blocks
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
-from engine.quants import (BLOCK, GROUP, INT4_GROUPED, INT8_GROUPS, IQ4_LEVELS, LEVEL_CODES, LINEAR_CODES,
-                           Int8Groups, dequantize, unpack_int4_groups, unpack_int8_groups)
+from engine.quants import (BLOCK, FIFTH_BIT_CODES, GROUP, INT4_GROUPED, INT8_GROUPS, IQ4_LEVELS, LEVEL_CODES,
+                           LINEAR_CODES, Int8Groups, dequantize, unpack_int4_groups, unpack_int8_groups)
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -518,7 +518,7 @@ def _coded_linear(records: Sequence[TensorRecord], row_perm: np.ndarray | None, 
     n = sum(r.shape[0] for r in records)
     packed, scales, high = cpu.repack_codes([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                             _row_order(records, row_perm), records[0].n_cols, COLUMNS)
-    five = any(r.qtype in LINEAR_CODES and r.qtype not in INT4_GROUPED for r in records)
+    five = any(r.qtype in FIFTH_BIT_CODES for r in records)
     levels = torch.from_numpy(IQ4_LEVELS.astype(np.float32)) if coded_kind(records) == "levels" else None
     return Int4Linear.from_cpu_layout(packed, scales, n, cpu, bias, high=high if five else None, levels=levels)
 

@@ -113,6 +113,8 @@ def test_graph_prefill_extends_a_session_and_scores_every_position(tiny_gguf):
     rows = [m.net.forward(ids, 0, m.new_session().cache, logits="all") for m in (graphs, eager)]
     assert rows[0].shape == rows[1].shape == (70, graphs.n_vocab)
     torch.testing.assert_close(rows[0], rows[1], rtol=2e-2, atol=2e-2 * float(rows[1].abs().max()))
+    # A chunk asked for no logits returns none, as the eager pass does.
+    assert graphs.net.forward(ids[:20], 0, graphs.new_session().cache, logits="none") is None
 
 
 @pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("llama", "Q4_K"), ("qwen2", "Q4_0"),

@@ -10,8 +10,8 @@ from gguf import quants as gq
 
 from engine import kernels
 from engine.gguf_file import TensorRecord
-from engine.quants import (CODED, INT4_GROUPED, INT8_GROUPS, INT8_WITH_MINIMUM, LEVEL_CODES, LINEAR_CODES, SUPPORTED,
-                           dequantize, unpack_coded_groups, unpack_int4_groups, unpack_int8_groups)
+from engine.quants import (CODED, FIFTH_BIT_CODES, INT4_GROUPED, INT8_GROUPS, INT8_WITH_MINIMUM, LEVEL_CODES,
+                           SUPPORTED, dequantize, unpack_coded_groups, unpack_int4_groups, unpack_int8_groups)
 from engine.synthetic import _encode
 from engine.weights import DenseLinear, Embedding, F16Linear, Int4Linear, Int8Linear, RowByRow, build_linear
 
@@ -188,7 +188,7 @@ def test_other_types_keep_the_file_weights_and_rows_independent(qtype, rows, cpu
     elif cpu.int4_codes and qtype in CODED:  # codes, scales, minimums: the file's weights, x in bfloat16
         padded = rows + -rows % 16
         assert isinstance(lin, Int4Linear) and lin.in_features == 512
-        assert (lin.high is not None) == (qtype in LINEAR_CODES) and (lin.levels is not None) == (qtype in LEVEL_CODES)
+        assert (lin.high is not None) == (qtype in FIFTH_BIT_CODES) and (lin.levels is not None) == (qtype in LEVEL_CODES)
         codes = padded * 512 // 8 if lin.high is not None else lin.levels.nbytes if lin.levels is not None else 0
         assert lin.nbytes == padded * 256 + padded * 512 // 32 * 2 * lin.scales_zeros.element_size() + codes + rows * 4
         w = exact
@@ -275,7 +275,7 @@ def test_fused_coded_types_stay_int4_where_their_codes_agree(parts, coded, cpu):
     got = lin(x)
     if coded:
         assert isinstance(lin, Int4Linear)
-        assert (lin.high is not None) == any(q in LINEAR_CODES - INT4_GROUPED for q in parts)
+        assert (lin.high is not None) == any(q in FIFTH_BIT_CODES for q in parts)
         x = x.bfloat16()
     else:
         assert isinstance(lin, Int8Linear)
