@@ -14,6 +14,10 @@ alike), one greedy decode of the same chat prompt through:
               127.0.0.1, configured as `ds4-server` configures it; the stream is read in this
               process by `ds4bench.rawstream`, a client light enough that its own CPU
               time takes little from the engine's)
+  engine-xN   the engine's own batched decoding of N copies of the prompt (`engine.batch`'s
+              scheduler; its slots hold all but the prompt's last token before the clock
+              starts, as the server's copy of a shared prompt leaves them): what N rows give
+              before any product loop touches them
   server-xN   N concurrent streams to a ds4-server with `--batched-session N` (aggregate)
 
 All paths share one model and one `engine.threads.EngineThread`, as each product has one;
@@ -23,7 +27,7 @@ stopped inside each round.
 Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of the first),
 so prefill and time to first token are left out; the aggregate of N streams is all their
 tokens after each stream's first over the span from the first stream's first token to the
-last token.  The summary gives each path's median and its ratio to the engine: the median over rounds
+last token (the engine's N rows are timed the same way).  The summary gives each path's median and its ratio to the engine: the median over rounds
 of the path's rate over the engine's rate in the same round, with the lowest and highest of
 those ratios (on a shared machine single rounds stray by tens of percent);
 `product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
@@ -103,7 +107,8 @@ class ProductBenchConfig:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        return (ENGINE, EVAL, SERVER) + ((f"server-x{self.streams}",) if self.streams else ())
+        rows = (f"{ENGINE}-x{self.streams}", f"{SERVER}-x{self.streams}") if self.streams else ()
+        return (ENGINE, EVAL, SERVER) + rows
 
 
 # ---------------------------------------------------------------- pure parts
@@ -233,9 +238,15 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
                                      "x engine [min, max of rounds]", "step ms", "outside ms/token",
                                      "request ms", "+ms vs engine"],
                       disable_numparse=True)]
+    by_path = {s.path: s for s in summary}
     for s in summary:
-        if s.path.startswith("server-x") and single is not None and single.median_tps > 0:
-            lines.append(f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream")
+        if s.path.startswith(f"{SERVER}-x") and single is not None and single.median_tps > 0:
+            line = f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream"
+            rows_ = by_path.get(ENGINE + s.path.removeprefix(SERVER))
+            if rows_ is not None and rows_.ratio and s.ratio is not None:
+                n = s.path.removeprefix(f"{SERVER}-x")
+                line += f", {s.ratio / rows_.ratio:.3f}x the engine's own {n} rows (median of same-round ratios)"
+            lines.append(line)
     lines += own_work_lines(summary)
     return "\n".join(lines)
 
@@ -362,6 +373,8 @@ class _Paths:
             return self._eval()
         if path == SERVER:
             return self._server(1)
+        if path.startswith(ENGINE):
+            return self.thread.call(self._engine_rows)
         return self._server(self.cfg.streams)
 
     def _engine(self) -> tuple[int, float, float]:
@@ -379,6 +392,24 @@ class _Paths:
             tok = session.sample(greedy)
             stamps.append(time.perf_counter())
         return (*decode_rate(stamps), stamps[-1] - start)
+
+    def _engine_rows(self) -> tuple[int, float, None]:
+        from engine import SamplingParams
+        from engine.batch import BatchScheduler, GenRequest
+
+        n, ids = self.cfg.streams, self.prompt_ids
+        scheduler = BatchScheduler(self.model, n)
+        first = scheduler.session(0)
+        first.sync(ids[:-1])
+        for i in range(1, n):
+            scheduler.session(i).copy_prefix_from(first, len(ids) - 1)
+        stamps: list[list[float]] = [[] for _ in range(n)]
+        for i in range(n):
+            scheduler.submit(GenRequest(ids=list(ids), params=SamplingParams(temperature=0), slot=i,
+                                        max_tokens=self.cfg.decode_tokens,
+                                        on_token=lambda _t, mine=stamps[i]: mine.append(time.perf_counter())))
+        scheduler.run()
+        return (*aggregate_rate([(times, len(times)) for times in stamps]), None)
 
     def _eval(self) -> tuple[int, float, float | None]:
         from ds4eval.run.backends.engine_backend import EngineBackend

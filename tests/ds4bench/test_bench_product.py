@@ -68,6 +68,17 @@ def test_render_table_names_the_ratios():
     assert "server-x8: 3.65x the server's single stream" in table
 
 
+def test_the_batched_server_is_also_stated_against_the_engines_own_rows():
+    s = samples(engine=[100, 100, 100], server=[95, 95, 95], server_x8=[300, 320, 310])
+    s += [pb.Sample("engine-x8", r, 400, 1.0) for r in range(3)]
+    summary = pb.summarize(s, ("engine", "server", "engine-x8", "server-x8"))
+    table = pb.render_table(summary, 3)
+    assert "server-x8: 3.26x the server's single stream, 0.775x the engine's own 8 rows" in table
+    # Without the engine's rows (an older JSON, or a table of some paths), only the first half.
+    table = pb.render_table([x for x in summary if x.path != "engine-x8"], 3)
+    assert "server-x8: 3.26x the server's single stream\n" in table + "\n" and "own 8 rows" not in table
+
+
 def test_a_sample_splits_its_time_per_token_into_the_step_and_the_rest():
     s = pb.Sample("server", 0, 100, 1.0, steps=102, step_seconds=0.918)
     assert s.step_ms == pytest.approx(9.0) and s.outside_ms == pytest.approx(1.0)
@@ -164,7 +175,7 @@ def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
                                       "--streams", "2", "--busy", "1", "--json", str(out)])
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
-    paths = ["engine", "ds4-eval", "server", "server-x2"]
+    paths = ["engine", "ds4-eval", "server", "engine-x2", "server-x2"]
     assert [s["path"] for s in doc["summary"]] == paths
     assert sorted(s["path"] for s in doc["samples"]) == sorted(paths * 2)
     assert all(s["tokens"] >= 5 and s["tps"] > 0 for s in doc["samples"])
@@ -182,7 +193,12 @@ def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
     # the engine's (what each adds around the same prefill and tokens), the batched one has none.
     assert all(by[p]["wall_ms"] > 0 for p in paths[:3]) and by["server-x2"]["wall_ms"] is None
     assert by["engine"]["over_ms"] is None and all(by[p]["over_ms"] is not None for p in paths[1:3])
+    # The engine's own two rows: two streams of batched steps, no split and no request time.
+    rows = [s for s in doc["samples"] if s["path"] == "engine-x2"]
+    assert len(rows) == 2 and all(s["tokens"] == 2 * (12 - 1) for s in rows)
+    assert by["engine-x2"]["step_ms"] is None and by["engine-x2"]["wall_ms"] is None
     assert "x engine" in r.output and "server-x2" in r.output
+    assert "the engine's own 2 rows" in r.output
     assert doc["config"]["busy"] == 1
 
 
