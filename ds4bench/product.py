@@ -18,6 +18,7 @@ alike), one greedy decode of the same chat prompt through:
               scheduler; its slots hold all but the prompt's last token before the clock
               starts, as the server's copy of a shared prompt leaves them): what N rows give
               before any product loop touches them
+  ds4-eval-xN N copies of the ds4-eval case run with `--parallel N` (aggregate)
   server-xN   N concurrent streams to a ds4-server with `--batched-session N` (aggregate)
 
 All paths share one model and one `engine.threads.EngineThread`, as each product has one;
@@ -107,7 +108,7 @@ class ProductBenchConfig:
 
     @property
     def paths(self) -> tuple[str, ...]:
-        rows = (f"{ENGINE}-x{self.streams}", f"{SERVER}-x{self.streams}") if self.streams else ()
+        rows = tuple(f"{p}-x{self.streams}" for p in (ENGINE, EVAL, SERVER)) if self.streams else ()
         return (ENGINE, EVAL, SERVER) + rows
 
 
@@ -240,13 +241,17 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
                       disable_numparse=True)]
     by_path = {s.path: s for s in summary}
     for s in summary:
-        if s.path.startswith(f"{SERVER}-x") and single is not None and single.median_tps > 0:
-            line = f"{s.path}: {s.median_tps / single.median_tps:.2f}x the server's single stream"
-            rows_ = by_path.get(ENGINE + s.path.removeprefix(SERVER))
-            if rows_ is not None and rows_.ratio and s.ratio is not None:
-                n = s.path.removeprefix(f"{SERVER}-x")
-                line += f", {s.ratio / rows_.ratio:.3f}x the engine's own {n} rows (median of same-round ratios)"
-            lines.append(line)
+        product, _, n = s.path.partition("-x") if s.path.startswith((f"{EVAL}-x", f"{SERVER}-x")) else ("", "", "")
+        if not n:
+            continue
+        parts = []
+        if product == SERVER and single is not None and single.median_tps > 0:
+            parts.append(f"{s.median_tps / single.median_tps:.2f}x the server's single stream")
+        rows = by_path.get(f"{ENGINE}-x{n}")
+        if rows is not None and rows.ratio and s.ratio is not None:
+            parts.append(f"{s.ratio / rows.ratio:.3f}x the engine's own {n} rows (median of same-round ratios)")
+        if parts:
+            lines.append(f"{s.path}: {', '.join(parts)}")
     lines += own_work_lines(summary)
     return "\n".join(lines)
 
@@ -321,6 +326,23 @@ class _Stamps:
         return self.finished - self.started
 
 
+@dataclass
+class _CaseStamps:
+    """By case index (`--parallel` runs): when its generated tokens reached its worker, and how
+    many it had then (the engine thread hands them over in batches: the first token alone,
+    the last with the request's end, so the first-to-last span is that of the tokens)."""
+
+    times: dict[int, list[float]] = field(default_factory=dict)
+    counts: dict[int, int] = field(default_factory=dict)
+
+    def on_event(self, event: object) -> None:
+        from ds4eval.run.runner import Progress
+
+        if isinstance(event, Progress) and event.gen_tokens > self.counts.get(event.index, 0):
+            self.counts[event.index] = event.gen_tokens
+            self.times.setdefault(event.index, []).append(time.perf_counter())
+
+
 class StepClock:
     """Counts and times a network's one-row decode steps (`decode_frontier`) while held.
 
@@ -375,6 +397,8 @@ class _Paths:
             return self._server(1)
         if path.startswith(ENGINE):
             return self.thread.call(self._engine_rows)
+        if path.startswith(EVAL):
+            return self._eval_rows()
         return self._server(self.cfg.streams)
 
     def _engine(self) -> tuple[int, float, float]:
@@ -411,23 +435,36 @@ class _Paths:
         scheduler.run()
         return (*aggregate_rate([(times, len(times)) for times in stamps]), None)
 
-    def _eval(self) -> tuple[int, float, float | None]:
-        from ds4eval.run.backends.engine_backend import EngineBackend
+    def _cases(self, n: int) -> list[Any]:
         from ds4eval.cases.case import Case
+
+        return [Case(source="ds4-bench", id=f"lighthouse-story-{i}", domain="bench", title="a long story",
+                     question=PROMPT, choices=(), answer="-", aliases=(), answer_kind="exact_text",
+                     suites=(), max_tokens=self.cfg.decode_tokens) for i in range(n)]
+
+    def _run_cases(self, n: int, parallel: int | None, listener: Any) -> None:
         from ds4eval.config import EvalConfig
+        from ds4eval.run.backends.engine_backend import EngineBackend
         from ds4eval.run.runner import Runner
 
-        case = Case(source="ds4-bench", id="lighthouse-story", domain="bench", title="a long story",
-                    question=PROMPT, choices=(), answer="-", aliases=(), answer_kind="exact_text",
-                    suites=(), max_tokens=self.cfg.decode_tokens)
-        cfg = EvalConfig(tokens=self.cfg.decode_tokens, temperature=0.0, think=False, plain=True)
-        backend = EngineBackend(self.model, engine_thread=self.thread)
-        stamps = _Stamps()
+        cfg = EvalConfig(tokens=self.cfg.decode_tokens, temperature=0.0, think=False, plain=True,
+                         parallel=parallel)
+        backend = EngineBackend(self.model, parallel=parallel, engine_thread=self.thread)
         try:
-            Runner(cfg, [case], backend, [stamps]).run()
+            Runner(cfg, self._cases(n), backend, [listener]).run()
         finally:
             backend.close()
+
+    def _eval(self) -> tuple[int, float, float | None]:
+        stamps = _Stamps()
+        self._run_cases(1, None, stamps)
         return (*decode_rate(stamps.times), stamps.wall)
+
+    def _eval_rows(self) -> tuple[int, float, None]:
+        n = self.cfg.streams
+        stamps = _CaseStamps()
+        self._run_cases(n, n, stamps)
+        return (*aggregate_rate([(stamps.times[i], stamps.counts[i]) for i in stamps.times]), None)
 
     def _server(self, streams: int) -> tuple[int, float, float | None]:
         from server.app import create_app

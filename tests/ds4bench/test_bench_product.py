@@ -68,12 +68,14 @@ def test_render_table_names_the_ratios():
     assert "server-x8: 3.65x the server's single stream" in table
 
 
-def test_the_batched_server_is_also_stated_against_the_engines_own_rows():
+def test_the_batched_products_are_stated_against_the_engines_own_rows():
     s = samples(engine=[100, 100, 100], server=[95, 95, 95], server_x8=[300, 320, 310])
     s += [pb.Sample("engine-x8", r, 400, 1.0) for r in range(3)]
-    summary = pb.summarize(s, ("engine", "server", "engine-x8", "server-x8"))
+    s += [pb.Sample("ds4-eval-x8", r, 200, 1.0) for r in range(3)]
+    summary = pb.summarize(s, ("engine", "server", "engine-x8", "ds4-eval-x8", "server-x8"))
     table = pb.render_table(summary, 3)
     assert "server-x8: 3.26x the server's single stream, 0.775x the engine's own 8 rows" in table
+    assert "ds4-eval-x8: 0.500x the engine's own 8 rows" in table
     # Without the engine's rows (an older JSON, or a table of some paths), only the first half.
     table = pb.render_table([x for x in summary if x.path != "engine-x8"], 3)
     assert "server-x8: 3.26x the server's single stream\n" in table + "\n" and "own 8 rows" not in table
@@ -175,7 +177,7 @@ def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
                                       "--streams", "2", "--busy", "1", "--json", str(out)])
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
-    paths = ["engine", "ds4-eval", "server", "engine-x2", "server-x2"]
+    paths = ["engine", "ds4-eval", "server", "engine-x2", "ds4-eval-x2", "server-x2"]
     assert [s["path"] for s in doc["summary"]] == paths
     assert sorted(s["path"] for s in doc["samples"]) == sorted(paths * 2)
     assert all(s["tokens"] >= 5 and s["tps"] > 0 for s in doc["samples"])
@@ -199,6 +201,10 @@ def test_a_whole_run_measures_every_path(embedded_path, tmp_path):
     assert by["engine-x2"]["step_ms"] is None and by["engine-x2"]["wall_ms"] is None
     assert "x engine" in r.output and "server-x2" in r.output
     assert "the engine's own 2 rows" in r.output
+    # ds4-eval's two cases in parallel: both cases' tokens, handed to their workers in batches.
+    cases = [s for s in doc["samples"] if s["path"] == "ds4-eval-x2"]
+    assert len(cases) == 2 and all(s["tokens"] == 2 * (12 - 1) for s in cases)
+    assert "ds4-eval-x2: " in r.output
     assert doc["config"]["busy"] == 1
 
 

@@ -15,7 +15,13 @@ Contract
 - Batched (`--parallel N`, any N >= 1): a `SchedulerThread` loop on the engine thread drives
   the engine's `BatchScheduler` of N slots; the runner's N worker threads each submit their
   case as `GenRequest`s and get its tokens back through `on_token` into a per-case queue,
-  so N cases decode together in one forward pass per step. Every case starts from a fresh
+  so N cases decode together in one forward pass per step. The engine thread hands a case's
+  tokens over in batches (`_BatchedCase.take`): the first at once, then at most one batch per
+  `HANDOVER_S` and the rest when the request ends, so that N workers do not each wake, take
+  the interpreter's lock and emit events for every token of every step, which on a short
+  step (a GPU's, or a small model's) costs more host time than the step itself (measured
+  with `ds4-bench product --streams N`: the ds4-eval-xN path against the engine's own N rows).
+  Every case starts from a fresh
   session (its slot is emptied first): with the packed int4 kernels a reused prefix moves the
   prefill chunk boundaries, which can move logits slightly, so reuse would make a case's
   trace depend on which case ran before it in the same slot. With fresh sessions
@@ -49,7 +55,9 @@ It does not grade, write traces or talk HTTP.
 
 from __future__ import annotations
 
+import math
 import queue
+import time
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +143,10 @@ class _Plan:
 
 # ---------------------------------------------------------------- batched path
 
+HANDOVER_S = 0.02
+"""Longest a batched case's generated tokens wait on the engine thread before its worker gets
+them (progress and text shown at 50 Hz at most; latency is marked where each token is made)."""
+
 @dataclass
 class _Segment:
     """One GenRequest of a case; the engine thread owns it until its 'end' message."""
@@ -156,6 +168,29 @@ class _BatchedCase:
         self.used = 0
         self.sampled = 0
         self.history = list(plan.ids)
+        # Engine thread only: tokens made since the last hand-over and their text, as runs of
+        # (text, thinking flag) with one flag each; and when the last hand-over went.
+        self._n_pending = 0
+        self._runs: list[tuple[str, bool]] = []
+        self._handed_at = -math.inf
+
+    def take(self, piece: str, flag: bool | None, now: float) -> None:
+        """Engine thread: one generated token and its text (flag None: no text), handed to the
+        worker with those before it once `HANDOVER_S` has passed since the last hand-over."""
+        self._n_pending += 1
+        if flag is not None:
+            if self._runs and self._runs[-1][1] == flag:
+                self._runs[-1] = (self._runs[-1][0] + piece, flag)
+            else:
+                self._runs.append((piece, flag))
+        if now - self._handed_at >= HANDOVER_S:
+            self.hand_over(now)
+
+    def hand_over(self, now: float) -> None:
+        """Engine thread: what `take` holds goes to the worker now (before a segment's end)."""
+        if self._n_pending:
+            self.events.put(("tokens", self._n_pending, self._runs))
+            self._n_pending, self._runs, self._handed_at = 0, [], now
 
     def due(self) -> str | None:
         p = self.plan
@@ -221,12 +256,14 @@ class SchedulerThread:
                 self.scheduler.step()
             except Exception as e:  # an engine failure ends the cases in flight, never the thread
                 for seg in self.active:
+                    seg.case.hand_over(time.monotonic())
                     seg.case.events.put(("failed", f"{type(e).__name__}: {e}"))
                 self._reset_after_failure()
                 continue
             still = []
             for seg in self.active:
                 if seg.request.done:
+                    seg.case.hand_over(time.monotonic())
                     seg.case.events.put(("end", seg))
                 else:
                     still.append(seg)
@@ -458,11 +495,11 @@ class EngineBackend:
                 case.used += 1
                 case.sampled += 1
                 if tok in eos:
-                    case.events.put(("token", "", None))
+                    case.take("", None, time.monotonic())
                     return
                 case.history.append(tok)
                 piece = case.stream.push(tok)
-                case.events.put(("token", piece, text.emit(piece)))
+                case.take(piece, text.emit(piece), time.monotonic())
                 if case.used < plan.budget and case.due() is not None:
                     seg.stop = True
 
@@ -504,15 +541,15 @@ class EngineBackend:
                 scheduler.submit(segment())
                 while True:
                     kind, *rest = case.events.get()
-                    if kind == "token":
+                    if kind == "tokens":
                         if not started:
                             started = True
                             ctx.started(len(plan.ids))
                             if opened:
                                 ctx.text(opened, True)
-                        piece, flag = rest
-                        ctx.token()
-                        if flag is not None:
+                        n, runs = rest
+                        ctx.token(n)
+                        for piece, flag in runs:
                             ctx.text(piece, flag)
                     elif kind == "failed":
                         res.error = rest[0]

@@ -186,6 +186,62 @@ def test_think_close_decisions_match_the_serial_path(tmp_path):
     same_traces(serial, batched)
 
 
+def test_a_batched_case_hands_its_tokens_over_in_batches():
+    from ds4eval.run.backends import engine_backend as eb
+
+    plan = eb._Plan(ids=[1, 2], text="", think=True, budget=10, soft_reserve=0, hard_reserve=0, n_soft=0, n_hard=0)
+    case = eb._BatchedCase(plan, ctx=None, model=FakeModel(lambda p: ""), text=eb.ThinkText(True))
+
+    def handed():
+        out = []
+        while not case.events.empty():
+            out.append(case.events.get_nowait())
+        return out
+
+    case.take("<think>", True, now=100.0)  # the first token goes at once
+    assert handed() == [("tokens", 1, [("<think>", True)])]
+    case.take("a", True, now=100.005)
+    case.take("", None, now=100.01)  # a token without text (an end of sequence) counts
+    case.take("b", True, now=100.015)
+    case.take("c", False, now=100.018)
+    assert handed() == []  # held: within HANDOVER_S of the last hand-over
+    case.take("d", False, now=100.0 + 1.25 * eb.HANDOVER_S)
+    assert handed() == [("tokens", 5, [("ab", True), ("cd", False)])]  # text in runs of one flag
+    case.take("e", False, now=100.03)
+    case.hand_over(now=100.031)  # a request's end: the rest goes now
+    assert handed() == [("tokens", 1, [("e", False)])]
+    case.hand_over(now=100.032)
+    assert handed() == []  # nothing held, nothing sent
+
+
+def test_batched_cases_report_every_token_and_all_their_text(tmp_path):
+    # Steps far shorter than the hand-over interval: tokens reach the worker in batches, and
+    # the progress and text the listeners see still add up to each case's output.
+    class Seen:
+        def __init__(self):
+            self.tokens, self.text, self.events = {}, {}, 0
+
+        def on_event(self, ev):
+            from ds4eval.run.runner import Progress, TextDelta
+
+            if isinstance(ev, Progress):
+                self.tokens[ev.index] = ev.gen_tokens
+                self.events += 1
+            elif isinstance(ev, TextDelta):
+                self.text[ev.index] = self.text.get(ev.index, "") + ev.text
+
+    seen = Seen()
+    model = FakeModel(lambda p: "Answer: " + "4" * 200)
+    cases = [case(i) for i in range(1, 4)]
+    backend = EngineBackend(model, FAKE_ENGINE, parallel=3)
+    states = Runner(EvalConfig(parallel=3, tokens=300), cases, backend, [seen]).run()
+    backend.close()
+    for st in states:
+        assert seen.tokens[st.index] == st.gen_tokens > 200
+        assert seen.text[st.index] == st.output
+    assert seen.events < sum(st.gen_tokens for st in states)
+
+
 def test_injection_due_rules():
     # budget 600: soft reserve 150, hard 75; nudge 74 tokens, hard close 15
     assert injection_due(True, "none", 151, 150, 75, 74, 15) is None
