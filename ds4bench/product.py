@@ -18,7 +18,10 @@ alike), one greedy decode of the same chat prompt through:
               scheduler; its slots hold all but the prompt's last token before the clock
               starts, as the server's copy of a shared prompt leaves them): what N rows give
               before any product loop touches them
-  ds4-eval-xN N copies of the ds4-eval case run with `--parallel N` (aggregate)
+  ds4-eval-xN N copies of the ds4-eval case run with `--parallel N` (aggregate); each case
+              prefills its own prompt in a fresh session, as ds4-eval's batched cases do, so
+              the span holds the later cases' prefill chunks (a ramp that longer
+              `--decode-tokens` makes a smaller share of it)
   server-xN   N concurrent streams to a ds4-server with `--batched-session N` (aggregate)
 
 All paths share one model and one `engine.threads.EngineThread`, as each product has one;
@@ -28,9 +31,11 @@ stopped inside each round.
 Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of the first),
 so prefill and time to first token are left out; the aggregate of N streams is all their
 tokens after each stream's first over the span from the first stream's first token to the
-last token (the engine's N rows are timed the same way).  The summary gives each path's median and its ratio to the engine: the median over rounds
-of the path's rate over the engine's rate in the same round, with the lowest and highest of
-those ratios (on a shared machine single rounds stray by tens of percent);
+last token (the engine's N rows and ds4-eval's N cases are timed the same way).  The summary
+gives each path's median and its ratio to the engine: the median over rounds of the path's
+rate over the engine's rate in the same round, with the lowest and highest of those ratios
+(on a shared machine single rounds stray by tens of percent); a batched path is also stated
+against the engine's N rows, as the ratio of those two medians;
 `product_failures` lists the single-stream paths below a floor (the speed gate uses 0.9).
 Where each token of a path came from one of the network's one-row decode steps (the CPU path;
 not batched steps, nor CUDA's run-ahead), the table also splits its time per token into the
@@ -249,7 +254,7 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
             parts.append(f"{s.median_tps / single.median_tps:.2f}x the server's single stream")
         rows = by_path.get(f"{ENGINE}-x{n}")
         if rows is not None and rows.ratio and s.ratio is not None:
-            parts.append(f"{s.ratio / rows.ratio:.3f}x the engine's own {n} rows (median of same-round ratios)")
+            parts.append(f"{s.ratio / rows.ratio:.3f}x the engine's own {n} rows (their same-round ratios to the engine)")
         if parts:
             lines.append(f"{s.path}: {', '.join(parts)}")
     lines += own_work_lines(summary)
