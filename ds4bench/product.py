@@ -254,7 +254,8 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
             parts.append(f"{s.median_tps / single.median_tps:.2f}x the server's single stream")
         rows = by_path.get(f"{ENGINE}-x{n}")
         if rows is not None and rows.ratio and s.ratio is not None:
-            parts.append(f"{s.ratio / rows.ratio:.3f}x the engine's own {n} rows (their same-round ratios to the engine)")
+            parts.append(f"{s.ratio / rows.ratio:.3f}x the engine's own {n} rows "
+                         "(their same-round ratios to the engine)")
         if parts:
             lines.append(f"{s.path}: {', '.join(parts)}")
     lines += own_work_lines(summary)

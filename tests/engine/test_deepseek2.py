@@ -125,6 +125,23 @@ def test_route_follows_llama_cpp():
     assert ids.tolist() == [[0, 2]]
 
 
+@pytest.mark.parametrize("n_expert", [8, 16, 24, 64, 100])
+@pytest.mark.parametrize("gating", ["softmax", "sigmoid"])
+def test_a_rows_routing_does_not_depend_on_the_other_rows(gating, n_expert):
+    # torch's elementwise sigmoid rounds its vector body and its scalar tail differently, so
+    # over [T, n_expert] with a small expert count a row's weights once moved with T
+    # (deepseek2.sigmoid_rows); a prefill chunk and a decoding step must route a row alike.
+    torch.manual_seed(n_expert)
+    for _ in range(20):
+        scores = torch.randn(37, n_expert) * 3
+        bias = torch.randn(n_expert) if gating == "sigmoid" else None
+        together = route(scores, 4, gating, bias=bias, normalise=True, scale=2.5)
+        alone = [route(scores[i: i + 1].clone(), 4, gating, bias=bias, normalise=True, scale=2.5) for i in range(37)]
+        assert torch.equal(together[0], torch.cat([a[0] for a in alone]))
+        assert torch.equal(together[1], torch.cat([a[1] for a in alone]))
+    torch.testing.assert_close(deepseek2.sigmoid_rows(scores), torch.sigmoid(scores), rtol=1e-6, atol=0)
+
+
 def test_config_reads_the_deepseek2_keys(ds_gguf):
     cfg = engine.load_model(ds_gguf("v2")).config
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.head_dim, cfg.head_dim_v, cfg.rope_dim) == (32, 32, 32, 24, 16)
