@@ -246,8 +246,8 @@ def render_table(summary: Sequence[PathSummary], rounds: int) -> str:
                       disable_numparse=True)]
     by_path = {s.path: s for s in summary}
     for s in summary:
-        product, _, n = s.path.partition("-x") if s.path.startswith((f"{EVAL}-x", f"{SERVER}-x")) else ("", "", "")
-        if not n:
+        product, batched, n = s.path.rpartition("-x")  # ("ds4-eval", "-x", "8"); ("", "", "server")
+        if not batched or product == ENGINE:
             continue
         parts = []
         if product == SERVER and single is not None and single.median_tps > 0:

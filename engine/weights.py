@@ -510,16 +510,16 @@ class Int4Linear(Linear):
         return self.packed.nbytes + self.scales_zeros.nbytes + sum(t.nbytes for t in self._codes()) + bias
 
 
-def _coded_linear(records: Sequence[TensorRecord], row_perm: np.ndarray | None, cpu: CpuKernels,
+def _coded_linear(records: Sequence[TensorRecord], kind: str, row_perm: np.ndarray | None, cpu: CpuKernels,
                   bias: torch.Tensor | None) -> Int4Linear:
-    """A matrix of coded types (`coded_kind`) in the int4 kernel's layout (CpuKernels.repack_codes,
+    """A matrix of coded types of one `coded_kind` in the int4 kernel's layout (CpuKernels.repack_codes,
     which the tests hold to `int4_pack` and `fifth_bits` of engine.quants.unpack_coded_groups),
     with fifth bits where a type has them and the levels of the IQ4 types."""
     n = sum(r.shape[0] for r in records)
     packed, scales, high = cpu.repack_codes([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                             _row_order(records, row_perm), records[0].n_cols, COLUMNS)
     five = any(r.qtype in FIFTH_BIT_CODES for r in records)
-    levels = torch.from_numpy(IQ4_LEVELS.astype(np.float32)) if coded_kind(records) == "levels" else None
+    levels = torch.from_numpy(IQ4_LEVELS.astype(np.float32)) if kind == "levels" else None
     return Int4Linear.from_cpu_layout(packed, scales, n, cpu, bias, high=high if five else None, levels=levels)
 
 
@@ -613,8 +613,9 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
         if row_perm is not None:
             q, scale, minimum = q[row_perm], scale[row_perm], minimum[row_perm]
         return Int4Linear(q, scale, minimum, device, bias)
-    if packed_cpu and cpu.int4_codes and coded_kind(records) is not None and k % GROUP == 0:
-        return _coded_linear(records, row_perm, cpu, bias)
+    kind = coded_kind(records) if packed_cpu and cpu.int4_codes and k % GROUP == 0 else None
+    if kind is not None:
+        return _coded_linear(records, kind, row_perm, cpu, bias)
     if packed_cpu and cpu.int8 is not None and all(r.qtype == QT.Q8_0 for r in records):
         q8, scale8 = cpu.repack_q8_0([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
         return Int8Linear(q8, scale8, n, cpu.int8, bias)
