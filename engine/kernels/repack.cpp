@@ -27,16 +27,21 @@
 // It reads no file itself and checks only what it needs to stay in bounds.
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <tuple>
 #include <vector>
 
 #include "isa.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 namespace repack {  // named, so that all.cpp can include every source in one unit
@@ -186,15 +191,26 @@ int64_t row_width(const Rows& rows, int64_t K) {
   return K;
 }
 
-// float32 `values` as float16 when every value survives the round trip bit for bit (NaN
-// payloads and -0.0 included), else `values` itself.
-at::Tensor narrow_if_exact(const at::Tensor& values) {
-  at::Tensor half = values.to(at::kHalf);
-  const bool exact = half.to(at::kFloat).view(at::kInt).equal(values.view(at::kInt));
-  return exact ? half : values;
+// float32 `v` survives a round trip through float16 bit for bit (-0.0 included; a NaN may not).
+inline bool half_exact(float v) {
+#if defined(__F16C__)
+  const float back = _cvtsh_ss(_cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT));
+#else
+  const float back = static_cast<float>(c10::Half(v));
+#endif
+  uint32_t a, b;
+  std::memcpy(&a, &v, 4);
+  std::memcpy(&b, &back, 4);
+  return a == b;
 }
 
 // The shared pass of repack_int4 and repack_codes: `high` only where asked for.
+//
+// One output tile (16 columns x one input group) at a time: the 16 rows' blocks are read into
+// the tile, which is then written out whole, so every output byte is written once, in order,
+// into memory that was never zeroed (a fresh page costs a fault either way; a second pass over
+// it does not).  Whether every scale survives float16 is decided in the same pass, so no
+// float16 copy is made of the scales of a matrix that keeps float32 ones.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_groups(at::TensorList raws, at::IntArrayRef qtypes,
                                                              const at::Tensor& order, int64_t K, int64_t pad_to,
                                                              bool codes, const char* op) {
@@ -211,46 +227,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_groups(at::TensorList raws
   const Rows rows(raws, types);
   row_width(rows, K);
   const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / G;
-  at::Tensor packed = at::zeros({NG, KB, 8, 32}, at::kByte);
-  at::Tensor scales = at::zeros({NG, KB, 2, C}, at::kFloat);
-  at::Tensor high = at::zeros({codes ? NG : 0, KB, 16, 4}, at::kByte);
+  for (int64_t n = 0; n < N; ++n) rows.row(order.data_ptr<int64_t>()[n]);  // bounds, before any work
+  at::Tensor packed = at::empty({NG, KB, 8, 32}, at::kByte);
+  at::Tensor scales = at::empty({NG, KB, 2, C}, at::kFloat);
+  at::Tensor high = at::empty({codes ? NG : 0, KB, 16, 4}, at::kByte);
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* p0 = packed.data_ptr<uint8_t>();
   float* s0 = scales.data_ptr<float>();
   uint8_t* h0 = high.data_ptr<uint8_t>();
+  std::atomic<bool> inexact{false};
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
-    uint8_t bytes[16];
+    const uint8_t* src[C];
+    int64_t type[C];
+    bool exact = true;
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t j = 0; j < C; ++j) {
-        const int64_t n = g * C + j;
-        if (n >= N) break;  // padding columns stay zero
-        const auto [row, type] = rows.row(ord[n]);
-        for (int64_t b = 0; b < KB; ++b) {
-          float sc, mn;
+      const int64_t live = std::min(C, N - g * C);  // the rest are padding columns: zero
+      for (int64_t j = 0; j < live; ++j) std::tie(src[j], type[j]) = rows.row(ord[g * C + j]);
+      for (int64_t b = 0; b < KB; ++b) {
+        uint8_t tile[C][16] = {};
+        float sc[C] = {}, mn[C] = {};
+        uint32_t pairs[16] = {};  // input pair p's mask, bit 2j + e: value 2p + e's fifth bit of column j
+        for (int64_t j = 0; j < live; ++j) {
           uint32_t hb;
-          coded_group(type, row, b, bytes, hb, sc, mn);
-          // chunk c's byte 2j + e: values 2c + e (low nibble) and 2c + e + 16 (high), i.e. byte 2c + e
-          uint8_t* chunk = p0 + ((g * KB + b) * 8) * 32 + 2 * j;
-          for (int c = 0; c < 8; ++c) {
-            chunk[c * 32] = bytes[2 * c];
-            chunk[c * 32 + 1] = bytes[2 * c + 1];
-          }
-          s0[((g * KB + b) * 2) * C + j] = sc;
-          s0[((g * KB + b) * 2 + 1) * C + j] = mn;
-          if (hb != 0) {
-            // input pair p's mask, bit 2j + e: value 2p + e's fifth bit
-            uint8_t* masks = h0 + (g * KB + b) * 64;
-            for (int v = 0; v < 32; ++v)
-              if ((hb >> v) & 1) {
-                const int bit = 2 * static_cast<int>(j) + (v & 1);
-                masks[(v / 2) * 4 + bit / 8] |= static_cast<uint8_t>(1u << (bit % 8));
-              }
-          }
+          coded_group(type[j], src[j], b, tile[j], hb, sc[j], mn[j]);
+          if (hb != 0)
+            for (int p = 0; p < 16; ++p) pairs[p] |= ((hb >> (2 * p)) & 3u) << (2 * j);
         }
+        // chunk c's byte 2j + e: values 2c + e (low nibble) and 2c + e + 16 (high), i.e. byte 2c + e
+        uint8_t* chunk = p0 + (g * KB + b) * 256;
+        for (int c = 0; c < 8; ++c)
+          for (int64_t j = 0; j < C; ++j) std::memcpy(chunk + c * 32 + 2 * j, tile[j] + 2 * c, 2);
+        float* s = s0 + (g * KB + b) * 2 * C;
+        std::memcpy(s, sc, sizeof sc);
+        std::memcpy(s + C, mn, sizeof mn);
+        if (codes) {
+          uint8_t* masks = h0 + (g * KB + b) * 64;
+          for (int p = 0; p < 16; ++p)
+            for (int q = 0; q < 4; ++q) masks[p * 4 + q] = static_cast<uint8_t>(pairs[p] >> (8 * q));
+        }
+        for (int64_t j = 0; exact && j < live; ++j) exact = half_exact(sc[j]) && half_exact(mn[j]);
       }
     }
+    if (!exact) inexact.store(true, std::memory_order_relaxed);
   });
-  return {packed, narrow_if_exact(scales), high};
+  // The int4 kernels give the same bits with either width; float16 halves the bytes read.
+  return {packed, inexact.load() ? scales : scales.to(at::kHalf), high};
 }
 
 std::tuple<at::Tensor, at::Tensor> repack_int4(at::TensorList raws, at::IntArrayRef qtypes, const at::Tensor& order,
@@ -272,27 +293,36 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Te
   const Rows rows(raws, {});
   row_width(rows, K);
   const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / G;
-  at::Tensor q = at::zeros({NG, KB, G, C}, at::kChar);
-  at::Tensor scales = at::zeros({NG, KB, C}, at::kFloat);
+  for (int64_t n = 0; n < N; ++n) rows.row(order.data_ptr<int64_t>()[n]);  // bounds, before any work
+  at::Tensor q = at::empty({NG, KB, G, C}, at::kChar);
+  at::Tensor scales = at::empty({NG, KB, C}, at::kFloat);
   const int64_t* ord = order.data_ptr<int64_t>();
   int8_t* q0 = q.data_ptr<int8_t>();
   float* s0 = scales.data_ptr<float>();
+  std::atomic<bool> inexact{false};
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
+    const uint8_t* src[C];
+    bool exact = true;
     for (int64_t g = begin; g < end; ++g) {
-      for (int64_t j = 0; j < C; ++j) {
-        const int64_t n = g * C + j;
-        if (n >= N) break;
-        const uint8_t* row = rows.row(ord[n]).first;
-        for (int64_t b = 0; b < KB; ++b) {
-          const uint8_t* blk = row + b * row_bytes(Q8_0, 32);
-          s0[(g * KB + b) * C + j] = f16(blk);
-          int8_t* dst = q0 + ((g * KB + b) * G) * C + j;
-          for (int64_t k = 0; k < G; ++k) dst[k * C] = static_cast<int8_t>(blk[2 + k]);
+      const int64_t live = std::min(C, N - g * C);
+      for (int64_t j = 0; j < live; ++j) src[j] = rows.row(ord[g * C + j]).first;
+      for (int64_t b = 0; b < KB; ++b) {  // one tile: 32 inputs x 16 columns, written in order
+        int8_t* dst = q0 + (g * KB + b) * G * C;
+        float* s = s0 + (g * KB + b) * C;
+        for (int64_t j = 0; j < C; ++j) {
+          const uint8_t* blk = j < live ? src[j] + b * row_bytes(Q8_0, 32) : nullptr;
+          s[j] = blk ? f16(blk) : 0.0f;
+          if (exact && blk) exact = half_exact(s[j]);
         }
+        for (int64_t k = 0; k < G; ++k)
+          for (int64_t j = 0; j < C; ++j)
+            dst[k * C + j] = j < live ? static_cast<int8_t>(src[j][b * row_bytes(Q8_0, 32) + 2 + k]) : 0;
       }
     }
+    if (!exact) inexact.store(true, std::memory_order_relaxed);
   });
-  return {q, narrow_if_exact(scales)};  // Q8_0's scales are float16 in the file: always exact
+  // Q8_0's scales are float16 in the file: always exact, unless a NaN's bits would not survive
+  return {q, inexact.load() ? scales : scales.to(at::kHalf)};
 }
 
 }  // namespace repack
