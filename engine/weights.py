@@ -88,6 +88,9 @@ WEIGHT_FORMATS = ("packed", "float32")
 # batches of up to 16 rows keep one kernel, so a batched row computes like a row decoded alone.
 TILE_MIN_ROWS = 32
 COLUMNS = 16  # the CPU kernels' output columns per block: other heights are padded with zeros
+# The types CpuKernels.repack_int8 lays out in 8-bit form straight from the file's blocks, alone or
+# fused; a matrix with Q3_K or Q2_K in it is unpacked by engine.quants instead.
+REPACKED_INT8 = LINEAR_CODES | LEVEL_CODES | {QT.Q8_0, QT.Q6_K}
 
 
 class Linear:
@@ -221,7 +224,7 @@ class Int8Linear(_CpuKernelLinear):
     (float16 where every one is exactly a float16, as Q8_0's and Q5_0's are, else float32: the
     kernel widens them exactly, so only the bytes streamed change) and, for the types with them,
     minimums like the scales, float16 where exact in the same way (the layout of
-    engine/kernels/dense_linear.cpp; `int8_layout` or CpuKernels.repack_q8_0 makes it), whose
+    engine/kernels/dense_linear.cpp; CpuKernels.repack_int8 or `int8_layout` makes it), whose
     rows past `out_features` are padding."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, out_features: int, op,
@@ -616,11 +619,12 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     kind = coded_kind(records) if packed_cpu and cpu.int4_codes and k % GROUP == 0 else None
     if kind is not None:
         return _coded_linear(records, kind, row_perm, cpu, bias)
-    if packed_cpu and cpu.int8 is not None and all(r.qtype == QT.Q8_0 for r in records):
-        q8, scale8 = cpu.repack_q8_0([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
-        return Int8Linear(q8, scale8, n, cpu.int8, bias)
+    if packed_cpu and cpu.int8 is not None and all(r.qtype in REPACKED_INT8 for r in records):
+        q8, scale8, min8 = cpu.repack_int8([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
+                                           _row_order(records, row_perm), k, COLUMNS)
+        return Int8Linear(q8, scale8, n, cpu.int8, bias, minimums=min8 if min8.numel() else None)
     grouped = all(r.qtype in INT8_GROUPS or r.qtype in INT4_GROUPED for r in records)
-    if packed_cpu and cpu.int8 is not None and grouped:  # the other 8-bit types, and mixtures
+    if packed_cpu and cpu.int8 is not None and grouped:  # Q3_K and Q2_K, and mixtures with them
         g8 = fuse_int8_groups([unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records])
         q8, scale8, min8 = g8.q, g8.scale, g8.minimum
         if row_perm is not None:

@@ -18,10 +18,15 @@
 //           layout; zero for the 4-bit types), scales and minimums as
 //           engine.quants.unpack_coded_groups gives them (the IQ4 types' codes name levels,
 //           which the caller passes to the kernels)
-// ds4::repack_q8_0_<isa>(raws, order, pad_to) -> (q, scales)
-//   the same for Q8_0 matrices: q int8 [P / 16, K / 32, 32, 16], scales [P / 16, K / 32, 16]
-//           in float16 (the file's own, so always exact; float32 if a NaN's bits would not survive)
-//   (engine.weights.Int8Linear's layout)
+// ds4::repack_int8_<isa>(raws, qtypes, order, K, pad_to) -> (q, scales, minimums)
+//   the 8-bit grouped form of Q8_0 = 8 and Q6_K = 14 matrices, fused where need be with the coded
+//           types above: q int8 [P / 16, K / S, S, 16] and scales [P / 16, K / S, 16] at the
+//           smallest group S among the types (16 with a Q6_K, else 32; a larger group's values
+//           repeated), minimums like the scales where any type has them (zero for the others),
+//           else an empty tensor; w = q * scale (+ minimum) as engine.quants.unpack_int8_groups
+//           gives them, laid out as engine.weights.int8_layout lays them out
+//           (engine.weights.Int8Linear's layout).  Scales and minimums each float16 where every
+//           value is exactly a float16 (Q8_0's, float16 in the file, always are), else float32.
 // One pass over the file's bytes, split over output column groups, instead of numpy's
 // several whole-matrix copies: the embedded model's 120 matrices take milliseconds.
 // It reads no file itself and checks only what it needs to stay in bounds.
@@ -55,12 +60,16 @@ inline float f16(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, IQ4_NL = 20, IQ4_XS = 23;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
+                  IQ4_XS = 23;
 
 bool is_int4(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q4_K; }
 bool is_coded(int64_t t) { return is_int4(t) || t == Q5_0 || t == Q5_1 || t == Q5_K || t == IQ4_NL || t == IQ4_XS; }
 bool has_fifth_bit(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
-bool super_blocks(int64_t t) { return t == Q4_K || t == Q5_K || t == IQ4_XS; }  // of 256 values
+bool super_blocks(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS; }  // of 256 values
+bool is_int8(int64_t t) { return t == Q8_0 || t == Q6_K || is_coded(t); }
+// The types whose 8-bit form has a minimum (w = q * scale + minimum); the others' is q * scale.
+bool has_minimum(int64_t t) { return t == Q4_1 || t == Q4_K || t == Q5_1 || t == Q5_K; }
 
 // Bytes a row of K values takes in type t.
 int64_t row_bytes(int64_t t, int64_t K) {
@@ -73,6 +82,7 @@ int64_t row_bytes(int64_t t, int64_t K) {
     case Q5_K: return K / 256 * 176;
     case IQ4_NL: return K / 32 * 18;
     case IQ4_XS: return K / 256 * 136;
+    case Q6_K: return K / 256 * 210;
     default: return K / 32 * 34;  // Q8_0
   }
 }
@@ -150,6 +160,51 @@ inline void coded_group(int64_t qtype, const uint8_t* row, int64_t b, uint8_t ou
       return;
     }
   }
+}
+
+// The levels an IQ4 code names (ggml's kvalues_iq4nl; engine.quants.IQ4_LEVELS).
+constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Input group b (32 values) of one matrix row in 8-bit form: q[i] and the scale and minimum of
+// each half of 16 (the same for the types with groups of 32), as engine.quants.unpack_int8_groups
+// gives them: Q4_0 and Q5_0 as code - 8 and code - 16 times d, without a minimum, as gguf
+// computes them; the IQ4 types as their levels.
+inline void int8_group(int64_t qtype, const uint8_t* row, int64_t b, int8_t q[32], float scale[2], float minimum[2]) {
+  if (qtype == Q8_0) {
+    const uint8_t* blk = row + b * 34;
+    scale[0] = scale[1] = f16(blk);
+    minimum[0] = minimum[1] = 0.0f;
+    std::memcpy(q, blk + 2, 32);
+    return;
+  }
+  if (qtype == Q6_K) {  // super-blocks of 256: [ql: 128][qh: 64][scales: 16 x int8][d]
+    const uint8_t* blk = row + (b / 8) * 210;
+    const int j = static_cast<int>(b % 8), h = j / 4, r = j % 4;  // half of 128, run of 32 in it
+    const uint8_t* ql = blk + 64 * h + 32 * (r & 1);
+    const uint8_t* qh = blk + 128 + 32 * h;
+    for (int i = 0; i < 32; ++i) {
+      const int lo = (ql[i] >> (4 * (r >> 1))) & 0x0F, hi = (qh[i] >> (2 * r)) & 3;
+      q[i] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+    }
+    const float d = f16(blk + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    scale[0] = d * static_cast<float>(sc[2 * j]);
+    scale[1] = d * static_cast<float>(sc[2 * j + 1]);
+    minimum[0] = minimum[1] = 0.0f;
+    return;
+  }
+  uint8_t bytes[16];
+  uint32_t high;
+  float sc, mn;
+  coded_group(qtype, row, b, bytes, high, sc, mn);
+  const int offset = qtype == Q4_0 ? 8 : qtype == Q5_0 ? 16 : 0;
+  const bool levels = qtype == IQ4_NL || qtype == IQ4_XS;
+  for (int i = 0; i < 32; ++i) {
+    const int code = ((bytes[i % 16] >> (4 * (i / 16))) & 0x0F) | static_cast<int>(((high >> i) & 1) << 4);
+    q[i] = levels ? IQ4_LEVELS[code] : static_cast<int8_t>(code - offset);
+  }
+  scale[0] = scale[1] = sc;
+  minimum[0] = minimum[1] = has_minimum(qtype) ? mn : 0.0f;
 }
 
 // Where row r of the concatenated raws lives.
@@ -285,44 +340,68 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_codes(at::TensorList raws,
   return repack_groups(raws, qtypes, order, K, pad_to, true, "repack_codes");
 }
 
-std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Tensor& order, int64_t K,
-                                               int64_t pad_to) {
-  TORCH_CHECK(!raws.empty() && K > 0 && K % G == 0, "repack_q8_0: needs matrices of a width divisible by 32");
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, at::IntArrayRef qtypes,
+                                                           const at::Tensor& order, int64_t K, int64_t pad_to) {
+  const std::vector<int64_t> types(qtypes.begin(), qtypes.end());
+  TORCH_CHECK(types.size() == raws.size() && !raws.empty(), "repack_int8: one type per raw matrix");
+  for (int64_t t : types)
+    TORCH_CHECK(is_int8(t), "repack_int8: type ", t, " is not Q8_0/Q6_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS");
+  TORCH_CHECK(K > 0 && K % G == 0, "repack_int8: needs matrices of a width divisible by 32");
+  for (int64_t t : types)
+    TORCH_CHECK(!super_blocks(t) || K % 256 == 0, "repack_int8: the k-quants and IQ4_XS need a width divisible by 256");
   TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
-              "repack_q8_0: order must be int64 [N]");
-  const Rows rows(raws, {});
+              "repack_int8: order must be int64 [N]");
+  const Rows rows(raws, types);
   row_width(rows, K);
-  const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / G;
+  bool sixteen = false, minimums = false;
+  for (int64_t t : types) {
+    sixteen |= t == Q6_K;
+    minimums |= has_minimum(t);
+  }
+  const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / G, S = sixteen ? 16 : 32;
   for (int64_t n = 0; n < N; ++n) rows.row(order.data_ptr<int64_t>()[n]);  // bounds, before any work
-  at::Tensor q = at::empty({NG, KB, G, C}, at::kChar);
-  at::Tensor scales = at::empty({NG, KB, C}, at::kFloat);
+  at::Tensor q = at::empty({NG, K / S, S, C}, at::kChar);  // one group of S inputs x 16 columns per [g, s]
+  at::Tensor scales = at::empty({NG, K / S, C}, at::kFloat);
+  at::Tensor mins = at::empty({minimums ? NG : 0, K / S, C}, at::kFloat);
   const int64_t* ord = order.data_ptr<int64_t>();
   int8_t* q0 = q.data_ptr<int8_t>();
   float* s0 = scales.data_ptr<float>();
-  std::atomic<bool> inexact{false};
+  float* m0 = mins.data_ptr<float>();
+  std::atomic<bool> scales_inexact{false}, mins_inexact{false};
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     const uint8_t* src[C];
-    bool exact = true;
+    int64_t type[C];
+    bool scales_exact = true, mins_exact = true;
     for (int64_t g = begin; g < end; ++g) {
-      const int64_t live = std::min(C, N - g * C);
-      for (int64_t j = 0; j < live; ++j) src[j] = rows.row(ord[g * C + j]).first;
+      const int64_t live = std::min(C, N - g * C);  // the rest are padding columns: zero
+      for (int64_t j = 0; j < live; ++j) std::tie(src[j], type[j]) = rows.row(ord[g * C + j]);
       for (int64_t b = 0; b < KB; ++b) {  // one tile: 32 inputs x 16 columns, written in order
+        int8_t tile[C][G] = {};
+        float sc[C][2] = {}, mn[C][2] = {};
+        for (int64_t j = 0; j < live; ++j) int8_group(type[j], src[j], b, tile[j], sc[j], mn[j]);
         int8_t* dst = q0 + (g * KB + b) * G * C;
-        float* s = s0 + (g * KB + b) * C;
-        for (int64_t j = 0; j < C; ++j) {
-          const uint8_t* blk = j < live ? src[j] + b * row_bytes(Q8_0, 32) : nullptr;
-          s[j] = blk ? f16(blk) : 0.0f;
-          if (exact && blk) exact = half_exact(s[j]);
-        }
         for (int64_t k = 0; k < G; ++k)
-          for (int64_t j = 0; j < C; ++j)
-            dst[k * C + j] = j < live ? static_cast<int8_t>(src[j][b * row_bytes(Q8_0, 32) + 2 + k]) : 0;
+          for (int64_t j = 0; j < C; ++j) dst[k * C + j] = tile[j][k];
+        const int64_t per = G / S;  // scale groups in this input group
+        for (int64_t h = 0; h < per; ++h) {
+          float* s = s0 + (g * (K / S) + b * per + h) * C;
+          float* m = m0 + (g * (K / S) + b * per + h) * C;
+          for (int64_t j = 0; j < C; ++j) {
+            s[j] = sc[j][h];
+            scales_exact = scales_exact && half_exact(s[j]);
+            if (minimums) {
+              m[j] = mn[j][h];
+              mins_exact = mins_exact && half_exact(m[j]);
+            }
+          }
+        }
       }
     }
-    if (!exact) inexact.store(true, std::memory_order_relaxed);
+    if (!scales_exact) scales_inexact.store(true, std::memory_order_relaxed);
+    if (!mins_exact) mins_inexact.store(true, std::memory_order_relaxed);
   });
-  // Q8_0's scales are float16 in the file: always exact, unless a NaN's bits would not survive
-  return {q, inexact.load() ? scales : scales.to(at::kHalf)};
+  // The int8 kernel widens float16 values exactly; float16 halves the bytes read.
+  return {q, scales_inexact.load() ? scales : scales.to(at::kHalf), mins_inexact.load() ? mins : mins.to(at::kHalf)};
 }
 
 }  // namespace repack
@@ -331,11 +410,11 @@ std::tuple<at::Tensor, at::Tensor> repack_q8_0(at::TensorList raws, const at::Te
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("repack_int4") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
   m.def(DS4_OP("repack_codes") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
-  m.def(DS4_OP("repack_q8_0") "(Tensor[] raws, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
+  m.def(DS4_OP("repack_int8") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("repack_int4"), &repack::repack_int4);
   m.impl(DS4_OP("repack_codes"), &repack::repack_codes);
-  m.impl(DS4_OP("repack_q8_0"), &repack::repack_q8_0);
+  m.impl(DS4_OP("repack_int8"), &repack::repack_int8);
 }

@@ -1253,25 +1253,47 @@ def test_repack_int4_keeps_float32_scales_where_float16_would_overflow(path):
     assert rest.dtype == torch.float16
 
 
-def test_repack_q8_0_equals_the_numpy_layout(path):
+@pytest.mark.parametrize("qtypes", [("Q8_0",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q5_K", "Q6_K", "Q5_K"),
+                                    ("Q5_0", "Q8_0"), ("Q4_0", "Q6_K"), ("Q4_1", "Q5_1"), ("IQ4_NL", "IQ4_XS", "Q6_K")])
+def test_repack_int8_equals_unpacking_then_laying_out(path, qtypes):
+    """The 8-bit form straight from the blocks, alone and fused (a Q4_K_M file's q/k/v with a
+    Q6_K v, Q5_K_M's likewise): engine.quants' unpacking, fused at the smallest group, rows
+    reordered and padded, in int8_layout's layout, with minimums exactly where a type has them."""
     from gguf import GGMLQuantizationType as QT
 
     from engine.quants import unpack_int8_groups
-    from engine.weights import int8_layout
+    from engine.weights import fuse_int8_groups, group_values_layout, int8_layout, narrowed_if_exact
+
+    raws = [raw_matrix(QT[t], 24 + 8 * i, 512, seed=i) for i, t in enumerate(qtypes)]
+    g8 = fuse_int8_groups([unpack_int8_groups(QT[t], r, 512) for t, r in zip(qtypes, raws)])
+    order = np.random.default_rng(9).permutation(g8.q.shape[0])
+    want_q, want_s = int8_layout(g8.q[order], g8.scale[order], g8.group)
+    got_q, got_s, got_m = path.repack_int8([torch.from_numpy(r) for r in raws], [int(QT[t]) for t in qtypes],
+                                           torch.from_numpy(order.astype(np.int64)), 512, 16)
+    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s) and got_s.dtype == want_s.dtype
+    if g8.minimum is None:
+        assert got_m.numel() == 0
+    else:
+        want_m = narrowed_if_exact(group_values_layout(g8.minimum[order]))
+        assert torch.equal(got_m, want_m) and got_m.dtype == want_m.dtype
+    # and the layout is the one the int8 kernel reads: the product of the dequantized rows
+    from gguf import quants as gq
+
+    w = np.concatenate([gq.dequantize(r, QT[t]).reshape(r.shape[0], 512) for t, r in zip(qtypes, raws)])[order]
+    x = torch.randn(3, 512)
+    want = x.double() @ torch.from_numpy(w.astype(np.float64)).T
+    got = (path.int8(x, got_q, got_s) if got_m.numel() == 0 else path.int8(x, got_q, got_s, got_m))[:, :len(order)]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+def test_repack_int8_keeps_q8_0_scales_float16(path):
+    from gguf import GGMLQuantizationType as QT
 
     raw = raw_matrix(QT.Q8_0, 40, 256, seed=3)
-    g = unpack_int8_groups(QT.Q8_0, raw, 256)
-    order = np.arange(40)[::-1].copy()
-    want_q, want_s = int8_layout(g.q[order], g.scale[order], 32)
-    got_q, got_s = path.repack_q8_0([torch.from_numpy(raw)], torch.from_numpy(order), 256, 16)
-    assert got_q.shape == (3, 8, 32, 16)  # 40 rows padded to 48
-    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
-    assert got_s.dtype == torch.float16  # Q8_0's scales are the file's float16 values
-    # and the layout is the one the int8 kernel reads: the product of the dequantized rows
-    x = torch.randn(3, 256)
-    want = x.double() @ torch.from_numpy(g.q[order].astype(np.float64) * np.repeat(g.scale[order], 32, axis=1)).T
-    got = path.int8(x, got_q, got_s)[:, :40]
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    q, scales, minimums = path.repack_int8([torch.from_numpy(raw)], [int(QT.Q8_0)], torch.arange(40), 256, 16)
+    assert q.shape == (3, 8, 32, 16) and scales.shape == (3, 8, 16)  # 40 rows padded to 48
+    assert scales.dtype == torch.float16 and minimums.numel() == 0  # the file's float16 values
+    assert not q[2, :, :, 8:].any() and not scales[2, :, 8:].any()  # padding rows are zero
 
 
 def test_repack_refuses_rows_of_the_wrong_size(path):
@@ -1284,6 +1306,10 @@ def test_repack_refuses_rows_of_the_wrong_size(path):
         path.repack_int4([raw], [int(QT.Q4_0)], torch.tensor([16]), 256, 16)
     with pytest.raises(RuntimeError, match="not Q4_0/Q4_1/Q4_K"):
         path.repack_int4([raw], [8], torch.arange(16), 256, 16)
+    with pytest.raises(RuntimeError, match="repack_int8: type 11 is not Q8_0/Q6_K"):  # Q3_K: engine.quants unpacks it
+        path.repack_int8([raw], [int(QT.Q3_K)], torch.arange(16), 256, 16)
+    with pytest.raises(RuntimeError, match="rows of 144 bytes, not 420"):
+        path.repack_int8([raw], [int(QT.Q6_K)], torch.arange(16), 512, 16)
 
 
 # ---------------------------------------------------------------- rms_norm
