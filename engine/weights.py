@@ -73,13 +73,12 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType as QT
 
 from engine import cuda_int4, device_blocks
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
 from engine.quants import (BLOCK, FIFTH_BIT_CODES, GROUP, INT4_GROUPED, INT8_GROUPS, IQ4_LEVELS, LEVEL_CODES,
-                           LINEAR_CODES, Int8Groups, dequantize, unpack_int4_groups, unpack_int8_groups)
+                           LINEAR_CODES, Int8Groups, dequantize, unpack_int4_groups)
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -88,9 +87,10 @@ WEIGHT_FORMATS = ("packed", "float32")
 # batches of up to 16 rows keep one kernel, so a batched row computes like a row decoded alone.
 TILE_MIN_ROWS = 32
 COLUMNS = 16  # the CPU kernels' output columns per block: other heights are padded with zeros
-# The types CpuKernels.repack_int8 lays out in 8-bit form straight from the file's blocks, alone or
-# fused; a matrix with Q3_K or Q2_K in it is unpacked by engine.quants instead.
-REPACKED_INT8 = LINEAR_CODES | LEVEL_CODES | {QT.Q8_0, QT.Q6_K}
+# The types CpuKernels.repack_int8 lays out in 8-bit form from the file's blocks, alone or fused
+# (`int8_layout` of engine.quants.unpack_int8_groups, fused by `fuse_int8_groups`, is the
+# reference the tests hold it to).
+INT8_REPACKED = frozenset(INT8_GROUPS) | INT4_GROUPED
 
 
 class Linear:
@@ -619,19 +619,10 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     kind = coded_kind(records) if packed_cpu and cpu.int4_codes and k % GROUP == 0 else None
     if kind is not None:
         return _coded_linear(records, kind, row_perm, cpu, bias)
-    if packed_cpu and cpu.int8 is not None and all(r.qtype in REPACKED_INT8 for r in records):
+    if packed_cpu and cpu.int8 is not None and all(r.qtype in INT8_REPACKED for r in records):
         q8, scale8, min8 = cpu.repack_int8([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                            _row_order(records, row_perm), k, COLUMNS)
         return Int8Linear(q8, scale8, n, cpu.int8, bias, minimums=min8 if min8.numel() else None)
-    grouped = all(r.qtype in INT8_GROUPS or r.qtype in INT4_GROUPED for r in records)
-    if packed_cpu and cpu.int8 is not None and grouped:  # Q3_K and Q2_K, and mixtures with them
-        g8 = fuse_int8_groups([unpack_int8_groups(r.qtype, r.data, r.n_cols) for r in records])
-        q8, scale8, min8 = g8.q, g8.scale, g8.minimum
-        if row_perm is not None:
-            q8, scale8 = q8[row_perm], scale8[row_perm]
-            min8 = None if min8 is None else min8[row_perm]
-        minimums = None if min8 is None else narrowed_if_exact(group_values_layout(min8))
-        return Int8Linear(*int8_layout(q8, scale8, g8.group), n, cpu.int8, bias, minimums=minimums)
     if device.type == "cuda":
         wd = device_float(records, device)
         if row_perm is not None:

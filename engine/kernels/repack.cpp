@@ -19,14 +19,15 @@
 //           engine.quants.unpack_coded_groups gives them (the IQ4 types' codes name levels,
 //           which the caller passes to the kernels)
 // ds4::repack_int8_<isa>(raws, qtypes, order, K, pad_to) -> (q, scales, minimums)
-//   the 8-bit grouped form of Q8_0 = 8 and Q6_K = 14 matrices, fused where need be with the coded
-//           types above: q int8 [P / 16, K / S, S, 16] and scales [P / 16, K / S, 16] at the
-//           smallest group S among the types (16 with a Q6_K, else 32; a larger group's values
-//           repeated), minimums like the scales where any type has them (zero for the others),
-//           else an empty tensor; w = q * scale (+ minimum) as engine.quants.unpack_int8_groups
-//           gives them, laid out as engine.weights.int8_layout lays them out
-//           (engine.weights.Int8Linear's layout).  Scales and minimums each float16 where every
-//           value is exactly a float16 (Q8_0's, float16 in the file, always are), else float32.
+//   the 8-bit grouped form of Q8_0 = 8, Q6_K = 14, Q3_K = 11 and Q2_K = 10 matrices, fused where
+//           need be with the coded types above: q int8 [P / 16, K / S, S, 16] and scales
+//           [P / 16, K / S, 16] at the smallest group S among the types (16 with a Q6_K, Q3_K or
+//           Q2_K, else 32; a larger group's values repeated), minimums like the scales where any
+//           type has them (zero for the others), else an empty tensor; w = q * scale (+ minimum)
+//           as engine.quants.unpack_int8_groups gives them, laid out as engine.weights.int8_layout
+//           lays them out (engine.weights.Int8Linear's layout).  Scales and minimums each float16
+//           where every value is exactly a float16 (Q8_0's, float16 in the file, always are),
+//           else float32.
 // One pass over the file's bytes, split over output column groups, instead of numpy's
 // several whole-matrix copies: the embedded model's 120 matrices take milliseconds.
 // It reads no file itself and checks only what it needs to stay in bounds.
@@ -60,16 +61,19 @@ inline float f16(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20,
-                  IQ4_XS = 23;
+constexpr int64_t Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+                  Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23;
 
 bool is_int4(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q4_K; }
 bool is_coded(int64_t t) { return is_int4(t) || t == Q5_0 || t == Q5_1 || t == Q5_K || t == IQ4_NL || t == IQ4_XS; }
 bool has_fifth_bit(int64_t t) { return t == Q5_0 || t == Q5_1 || t == Q5_K; }
-bool super_blocks(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS; }  // of 256 values
-bool is_int8(int64_t t) { return t == Q8_0 || t == Q6_K || is_coded(t); }
+bool super_blocks(int64_t t) {  // of 256 values
+  return t == Q2_K || t == Q3_K || t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS;
+}
+bool sixteens(int64_t t) { return t == Q2_K || t == Q3_K || t == Q6_K; }  // a scale per 16 values
+bool is_int8(int64_t t) { return t == Q8_0 || sixteens(t) || is_coded(t); }
 // The types whose 8-bit form has a minimum (w = q * scale + minimum); the others' is q * scale.
-bool has_minimum(int64_t t) { return t == Q4_1 || t == Q4_K || t == Q5_1 || t == Q5_K; }
+bool has_minimum(int64_t t) { return t == Q4_1 || t == Q4_K || t == Q5_1 || t == Q5_K || t == Q2_K; }
 
 // Bytes a row of K values takes in type t.
 int64_t row_bytes(int64_t t, int64_t K) {
@@ -83,6 +87,8 @@ int64_t row_bytes(int64_t t, int64_t K) {
     case IQ4_NL: return K / 32 * 18;
     case IQ4_XS: return K / 256 * 136;
     case Q6_K: return K / 256 * 210;
+    case Q3_K: return K / 256 * 110;
+    case Q2_K: return K / 256 * 84;
     default: return K / 32 * 34;  // Q8_0
   }
 }
@@ -168,7 +174,8 @@ constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 
 // Input group b (32 values) of one matrix row in 8-bit form: q[i] and the scale and minimum of
 // each half of 16 (the same for the types with groups of 32), as engine.quants.unpack_int8_groups
 // gives them: Q4_0 and Q5_0 as code - 8 and code - 16 times d, without a minimum, as gguf
-// computes them; the IQ4 types as their levels.
+// computes them; Q3_K as its 3-bit value minus 4 where its high bit is clear; the IQ4 types as
+// their levels.
 inline void int8_group(int64_t qtype, const uint8_t* row, int64_t b, int8_t q[32], float scale[2], float minimum[2]) {
   if (qtype == Q8_0) {
     const uint8_t* blk = row + b * 34;
@@ -191,6 +198,33 @@ inline void int8_group(int64_t qtype, const uint8_t* row, int64_t b, int8_t q[32
     scale[0] = d * static_cast<float>(sc[2 * j]);
     scale[1] = d * static_cast<float>(sc[2 * j + 1]);
     minimum[0] = minimum[1] = 0.0f;
+    return;
+  }
+  if (qtype == Q3_K || qtype == Q2_K) {
+    // Q3_K: [hmask: 32][qs: 64][scales: 12][d]; Q2_K: [scales: 16][qs: 64][d][dmin].  Value
+    // 32 j + i of a super-block has its 2 low bits at shift 2 (j % 4) of qs byte 32 (j / 4) + i;
+    // Q3_K's third bit is bit j of hmask byte i, set meaning "no offset of -4".
+    const bool three = qtype == Q3_K;
+    const uint8_t* blk = row + (b / 8) * (three ? 110 : 84);
+    const int j = static_cast<int>(b % 8);
+    const uint8_t* qs = blk + (three ? 32 : 16) + 32 * (j / 4);
+    for (int i = 0; i < 32; ++i) {
+      const int low = (qs[i] >> (2 * (j % 4))) & 3;
+      q[i] = static_cast<int8_t>(three ? low - (((blk[i] >> j) & 1) ? 0 : 4) : low);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * j + h;  // the scale (and minimum) of values 16 s .. 16 s + 15
+      if (three) {  // 6-bit scales minus 32: low nibbles of bytes 0..7, then their high nibbles,
+                    // with 2 high bits each from bytes 8..11 (field s / 4 of byte s % 4)
+        const uint8_t* sc = blk + 96;
+        const int low4 = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4, high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        scale[h] = f16(blk + 108) * static_cast<float>((low4 | (high2 << 4)) - 32);
+        minimum[h] = 0.0f;
+      } else {
+        scale[h] = f16(blk + 80) * static_cast<float>(blk[s] & 0x0F);
+        minimum[h] = -(f16(blk + 82) * static_cast<float>(blk[s] >> 4));
+      }
+    }
     return;
   }
   uint8_t bytes[16];
@@ -345,7 +379,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, 
   const std::vector<int64_t> types(qtypes.begin(), qtypes.end());
   TORCH_CHECK(types.size() == raws.size() && !raws.empty(), "repack_int8: one type per raw matrix");
   for (int64_t t : types)
-    TORCH_CHECK(is_int8(t), "repack_int8: type ", t, " is not Q8_0/Q6_K/Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/IQ4_NL/IQ4_XS");
+    TORCH_CHECK(is_int8(t), "repack_int8: type ", t, " is not an 8-bit grouped or coded type");
   TORCH_CHECK(K > 0 && K % G == 0, "repack_int8: needs matrices of a width divisible by 32");
   for (int64_t t : types)
     TORCH_CHECK(!super_blocks(t) || K % 256 == 0, "repack_int8: the k-quants and IQ4_XS need a width divisible by 256");
@@ -355,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, 
   row_width(rows, K);
   bool sixteen = false, minimums = false;
   for (int64_t t : types) {
-    sixteen |= t == Q6_K;
+    sixteen |= sixteens(t);
     minimums |= has_minimum(t);
   }
   const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / G, S = sixteen ? 16 : 32;

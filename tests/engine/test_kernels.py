@@ -1254,11 +1254,13 @@ def test_repack_int4_keeps_float32_scales_where_float16_would_overflow(path):
 
 
 @pytest.mark.parametrize("qtypes", [("Q8_0",), ("Q6_K",), ("Q4_K", "Q6_K"), ("Q5_K", "Q6_K", "Q5_K"),
-                                    ("Q5_0", "Q8_0"), ("Q4_0", "Q6_K"), ("Q4_1", "Q5_1"), ("IQ4_NL", "IQ4_XS", "Q6_K")])
+                                    ("Q5_0", "Q8_0"), ("Q4_0", "Q6_K"), ("Q4_1", "Q5_1"), ("IQ4_NL", "IQ4_XS", "Q6_K"),
+                                    ("Q3_K",), ("Q2_K",), ("Q3_K", "Q4_K", "Q6_K"), ("Q2_K", "Q3_K", "Q8_0")])
 def test_repack_int8_equals_unpacking_then_laying_out(path, qtypes):
     """The 8-bit form straight from the blocks, alone and fused (a Q4_K_M file's q/k/v with a
-    Q6_K v, Q5_K_M's likewise): engine.quants' unpacking, fused at the smallest group, rows
-    reordered and padded, in int8_layout's layout, with minimums exactly where a type has them."""
+    Q6_K v, Q5_K_M's and Q3_K_M's likewise): engine.quants' unpacking, fused at the smallest
+    group, rows reordered and padded, in int8_layout's layout, with minimums exactly where a type
+    has them."""
     from gguf import GGMLQuantizationType as QT
 
     from engine.quants import unpack_int8_groups
@@ -1306,8 +1308,8 @@ def test_repack_refuses_rows_of_the_wrong_size(path):
         path.repack_int4([raw], [int(QT.Q4_0)], torch.tensor([16]), 256, 16)
     with pytest.raises(RuntimeError, match="not Q4_0/Q4_1/Q4_K"):
         path.repack_int4([raw], [8], torch.arange(16), 256, 16)
-    with pytest.raises(RuntimeError, match="repack_int8: type 11 is not Q8_0/Q6_K"):  # Q3_K: engine.quants unpacks it
-        path.repack_int8([raw], [int(QT.Q3_K)], torch.arange(16), 256, 16)
+    with pytest.raises(RuntimeError, match="repack_int8: type 16 is not an 8-bit grouped or coded type"):
+        path.repack_int8([raw], [int(QT.IQ2_XXS)], torch.arange(16), 256, 16)
     with pytest.raises(RuntimeError, match="rows of 144 bytes, not 420"):
         path.repack_int8([raw], [int(QT.Q6_K)], torch.arange(16), 512, 16)
 
