@@ -24,6 +24,7 @@ It does not choose slots by rendered text (the server does) nor know about HTTP.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -47,11 +48,17 @@ class CapacityError(Exception):
 def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # not Linux
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    except (ValueError, OSError):  # unknown here: no size is refused for want of memory
+        return sys.maxsize
 
 
 def capacity_need(model: "Model", n_sessions: int, ctx: int) -> int:

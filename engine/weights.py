@@ -68,8 +68,9 @@ It does not decide which tensors a model needs (see engine.models) nor which CPU
 from __future__ import annotations
 
 import functools
+import math
 import warnings
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -78,7 +79,7 @@ from engine import cuda_int4, device_blocks
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
 from engine.quants import (BLOCK, FIFTH_BIT_CODES, GROUP, INT4_GROUPED, INT8_GROUPS, IQ4_LEVELS, LEVEL_CODES,
-                           LINEAR_CODES, Int8Groups, dequantize, unpack_int4_groups)
+                           LINEAR_CODES, QT, Int8Groups, dequantize, unpack_int4_groups)
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -568,6 +569,30 @@ def device_float(records: Sequence[TensorRecord], device: torch.device) -> torch
 def to_float(record: TensorRecord) -> np.ndarray:
     """Dequantize a record to float32 with its torch-order shape."""
     return dequantize(record.qtype, record.data, record.n_cols).reshape(record.shape)
+
+
+# The fewest bytes a weight of each type takes once laid out for any path (CPU kernels, CUDA,
+# torch's float16 or float32 copies): the file's codes widened to 4 bits (the int4 op, scales and
+# minimums at least float16 per 32), 4 bits plus fifth-bit planes, or 8 bits (the int8 op, scales
+# at least float16 per group, minimums too for Q2_K); float types at least float16.
+_MIN_BYTES_PER_WEIGHT = {**{t: 0.5 + 4 / 32 for t in INT4_GROUPED | LEVEL_CODES},
+                         **{t: 0.5 + 1 / 8 + 4 / 32 for t in FIFTH_BIT_CODES},
+                         QT.Q8_0: 1 + 2 / 32, QT.Q6_K: 1 + 2 / 16, QT.Q3_K: 1 + 2 / 16, QT.Q2_K: 1 + 4 / 16}
+
+
+def min_resident_bytes(records: Iterable[TensorRecord], n_layer: int) -> int:
+    """A lower bound on the memory a model's weights take once built, from its tensor records
+    alone: the layers' tensors (blk.0 .. blk.{n_layer - 1}) and the output head, each at the
+    fewest bytes per weight any path lays its type out in.  The token embedding is left out (a
+    quantized one stays in the file's mapping).  So a load whose bound exceeds the memory
+    available cannot succeed, and can be refused before any work."""
+    layers = {f"blk.{i}." for i in range(n_layer)}
+    total = 0.0
+    for r in records:
+        if r.name != "output.weight" and r.name[: r.name.find(".", 4) + 1] not in layers:
+            continue
+        total += math.prod(r.shape) * _MIN_BYTES_PER_WEIGHT.get(r.qtype, 2.0)
+    return int(total)
 
 
 def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device,

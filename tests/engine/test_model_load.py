@@ -159,3 +159,56 @@ def test_cli_bad_kernel_override_is_one_line_error(tiny_gguf):
     assert r.exit_code == 1 and escaped(r) is None
     assert r.stderr.strip().splitlines() == ["ds4: error: unknown CPU kernel path 'no-such-path' "
                                              "(expected one of amx, avx512, avx2, portable, torch)"]
+
+
+# ---------------------------------------------------------------- a model too large for the machine
+
+
+def test_a_model_that_cannot_fit_is_refused_before_any_work(monkeypatch):
+    """Where even the least its weights can take exceeds the memory available, the load stops
+    with one line saying so, before any matrix is laid out (not killed for memory partway)."""
+    import engine.model as em
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a network was built")
+
+    monkeypatch.setattr(em, "memory_for_weights", lambda device: 5 << 20)
+    monkeypatch.setattr(em, "network_class", lambda arch: no_network)
+    with pytest.raises(ModelLoadError, match=r"weights need at least 63 MiB on cpu once laid out for the kernels, "
+                                             r"and 5 MiB is available"):
+        engine.load_model()
+
+
+def moe_file(tmp_path, family: str) -> str:
+    from deepseek2_models import DeepSeek2Spec, write_random_deepseek2
+    from moe_models import MoeSpec, write_random_moe
+
+    path = tmp_path / f"{family}.gguf"
+    if family == "deepseek2":
+        return write_random_deepseek2(path, DeepSeek2Spec(qtype="Q4_0"))
+    return write_random_moe(path, MoeSpec(arch=family, qtype="Q4_0"))
+
+
+@pytest.mark.parametrize("family", ["embedded", "llama-Q6_K", "qwen3moe", "qwen2moe", "deepseek2"])
+def test_the_bound_is_below_what_every_path_takes(family, tmp_path, tiny_gguf):
+    """min_resident_bytes is a lower bound: loaded on every CPU path this host runs, each model's
+    weights take at least that much (so the check above never refuses a model that fits)."""
+    from engine.gguf_file import read_gguf
+    from engine.kernels import host_paths
+    from engine.weights import min_resident_bytes
+
+    if family == "embedded":
+        path = None
+    elif family == "llama-Q6_K":
+        path = tiny_gguf("llama", "Q6_K")
+    else:
+        path = moe_file(tmp_path, family)
+    for cpu in host_paths():
+        try:
+            m = engine.load_model(path, ctx=64, cpu_kernels=cpu)
+        except ModelLoadError as e:
+            if "CPU kernels" in str(e):  # a path this machine cannot build
+                continue
+            raise
+        least = min_resident_bytes(read_gguf(m.path).tensors.values(), m.config.n_layer)
+        assert 0 < least <= m.weight_bytes, (cpu, least, m.weight_bytes)
