@@ -13,6 +13,15 @@
 //   minimums  None, or float32 or float16 [N / 16, K / G, 16] (float16 where each is exactly
 //           one, as Q5_1's are, widened like the scales): then w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
+// ds4::q6_linear_<isa>(x, packed, sc, d) -> y              (AVX512BW builds only: avx512)
+//   Q6_K matrices at their own six bits a weight (repack.cpp's repack_q6_k lays them out): per
+//   16 columns and 16 inputs one tile of 192 bytes, packed uint8 [N / 16, K / 16, 192]: 128
+//   bytes of low nibbles (byte i holds code i in its low nibble and code i + 128 in its high
+//   one, codes in [input][column] order) and 64 bytes of high bit pairs (byte i holds those of
+//   codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4 and 6); sc int8 [N / 16, K / 16, 16]
+//   and d float16 [N / 16, K / 256, 16], the file's own: w = (code - 32) * (d * sc), d * sc
+//   rounded to float32 once, exactly the int8 op's Q6_K weights and scales, and computed as it
+//   computes them (the same bits), from 0.82 bytes a weight instead of 1.25
 // ds4::f16_linear_<isa>(x, w) -> y
 //   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
 //           K in the last group are ignored (zero-padded)
@@ -120,14 +129,89 @@ inline vf group_dot(const float* xv, Widened w) {
 inline vf scales16(const float* p) { return loadv(p); }
 inline vf scales16(const at::Half* p) { return widen(p); }
 
-// y = x @ w.T over column groups of 16 and input groups of G; `s0` null for float16.  A
-// last group shorter than G (float16 only) reads x through a zero-padded copy; the padded
-// weights are zero, so the padding adds exact zeros.  The minimums come as float32 (`m0`) or
-// float16 (`m16`) pointers, not as a template parameter like the scales: instantiated per
+// Where a group's weights and scales come from.  `Stored`: a matrix held at its width (int8 or
+// float16), with scales (`s0`) or without (null, float16).  `SixBits`: Q6_K's tiles, each
+// unpacked once into registers as int8 codes minus 32, the scale made from d and sc.
+template <typename W, int G, typename S>
+struct Stored {
+  using Weight = W;
+  static constexpr int group = G;
+  const W* w0;
+  const S* s0;
+  int64_t KB;
+  bool scaled() const { return s0 != nullptr; }
+  // Input k's 16 weights of group (g, b) as floats, widened from memory on each call.
+  auto weights(int64_t g, int64_t b) const {
+    const W* wg = w0 + (g * KB + b) * G * C;
+    return [wg](int k) { return widen(wg + k * C); };
+  }
+  vf scale(int64_t g, int64_t b) const { return s0 ? scales16(s0 + (g * KB + b) * C) : vf{}; }
+};
+
+#if defined(__AVX512BW__)
+// A Q6_K tile's 256 codes minus 32 as int8 in four vectors of 64, [input][column] order
+// (q6_linear's layout): vector m holds inputs 4 m .. 4 m + 3.
+struct SixBitTile {
+  __m512i q[4];
+
+  explicit SixBitTile(const uint8_t* tile) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
+    const __m512i lo0 = _mm512_loadu_si512(tile), lo1 = _mm512_loadu_si512(tile + 64);
+    const __m512i high = _mm512_loadu_si512(tile + 128);
+    const __m512i part[4] = {_mm512_and_si512(lo0, low4), _mm512_and_si512(lo1, low4),
+                             _mm512_and_si512(_mm512_srli_epi16(lo0, 4), low4),
+                             _mm512_and_si512(_mm512_srli_epi16(lo1, 4), low4)};
+    // bit pair m of each high byte, moved to bits 4-5 (masked before each shift, so that no
+    // bit crosses into the neighbouring byte of the 16-bit lane)
+    const __m512i top[4] = {_mm512_slli_epi16(_mm512_and_si512(high, low2), 4),
+                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2), low2), 4),
+                            _mm512_and_si512(high, _mm512_set1_epi8(0x30)),
+                            _mm512_srli_epi16(_mm512_and_si512(high, _mm512_set1_epi8(static_cast<char>(0xC0))), 2)};
+    for (int m = 0; m < 4; ++m) q[m] = _mm512_sub_epi8(_mm512_or_si512(part[m], top[m]), bias);
+  }
+
+  // Input k's 16 weights as floats (k a constant once group_dot is unrolled: each case folds).
+  vf operator()(int k) const {
+    const __m512i v = q[k >> 2];
+    __m128i lane;
+    switch (k & 3) {
+      case 0: lane = _mm512_castsi512_si128(v); break;
+      case 1: lane = _mm512_extracti32x4_epi32(v, 1); break;
+      case 2: lane = _mm512_extracti32x4_epi32(v, 2); break;
+      default: lane = _mm512_extracti32x4_epi32(v, 3); break;
+    }
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lane));
+    vf r;
+    std::memcpy(&r, &f, sizeof r);
+    return r;
+  }
+};
+
+// Q6_K tiles (AVX512 builds only: elsewhere unpacking costs more than the bytes it saves, and
+// the engine keeps Q6_K in the int8 op).
+struct SixBits {
+  using Weight = int8_t;
+  static constexpr int group = 16;
+  const uint8_t* t0;
+  const int8_t* sc0;
+  const at::Half* d0;
+  int64_t KB;
+  bool scaled() const { return true; }
+  SixBitTile weights(int64_t g, int64_t b) const { return SixBitTile(t0 + (g * KB + b) * 192); }
+  vf scale(int64_t g, int64_t b) const { return widen(d0 + (g * (KB / 16) + b / 16) * C) * widen(sc0 + (g * KB + b) * C); }
+};
+#endif
+
+// y = x @ w.T over column groups of 16 and input groups of G, the weights and scales from
+// `src`.  A last group shorter than G (float16 only) reads x through a zero-padded copy; the
+// padded weights are zero, so the padding adds exact zeros.  The minimums come as float32 (`m0`)
+// or float16 (`m16`) pointers, not as a template parameter like the scales: instantiated per
 // minimum type, the several-row loop compiled to code 1.5x slower.
-template <typename W, int G, typename S = float>
-at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const float* m0, int64_t NG,
-                          int64_t KB, const at::Half* m16 = nullptr) {
+template <typename Source>
+at::Tensor grouped_linear(const at::Tensor& x, const Source& src, const float* m0, int64_t NG, int64_t KB,
+                          const at::Half* m16 = nullptr) {
+  using W = typename Source::Weight;
+  constexpr int G = Source::group;
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor y = at::empty({M, NG * C}, x.options());
   if (M == 0) return y;
@@ -138,7 +222,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const f
     for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * G, x0 + r * xs + (KB - 1) * G, tail * sizeof(float));
   // Each row's group sums, for the minimums: a plain loop in input order, which the compiler
   // may not reassociate, so a row's sums never depend on the other rows.
-  const bool mins = m0 != nullptr || m16 != nullptr;
+  const bool mins = m0 != nullptr || m16 != nullptr, scaled = src.scaled();
   std::vector<float> xsum(mins ? M * KB : 0);
   for (int64_t r = 0; mins && r < M; ++r)
     for (int64_t b = 0; b < KB; ++b) {
@@ -154,22 +238,22 @@ at::Tensor grouped_linear(const at::Tensor& x, const W* w0, const S* s0, const f
     for (int64_t g = begin; g < end; ++g) {
       std::fill(acc.begin(), acc.end(), vf{});
       for (int64_t b = 0; b < KB; ++b) {
-        const W* wg = w0 + (g * KB + b) * G * C;
-        const vf scale = s0 ? scales16(s0 + (g * KB + b) * C) : vf{};
+        const auto w = src.weights(g, b);
+        const vf scale = src.scale(g, b);
         const vf minimum = m0 ? loadv(m0 + (g * KB + b) * C) : m16 ? widen(m16 + (g * KB + b) * C) : vf{};
         auto xrow = [&](int64_t r) {
           return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
         };
         if (M == 1) {  // decoding: widen in registers, no buffer
-          const vf dot = group_dot<G>(xrow(0), [&](int k) { return widen(wg + k * C); });
-          acc[0] = s0 ? scale * dot + acc[0] : dot + acc[0];
+          const vf dot = group_dot<G>(xrow(0), w);
+          acc[0] = scaled ? scale * dot + acc[0] : dot + acc[0];
           if (mins) acc[0] = minimum * xsum[b] + acc[0];
           continue;
         }
-        for (int k = 0; k < G; ++k) wf[k] = widen(wg + k * C);
+        for (int k = 0; k < G; ++k) wf[k] = w(k);
         for (int64_t r = 0; r < M; ++r) {
           const vf dot = group_dot<G>(xrow(r), [&](int k) { return wf[k]; });
-          acc[r] = s0 ? scale * dot + acc[r] : dot + acc[r];
+          acc[r] = scaled ? scale * dot + acc[r] : dot + acc[r];
           if (mins) acc[r] = minimum * xsum[r * KB + b] + acc[r];
         }
       }
@@ -211,8 +295,8 @@ DS4_ENTRY at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const
   const int8_t* w = q.data_ptr<int8_t>();
   auto run = [&](const auto* s) {
     using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
-    return Gq == 32 ? grouped_linear<int8_t, 32, S>(x, w, s, m, NG, KB, m16)
-                    : grouped_linear<int8_t, 16, S>(x, w, s, m, NG, KB, m16);
+    return Gq == 32 ? grouped_linear(x, Stored<int8_t, 32, S>{w, s, KB}, m, NG, KB, m16)
+                    : grouped_linear(x, Stored<int8_t, 16, S>{w, s, KB}, m, NG, KB, m16);
   };
   if (scales.scalar_type() == at::kHalf) return run(scales.data_ptr<at::Half>());
   return run(scales.data_ptr<float>());
@@ -224,8 +308,27 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
               "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
   const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
   TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
-  return grouped_linear<at::Half, 32, float>(x, w.data_ptr<at::Half>(), nullptr, nullptr, NG, KB);
+  return grouped_linear(x, Stored<at::Half, 32, float>{w.data_ptr<at::Half>(), nullptr, KB}, nullptr, NG, KB);
 }
+
+#if defined(__AVX512BW__)
+DS4_ENTRY at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& d) {
+  check_x(x, "q6_linear");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 192,
+              "q6_linear: packed must be contiguous uint8 [N/16, K/16, 192]");
+  const int64_t NG = packed.size(0), KB = packed.size(1);
+  TORCH_CHECK(KB % 16 == 0 && x.size(1) == KB * 16, "q6_linear: x has ", x.size(1), " inputs, the weights ", KB * 16,
+              " (a multiple of 256)");
+  TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 3 && sc.size(0) == NG &&
+                  sc.size(1) == KB && sc.size(2) == C,
+              "q6_linear: sc must be contiguous int8 [N/16, K/16, 16]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 3 && d.size(0) == NG &&
+                  d.size(1) == KB / 16 && d.size(2) == C,
+              "q6_linear: d must be contiguous float16 [N/16, K/256, 16]");
+  return grouped_linear(x, SixBits{packed.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<at::Half>(), KB},
+                        nullptr, NG, KB);
+}
+#endif
 
 }  // namespace dense
 }  // namespace
@@ -233,9 +336,15 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
 TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("int8_linear") "(Tensor x, Tensor q, Tensor scales, Tensor? minimums=None) -> Tensor");
   m.def(DS4_OP("f16_linear") "(Tensor x, Tensor w) -> Tensor");
+#if defined(__AVX512BW__)
+  m.def(DS4_OP("q6_linear") "(Tensor x, Tensor packed, Tensor sc, Tensor d) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("int8_linear"), &dense::int8_linear);
   m.impl(DS4_OP("f16_linear"), &dense::f16_linear);
+#if defined(__AVX512BW__)
+  m.impl(DS4_OP("q6_linear"), &dense::q6_linear);
+#endif
 }

@@ -28,6 +28,10 @@
 //           lays them out (engine.weights.Int8Linear's layout).  Scales and minimums each float16
 //           where every value is exactly a float16 (Q8_0's, float16 in the file, always are),
 //           else float32.
+// ds4::repack_q6_k_<isa>(raws, order, K, pad_to) -> (packed, sc, d)
+//   Q6_K matrices at their own six bits in dense_linear.cpp's q6_linear layout: packed uint8
+//           [P / 16, K / 16, 192], sc int8 [P / 16, K / 16, 16] and d float16 [P / 16, K / 256,
+//           16], the file's fields (padding rows zero)
 // One pass over the file's bytes, split over output column groups, instead of numpy's
 // several whole-matrix copies: the embedded model's 120 matrices take milliseconds.
 // It reads no file itself and checks only what it needs to stay in bounds.
@@ -438,6 +442,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, 
   return {q, scales_inexact.load() ? scales : scales.to(at::kHalf), mins_inexact.load() ? mins : mins.to(at::kHalf)};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_q6_k(at::TensorList raws, const at::Tensor& order, int64_t K,
+                                                           int64_t pad_to) {
+  TORCH_CHECK(!raws.empty() && K > 0 && K % 256 == 0, "repack_q6_k: needs matrices of a width divisible by 256");
+  TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
+              "repack_q6_k: order must be int64 [N]");
+  const Rows rows(raws, std::vector<int64_t>(raws.size(), Q6_K));
+  row_width(rows, K);
+  const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / 16;
+  for (int64_t n = 0; n < N; ++n) rows.row(order.data_ptr<int64_t>()[n]);  // bounds, before any work
+  at::Tensor packed = at::empty({NG, KB, 192}, at::kByte);
+  at::Tensor sc = at::empty({NG, KB, C}, at::kChar);
+  at::Tensor d = at::empty({NG, KB / 16, C}, at::kHalf);
+  const int64_t* ord = order.data_ptr<int64_t>();
+  uint8_t* p0 = packed.data_ptr<uint8_t>();
+  int8_t* c0 = sc.data_ptr<int8_t>();
+  uint16_t* d0 = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
+    const uint8_t* src[C];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t live = std::min(C, N - g * C);  // the rest are padding columns: zero
+      for (int64_t j = 0; j < live; ++j) src[j] = rows.row(ord[g * C + j]).first;
+      for (int64_t b = 0; b < KB; ++b) {  // one tile: 16 inputs x 16 columns
+        uint8_t code[256] = {};           // [input][column]
+        int8_t scales[C] = {};
+        uint16_t ds[C] = {};
+        for (int64_t j = 0; j < live; ++j) {
+          // values 16 s .. 16 s + 15 of a super-block: [ql: 128][qh: 64][scales: 16 x int8][d]
+          const uint8_t* blk = src[j] + (b / 16) * 210;
+          const int s = static_cast<int>(b % 16);
+          for (int i = 0; i < 16; ++i) {
+            const int e = 16 * s + i, h = e / 128, r = (e % 128) / 32, at = e % 32;
+            const int lo = (blk[64 * h + 32 * (r & 1) + at] >> (4 * (r >> 1))) & 0x0F;
+            const int hi = (blk[128 + 32 * h + at] >> (2 * r)) & 3;
+            code[i * C + j] = static_cast<uint8_t>(lo | (hi << 4));
+          }
+          scales[j] = static_cast<int8_t>(blk[192 + s]);
+          std::memcpy(&ds[j], blk + 208, 2);
+        }
+        uint8_t* tile = p0 + (g * KB + b) * 192;
+        for (int i = 0; i < 128; ++i) tile[i] = static_cast<uint8_t>((code[i] & 0x0F) | ((code[i + 128] & 0x0F) << 4));
+        for (int i = 0; i < 64; ++i)
+          tile[128 + i] = static_cast<uint8_t>((code[i] >> 4) | ((code[i + 64] >> 4) << 2) |
+                                               ((code[i + 128] >> 4) << 4) | ((code[i + 192] >> 4) << 6));
+        std::memcpy(c0 + (g * KB + b) * C, scales, C);
+        if (b % 16 == 0) std::memcpy(d0 + (g * (KB / 16) + b / 16) * C, ds, sizeof ds);
+      }
+    }
+  });
+  return {packed, sc, d};
+}
+
 }  // namespace repack
 }  // namespace
 
@@ -445,10 +500,12 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("repack_int4") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
   m.def(DS4_OP("repack_codes") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
   m.def(DS4_OP("repack_int8") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
+  m.def(DS4_OP("repack_q6_k") "(Tensor[] raws, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("repack_int4"), &repack::repack_int4);
   m.impl(DS4_OP("repack_codes"), &repack::repack_codes);
   m.impl(DS4_OP("repack_int8"), &repack::repack_int8);
+  m.impl(DS4_OP("repack_q6_k"), &repack::repack_q6_k);
 }

@@ -138,6 +138,24 @@ def test_batched_decoding_equals_each_row_alone(tiny_gguf, kind, path):
         assert torch.equal(s.logits, one.logits), (kind, path)
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K_M"])
+def test_q6_k_at_six_bits_gives_the_logits_of_the_int8_layout(tiny_gguf, kind, monkeypatch):
+    """Where a path holds Q6_K matrices at six bits (q6), a model's logits are those of the same
+    path holding them in the int8 op's layout, bit for bit, from fewer bytes of weights."""
+    import dataclasses
+
+    six_bit = [p for p in PATHS if p != "torch" and kernels.cpu_kernels(p).q6 is not None]
+    if not six_bit:
+        pytest.skip("no path here holds Q6_K at six bits")
+    path = model_path(tiny_gguf, kind)
+    six = engine.load_model(path, cpu_kernels=six_bit[0], kv_type="f32")
+    real = kernels.cpu_kernels
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda name=None: dataclasses.replace(real(name), q6=None))
+    eight = engine.load_model(path, cpu_kernels=six_bit[0], kv_type="f32")
+    assert six.weight_bytes < eight.weight_bytes
+    assert np.array_equal(logits_all(six), logits_all(eight))
+
+
 CHILD = """
 import sys, numpy as np, torch, engine
 from engine.batch import decode_batch
