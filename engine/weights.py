@@ -92,6 +92,8 @@ COLUMNS = 16  # the CPU kernels' output columns per block: other heights are pad
 # (`int8_layout` of engine.quants.unpack_int8_groups, fused by `fuse_int8_groups`, is the
 # reference the tests hold it to).
 INT8_REPACKED = frozenset(INT8_GROUPS) | INT4_GROUPED
+# The k-quants CpuKernels.kq holds at their own width, a matrix of one of them alone.
+K_QUANT_TILES = frozenset({QT.Q6_K, QT.Q3_K})
 
 
 class Linear:
@@ -249,11 +251,11 @@ class Int8Linear(_CpuKernelLinear):
         return held + (0 if self.bias is None else self.bias.nbytes)
 
 
-class Q6Linear(_CpuKernelLinear):
-    """Q6_K matrices on CPU at their own six bits a weight (CpuKernels.q6, laid out by
-    CpuKernels.repack_q6_k: packed uint8 [N/16, K/16, 192], sc int8 [N/16, K/16, 16], d float16
-    [N/16, K/256, 16]): the int8 op's weights and arithmetic, so the same bits, from 0.82 bytes a
-    weight instead of 1.25; rows past `out_features` are padding."""
+class KQuantLinear(_CpuKernelLinear):
+    """Q6_K or Q3_K matrices on CPU at their own width (CpuKernels.kq, laid out by
+    CpuKernels.repack_kq: packed uint8 [N/16, K/16, 192 or 96], sc int8 [N/16, K/16, 16], d
+    float16 [N/16, K/256, 16]): the int8 op's weights and arithmetic, so the same bits, from 0.82
+    (Q6_K) or 0.45 (Q3_K) bytes a weight instead of 1.25; rows past `out_features` are padding."""
 
     def __init__(self, packed: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, out_features: int, op,
                  bias: torch.Tensor | None = None):
@@ -598,13 +600,13 @@ def to_float(record: TensorRecord) -> np.ndarray:
 
 # The fewest bytes a weight of each type takes once laid out for any path (CPU kernels, CUDA,
 # torch's float16 or float32 copies): the file's codes widened to 4 bits (the int4 op, scales and
-# minimums at least float16 per 32), 4 bits plus fifth-bit planes, Q6_K's own six bits with its
-# int8 and float16 scales (Q6Linear), or 8 bits (the int8 op, scales at least float16 per group,
-# minimums too for Q2_K); float types at least float16.
+# minimums at least float16 per 32), 4 bits plus fifth-bit planes, Q6_K's and Q3_K's own width
+# with their int8 and float16 scales (KQuantLinear), or 8 bits (the int8 op, scales at least
+# float16 per group, minimums too for Q2_K); float types at least float16.
 _MIN_BYTES_PER_WEIGHT = {**{t: 0.5 + 4 / 32 for t in INT4_GROUPED | LEVEL_CODES},
                          **{t: 0.5 + 1 / 8 + 4 / 32 for t in FIFTH_BIT_CODES},
-                         QT.Q6_K: 0.75 + 1 / 16 + 2 / 256,
-                         QT.Q8_0: 1 + 2 / 32, QT.Q3_K: 1 + 2 / 16, QT.Q2_K: 1 + 4 / 16}
+                         QT.Q6_K: 0.75 + 1 / 16 + 2 / 256, QT.Q3_K: 0.375 + 1 / 16 + 2 / 256,
+                         QT.Q8_0: 1 + 2 / 32, QT.Q2_K: 1 + 4 / 16}
 
 
 def min_resident_bytes(records: Iterable[TensorRecord], n_layer: int) -> int:
@@ -671,9 +673,11 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
     kind = coded_kind(records) if packed_cpu and cpu.int4_codes and k % GROUP == 0 else None
     if kind is not None:
         return _coded_linear(records, kind, row_perm, cpu, bias)
-    if packed_cpu and cpu.q6 is not None and all(r.qtype == QT.Q6_K for r in records):
-        packed, sc, d = cpu.repack_q6_k([_raw_rows(r) for r in records], _row_order(records, row_perm), k, COLUMNS)
-        return Q6Linear(packed, sc, d, n, cpu.q6, bias)
+    kinds = {r.qtype for r in records}
+    if packed_cpu and cpu.kq is not None and len(kinds) == 1 and kinds <= K_QUANT_TILES:
+        packed, sc, d = cpu.repack_kq([_raw_rows(r) for r in records], int(records[0].qtype),
+                                      _row_order(records, row_perm), k, COLUMNS)
+        return KQuantLinear(packed, sc, d, n, cpu.kq, bias)
     if packed_cpu and cpu.int8 is not None and all(r.qtype in INT8_REPACKED for r in records):
         q8, scale8, min8 = cpu.repack_int8([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                            _row_order(records, row_perm), k, COLUMNS)

@@ -18,8 +18,8 @@ build fails.  A path asked for by name that the CPU cannot execute or that does 
 an error (`KernelsUnavailable`), never a silent substitute.  `host_paths()` lists what the CPU
 executes, for tests that run every path.  The ops and their contracts are in the .cpp files:
 `attention` and `prefill_attention` (decode_attention.cpp), `int4` / `int4_add` / `int4_tiles` (int4_linear.cpp), `int8`, `f16`
-and `q6` (dense_linear.cpp; `q6` on avx512 only), `repack_int4` / `repack_codes` / `repack_int8` /
-`repack_q6_k` (repack.cpp), which lay GGUF blocks out
+and `kq` (dense_linear.cpp; `kq` on avx512 only), `repack_int4` / `repack_codes` / `repack_int8` /
+`repack_kq` (repack.cpp), which lay GGUF blocks out
 for them at load, `rms_norm` / `swiglu` / `geglu` (elementwise.cpp), and `attention_block` /
 `ffn_block` and `gemma_attention_block` / `gemma_ffn_block` (block.cpp), a llama or Gemma
 decoding layer's two halves each in one call of the ops above, with `rotate_halves`, Gemma's
@@ -115,8 +115,8 @@ class CpuKernels:
     f16: Callable[..., torch.Tensor] | None = None
     repack_int4: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # GGUF blocks -> int4 layout
     repack_int8: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF 8-bit grouped types -> int8 layout
-    q6: Callable[..., torch.Tensor] | None = None  # Q6_K matrices at six bits (dense_linear.cpp; avx512 only)
-    repack_q6_k: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF Q6_K -> q6's layout
+    kq: Callable[..., torch.Tensor] | None = None  # Q6_K / Q3_K at their own width (dense_linear.cpp; avx512 only)
+    repack_kq: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF Q6_K / Q3_K -> kq's layout
     repack_codes: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF coded types -> int4 layout + fifth bits
     rms_norm: Callable[..., torch.Tensor] | None = None  # (x, w, eps): a step's RMSNorm, one op
     int4_add: Callable[..., None] | None = None  # (x, packed, scales, out): out += int4(x, ...)
@@ -311,7 +311,7 @@ def _build_path(name: str, reason: str) -> CpuKernels:
                       int4_codes=vec == "avx512",
                       int4_tiles=tiles, int8=_op("int8_linear", vec), f16=_op("f16_linear", vec),
                       repack_int4=_op("repack_int4", vec), repack_int8=_op("repack_int8", vec),
-                      q6=_op("q6_linear", vec) if vec == "avx512" else None, repack_q6_k=_op("repack_q6_k", vec),
+                      kq=_op("kq_linear", vec) if vec == "avx512" else None, repack_kq=_op("repack_kq", vec),
                       repack_codes=_op("repack_codes", vec),
                       rms_norm=_op("rms_norm", vec), int4_add=_op("int4_linear_add", vec),
                       swiglu=_op("swiglu", vec), geglu=_op("geglu", vec),

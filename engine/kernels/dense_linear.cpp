@@ -13,15 +13,18 @@
 //   minimums  None, or float32 or float16 [N / 16, K / G, 16] (float16 where each is exactly
 //           one, as Q5_1's are, widened like the scales): then w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
-// ds4::q6_linear_<isa>(x, packed, sc, d) -> y              (AVX512BW builds only: avx512)
-//   Q6_K matrices at their own six bits a weight (repack.cpp's repack_q6_k lays them out): per
-//   16 columns and 16 inputs one tile of 192 bytes, packed uint8 [N / 16, K / 16, 192]: 128
-//   bytes of low nibbles (byte i holds code i in its low nibble and code i + 128 in its high
-//   one, codes in [input][column] order) and 64 bytes of high bit pairs (byte i holds those of
-//   codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4 and 6); sc int8 [N / 16, K / 16, 16]
-//   and d float16 [N / 16, K / 256, 16], the file's own: w = (code - 32) * (d * sc), d * sc
-//   rounded to float32 once, exactly the int8 op's Q6_K weights and scales, and computed as it
-//   computes them (the same bits), from 0.82 bytes a weight instead of 1.25
+// ds4::kq_linear_<isa>(x, packed, sc, d) -> y              (AVX512BW builds only: avx512)
+//   Q6_K or Q3_K matrices at their own width (repack.cpp's repack_kq lays them out): per 16
+//   columns and 16 inputs one tile, packed uint8 [N / 16, K / 16, T], codes in [input][column]
+//   order.  Q6_K (T = 192): 128 bytes of low nibbles (byte i holds code i in its low nibble and
+//   code i + 128 in its high one), then 64 bytes of bits 4-5 in pairs; Q3_K (T = 96): 64 bytes
+//   of bits 0-1 in pairs, then 32 bytes of bit 2 (byte i holds that of codes i + 32 m at shift
+//   m); a byte of pairs holds those of codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4
+//   and 6.  sc int8 [N / 16, K / 16, 16] and d float16 [N / 16, K / 256, 16], the file's own
+//   (Q3_K's 6-bit scales minus 32): w = (code - 32, Q6_K, or code - 4, Q3_K) * (d * sc), d * sc
+//   rounded to float32 once: exactly the int8 op's weights and scales for these types,
+//   computed as it computes them (the same bits), from 0.82 (Q6_K) or 0.45 (Q3_K) bytes a
+//   weight instead of 1.25
 // ds4::f16_linear_<isa>(x, w) -> y
 //   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
 //           K in the last group are ignored (zero-padded)
@@ -130,8 +133,8 @@ inline vf scales16(const float* p) { return loadv(p); }
 inline vf scales16(const at::Half* p) { return widen(p); }
 
 // Where a group's weights and scales come from.  `Stored`: a matrix held at its width (int8 or
-// float16), with scales (`s0`) or without (null, float16).  `SixBits`: Q6_K's tiles, each
-// unpacked once into registers as int8 codes minus 32, the scale made from d and sc.
+// float16), with scales (`s0`) or without (null, float16).  `KQuant`: Q6_K's or Q3_K's tiles,
+// each unpacked once into registers as int8 weights, the scale made from d and sc.
 template <typename W, int G, typename S>
 struct Stored {
   using Weight = W;
@@ -149,25 +152,36 @@ struct Stored {
 };
 
 #if defined(__AVX512BW__)
-// A Q6_K tile's 256 codes minus 32 as int8 in four vectors of 64, [input][column] order
-// (q6_linear's layout): vector m holds inputs 4 m .. 4 m + 3.
-struct SixBitTile {
+// A k-quant tile's 256 weights as int8 (code - 32 for Q6_K, code - 4 for Q3_K) in four vectors
+// of 64, [input][column] order (kq_linear's layout): vector m holds inputs 4 m .. 4 m + 3.
+struct KTile {
   __m512i q[4];
 
-  explicit SixBitTile(const uint8_t* tile) {
-    const __m512i low4 = _mm512_set1_epi8(0x0F), low2 = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
+  // Q6_K's 192 bytes: low nibbles (byte i: codes i and i + 128), then bits 4-5 in pairs.
+  static KTile six(const uint8_t* tile) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512i lo0 = _mm512_loadu_si512(tile), lo1 = _mm512_loadu_si512(tile + 64);
-    const __m512i high = _mm512_loadu_si512(tile + 128);
     const __m512i part[4] = {_mm512_and_si512(lo0, low4), _mm512_and_si512(lo1, low4),
                              _mm512_and_si512(_mm512_srli_epi16(lo0, 4), low4),
                              _mm512_and_si512(_mm512_srli_epi16(lo1, 4), low4)};
-    // bit pair m of each high byte, moved to bits 4-5 (masked before each shift, so that no
-    // bit crosses into the neighbouring byte of the 16-bit lane)
-    const __m512i top[4] = {_mm512_slli_epi16(_mm512_and_si512(high, low2), 4),
-                            _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(high, 2), low2), 4),
-                            _mm512_and_si512(high, _mm512_set1_epi8(0x30)),
-                            _mm512_srli_epi16(_mm512_and_si512(high, _mm512_set1_epi8(static_cast<char>(0xC0))), 2)};
-    for (int m = 0; m < 4; ++m) q[m] = _mm512_sub_epi8(_mm512_or_si512(part[m], top[m]), bias);
+    return KTile(part, pairs(_mm512_loadu_si512(tile + 128), 4), 32);
+  }
+
+  // Q3_K's 96 bytes: bits 0-1 in pairs, then bit 2 (byte i: codes i + 32 m at shift m).
+  static KTile three(const uint8_t* tile) {
+    const __m512i none = _mm512_setzero_si512();
+    const __m512i low[4] = {none, none, none, none};
+    KTile t(low, pairs(_mm512_loadu_si512(tile), 0), 4);  // the bits 0-1, minus 4 (below)
+    // bit 2 of codes 64 m + j: byte j % 32, shift 2 m + j / 32; the upper half shifted by one
+    // (a 16-bit shift: the bit it brings from the next byte is bit 7, never used)
+    const __m256i bit2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(bit2), _mm256_srli_epi16(bit2, 1), 1);
+    const __m512i one = _mm512_set1_epi8(1);
+    for (int m = 0; m < 4; ++m) {
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(both, 2 * m), one);
+      t.q[m] = _mm512_add_epi8(t.q[m], _mm512_slli_epi16(high, 2));  // at most 3 + 4 - 4: no carry
+    }
+    return t;
   }
 
   // Input k's 16 weights as floats (k a constant once group_dot is unrolled: each case folds).
@@ -185,11 +199,32 @@ struct SixBitTile {
     std::memcpy(&r, &f, sizeof r);
     return r;
   }
+
+ private:
+  // Four vectors of bit pairs, pair m of each byte moved to bits `at`..`at` + 1 (masked before
+  // each shift, so that no bit crosses into the neighbouring byte of a 16-bit lane).
+  struct Pairs {
+    __m512i p[4];
+  };
+  static Pairs pairs(__m512i bytes, int at) {
+    const __m512i low2 = _mm512_set1_epi8(3);
+    Pairs r;
+    for (int m = 0; m < 4; ++m) {
+      const __m512i field = _mm512_and_si512(_mm512_srli_epi16(bytes, 2 * m), low2);
+      r.p[m] = at == 4 ? _mm512_slli_epi16(field, 4) : field;
+    }
+    return r;
+  }
+  KTile(const __m512i low[4], const Pairs& high, int bias) {
+    const __m512i b = _mm512_set1_epi8(static_cast<char>(bias));
+    for (int m = 0; m < 4; ++m) q[m] = _mm512_sub_epi8(_mm512_or_si512(low[m], high.p[m]), b);
+  }
 };
 
-// Q6_K tiles (AVX512 builds only: elsewhere unpacking costs more than the bytes it saves, and
-// the engine keeps Q6_K in the int8 op).
-struct SixBits {
+// Q6_K or Q3_K tiles (AVX512 builds only: elsewhere unpacking costs more than the bytes it
+// saves, and the engine keeps these types in the int8 op).
+template <int TileBytes>
+struct KQuant {
   using Weight = int8_t;
   static constexpr int group = 16;
   const uint8_t* t0;
@@ -197,7 +232,10 @@ struct SixBits {
   const at::Half* d0;
   int64_t KB;
   bool scaled() const { return true; }
-  SixBitTile weights(int64_t g, int64_t b) const { return SixBitTile(t0 + (g * KB + b) * 192); }
+  KTile weights(int64_t g, int64_t b) const {
+    const uint8_t* tile = t0 + (g * KB + b) * TileBytes;
+    return TileBytes == 192 ? KTile::six(tile) : KTile::three(tile);
+  }
   vf scale(int64_t g, int64_t b) const { return widen(d0 + (g * (KB / 16) + b / 16) * C) * widen(sc0 + (g * KB + b) * C); }
 };
 #endif
@@ -312,21 +350,25 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 #if defined(__AVX512BW__)
-DS4_ENTRY at::Tensor q6_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& d) {
-  check_x(x, "q6_linear");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.size(2) == 192,
-              "q6_linear: packed must be contiguous uint8 [N/16, K/16, 192]");
+DS4_ENTRY at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& d) {
+  check_x(x, "kq_linear");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                  (packed.size(2) == 192 || packed.size(2) == 96),
+              "kq_linear: packed must be contiguous uint8 [N/16, K/16, 192 (Q6_K) or 96 (Q3_K)]");
   const int64_t NG = packed.size(0), KB = packed.size(1);
-  TORCH_CHECK(KB % 16 == 0 && x.size(1) == KB * 16, "q6_linear: x has ", x.size(1), " inputs, the weights ", KB * 16,
+  TORCH_CHECK(KB % 16 == 0 && x.size(1) == KB * 16, "kq_linear: x has ", x.size(1), " inputs, the weights ", KB * 16,
               " (a multiple of 256)");
   TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 3 && sc.size(0) == NG &&
                   sc.size(1) == KB && sc.size(2) == C,
-              "q6_linear: sc must be contiguous int8 [N/16, K/16, 16]");
+              "kq_linear: sc must be contiguous int8 [N/16, K/16, 16]");
   TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 3 && d.size(0) == NG &&
                   d.size(1) == KB / 16 && d.size(2) == C,
-              "q6_linear: d must be contiguous float16 [N/16, K/256, 16]");
-  return grouped_linear(x, SixBits{packed.data_ptr<uint8_t>(), sc.data_ptr<int8_t>(), d.data_ptr<at::Half>(), KB},
-                        nullptr, NG, KB);
+              "kq_linear: d must be contiguous float16 [N/16, K/256, 16]");
+  const uint8_t* t = packed.data_ptr<uint8_t>();
+  const int8_t* s = sc.data_ptr<int8_t>();
+  const at::Half* dd = d.data_ptr<at::Half>();
+  if (packed.size(2) == 192) return grouped_linear(x, KQuant<192>{t, s, dd, KB}, nullptr, NG, KB);
+  return grouped_linear(x, KQuant<96>{t, s, dd, KB}, nullptr, NG, KB);
 }
 #endif
 
@@ -337,7 +379,7 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("int8_linear") "(Tensor x, Tensor q, Tensor scales, Tensor? minimums=None) -> Tensor");
   m.def(DS4_OP("f16_linear") "(Tensor x, Tensor w) -> Tensor");
 #if defined(__AVX512BW__)
-  m.def(DS4_OP("q6_linear") "(Tensor x, Tensor packed, Tensor sc, Tensor d) -> Tensor");
+  m.def(DS4_OP("kq_linear") "(Tensor x, Tensor packed, Tensor sc, Tensor d) -> Tensor");
 #endif
 }
 
@@ -345,6 +387,6 @@ TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("int8_linear"), &dense::int8_linear);
   m.impl(DS4_OP("f16_linear"), &dense::f16_linear);
 #if defined(__AVX512BW__)
-  m.impl(DS4_OP("q6_linear"), &dense::q6_linear);
+  m.impl(DS4_OP("kq_linear"), &dense::kq_linear);
 #endif
 }

@@ -28,10 +28,11 @@
 //           lays them out (engine.weights.Int8Linear's layout).  Scales and minimums each float16
 //           where every value is exactly a float16 (Q8_0's, float16 in the file, always are),
 //           else float32.
-// ds4::repack_q6_k_<isa>(raws, order, K, pad_to) -> (packed, sc, d)
-//   Q6_K matrices at their own six bits in dense_linear.cpp's q6_linear layout: packed uint8
-//           [P / 16, K / 16, 192], sc int8 [P / 16, K / 16, 16] and d float16 [P / 16, K / 256,
-//           16], the file's fields (padding rows zero)
+// ds4::repack_kq_<isa>(raws, qtype, order, K, pad_to) -> (packed, sc, d)
+//   Q6_K (14) or Q3_K (11) matrices at their own width in dense_linear.cpp's kq_linear layout:
+//           packed uint8 [P / 16, K / 16, 192 or 96], sc int8 [P / 16, K / 16, 16] and d
+//           float16 [P / 16, K / 256, 16], the file's fields (Q3_K's 6-bit scales minus 32;
+//           padding rows zero)
 // One pass over the file's bytes, split over output column groups, instead of numpy's
 // several whole-matrix copies: the embedded model's 120 matrices take milliseconds.
 // It reads no file itself and checks only what it needs to stay in bounds.
@@ -442,16 +443,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, 
   return {q, scales_inexact.load() ? scales : scales.to(at::kHalf), mins_inexact.load() ? mins : mins.to(at::kHalf)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_q6_k(at::TensorList raws, const at::Tensor& order, int64_t K,
-                                                           int64_t pad_to) {
-  TORCH_CHECK(!raws.empty() && K > 0 && K % 256 == 0, "repack_q6_k: needs matrices of a width divisible by 256");
+// Bytes of a k-quant tile (16 inputs x 16 columns) at the type's own width: Q6_K 192, Q3_K 96.
+int64_t tile_bytes(int64_t qtype) { return qtype == Q6_K ? 192 : 96; }
+
+// Value e (0..255) of a super-block: its code (Q6_K 0..63, Q3_K 0..7; w = (code - 32) or
+// (code - 4) times the sub-block's scale), and sub-block s's int8 scale and the block's d.
+inline int kq_code(int64_t qtype, const uint8_t* blk, int e) {
+  const int h = e / 128, r = (e % 128) / 32, at = e % 32;
+  if (qtype == Q6_K) {  // [ql: 128][qh: 64][scales: 16 x int8][d]
+    const int lo = (blk[64 * h + 32 * (r & 1) + at] >> (4 * (r >> 1))) & 0x0F;
+    return lo | (((blk[128 + 32 * h + at] >> (2 * r)) & 3) << 4);
+  }
+  // Q3_K: [hmask: 32][qs: 64][scales: 12][d]; a set high bit means "no offset of -4"
+  return ((blk[32 + 32 * h + at] >> (2 * r)) & 3) | (((blk[at] >> (e / 32)) & 1) << 2);
+}
+inline int8_t kq_scale(int64_t qtype, const uint8_t* blk, int s) {
+  if (qtype == Q6_K) return static_cast<int8_t>(blk[192 + s]);
+  const uint8_t* sc = blk + 96;  // as repack_int8 reads it
+  const int low4 = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4, high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+  return static_cast<int8_t>((low4 | (high2 << 4)) - 32);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_kq(at::TensorList raws, int64_t qtype, const at::Tensor& order,
+                                                         int64_t K, int64_t pad_to) {
+  TORCH_CHECK(qtype == Q6_K || qtype == Q3_K, "repack_kq: type ", qtype, " is not Q6_K or Q3_K");
+  TORCH_CHECK(!raws.empty() && K > 0 && K % 256 == 0, "repack_kq: needs matrices of a width divisible by 256");
   TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
-              "repack_q6_k: order must be int64 [N]");
-  const Rows rows(raws, std::vector<int64_t>(raws.size(), Q6_K));
+              "repack_kq: order must be int64 [N]");
+  const Rows rows(raws, std::vector<int64_t>(raws.size(), qtype));
   row_width(rows, K);
-  const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / 16;
+  const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / 16, T = tile_bytes(qtype);
+  const int64_t block = row_bytes(qtype, 256), d_at = qtype == Q6_K ? 208 : 108;
   for (int64_t n = 0; n < N; ++n) rows.row(order.data_ptr<int64_t>()[n]);  // bounds, before any work
-  at::Tensor packed = at::empty({NG, KB, 192}, at::kByte);
+  at::Tensor packed = at::empty({NG, KB, T}, at::kByte);
   at::Tensor sc = at::empty({NG, KB, C}, at::kChar);
   at::Tensor d = at::empty({NG, KB / 16, C}, at::kHalf);
   const int64_t* ord = order.data_ptr<int64_t>();
@@ -467,24 +491,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_q6_k(at::TensorList raws, 
         uint8_t code[256] = {};           // [input][column]
         int8_t scales[C] = {};
         uint16_t ds[C] = {};
-        for (int64_t j = 0; j < live; ++j) {
-          // values 16 s .. 16 s + 15 of a super-block: [ql: 128][qh: 64][scales: 16 x int8][d]
-          const uint8_t* blk = src[j] + (b / 16) * 210;
+        for (int64_t j = 0; j < live; ++j) {  // values 16 s .. 16 s + 15 of a super-block
+          const uint8_t* blk = src[j] + (b / 16) * block;
           const int s = static_cast<int>(b % 16);
-          for (int i = 0; i < 16; ++i) {
-            const int e = 16 * s + i, h = e / 128, r = (e % 128) / 32, at = e % 32;
-            const int lo = (blk[64 * h + 32 * (r & 1) + at] >> (4 * (r >> 1))) & 0x0F;
-            const int hi = (blk[128 + 32 * h + at] >> (2 * r)) & 3;
-            code[i * C + j] = static_cast<uint8_t>(lo | (hi << 4));
-          }
-          scales[j] = static_cast<int8_t>(blk[192 + s]);
-          std::memcpy(&ds[j], blk + 208, 2);
+          for (int i = 0; i < 16; ++i) code[i * C + j] = static_cast<uint8_t>(kq_code(qtype, blk, 16 * s + i));
+          scales[j] = kq_scale(qtype, blk, s);
+          std::memcpy(&ds[j], blk + d_at, 2);
         }
-        uint8_t* tile = p0 + (g * KB + b) * 192;
-        for (int i = 0; i < 128; ++i) tile[i] = static_cast<uint8_t>((code[i] & 0x0F) | ((code[i + 128] & 0x0F) << 4));
-        for (int i = 0; i < 64; ++i)
-          tile[128 + i] = static_cast<uint8_t>((code[i] >> 4) | ((code[i + 64] >> 4) << 2) |
-                                               ((code[i + 128] >> 4) << 4) | ((code[i + 192] >> 4) << 6));
+        // Q6_K: 128 bytes of low nibbles (byte i: codes i and i + 128), then 64 of bits 4-5;
+        // Q3_K: 64 bytes of bits 0-1, then 32 of bit 2 (byte i: codes i + 32 m at shift m).
+        // A byte of bit pairs holds codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4, 6.
+        uint8_t* tile = p0 + (g * KB + b) * T;
+        const int shift = qtype == Q6_K ? 4 : 0;  // where the pairs sit in the code
+        if (qtype == Q6_K)
+          for (int i = 0; i < 128; ++i) tile[i] = static_cast<uint8_t>((code[i] & 0x0F) | ((code[i + 128] & 0x0F) << 4));
+        uint8_t* pairs = tile + (qtype == Q6_K ? 128 : 0);
+        for (int i = 0; i < 64; ++i) {
+          int v = 0;
+          for (int m = 0; m < 4; ++m) v |= ((code[i + 64 * m] >> shift) & 3) << (2 * m);
+          pairs[i] = static_cast<uint8_t>(v);
+        }
+        if (qtype == Q3_K)
+          for (int i = 0; i < 32; ++i) {
+            int v = 0;
+            for (int m = 0; m < 8; ++m) v |= ((code[i + 32 * m] >> 2) & 1) << m;
+            tile[64 + i] = static_cast<uint8_t>(v);
+          }
         std::memcpy(c0 + (g * KB + b) * C, scales, C);
         if (b % 16 == 0) std::memcpy(d0 + (g * (KB / 16) + b / 16) * C, ds, sizeof ds);
       }
@@ -500,12 +532,12 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("repack_int4") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
   m.def(DS4_OP("repack_codes") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
   m.def(DS4_OP("repack_int8") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
-  m.def(DS4_OP("repack_q6_k") "(Tensor[] raws, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
+  m.def(DS4_OP("repack_kq") "(Tensor[] raws, int qtype, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {
   m.impl(DS4_OP("repack_int4"), &repack::repack_int4);
   m.impl(DS4_OP("repack_codes"), &repack::repack_codes);
   m.impl(DS4_OP("repack_int8"), &repack::repack_int8);
-  m.impl(DS4_OP("repack_q6_k"), &repack::repack_q6_k);
+  m.impl(DS4_OP("repack_kq"), &repack::repack_kq);
 }

@@ -138,22 +138,23 @@ def test_batched_decoding_equals_each_row_alone(tiny_gguf, kind, path):
         assert torch.equal(s.logits, one.logits), (kind, path)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K_M"])
-def test_q6_k_at_six_bits_gives_the_logits_of_the_int8_layout(tiny_gguf, kind, monkeypatch):
-    """Where a path holds Q6_K matrices at six bits (q6), a model's logits are those of the same
-    path holding them in the int8 op's layout, bit for bit, from fewer bytes of weights."""
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q5_K_M", "Q3_K_M"])
+def test_k_quants_at_their_own_width_give_the_logits_of_the_int8_layout(tiny_gguf, kind, monkeypatch):
+    """Where a path holds Q6_K and Q3_K matrices at their own width (kq), a model's logits are
+    those of the same path holding them in the int8 op's layout, bit for bit, from fewer bytes
+    of weights."""
     import dataclasses
 
-    six_bit = [p for p in PATHS if p != "torch" and kernels.cpu_kernels(p).q6 is not None]
-    if not six_bit:
-        pytest.skip("no path here holds Q6_K at six bits")
+    tiles = [p for p in PATHS if p != "torch" and kernels.cpu_kernels(p).kq is not None]
+    if not tiles:
+        pytest.skip("no path here holds Q6_K and Q3_K at their own width")
     path = model_path(tiny_gguf, kind)
-    six = engine.load_model(path, cpu_kernels=six_bit[0], kv_type="f32")
+    own = engine.load_model(path, cpu_kernels=tiles[0], kv_type="f32")
     real = kernels.cpu_kernels
-    monkeypatch.setattr(kernels, "cpu_kernels", lambda name=None: dataclasses.replace(real(name), q6=None))
-    eight = engine.load_model(path, cpu_kernels=six_bit[0], kv_type="f32")
-    assert six.weight_bytes < eight.weight_bytes
-    assert np.array_equal(logits_all(six), logits_all(eight))
+    monkeypatch.setattr(kernels, "cpu_kernels", lambda name=None: dataclasses.replace(real(name), kq=None))
+    eight = engine.load_model(path, cpu_kernels=tiles[0], kv_type="f32")
+    assert own.weight_bytes < eight.weight_bytes
+    assert np.array_equal(logits_all(own), logits_all(eight))
 
 
 CHILD = """

@@ -13,7 +13,7 @@ from engine.gguf_file import TensorRecord
 from engine.quants import (CODED, FIFTH_BIT_CODES, INT4_GROUPED, INT8_GROUPS, INT8_WITH_MINIMUM, LEVEL_CODES,
                            SUPPORTED, dequantize, unpack_coded_groups, unpack_int4_groups, unpack_int8_groups)
 from engine.synthetic import _encode
-from engine.weights import (DenseLinear, Embedding, F16Linear, Int4Linear, Int8Linear, Q6Linear, RowByRow,
+from engine.weights import (DenseLinear, Embedding, F16Linear, Int4Linear, Int8Linear, KQuantLinear, RowByRow,
                             build_linear)
 
 CPU = torch.device("cpu")
@@ -176,8 +176,8 @@ def test_int4_types_in_int8_form_are_the_same_weights(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16, *NEW_TYPES], ids=lambda q: q.name)
 def test_other_types_keep_the_file_weights_and_rows_independent(qtype, rows, cpu):
     """Each type's matrix on each path: the int8 op (float32 activations), the int4 op with
-    codes where the path takes them (activations rounded to bfloat16), Q6_K at six bits where
-    the path has them (float32 activations), float16 otherwise; the file's weights, counted in
+    codes where the path takes them (activations rounded to bfloat16), Q6_K and Q3_K at their
+    own width where the path has them (float32 activations), float16 otherwise; the file's weights, counted in
     nbytes, and a row's result independent of the others."""
     raw = encoded(qtype, rows=rows, cols=512, seed=4)
     round_x = False
@@ -195,10 +195,11 @@ def test_other_types_keep_the_file_weights_and_rows_independent(qtype, rows, cpu
         assert lin.nbytes == padded * 256 + padded * 512 // 32 * 2 * lin.scales_zeros.element_size() + codes + rows * 4
         w = exact
         round_x = True
-    elif qtype == QT.Q6_K and cpu.q6 is not None:  # its own six bits, int8 and float16 scales
+    elif qtype in (QT.Q6_K, QT.Q3_K) and cpu.kq is not None:  # their own width, int8 and float16 scales
         padded = rows + -rows % 16
-        assert isinstance(lin, Q6Linear) and lin.in_features == 512
-        assert lin.nbytes == padded * 512 * 6 // 8 + padded * 512 // 16 + padded * 512 // 256 * 2 + rows * 4
+        bits = 6 if qtype == QT.Q6_K else 3
+        assert isinstance(lin, KQuantLinear) and lin.in_features == 512
+        assert lin.nbytes == padded * 512 * bits // 8 + padded * 512 // 16 + padded * 512 // 256 * 2 + rows * 4
         w = exact
     elif qtype in INT8_GROUPS:  # 8-bit q and their scales: exactly the file's weights
         padded = rows + -rows % 16  # whole blocks of 16 columns
