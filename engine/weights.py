@@ -32,8 +32,9 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   table breaks), so those paths keep these types in the int8 op.
   On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
   as are the float and Q8_0 tensors that become dense matrices and embedding tables.
-- `Int8Linear` (CPU): Q8_0, Q6_K, Q3_K, Q2_K (and, where the int4 op takes no codes or a fused
-  matrix mixes them with the types above, Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS) stay 8-bit
+- `Int8Linear` (CPU): Q8_0, Q6_K and Q3_K (where `KQuantLinear` does not take them), Q2_K
+  (and, where the int4 op takes no codes or a fused matrix mixes them with the types above,
+  Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS) stay 8-bit
   with their group scales (float16 where exact, as for Q4_0 above, else float32), and
   minimums where the type has them (Q5_1, Q5_K, Q2_K), float16 where exact as well (Q5_1's):
   exactly the file's weights (the embedded model's output head is Q8_0), float32 activations
@@ -43,6 +44,9 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   by measurement (docs/engine.md, "Weights"): one decoded row of a matrix larger than the
   caches took the float16 kernel 1.02x to 1.46x as long, and int8 holds 1.125 to 1.5 bytes a
   weight against 2; matrices that stay in cache ran alike.
+- `KQuantLinear` (CPU, the `avx512` and `amx` paths): a matrix of Q6_K alone or of Q3_K alone
+  at the file's own width (0.82 and 0.45 bytes a weight against the int8 layout's 1.25), in
+  tiles that the kernel unpacks in registers: the int8 op's weights and arithmetic, the same bits.
 - `F16Linear` (CPU): every other type is dequantized once to float16 (11 mantissa bits kept),
   float32 activations and output.
 - `DenseLinear`: bfloat16 on CUDA, float32 everywhere when `fmt == "float32"`.
@@ -74,12 +78,13 @@ from typing import Iterable, Sequence
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as QT
 
 from engine import cuda_int4, device_blocks
 from engine.gguf_file import TensorRecord
 from engine.kernels import CpuKernels
 from engine.quants import (BLOCK, FIFTH_BIT_CODES, GROUP, INT4_GROUPED, INT8_GROUPS, IQ4_LEVELS, LEVEL_CODES,
-                           LINEAR_CODES, QT, Int8Groups, dequantize, unpack_int4_groups)
+                           LINEAR_CODES, Int8Groups, dequantize, unpack_int4_groups)
 
 WEIGHT_FORMATS = ("packed", "float32")
 
@@ -615,13 +620,11 @@ def min_resident_bytes(records: Iterable[TensorRecord], n_layer: int) -> int:
     fewest bytes per weight any path lays its type out in.  The token embedding is left out (a
     quantized one stays in the file's mapping).  So a load whose bound exceeds the memory
     available cannot succeed, and can be refused before any work."""
-    layers = {f"blk.{i}." for i in range(n_layer)}
-    total = 0.0
-    for r in records:
-        if r.name != "output.weight" and r.name[: r.name.find(".", 4) + 1] not in layers:
-            continue
-        total += math.prod(r.shape) * _MIN_BYTES_PER_WEIGHT.get(r.qtype, 2.0)
-    return int(total)
+    def counted(name: str) -> bool:
+        block, index = (name.split(".") + [""])[:2]
+        return name == "output.weight" or (block == "blk" and index.isdigit() and int(index) < n_layer)
+
+    return int(sum(math.prod(r.shape) * _MIN_BYTES_PER_WEIGHT.get(r.qtype, 2.0) for r in records if counted(r.name)))
 
 
 def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device,
