@@ -176,6 +176,24 @@ inline void coded_group(int64_t qtype, const uint8_t* row, int64_t b, uint8_t ou
 // The levels an IQ4 code names (ggml's kvalues_iq4nl; engine.quants.IQ4_LEVELS).
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
+// Value e (0..255) of a super-block: its code (Q6_K 0..63, Q3_K 0..7; w = (code - 32) or
+// (code - 4) times the sub-block's scale), and sub-block s's int8 scale and the block's d.
+inline int kq_code(int64_t qtype, const uint8_t* blk, int e) {
+  const int h = e / 128, r = (e % 128) / 32, at = e % 32;
+  if (qtype == Q6_K) {  // [ql: 128][qh: 64][scales: 16 x int8][d]
+    const int lo = (blk[64 * h + 32 * (r & 1) + at] >> (4 * (r >> 1))) & 0x0F;
+    return lo | (((blk[128 + 32 * h + at] >> (2 * r)) & 3) << 4);
+  }
+  // Q3_K: [hmask: 32][qs: 64][scales: 12][d]; a set high bit means "no offset of -4"
+  return ((blk[32 + 32 * h + at] >> (2 * r)) & 3) | (((blk[at] >> (e / 32)) & 1) << 2);
+}
+inline int8_t kq_scale(int64_t qtype, const uint8_t* blk, int s) {
+  if (qtype == Q6_K) return static_cast<int8_t>(blk[192 + s]);
+  const uint8_t* sc = blk + 96;  // as repack_int8 reads it
+  const int low4 = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4, high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+  return static_cast<int8_t>((low4 | (high2 << 4)) - 32);
+}
+
 // Input group b (32 values) of one matrix row in 8-bit form: q[i] and the scale and minimum of
 // each half of 16 (the same for the types with groups of 32), as engine.quants.unpack_int8_groups
 // gives them: Q4_0 and Q5_0 as code - 8 and code - 16 times d, without a minimum, as gguf
@@ -189,46 +207,28 @@ inline void int8_group(int64_t qtype, const uint8_t* row, int64_t b, int8_t q[32
     std::memcpy(q, blk + 2, 32);
     return;
   }
-  if (qtype == Q6_K) {  // super-blocks of 256: [ql: 128][qh: 64][scales: 16 x int8][d]
-    const uint8_t* blk = row + (b / 8) * 210;
-    const int j = static_cast<int>(b % 8), h = j / 4, r = j % 4;  // half of 128, run of 32 in it
-    const uint8_t* ql = blk + 64 * h + 32 * (r & 1);
-    const uint8_t* qh = blk + 128 + 32 * h;
-    for (int i = 0; i < 32; ++i) {
-      const int lo = (ql[i] >> (4 * (r >> 1))) & 0x0F, hi = (qh[i] >> (2 * r)) & 3;
-      q[i] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+  if (qtype == Q6_K || qtype == Q3_K) {  // codes and 6-bit scales as repack_kq reads them
+    const bool six = qtype == Q6_K;
+    const uint8_t* blk = row + (b / 8) * (six ? 210 : 110);
+    const int j = static_cast<int>(b % 8);
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(kq_code(qtype, blk, 32 * j + i) - (six ? 32 : 4));
+    const float d = f16(blk + (six ? 208 : 108));
+    for (int h = 0; h < 2; ++h) {
+      scale[h] = d * static_cast<float>(kq_scale(qtype, blk, 2 * j + h));
+      minimum[h] = 0.0f;
     }
-    const float d = f16(blk + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-    scale[0] = d * static_cast<float>(sc[2 * j]);
-    scale[1] = d * static_cast<float>(sc[2 * j + 1]);
-    minimum[0] = minimum[1] = 0.0f;
     return;
   }
-  if (qtype == Q3_K || qtype == Q2_K) {
-    // Q3_K: [hmask: 32][qs: 64][scales: 12][d]; Q2_K: [scales: 16][qs: 64][d][dmin].  Value
-    // 32 j + i of a super-block has its 2 low bits at shift 2 (j % 4) of qs byte 32 (j / 4) + i;
-    // Q3_K's third bit is bit j of hmask byte i, set meaning "no offset of -4".
-    const bool three = qtype == Q3_K;
-    const uint8_t* blk = row + (b / 8) * (three ? 110 : 84);
+  if (qtype == Q2_K) {  // [scales: 16][qs: 64][d][dmin]: value 32 j + i's 2 bits at shift
+                        // 2 (j % 4) of qs byte 32 (j / 4) + i; scale and minimum nibbles per 16
+    const uint8_t* blk = row + (b / 8) * 84;
     const int j = static_cast<int>(b % 8);
-    const uint8_t* qs = blk + (three ? 32 : 16) + 32 * (j / 4);
-    for (int i = 0; i < 32; ++i) {
-      const int low = (qs[i] >> (2 * (j % 4))) & 3;
-      q[i] = static_cast<int8_t>(three ? low - (((blk[i] >> j) & 1) ? 0 : 4) : low);
-    }
+    const uint8_t* qs = blk + 16 + 32 * (j / 4);
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>((qs[i] >> (2 * (j % 4))) & 3);
     for (int h = 0; h < 2; ++h) {
-      const int s = 2 * j + h;  // the scale (and minimum) of values 16 s .. 16 s + 15
-      if (three) {  // 6-bit scales minus 32: low nibbles of bytes 0..7, then their high nibbles,
-                    // with 2 high bits each from bytes 8..11 (field s / 4 of byte s % 4)
-        const uint8_t* sc = blk + 96;
-        const int low4 = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4, high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-        scale[h] = f16(blk + 108) * static_cast<float>((low4 | (high2 << 4)) - 32);
-        minimum[h] = 0.0f;
-      } else {
-        scale[h] = f16(blk + 80) * static_cast<float>(blk[s] & 0x0F);
-        minimum[h] = -(f16(blk + 82) * static_cast<float>(blk[s] >> 4));
-      }
+      const int s = 2 * j + h;  // the scale and minimum of values 16 s .. 16 s + 15
+      scale[h] = f16(blk + 80) * static_cast<float>(blk[s] & 0x0F);
+      minimum[h] = -(f16(blk + 82) * static_cast<float>(blk[s] >> 4));
     }
     return;
   }
@@ -445,24 +445,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, 
 
 // Bytes of a k-quant tile (16 inputs x 16 columns) at the type's own width: Q6_K 192, Q3_K 96.
 int64_t tile_bytes(int64_t qtype) { return qtype == Q6_K ? 192 : 96; }
-
-// Value e (0..255) of a super-block: its code (Q6_K 0..63, Q3_K 0..7; w = (code - 32) or
-// (code - 4) times the sub-block's scale), and sub-block s's int8 scale and the block's d.
-inline int kq_code(int64_t qtype, const uint8_t* blk, int e) {
-  const int h = e / 128, r = (e % 128) / 32, at = e % 32;
-  if (qtype == Q6_K) {  // [ql: 128][qh: 64][scales: 16 x int8][d]
-    const int lo = (blk[64 * h + 32 * (r & 1) + at] >> (4 * (r >> 1))) & 0x0F;
-    return lo | (((blk[128 + 32 * h + at] >> (2 * r)) & 3) << 4);
-  }
-  // Q3_K: [hmask: 32][qs: 64][scales: 12][d]; a set high bit means "no offset of -4"
-  return ((blk[32 + 32 * h + at] >> (2 * r)) & 3) | (((blk[at] >> (e / 32)) & 1) << 2);
-}
-inline int8_t kq_scale(int64_t qtype, const uint8_t* blk, int s) {
-  if (qtype == Q6_K) return static_cast<int8_t>(blk[192 + s]);
-  const uint8_t* sc = blk + 96;  // as repack_int8 reads it
-  const int low4 = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4, high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
-  return static_cast<int8_t>((low4 | (high2 << 4)) - 32);
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_kq(at::TensorList raws, int64_t qtype, const at::Tensor& order,
                                                          int64_t K, int64_t pad_to) {
