@@ -32,7 +32,7 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   table breaks), so those paths keep these types in the int8 op.
   On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
   as are the float and Q8_0 tensors that become dense matrices and embedding tables.
-- `Int8Linear` (CPU): Q8_0, Q6_K and Q3_K (where `KQuantLinear` does not take them), Q2_K
+- `Int8Linear` (CPU): Q8_0, and Q6_K, Q3_K and Q2_K where `KQuantLinear` does not take them
   (and, where the int4 op takes no codes or a fused matrix mixes them with the types above,
   Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS) stay 8-bit
   with their group scales (float16 where exact, as for Q4_0 above, else float32), and
@@ -44,9 +44,10 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   by measurement (docs/engine.md, "Weights"): one decoded row of a matrix larger than the
   caches took the float16 kernel 1.02x to 1.46x as long, and int8 holds 1.125 to 1.5 bytes a
   weight against 2; matrices that stay in cache ran alike.
-- `KQuantLinear` (CPU, the `avx512` and `amx` paths): a matrix of Q6_K alone or of Q3_K alone
-  at the file's own width (0.82 and 0.45 bytes a weight against the int8 layout's 1.25), in
-  tiles that the kernel unpacks in registers: the int8 op's weights and arithmetic, the same bits.
+- `KQuantLinear` (CPU, the `avx512` and `amx` paths): a matrix of Q6_K, Q3_K or Q2_K alone at
+  the file's own width (0.82, 0.45 and 0.33 bytes a weight against the int8 layout's 1.25 and
+  1.5), in tiles that the kernel unpacks in registers: the int8 op's weights and arithmetic,
+  the same bits.
 - `F16Linear` (CPU): every other type is dequantized once to float16 (11 mantissa bits kept),
   float32 activations and output.
 - `DenseLinear`: bfloat16 on CUDA, float32 everywhere when `fmt == "float32"`.
@@ -98,7 +99,7 @@ COLUMNS = 16  # the CPU kernels' output columns per block: other heights are pad
 # reference the tests hold it to).
 INT8_REPACKED = frozenset(INT8_GROUPS) | INT4_GROUPED
 # The k-quants CpuKernels.kq holds at their own width, a matrix of one of them alone.
-K_QUANT_TILES = frozenset({QT.Q6_K, QT.Q3_K})
+K_QUANT_TILES = frozenset({QT.Q6_K, QT.Q3_K, QT.Q2_K})
 
 
 class Linear:
@@ -257,28 +258,31 @@ class Int8Linear(_CpuKernelLinear):
 
 
 class KQuantLinear(_CpuKernelLinear):
-    """Q6_K or Q3_K matrices on CPU at their own width (CpuKernels.kq, laid out by
-    CpuKernels.repack_kq: packed uint8 [N/16, K/16, 192 or 96], sc int8 [N/16, K/16, 16], d
-    float16 [N/16, K/256, 16]): the int8 op's weights and arithmetic, so the same bits, from 0.82
-    (Q6_K) or 0.45 (Q3_K) bytes a weight instead of 1.25; rows past `out_features` are padding."""
+    """Q6_K, Q3_K or Q2_K matrices on CPU at their own width (CpuKernels.kq, laid out by
+    CpuKernels.repack_kq: packed uint8 [N/16, K/16, 192, 96 or 64], sc int8 [N/16, K/16, 16], d
+    float16 [N/16, K/256, 16] and Q2_K's dmin like d): the int8 op's weights and arithmetic, so
+    the same bits, from 0.82 (Q6_K), 0.45 (Q3_K) or 0.33 (Q2_K) bytes a weight instead of 1.25
+    (1.5); rows past `out_features` are padding."""
 
-    def __init__(self, packed: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, out_features: int, op,
-                 bias: torch.Tensor | None = None):
+    def __init__(self, packed: torch.Tensor, sc: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor | None,
+                 out_features: int, op, bias: torch.Tensor | None = None):
         super().__init__(out_features, packed.shape[1] * 16, bias)
-        self.packed, self.sc, self.d, self._op = packed, sc, d, op
+        self.packed, self.sc, self.d, self.dmin, self._op = packed, sc, d, dmin, op
+
+    def _operands(self) -> list[torch.Tensor]:
+        return [self.packed, self.sc, self.d] + ([] if self.dmin is None else [self.dmin])
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x, self.packed, self.sc, self.d)
+        return self._op(x, *self._operands())
 
     def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
         if self.bias is not None or self._pad:
             return None
-        return [self.packed, self.sc, self.d]
+        return self._operands()
 
     @property
     def nbytes(self) -> int:
-        held = self.packed.nbytes + self.sc.nbytes + self.d.nbytes
-        return held + (0 if self.bias is None else self.bias.nbytes)
+        return sum(t.nbytes for t in self._operands()) + (0 if self.bias is None else self.bias.nbytes)
 
 
 def int8_layout(q: np.ndarray, scale: np.ndarray, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -605,13 +609,13 @@ def to_float(record: TensorRecord) -> np.ndarray:
 
 # The fewest bytes a weight of each type takes once laid out for any path (CPU kernels, CUDA,
 # torch's float16 or float32 copies): the file's codes widened to 4 bits (the int4 op, scales and
-# minimums at least float16 per 32), 4 bits plus fifth-bit planes, Q6_K's and Q3_K's own width
-# with their int8 and float16 scales (KQuantLinear), or 8 bits (the int8 op, scales at least
-# float16 per group, minimums too for Q2_K); float types at least float16.
+# minimums at least float16 per 32), 4 bits plus fifth-bit planes, Q6_K's, Q3_K's and Q2_K's
+# own width with their scale bytes and float16 super-block scales (KQuantLinear), or 8 bits (the
+# int8 op, scales at least float16 per group); float types at least float16.
 _MIN_BYTES_PER_WEIGHT = {**{t: 0.5 + 4 / 32 for t in INT4_GROUPED | LEVEL_CODES},
                          **{t: 0.5 + 1 / 8 + 4 / 32 for t in FIFTH_BIT_CODES},
                          QT.Q6_K: 0.75 + 1 / 16 + 2 / 256, QT.Q3_K: 0.375 + 1 / 16 + 2 / 256,
-                         QT.Q8_0: 1 + 2 / 32, QT.Q2_K: 1 + 4 / 16}
+                         QT.Q2_K: 0.25 + 1 / 16 + 4 / 256, QT.Q8_0: 1 + 2 / 32}
 
 
 def min_resident_bytes(records: Iterable[TensorRecord], n_layer: int) -> int:
@@ -678,9 +682,9 @@ def build_linear(records: Sequence[TensorRecord], fmt: str, device: torch.device
         return _coded_linear(records, kind, row_perm, cpu, bias)
     kinds = {r.qtype for r in records}
     if packed_cpu and cpu.kq is not None and len(kinds) == 1 and kinds <= K_QUANT_TILES:
-        packed, sc, d = cpu.repack_kq([_raw_rows(r) for r in records], int(records[0].qtype),
-                                      _row_order(records, row_perm), k, COLUMNS)
-        return KQuantLinear(packed, sc, d, n, cpu.kq, bias)
+        packed, sc, d, dmin = cpu.repack_kq([_raw_rows(r) for r in records], int(records[0].qtype),
+                                            _row_order(records, row_perm), k, COLUMNS)
+        return KQuantLinear(packed, sc, d, dmin if dmin.numel() else None, n, cpu.kq, bias)
     if packed_cpu and cpu.int8 is not None and all(r.qtype in INT8_REPACKED for r in records):
         q8, scale8, min8 = cpu.repack_int8([_raw_rows(r) for r in records], [int(r.qtype) for r in records],
                                            _row_order(records, row_perm), k, COLUMNS)

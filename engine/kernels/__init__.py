@@ -115,8 +115,8 @@ class CpuKernels:
     f16: Callable[..., torch.Tensor] | None = None
     repack_int4: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # GGUF blocks -> int4 layout
     repack_int8: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF 8-bit grouped types -> int8 layout
-    kq: Callable[..., torch.Tensor] | None = None  # Q6_K / Q3_K at their own width (dense_linear.cpp; avx512 only)
-    repack_kq: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF Q6_K / Q3_K -> kq's layout
+    kq: Callable[..., torch.Tensor] | None = None  # Q6_K / Q3_K / Q2_K at their own width (dense_linear.cpp; avx512 only)
+    repack_kq: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF Q6_K / Q3_K / Q2_K -> kq's layout
     repack_codes: Callable[..., tuple[torch.Tensor, ...]] | None = None  # GGUF coded types -> int4 layout + fifth bits
     rms_norm: Callable[..., torch.Tensor] | None = None  # (x, w, eps): a step's RMSNorm, one op
     int4_add: Callable[..., None] | None = None  # (x, packed, scales, out): out += int4(x, ...)

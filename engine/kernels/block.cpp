@@ -6,7 +6,7 @@
 //
 // A matrix is passed as its operands, a list: int4 (packed uint8, scales[, high uint8 or levels
 // float32]) as int4_linear takes them, int8 (q int8, scales[, minimums]) as int8_linear does, or
-// k-quant tiles (packed uint8, sc int8, d float16) as kq_linear does (AVX512 builds);
+// k-quant tiles (packed uint8, sc int8, d float16[, dmin]) as kq_linear does (AVX512 builds);
 // no bias, its output exactly 16-column blocks wide.  An int4 matrix that adds into the residual
 // stream adds in its last step (int4_linear_add); the others are computed, then added (the bits
 // of `out += y`).
@@ -59,9 +59,10 @@ inline float rounded(float v) {
   return v;
 }
 
-// Q6_K or Q3_K at their own width (packed uint8, sc int8, d float16), where the build has kq_linear.
+// Q6_K, Q3_K or Q2_K at their own width (packed uint8, sc int8, d float16[, dmin float16]),
+// where the build has kq_linear.
 bool is_kq(at::TensorList w) {
-  return w.size() == 3 && w[0].scalar_type() == at::kByte && w[1].scalar_type() == at::kChar;
+  return (w.size() == 3 || w.size() == 4) && w[0].scalar_type() == at::kByte && w[1].scalar_type() == at::kChar;
 }
 bool is_int4(at::TensorList w) {
   return w.size() >= 2 && w.size() <= 3 && w[0].scalar_type() == at::kByte && !is_kq(w);
@@ -74,7 +75,7 @@ void check_matrix(at::TensorList w, const char* op, const char* name) {
   TORCH_CHECK(is_int4(w) || is_kq(w) || (w.size() >= 2 && w.size() <= 3 && w[0].scalar_type() == at::kChar), op,
               ": ", name,
               " must be int4 operands (packed uint8, scales[, high uint8 or levels float32]), int8 ones (q int8, "
-              "scales[, minimums]) or k-quant tiles (packed uint8, sc int8, d float16)");
+              "scales[, minimums]) or k-quant tiles (packed uint8, sc int8, d float16[, dmin float16])");
 }
 
 // An int4 matrix's third operand, where it has one: its fifth bits (uint8) or its levels (float).
@@ -94,7 +95,7 @@ int64_t outputs_of(at::TensorList w) { return w[0].dim() == 4 || is_kq(w) ? w[0]
 
 at::Tensor product(const at::Tensor& x, at::TensorList w) {
 #if defined(__AVX512BW__)
-  if (is_kq(w)) return dense::kq_linear(x, w[0], w[1], w[2]);
+  if (is_kq(w)) return dense::kq_linear(x, w[0], w[1], w[2], w.size() == 4 ? c10::optional<at::Tensor>(w[3]) : c10::nullopt);
 #endif
   if (is_int4(w)) return int4::int4_linear(x, w[0], w[1], int4_high(w), int4_levels(w));
   return dense::int8_linear(x, w[0], w[1], w.size() == 3 ? c10::optional<at::Tensor>(w[2]) : c10::nullopt);

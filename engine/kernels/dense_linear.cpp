@@ -13,18 +13,20 @@
 //   minimums  None, or float32 or float16 [N / 16, K / G, 16] (float16 where each is exactly
 //           one, as Q5_1's are, widened like the scales): then w = q * scale + minimum
 //   y       [M, N] float32 = x @ w.T
-// ds4::kq_linear_<isa>(x, packed, sc, d) -> y              (AVX512BW builds only: avx512)
-//   Q6_K or Q3_K matrices at their own width (repack.cpp's repack_kq lays them out): per 16
-//   columns and 16 inputs one tile, packed uint8 [N / 16, K / 16, T], codes in [input][column]
-//   order.  Q6_K (T = 192): 128 bytes of low nibbles (byte i holds code i in its low nibble and
-//   code i + 128 in its high one), then 64 bytes of bits 4-5 in pairs; Q3_K (T = 96): 64 bytes
-//   of bits 0-1 in pairs, then 32 bytes of bit 2 (byte i holds that of codes i + 32 m at shift
-//   m); a byte of pairs holds those of codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4
-//   and 6.  sc int8 [N / 16, K / 16, 16] and d float16 [N / 16, K / 256, 16], the file's own
-//   (Q3_K's 6-bit scales minus 32): w = (code - 32, Q6_K, or code - 4, Q3_K) * (d * sc), d * sc
-//   rounded to float32 once: exactly the int8 op's weights and scales for these types,
-//   computed as it computes them (the same bits), from 0.82 (Q6_K) or 0.45 (Q3_K) bytes a
-//   weight instead of 1.25
+// ds4::kq_linear_<isa>(x, packed, sc, d, dmin=None) -> y    (AVX512BW builds only: avx512)
+//   Q6_K, Q3_K or Q2_K matrices at their own width (repack.cpp's repack_kq lays them out): per
+//   16 columns and 16 inputs one tile, packed uint8 [N / 16, K / 16, T], codes in
+//   [input][column] order.  Q6_K (T = 192): 128 bytes of low nibbles (byte i holds code i in its
+//   low nibble and code i + 128 in its high one), then 64 bytes of bits 4-5 in pairs; Q3_K
+//   (T = 96): 64 bytes of bits 0-1 in pairs, then 32 bytes of bit 2 (byte i holds that of codes
+//   i + 32 m at shift m); Q2_K (T = 64): the bit pairs alone.  A byte of pairs holds those of
+//   codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4 and 6.  sc int8 [N / 16, K / 16, 16]
+//   and d (and for Q2_K dmin) float16 [N / 16, K / 256, 16], the file's own (Q3_K's 6-bit
+//   scales minus 32; Q2_K's bytes of a scale and a minimum nibble): w = (code - 32, Q6_K;
+//   code - 4, Q3_K) * (d * sc), or for Q2_K code * (d * (sc & 15)) + -(dmin * (sc >> 4)), each
+//   product rounded to float32 once: exactly the int8 op's weights, scales and minimums for
+//   these types, computed as it computes them (the same bits), from 0.82 (Q6_K), 0.45 (Q3_K) or
+//   0.33 (Q2_K) bytes a weight instead of 1.25 (1.5 for Q2_K)
 // ds4::f16_linear_<isa>(x, w) -> y
 //   w       float16 [N / 16, ceil(K / 32), 32, 16], the same layout without scales; inputs past
 //           K in the last group are ignored (zero-padded)
@@ -133,8 +135,9 @@ inline vf scales16(const float* p) { return loadv(p); }
 inline vf scales16(const at::Half* p) { return widen(p); }
 
 // Where a group's weights and scales come from.  `Stored`: a matrix held at its width (int8 or
-// float16), with scales (`s0`) or without (null, float16).  `KQuant`: Q6_K's or Q3_K's tiles,
-// each unpacked once into registers as int8 weights, the scale made from d and sc.
+// float16), with scales (`s0`) or without (null, float16), and minimums where the type has them.
+// `KQuant`: Q6_K's, Q3_K's or Q2_K's tiles, each unpacked once into registers as int8 weights,
+// the scale (and Q2_K's minimum) made from d (dmin) and sc.
 template <typename W, int G, typename S>
 struct Stored {
   using Weight = W;
@@ -142,13 +145,20 @@ struct Stored {
   const W* w0;
   const S* s0;
   int64_t KB;
+  const float* m0 = nullptr;  // minimums in float32 or float16, or none: pointers, not a template
+  const at::Half* m16 = nullptr;  // parameter (instantiated per type, the several-row loop
+                                  // compiled to code 1.5x slower)
   bool scaled() const { return s0 != nullptr; }
+  bool has_minimums() const { return m0 != nullptr || m16 != nullptr; }
   // Input k's 16 weights of group (g, b) as floats, widened from memory on each call.
   auto weights(int64_t g, int64_t b) const {
     const W* wg = w0 + (g * KB + b) * G * C;
     return [wg](int k) { return widen(wg + k * C); };
   }
   vf scale(int64_t g, int64_t b) const { return s0 ? scales16(s0 + (g * KB + b) * C) : vf{}; }
+  vf minimum(int64_t g, int64_t b) const {
+    return m0 ? loadv(m0 + (g * KB + b) * C) : m16 ? widen(m16 + (g * KB + b) * C) : vf{};
+  }
 };
 
 #if defined(__AVX512BW__)
@@ -182,6 +192,13 @@ struct KTile {
       t.q[m] = _mm512_add_epi8(t.q[m], _mm512_slli_epi16(high, 2));  // at most 3 + 4 - 4: no carry
     }
     return t;
+  }
+
+  // Q2_K's 64 bytes: bits 0-1 in pairs, the weight the code itself (its minimum is apart).
+  static KTile two(const uint8_t* tile) {
+    const __m512i none = _mm512_setzero_si512();
+    const __m512i low[4] = {none, none, none, none};
+    return KTile(low, pairs(_mm512_loadu_si512(tile), 0), 0);
   }
 
   // Input k's 16 weights as floats (k a constant once group_dot is unrolled: each case folds).
@@ -221,8 +238,10 @@ struct KTile {
   }
 };
 
-// Q6_K or Q3_K tiles (AVX512 builds only: elsewhere unpacking costs more than the bytes it
-// saves, and the engine keeps these types in the int8 op).
+// Q6_K, Q3_K or Q2_K tiles (AVX512 builds only: elsewhere unpacking costs more than the bytes
+// it saves, and the engine keeps these types in the int8 op).  Q6_K's and Q3_K's scale is
+// d * sc (sc signed); Q2_K's sc byte holds a 4-bit scale and a 4-bit minimum:
+// scale = d * (sc & 15), minimum = -(dmin * (sc >> 4)).
 template <int TileBytes>
 struct KQuant {
   using Weight = int8_t;
@@ -231,23 +250,39 @@ struct KQuant {
   const int8_t* sc0;
   const at::Half* d0;
   int64_t KB;
+  const at::Half* dmin0 = nullptr;  // Q2_K
   bool scaled() const { return true; }
+  bool has_minimums() const { return TileBytes == 64; }
   KTile weights(int64_t g, int64_t b) const {
     const uint8_t* tile = t0 + (g * KB + b) * TileBytes;
-    return TileBytes == 192 ? KTile::six(tile) : KTile::three(tile);
+    return TileBytes == 192 ? KTile::six(tile) : TileBytes == 96 ? KTile::three(tile) : KTile::two(tile);
   }
-  vf scale(int64_t g, int64_t b) const { return widen(d0 + (g * (KB / 16) + b / 16) * C) * widen(sc0 + (g * KB + b) * C); }
+  vf scale(int64_t g, int64_t b) const {
+    const vf d = widen(d0 + (g * (KB / 16) + b / 16) * C);
+    return TileBytes == 64 ? d * nibbles(g, b, 0) : d * widen(sc0 + (g * KB + b) * C);
+  }
+  vf minimum(int64_t g, int64_t b) const {
+    return -(widen(dmin0 + (g * (KB / 16) + b / 16) * C) * nibbles(g, b, 4));
+  }
+
+ private:
+  // The 16 columns' 4-bit fields at `shift` of their sc bytes, as floats.
+  vf nibbles(int64_t g, int64_t b, int shift) const {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc0 + (g * KB + b) * C));
+    const __m128i field = _mm_and_si128(_mm_srli_epi16(bytes, shift), _mm_set1_epi8(0x0F));
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(field));
+    vf r;
+    std::memcpy(&r, &f, sizeof r);
+    return r;
+  }
 };
 #endif
 
-// y = x @ w.T over column groups of 16 and input groups of G, the weights and scales from
-// `src`.  A last group shorter than G (float16 only) reads x through a zero-padded copy; the
-// padded weights are zero, so the padding adds exact zeros.  The minimums come as float32 (`m0`)
-// or float16 (`m16`) pointers, not as a template parameter like the scales: instantiated per
-// minimum type, the several-row loop compiled to code 1.5x slower.
+// y = x @ w.T over column groups of 16 and input groups of G, the weights, scales and minimums
+// from `src`.  A last group shorter than G (float16 only) reads x through a zero-padded copy;
+// the padded weights are zero, so the padding adds exact zeros.
 template <typename Source>
-at::Tensor grouped_linear(const at::Tensor& x, const Source& src, const float* m0, int64_t NG, int64_t KB,
-                          const at::Half* m16 = nullptr) {
+at::Tensor grouped_linear(const at::Tensor& x, const Source& src, int64_t NG, int64_t KB) {
   using W = typename Source::Weight;
   constexpr int G = Source::group;
   const int64_t M = x.size(0), K = x.size(1);
@@ -260,7 +295,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const Source& src, const float* m
     for (int64_t r = 0; r < M; ++r) std::memcpy(padded.data() + r * G, x0 + r * xs + (KB - 1) * G, tail * sizeof(float));
   // Each row's group sums, for the minimums: a plain loop in input order, which the compiler
   // may not reassociate, so a row's sums never depend on the other rows.
-  const bool mins = m0 != nullptr || m16 != nullptr, scaled = src.scaled();
+  const bool mins = src.has_minimums(), scaled = src.scaled();
   std::vector<float> xsum(mins ? M * KB : 0);
   for (int64_t r = 0; mins && r < M; ++r)
     for (int64_t b = 0; b < KB; ++b) {
@@ -278,7 +313,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const Source& src, const float* m
       for (int64_t b = 0; b < KB; ++b) {
         const auto w = src.weights(g, b);
         const vf scale = src.scale(g, b);
-        const vf minimum = m0 ? loadv(m0 + (g * KB + b) * C) : m16 ? widen(m16 + (g * KB + b) * C) : vf{};
+        const vf minimum = mins ? src.minimum(g, b) : vf{};
         auto xrow = [&](int64_t r) {
           return b == KB - 1 && tail < G ? padded.data() + r * G : x0 + r * xs + b * G;
         };
@@ -333,8 +368,8 @@ DS4_ENTRY at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const
   const int8_t* w = q.data_ptr<int8_t>();
   auto run = [&](const auto* s) {
     using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
-    return Gq == 32 ? grouped_linear(x, Stored<int8_t, 32, S>{w, s, KB}, m, NG, KB, m16)
-                    : grouped_linear(x, Stored<int8_t, 16, S>{w, s, KB}, m, NG, KB, m16);
+    return Gq == 32 ? grouped_linear(x, Stored<int8_t, 32, S>{w, s, KB, m, m16}, NG, KB)
+                    : grouped_linear(x, Stored<int8_t, 16, S>{w, s, KB, m, m16}, NG, KB);
   };
   if (scales.scalar_type() == at::kHalf) return run(scales.data_ptr<at::Half>());
   return run(scales.data_ptr<float>());
@@ -346,29 +381,35 @@ at::Tensor f16_linear(const at::Tensor& x, const at::Tensor& w) {
               "f16_linear: w must be contiguous float16 [N/16, ceil(K/32), 32, 16]");
   const int64_t NG = w.size(0), KB = w.size(1), K = x.size(1);
   TORCH_CHECK(K > (KB - 1) * 32 && K <= KB * 32, "f16_linear: x has ", K, " inputs, the weights ", KB, " groups of 32");
-  return grouped_linear(x, Stored<at::Half, 32, float>{w.data_ptr<at::Half>(), nullptr, KB}, nullptr, NG, KB);
+  return grouped_linear(x, Stored<at::Half, 32, float>{w.data_ptr<at::Half>(), nullptr, KB}, NG, KB);
 }
 
 #if defined(__AVX512BW__)
-DS4_ENTRY at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& d) {
+DS4_ENTRY at::Tensor kq_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sc, const at::Tensor& d,
+                               const c10::optional<at::Tensor>& dmin) {
   check_x(x, "kq_linear");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                  (packed.size(2) == 192 || packed.size(2) == 96),
-              "kq_linear: packed must be contiguous uint8 [N/16, K/16, 192 (Q6_K) or 96 (Q3_K)]");
-  const int64_t NG = packed.size(0), KB = packed.size(1);
+                  (packed.size(2) == 192 || packed.size(2) == 96 || packed.size(2) == 64),
+              "kq_linear: packed must be contiguous uint8 [N/16, K/16, 192 (Q6_K), 96 (Q3_K) or 64 (Q2_K)]");
+  const int64_t NG = packed.size(0), KB = packed.size(1), T = packed.size(2);
   TORCH_CHECK(KB % 16 == 0 && x.size(1) == KB * 16, "kq_linear: x has ", x.size(1), " inputs, the weights ", KB * 16,
               " (a multiple of 256)");
   TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.dim() == 3 && sc.size(0) == NG &&
                   sc.size(1) == KB && sc.size(2) == C,
               "kq_linear: sc must be contiguous int8 [N/16, K/16, 16]");
-  TORCH_CHECK(d.scalar_type() == at::kHalf && d.is_contiguous() && d.dim() == 3 && d.size(0) == NG &&
-                  d.size(1) == KB / 16 && d.size(2) == C,
-              "kq_linear: d must be contiguous float16 [N/16, K/256, 16]");
+  auto super_values = [&](const at::Tensor& v) {
+    return v.scalar_type() == at::kHalf && v.is_contiguous() && v.dim() == 3 && v.size(0) == NG &&
+           v.size(1) == KB / 16 && v.size(2) == C;
+  };
+  TORCH_CHECK(super_values(d), "kq_linear: d must be contiguous float16 [N/16, K/256, 16]");
+  TORCH_CHECK((T == 64) == dmin.has_value() && (!dmin.has_value() || super_values(*dmin)),
+              "kq_linear: dmin, contiguous float16 [N/16, K/256, 16], goes with Q2_K's tiles and only with them");
   const uint8_t* t = packed.data_ptr<uint8_t>();
   const int8_t* s = sc.data_ptr<int8_t>();
   const at::Half* dd = d.data_ptr<at::Half>();
-  if (packed.size(2) == 192) return grouped_linear(x, KQuant<192>{t, s, dd, KB}, nullptr, NG, KB);
-  return grouped_linear(x, KQuant<96>{t, s, dd, KB}, nullptr, NG, KB);
+  if (T == 192) return grouped_linear(x, KQuant<192>{t, s, dd, KB}, NG, KB);
+  if (T == 96) return grouped_linear(x, KQuant<96>{t, s, dd, KB}, NG, KB);
+  return grouped_linear(x, KQuant<64>{t, s, dd, KB, dmin->data_ptr<at::Half>()}, NG, KB);
 }
 #endif
 
@@ -379,7 +420,7 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("int8_linear") "(Tensor x, Tensor q, Tensor scales, Tensor? minimums=None) -> Tensor");
   m.def(DS4_OP("f16_linear") "(Tensor x, Tensor w) -> Tensor");
 #if defined(__AVX512BW__)
-  m.def(DS4_OP("kq_linear") "(Tensor x, Tensor packed, Tensor sc, Tensor d) -> Tensor");
+  m.def(DS4_OP("kq_linear") "(Tensor x, Tensor packed, Tensor sc, Tensor d, Tensor? dmin=None) -> Tensor");
 #endif
 }
 

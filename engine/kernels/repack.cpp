@@ -28,11 +28,12 @@
 //           lays them out (engine.weights.Int8Linear's layout).  Scales and minimums each float16
 //           where every value is exactly a float16 (Q8_0's, float16 in the file, always are),
 //           else float32.
-// ds4::repack_kq_<isa>(raws, qtype, order, K, pad_to) -> (packed, sc, d)
-//   Q6_K (14) or Q3_K (11) matrices at their own width in dense_linear.cpp's kq_linear layout:
-//           packed uint8 [P / 16, K / 16, 192 or 96], sc int8 [P / 16, K / 16, 16] and d
-//           float16 [P / 16, K / 256, 16], the file's fields (Q3_K's 6-bit scales minus 32;
-//           padding rows zero)
+// ds4::repack_kq_<isa>(raws, qtype, order, K, pad_to) -> (packed, sc, d, dmin)
+//   Q6_K (14), Q3_K (11) or Q2_K (10) matrices at their own width in dense_linear.cpp's
+//           kq_linear layout: packed uint8 [P / 16, K / 16, 192, 96 or 64], sc int8
+//           [P / 16, K / 16, 16] and d float16 [P / 16, K / 256, 16], the file's fields (Q3_K's
+//           6-bit scales minus 32; Q2_K's scale and minimum bytes as they are), and Q2_K's dmin
+//           like d (empty for the others); padding rows zero
 // One pass over the file's bytes, split over output column groups, instead of numpy's
 // several whole-matrix copies: the embedded model's 120 matrices take milliseconds.
 // It reads no file itself and checks only what it needs to stay in bounds.
@@ -176,19 +177,22 @@ inline void coded_group(int64_t qtype, const uint8_t* row, int64_t b, uint8_t ou
 // The levels an IQ4 code names (ggml's kvalues_iq4nl; engine.quants.IQ4_LEVELS).
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
-// Value e (0..255) of a super-block: its code (Q6_K 0..63, Q3_K 0..7; w = (code - 32) or
-// (code - 4) times the sub-block's scale), and sub-block s's int8 scale and the block's d.
+// Value e (0..255) of a super-block: its code (Q6_K 0..63, Q3_K 0..7, Q2_K 0..3; w = (code - 32)
+// or (code - 4) times the sub-block's scale, or code times it plus its minimum), and sub-block
+// s's scale byte (Q6_K's and Q3_K's signed scale; Q2_K's scale and minimum nibbles).
 inline int kq_code(int64_t qtype, const uint8_t* blk, int e) {
   const int h = e / 128, r = (e % 128) / 32, at = e % 32;
   if (qtype == Q6_K) {  // [ql: 128][qh: 64][scales: 16 x int8][d]
     const int lo = (blk[64 * h + 32 * (r & 1) + at] >> (4 * (r >> 1))) & 0x0F;
     return lo | (((blk[128 + 32 * h + at] >> (2 * r)) & 3) << 4);
   }
+  if (qtype == Q2_K) return (blk[16 + 32 * h + at] >> (2 * r)) & 3;  // [scales: 16][qs: 64][d][dmin]
   // Q3_K: [hmask: 32][qs: 64][scales: 12][d]; a set high bit means "no offset of -4"
   return ((blk[32 + 32 * h + at] >> (2 * r)) & 3) | (((blk[at] >> (e / 32)) & 1) << 2);
 }
 inline int8_t kq_scale(int64_t qtype, const uint8_t* blk, int s) {
   if (qtype == Q6_K) return static_cast<int8_t>(blk[192 + s]);
+  if (qtype == Q2_K) return static_cast<int8_t>(blk[s]);  // the scale and minimum nibbles, as they are
   const uint8_t* sc = blk + 96;  // as repack_int8 reads it
   const int low4 = s < 8 ? sc[s] & 0x0F : sc[s - 8] >> 4, high2 = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
   return static_cast<int8_t>((low4 | (high2 << 4)) - 32);
@@ -443,27 +447,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_int8(at::TensorList raws, 
   return {q, scales_inexact.load() ? scales : scales.to(at::kHalf), mins_inexact.load() ? mins : mins.to(at::kHalf)};
 }
 
-// Bytes of a k-quant tile (16 inputs x 16 columns) at the type's own width: Q6_K 192, Q3_K 96.
-int64_t tile_bytes(int64_t qtype) { return qtype == Q6_K ? 192 : 96; }
+// Bytes of a k-quant tile (16 inputs x 16 columns) at the type's own width: Q6_K 192, Q3_K 96,
+// Q2_K 64.
+int64_t tile_bytes(int64_t qtype) { return qtype == Q6_K ? 192 : qtype == Q3_K ? 96 : 64; }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_kq(at::TensorList raws, int64_t qtype, const at::Tensor& order,
-                                                         int64_t K, int64_t pad_to) {
-  TORCH_CHECK(qtype == Q6_K || qtype == Q3_K, "repack_kq: type ", qtype, " is not Q6_K or Q3_K");
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> repack_kq(at::TensorList raws, int64_t qtype,
+                                                                     const at::Tensor& order, int64_t K, int64_t pad_to) {
+  TORCH_CHECK(qtype == Q6_K || qtype == Q3_K || qtype == Q2_K, "repack_kq: type ", qtype, " is not Q6_K, Q3_K or Q2_K");
   TORCH_CHECK(!raws.empty() && K > 0 && K % 256 == 0, "repack_kq: needs matrices of a width divisible by 256");
   TORCH_CHECK(order.dim() == 1 && order.scalar_type() == at::kLong && order.is_contiguous(),
               "repack_kq: order must be int64 [N]");
   const Rows rows(raws, std::vector<int64_t>(raws.size(), qtype));
   row_width(rows, K);
   const int64_t N = order.size(0), P = padded_rows(N, pad_to), NG = P / C, KB = K / 16, T = tile_bytes(qtype);
-  const int64_t block = row_bytes(qtype, 256), d_at = qtype == Q6_K ? 208 : 108;
+  const int64_t block = row_bytes(qtype, 256), d_at = qtype == Q6_K ? 208 : qtype == Q3_K ? 108 : 80;
+  const bool two = qtype == Q2_K;  // with dmin beside d
   for (int64_t n = 0; n < N; ++n) rows.row(order.data_ptr<int64_t>()[n]);  // bounds, before any work
   at::Tensor packed = at::empty({NG, KB, T}, at::kByte);
   at::Tensor sc = at::empty({NG, KB, C}, at::kChar);
   at::Tensor d = at::empty({NG, KB / 16, C}, at::kHalf);
+  at::Tensor dmin = at::empty({two ? NG : 0, KB / 16, C}, at::kHalf);
   const int64_t* ord = order.data_ptr<int64_t>();
   uint8_t* p0 = packed.data_ptr<uint8_t>();
   int8_t* c0 = sc.data_ptr<int8_t>();
   uint16_t* d0 = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  uint16_t* m0 = reinterpret_cast<uint16_t*>(dmin.data_ptr<at::Half>());
   at::parallel_for(0, NG, 1, [&](int64_t begin, int64_t end) {
     const uint8_t* src[C];
     for (int64_t g = begin; g < end; ++g) {
@@ -472,16 +480,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_kq(at::TensorList raws, in
       for (int64_t b = 0; b < KB; ++b) {  // one tile: 16 inputs x 16 columns
         uint8_t code[256] = {};           // [input][column]
         int8_t scales[C] = {};
-        uint16_t ds[C] = {};
+        uint16_t ds[C] = {}, dmins[C] = {};
         for (int64_t j = 0; j < live; ++j) {  // values 16 s .. 16 s + 15 of a super-block
           const uint8_t* blk = src[j] + (b / 16) * block;
           const int s = static_cast<int>(b % 16);
           for (int i = 0; i < 16; ++i) code[i * C + j] = static_cast<uint8_t>(kq_code(qtype, blk, 16 * s + i));
           scales[j] = kq_scale(qtype, blk, s);
           std::memcpy(&ds[j], blk + d_at, 2);
+          if (two) std::memcpy(&dmins[j], blk + 82, 2);
         }
         // Q6_K: 128 bytes of low nibbles (byte i: codes i and i + 128), then 64 of bits 4-5;
-        // Q3_K: 64 bytes of bits 0-1, then 32 of bit 2 (byte i: codes i + 32 m at shift m).
+        // Q3_K: 64 bytes of bits 0-1, then 32 of bit 2 (byte i: codes i + 32 m at shift m);
+        // Q2_K: the 64 bytes of bits 0-1 alone.
         // A byte of bit pairs holds codes i, i + 64, i + 128 and i + 192 at shifts 0, 2, 4, 6.
         uint8_t* tile = p0 + (g * KB + b) * T;
         const int shift = qtype == Q6_K ? 4 : 0;  // where the pairs sit in the code
@@ -501,10 +511,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> repack_kq(at::TensorList raws, in
           }
         std::memcpy(c0 + (g * KB + b) * C, scales, C);
         if (b % 16 == 0) std::memcpy(d0 + (g * (KB / 16) + b / 16) * C, ds, sizeof ds);
+        if (two && b % 16 == 0) std::memcpy(m0 + (g * (KB / 16) + b / 16) * C, dmins, sizeof dmins);
       }
     }
   });
-  return {packed, sc, d};
+  return {packed, sc, d, dmin};
 }
 
 }  // namespace repack
@@ -514,7 +525,7 @@ TORCH_LIBRARY_FRAGMENT(ds4, m) {
   m.def(DS4_OP("repack_int4") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor)");
   m.def(DS4_OP("repack_codes") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
   m.def(DS4_OP("repack_int8") "(Tensor[] raws, int[] qtypes, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
-  m.def(DS4_OP("repack_kq") "(Tensor[] raws, int qtype, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor)");
+  m.def(DS4_OP("repack_kq") "(Tensor[] raws, int qtype, Tensor order, int K, int pad_to) -> (Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(ds4, CPU, m) {

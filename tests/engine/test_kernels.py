@@ -397,20 +397,21 @@ def test_engine_decoding_agrees_with_the_torch_ops_path(tiny_gguf, path):
 def block_matrix(kind: str, rows: int, cols: int, seed: int) -> list[torch.Tensor]:
     """A random matrix's operands as the block ops take them: int4 (packed, scales), int4 with
     5-bit codes (packed, scales, high) or IQ4 levels (packed, scales, levels), int8 with group 32
-    (q, scales), int8 with group 16 and minimums (q, scales, minimums), or Q6_K or Q3_K tiles
-    (packed, sc, d; widths divisible by 256)."""
+    (q, scales), int8 with group 16 and minimums (q, scales, minimums), or Q6_K, Q3_K or Q2_K
+    tiles (packed, sc, d[, dmin]; widths divisible by 256)."""
     if kind in ("int5", "iq4"):
         packed, scales, high, levels, _ = coded_case(rows, cols, "q5" if kind == "int5" else "iq4", seed=seed)
         return [packed, scales, high if high is not None else levels]
     if kind == "int4":
         q, scale, minimum, _ = int4_case(rows, cols, seed=seed)
         return list(int4_pack(q, scale, minimum))
-    if kind in ("q6", "q3"):
+    if kind in ("q6", "q3", "q2"):
         from gguf import GGMLQuantizationType as QT
 
-        qtype = QT.Q6_K if kind == "q6" else QT.Q3_K
+        qtype = {"q6": QT.Q6_K, "q3": QT.Q3_K, "q2": QT.Q2_K}[kind]
         raw = torch.from_numpy(raw_matrix(qtype, rows, cols, seed=seed))
-        return list(kernels.cpu_kernels("portable").repack_kq([raw], int(qtype), torch.arange(rows), cols, 16))
+        *w, dmin = kernels.cpu_kernels("portable").repack_kq([raw], int(qtype), torch.arange(rows), cols, 16)
+        return w + ([dmin] if dmin.numel() else [])
     group = 32 if kind == "int8" else 16
     q, scales, _ = int8_case(rows, cols, group, seed=seed)
     if kind == "int8":
@@ -427,7 +428,7 @@ def int4_codes(w: list[torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor
 
 
 def is_kq(w: list[torch.Tensor]) -> bool:
-    return len(w) == 3 and w[0].dtype == torch.uint8 and w[1].dtype == torch.int8
+    return len(w) in (3, 4) and w[0].dtype == torch.uint8 and w[1].dtype == torch.int8
 
 
 def product(path, x: torch.Tensor, w: list[torch.Tensor]) -> torch.Tensor:
@@ -443,23 +444,23 @@ def add_product(path, x: torch.Tensor, w: list[torch.Tensor], out: torch.Tensor)
         out += product(path, x, w)
 
 
-BLOCK_KINDS = ["int4", "int8", "int8-minimums", "int5", "iq4", "q6", "q3"]
+BLOCK_KINDS = ["int4", "int8", "int8-minimums", "int5", "iq4", "q6", "q3", "q2"]
 
 
 def skip_unless_taken(path, kind: str) -> None:
     if kind in ("int5", "iq4") and not path.int4_codes:
         pytest.skip(f"the {path.name} path takes no 5-bit or IQ4 codes")
-    if kind in ("q6", "q3") and path.kq is None:
-        pytest.skip(f"the {path.name} path keeps Q6_K and Q3_K in the int8 op")
+    if kind in ("q6", "q3", "q2") and path.kq is None:
+        pytest.skip(f"the {path.name} path keeps Q6_K, Q3_K and Q2_K in the int8 op")
 
 
 def block_case(n: int, seed: int, dtype: torch.dtype, kind: str = "int4", D: int = 32):
     """A layer of E = 128, H = 4 query heads over Hkv = 2 kv heads of D, matrices of `kind`,
     and n rows at distinct positions of their own caches, with a few large residual values
-    (where a last-bit difference before the bfloat16 rounding shows).  Q6_K's and Q3_K's
+    (where a last-bit difference before the bfloat16 rounding shows).  The k-quant tiles'
     matrices need widths divisible by 256: E = 256, F = 256 and D = 64 for them."""
     E, H, Hkv, F = 128, 4, 2, 96
-    if kind in ("q6", "q3"):
+    if kind in ("q6", "q3", "q2"):
         E, F, D = 256, 256, 64
     g = torch.Generator().manual_seed(seed)
 
@@ -616,15 +617,16 @@ def test_gemma_ffn_block_gives_the_bits_of_its_ops_in_sequence(path, n, kind):
                                            ("llama", "Q4_1", {"extra_metadata": {"llama.attention.sliding_window": 7}}),
                                            ("llama", "Q8_0", {}), ("llama", "Q5_1", {}),
                                            ("llama", "Q5_K", {"mixture": "Q5_K_M", "n_layer": 3}),
-                                           ("llama", "IQ4_NL", {}), ("llama", "Q6_K", {}), ("llama", "Q3_K", {})],
+                                           ("llama", "IQ4_NL", {}), ("llama", "Q6_K", {}), ("llama", "Q3_K", {}),
+                                           ("llama", "Q2_K", {})],
                          ids=["llama", "qwen2-biases", "qwen3-qk-norms", "llama-window", "int8", "q5_1",
-                              "q5_k_m-mixed", "iq4_nl", "q6_k", "q3_k"])
+                              "q5_k_m-mixed", "iq4_nl", "q6_k", "q3_k", "q2_k"])
 def test_decoding_in_block_ops_gives_the_bits_of_the_python_step(tiny_gguf, path, arch, qtype, kw):
     """Greedy decoding of one row and of three rows in one batch, with the layer halves that fit
     in block ops (qwen2's biased q/k/v and qwen3's q/k norms keep their attention half in
     Python; int4 and int8 matrices, mixed in a Q5_K_M file; Q5_1 and IQ4_NL as int4 codes where
-    the path takes them, else int8; Q6_K and Q3_K at their own width where the path has them,
-    else int8) and with every half in Python: the same logits and caches, bit for bit."""
+    the path takes them, else int8; Q6_K, Q3_K and Q2_K at their own width where the path has
+    them, else int8) and with every half in Python: the same logits and caches, bit for bit."""
     import engine
     from engine.batch import decode_batch
 
@@ -1316,38 +1318,44 @@ def test_repack_int8_keeps_q8_0_scales_float16(path):
     assert not q[2, :, :, 8:].any() and not scales[2, :, 8:].any()  # padding rows are zero
 
 
-@pytest.mark.parametrize("qtype_name", ["Q6_K", "Q3_K"])
+@pytest.mark.parametrize("qtype_name", ["Q6_K", "Q3_K", "Q2_K"])
 def test_kq_gives_the_int8_ops_bits_on_the_same_matrices(path, qtype_name):
-    """Q6_K and Q3_K at their own width compute exactly what the int8 op computes from the same
-    file's blocks (their weights and scales, their order of operations): one row, several rows,
-    rows of a strided input; several matrices fused, rows reordered and padded."""
+    """Q6_K, Q3_K and Q2_K at their own width compute exactly what the int8 op computes from the
+    same file's blocks (their weights, scales and minimums, their order of operations): one row,
+    several rows, rows of a strided input; several matrices fused, rows reordered and padded."""
     from gguf import GGMLQuantizationType as QT
 
     if path.kq is None:
-        pytest.skip(f"the {path.name} path keeps Q6_K and Q3_K in the int8 op")
+        pytest.skip(f"the {path.name} path keeps Q6_K, Q3_K and Q2_K in the int8 op")
     qtype = QT[qtype_name]
     raws = [torch.from_numpy(raw_matrix(qtype, rows, 512, seed=rows)) for rows in (24, 16)]
     order = torch.from_numpy(np.random.default_rng(3).permutation(40).astype(np.int64))
-    q8, s8, _ = path.repack_int8(raws, [int(qtype)] * 2, order, 512, 16)
-    packed, sc, d = path.repack_kq(raws, int(qtype), order, 512, 16)
-    tile = 192 if qtype == QT.Q6_K else 96
+    q8, s8, m8 = path.repack_int8(raws, [int(qtype)] * 2, order, 512, 16)
+    int8 = [q8, s8] + ([m8] if m8.numel() else [])
+    packed, sc, d, dmin = path.repack_kq(raws, int(qtype), order, 512, 16)
+    kq = [packed, sc, d] + ([dmin] if qtype == QT.Q2_K else [])
+    tile = {QT.Q6_K: 192, QT.Q3_K: 96, QT.Q2_K: 64}[qtype]
     assert packed.shape == (3, 32, tile) and sc.shape == (3, 32, 16) and d.shape == (3, 2, 16)
-    assert packed.nbytes + sc.nbytes + d.nbytes < (0.7 if qtype == QT.Q6_K else 0.4) * (q8.nbytes + s8.nbytes)
+    assert dmin.shape == ((3, 2, 16) if qtype == QT.Q2_K else (0, 2, 16))
+    share = {QT.Q6_K: 0.7, QT.Q3_K: 0.4, QT.Q2_K: 0.3}[qtype]
+    assert sum(t.nbytes for t in kq) < share * sum(t.nbytes for t in int8)
     g = torch.Generator().manual_seed(1)
     for rows in (1, 3, 17):
         x = torch.randn(rows, 512, generator=g) * torch.logspace(-2, 2, 512)
-        assert torch.equal(path.kq(x, packed, sc, d), path.int8(x, q8, s8))
+        assert torch.equal(path.kq(x, *kq), path.int8(x, *int8))
     wide = torch.randn(2, 1024, generator=g)
-    assert torch.equal(path.kq(wide[:, 256:768], packed, sc, d), path.int8(wide[:, 256:768].contiguous(), q8, s8))
+    assert torch.equal(path.kq(wide[:, 256:768], *kq), path.int8(wide[:, 256:768].contiguous(), *int8))
     with pytest.raises(RuntimeError, match="kq_linear: x has 256 inputs, the weights 512"):
-        path.kq(torch.randn(1, 256), packed, sc, d)
+        path.kq(torch.randn(1, 256), *kq)
+    with pytest.raises(RuntimeError, match="kq_linear: dmin, contiguous float16"):  # with Q2_K's tiles only
+        path.kq(x, *kq[:3], *([] if qtype == QT.Q2_K else [d]))
 
 
 def test_repack_kq_refuses_what_it_cannot_lay_out(path):
     from gguf import GGMLQuantizationType as QT
 
     raw = torch.from_numpy(raw_matrix(QT.Q6_K, 16, 512, seed=1))
-    with pytest.raises(RuntimeError, match="repack_kq: type 12 is not Q6_K or Q3_K"):
+    with pytest.raises(RuntimeError, match="repack_kq: type 12 is not Q6_K, Q3_K or Q2_K"):
         path.repack_kq([raw], int(QT.Q4_K), torch.arange(16), 512, 16)
     with pytest.raises(RuntimeError, match="repack_kq: needs matrices of a width divisible by 256"):
         path.repack_kq([raw], int(QT.Q6_K), torch.arange(16), 384, 16)

@@ -138,16 +138,16 @@ def test_batched_decoding_equals_each_row_alone(tiny_gguf, kind, path):
         assert torch.equal(s.logits, one.logits), (kind, path)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q5_K_M", "Q3_K_M"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q3_K", "Q2_K", "Q5_K_M", "Q3_K_M"])
 def test_k_quants_at_their_own_width_give_the_logits_of_the_int8_layout(tiny_gguf, kind, monkeypatch):
-    """Where a path holds Q6_K and Q3_K matrices at their own width (kq), a model's logits are
-    those of the same path holding them in the int8 op's layout, bit for bit, from fewer bytes
-    of weights."""
+    """Where a path holds Q6_K, Q3_K and Q2_K matrices at their own width (kq), a model's logits
+    are those of the same path holding them in the int8 op's layout, bit for bit, from fewer
+    bytes of weights."""
     import dataclasses
 
     tiles = [p for p in PATHS if p != "torch" and kernels.cpu_kernels(p).kq is not None]
     if not tiles:
-        pytest.skip("no path here holds Q6_K and Q3_K at their own width")
+        pytest.skip("no path here holds the k-quants at their own width")
     path = model_path(tiny_gguf, kind)
     own = engine.load_model(path, cpu_kernels=tiles[0], kv_type="f32")
     real = kernels.cpu_kernels

@@ -176,8 +176,8 @@ def test_int4_types_in_int8_form_are_the_same_weights(qtype):
 @pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q6_K, QT.F16, QT.F32, QT.BF16, *NEW_TYPES], ids=lambda q: q.name)
 def test_other_types_keep_the_file_weights_and_rows_independent(qtype, rows, cpu):
     """Each type's matrix on each path: the int8 op (float32 activations), the int4 op with
-    codes where the path takes them (activations rounded to bfloat16), Q6_K and Q3_K at their
-    own width where the path has them (float32 activations), float16 otherwise; the file's weights, counted in
+    codes where the path takes them (activations rounded to bfloat16), Q6_K, Q3_K and Q2_K at
+    their own width where the path has them (float32 activations), float16 otherwise; the file's weights, counted in
     nbytes, and a row's result independent of the others."""
     raw = encoded(qtype, rows=rows, cols=512, seed=4)
     round_x = False
@@ -195,11 +195,12 @@ def test_other_types_keep_the_file_weights_and_rows_independent(qtype, rows, cpu
         assert lin.nbytes == padded * 256 + padded * 512 // 32 * 2 * lin.scales_zeros.element_size() + codes + rows * 4
         w = exact
         round_x = True
-    elif qtype in (QT.Q6_K, QT.Q3_K) and cpu.kq is not None:  # their own width, int8 and float16 scales
+    elif qtype in (QT.Q6_K, QT.Q3_K, QT.Q2_K) and cpu.kq is not None:  # their own width, scale bytes, d (dmin)
         padded = rows + -rows % 16
-        bits = 6 if qtype == QT.Q6_K else 3
+        bits, supers = {QT.Q6_K: (6, 1), QT.Q3_K: (3, 1), QT.Q2_K: (2, 2)}[qtype]
         assert isinstance(lin, KQuantLinear) and lin.in_features == 512
-        assert lin.nbytes == padded * 512 * bits // 8 + padded * 512 // 16 + padded * 512 // 256 * 2 + rows * 4
+        assert lin.nbytes == (padded * 512 * bits // 8 + padded * 512 // 16 + padded * 512 // 256 * 2 * supers
+                              + rows * 4)
         w = exact
     elif qtype in INT8_GROUPS:  # 8-bit q and their scales: exactly the file's weights
         padded = rows + -rows % 16  # whole blocks of 16 columns
