@@ -45,16 +45,25 @@ class CapacityError(Exception):
     """The requested sessions do not fit in the device's memory."""
 
 
-def available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
+def meminfo_bytes(field: str) -> int | None:
+    """A /proc/meminfo field ("MemAvailable", "SwapFree", ...) in bytes; None where the file or
+    the field is missing (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
-    except OSError:  # not Linux
+    except OSError:
         pass
+    return None
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
     except (ValueError, OSError):  # unknown here: no size is refused for want of memory

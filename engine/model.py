@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from engine import kernels
-from engine.batch import available_bytes
+from engine.batch import available_bytes, meminfo_bytes
 from engine.chat_template import ChatTemplate
 from engine.config import ModelConfig, UnsupportedModel
 from engine.gguf_file import GGUFError, read_gguf
@@ -231,13 +231,7 @@ def memory_for_weights(device: torch.device) -> int:
     available memory and free swap (a load that swaps is slow, not impossible)."""
     if device.type != "cpu":
         return available_bytes(device)
-    swap = 0
-    try:
-        with open("/proc/meminfo") as f:
-            swap = next((int(line.split()[1]) * 1024 for line in f if line.startswith("SwapFree:")), 0)
-    except OSError:
-        pass
-    return available_bytes(device) + swap
+    return available_bytes(device) + (meminfo_bytes("SwapFree") or 0)
 
 
 def load_model(path: str | os.PathLike | None = None, *, ctx: int | None = None, device: str = "cpu",

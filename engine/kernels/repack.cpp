@@ -223,16 +223,14 @@ inline void int8_group(int64_t qtype, const uint8_t* row, int64_t b, int8_t q[32
     }
     return;
   }
-  if (qtype == Q2_K) {  // [scales: 16][qs: 64][d][dmin]: value 32 j + i's 2 bits at shift
-                        // 2 (j % 4) of qs byte 32 (j / 4) + i; scale and minimum nibbles per 16
+  if (qtype == Q2_K) {  // the same reading, a scale and a minimum nibble per 16 values
     const uint8_t* blk = row + (b / 8) * 84;
     const int j = static_cast<int>(b % 8);
-    const uint8_t* qs = blk + 16 + 32 * (j / 4);
-    for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>((qs[i] >> (2 * (j % 4))) & 3);
+    for (int i = 0; i < 32; ++i) q[i] = static_cast<int8_t>(kq_code(qtype, blk, 32 * j + i));
     for (int h = 0; h < 2; ++h) {
-      const int s = 2 * j + h;  // the scale and minimum of values 16 s .. 16 s + 15
-      scale[h] = f16(blk + 80) * static_cast<float>(blk[s] & 0x0F);
-      minimum[h] = -(f16(blk + 82) * static_cast<float>(blk[s] >> 4));
+      const int nibbles = static_cast<uint8_t>(kq_scale(qtype, blk, 2 * j + h));
+      scale[h] = f16(blk + 80) * static_cast<float>(nibbles & 0x0F);
+      minimum[h] = -(f16(blk + 82) * static_cast<float>(nibbles >> 4));
     }
     return;
   }
