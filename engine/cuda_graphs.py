@@ -16,16 +16,19 @@ graph) and the next step's table points at its new memory.  A batch of N rows re
 smallest bucket >= N; the unused rows decode token 0 at position 0 into a one-position scratch
 cache, and their outputs are dropped.
 
-The rest of the step is the model's own code (`LlamaModel.decode_layers`), so the graph runs the
-same kernels as eager decoding except attention, where the Triton kernels replace the torch
-ops (writing bfloat16, which the output projection rounds its input to anyway), and RMSNorm
-and SwiGLU, one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
-`fused = False` keeps torch's, for graphs captured after the change).  With the residual
-adds inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is
-about 310 kernels (520 before those changes).  Tests compare greedy tokens and logits
-with the eager CUDA path and the CPU float32 path.  Graphs share one memory pool; each step's outputs
-are copied out before the next replay.  A bucket's first step captures it (tens of
-milliseconds after a one-off Triton compile); `capture_seconds` sums that time.
+The step itself is the family's (`GraphNetwork.graph_step`, given the table, the base and the
+attention's workspace), so the graph runs the same kernels as eager decoding except attention.
+The llama family (`LlamaModel.graph_step`, its `decode_layers`) attends with the Triton kernels
+(writing bfloat16, which the output projection rounds its input to anyway) and takes RMSNorm
+and SwiGLU as one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
+`fused = False` keeps torch's, for graphs captured after the change).  With the residual adds
+inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is about 310
+kernels (520 before those changes).  The deepseek2 family (`DeepSeek2Model.graph_step`) attends
+with the latent kernel (`engine.cuda_attention.latent_attention`) on its one-row-per-position
+cache; the scratch cache's shape follows the family's `cache_layout`.  Tests compare logits and
+greedy tokens with the eager CUDA path and the CPU float32 path.  Graphs share one memory pool;
+each step's outputs are copied out before the next replay.  A bucket's first step captures it
+(tens of milliseconds after a one-off Triton compile); `capture_seconds` sums that time.
 
 `run` waits for its step; `launch` only enqueues it and returns a `PendingStep` that settles
 later, and a launched step may take its token from an earlier step's greedy ids on the device,
@@ -42,31 +45,54 @@ host time around 3 ms of GPU work).  Its graphs are captured per bucket like the
 ones, apart from them.
 
 Not used on CPU, for more rows than the largest bucket, or where Triton is missing
-(`usable`); `LlamaModel.decode` then runs the eager step, as it does from then on when a
-capture fails (`disabled_reason` says why).  It does not sample or know about sessions.
+(`usable`); the network's `decode` (engine.models.common) then runs the eager step, as it does
+from then on when a capture fails (`disabled_reason` says why).  It does not sample or know
+about sessions.
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine import cuda_attention, cuda_elementwise
+from engine.config import ModelConfig
 from engine.device_sampling import StepLogits, eos_tensor, greedy_pair
-from engine.kvcache import KVCache
-
-if TYPE_CHECKING:
-    from engine.models.llama import LlamaModel
+from engine.kvcache import CacheLayout, KVCache
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Prefills of up to this many tokens replay the prefill steps (`DecodeGraphs.prefill`), 64 rows
+# a replay; longer ones run eagerly.
+PREFILL_GRAPH_TOKENS = 256
 ENV_SWITCH = "DS4_CUDA_GRAPHS"  # "0" turns graph decoding off
 
 
 def usable(device: torch.device) -> bool:
     return (device.type == "cuda" and cuda_attention.AVAILABLE
             and os.environ.get(ENV_SWITCH, "1") != "0")
+
+
+class GraphNetwork(Protocol):
+    """What a family's network gives the graphs: its shape and caches, the scratch its attention
+    needs, and the step itself."""
+
+    cfg: ModelConfig
+    device: torch.device
+    fmt: str
+
+    def cache_layout(self) -> CacheLayout: ...
+
+    def graph_workspace(self, n_rows: int, n_ctx: int, out_dtype: torch.dtype) -> cuda_attention.Workspace:
+        """The attention's scratch for steps of n_rows rows against caches of n_ctx positions."""
+
+    def graph_step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
+                   kernels: cuda_elementwise.FusedStepKernels | None, shared: bool) -> torch.Tensor:
+        """One decoding step of the table's rows [B, ROW_FIELDS] (token, position, cache
+        address from `base`): stores their cache rows, returns logits [B, n_vocab] float32.
+        `kernels` (where set) are the fused norms and SwiGLU; `shared`: the rows are one
+        cache's consecutive positions (a prefill).  No host synchronisation."""
 
 
 class GraphsUnavailable(RuntimeError):
@@ -143,7 +169,7 @@ class _Captured:
 
 
 class DecodeGraphs:
-    def __init__(self, net: "LlamaModel"):
+    def __init__(self, net: GraphNetwork):
         self.net = net
         self.enabled = True
         self.fused = True  # RMSNorm and SwiGLU as Triton kernels (engine.cuda_elementwise); read at capture
@@ -167,15 +193,15 @@ class DecodeGraphs:
     def _base(self, dtype: torch.dtype) -> torch.Tensor:
         """A one-position cache: the padding rows' target and the base that offsets count from."""
         if dtype not in self._scratch:
-            cfg = self.net.cfg
-            self._scratch[dtype] = torch.zeros((cfg.n_layer, 2, cfg.n_head_kv, 1, cfg.head_dim),
+            lay = self.net.cache_layout()
+            self._scratch[dtype] = torch.zeros((self.net.cfg.n_layer, lay.parts, lay.heads, 1, lay.width),
                                                dtype=dtype, device=self.net.device)
         return self._scratch[dtype]
 
     @staticmethod
     def _place(kv: torch.Tensor, base: torch.Tensor) -> tuple[int, int, int, int]:
         """(offset from base, layer stride, V offset, head stride) in elements of a cache's kv
-        [n_layer, 2, n_head_kv, capacity, head_dim] (a view into a pool or its own tensor)."""
+        [n_layer, parts, heads, capacity, width] (a view into a pool or its own tensor)."""
         offset, rem = divmod(kv.data_ptr() - base.data_ptr(), kv.element_size())
         if rem:
             raise ValueError("cache memory is not aligned to its element size")
@@ -198,26 +224,16 @@ class DecodeGraphs:
     # --- capture ---
     def _step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
               eos_index: torch.Tensor | None, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        net, cfg = self.net, self.net.cfg
-        H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        tokens = table[:, cuda_attention.TOKEN]
-        rope = net.rope[table[:, cuda_attention.POS]].unsqueeze(1)  # [B, 1, D/2]
-
-        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
-            return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D, store_first=shared)
-
-        kernels = cuda_elementwise.FusedStepKernels(cfg.norm_eps, self.compute_dtype()) if self.fused else None
-        logits = net.decode_layers(tokens, rope, attend, kernels)  # [B, n_vocab]
+        kernels = cuda_elementwise.FusedStepKernels(self.net.cfg.norm_eps, self.compute_dtype()) if self.fused else None
+        logits = self.net.graph_step(table, base, work, kernels, shared)  # [B, n_vocab]
         return logits, greedy_pair(logits, eos_index)
 
     def _capture(self, b: int, dtype: torch.dtype, eos_ids: frozenset[int], n_ctx: int, shared: bool) -> _Captured:
         t0 = time.perf_counter()
         device = self.net.device
-        cfg = self.net.cfg
         base = self._base(dtype)
         table = torch.zeros((b, cuda_attention.ROW_FIELDS), dtype=torch.long, device=device)
-        work = cuda_attention.Workspace(b, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, device,
-                                        self.compute_dtype() if self.fused else torch.float32)
+        work = self.net.graph_workspace(b, n_ctx, self.compute_dtype() if self.fused else torch.float32)
         eos_index = eos_tensor(eos_ids, device)
         cap = _Captured(None, table, b, None, None, work, eos_index)  # type: ignore[arg-type]
         self._fill(cap, cap.next_slot(), [], base)  # every row padding: warm-up and capture write only scratch

@@ -62,7 +62,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig, UnsupportedModel
-from engine.device_sampling import DeviceLogits, StepLogits
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import ATTENTION_CACHE_DTYPES, CpuKernels, attention_fits
@@ -227,7 +226,6 @@ class GemmaModel(CachedNetwork):
         # Inverse frequencies per layer kind, with the global layers' linear scaling folded in.
         self.inv_freq = {True: prm.local_rope_base ** -half,
                          False: prm.global_rope_base ** -half / prm.global_rope_scale}
-        self.decode_graphs = None  # the CUDA graphs serve the llama family only
         # A prefill chunk attends in one masked batch (CUDA), or row by row as decoding does
         # (CPU: prefill and decoding then agree bit for bit).
         self.batched_prefill = device.type != "cpu"
@@ -484,18 +482,3 @@ class GemmaModel(CachedNetwork):
         if logits == "last":
             return outs[-1]
         return torch.cat(outs) if logits == "all" else None
-
-    @torch.inference_mode()
-    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
-        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
-        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
-
-    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
-                        cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
-        tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
-        return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
-
-    def decode_ahead(self, token: int | None, cache: KVCache, eos_ids: frozenset[int], ahead: int,
-                     after: Any = None, column: int = 0) -> None:
-        """No step is launched ahead (that needs captured CUDA graphs): the caller decodes as usual."""
-        return None

@@ -61,8 +61,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.config import ModelConfig, UnsupportedModel
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
-from engine import cuda_elementwise, cuda_graphs
-from engine.device_sampling import DeviceLogits, StepLogits
+from engine import cuda_attention, cuda_elementwise, cuda_graphs
 from engine.kernels import ATTENTION_CACHE_DTYPES, CpuKernels, attention_fits
 from engine.kvcache import KVCache, KVPool
 from engine.models.common import CachedNetwork
@@ -75,9 +74,6 @@ from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_floa
 # length on an H200, against a 25 ms prefill of 91 tokens), so short cases of varied lengths
 # paid it again and again.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-# Prefills of up to this many tokens replay the decoding graphs' prefill steps on CUDA
-# (engine.cuda_graphs.DecodeGraphs.prefill), 64 rows a replay; longer ones run eagerly.
-PREFILL_GRAPH_TOKENS = 256
 
 
 class StepKernels(Protocol):
@@ -452,6 +448,22 @@ class LlamaModel(CachedNetwork):
             self.feed_forward(blk, x, ops)
         return self.head(x, ops)
 
+    def graph_workspace(self, n_rows: int, n_ctx: int, out_dtype: torch.dtype) -> cuda_attention.Workspace:
+        """engine.cuda_graphs.GraphNetwork: the Triton decode attention's scratch."""
+        cfg = self.cfg
+        return cuda_attention.Workspace(n_rows, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, self.device, out_dtype)
+
+    def graph_step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
+                   kernels: StepKernels | None, shared: bool) -> torch.Tensor:
+        """engine.cuda_graphs.GraphNetwork: decode_layers with the Triton attention reading each
+        row's cache from the table."""
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
+        rope = self.rope[table[:, cuda_attention.POS]].unsqueeze(1)  # [B, 1, D/2]
+
+        def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
+            return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D, store_first=shared)
+        return self.decode_layers(table[:, cuda_attention.TOKEN], rope, attend, kernels)
+
     def decode_layers_in_blocks(self, tokens: torch.Tensor, rope: torch.Tensor,
                                 attend: Callable[[int, torch.Tensor], torch.Tensor],
                                 where: Callable[[int], tuple[list[torch.Tensor], list[int]]]) -> torch.Tensor:
@@ -476,67 +488,6 @@ class LlamaModel(CachedNetwork):
             else:
                 self.feed_forward(blk, x, ops)
         return self.head(x, ops)
-
-    @torch.inference_mode()
-    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
-        """forward_rows for a list of token ids, returning the step's logits as `StepLogits`:
-        on CUDA through a captured graph where one applies, with only greedy ids copied to the
-        host; on CPU the same tensor forward_rows returns."""
-        if self.decode_graphs is not None and self.decode_graphs.accepts(caches):
-            try:
-                return self.decode_graphs.run([int(t) for t in tokens], caches, eos_ids)
-            except cuda_graphs.GraphsUnavailable:
-                pass  # graphs turned themselves off; this and later steps run eagerly
-        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
-        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
-
-    def decode_started(self, tokens: list[int], caches: list[KVCache],
-                       eos_ids: frozenset[int] = frozenset()) -> Callable[[], StepLogits]:
-        """`decode` in two halves: under a captured graph the step is launched and the returned
-        call waits for it and advances the caches, so the host can work while the GPU computes;
-        otherwise the step is computed before this returns."""
-        if self.decode_graphs is not None and self.decode_graphs.accepts(caches):
-            try:
-                pending = self.decode_graphs.launch([int(t) for t in tokens], caches, eos_ids)
-            except cuda_graphs.GraphsUnavailable:
-                pass
-            else:
-                def finish() -> StepLogits:
-                    out = pending.result()
-                    for c in caches:
-                        c.n += 1
-                    return out
-                return finish
-        return super().decode_started(tokens, caches, eos_ids)
-
-    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
-                        cancel: Callable[[], bool] | None = None) -> "torch.Tensor | DeviceLogits":
-        """One token appended to `cache`: the logits row a session keeps (see decode).  Without
-        a graph it is `forward`'s one-token step, as a session's frontier always was."""
-        if self.decode_graphs is not None and self.decode_graphs.accepts([cache]):
-            if cancel is not None and cancel():
-                raise Cancelled("cancelled before a one-token step")
-            try:
-                return self.decode_graphs.run([int(token)], [cache], eos_ids).row(0)
-            except cuda_graphs.GraphsUnavailable:
-                pass
-        tokens = torch.tensor([int(token)], dtype=torch.long, device=self.device)
-        return StepLogits.of(self.forward(tokens, cache.n, cache, cancel=cancel).unsqueeze(0), eos_ids).row(0)
-
-    def decode_ahead(self, token: int | None, cache: KVCache, eos_ids: frozenset[int], ahead: int,
-                     after: "cuda_graphs.PendingStep | None" = None,
-                     column: int = 0) -> "cuda_graphs.PendingStep | None":
-        """Launch the one-row step of `token` (or of `after`'s greedy id in `column`) at position
-        cache.n + ahead without waiting for it, where a captured graph takes this cache; None
-        where none does (the caller decodes as usual).  The cache's length is not changed."""
-        g = self.decode_graphs
-        if g is None or not g.accepts([cache]) or cache.n + ahead >= cache.n_ctx:
-            return None
-        try:
-            return g.launch([0 if token is None else int(token)], [cache], eos_ids, ahead=ahead,
-                            after=after, column=column, keep_ids=True)
-        except cuda_graphs.GraphsUnavailable:
-            return None
 
     def _prefill_attention(self, li: int, q: torch.Tensor, cache: KVCache, start: int, mask: torch.Tensor | None,
                            causal: bool) -> torch.Tensor:
@@ -585,18 +536,9 @@ class LlamaModel(CachedNetwork):
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         end = start + T
         cache.reserve(end)
-        graphs = self.decode_graphs
-        if graphs is not None and T <= PREFILL_GRAPH_TOKENS and graphs.accepts([cache]):
-            # A short prefill as graph replays: its kernels launched by the graph, not from Python.
-            if cancel is not None and cancel():
-                raise Cancelled(f"cancelled before a {T}-token step")
-            try:
-                out = graphs.prefill(tokens.tolist(), cache, start, logits)
-            except cuda_graphs.GraphsUnavailable:
-                pass  # graphs turned themselves off, nothing written: the eager prefill below
-            else:
-                cache.n = end
-                return out
+        done, out = self.graph_prefill(tokens, start, cache, logits, cancel)
+        if done:
+            return out
         rope = self.rope_for(cache.n_ctx)[start:end].unsqueeze(1)  # [T, 1, D/2]
         mask, causal = None, T > 1 and start == 0
         windowed = self.window is not None and end > self.window

@@ -78,9 +78,9 @@ def test_graph_prefill_equals_eager_prefill(tiny_gguf, length):
     longer ones eagerly: the same logits within the eager/graph bound, the same cache, and the
     greedy continuation equal.  (A sync prefills all but the last token, which is a decoding
     step.)"""
-    from engine.models.llama import PREFILL_GRAPH_TOKENS
+    from engine.cuda_graphs import PREFILL_GRAPH_TOKENS
 
-    graphs, eager = cuda_pair(tiny_gguf("llama", "Q4_1"))
+    graphs, eager = cuda_pair(tiny_gguf("llama", "Q4_1", n_ctx=512))  # room for the longest prompt
     prompt = (TOKENS * 20)[:length]
     out = []
     for m in (graphs, eager):
