@@ -27,8 +27,18 @@ eager decoding, queries and probabilities enter the products in the cache's dtyp
 caches: full float32 products) with float32 accumulation; the softmax is float32; the new key
 and value enter rounded to the cache's dtype, as they would be read back.
 
-`reference_attention` is the same function in torch ops, for tests.  Without Triton
-(`AVAILABLE` is False) nothing here can run; callers keep their torch paths.
+`latent_attention(q, new, rows, layer, kv_base, work, ...)` is the same for multi-head latent
+attention (engine.models.deepseek2): every position caches one row of `rank + rope` values
+(the latent, then the shared rotated key part), every head's key is that whole row and its
+value the latent part.  `q` [B, H, rank + rope] holds each head's absorbed query and its rotated
+part, `new` [B, rank + rope] each row's new cache row; the result is each head's attention-
+weighted latent [B, H * rank].  One program serves 16 heads of a row's piece of positions, so
+each cached row is read once per 16 heads; the products run on the tensor cores as above.  Its
+workspace (`Workspace.latent`) bounds the partial results' memory, which the latent's width
+would otherwise make large at many rows and long contexts.
+
+`reference_attention` and `reference_latent` are the same functions in torch ops, for tests.
+Without Triton (`AVAILABLE` is False) nothing here can run; callers keep their torch paths.
 It does not compute projections or rope, and knows nothing of sessions.
 """
 from __future__ import annotations
@@ -48,6 +58,11 @@ AVAILABLE = triton is not None
 TOKEN, POS, K_OFFSET, LAYER_STRIDE, V_OFFSET, HEAD_STRIDE = range(6)
 ROW_FIELDS = 6
 BLOCK_N = 32  # positions per inner iteration
+LATENT_HEADS = 16  # query heads per latent program (the tensor cores' smallest tile)
+LATENT_BLOCK = 16  # positions per inner iteration of a latent program (a 512-wide row is 1 KB)
+LATENT_WARPS = 4
+MERGE_WIDTH = 128  # output values per merging program
+LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 
 
 def split_size(n_rows: int, n_head_kv: int, n_ctx: int) -> int:
@@ -60,18 +75,32 @@ def split_size(n_rows: int, n_head_kv: int, n_ctx: int) -> int:
     return split
 
 
+def _padded(n: int) -> int:
+    return max(triton.next_power_of_2(n), 16) if AVAILABLE else n
+
+
 class Workspace:
-    """Per-launch-shape scratch for the partial results (kept by a captured graph)."""
+    """Per-launch-shape scratch for the partial results (kept by a captured graph): `n_head`
+    outputs of `head_dim` values per row, with `n_head_kv` programs per row and piece."""
 
     def __init__(self, n_rows: int, n_head: int, head_dim: int, n_ctx: int, n_head_kv: int,
-                 device: torch.device, out_dtype: torch.dtype = torch.float32):
+                 device: torch.device, out_dtype: torch.dtype = torch.float32, max_part_bytes: int | None = None):
         self.split = split_size(n_rows, n_head_kv, n_ctx)
+        self.dp = _padded(head_dim)
+        if max_part_bytes is not None:
+            while self.split < n_ctx and n_rows * n_head * -(-n_ctx // self.split) * self.dp * 4 > max_part_bytes:
+                self.split *= 2
         self.n_split = -(-n_ctx // self.split)
-        self.dp = max(triton.next_power_of_2(head_dim), 16) if AVAILABLE else head_dim
         self.part = torch.empty((n_rows, n_head, self.n_split, self.dp), dtype=torch.float32, device=device)
         self.stat = torch.empty((n_rows, n_head, self.n_split, 2), dtype=torch.float32, device=device)
         # The output projection's input dtype: bfloat16 where it rounds its input to that anyway.
         self.out = torch.empty((n_rows, n_head * head_dim), dtype=out_dtype, device=device)
+
+    @classmethod
+    def latent(cls, n_rows: int, n_head: int, rank: int, n_ctx: int, device: torch.device) -> "Workspace":
+        """Scratch for `latent_attention`: float32 outputs of `rank` values per head."""
+        return cls(n_rows, n_head, rank, n_ctx, -(-n_head // LATENT_HEADS), device,
+                   max_part_bytes=LATENT_PART_BYTES)
 
 
 if AVAILABLE:
@@ -165,14 +194,14 @@ if AVAILABLE:
     @triton.jit
     def _merge_pieces(part_ptr, stat_ptr, rows_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr,
-                      NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr):
+                      NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr, DB: tl.constexpr):
         b = tl.program_id(0)
         hh = tl.program_id(1)
         length = tl.load(rows_ptr + b * FIELDS + 1).to(tl.int32) + 1
         n_used = (length + SPLIT - 1) // SPLIT
         s = tl.arange(0, NSP)
         sm = s < n_used
-        d = tl.arange(0, DP)
+        d = tl.program_id(2) * DB + tl.arange(0, DB)  # this program's DB of the DP values
         where = (b * H + hh) * NSPLIT + s
         m = tl.load(stat_ptr + where * 2, mask=sm, other=float("-inf"))
         l = tl.load(stat_ptr + where * 2 + 1, mask=sm, other=0.0)
@@ -181,6 +210,81 @@ if AVAILABLE:
         num = tl.sum(w[:, None] * acc, axis=0)
         den = tl.sum(w * l, axis=0)
         tl.store(out_ptr + b * (H * D) + hh * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
+
+    @triton.jit
+    def _attend_latent(q_ptr, new_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale,
+                       H: tl.constexpr, GH: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
+                       E: tl.constexpr, EP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
+                       BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr):
+        b = tl.program_id(0)
+        hg = tl.program_id(1)
+        s = tl.program_id(2)
+        W: tl.constexpr = R + E  # a cached row: the latent, then the rotated key part
+        row = rows_ptr + b * FIELDS
+        p_new = tl.load(row + 1).to(tl.int32)
+        base = kv_ptr + tl.load(row + 2) + layer * tl.load(row + 3)
+        heads = hg * GH + tl.arange(0, GH)
+        hm = heads < H
+        r = tl.arange(0, RP)
+        e = tl.arange(0, EP)
+        rm = r < R
+        em = e < E
+        dt = kv_ptr.dtype.element_ty
+        q_rows = q_ptr + (b * H + heads)[:, None] * W
+        q_lat = (tl.load(q_rows + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0) * scale).to(dt)
+        q_rope = (tl.load(q_rows + R + e[None, :], mask=hm[:, None] & em[None, :], other=0.0) * scale).to(dt)
+        new_lat = tl.load(new_ptr + b * W + r, mask=rm, other=0.0).to(dt)
+        new_rope = tl.load(new_ptr + b * W + R + e, mask=em, other=0.0).to(dt)
+        lo = s * SPLIT
+        hi = tl.minimum(lo + SPLIT, p_new + 1)
+        if STORE:
+            # Stored by the first head group's program whose piece holds p_new.
+            if (hg == 0) & (p_new >= lo) & (p_new < lo + SPLIT):
+                tl.store(base + p_new * W + r, new_lat, mask=rm)
+                tl.store(base + p_new * W + R + e, new_rope, mask=em)
+
+        m_i = tl.full([GH], float("-inf"), tl.float32)
+        l_i = tl.zeros([GH], tl.float32)
+        acc = tl.zeros([GH, RP], tl.float32)
+        for j in range(0, SPLIT, BLOCK):
+            if lo + j < hi:
+                n = lo + j + tl.arange(0, BLOCK)
+                nm = n < hi
+                is_new = (n == p_new)[:, None]
+                lat = tl.load(base + n[:, None] * W + r[None, :], mask=nm[:, None] & rm[None, :], other=0.0)
+                lat = tl.where(is_new, new_lat[None, :], lat)  # [BLOCK, RP]
+                rot = tl.load(base + n[:, None] * W + R + e[None, :], mask=nm[:, None] & em[None, :], other=0.0)
+                rot = tl.where(is_new, new_rope[None, :], rot)  # [BLOCK, EP]
+                if IEEE:
+                    sc = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
+                    sc += tl.dot(q_rope, tl.trans(rot), input_precision="ieee")
+                else:
+                    sc = tl.dot(q_lat, tl.trans(lat))
+                    sc += tl.dot(q_rope, tl.trans(rot))  # [GH, BLOCK] float32
+                sc = tl.where(nm[None, :], sc, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(sc - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                if IEEE:
+                    pv = tl.dot(p, lat, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(dt), lat)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+        where = (b * H + heads) * NSPLIT + s
+        tl.store(part_ptr + where[:, None] * RP + r[None, :], acc, mask=hm[:, None])
+        tl.store(stat_ptr + where * 2, m_i, mask=hm)
+        tl.store(stat_ptr + where * 2 + 1, l_i, mask=hm)
+
+    @triton.jit
+    def _store_latent(new_ptr, kv_ptr, rows_ptr, layer, W: tl.constexpr, WP: tl.constexpr, FIELDS: tl.constexpr):
+        b = tl.program_id(0)
+        row = rows_ptr + b * FIELDS
+        base = kv_ptr + tl.load(row + 2) + layer * tl.load(row + 3)
+        w = tl.arange(0, WP)
+        new = tl.load(new_ptr + b * W + w, mask=w < W, other=0.0).to(kv_ptr.dtype.element_ty)
+        tl.store(base + tl.load(row + 1) * W + w, new, mask=w < W)
 
 
 def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
@@ -199,10 +303,53 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
         STORE=not store_first, num_warps=4)
-    _merge_pieces[(B, H)](
-        work.part, work.stat, rows, work.out, H=H, D=D, DP=work.dp, SPLIT=work.split,
-        NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, num_warps=4)
+    _merge(work, rows, B, H, D)
     return work.out
+
+
+def _merge(work: Workspace, rows: torch.Tensor, B: int, H: int, D: int) -> None:
+    """work.out <- the pieces' partial results merged, each head's D values in programs of
+    MERGE_WIDTH (one program where D fits in one)."""
+    db = min(work.dp, MERGE_WIDTH)
+    _merge_pieces[(B, H, work.dp // db)](
+        work.part, work.stat, rows, work.out, H=H, D=D, DP=work.dp, SPLIT=work.split,
+        NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, DB=db, num_warps=4)
+
+
+def latent_attention(q: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
+                     work: Workspace, rank: int, scale: float, store_first: bool = False) -> torch.Tensor:
+    """[B, H * rank] float32: each head's softmax(scale * q . cached rows) over the row's
+    positions 0..p, applied to the latent parts (see the module's docstring).  q [B, H, W] and
+    new [B, W] contiguous, W = rank + rope width of the cache's rows; `store_first` as in
+    decode_attention."""
+    B, H, W = q.shape
+    if store_first:
+        _store_latent[(B,)](new, kv_base, rows, layer, W=W, WP=triton.next_power_of_2(W), FIELDS=ROW_FIELDS,
+                            num_warps=4)
+    _attend_latent[(B, -(-H // LATENT_HEADS), work.n_split)](
+        q, new, kv_base, rows, work.part, work.stat, layer, scale,
+        H=H, GH=LATENT_HEADS, R=rank, RP=work.dp, E=W - rank, EP=_padded(W - rank), SPLIT=work.split,
+        NSPLIT=work.n_split, BLOCK=LATENT_BLOCK, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
+        STORE=not store_first, num_warps=LATENT_WARPS)
+    _merge(work, rows, B, H, rank)
+    return work.out
+
+
+def reference_latent(q: torch.Tensor, new: torch.Tensor, layers: list[torch.Tensor], positions: list[int],
+                     rank: int, scale: float) -> torch.Tensor:
+    """Torch ops: stores each row's new cache row into its layer cache [capacity, W] at its
+    position, then attends with latent_attention's roundings (queries and probabilities in the
+    cache's dtype, float32 arithmetic) -> [B, H * rank] float32.  Rows sharing a layer at
+    consecutive positions see each other as a prefill's rows do."""
+    for i, (layer, p) in enumerate(zip(layers, positions)):
+        layer[p] = new[i].to(layer.dtype)
+    out = []
+    for i, (layer, p) in enumerate(zip(layers, positions)):
+        cached = layer[: p + 1].float()  # [L, W]
+        qs = (q[i] * scale).to(layer.dtype).float()  # [H, W]
+        probs = torch.softmax(qs @ cached.T, dim=-1).to(layer.dtype).float()
+        out.append((probs @ cached[:, :rank]).reshape(-1))
+    return torch.stack(out)
 
 
 def reference_attention(qkv: torch.Tensor, layer_kvs: list[torch.Tensor], positions: list[int],

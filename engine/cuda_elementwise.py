@@ -1,7 +1,8 @@
 """The elementwise steps of a CUDA decoding step, one Triton kernel each, writing the dtype
 the next matmul reads.
 
-- `rms_norm(x, w, eps, out_dtype)`: x [N, n] float32 (contiguous rows), w [n] float32 ->
+- `rms_norm(x, w, eps, out_dtype)`: x [N, n] float32 (rows of contiguous elements, which may
+  be slices of wider rows), w [n] float32 ->
   x * rsqrt(mean(x^2) + eps) * w, one program per row, float32 arithmetic.  The torch
   expression (`engine.models.llama.TorchKernels.norm`, then the matmul's cast) is five elementwise and reduction
   kernels and a cast.  The mean square is summed in another order than torch's, so results
@@ -33,11 +34,11 @@ if AVAILABLE:
     from triton.language.extra import libdevice
 
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, out_ptr, n, eps, BLOCK: tl.constexpr):
+    def _rms_norm(x_ptr, w_ptr, out_ptr, n, x_stride, eps, BLOCK: tl.constexpr):
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         m = c < n
-        x = tl.load(x_ptr + r * n + c, mask=m, other=0.0)
+        x = tl.load(x_ptr + r * x_stride + c, mask=m, other=0.0)
         w = tl.load(w_ptr + c, mask=m, other=0.0)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         tl.store(out_ptr + r * n + c, (x * inv * w).to(out_ptr.dtype.element_ty), mask=m)
@@ -121,11 +122,11 @@ def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Ten
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     rows, n = x.shape
-    if x.stride(1) != 1 or x.stride(0) != n:
+    if x.stride(1) != 1:  # rows may lie apart (a slice of wider rows), their elements may not
         x = x.contiguous()
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    _rms_norm[(rows,)](x, w, out, n, eps, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    _rms_norm[(rows,)](x, w, out, n, x.stride(0), eps, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out
 
 

@@ -41,17 +41,24 @@ the selection only; with `expert_group_count` > 1 a token's experts come from th
 `expert_group_used_count` groups whose two best biased scores sum highest; the top-k (ties to
 the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
-float32, one row at a time.  On CPU the dense, routed and shared FFNs add into the residual
-themselves (qwen_moe's `add_experts_cpu` and `Expert.add_to`: fused SwiGLU, fused add).  On
+float32, one row at a time.  The dense and shared FFNs add into the residual themselves
+(`Expert.add_to`: fused SwiGLU, fused add), and on CPU the routed ones too (qwen_moe's
+`add_experts_cpu`).  On
 CUDA with packed weights the routed experts are engine.cuda_moe's stacked experts
 (engine.models.qwen_moe.routed_experts), routed by engine.cuda_moe.route_grouped (this rule in
 one kernel) and added to the residual stream with no read-back to the host; elsewhere the
 per-expert dispatch, which reads the routing back once per layer.
 
+On CUDA with the experts stacked (or none), decoding steps and short prefills are captured in
+CUDA graphs (engine.cuda_graphs, through `graph_step`): the same projections, norms and FFN as
+the eager step, with the attention of each row done by engine.cuda_attention's latent kernel,
+which reads the row's cache address and position from the graph's table, stores its new cache
+row and attends in latent space (queries and probabilities in the cache's dtype, float32
+accumulation, where the eager step widens the cache to float32).  Greedy sessions then run
+steps ahead as the llama family's do.
+
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
-engine.models.ARCHITECTURES.  Decoding steps are not captured in CUDA graphs (latent attention
-has no graph path: a step copies its rows' positions to the device as it starts) and no step
-is launched ahead.  It reads no files and knows nothing of tokens' text or sessions.
+engine.models.ARCHITECTURES.  It reads no files and knows nothing of tokens' text or sessions.
 """
 from __future__ import annotations
 
@@ -61,9 +68,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from engine import cuda_moe
+from engine import cuda_attention, cuda_elementwise, cuda_graphs, cuda_moe
 from engine.config import ModelConfig, UnsupportedModel
-from engine.device_sampling import StepLogits
 from engine.errors import Cancelled
 from engine.gguf_file import GGUFContents, TensorRecord
 from engine.kernels import CpuKernels
@@ -71,7 +77,7 @@ from engine.kvcache import CacheLayout, KVCache
 from engine.models.common import CachedNetwork
 from engine.models.llama import TorchKernels
 from engine.models.qwen_moe import (Expert, add_experts_cpu, experts_nbytes, float32_rows, mix_experts,
-                                    routed_experts, swiglu_expert)
+                                    routed_experts, stacks_experts, swiglu_expert)
 from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_float
 
 # llama.cpp's floor on the sum that renormalised routing weights are divided by.
@@ -269,11 +275,19 @@ class DeepSeek2Model(CachedNetwork):
         # The llama family's norm: on CPU the compiled kernel, in prefill and decoding alike.
         self.ops = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff,
                                 self.cpu_kernels)
+        # On CUDA with Triton each norm is one float32 kernel instead of torch's five (a decoding
+        # step has 3 a layer), in eager and replayed steps alike, so both route on the same scores.
+        self.fused_norm = device.type == "cuda" and cuda_attention.AVAILABLE
         self.renormalise = bool(cfg.expert_weights_norm)  # llama.cpp's default for this family: no
         inv, logit_factor = yarn_rope(cfg, gguf.metadata)
         self.scale = logit_factor / math.sqrt(cfg.head_dim)
         angles = torch.outer(torch.arange(cfg.n_ctx_train, dtype=torch.float64), inv)
         self.rope = torch.polar(torch.ones_like(angles), angles).to(torch.complex64).to(device)  # [n_ctx, rope/2]
+        # CUDA: decoding steps and short prefills replay captured graphs (engine.cuda_graphs)
+        # where no step waits for the host, i.e. the routed experts are stacked and routed on
+        # the device (or there are none).
+        no_read_back = stacks_experts(device, fmt) or cfg.n_layer_dense_lead >= cfg.n_layer
+        self.decode_graphs = cuda_graphs.DecodeGraphs(self) if no_read_back and cuda_graphs.usable(device) else None
 
     # -- the Network contract -------------------------------------------------------------
 
@@ -283,6 +297,8 @@ class DeepSeek2Model(CachedNetwork):
 
     @property
     def attention_path(self) -> str:
+        if self.decode_graphs is not None and self.decode_graphs.enabled:
+            return f"latent attention, absorbed projections (Triton kernels in CUDA graphs, {self.device.type})"
         return f"latent attention, absorbed projections (torch ops, {self.device.type})"
 
     def work_bytes(self, n_tokens: int, ctx: int) -> int:
@@ -301,8 +317,15 @@ class DeepSeek2Model(CachedNetwork):
     def forward(self, tokens: torch.Tensor, start: int, cache: KVCache, logits: str = "last",
                 cancel: Callable[[], bool] | None = None) -> torch.Tensor | None:
         T = tokens.shape[0]
+        if T == 1 and logits == "last" and start == cache.n:  # a decode step: one code path for all
+            if cancel is not None and cancel():
+                raise Cancelled("cancelled before a one-token step")
+            return self.forward_rows(tokens, [cache])[0]
         end = start + T
         cache.reserve(end)
+        done, out = self.graph_prefill(tokens, start, cache, logits, cancel)
+        if done:
+            return out
         x = self.embed(tokens)
         rope = self.rope[start:end]
         for li, blk in enumerate(self.blocks):
@@ -343,21 +366,26 @@ class DeepSeek2Model(CachedNetwork):
             c.n = p + 1
         return self._head(x)
 
-    @torch.inference_mode()
-    def decode(self, tokens: list[int], caches: list[KVCache], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
-        ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=self.device)
-        return StepLogits.of(self.forward_rows(ids, caches), eos_ids)
+    def graph_workspace(self, n_rows: int, n_ctx: int, out_dtype: torch.dtype) -> cuda_attention.Workspace:
+        """engine.cuda_graphs.GraphNetwork: the latent attention kernel's scratch (its outputs
+        float32, whatever `out_dtype`: they go through W_v, not straight into a matmul)."""
+        return cuda_attention.Workspace.latent(n_rows, self.cfg.n_head, self.cfg.kv_lora_rank, n_ctx, self.device)
 
-    def decode_frontier(self, token: int, cache: KVCache, eos_ids: frozenset[int] = frozenset(),
-                        cancel: Callable[[], bool] | None = None) -> Any:
-        if cancel is not None and cancel():
-            raise Cancelled("cancelled before a one-token step")
-        return self.decode([token], [cache], eos_ids).row(0)
-
-    def decode_ahead(self, token: int | None, cache: KVCache, eos_ids: frozenset[int], ahead: int,
-                     after: Any = None, column: int = 0) -> None:
-        """No step is launched ahead (the routing waits for the host at every layer)."""
-        return None
+    def graph_step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
+                   kernels: Any, shared: bool) -> torch.Tensor:
+        """engine.cuda_graphs.GraphNetwork: forward_rows's step with each row's cache read from
+        the table by the latent attention kernel.  The norms stay the model's own (`kernels`
+        unused), so eager and replayed steps route on the same scores."""
+        B, H, rank = table.shape[0], self.cfg.n_head, self.cfg.kv_lora_rank
+        x = self.embed(table[:, cuda_attention.TOKEN])
+        rope = self.rope[table[:, cuda_attention.POS]]  # [B, rope/2]
+        for li, blk in enumerate(self.blocks):
+            q, rows = self._project(blk, x, rope)
+            lat = cuda_attention.latent_attention(self._absorb(blk, q), rows, table, li, base, work, rank,
+                                                  self.scale, store_first=shared)
+            blk.wo.accumulate(x, self._values(blk, lat.view(B, H, rank)))
+            self.feed_forward(blk, x)
+        return self._head(x)
 
     # -- the computation ------------------------------------------------------------------
 
@@ -392,14 +420,22 @@ class DeepSeek2Model(CachedNetwork):
                             hidden: torch.Tensor) -> torch.Tensor:
         """N rows' queries [N, H, head_dim] against their own latents [N, L, width], positions
         where `hidden` [N, L] is True left out: [N, H * dv]."""
-        N = q.shape[0]
-        nope, rank = self.cfg.head_dim - self.cfg.rope_dim, self.cfg.kv_lora_rank
         lat = lat.float()
-        absorbed = torch.bmm(q[:, :, :nope].transpose(0, 1), blk.w_k.transpose(1, 2)).transpose(0, 1)  # [N, H, rank]
-        scores = torch.bmm(torch.cat([absorbed, q[:, :, nope:]], dim=2), lat.transpose(1, 2))  # [N, H, L]
+        scores = torch.bmm(self._absorb(blk, q), lat.transpose(1, 2))  # [N, H, L]
         probs = torch.softmax((scores * self.scale).masked_fill_(hidden[:, None], float("-inf")), dim=-1)
-        out = torch.bmm(torch.bmm(probs, lat[:, :, :rank]).transpose(0, 1), blk.w_v.transpose(1, 2))  # [H, N, dv]
-        return out.transpose(0, 1).reshape(N, -1)
+        return self._values(blk, torch.bmm(probs, lat[:, :, :self.cfg.kv_lora_rank]))
+
+    def _absorb(self, blk: MlaBlock, q: torch.Tensor) -> torch.Tensor:
+        """N rows' queries [N, H, head_dim] -> [N, H, kv_lora_rank + rope_dim] (contiguous):
+        each head's unrotated part through its W_k, its rotated part as it is."""
+        nope = self.cfg.head_dim - self.cfg.rope_dim
+        absorbed = torch.bmm(q[:, :, :nope].transpose(0, 1), blk.w_k.transpose(1, 2)).transpose(0, 1)  # [N, H, rank]
+        return torch.cat([absorbed, q[:, :, nope:]], dim=2)
+
+    def _values(self, blk: MlaBlock, lat: torch.Tensor) -> torch.Tensor:
+        """Each head's attention-weighted latent [N, H, kv_lora_rank] through its W_v: [N, H * dv]."""
+        out = torch.bmm(lat.transpose(0, 1), blk.w_v.transpose(1, 2))  # [H, N, dv]
+        return out.transpose(0, 1).reshape(lat.shape[0], -1)
 
     def _project(self, blk: MlaBlock, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [T, H, head_dim] float32, latent rows [T, kv_lora_rank + rope_dim] float32)
@@ -449,17 +485,14 @@ class DeepSeek2Model(CachedNetwork):
         h = self.norm(x, blk.ffn_norm)
         cpu = x.device.type == "cpu"
         if blk.dense is not None:
-            if cpu:
-                blk.dense.add_to(x, h)
-            else:
-                x += blk.dense(h)
+            blk.dense.add_to(x, h)
             return
         rule = (cfg.n_expert_used, cfg.expert_gating, blk.bias, cfg.n_expert_groups, cfg.n_group_used,
                 self.renormalise, cfg.expert_weights_scale)
         if isinstance(blk.experts, cuda_moe.StackedExperts):  # CUDA: routed in one kernel, nothing read back
             ids, weights = cuda_moe.route_grouped(blk.router(h), *rule, min_sum=MIN_WEIGHT_SUM)
             if blk.shared is not None:
-                x += blk.shared(h)
+                blk.shared.add_to(x, h)
             blk.experts(h, ids, weights, into=x)
             return
         ids, weights = route(blk.router(h), *rule)
@@ -475,6 +508,8 @@ class DeepSeek2Model(CachedNetwork):
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm of x's rows (float32), each row on its own."""
+        if self.fused_norm:
+            return cuda_elementwise.rms_norm(x, weight, self.cfg.norm_eps, torch.float32)
         return self.ops.norm(x, weight)
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,7 @@ or sessions.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,8 +70,9 @@ RENORMALISE_TOP_K = {"qwen3moe": True, "qwen2moe": False}
 
 @dataclass(frozen=True)
 class Expert:
-    """One SwiGLU FFN: gate and up fused into one matrix (gate's rows first), and down.  On CPU
-    `swiglu` is the compiled kernels' fused silu(gate) * up (None: torch's ops)."""
+    """One SwiGLU FFN: gate and up fused into one matrix (gate's rows first), and down.  `swiglu`
+    is a fused silu(gate) * up of float32 rows (the CPU kernels' or a CUDA kernel; None: torch's
+    ops)."""
 
     gate_up: Linear
     down: Linear
@@ -101,9 +103,14 @@ class Expert:
 
 def swiglu_expert(gate: TensorRecord, up: TensorRecord, down: TensorRecord, fmt: str, device: torch.device,
                   cpu: CpuKernels | None) -> Expert:
-    """An `Expert` of the three matrices, with the CPU kernels' fused SwiGLU where they have one."""
-    return Expert(build_linear([gate, up], fmt, device, cpu=cpu), build_linear([down], fmt, device, cpu=cpu),
-                  cpu.swiglu if cpu is not None and device.type == "cpu" else None)
+    """An `Expert` of the three matrices, with a fused SwiGLU where there is one: the CPU
+    kernels', or on CUDA engine.cuda_elementwise's (one kernel, torch's float32 arithmetic)."""
+    swiglu = None
+    if cpu is not None and device.type == "cpu":
+        swiglu = cpu.swiglu
+    elif device.type == "cuda" and cuda_moe.AVAILABLE:
+        swiglu = functools.partial(cuda_elementwise.swiglu, out_dtype=torch.float32)
+    return Expert(build_linear([gate, up], fmt, device, cpu=cpu), build_linear([down], fmt, device, cpu=cpu), swiglu)
 
 
 def stacked_experts(t: dict[str, TensorRecord], p: str, n_expert: int, fmt: str, device: torch.device,

@@ -6,8 +6,12 @@ scaled weights, attn_k_b/attn_v_b) and with YaRN; the routing rule; the latent c
 layout and bytes per token); prefill against token-by-token decoding and batched decoding
 against alone, bit for bit on CPU; prefix reuse and a restored disk-cache payload against a
 fresh prefill; the weight accounting; agreement with transformers' DeepseekV3 built from the
-same weights; and the CUDA path (gpu-marked, skipped without a device)."""
+same weights; the captured-graph step (`graph_step`, with engine.cuda_attention's latent
+kernel) against the eager step on CPU under Triton's interpreter (TRITON_INTERPRET=1); and the
+CUDA path, graphs included (gpu-marked, skipped without a device)."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -17,7 +21,7 @@ import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
 from engine.config import ModelConfig, UnsupportedModel
-from engine import cuda_moe
+from engine import cuda_attention, cuda_moe
 from engine.models import deepseek2, qwen_moe
 from engine.models.deepseek2 import route, yarn_rope
 from gguf_files import file_maker
@@ -442,3 +446,91 @@ def test_cuda_deepseek2_layers_never_wait_for_the_host(ds_gguf):
     syncs = [str(w.message)[:80] for w in caught if "synchroniz" in str(w.message)]
     print(f"{len(syncs)} synchronizing calls in a 3-row step of 12 layers: {syncs}")
     assert len(syncs) < m.config.n_layer - 1
+
+
+def graph_rows(tokens: list[int], caches: list, positions: list[int], base: torch.Tensor) -> torch.Tensor:
+    """A graph's row table (engine.cuda_attention's fields) for caches whose memory lies at
+    whole elements from `base`."""
+    return torch.tensor([[t, p, (c.kv.data_ptr() - base.data_ptr()) // c.kv.element_size(), c.kv.stride(0),
+                          c.kv.stride(1), c.kv.stride(2)] for t, c, p in zip(tokens, caches, positions)])
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" and cuda_attention.AVAILABLE),
+                    reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+def test_graph_step_equals_the_eager_step_under_the_interpreter(ds_gguf, variant):
+    """`graph_step`, what engine.cuda_graphs captures, run on CPU: rows of three caches at
+    different lengths against forward_rows, and a prefill's rows of one cache (stored first)
+    against forward; the latent rows they store equal the eager ones."""
+    m = engine.load_model(ds_gguf(variant, "F32"), weights="float32", kv_type="f32")
+    net, cfg = m.net, m.config
+    base = torch.zeros(cfg.n_layer, 1, 1, 1, cfg.kv_lora_rank + cfg.rope_dim)
+    graph, eager = m.new_sessions(3), m.new_sessions(3)
+    for a, b, n in zip(graph, eager, (3, 6, 11)):
+        a.sync(TOKENS[:n])
+        b.sync(TOKENS[:n])
+    caches = [s.cache for s in graph]
+    pos = [c.n for c in caches]
+    for c in caches:
+        c.reserve(c.n + 1)
+    work = net.graph_workspace(3, m.n_ctx, torch.float32)
+    got = net.graph_step(graph_rows([7, 8, 9], caches, pos, base), base, work, None, False)
+    want = net.forward_rows(torch.tensor([7, 8, 9]), [s.cache for s in eager])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    for a, b, p in zip(caches, eager, pos):
+        torch.testing.assert_close(a.kv[:, :, :, : p + 1], b.cache.kv[:, :, :, : p + 1], rtol=1e-5, atol=1e-6)
+
+    start, T = 4, len(TOKENS) - 4
+    one, whole = m.new_session(), m.new_session()
+    one.sync(TOKENS[:start])
+    assert one.cache.n == start
+    one.cache.reserve(start + T)
+    rows = graph_rows(TOKENS[start:], [one.cache] * T, list(range(start, start + T)), base)
+    got = net.graph_step(rows, base, net.graph_workspace(T, m.n_ctx, torch.float32), None, True)
+    want = net.forward(torch.tensor(TOKENS), 0, whole.cache, logits="all")[start:]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("variant", ["v2", "v3"])
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_graphs_agree_with_eager_steps(ds_gguf, variant):
+    """Prefill, one-row and three-row decoding steps replayed from captured graphs against the
+    same steps run eagerly, token by token on the same inputs; and a greedy session running
+    steps ahead picks, at every step, its own logits' argmax."""
+    path = ds_gguf(variant, "Q4_0", seed=PACKED_SEEDS[variant])
+    graphs, eager = engine.load_model(path, device="cuda"), engine.load_model(path, device="cuda")
+    g = graphs.net.decode_graphs
+    assert g is not None and "CUDA graphs" in graphs.net.attention_path
+    eager.net.decode_graphs = None
+    pair = [m.new_session() for m in (graphs, eager)]
+    for s in pair:
+        s.sync(TOKENS[:5])
+    scale = float(pair[1].logits.abs().max())
+    for t in [None, *TOKENS[5:]]:
+        if t is not None:
+            for s in pair:
+                s.eval(t)
+        torch.testing.assert_close(pair[0].logits.float(), pair[1].logits.float(), rtol=2e-2, atol=2e-2 * scale)
+    assert g.prefill_replays >= 1 and g.replays >= len(TOKENS) - 5
+
+    batches = [m.new_sessions(3) for m in (graphs, eager)]
+    for batch in batches:
+        for s, n in zip(batch, (3, 6, 9)):
+            s.sync(TOKENS[:n])
+        for step in range(4):
+            decode_batch(batch, [7 + step, 40 + step, 90 + step])
+    assert 4 in g.captured_buckets
+    for a, b in zip(*batches):
+        torch.testing.assert_close(a.logits.float(), b.logits.float(), rtol=2e-2, atol=2e-2 * scale)
+
+    s = graphs.new_session()
+    s.sync(TOKENS[:5])
+    out = list(generate(s, GREEDY, 10))
+    check = graphs.new_session()
+    check.sync(TOKENS[:5])
+    for t in out:
+        row = check.logits.float().cpu().numpy().copy()
+        row[list(graphs.eos_ids)] = -np.inf  # GREEDY masks the end-of-generation ids
+        assert int(row.argmax()) == t
+        check.eval(t)

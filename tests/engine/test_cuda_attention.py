@@ -1,0 +1,95 @@
+"""engine.cuda_attention's latent attention kernel against its torch reference: rows of pool
+slots and standalone caches at lengths that end in different pieces, head counts that fill the
+16-head programs and ones that do not, a prefill's rows of one cache stored first; and the
+workspace's bound on its scratch.  The kernels run on a CUDA device (gpu-marked) or, where none
+is present, under Triton's interpreter (TRITON_INTERPRET=1, float32 and float16 caches: the
+interpreter has no bfloat16)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine import cuda_attention as ca
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available() or not ca.AVAILABLE, reason="needs a CUDA device and Triton")]),
+           pytest.param("cpu", marks=pytest.mark.skipif(
+               not (INTERPRETED and ca.AVAILABLE), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"))]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Where the kernel's and the reference's roundings of the probabilities part.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# (heads, latent rank, rope width): DeepSeek-V2-Lite's, a head count that leaves the second
+# 16-head program part empty, and the test models' small widths.
+SHAPES = [(16, 512, 64), (20, 64, 16), (4, 32, 16)]
+
+
+def usable(device: str, dtype: torch.dtype) -> bool:
+    return device == "cuda" or dtype != torch.bfloat16
+
+
+def table(caches: list[torch.Tensor], positions: list[int], base: torch.Tensor) -> torch.Tensor:
+    """The graphs' row table for caches [n_layer, 1, 1, capacity, W] (views of one allocation)."""
+    return torch.tensor([[0, p, (c.data_ptr() - base.data_ptr()) // c.element_size(), c.stride(0), c.stride(1),
+                          c.stride(2)] for c, p in zip(caches, positions)], device=base.device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_latent_rows_of_pool_slots_and_standalone_caches(device, dtype, shape):
+    if not usable(device, dtype):
+        pytest.skip("no bfloat16 in Triton's interpreter")
+    torch.manual_seed(0)
+    H, R, E = shape
+    W, n_layer, n_ctx = R + E, 2, 300
+    pool = torch.randn(n_layer, 1, 3, 1, 320, W, device=device).to(dtype)
+    solo = torch.randn(n_layer, 1, 1, 200, W, device=device).to(dtype)
+    caches = [pool[:, :, 2], solo, pool[:, :, 0], solo.new_zeros(n_layer, 1, 1, 1, W)]
+    pos = [5, 199, 299, 0]  # within a piece, across pieces, the last position, a first token
+    q = torch.randn(len(caches), H, W, device=device)
+    new = torch.randn(len(caches), W, device=device)
+    rows = table(caches, pos, solo)
+    work = ca.Workspace.latent(len(caches), H, R, n_ctx, torch.device(device))
+    expect = [c.clone() for c in caches]
+    for layer in range(n_layer):
+        got = ca.latent_attention(q, new, rows, layer, solo, work, R, 0.11).clone()
+        want = ca.reference_latent(q, new, [c[layer, 0, 0] for c in expect], pos, R, 0.11)
+        torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    for c, e in zip(caches, expect):
+        assert torch.equal(c, e)  # each new row landed where torch put it, nothing else moved
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_latent_rows_of_one_cache_stored_first_are_its_causal_prefill(device, dtype):
+    """T rows at consecutive positions of one cache, every new row stored before any row
+    attends: row i sees the cache's past and rows 0..i."""
+    if not usable(device, dtype):
+        pytest.skip("no bfloat16 in Triton's interpreter")
+    torch.manual_seed(1)
+    H, R, E, n_ctx, start, T = 20, 64, 16, 200, 37, 40
+    cache = torch.randn(2, 1, 1, n_ctx, R + E, device=device).to(dtype)
+    q = torch.randn(T, H, R + E, device=device)
+    new = torch.randn(T, R + E, device=device)
+    rows = table([cache] * T, list(range(start, start + T)), cache)
+    work = ca.Workspace.latent(T, H, R, n_ctx, torch.device(device))
+    expect = cache.clone()
+    for layer in range(2):
+        got = ca.latent_attention(q, new, rows, layer, cache, work, R, 0.2, store_first=True).clone()
+        want = ca.reference_latent(q, new, [expect[layer, 0, 0]] * T, list(range(start, start + T)), R, 0.2)
+        torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert torch.equal(cache, expect)
+
+
+def test_latent_workspace_bounds_its_scratch():
+    """Many rows of many heads at a long context: the pieces grow until the partial results fit
+    LATENT_PART_BYTES, and every position still lies in some piece."""
+    for rows, heads, n_ctx in [(64, 128, 32768), (64, 16, 163840), (1, 16, 4096), (1, 128, 100)]:
+        work = ca.Workspace.latent(rows, heads, 512, n_ctx, torch.device("cpu"))
+        assert work.part.numel() * 4 <= ca.LATENT_PART_BYTES or work.n_split == 1
+        assert work.n_split * work.split >= n_ctx and work.out.shape == (rows, heads * 512)
+    short = ca.Workspace.latent(1, 16, 512, 4096, torch.device("cpu"))
+    assert short.split == ca.split_size(1, 1, 4096)  # a small step keeps its short pieces
