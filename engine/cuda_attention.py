@@ -27,19 +27,21 @@ eager decoding, queries and probabilities enter the products in the cache's dtyp
 caches: full float32 products) with float32 accumulation; the softmax is float32; the new key
 and value enter rounded to the cache's dtype, as they would be read back.
 
-`latent_attention(q, new, rows, layer, kv_base, work, ...)` is the same for multi-head latent
-attention (engine.models.deepseek2): every position caches one row of `rank + rope` values
-(the latent, then the shared rotated key part), every head's key is that whole row and its
-value the latent part.  `q` [B, H, rank + rope] holds each head's absorbed query and its rotated
-part, `new` [B, rank + rope] each row's new cache row; the result is each head's attention-
-weighted latent [B, H * rank].  One program serves 16 heads of a row's piece of positions, so
+`latent_attention(q_lat, q_rope, new, rows, layer, kv_base, work, ...)` is the same for
+multi-head latent attention (engine.models.deepseek2): every position caches one row of
+`rank + rope` values (the latent, then the shared rotated key part), every head's key is that
+whole row and its value the latent part.  `q_lat` [B, H, rank] holds each head's absorbed
+query, `q_rope` [B, H, rope] its rotated part, `new` [B, rank + rope] each row's new cache row;
+the result is each head's attention-weighted latent [B, H * rank].  `latent_inputs` makes
+`q_rope` and `new` from a layer's projections in one kernel (the latent's RMSNorm, the rotation
+of the query's and key's rope parts), where torch's ops take eight.  One program serves 16 heads of a row's piece of positions, so
 each cached row is read once per 16 heads; the products run on the tensor cores as above.  Its
 workspace (`Workspace.latent`) bounds the partial results' memory, which the latent's width
 would otherwise make large at many rows and long contexts.
 
 `reference_attention` and `reference_latent` are the same functions in torch ops, for tests.
 Without Triton (`AVAILABLE` is False) nothing here can run; callers keep their torch paths.
-It does not compute projections or rope, and knows nothing of sessions.
+It computes no projections and knows nothing of sessions.
 """
 from __future__ import annotations
 
@@ -105,6 +107,27 @@ class Workspace:
 
 if AVAILABLE:
     @triton.jit
+    def _softmax_block(sc, values, acc, m_i, l_i, IEEE: tl.constexpr):
+        """One block of scores [G, BLOCK] and its values [BLOCK, DP] into a running softmax's
+        (acc [G, DP], max [G], denominator [G]), probabilities entering the product in the
+        values' dtype (full float32 products for float32 values)."""
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        if IEEE:
+            pv = tl.dot(p, values, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(values.dtype), values)
+        return acc * alpha[:, None] + pv, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def _store_piece(part_ptr, stat_ptr, where, acc, m_i, l_i, mask, d, DP: tl.constexpr):
+        """A piece's partial result of each head (`where` [G]: its slot, `mask`: real heads)."""
+        tl.store(part_ptr + where[:, None] * DP + d[None, :], acc, mask=mask[:, None])
+        tl.store(stat_ptr + where * 2, m_i, mask=mask)
+        tl.store(stat_ptr + where * 2 + 1, l_i, mask=mask)
+
+    @triton.jit
     def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
@@ -157,23 +180,10 @@ if AVAILABLE:
                 else:
                     sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK] float32
                 sc = tl.where(nm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
                 v = tl.load(v_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
                 v = tl.where(is_new, v_new[None, :], v)
-                if IEEE:
-                    pv = tl.dot(p, v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-        heads = b * H + h * G + g  # [GP]
-        where = heads * NSPLIT + s
-        tl.store(part_ptr + where[:, None] * DP + d[None, :], acc, mask=gm[:, None])
-        tl.store(stat_ptr + where * 2, m_i, mask=gm)
-        tl.store(stat_ptr + where * 2 + 1, l_i, mask=gm)
+                acc, m_i, l_i = _softmax_block(sc, v, acc, m_i, l_i, IEEE)
+        _store_piece(part_ptr, stat_ptr, (b * H + h * G + g) * NSPLIT + s, acc, m_i, l_i, gm, d, DP)
 
     @triton.jit
     def _store_rows(qkv_ptr, kv_ptr, rows_ptr, layer, qkv_stride, H: tl.constexpr, HKV: tl.constexpr,
@@ -212,7 +222,7 @@ if AVAILABLE:
         tl.store(out_ptr + b * (H * D) + hh * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
-    def _attend_latent(q_ptr, new_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale,
+    def _attend_latent(ql_ptr, qr_ptr, new_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, ql_row, ql_head,
                        H: tl.constexpr, GH: tl.constexpr, R: tl.constexpr, RP: tl.constexpr,
                        E: tl.constexpr, EP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr):
@@ -230,9 +240,11 @@ if AVAILABLE:
         rm = r < R
         em = e < E
         dt = kv_ptr.dtype.element_ty
-        q_rows = q_ptr + (b * H + heads)[:, None] * W
-        q_lat = (tl.load(q_rows + r[None, :], mask=hm[:, None] & rm[None, :], other=0.0) * scale).to(dt)
-        q_rope = (tl.load(q_rows + R + e[None, :], mask=hm[:, None] & em[None, :], other=0.0) * scale).to(dt)
+        q_lat = tl.load(ql_ptr + b * ql_row + heads[:, None] * ql_head + r[None, :], mask=hm[:, None] & rm[None, :],
+                        other=0.0)
+        q_lat = (q_lat * scale).to(dt)
+        q_rope = tl.load(qr_ptr + (b * H + heads)[:, None] * E + e[None, :], mask=hm[:, None] & em[None, :], other=0.0)
+        q_rope = (q_rope * scale).to(dt)
         new_lat = tl.load(new_ptr + b * W + r, mask=rm, other=0.0).to(dt)
         new_rope = tl.load(new_ptr + b * W + R + e, mask=em, other=0.0).to(dt)
         lo = s * SPLIT
@@ -262,20 +274,8 @@ if AVAILABLE:
                     sc = tl.dot(q_lat, tl.trans(lat))
                     sc += tl.dot(q_rope, tl.trans(rot))  # [GH, BLOCK] float32
                 sc = tl.where(nm[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(sc - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                if IEEE:
-                    pv = tl.dot(p, lat, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(dt), lat)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-        where = (b * H + heads) * NSPLIT + s
-        tl.store(part_ptr + where[:, None] * RP + r[None, :], acc, mask=hm[:, None])
-        tl.store(stat_ptr + where * 2, m_i, mask=hm)
-        tl.store(stat_ptr + where * 2 + 1, l_i, mask=hm)
+                acc, m_i, l_i = _softmax_block(sc, lat, acc, m_i, l_i, IEEE)
+        _store_piece(part_ptr, stat_ptr, (b * H + heads) * NSPLIT + s, acc, m_i, l_i, hm, r, RP)
 
     @triton.jit
     def _store_latent(new_ptr, kv_ptr, rows_ptr, layer, W: tl.constexpr, WP: tl.constexpr, FIELDS: tl.constexpr):
@@ -285,6 +285,36 @@ if AVAILABLE:
         w = tl.arange(0, WP)
         new = tl.load(new_ptr + b * W + w, mask=w < W, other=0.0).to(kv_ptr.dtype.element_ty)
         tl.store(base + tl.load(row + 1) * W + w, new, mask=w < W)
+
+    @triton.jit
+    def _latent_inputs(q_ptr, kv_ptr, turn_ptr, w_ptr, qr_ptr, new_ptr, q_row, kv_row, eps,
+                       H: tl.constexpr, HP: tl.constexpr, HD: tl.constexpr, NOPE: tl.constexpr,
+                       R: tl.constexpr, RP: tl.constexpr, E: tl.constexpr, EH: tl.constexpr):
+        b = tl.program_id(0)
+        W: tl.constexpr = R + E
+        r = tl.arange(0, RP)
+        rm = r < R
+        lat = tl.load(kv_ptr + b * kv_row + r, mask=rm, other=0.0)
+        w = tl.load(w_ptr + r, mask=rm, other=0.0)
+        inv = tl.rsqrt(tl.sum(lat * lat, axis=0) / R + eps)  # engine.cuda_elementwise's RMSNorm
+        tl.store(new_ptr + b * W + r, lat * inv * w, mask=rm)
+        i = tl.arange(0, EH)  # rotated pairs (2i, 2i + 1)
+        im = i < E // 2
+        cos = tl.load(turn_ptr + b * E + 2 * i, mask=im, other=1.0)
+        sin = tl.load(turn_ptr + b * E + 2 * i + 1, mask=im, other=0.0)
+        k = kv_ptr + b * kv_row + R + 2 * i
+        x0 = tl.load(k, mask=im, other=0.0)
+        x1 = tl.load(k + 1, mask=im, other=0.0)
+        tl.store(new_ptr + b * W + R + 2 * i, x0 * cos - x1 * sin, mask=im)
+        tl.store(new_ptr + b * W + R + 2 * i + 1, x0 * sin + x1 * cos, mask=im)
+        h = tl.arange(0, HP)
+        m = (h < H)[:, None] & im[None, :]
+        q = q_ptr + b * q_row + h[:, None] * HD + NOPE + 2 * i[None, :]
+        y0 = tl.load(q, mask=m, other=0.0)
+        y1 = tl.load(q + 1, mask=m, other=0.0)
+        out = qr_ptr + (b * H + h[:, None]) * E + 2 * i[None, :]
+        tl.store(out, y0 * cos[None, :] - y1 * sin[None, :], mask=m)
+        tl.store(out + 1, y0 * sin[None, :] + y1 * cos[None, :], mask=m)
 
 
 def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
@@ -316,21 +346,47 @@ def _merge(work: Workspace, rows: torch.Tensor, B: int, H: int, D: int) -> None:
         NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, DB=db, num_warps=4)
 
 
-def latent_attention(q: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
-                     work: Workspace, rank: int, scale: float, store_first: bool = False) -> torch.Tensor:
-    """[B, H * rank] float32: each head's softmax(scale * q . cached rows) over the row's
-    positions 0..p, applied to the latent parts (see the module's docstring).  q [B, H, W] and
-    new [B, W] contiguous, W = rank + rope width of the cache's rows; `store_first` as in
-    decode_attention."""
-    B, H, W = q.shape
+def latent_inputs(q: torch.Tensor, kv: torch.Tensor, turns: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  n_head: int, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's projections -> latent_attention's inputs, in one kernel: q [B, H * head_dim]
+    float32 (each head's nope unrotated values, then its adjacent pairs to rotate) and kv [B,
+    rank + rope] float32 (the latent, then the key's pairs), rows of contiguous elements that may
+    be slices of wider rows; turns [B, rope / 2, 2] (cos, sin) at each row's position.  Returns
+    (the heads' rotated parts [B, H, rope], the new cache rows [B, rank + rope]: the latent
+    RMS-normed by `norm_weight`, then the rotated key part), float32 and contiguous."""
+    B, W = kv.shape
+    E = turns.shape[1] * 2
+    R = W - E
+    head_dim = q.shape[1] // n_head
+    if q.stride(1) != 1 or kv.stride(1) != 1:
+        raise ValueError("latent_inputs takes rows of contiguous elements")
+    q_rope = torch.empty((B, n_head, E), dtype=torch.float32, device=q.device)
+    new = torch.empty((B, W), dtype=torch.float32, device=q.device)
+    _latent_inputs[(B,)](q, kv, turns.contiguous(), norm_weight, q_rope, new, q.stride(0), kv.stride(0), eps,
+                         H=n_head, HP=triton.next_power_of_2(n_head), HD=head_dim, NOPE=nope, R=R,
+                         RP=triton.next_power_of_2(R), E=E, EH=triton.next_power_of_2(E // 2), num_warps=4)
+    return q_rope, new
+
+
+def latent_attention(q_lat: torch.Tensor, q_rope: torch.Tensor, new: torch.Tensor, rows: torch.Tensor, layer: int,
+                     kv_base: torch.Tensor, work: Workspace, scale: float, store_first: bool = False) -> torch.Tensor:
+    """[B, H * rank] float32: each head's softmax(scale * [q_lat, q_rope] . cached rows) over the
+    row's positions 0..p, applied to the latent parts (see the module's docstring).  q_lat
+    [B, H, rank] (any row and head strides, its values contiguous: e.g. a batched product's
+    [H, B, rank] output transposed), q_rope [B, H, rope] and new [B, rank + rope] contiguous;
+    `store_first` as in decode_attention."""
+    B, H, rank = q_lat.shape
+    W = new.shape[1]
+    if q_lat.stride(2) != 1:
+        q_lat = q_lat.contiguous()
     if store_first:
         _store_latent[(B,)](new, kv_base, rows, layer, W=W, WP=triton.next_power_of_2(W), FIELDS=ROW_FIELDS,
                             num_warps=4)
     _attend_latent[(B, -(-H // LATENT_HEADS), work.n_split)](
-        q, new, kv_base, rows, work.part, work.stat, layer, scale,
-        H=H, GH=LATENT_HEADS, R=rank, RP=work.dp, E=W - rank, EP=_padded(W - rank), SPLIT=work.split,
-        NSPLIT=work.n_split, BLOCK=LATENT_BLOCK, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
-        STORE=not store_first, num_warps=LATENT_WARPS)
+        q_lat, q_rope.contiguous(), new, kv_base, rows, work.part, work.stat, layer, scale, q_lat.stride(0),
+        q_lat.stride(1), H=H, GH=LATENT_HEADS, R=rank, RP=work.dp, E=W - rank, EP=_padded(W - rank),
+        SPLIT=work.split, NSPLIT=work.n_split, BLOCK=LATENT_BLOCK, FIELDS=ROW_FIELDS,
+        IEEE=kv_base.dtype == torch.float32, STORE=not store_first, num_warps=LATENT_WARPS)
     _merge(work, rows, B, H, rank)
     return work.out
 

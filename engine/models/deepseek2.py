@@ -374,15 +374,28 @@ class DeepSeek2Model(CachedNetwork):
     def graph_step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
                    kernels: Any, shared: bool) -> torch.Tensor:
         """engine.cuda_graphs.GraphNetwork: forward_rows's step with each row's cache read from
-        the table by the latent attention kernel.  The norms stay the model's own (`kernels`
-        unused), so eager and replayed steps route on the same scores."""
-        B, H, rank = table.shape[0], self.cfg.n_head, self.cfg.kv_lora_rank
+        the table by the latent attention kernel.  With `kernels` set (the graphs' `fused`) the
+        latent's norm and the rotations are one kernel (cuda_attention.latent_inputs) and the
+        absorbed query goes to the attention as the batched product leaves it; None keeps
+        `_project`'s torch ops.  The other norms are the model's own in both, so eager and
+        replayed steps route on the same scores."""
+        cfg = self.cfg
+        B, H, rank, nope = table.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
         x = self.embed(table[:, cuda_attention.TOKEN])
         rope = self.rope[table[:, cuda_attention.POS]]  # [B, rope/2]
+        turns = torch.view_as_real(rope).contiguous()  # [B, rope/2, 2]: cos, sin
         for li, blk in enumerate(self.blocks):
-            q, rows = self._project(blk, x, rope)
-            lat = cuda_attention.latent_attention(self._absorb(blk, q), rows, table, li, base, work, rank,
-                                                  self.scale, store_first=shared)
+            if kernels is not None:
+                q, kv = self._projections(blk, x)
+                q_rope, rows = cuda_attention.latent_inputs(q, kv, turns, blk.kv_a_norm, cfg.norm_eps, H, nope)
+                heads = q.view(B, H, cfg.head_dim)[:, :, :nope].transpose(0, 1)  # [H, B, nope]
+                q_lat = torch.bmm(heads, blk.w_k.transpose(1, 2)).transpose(0, 1)  # [B, H, rank]
+            else:
+                q, rows = self._project(blk, x, rope)
+                both = self._absorb(blk, q)
+                q_lat, q_rope = both[:, :, :rank], both[:, :, rank:]
+            lat = cuda_attention.latent_attention(q_lat, q_rope, rows, table, li, base, work, self.scale,
+                                                  store_first=shared)
             blk.wo.accumulate(x, self._values(blk, lat.view(B, H, rank)))
             self.feed_forward(blk, x)
         return self._head(x)
@@ -434,24 +447,32 @@ class DeepSeek2Model(CachedNetwork):
 
     def _values(self, blk: MlaBlock, lat: torch.Tensor) -> torch.Tensor:
         """Each head's attention-weighted latent [N, H, kv_lora_rank] through its W_v: [N, H * dv]."""
-        out = torch.bmm(lat.transpose(0, 1), blk.w_v.transpose(1, 2))  # [H, N, dv]
-        return out.transpose(0, 1).reshape(lat.shape[0], -1)
+        N, H = lat.shape[:2]
+        out = torch.empty((N, H, blk.w_v.shape[1]), dtype=torch.float32, device=lat.device)
+        # Written through its [H, N, dv] view: the batched product's own layout, no copy after.
+        torch.bmm(lat.transpose(0, 1), blk.w_v.transpose(1, 2), out=out.transpose(0, 1))
+        return out.view(N, -1)
+
+    def _projections(self, blk: MlaBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [T, H * head_dim], latent rows [T, kv_lora_rank + rope_dim]) of x's T rows as
+        the projections give them (float32, neither normed nor rotated; possibly slices of one
+        wider tensor)."""
+        both = blk.w_in(self.norm(x, blk.attn_norm)).float()
+        split = both.shape[1] - self.cfg.kv_lora_rank - self.cfg.rope_dim
+        if blk.w_q_b is not None:
+            return blk.w_q_b(self.norm(both[:, :split], blk.q_a_norm)).float(), both[:, split:]
+        return both[:, :split], both[:, split:]
 
     def _project(self, blk: MlaBlock, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [T, H, head_dim] float32, latent rows [T, kv_lora_rank + rope_dim] float32)
         of x's T rows, the rope parts of both rotated by `rope` [T, rope_dim/2]."""
         cfg = self.cfg
         T, H, rank, nope = x.shape[0], cfg.n_head, cfg.kv_lora_rank, cfg.head_dim - cfg.rope_dim
-        both = blk.w_in(self.norm(x, blk.attn_norm)).float()
-        split = both.shape[1] - rank - cfg.rope_dim
-        if blk.w_q_b is not None:
-            q = blk.w_q_b(self.norm(both[:, :split], blk.q_a_norm)).float()
-        else:
-            q = both[:, :split]
+        q, kv = self._projections(blk, x)
         q = q.reshape(T, H, cfg.head_dim)
         q = torch.cat([q[:, :, :nope], _rotate(q[:, :, nope:], rope.unsqueeze(1))], dim=2)
-        latent = self.norm(both[:, split: split + rank], blk.kv_a_norm)
-        return q, torch.cat([latent, _rotate(both[:, split + rank:], rope)], dim=1)
+        latent = self.norm(kv[:, :rank], blk.kv_a_norm)
+        return q, torch.cat([latent, _rotate(kv[:, rank:], rope)], dim=1)
 
     def _attend_row(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor) -> torch.Tensor:
         """One row's queries [H, head_dim] against its cached rows [L, rank + rope] -> [H * dv]:

@@ -1,7 +1,8 @@
 """engine.cuda_attention's latent attention kernel against its torch reference: rows of pool
 slots and standalone caches at lengths that end in different pieces, head counts that fill the
-16-head programs and ones that do not, a prefill's rows of one cache stored first; and the
-workspace's bound on its scratch.  The kernels run on a CUDA device (gpu-marked) or, where none
+16-head programs and ones that do not, a prefill's rows of one cache stored first; its inputs'
+kernel (the latent's norm, the rotations) against deepseek2's torch ops; and the workspace's
+bound on its scratch.  The kernels run on a CUDA device (gpu-marked) or, where none
 is present, under Triton's interpreter (TRITON_INTERPRET=1, float32 and float16 caches: the
 interpreter has no bfloat16)."""
 from __future__ import annotations
@@ -55,7 +56,9 @@ def test_latent_rows_of_pool_slots_and_standalone_caches(device, dtype, shape):
     work = ca.Workspace.latent(len(caches), H, R, n_ctx, torch.device(device))
     expect = [c.clone() for c in caches]
     for layer in range(n_layer):
-        got = ca.latent_attention(q, new, rows, layer, solo, work, R, 0.11).clone()
+        # the absorbed query as a batched product leaves it: [H, B, R] seen as [B, H, R]
+        q_lat = q[:, :, :R].transpose(0, 1).contiguous().transpose(0, 1)
+        got = ca.latent_attention(q_lat, q[:, :, R:], new, rows, layer, solo, work, 0.11).clone()
         want = ca.reference_latent(q, new, [c[layer, 0, 0] for c in expect], pos, R, 0.11)
         torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     for c, e in zip(caches, expect):
@@ -78,7 +81,8 @@ def test_latent_rows_of_one_cache_stored_first_are_its_causal_prefill(device, dt
     work = ca.Workspace.latent(T, H, R, n_ctx, torch.device(device))
     expect = cache.clone()
     for layer in range(2):
-        got = ca.latent_attention(q, new, rows, layer, cache, work, R, 0.2, store_first=True).clone()
+        got = ca.latent_attention(q[:, :, :R], q[:, :, R:], new, rows, layer, cache, work, 0.2,
+                                  store_first=True).clone()
         want = ca.reference_latent(q, new, [expect[layer, 0, 0]] * T, list(range(start, start + T)), R, 0.2)
         torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
     assert torch.equal(cache, expect)
@@ -93,3 +97,28 @@ def test_latent_workspace_bounds_its_scratch():
         assert work.n_split * work.split >= n_ctx and work.out.shape == (rows, heads * 512)
     short = ca.Workspace.latent(1, 16, 512, 4096, torch.device("cpu"))
     assert short.split == ca.split_size(1, 1, 4096)  # a small step keeps its short pieces
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(16, 128, 512, 64), (20, 16, 32, 16), (3, 8, 64, 8)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_latent_inputs_match_the_torch_ops(device, shape):
+    """q's rope parts and the new cache row from projections that are slices of one tensor, as
+    engine.models.deepseek2's `_project` computes them in torch ops."""
+    from engine.models.deepseek2 import _rotate
+
+    torch.manual_seed(2)
+    H, nope, R, E = shape
+    B, hd = 5, nope + E
+    both = torch.randn(B, H * hd + R + E + 3, device=device)[:, :-3]  # rows wider than the parts
+    q, kv = both[:, : H * hd], both[:, H * hd:]
+    angles = torch.rand(B, E // 2, device=device) * 6
+    turns = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    w = torch.rand(R, device=device) + 0.5
+    q_rope, new = ca.latent_inputs(q, kv, turns, w, 1e-6, H, nope)
+    rope = torch.view_as_complex(turns.contiguous())
+    want_q = _rotate(q.reshape(B, H, hd)[:, :, nope:], rope.unsqueeze(1))
+    lat = kv[:, :R]
+    want_new = torch.cat([lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * w, _rotate(kv[:, R:], rope)], 1)
+    torch.testing.assert_close(q_rope, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(new, want_new, rtol=1e-5, atol=1e-5)

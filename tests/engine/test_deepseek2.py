@@ -457,12 +457,17 @@ def graph_rows(tokens: list[int], caches: list, positions: list[int], base: torc
 
 @pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" and cuda_attention.AVAILABLE),
                     reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("fused", [False, True], ids=["torch-inputs", "fused-inputs"])
 @pytest.mark.parametrize("variant", ["v2", "v3"])
-def test_graph_step_equals_the_eager_step_under_the_interpreter(ds_gguf, variant):
+def test_graph_step_equals_the_eager_step_under_the_interpreter(ds_gguf, variant, fused):
     """`graph_step`, what engine.cuda_graphs captures, run on CPU: rows of three caches at
     different lengths against forward_rows, and a prefill's rows of one cache (stored first)
-    against forward; the latent rows they store equal the eager ones."""
+    against forward; the latent rows they store equal the eager ones.  `fused`: the graphs'
+    fused kernels, with the latent's inputs made by one kernel."""
+    from engine.cuda_elementwise import FusedStepKernels
+
     m = engine.load_model(ds_gguf(variant, "F32"), weights="float32", kv_type="f32")
+    kernels = FusedStepKernels(m.config.norm_eps, torch.float32) if fused else None
     net, cfg = m.net, m.config
     base = torch.zeros(cfg.n_layer, 1, 1, 1, cfg.kv_lora_rank + cfg.rope_dim)
     graph, eager = m.new_sessions(3), m.new_sessions(3)
@@ -474,7 +479,7 @@ def test_graph_step_equals_the_eager_step_under_the_interpreter(ds_gguf, variant
     for c in caches:
         c.reserve(c.n + 1)
     work = net.graph_workspace(3, m.n_ctx, torch.float32)
-    got = net.graph_step(graph_rows([7, 8, 9], caches, pos, base), base, work, None, False)
+    got = net.graph_step(graph_rows([7, 8, 9], caches, pos, base), base, work, kernels, False)
     want = net.forward_rows(torch.tensor([7, 8, 9]), [s.cache for s in eager])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     for a, b, p in zip(caches, eager, pos):
@@ -486,7 +491,7 @@ def test_graph_step_equals_the_eager_step_under_the_interpreter(ds_gguf, variant
     assert one.cache.n == start
     one.cache.reserve(start + T)
     rows = graph_rows(TOKENS[start:], [one.cache] * T, list(range(start, start + T)), base)
-    got = net.graph_step(rows, base, net.graph_workspace(T, m.n_ctx, torch.float32), None, True)
+    got = net.graph_step(rows, base, net.graph_workspace(T, m.n_ctx, torch.float32), kernels, True)
     want = net.forward(torch.tensor(TOKENS), 0, whole.cache, logits="all")[start:]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
