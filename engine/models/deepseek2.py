@@ -43,19 +43,21 @@ the lower index) are weighted by their unbiased scores, renormalised where
 `expert_weights_norm` says so, then multiplied by `expert_weights_scale`.  The router stays
 float32, one row at a time.  The dense and shared FFNs add into the residual themselves
 (`Expert.add_to`: fused SwiGLU, fused add), and on CPU the routed ones too (qwen_moe's
-`add_experts_cpu`).  On
-CUDA with packed weights the routed experts are engine.cuda_moe's stacked experts
-(engine.models.qwen_moe.routed_experts), routed by engine.cuda_moe.route_grouped (this rule in
-one kernel) and added to the residual stream with no read-back to the host; elsewhere the
-per-expert dispatch, which reads the routing back once per layer.
+`add_experts_cpu`).  On CUDA with packed weights the routed experts are engine.cuda_moe's
+stacked experts (engine.models.qwen_moe.routed_experts), routed by
+engine.cuda_moe.route_grouped (this rule in one kernel) and added to the residual stream with
+no read-back to the host; elsewhere the per-expert dispatch, which reads the routing back once
+per layer.  On CUDA every RMSNorm is one float32 Triton kernel (engine.cuda_elementwise).
 
 On CUDA with the experts stacked (or none), decoding steps and short prefills are captured in
 CUDA graphs (engine.cuda_graphs, through `graph_step`): the same projections, norms and FFN as
 the eager step, with the attention of each row done by engine.cuda_attention's latent kernel,
 which reads the row's cache address and position from the graph's table, stores its new cache
 row and attends in latent space (queries and probabilities in the cache's dtype, float32
-accumulation, where the eager step widens the cache to float32).  Greedy sessions then run
-steps ahead as the llama family's do.
+accumulation, where the eager step widens the cache to float32).  The latent's norm and the
+rope rotations that feed it are one kernel there (`latent_inputs`), the absorbed products stay
+torch's batched float32 products.  Greedy sessions then run steps ahead as the llama family's
+do.
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
 engine.models.ARCHITECTURES.  It reads no files and knows nothing of tokens' text or sessions.
