@@ -7,6 +7,9 @@ the next matmul reads.
   expression (`engine.models.llama.TorchKernels.norm`, then the matmul's cast) is five elementwise and reduction
   kernels and a cast.  The mean square is summed in another order than torch's, so results
   differ in the last bits.
+- `head_norms_(qkv, q_weight, k_weight, H, Hkv, eps)`: qwen3's per-head RMSNorms of the query
+  and key heads, in place in the projections' rows, float32: one kernel where torch's
+  expression is five for each and two copies back.
 - `swiglu(gate_up, out_dtype)`: gate_up [N, 2 * n_ff] (gate, then up; float32 from int4
   products, bfloat16 from dense ones) -> silu(gate) * up [N, n_ff], computed as torch computes
   `F.silu(gate) * up` on tensors of that dtype (float32 arithmetic, each op's result rounded to
@@ -42,6 +45,18 @@ if AVAILABLE:
         w = tl.load(w_ptr + c, mask=m, other=0.0)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         tl.store(out_ptr + r * n + c, (x * inv * w).to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _head_norms(x_ptr, qw_ptr, kw_ptr, row_stride, eps, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)  # q heads first, then k heads
+        d = tl.arange(0, DP)
+        m = d < D
+        p = x_ptr + t * row_stride + h * D + d
+        x = tl.load(p, mask=m, other=0.0)
+        w = tl.where(h < H, tl.load(qw_ptr + d, mask=m, other=0.0), tl.load(kw_ptr + d, mask=m, other=0.0))
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        tl.store(p, x * inv * w, mask=m)
 
     @triton.jit
     def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr):
@@ -128,6 +143,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtyp
     block = triton.next_power_of_2(n)
     _rms_norm[(rows,)](x, w, out, n, x.stride(0), eps, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out
+
+
+def head_norms_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_head: int, n_head_kv: int,
+                eps: float) -> None:
+    """In place: each query head of qkv [T, (H + 2*Hkv) * D] float32 RMS-normed by q_weight [D],
+    each key head by k_weight (qwen3's per-head norms), values untouched; one kernel."""
+    T, width = qkv.shape
+    D = width // (n_head + 2 * n_head_kv)
+    if qkv.stride(1) != 1:
+        raise ValueError("head_norms_ takes rows of contiguous elements")
+    _head_norms[(T, n_head + n_head_kv)](qkv, q_weight, k_weight, qkv.stride(0), eps, H=n_head, D=D,
+                                         DP=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 4)
 
 
 def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

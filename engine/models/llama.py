@@ -226,6 +226,8 @@ class LlamaModel(CachedNetwork):
                                        cpu=self.cpu_kernels)
         self.torch_kernels = TorchKernels(torch.tensor(cfg.norm_eps, dtype=torch.float32, device=device), cfg.n_ff,
                                           self.cpu_kernels)
+        # qwen3's per-head q/k norms on CUDA: one float32 kernel in place (eager and replayed steps).
+        self.cuda_head_norms = device.type == "cuda" and cuda_attention.AVAILABLE
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
         # float32 or float16 caches), the window included; None keeps the torch-ops path.
         fits = device.type == "cpu" and attention_fits(cfg.head_dim)
@@ -310,7 +312,9 @@ class LlamaModel(CachedNetwork):
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
-        if blk.q_norm is not None:
+        if blk.q_norm is not None and self.cuda_head_norms:
+            cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
+        elif blk.q_norm is not None:
             norm = self.torch_kernels.norm
             qkv[:, : H * D] = norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
             qkv[:, H * D: (H + Hkv) * D] = norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),

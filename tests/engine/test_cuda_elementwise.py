@@ -1,7 +1,7 @@
-"""engine.cuda_elementwise's RMSNorm kernel against torch's expression, on contiguous rows and
-on rows that are slices of wider ones (engine.models.deepseek2 norms its latent in place within
-the projection's output).  On a CUDA device (gpu-marked) or under Triton's interpreter
-(TRITON_INTERPRET=1)."""
+"""engine.cuda_elementwise's RMSNorm kernels against torch's expression: whole rows and rows
+that are slices of wider ones (engine.models.deepseek2 norms its latent within the projection's
+output), and qwen3's per-head norms in place.  On a CUDA device (gpu-marked) or under Triton's
+interpreter (TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
 import os
@@ -32,3 +32,23 @@ def test_rms_norm_of_whole_and_sliced_rows(device, out_dtype):
         want = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(out_dtype)
         assert got.shape == x.shape and got.dtype == out_dtype and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5 if out_dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [(4, 2, 64), (32, 4, 128)], ids=lambda h: "x".join(map(str, h)))
+def test_head_norms_norm_query_and_key_heads_in_place(device, heads):
+    """qwen3's per-head q/k norms: each query head by the q weight, each key head by the k
+    weight, the values untouched, as engine.models.llama's torch expression computes them."""
+    H, Hkv, D = heads
+    torch.manual_seed(1)
+    qkv = torch.randn(3, (H + 2 * Hkv) * D + 8, device=device)[:, :-8]  # rows wider than the projections
+    q_w, k_w = torch.rand(D, device=device) + 0.5, torch.rand(D, device=device) + 0.5
+    want = qkv.clone()
+
+    def norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    want[:, : H * D] = norm(want[:, : H * D].view(3, H, D), q_w).view(3, -1)
+    want[:, H * D: (H + Hkv) * D] = norm(want[:, H * D: (H + Hkv) * D].view(3, Hkv, D), k_w).view(3, -1)
+    cuda_elementwise.head_norms_(qkv, q_w, k_w, H, Hkv, 1e-6)
+    torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, (H + Hkv) * D:], want[:, (H + Hkv) * D:])
