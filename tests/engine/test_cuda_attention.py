@@ -1,4 +1,6 @@
-"""engine.cuda_attention's latent attention kernel against its torch reference: rows of pool
+"""engine.cuda_attention's kernels against their torch references: the decode kernel on a
+prefill's rows of one cache stored first (its other cases, whose rows store their own keys,
+need a GPU: tests/engine/test_cuda_graphs.py); the latent attention kernel on rows of pool
 slots and standalone caches at lengths that end in different pieces, head counts that fill the
 16-head programs and ones that do not, a prefill's rows of one cache stored first; its inputs'
 kernel (the latent's norm, the rotations) against deepseek2's torch ops; and the workspace's
@@ -122,3 +124,25 @@ def test_latent_inputs_match_the_torch_ops(device, shape):
     want_new = torch.cat([lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * w, _rotate(kv[:, R:], rope)], 1)
     torch.testing.assert_close(q_rope, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(new, want_new, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype):
+    """Rows at consecutive positions of one cache, keys and values stored before any row
+    attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does."""
+    if not usable(device, dtype):
+        pytest.skip("no bfloat16 in Triton's interpreter")
+    torch.manual_seed(1)
+    H, Hkv, D, n_ctx, n_layer, start, T = 9, 3, 64, 300, 2, 37, 50
+    cache = torch.randn(n_layer, 2, Hkv, n_ctx, D, device=device).to(dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=device)
+    rows = torch.tensor([[0, start + i, 0, cache.stride(0), cache.stride(1), cache.stride(2)] for i in range(T)],
+                        device=device)
+    work = ca.Workspace(T, H, D, n_ctx, Hkv, torch.device(device))
+    expect = cache.clone()
+    for layer in range(n_layer):
+        got = ca.decode_attention(qkv, rows, layer, cache, work, H, Hkv, D, store_first=True).clone()
+        want = ca.reference_attention(qkv, [expect[layer]] * T, list(range(start, start + T)), H, Hkv, D)
+        torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert torch.equal(cache, expect)

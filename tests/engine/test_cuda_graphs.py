@@ -50,28 +50,6 @@ def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dt
         assert torch.equal(c, e)  # the new keys and values landed where torch put them, nothing else moved
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dtype):
-    """Rows at consecutive positions of one cache, keys and values stored before any row
-    attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does."""
-    from engine import cuda_attention as ca
-
-    torch.manual_seed(1)
-    H, Hkv, D, n_ctx, n_layer, start, T = 9, 3, 64, 300, 2, 37, 50
-    cache = torch.randn(n_layer, 2, Hkv, n_ctx, D, device="cuda").to(dtype)
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, device="cuda")
-    rows = torch.tensor([[0, start + i, 0, cache.stride(0), cache.stride(1), cache.stride(2)] for i in range(T)],
-                        device="cuda")
-    work = ca.Workspace(T, H, D, n_ctx, Hkv, torch.device("cuda"))
-    expect = cache.clone()
-    for layer in range(n_layer):
-        got = ca.decode_attention(qkv, rows, layer, cache, work, H, Hkv, D, store_first=True).clone()
-        ref = ca.reference_attention(qkv, [expect[layer]] * T, list(range(start, start + T)), H, Hkv, D)
-        tol = {torch.float32: 1e-4, torch.bfloat16: 1e-2}[dtype]
-        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-    assert torch.equal(cache, expect)
-
-
 @pytest.mark.parametrize("length", [2, 16, 40, 64, 100, 256, 300])
 def test_graph_prefill_equals_eager_prefill(tiny_gguf, length):
     """Prompts of up to PREFILL_GRAPH_TOKENS tokens prefill as graph replays (64 rows each),
