@@ -98,7 +98,7 @@ def test_latent_workspace_bounds_its_scratch():
         assert work.part.numel() * 4 <= ca.LATENT_PART_BYTES or work.n_split == 1
         assert work.n_split * work.split >= n_ctx and work.out.shape == (rows, heads * 512)
     short = ca.Workspace.latent(1, 16, 512, 4096, torch.device("cpu"))
-    assert short.split == ca.split_size(1, 1, 4096)  # a small step keeps its short pieces
+    assert short.split == ca.split_size(1, 1, 4096, ca.LATENT_SPLITS)  # a small step keeps its short pieces
 
 
 @pytest.mark.parametrize("device", DEVICES)
