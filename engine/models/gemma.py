@@ -44,7 +44,8 @@ matrices are plain int4 or int8 runs each half as one op of those same kernels
 (`gemma_attention_block`, `gemma_ffn_block`: the same bits without the Python between them).
 Elsewhere (CUDA, the `torch` path, head dims the kernels do not take, bfloat16 caches) attention runs in torch
 ops: on CUDA a prefill chunk attends in one masked batch and decode rows one by one, and no
-graphs are captured (engine.cuda_graphs serves the llama family only).
+graphs are captured (the family has no `graph_step`: its windowed ring caches have no graph
+path; `decode_graphs` stays None and engine.models.common decodes eagerly).
 The residual stream, norms, rope, attention and soft-capping run in float32; matmuls in the
 weights' compute dtype (engine.weights).
 
