@@ -172,7 +172,9 @@ class DecodeGraphs:
     def __init__(self, net: GraphNetwork):
         self.net = net
         self.enabled = True
-        self.fused = True  # RMSNorm and SwiGLU as Triton kernels (engine.cuda_elementwise); read at capture
+        # The family's fused kernels (llama: RMSNorm and SwiGLU in engine.cuda_elementwise;
+        # deepseek2: its latent attention's inputs); read at capture.
+        self.fused = True
         self.disabled_reason: str | None = None
         self.capture_seconds = 0.0
         self.replays = 0  # decoding steps
