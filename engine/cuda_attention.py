@@ -32,12 +32,13 @@ multi-head latent attention (engine.models.deepseek2): every position caches one
 `rank + rope` values (the latent, then the shared rotated key part), every head's key is that
 whole row and its value the latent part.  `q_lat` [B, H, rank] holds each head's absorbed
 query, `q_rope` [B, H, rope] its rotated part, `new` [B, rank + rope] each row's new cache row;
-the result is each head's attention-weighted latent [B, H * rank].  `latent_inputs` makes
-`q_rope` and `new` from a layer's projections in one kernel (the latent's RMSNorm, the rotation
-of the query's and key's rope parts), where torch's ops take eight.  One program serves 16 heads of a row's piece of positions, so
-each cached row is read once per 16 heads; the products run on the tensor cores as above.  Its
-workspace (`Workspace.latent`) bounds the partial results' memory, which the latent's width
-would otherwise make large at many rows and long contexts.
+the result is each head's attention-weighted latent [B, H * rank].  One program serves 16
+heads of a row's piece of positions, so each cached row is read once per 16 heads; the products
+run on the tensor cores as above.  Its workspace (`Workspace.latent`) bounds the partial
+results' memory, which the latent's width would otherwise make large at many rows and long
+contexts.  `latent_inputs` makes `q_rope` and `new` from a layer's projections in one kernel
+(the latent's RMSNorm, the rotation of the query's and key's rope parts), where torch's ops
+take eight.
 
 `reference_attention` and `reference_latent` are the same functions in torch ops, for tests.
 Without Triton (`AVAILABLE` is False) nothing here can run; callers keep their torch paths.

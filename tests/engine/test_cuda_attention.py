@@ -107,8 +107,6 @@ def test_latent_workspace_bounds_its_scratch():
 def test_latent_inputs_match_the_torch_ops(device, shape):
     """q's rope parts and the new cache row from projections that are slices of one tensor, as
     engine.models.deepseek2's `_project` computes them in torch ops."""
-    from engine.models.deepseek2 import _rotate
-
     torch.manual_seed(2)
     H, nope, R, E = shape
     B, hd = 5, nope + E
@@ -119,9 +117,12 @@ def test_latent_inputs_match_the_torch_ops(device, shape):
     w = torch.rand(R, device=device) + 0.5
     q_rope, new = ca.latent_inputs(q, kv, turns, w, 1e-6, H, nope)
     rope = torch.view_as_complex(turns.contiguous())
-    want_q = _rotate(q.reshape(B, H, hd)[:, :, nope:], rope.unsqueeze(1))
+
+    def rotate(x, turn):  # adjacent pairs times the complex turns
+        return torch.view_as_real(torch.view_as_complex(x.contiguous().view(*x.shape[:-1], -1, 2)) * turn).flatten(-2)
+    want_q = rotate(q.reshape(B, H, hd)[:, :, nope:], rope.unsqueeze(1))
     lat = kv[:, :R]
-    want_new = torch.cat([lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * w, _rotate(kv[:, R:], rope)], 1)
+    want_new = torch.cat([lat * torch.rsqrt(lat.pow(2).mean(-1, keepdim=True) + 1e-6) * w, rotate(kv[:, R:], rope)], 1)
     torch.testing.assert_close(q_rope, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(new, want_new, rtol=1e-5, atol=1e-5)
 
