@@ -31,7 +31,10 @@ Two shapes of work, by rows:
   cores, engine.cuda_int4's one-row loop.  Gate/up runs one program per (row, slot, column
   tile), reading its expert's id from the device, and writes silu(gate) * up; down runs one
   program per (row, column tile), looping over the row's k slots in order, so a row's sum is
-  formed in one place without atomics and added to the residual there.
+  formed in one place without atomics and added to the residual there.  `MoeLaunch` can
+  instead read a tile's gate and up columns in one pass, and run down as a program per
+  (row, slot, column tile) whose products one more kernel adds in slot order: k times the
+  programs, for GPUs that one program per row leaves mostly idle.
 - more rows (prefill chunks, wide decoding batches): the (row, slot) pairs are grouped by
   expert on the device (`group_by_expert`, one kernel: counts per expert, each expert's pairs
   padded to a whole number of `block_m` blocks, in pair order within an expert, and the owner
@@ -71,6 +74,8 @@ from engine.weights import to_float
 if AVAILABLE:
     from engine.cuda_int4 import gemv_columns, group_product
 
+# The few-row down product's shapes of work (MoeLaunch.gemv_down).
+DOWN_SHAPES = ("rows", "unrolled", "pairs")
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
 ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
 CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is built
@@ -78,8 +83,12 @@ CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is b
 
 @dataclass(frozen=True)
 class MoeLaunch:
-    """Launch shapes: the indexed products' columns per program, groups per loop step and warps;
-    the grouped GEMM's columns per program, warps and pipeline stages.  The defaults are the
+    """Launch shapes: the indexed products' columns per program, groups per loop step and warps,
+    whether gate/up reads its two matrices' columns in one pass (`gemv_together`) and how the
+    down product spreads over programs (`gemv_down`, one of DOWN_SHAPES: a program per row and
+    column tile looping over the row's slots, the same with the loop unrolled, or a program per
+    (row, slot) pair and one more kernel adding a row's slots in order); the grouped GEMM's
+    columns per program, warps and pipeline stages.  The defaults are the
     fastest of one sweep on an H200 (tests/engine/moe_timing.py --sweep, the Qwen3-30B-A3B
     shape at Q4_K, 48 layers' routed experts replayed from a graph): at 1 row 1.82 ms against
     2.12 ms with 8 columns per program, at 32 rows 21.4 ms against 23.9 ms with 64."""
@@ -87,9 +96,15 @@ class MoeLaunch:
     gemv_bn: int = 16
     gemv_gb: int = 32
     gemv_warps: int = 8
+    gemv_together: bool = False
+    gemv_down: str = "rows"
     gemm_bn: int = 128
     gemm_warps: int = 4
     gemm_stages: int = 3
+
+    def __post_init__(self):
+        if self.gemv_down not in DOWN_SHAPES:
+            raise ValueError(f"gemv_down must be one of {DOWN_SHAPES}, got {self.gemv_down!r}")
 
 
 LAUNCH = MoeLaunch()
@@ -304,37 +319,70 @@ if AVAILABLE:
 
     @triton.jit
     def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,
-                      FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
-        """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert."""
+                      FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
+                      TOGETHER: tl.constexpr, OPERAND: tl.constexpr):
+        """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert.
+        TOGETHER: the gate and up columns of the tile in one pass (interleaved, 2 * BN columns: each
+        loop step has both matrices' loads in flight and reads the activations once), else one
+        pass after the other."""
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < F
         e = tl.load(ids_ptr + p).to(tl.int64)
         x = x_ptr + (p // TOPK) * stride_x
-        gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
-        up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
+        if TOGETHER:
+            both = tl.reshape(tl.join(n, n + F), (2 * BN,))  # gate column j, then up column j
+            bm = tl.reshape(tl.join(nm, nm), (2 * BN,))
+            y = _expert_columns(x, w_ptr, sm_ptr, e, both, bm, 2 * F, K, n_groups, FMT, G, 2 * BN, GB, OPERAND)
+            gate, up = tl.split(tl.reshape(y, (BN, 2)))
+        else:
+            gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
+            up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
         tl.store(act_ptr + p * F + n, _silu_times(gate, up), mask=nm)
 
     @triton.jit
+    def _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, p, n, nm, D, F, n_groups, FMT: tl.constexpr,
+                   G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+        """[BN] float32: weight_p * down_p(act[p]) at columns n, for the (row, slot) pair p."""
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        weight = tl.load(wt_ptr + p)
+        return weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, FMT, G, BN, GB,
+                                        OPERAND)
+
+    @triton.jit
     def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr,
-                   ADD: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
-                   OPERAND: tl.constexpr):
+                   ADD: tl.constexpr, UNROLL: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                   GB: tl.constexpr, OPERAND: tl.constexpr):
         """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
-        weight_j * down_j(act[t * TOPK + j])."""
+        weight_j * down_j(act[t * TOPK + j]).  UNROLL: the slots' loop unrolled, so the compiler
+        may have several slots' loads in flight at once."""
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
         y = tl.zeros([BN], tl.float32)
-        for j in range(TOPK):
-            p = t * TOPK + j
-            e = tl.load(ids_ptr + p).to(tl.int64)
-            weight = tl.load(wt_ptr + p)
-            y += weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, FMT, G, BN,
-                                          GB, OPERAND)
+        if UNROLL:
+            for j in tl.static_range(TOPK):
+                y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
+                                G, BN, GB, OPERAND)
+        else:
+            for j in range(TOPK):
+                y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
+                                G, BN, GB, OPERAND)
         out = out_ptr + t * D + n
         if ADD:  # the residual stream, updated in place after the row's own sum
             y += tl.load(out, mask=nm, other=0.0)
         tl.store(out, y, mask=nm)
+
+    @triton.jit
+    def _down_pairs(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, D, F, n_groups, FMT: tl.constexpr,
+                    G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+        """One (row, slot) pair p and D-column tile: part[p] = weight_p * down_p(act[p]); `_sum_slots`
+        then adds a row's slots in order."""
+        p = tl.program_id(0)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < D
+        y = _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, p, n, nm, D, F, n_groups, FMT, G, BN, GB, OPERAND)
+        tl.store(part_ptr + p * D + n, y, mask=nm)
 
     @triton.jit
     def _align(ids_ptr, sorted_ptr, owner_ptr, P, E, n_blocks, BM: tl.constexpr, EB: tl.constexpr,
@@ -637,12 +685,25 @@ class StackedExperts:
         bn = cfg.gemv_bn
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
             h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
-            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
-            num_warps=cfg.gemv_warps)
-        _down_rows[(T, triton.cdiv(D, bn))](
-            act, ids, weights, *dn.row_operands(), out, D, F, dn.n_groups, TOPK=k, ADD=add, FMT=dn.format_index,
-            G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
-            num_warps=cfg.gemv_warps)
+            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), TOGETHER=cfg.gemv_together,
+            OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+        shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb),
+                     OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+        if cfg.gemv_down == "pairs":
+            part = torch.empty((T * k, D), dtype=torch.float32, device=h.device)
+            _down_pairs[(T * k, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), part, D, F,
+                                                     dn.n_groups, **shape)
+            self._sum_slots(part, out, k, add)
+        else:
+            _down_rows[(T, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), out, D, F, dn.n_groups,
+                                                TOPK=k, ADD=add, UNROLL=cfg.gemv_down == "unrolled", **shape)
+
+    @staticmethod
+    def _sum_slots(part: torch.Tensor, out: torch.Tensor, k: int, add: bool) -> None:
+        """out (+)= each row's k slots of `part` [T * k, D], added in slot order."""
+        T, D = out.shape
+        block = min(1024, triton.next_power_of_2(D))
+        _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4)
 
     def _blocks(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
                 out: torch.Tensor, k: int, add: bool) -> None:
@@ -661,5 +722,4 @@ class StackedExperts:
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
             G=dn.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
-        block = min(1024, triton.next_power_of_2(D))
-        _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4)
+        self._sum_slots(part, out, k, add)

@@ -8,13 +8,13 @@ llama.cpp's quantizer falls back to (Q4_K -> Q5_0, which the stacked experts hol
 Then, for each width:
 
 - step: `decode_batch` over that many pooled sessions, `--steps` steps after warm-up, median
-  of `--repeats` timings (qwen3moe decodes through captured graphs; deepseek2 eagerly);
+  of `--repeats` timings (both families decode through captured graphs);
 - with `--per-expert`, the same steps with each expert its own Linear (the path that reads the
   routing back every layer, without graphs), loaded a second time;
 - experts: one layer's routed experts (`StackedExperts.__call__` with random routing) replayed
   from a CUDA graph over every MoE layer, so launch overhead is as in a graph-decoded step;
-  with `--sweep`, the same for a grid of launch shapes (engine.cuda_moe.MoeLaunch), fastest
-  first.
+  with `--sweep`, the same for grids of launch shapes (engine.cuda_moe.MoeLaunch, `SWEEPS`),
+  fastest first.
 
 The bytes one token reads (attention, its routed experts, shared experts; the head left out)
 over the step time give the bandwidth a one-row step reaches.
@@ -111,19 +111,26 @@ def time_experts(layers: list[cuda_moe.StackedExperts], rows: int, k: int, launc
     return (time.perf_counter() - t0) / replays
 
 
-SWEEP = {"rows": dict(gemv_bn=(4, 8, 16, 32), gemv_gb=(8, 16, 32), gemv_warps=(2, 4, 8)),
-         "blocks": dict(gemm_bn=(32, 64, 128), gemm_warps=(4, 8), gemm_stages=(2, 3, 4))}
+# Grids of launch shapes, swept one after the other from the defaults, each from the fastest
+# shape the grid before it found: for a few rows how the work spreads (gate/up in one pass, the
+# down product's programs), then tile sizes; for more rows the grouped GEMM's tiles.
+SWEEPS = {"rows": [dict(gemv_together=(False, True), gemv_down=cuda_moe.DOWN_SHAPES),
+                   dict(gemv_bn=(4, 8, 16, 32), gemv_gb=(8, 16, 32), gemv_warps=(2, 4, 8))],
+          "blocks": [dict(gemm_bn=(32, 64, 128), gemm_warps=(4, 8), gemm_stages=(2, 3, 4))]}
 
 
 def sweep(layers: list[cuda_moe.StackedExperts], rows: int, k: int) -> list[tuple[float, cuda_moe.MoeLaunch]]:
-    grid = SWEEP["rows" if rows <= cuda_moe.GEMV_MAX_ROWS else "blocks"]
+    """Every shape timed, fastest first."""
     found = []
-    for values in itertools.product(*grid.values()):
-        launch = dataclasses.replace(cuda_moe.LAUNCH, **dict(zip(grid, values)))
-        try:
-            found.append((time_experts(layers, rows, k, launch), launch))
-        except Exception as e:  # a shape the compiler refuses (registers, shared memory)
-            print(f"  {launch}: {type(e).__name__}", file=sys.stderr)
+    best = cuda_moe.LAUNCH
+    for grid in SWEEPS["rows" if rows <= cuda_moe.GEMV_MAX_ROWS else "blocks"]:
+        for values in itertools.product(*grid.values()):
+            launch = dataclasses.replace(best, **dict(zip(grid, values)))
+            try:
+                found.append((time_experts(layers, rows, k, launch), launch))
+            except Exception as e:  # a shape the compiler refuses (registers, shared memory)
+                print(f"  {launch}: {type(e).__name__}", file=sys.stderr)
+        best = min(found, key=lambda f: f[0])[1]
     return sorted(found, key=lambda f: f[0])
 
 

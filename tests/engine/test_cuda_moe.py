@@ -15,6 +15,7 @@ already: that checks every index, mask, grouping and sum, and the device checks 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -175,6 +176,38 @@ def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
     assert np.abs(part - batch[half:]).max() <= 1e-6 * np.abs(batch).max()
     few = run(experts, h[:3], ids[:3], w[:3], device)
     np.testing.assert_array_equal(few[1:], run(experts, h[1:3], ids[1:3], w[1:3], device))
+
+
+# The few-row launch shapes (engine.cuda_moe.MoeLaunch): gate/up in one pass or two, the down
+# product a program per row (its slots looped or unrolled) or per (row, slot) pair.
+FEW_ROW_SHAPES = [dict(gemv_together=t, gemv_down=d) for t in (False, True) for d in cuda_moe.DOWN_SHAPES]
+FEW_ROW_IDS = [f"{'together' if s['gemv_together'] else 'apart'}-{s['gemv_down']}" for s in FEW_ROW_SHAPES]
+
+
+@pytest.mark.parametrize("shape", FEW_ROW_SHAPES, ids=FEW_ROW_IDS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "F16"])  # int4, int8, bfloat16 stacks
+def test_few_row_launch_shapes(device, shape, qtype):
+    """Each shape against the float64 reference, alone and added into the residual, with
+    column tiles past the matrices' edges (64-wide tiles of 96 and 160 columns) and a masked
+    loop step (5 groups in steps of 8); each row of a few equals the row alone, bit for bit."""
+    E, d, f, k, rows = 16, 96, 160, 6, 3
+    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT[qtype], seed=7), device)
+    experts.launch = dataclasses.replace(cuda_moe.LAUNCH, gemv_bn=64, gemv_gb=8, **shape)
+    h = inputs(rows, d, device, seed=8)
+    ids, w = routing(rows, E, k, seed=9)
+    want = reference(experts, h, ids, w, rounds=device.type == "cuda")
+    got = run(experts, h, ids, w, device)
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+    residual = np.random.default_rng(10).standard_normal(want.shape).astype(np.float32)
+    added = run(experts, h, ids, w, device, into=residual)
+    assert np.abs(added - (residual + got)).max() <= 1e-6 * np.abs(added).max()
+    for i in range(rows):
+        np.testing.assert_array_equal(got[i], run(experts, h[i: i + 1], ids[i: i + 1], w[i: i + 1], device)[0])
+
+
+def test_launch_refuses_an_unknown_down_shape():
+    with pytest.raises(ValueError, match="gemv_down"):
+        cuda_moe.MoeLaunch(gemv_down="columns")
 
 
 @pytest.mark.parametrize("n_expert,k,renormalise", [(8, 2, True), (128, 8, True), (60, 4, False), (4, 4, True)])
