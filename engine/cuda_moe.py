@@ -53,6 +53,9 @@ k most probable, ties to the lower index, optionally renormalised) in one kernel
 layer instead of torch's six, and `route_grouped(...)` is engine.models.deepseek2's (softmax or
 sigmoid, an expert bias for the choice, group-limited top-k, renormalisation and scale).
 
+`matrix_products(x, stack)` runs the indexed one-row product over any stack of matrices, row t's
+input e through matrix e: deepseek2 holds its per-head absorbed projections W_k and W_v so.
+
 Without Triton (`AVAILABLE` False) nothing here runs; engine.models keeps the per-expert path.
 It knows nothing of shared experts or of the models' tensors' names.
 """
@@ -385,6 +388,20 @@ if AVAILABLE:
         tl.store(part_ptr + p * D + n, y, mask=nm)
 
     @triton.jit
+    def _matrix_rows(x_ptr, w_ptr, sm_ptr, out_ptr, E, N, K, n_groups, stride_xt, stride_xe, stride_ot, stride_oe,
+                     FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
+                     OPERAND: tl.constexpr):
+        """One (row t, matrix e) pair and N-column tile: out[t, e] = matrix e times x[t, e]."""
+        p = tl.program_id(0)
+        t = p // E
+        e = p % E
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nm = n < N
+        y = _expert_columns(x_ptr + t * stride_xt + e * stride_xe, w_ptr, sm_ptr, e.to(tl.int64), n, nm, N, K,
+                            n_groups, FMT, G, BN, GB, OPERAND)
+        tl.store(out_ptr + t * stride_ot + e * stride_oe + n, y, mask=nm)
+
+    @triton.jit
     def _align(ids_ptr, sorted_ptr, owner_ptr, P, E, n_blocks, BM: tl.constexpr, EB: tl.constexpr,
                PB: tl.constexpr, NB: tl.constexpr):
         """One program: the pairs 0..P-1 (expert ids at ids_ptr) grouped by expert.  Expert e's
@@ -616,6 +633,30 @@ def route_grouped(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor 
                          EB=triton.next_power_of_2(E), SIGMOID=gating == "sigmoid", HAS_BIAS=bias is not None,
                          NG=ng, NG_USED=n_groups_used if grouped else 1, NORMALISE=normalise, num_warps=4)
     return ids, weights
+
+
+def matrix_products(x: torch.Tensor, stack: StackedWeight, out: torch.Tensor | None = None,
+                    launch: MoeLaunch = LAUNCH) -> torch.Tensor:
+    """Row t's input to matrix e times that matrix, for every row and every matrix of the stack:
+    x [T, E, K] (float32 or bfloat16, each input contiguous) -> float32 [T, E, N] (into `out`
+    where given: float32, each output contiguous), one indexed product per (row, matrix) with
+    the experts' arithmetic and launch (deepseek2's absorbed per-head products, decoding a few
+    rows).  Nothing is read back to the host."""
+    T, E, K = x.shape
+    if E != stack.n_expert or K != stack.k:
+        raise ValueError(f"inputs [{T}, {E}, {K}] for a stack of {stack.n_expert} matrices [{stack.n}, {stack.k}]")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty((T, E, stack.n), dtype=torch.float32, device=x.device)
+    elif out.shape != (T, E, stack.n) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"cannot write [{T}, {E}, {stack.n}] float32 products into {out.dtype} {tuple(out.shape)}")
+    bn = launch.gemv_bn
+    _matrix_rows[(T * E, triton.cdiv(stack.n, bn))](
+        x, *stack.row_operands(), out, E, stack.n, K, stack.n_groups, x.stride(0), x.stride(1), out.stride(0),
+        out.stride(1), FMT=stack.format_index, G=stack.group, BN=bn,
+        GB=_groups_per_step(stack.n_groups, launch.gemv_gb), OPERAND=OPERAND, num_warps=launch.gemv_warps)
+    return out
 
 
 def group_by_expert(ids: torch.Tensor, n_expert: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,14 +24,18 @@ space to [absorbed q_nope, q_rope] . [latent, key rope] and its latent output go
 W_k and W_v are held in float32, each head's rows contiguous as the file stores `attn_k_b`
 [H, kv_lora_rank, nope] and `attn_v_b` [H, head_dim_v, kv_lora_rank], so that a decoding row's two
 products are row-major matrix-vector products (on CPU 2.2x and 3.2x faster than through the
-transposed layout at DeepSeek-V2-Lite's shapes).  On CPU every row attends alone (decode steps, batched rows
-and prefill chunks alike, with the same operations on the same shapes), so prefill,
-token-by-token decoding and batched decoding compute the same bits; other devices attend a
-prefill chunk, and a decoding step's rows of one pool, in one masked batch.  Rope turns
-adjacent pairs (llama.cpp's rope type for deepseek2); YaRN scaling in the metadata (`rope.scaling.type`
-yarn) blends interpolated and original frequencies per dimension and scales the attention
-logits by mscale^2 with mscale = 1 + `rope.scaling.yarn_log_multiplier` * ln(factor), as
-llama.cpp does for this family.
+transposed layout at DeepSeek-V2-Lite's shapes).  On CUDA with packed weights, where the file
+splits them in a 4- to 8-bit grouped type, they are also held as the file has them
+(engine.cuda_moe's stacked matrices, a quarter of the float32 bytes or less), and decoding
+steps of up to `HEAD_STACK_ROWS` rows take them there: one indexed product per (row, head),
+its inputs rounded to bfloat16 as every quantized product's are.  On CPU every row attends
+alone (decode steps, batched rows and prefill chunks alike, with the same operations on the
+same shapes), so prefill, token-by-token decoding and batched decoding compute the same bits;
+other devices attend a prefill chunk, and a decoding step's rows of one pool, in one masked
+batch.  Rope turns adjacent pairs (llama.cpp's rope type for deepseek2); YaRN scaling in the
+metadata (`rope.scaling.type` yarn) blends interpolated and original frequencies per
+dimension and scales the attention logits by mscale^2 with mscale = 1 +
+`rope.scaling.yarn_log_multiplier` * ln(factor), as llama.cpp does for this family.
 
 FFN: the first `leading_dense_block_count` layers have a dense SwiGLU (`ffn_gate/up/down`);
 the others a routed mixture (engine.models.qwen_moe's experts and dispatch) plus the shared
@@ -55,8 +59,8 @@ the eager step, with the attention of each row done by engine.cuda_attention's l
 which reads the row's cache address and position from the graph's table, stores its new cache
 row and attends in latent space (queries and probabilities in the cache's dtype, float32
 accumulation, where the eager step widens the cache to float32).  The latent's norm and the
-rope rotations that feed it are one kernel there (`latent_inputs`), the absorbed products stay
-torch's batched float32 products.  Greedy sessions then run steps ahead as the llama family's
+rope rotations that feed it are one kernel there (`latent_inputs`), and the absorbed products
+are the eager step's.  Greedy sessions then run steps ahead as the llama family's
 do.
 
 `DeepSeek2Model` implements `engine.protocols.Network`; it is registered for deepseek2 in
@@ -172,6 +176,25 @@ def _rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rope).flatten(-2)
 
 
+HEAD_STACK_ROWS = cuda_moe.GEMV_MAX_ROWS
+"""Rows up to which the absorbed products read the per-head stacks (`MlaBlock.k_stack`); more
+rows (prefill chunks, wide decoding steps) take the float32 batched products."""
+
+
+def head_stack(record: TensorRecord, shape: tuple[int, int, int],
+               device: torch.device) -> "cuda_moe.StackedWeight | None":
+    """attn_k_b or attn_v_b, [H, rows, k] in the file (or its rows as one matrix), as
+    engine.cuda_moe holds stacked matrices, where that keeps its values exact (the 4- to 8-bit
+    grouped types, k a whole number of groups); else None."""
+    if cuda_moe.stack_format([record.qtype]) == "bf16" or record.shape[-1] != shape[2] \
+            or math.prod(record.shape) != math.prod(shape):
+        return None
+    try:
+        return cuda_moe.StackedWeight([TensorRecord(record.name, record.qtype, shape, record.data)], device)
+    except ValueError:  # inputs not a whole number of groups
+        return None
+
+
 class MlaBlock:
     """One layer's weights: latent attention and a dense or mixture FFN."""
 
@@ -211,6 +234,12 @@ class MlaBlock:
             w_v = up("attn_v_b.weight", H, dv, rank)
         self.w_k = dense(w_k)  # [H, rank, nope]: w_k @ q_nope [H, nope, 1] -> the absorbed query
         self.w_v = dense(w_v)  # [H, dv, rank]: w_v @ latent output [H, rank, 1] -> the heads' values
+        self.k_stack = self.v_stack = None  # the same matrices as the file holds them (CUDA, few rows)
+        if stacks_experts(device, fmt) and p + "attn_k_b.weight" in t:
+            self.k_stack = head_stack(t[p + "attn_k_b.weight"], (H, rank, nope), device)
+            self.v_stack = head_stack(t[p + "attn_v_b.weight"], (H, dv, rank), device)
+            if self.k_stack is None or self.v_stack is None:
+                self.k_stack = self.v_stack = None
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
         self.dense: Expert | None = None
         self.experts: list[Expert] | cuda_moe.StackedExperts = []
@@ -232,7 +261,8 @@ class MlaBlock:
     @property
     def nbytes(self) -> int:
         mats = [self.w_in, self.w_q_b, self.wo, self.dense, self.shared, self.router]
-        vecs = [self.attn_norm, self.ffn_norm, self.kv_a_norm, self.q_a_norm, self.bias, self.w_k, self.w_v]
+        vecs = [self.attn_norm, self.ffn_norm, self.kv_a_norm, self.q_a_norm, self.bias, self.w_k, self.w_v,
+                self.k_stack, self.v_stack]
         return (sum(m.nbytes for m in mats if m is not None) + sum(v.nbytes for v in vecs if v is not None)
                 + experts_nbytes(self.experts))
 
@@ -390,8 +420,7 @@ class DeepSeek2Model(CachedNetwork):
             if kernels is not None:
                 q, kv = self._projections(blk, x)
                 q_rope, rows = cuda_attention.latent_inputs(q, kv, turns, blk.kv_a_norm, cfg.norm_eps, H, nope)
-                heads = q.view(B, H, cfg.head_dim)[:, :, :nope].transpose(0, 1)  # [H, B, nope]
-                q_lat = torch.bmm(heads, blk.w_k.transpose(1, 2)).transpose(0, 1)  # [B, H, rank]
+                q_lat = self._absorbed(blk, q.view(B, H, cfg.head_dim)[:, :, :nope])  # [B, H, rank]
             else:
                 q, rows = self._project(blk, x, rope)
                 both = self._absorb(blk, q)
@@ -444,15 +473,27 @@ class DeepSeek2Model(CachedNetwork):
         """N rows' queries [N, H, head_dim] -> [N, H, kv_lora_rank + rope_dim] (contiguous):
         each head's unrotated part through its W_k, its rotated part as it is."""
         nope = self.cfg.head_dim - self.cfg.rope_dim
-        absorbed = torch.bmm(q[:, :, :nope].transpose(0, 1), blk.w_k.transpose(1, 2)).transpose(0, 1)  # [N, H, rank]
-        return torch.cat([absorbed, q[:, :, nope:]], dim=2)
+        return torch.cat([self._absorbed(blk, q[:, :, :nope]), q[:, :, nope:]], dim=2)
 
-    def _values(self, blk: MlaBlock, lat: torch.Tensor) -> torch.Tensor:
-        """Each head's attention-weighted latent [N, H, kv_lora_rank] through its W_v: [N, H * dv]."""
+    @staticmethod
+    def _absorbed(blk: MlaBlock, q_nope: torch.Tensor) -> torch.Tensor:
+        """Each head's unrotated query [N, H, nope] through its W_k: [N, H, kv_lora_rank] float32
+        (possibly a view).  A few rows on CUDA read the file's matrices (`k_stack`, their
+        inputs rounded to bfloat16 as every quantized product's are); else float32 W_k."""
+        if blk.k_stack is not None and q_nope.shape[0] <= HEAD_STACK_ROWS:
+            return cuda_moe.matrix_products(q_nope, blk.k_stack)
+        return torch.bmm(q_nope.transpose(0, 1), blk.w_k.transpose(1, 2)).transpose(0, 1)
+
+    @staticmethod
+    def _values(blk: MlaBlock, lat: torch.Tensor) -> torch.Tensor:
+        """Each head's attention-weighted latent [N, H, kv_lora_rank] through its W_v: [N, H * dv]
+        (`v_stack` for a few rows on CUDA, as `_absorbed`)."""
         N, H = lat.shape[:2]
         out = torch.empty((N, H, blk.w_v.shape[1]), dtype=torch.float32, device=lat.device)
-        # Written through its [H, N, dv] view: the batched product's own layout, no copy after.
-        torch.bmm(lat.transpose(0, 1), blk.w_v.transpose(1, 2), out=out.transpose(0, 1))
+        if blk.v_stack is not None and N <= HEAD_STACK_ROWS:
+            cuda_moe.matrix_products(lat, blk.v_stack, out=out)
+        else:  # written through its [H, N, dv] view: the batched product's own layout, no copy after
+            torch.bmm(lat.transpose(0, 1), blk.w_v.transpose(1, 2), out=out.transpose(0, 1))
         return out.view(N, -1)
 
     def _projections(self, blk: MlaBlock, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -481,12 +522,17 @@ class DeepSeek2Model(CachedNetwork):
         the query absorbed into latent space, softmax, the latent output through W_v."""
         nope, rank = self.cfg.head_dim - self.cfg.rope_dim, self.cfg.kv_lora_rank
         lat = lat.float()
-        # Each vector goes in as a transposed row ([H, 1, n] viewed as [H, n, 1]): BLAS then
-        # runs a matrix-vector product, where a unit-stride column took a general GEMM at
-        # about 6x the time (torch 2.13, measured at DeepSeek-V2-Lite's shapes).
-        absorbed = torch.bmm(blk.w_k, q[:, None, :nope].transpose(1, 2))[:, :, 0]  # [H, rank]
+        if blk.k_stack is not None:  # CUDA: the per-head stacks, as a few pooled rows take them
+            absorbed = self._absorbed(blk, q[None, :, :nope])[0]
+        else:
+            # Each vector goes in as a transposed row ([H, 1, n] viewed as [H, n, 1]): BLAS then
+            # runs a matrix-vector product, where a unit-stride column took a general GEMM at
+            # about 6x the time (torch 2.13, measured at DeepSeek-V2-Lite's shapes).
+            absorbed = torch.bmm(blk.w_k, q[:, None, :nope].transpose(1, 2))[:, :, 0]  # [H, rank]
         scores = torch.cat([absorbed, q[:, nope:]], dim=1) @ lat.T  # [H, L]
         probs = torch.softmax(scores * self.scale, dim=-1)
+        if blk.v_stack is not None:
+            return self._values(blk, (probs @ lat[:, :rank])[None]).reshape(-1)
         return torch.bmm(blk.w_v, (probs @ lat[:, :rank])[:, None].transpose(1, 2)).reshape(-1)
 
     def _attend_chunk(self, blk: MlaBlock, q: torch.Tensor, lat: torch.Tensor, start: int) -> torch.Tensor:

@@ -53,10 +53,13 @@ def write_shape(path: str, preset: str, n_layer: int, qtype: str) -> str:
 
 def token_bytes(m: engine.Model) -> int:
     """Bytes of weights one decoded token reads, the head and embedding left out: every dense
-    matrix of a layer, and k of its n_expert routed experts."""
+    matrix of a layer, and k of its n_expert routed experts (deepseek2's absorbed products from
+    their per-head stacks where it holds them, not from the float32 copies)."""
     total = 0
     for blk in m.net.blocks:
         total += blk.nbytes
+        if getattr(blk, "k_stack", None) is not None:
+            total -= blk.w_k.nbytes + blk.w_v.nbytes
         if isinstance(blk.experts, cuda_moe.StackedExperts):
             total -= blk.experts.nbytes * (blk.experts.n_expert - m.config.n_expert_used) // blk.experts.n_expert
     return total

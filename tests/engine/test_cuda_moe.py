@@ -210,6 +210,34 @@ def test_launch_refuses_an_unknown_down_shape():
         cuda_moe.MoeLaunch(gemv_down="columns")
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_matrix_products_of_a_stack(device, qtype, rows):
+    """Each row's input e through matrix e (deepseek2's per-head W_k and W_v): against float64
+    products of the stack's matrices, from strided inputs, into a strided output; each row
+    equals the row alone, bit for bit."""
+    E, n, k = 4, 48, 256
+    w = np.random.default_rng(11).standard_normal((E, n, k)) * k ** -0.5
+    stack = cuda_moe.StackedWeight([record("attn_k_b", w, QT[qtype])], device)
+    assert stack.format == ("int4" if qtype == "Q4_K" else "int8")
+    wide = inputs(rows * E, 2 * k, device, seed=12).reshape(rows, E, 2 * k)
+    x = torch.from_numpy(wide).to(device)[:, :, k:]  # inputs strided by 2k
+    mats = stack.dequantized().double().cpu().numpy()
+    xs = x.double().cpu().numpy()
+    want = np.einsum("enk,tek->ten", mats, bf16(xs) if device.type == "cuda" else xs)
+    got = cuda_moe.matrix_products(x, stack)
+    assert got.shape == (rows, E, n) and got.dtype == torch.float32
+    assert np.abs(got.double().cpu().numpy() - want).max() <= 1e-5 * np.abs(want).max()
+    held = torch.zeros(E, rows, n + 8, device=device)
+    into = held[:, :, :n].transpose(0, 1)  # [rows, E, n], rows and matrices strided
+    assert cuda_moe.matrix_products(x, stack, out=into) is into
+    assert torch.equal(into, got) and not held[:, :, n:].any()
+    for t in range(rows):
+        assert torch.equal(cuda_moe.matrix_products(x[t: t + 1], stack)[0], got[t])
+    with pytest.raises(ValueError, match="stack of 4 matrices"):
+        cuda_moe.matrix_products(x[:, :3], stack)
+
+
 @pytest.mark.parametrize("n_expert,k,renormalise", [(8, 2, True), (128, 8, True), (60, 4, False), (4, 4, True)])
 def test_routing_kernel_follows_the_torch_rule(device, n_expert, k, renormalise):
     """route_softmax against engine.models.qwen_moe.route: the same experts in the same order (a
@@ -349,6 +377,7 @@ def stacked_on_cpu(monkeypatch):
     """The families' stacked-experts path (the CUDA one) built on CPU, its kernels interpreted."""
     monkeypatch.setattr(cuda_moe, "OPERAND", cuda_moe.tl.float32)
     monkeypatch.setattr(qwen_moe, "stacks_experts", lambda device, fmt: fmt == "packed")
+    monkeypatch.setattr(deepseek2, "stacks_experts", lambda device, fmt: fmt == "packed")  # its per-head stacks
 
 
 @INTERPRETER_ONLY
@@ -374,8 +403,9 @@ def test_qwen_moe_through_the_stacked_experts(tmp_path, stacked_on_cpu, arch):
 
 @INTERPRETER_ONLY
 def test_deepseek2_through_the_stacked_experts(tmp_path, stacked_on_cpu):
-    """deepseek2's v3-like routing (sigmoid, groups, bias, renormalised and scaled) and shared
-    experts through the stacked path, against the float64 reference."""
+    """deepseek2's v3-like routing (sigmoid, groups, bias, renormalised and scaled), shared
+    experts and the per-head stacks of W_k and W_v through the CUDA path, against the float64
+    reference, in a prefill chunk and decoding steps of one row and of three pooled rows."""
     import engine
     from deepseek2_models import DeepSeek2Spec, reference_logits, write_random_deepseek2
     spec = DeepSeek2Spec(qtype="Q4_0", nope=32, q_lora_rank=0, gating="sigmoid", weights_norm=True,
@@ -383,8 +413,24 @@ def test_deepseek2_through_the_stacked_experts(tmp_path, stacked_on_cpu):
     path = write_random_deepseek2(tmp_path / "d.gguf", spec)
     m = engine.load_model(path)
     assert isinstance(m.net.blocks[1].experts, cuda_moe.StackedExperts) and m.net.blocks[0].dense is not None
+    assert all(b.k_stack is not None and b.v_stack is not None for b in m.net.blocks)  # absorbed W_k, W_v
     ref = reference_logits(path, MOE_TOKENS).logits
+    scale = np.abs(ref).max()
     full = m.net.forward(torch.tensor(MOE_TOKENS), 0, m.new_session().cache, logits="all").double().numpy()
-    assert np.abs(full - ref).max() <= 2e-2 * np.abs(ref).max()
+    assert np.abs(full - ref).max() <= 2e-2 * scale
+    # Decoding rows: one alone, then three of a pool in one masked batch (the other devices' way),
+    # against the same rows attending alone.
+    s = m.new_session()
+    s.sync(MOE_TOKENS[:-1])
+    s.eval(MOE_TOKENS[-1])
+    assert np.abs(s.logits.double().numpy() - ref[-1]).max() <= 2e-2 * scale
+    pooled, alone = m.new_sessions(3), m.new_sessions(3)
+    for a, b, n in zip(pooled, alone, (3, 6, 9)):
+        a.sync(MOE_TOKENS[:n])
+        b.sync(MOE_TOKENS[:n])
+    want = m.net.forward_rows(torch.tensor([7, 8, 9]), [x.cache for x in alone])
+    m.net.rows_alone = False
+    got = m.net.forward_rows(torch.tensor([7, 8, 9]), [x.cache for x in pooled])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
