@@ -12,7 +12,8 @@ Q2_K, IQ4_NL, IQ4_XS) are held as int8 values with the same pairs per group of 3
 or 1.25 bytes a weight (a Q4_K_M file's Q6_K down projections, and the Q5_0 that llama.cpp
 writes for rows that are not whole Q4_K blocks, such as DeepSeek-V2-Lite's 1408-wide experts).
 Both are unpacked on the device from the file's blocks as stored, a few experts at a time
-(engine.device_blocks, the host's numbers bit for bit).  Every other type (F16, BF16, F32) is dequantized once to bfloat16.
+(engine.device_blocks, the host's numbers bit for bit).  Every other type (F16, BF16, F32) is
+dequantized once to bfloat16.
 
 `experts(h, ids, weights, into=x)`: h [T, n_embd] (float32 or bfloat16), ids [T, k] (each row's
 experts, on the device), weights [T, k] float32 -> float32 [T, n_embd], each row's
@@ -91,7 +92,7 @@ class MoeLaunch:
     down product spreads over programs (`gemv_down`, one of DOWN_SHAPES: a program per row and
     column tile looping over the row's slots, the same with the loop unrolled, or a program per
     (row, slot) pair and one more kernel adding a row's slots in order); the grouped GEMM's
-    columns per program, warps and pipeline stages.  The defaults are the
+    columns per program, warps, pipeline stages and groups per loop step (at most).  The defaults are the
     fastest of one sweep on an H200 (tests/engine/moe_timing.py --sweep, the Qwen3-30B-A3B
     shape at Q4_K, 48 layers' routed experts replayed from a graph): at 1 row 1.82 ms against
     2.12 ms with 8 columns per program, at 32 rows 21.4 ms against 23.9 ms with 64."""
@@ -104,6 +105,7 @@ class MoeLaunch:
     gemm_bn: int = 128
     gemm_warps: int = 4
     gemm_stages: int = 3
+    gemm_unroll: int = 1
 
     def __post_init__(self):
         if self.gemv_down not in DOWN_SHAPES:
@@ -456,8 +458,9 @@ if AVAILABLE:
     @triton.jit
     def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
                         TOPK: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        OPERAND: tl.constexpr):
-        """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up."""
+                        UNROLL: tl.constexpr, OPERAND: tl.constexpr):
+        """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up.  UNROLL
+        groups (a divisor of n_groups) per loop step, in order, their loads in flight together."""
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
             return
@@ -469,17 +472,21 @@ if AVAILABLE:
         nm = n < F
         gate = tl.zeros([BM, BN], tl.float32)
         up = tl.zeros([BM, BN], tl.float32)
-        for g in range(0, n_groups):
-            gate += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                   FMT, G, OPERAND)
-            up += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                 FMT, G, OPERAND)
+        for c in range(0, n_groups // UNROLL):
+            for u in tl.static_range(UNROLL):
+                g = c * UNROLL + u
+                gate += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
+                                       FMT, G, OPERAND)
+                up += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
+                                     FMT, G, OPERAND)
         tl.store(act_ptr + pair[:, None] * F + n[None, :], _silu_times(gate, up), mask=pm[:, None] & nm[None, :])
 
     @triton.jit
     def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
-                     FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OPERAND: tl.constexpr):
-        """One block and D-column tile: part[pair] = weight[pair] * down(act[pair])."""
+                     FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr,
+                     OPERAND: tl.constexpr):
+        """One block and D-column tile: part[pair] = weight[pair] * down(act[pair]) (UNROLL as
+        `_gate_up_blocks`)."""
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
             return
@@ -489,8 +496,10 @@ if AVAILABLE:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
         acc = tl.zeros([BM, BN], tl.float32)
-        for g in range(0, n_groups):
-            acc += _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, FMT, G, OPERAND)
+        for c in range(0, n_groups // UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc += _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, c * UNROLL + u, D, F, n_groups, F,
+                                      FMT, G, OPERAND)
         weight = tl.load(wt_ptr + pair, mask=pm, other=0.0)
         tl.store(part_ptr + pair[:, None] * D + n[None, :], acc * weight[:, None], mask=pm[:, None] & nm[None, :])
 
@@ -674,6 +683,15 @@ def group_by_expert(ids: torch.Tensor, n_expert: int, bm: int) -> tuple[torch.Te
     return pairs, owner
 
 
+def _unroll(n_groups: int, most: int) -> int:
+    """Groups per loop step of the grouped GEMM: the largest power of two up to `most` that
+    divides n_groups (so no step is masked)."""
+    u = 1
+    while u * 2 <= most and n_groups % (u * 2) == 0:
+        u *= 2
+    return u
+
+
 def _groups_per_step(n_groups: int, most: int) -> int:
     """Groups per loop step of the indexed products: `most`, or fewer for short inputs (a
     power of two, so no step is mostly masked)."""
@@ -757,10 +775,11 @@ class StackedExperts:
         bn = cfg.gemm_bn
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
-            FMT=gu.format_index, G=gu.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps,
-            num_stages=cfg.gemm_stages)
+            FMT=gu.format_index, G=gu.group, BM=bm, BN=bn, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll),
+            OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
-            G=dn.group, BM=bm, BN=bn, OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            G=dn.group, BM=bm, BN=bn, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), OPERAND=OPERAND,
+            num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
         self._sum_slots(part, out, k, add)

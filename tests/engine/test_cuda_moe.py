@@ -205,6 +205,23 @@ def test_few_row_launch_shapes(device, shape, qtype):
         np.testing.assert_array_equal(got[i], run(experts, h[i: i + 1], ids[i: i + 1], w[i: i + 1], device)[0])
 
 
+@pytest.mark.parametrize("unroll", [2, 4])
+def test_grouped_gemm_unrolled(device, unroll):
+    """The grouped GEMM (more than GEMV_MAX_ROWS rows) with groups unrolled per loop step: 4
+    groups of gate/up and 6 of down (unrolled by 2 where 4 does not divide them), against the
+    float64 reference and the loop of one group a step."""
+    E, d, f, k, rows = 8, 128, 192, 2, cuda_moe.GEMV_MAX_ROWS + 4
+    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT.Q4_0, seed=13), device)
+    h = inputs(rows, d, device, seed=14)
+    ids, w = routing(rows, E, k, seed=15)
+    plain = run(experts, h, ids, w, device)
+    experts.launch = dataclasses.replace(cuda_moe.LAUNCH, gemm_unroll=unroll)
+    got = run(experts, h, ids, w, device)
+    want = reference(experts, h, ids, w, rounds=device.type == "cuda")
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()
+    assert np.abs(got - plain).max() <= 1e-6 * np.abs(plain).max()  # the same sums in the same order
+
+
 def test_launch_refuses_an_unknown_down_shape():
     with pytest.raises(ValueError, match="gemv_down"):
         cuda_moe.MoeLaunch(gemv_down="columns")
