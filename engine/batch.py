@@ -16,6 +16,16 @@
   chunk of its own work in that step (the server scores prompts in slots that hold no
   request); `prefilling` says whether a chunk waits.  It is single-threaded: callers drive
   `step()` from the thread that owns the model (the server's worker, a benchmark loop).
+  With `run_ahead` (CUDA graph decoding), when every row of a step takes the same greedy
+  column of its logits (engine.device_sampling), the step after it is launched too, its
+  tokens taken by the GPU from the first step's greedy ids, so the host's work between steps
+  (choosing tokens, callbacks, streaming, the next step's table) overlaps the GPU's instead of
+  leaving it idle.  The next step takes it only where it is that very step: the same
+  sessions in the same order, each one position on, the tokens the greedy ids it evaluated;
+  anything else (a row finished, cancelled or joined, a token not the greedy one) drops it
+  unused, its keys and values lying past the caches' valid lengths.  A taken step is the same
+  graph replay at the same positions as the step it replaces, so the logits are bitwise the
+  same.  Off by default (`RUN_AHEAD`): its effect on batched throughput is not yet measured.
 - `check_capacity(model, n_sessions, ctx)` refuses configurations whose memory need (weights
   + KV + working buffers, from the model's own accounting, with a 10% margin) exceeds what
   the device has available, with the figures in the message.
@@ -33,7 +43,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from engine import threads
+from engine.device_sampling import DeviceLogits
 from engine.errors import Cancelled
+from engine.kvcache import KVCache
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Prefill, Session, common_prefix
 
@@ -43,6 +55,10 @@ if TYPE_CHECKING:
 
 class CapacityError(Exception):
     """The requested sessions do not fit in the device's memory."""
+
+
+RUN_AHEAD = False
+"""`BatchScheduler`'s default for `run_ahead` (see the module docstring)."""
 
 
 def meminfo_bytes(field: str) -> int | None:
@@ -152,13 +168,57 @@ class _Slot:
     last_used: float = 0.0
 
 
+@dataclass
+class _Launched:
+    """A batched step launched before the host knew its tokens: row i evaluates, at position
+    positions[i] + 1 of caches[i], the greedy id in `column` that `after` (the step launched at
+    positions[i]) gave it."""
+
+    sessions: list[Session]
+    caches: list[KVCache]
+    positions: list[int]
+    column: int
+    after: Any  # the network's pending step (engine.cuda_graphs.PendingStep)
+    step: Any
+
+    def takes(self, sessions: list[Session], tokens: list[int]) -> bool:
+        """Whether this step is the one `sessions` would now run with `tokens`: the same sessions
+        in the same order, each cache one past where `after` evaluated (that step done and
+        nothing else changed since), and each token the greedy id this step took."""
+        if len(sessions) != len(self.sessions) or any(a is not b for a, b in zip(sessions, self.sessions)):
+            return False
+        if any(s.cache is not c or c.n != p + 1 for s, c, p in zip(sessions, self.caches, self.positions)):
+            return False
+        ids = self.after.result().ids  # settled: its step was waited for
+        return all(t == row[self.column] for t, row in zip(tokens, ids))
+
+
+def _finisher(sessions: list[Session], tokens: list[int], step: Any) -> Callable[[], None]:
+    """The call that waits for a launched step and advances its sessions by their tokens."""
+    def finish() -> None:
+        out = step.result()
+        for i, (s, t) in enumerate(zip(sessions, tokens)):
+            s.cache.n += 1
+            s.append_decoded(t, out.row(i))
+    return finish
+
+
+def greedy_column(logits: Any, sampler: Any) -> int | None:
+    """Which of a device row's greedy ids `sampler` takes (engine.device_sampling), or None
+    where it samples, chooses by other means, or the row is on the host."""
+    if isinstance(logits, DeviceLogits) and isinstance(sampler, Sampler):
+        return logits.greedy_column(sampler)
+    return None
+
+
 class BatchScheduler:
     """`n_slots` sessions serving `GenRequest`s (see the module docstring).
 
     Between steps callers use `session(i)` (a slot's session) and `abandon_all()` (drop every
     request after a failure), never the slots or the queue themselves."""
 
-    def __init__(self, model: "Model", n_slots: int, ctx: int | None = None, check_memory: bool = True):
+    def __init__(self, model: "Model", n_slots: int, ctx: int | None = None, check_memory: bool = True,
+                 run_ahead: bool | None = None):
         if n_slots < 1:
             raise ValueError("n_slots must be >= 1")
         ctx = model.n_ctx if ctx is None else ctx
@@ -168,6 +228,9 @@ class BatchScheduler:
         self.slots = [_Slot(s) for s in model.new_sessions(n_slots)]
         self.queue: deque[GenRequest] = deque()
         self._next_prefill = 0
+        self.run_ahead = RUN_AHEAD if run_ahead is None else run_ahead
+        self._launched: _Launched | None = None  # the step launched ahead of the host, if any
+        self.adopted = 0  # decoding steps that were launched ahead and then taken
 
     # --- admission ---
     def submit(self, req: GenRequest) -> None:
@@ -238,6 +301,7 @@ class BatchScheduler:
                 slot.session.reset()
         abandoned.extend(self.queue)
         self.queue.clear()
+        self._launched = None
         return abandoned
 
     # --- the loop ---
@@ -273,7 +337,7 @@ class BatchScheduler:
         """Each generating slot's next token; the step that evaluates them is started before the
         tokens go to their requests (`on_token`, finishing), which runs while the GPU computes
         it (engine.batch.start_decode_batch), each request's events in the order they had."""
-        rows, tokens, taken = [], [], []
+        rows, tokens, columns, taken = [], [], [], []
         for slot in self.slots:
             req = slot.request
             if req is None or slot.prefill is not None:
@@ -282,7 +346,8 @@ class BatchScheduler:
                 self._finish(slot, "cancelled")
                 continue
             # The row where it lies: on CUDA a device row, copied to the host only if asked.
-            token = slot.sampler(slot.session.raw_logits)
+            logits = slot.session.raw_logits
+            token = slot.sampler(logits)
             if req.first_token_at is None:
                 req.first_token_at = time.perf_counter()
             req.output.append(token)
@@ -294,8 +359,9 @@ class BatchScheduler:
             else:
                 rows.append(slot.session)
                 tokens.append(token)
+                columns.append(greedy_column(logits, slot.sampler))
             taken.append((slot, req, token, finish))
-        wait = start_decode_batch(rows, tokens) if rows else None
+        wait = self._start(rows, tokens, columns) if rows else None
         try:
             for slot, req, token, finish in taken:
                 if req.on_token is not None:
@@ -306,6 +372,31 @@ class BatchScheduler:
             if wait is not None:
                 wait()
         return bool(rows)
+
+    def _start(self, rows: list[Session], tokens: list[int], columns: list[int | None]) -> Callable[[], None]:
+        """Start the step of `rows` evaluating `tokens` (the one launched ahead where it is that
+        step) and, where every row's sampler takes the same greedy column, launch the step after
+        it too; the returned call waits for the first and advances the rows."""
+        launched, self._launched = self._launched, None  # one not taken now is dropped unused
+        if launched is not None and launched.takes(rows, tokens):
+            step = launched.step
+            self.adopted += 1
+        else:
+            for s in rows:
+                s.check_fits(s.n_past + 1)
+            threads.before_forward()
+            caches = [s.cache for s in rows]
+            step = self.model.net.decode_launch(tokens, caches, self.model.eos_ids) if self.run_ahead else None
+            if step is None:
+                return start_decode_batch(rows, tokens)
+        column = columns[0]
+        if column is not None and all(c == column for c in columns):
+            caches = [s.cache for s in rows]
+            ahead = self.model.net.decode_launch(None, caches, self.model.eos_ids, ahead=1, after=step,
+                                                 column=column)
+            if ahead is not None:
+                self._launched = _Launched(rows, caches, [c.n for c in caches], column, step, ahead)
+        return _finisher(rows, tokens, step)
 
     def step(self, prefill: bool = True) -> bool:
         """One prefill chunk (if any, and if `prefill`) and one batched decode step; False when idle."""

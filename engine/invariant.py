@@ -6,7 +6,8 @@ one-row decoding step at that token's position (`decode_frontier`: on CUDA the c
 one row, elsewhere the eager one-row step). Concretely:
 - a decoding step of N rows runs N one-row steps, one after another;
 - a prefill of T tokens runs T one-row steps (and scoring keeps each step's logits);
-- a greedy session's run-ahead already launches one-row steps, and is passed through.
+- a greedy session's run-ahead already launches one-row steps, and is passed through, as is a
+  batch scheduler's where its batch is one row (of more rows it launches nothing).
 What a token's logits are then depends on its sequence alone: not on the other requests in the
 batch, on how the prompt was split into prefill chunks, on whether a prefix came from the cache
 (its keys and values were computed by the same steps), on `n`, streaming or `max_tokens`.
@@ -56,6 +57,14 @@ class BatchInvariant:
     def decode_ahead(self, token: int | None, cache: Any, eos_ids: frozenset[int], ahead: int,
                      after: Any = None, column: int = 0) -> Any:
         return self.net.decode_ahead(token, cache, eos_ids, ahead, after, column)
+
+    def decode_launch(self, tokens: list[int] | None, caches: list[Any], eos_ids: frozenset[int],
+                      ahead: int = 0, after: Any = None, column: int = 0) -> Any:
+        """One cache's step is the one-row step and passes through; several rows are never
+        launched as one step (None: the caller decodes them row by row)."""
+        if len(caches) != 1:
+            return None
+        return self.net.decode_launch(tokens, caches, eos_ids, ahead, after, column)
 
     def decode(self, tokens: list[int], caches: list[Any], eos_ids: frozenset[int] = frozenset()) -> StepLogits:
         rows = [_row_tensor(self.net.decode_frontier(int(t), c, eos_ids)) for t, c in zip(tokens, caches)]

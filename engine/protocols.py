@@ -189,5 +189,10 @@ class Network(Protocol):
     def decode_ahead(self, token: int | None, cache: "KVCache", eos_ids: frozenset[int], ahead: int,
                      after: Any = None, column: int = 0) -> Any: ...
 
+    # The same for a step of several caches (tokens None: each row's greedy id of `after`), or
+    # None: a batch scheduler's run-ahead (engine.batch).
+    def decode_launch(self, tokens: list[int] | None, caches: list["KVCache"], eos_ids: frozenset[int],
+                      ahead: int = 0, after: Any = None, column: int = 0) -> Any: ...
+
 
 __all__ = ["EngineAPI", "ModelLike", "Network", "SessionLike", "TextStreamLike"]

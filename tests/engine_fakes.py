@@ -445,6 +445,7 @@ class FakeScheduler:
     n_slots: int
     ctx: int | None = None
     check_memory: bool = True
+    run_ahead: bool | None = None  # nothing runs ahead of fake sessions
     slots: list[FakeSlot] = field(init=False)
     queue: list[GenRequest] = field(init=False, default_factory=list)
 

@@ -114,12 +114,22 @@ class CachedNetwork:
         """Launch the one-row step of `token` (or of `after`'s greedy id in `column`) at position
         cache.n + ahead without waiting for it, where a captured graph takes this cache; None
         where none does (the caller decodes as usual).  The cache's length is not changed."""
-        g = self._graphs_taking([cache])
-        if g is None or cache.n + ahead >= cache.n_ctx:
+        return self.decode_launch(None if token is None else [token], [cache], eos_ids, ahead, after, column)
+
+    def decode_launch(self, tokens: list[int] | None, caches: list[KVCache], eos_ids: frozenset[int],
+                      ahead: int = 0, after: cuda_graphs.PendingStep | None = None,
+                      column: int = 0) -> cuda_graphs.PendingStep | None:
+        """Launch one step for each of N distinct caches at position cache.n + ahead without
+        waiting for it, its greedy ids kept on the device for a later launch's `after`: row i
+        evaluates tokens[i], or (tokens None) column `column` of `after`'s ids for its row i.
+        None where no captured graph takes these caches or a position is past a cache's
+        context (the caller decodes as usual).  The caches' lengths are not changed."""
+        g = self._graphs_taking(caches)
+        if g is None or any(c.n + ahead >= c.n_ctx for c in caches):
             return None
         try:
-            return g.launch([0 if token is None else int(token)], [cache], eos_ids, ahead=ahead,
-                            after=after, column=column, keep_ids=True)
+            return g.launch([0] * len(caches) if tokens is None else [int(t) for t in tokens], caches, eos_ids,
+                            ahead=ahead, after=after, column=column, keep_ids=True)
         except cuda_graphs.GraphsUnavailable:
             return None
 

@@ -116,6 +116,20 @@ def test_scheduler_greedy_tokens_equal_serial_runs(model):
     assert all(r.finish == "length" for r in reqs)
 
 
+def test_run_ahead_on_cpu_launches_nothing_and_changes_nothing(model):
+    """`run_ahead` needs captured graphs: on CPU the network launches no step ahead
+    (decode_launch gives None), every step is decoded as without it, with the same tokens."""
+    ps = prompts(5)
+    expected = [alone(model, p, 9) for p in ps]
+    assert model.net.decode_launch([1], [model.new_session().cache], model.eos_ids) is None
+    sched = BatchScheduler(model, 3, check_memory=False, run_ahead=True)
+    reqs = [GenRequest(p, GREEDY, 9) for p in ps]
+    for r in reqs:
+        sched.submit(r)
+    sched.run()
+    assert [r.output for r in reqs] == expected and sched.adopted == 0
+
+
 def test_long_prefill_is_interleaved_with_decoding(model):
     sched = BatchScheduler(model, 2, check_memory=False)
     short = GenRequest([5, 6, 7], GREEDY, 40)

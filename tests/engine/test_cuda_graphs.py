@@ -7,7 +7,7 @@ import torch
 
 import engine
 from engine import SamplingParams, generate
-from engine.batch import decode_batch
+from engine.batch import BatchScheduler, GenRequest, decode_batch
 from run_ahead_scripts import assert_same, dropping_ops, run_script
 
 pytestmark = [pytest.mark.gpu,
@@ -414,3 +414,30 @@ def test_sampling_and_generate_without_run_ahead_launch_nothing_extra(tiny_gguf,
     before = g.replays
     out = list(generate(s, GREEDY, 10))
     assert len(out) == 10 and g.replays - before <= 9 + 2
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["batched", "batch-invariant"])
+def test_scheduler_run_ahead_decodes_bitwise_like_stepping(tiny_gguf, invariant):
+    """BatchScheduler(run_ahead=True) against the same requests without it: greedy requests of
+    different lengths on fewer slots than requests (rows finish and join, so launched steps are
+    dropped as well as taken), one with end-of-generation ids masked (another greedy column:
+    no step ahead while it decodes) and one sampled; the same tokens, and the sessions' last
+    logits bitwise.  Batch-invariant mode launches one-row steps ahead only."""
+    m = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=512), device="cuda", batch_invariant=invariant)
+    plain = SamplingParams(temperature=0.0)
+
+    def serve(run_ahead: bool):
+        sched = BatchScheduler(m, 3, check_memory=False, run_ahead=run_ahead)
+        reqs = [GenRequest(_prompt(20 + 7 * i, i), plain, 12 + 9 * i) for i in range(4)]
+        reqs.append(GenRequest(_prompt(15, 8), GREEDY, 14))
+        reqs.append(GenRequest(_prompt(11, 9), SamplingParams(temperature=0.9, seed=4), 10))
+        for r in reqs:
+            sched.submit(r)
+        sched.run()
+        return [r.output for r in reqs], [sched.session(i).raw_logits.row.clone() for i in range(3)], sched.adopted
+
+    ahead, ahead_logits, adopted = serve(True)
+    stepped, stepped_logits, none = serve(False)
+    assert ahead == stepped and none == 0 and adopted >= 10
+    for a, b in zip(ahead_logits, stepped_logits):
+        assert torch.equal(a, b)
