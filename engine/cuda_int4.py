@@ -129,13 +129,15 @@ class Launch:
 @dataclass(frozen=True)
 class GemvLaunch:
     """How `_int4_gemv` (one row) is launched: columns per program, groups per loop step,
-    warps, pipeline stages and programs aimed at per multiprocessor."""
+    warps, pipeline stages, programs aimed at per multiprocessor, and whether a loop step
+    loads the next one's weights before its arithmetic (`gemv_columns`' PREFETCH)."""
 
     bn: int = 64
     gb: int = 8
     warps: int = 4
     stages: int = 3
     waves: int = 8
+    prefetch: bool = False
 
 
 LARGE_GEMV_ELEMENTS = 16 * 2 ** 20
@@ -239,23 +241,36 @@ if AVAILABLE:
         return ((words >> shift) & 15).to(tl.float32)
 
     @triton.jit
+    def _group_words(w_ptr, n, nm, g, gm, words_per_row):
+        """[BN, GB, 4] int32: the nibble words of groups g (masked by gm) of columns n (by nm)."""
+        word = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word i holds inputs 8i .. 8i+7
+        return tl.load(w_ptr + n[:, None, None] * words_per_row + word[None, :, :],
+                       mask=nm[:, None, None] & gm[None, :, None], other=0)
+
+    @triton.jit
     def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr):
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores.  The nibbles are read as int32 words, four per group, so a thread holds
         a whole group of a column and sums its 32 products alone; GB groups per loop step (the
-        last step masked)."""
+        last step masked).  PREFETCH: each step loads the next step's words before it
+        computes, so their reads are in flight during the arithmetic (the same sums)."""
         gi = tl.arange(0, GB)
         wi = tl.arange(0, 4)
         words_per_row = K // 8
         acc = tl.zeros([BN, GB], tl.float32)
+        if PREFETCH:
+            w_next = _group_words(w_ptr, n, nm, g0 + gi, gi < n_groups, words_per_row)
         for c in range(0, n_groups, GB):
             gm = c + gi < n_groups
             g = g0 + c + gi  # [GB]
-            word = g[:, None] * 4 + wi[None, :]  # [GB, 4]; word i holds inputs 8i .. 8i+7
-            w = tl.load(w_ptr + n[:, None, None] * words_per_row + word[None, :, :],
-                        mask=nm[:, None, None] & gm[None, :, None], other=0)
+            word = g[:, None] * 4 + wi[None, :]  # [GB, 4]
+            if PREFETCH:
+                w = w_next
+                w_next = _group_words(w_ptr, n, nm, g + GB, c + GB + gi < n_groups, words_per_row)
+            else:
+                w = _group_words(w_ptr, n, nm, g, gm, words_per_row)
             dot = tl.zeros([BN, GB, 4], tl.float32)
             xsum = tl.zeros([GB, 4], tl.float32)
             for b in tl.static_range(4):  # byte b of a word: inputs 8i+2b (high nibble), 8i+2b+1 (low)
@@ -273,7 +288,8 @@ if AVAILABLE:
 
     @triton.jit
     def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split,
-                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, OPERAND: tl.constexpr):
+                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
+                   OPERAND: tl.constexpr):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
         CUDA cores (`gemv_columns`), each row's in the order it has alone."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -281,7 +297,7 @@ if AVAILABLE:
         row = tl.program_id(2)
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
-                         groups_per_split, BN, GB, OPERAND)
+                         groups_per_split, BN, GB, OPERAND, PREFETCH)
         out = out_ptr + (split * tl.num_programs(2) + row) * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)
@@ -396,7 +412,8 @@ class Int4Weight:
         add = into is not None
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
                                           n_groups // splits, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
-                                          OPERAND=OPERAND, num_warps=cfg.warps, num_stages=cfg.stages)
+                                          PREFETCH=cfg.prefetch, OPERAND=OPERAND, num_warps=cfg.warps,
+                                          num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

@@ -1,12 +1,23 @@
 """engine.cuda_int4's launch rules and weight layout, which need no GPU (the kernels are
-tested against float64 in tests/engine/test_cuda_graphs.py)."""
+tested against float64 in tests/engine/test_cuda_graphs.py), and the one-row kernel's launch
+options on a CUDA device or under Triton's interpreter (TRITON_INTERPRET=1: the activations are
+bfloat16 values already and the kernel takes them as float32, as in test_cuda_moe.py)."""
 from __future__ import annotations
+
+import dataclasses
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from engine import cuda_int4
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               not torch.cuda.is_available() or not cuda_int4.AVAILABLE, reason="needs a CUDA device and Triton")]),
+           pytest.param("cpu", marks=pytest.mark.skipif(
+               not (INTERPRETED and cuda_int4.AVAILABLE), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"))]
 
 
 @pytest.mark.parametrize("n_groups", [1, 2, 18, 48, 64, 256, 257])
@@ -75,3 +86,25 @@ def test_few_rows_take_one_row_products_only_on_small_matrices():
     assert cuda_int4.gemv_rows_for(960, 576) == 7 and cuda_int4.gemv_rows_for(576, 576) == 12
     assert cuda_int4.gemv_rows_for(3072, 576) == 2 and cuda_int4.gemv_rows_for(576, 1536) == 4
     assert all(cuda_int4.gemv_rows_for(n, k) == 1 for n, k in ((3072, 2048), (16384, 2048), (2048, 8192)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k,gb", [(48, 320, 4), (40, 1024, 8)])  # 10 groups in steps of 4; 32 in 8 with splits
+def test_one_row_products_prefetching_the_next_step(device, monkeypatch, n, k, gb):
+    """`GemvLaunch.prefetch` loads each loop step's successor before its arithmetic: the same
+    sums as without, bit for bit, and the float64 product of the matrix, with a masked last
+    step, a partial last column tile, several rows and the input axis split."""
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+    rng = np.random.default_rng(n)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device(device))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16).float().to(device)
+    want = x.double().cpu() @ torch.from_numpy((q.astype(np.float64) - 8) * np.repeat(scale, 32, axis=1)).T
+    base = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=64)  # 3 column tiles; the groups split 2 and 8 ways
+    assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
+    plain = w.gemv(x, launch=base)
+    ahead = w.gemv(x, launch=dataclasses.replace(base, prefetch=True))
+    assert torch.equal(plain, ahead)
+    assert (ahead.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
