@@ -87,21 +87,24 @@ CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is b
 
 @dataclass(frozen=True)
 class MoeLaunch:
-    """Launch shapes: the indexed products' columns per program, groups per loop step and warps,
-    whether gate/up reads its two matrices' columns in one pass (`gemv_together`) and how the
-    down product spreads over programs (`gemv_down`, one of DOWN_SHAPES: a program per row and
-    column tile looping over the row's slots, the same with the loop unrolled, or a program per
-    (row, slot) pair and one more kernel adding a row's slots in order); the grouped GEMM's
-    columns per program, warps, pipeline stages and groups per loop step (at most).  The defaults are the
-    fastest of one sweep on an H200 (tests/engine/moe_timing.py --sweep, the Qwen3-30B-A3B
-    shape at Q4_K, 48 layers' routed experts replayed from a graph): at 1 row 1.82 ms against
-    2.12 ms with 8 columns per program, at 32 rows 21.4 ms against 23.9 ms with 64."""
+    """Launch shapes.  The indexed products: columns per program, groups per loop step and
+    warps, whether a loop step loads the next one's weights first (`gemv_prefetch`, as
+    engine.cuda_int4.GemvLaunch.prefetch), whether gate/up reads its two matrices' columns in
+    one pass (`gemv_together`) and how the down product spreads over programs (`gemv_down`, one
+    of DOWN_SHAPES: a program per row and column tile looping over the row's slots, the same
+    with the loop unrolled, or a program per (row, slot) pair and one more kernel adding a
+    row's slots in order).  The grouped GEMM: columns per program, warps, pipeline stages and
+    groups per loop step (at most).  The defaults are the fastest of one sweep on an H200
+    (tests/engine/moe_timing.py --sweep, the Qwen3-30B-A3B shape at Q4_K, 48 layers' routed
+    experts replayed from a graph): at 1 row 1.82 ms against 2.12 ms with 8 columns per
+    program, at 32 rows 21.4 ms against 23.9 ms with 64; the options added since are off."""
 
     gemv_bn: int = 16
     gemv_gb: int = 32
     gemv_warps: int = 8
     gemv_together: bool = False
     gemv_down: str = "rows"
+    gemv_prefetch: bool = False
     gemm_bn: int = 128
     gemm_warps: int = 4
     gemm_stages: int = 3
@@ -280,20 +283,33 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
+    def _int8_values(q_ptr, n, nm, K, g, gm, G: tl.constexpr):
+        """[BN, GB, G] int8: the values of groups g (masked by gm) of columns n (by nm)."""
+        col = g[:, None] * G + tl.arange(0, G)[None, :]
+        return tl.load(q_ptr + n[:, None, None] * K + col[None, :, :], mask=nm[:, None, None] & gm[None, :, None],
+                       other=0)
+
+    @triton.jit
     def _int8_columns(x_ptr, q_ptr, sm_ptr, n, nm, N, K, n_groups, G: tl.constexpr, BN: tl.constexpr,
-                      GB: tl.constexpr, OPERAND: tl.constexpr):
+                      GB: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """[BN] float32: one row x times columns `n` of an int8 matrix [N, K] at q_ptr with groups
         of G and (scale, minimum) pairs [K/G, N, 2] at sm_ptr: per group the exact products
-        summed in float32, then scale * sum + minimum * (sum of the group's activations)."""
+        summed in float32, then scale * sum + minimum * (sum of the group's activations).
+        PREFETCH as engine.cuda_int4.gemv_columns'."""
         gi = tl.arange(0, GB)
         j = tl.arange(0, G)
         acc = tl.zeros([BN, GB], tl.float32)
+        if PREFETCH:
+            q_next = _int8_values(q_ptr, n, nm, K, gi, gi < n_groups, G)
         for c in range(0, n_groups, GB):
             gm = c + gi < n_groups
             g = c + gi
             col = g[:, None] * G + j[None, :]  # [GB, G]
-            q = tl.load(q_ptr + n[:, None, None] * K + col[None, :, :], mask=nm[:, None, None] & gm[None, :, None],
-                        other=0).to(tl.float32)
+            if PREFETCH:
+                q = q_next.to(tl.float32)
+                q_next = _int8_values(q_ptr, n, nm, K, g + GB, c + GB + gi < n_groups, G)
+            else:
+                q = _int8_values(q_ptr, n, nm, K, g, gm, G).to(tl.float32)
             x = tl.load(x_ptr + col, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
             pair = sm_ptr + (g[None, :] * N + n[:, None]) * 2  # [BN, GB]
             pm = nm[:, None] & gm[None, :]
@@ -304,15 +320,15 @@ if AVAILABLE:
 
     @triton.jit
     def _expert_columns(x_ptr, w_ptr, sm_ptr, e, n, nm, N, K, n_groups, FMT: tl.constexpr, G: tl.constexpr,
-                        BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+                        BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """[BN] float32: one row x times columns `n` of expert e's [N, K] matrix in format FMT
         (an index into FORMATS: int4, int8, bf16), K = G * n_groups."""
         if FMT == 0:
             y = gemv_columns(x_ptr, w_ptr + e * N * (K // 8), sm_ptr + e * n_groups * N * 2, n, nm, N, K,
-                             0, n_groups, BN, GB, OPERAND, False)
+                             0, n_groups, BN, GB, OPERAND, PREFETCH)
         elif FMT == 1:
             y = _int8_columns(x_ptr, w_ptr + e * N * K, sm_ptr + e * n_groups * N * 2, n, nm, N, K, n_groups, G,
-                              BN, GB, OPERAND)
+                              BN, GB, OPERAND, PREFETCH)
         else:
             y = _dense_columns(x_ptr, w_ptr + e * N * K, n, nm, K, BN, GB * 32, OPERAND)
         return y
@@ -325,7 +341,7 @@ if AVAILABLE:
     @triton.jit
     def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,
                       FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
-                      TOGETHER: tl.constexpr, OPERAND: tl.constexpr):
+                      TOGETHER: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert.
         TOGETHER: the gate and up columns of the tile in one pass (interleaved, 2 * BN columns: each
         loop step has both matrices' loads in flight and reads the activations once), else one
@@ -338,26 +354,30 @@ if AVAILABLE:
         if TOGETHER:
             both = tl.reshape(tl.join(n, n + F), (2 * BN,))  # gate column j, then up column j
             bm = tl.reshape(tl.join(nm, nm), (2 * BN,))
-            y = _expert_columns(x, w_ptr, sm_ptr, e, both, bm, 2 * F, K, n_groups, FMT, G, 2 * BN, GB, OPERAND)
+            y = _expert_columns(x, w_ptr, sm_ptr, e, both, bm, 2 * F, K, n_groups, FMT, G, 2 * BN, GB, OPERAND,
+                                PREFETCH)
             gate, up = tl.split(tl.reshape(y, (BN, 2)))
         else:
-            gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
-            up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND)
+            gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND,
+                                   PREFETCH)
+            up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND,
+                                 PREFETCH)
         tl.store(act_ptr + p * F + n, _silu_times(gate, up), mask=nm)
 
     @triton.jit
     def _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, p, n, nm, D, F, n_groups, FMT: tl.constexpr,
-                   G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+                   G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr,
+                   PREFETCH: tl.constexpr):
         """[BN] float32: weight_p * down_p(act[p]) at columns n, for the (row, slot) pair p."""
         e = tl.load(ids_ptr + p).to(tl.int64)
         weight = tl.load(wt_ptr + p)
         return weight * _expert_columns(act_ptr + p * F, w_ptr, sm_ptr, e, n, nm, D, F, n_groups, FMT, G, BN, GB,
-                                        OPERAND)
+                                        OPERAND, PREFETCH)
 
     @triton.jit
     def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr,
                    ADD: tl.constexpr, UNROLL: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                   GB: tl.constexpr, OPERAND: tl.constexpr):
+                   GB: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
         weight_j * down_j(act[t * TOPK + j]).  UNROLL: the slots' loop unrolled, so the compiler
         may have several slots' loads in flight at once."""
@@ -368,11 +388,11 @@ if AVAILABLE:
         if UNROLL:
             for j in tl.static_range(TOPK):
                 y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
-                                G, BN, GB, OPERAND)
+                                G, BN, GB, OPERAND, PREFETCH)
         else:
             for j in range(TOPK):
                 y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
-                                G, BN, GB, OPERAND)
+                                G, BN, GB, OPERAND, PREFETCH)
         out = out_ptr + t * D + n
         if ADD:  # the residual stream, updated in place after the row's own sum
             y += tl.load(out, mask=nm, other=0.0)
@@ -380,19 +400,21 @@ if AVAILABLE:
 
     @triton.jit
     def _down_pairs(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, D, F, n_groups, FMT: tl.constexpr,
-                    G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr):
+                    G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr,
+                    PREFETCH: tl.constexpr):
         """One (row, slot) pair p and D-column tile: part[p] = weight_p * down_p(act[p]); `_sum_slots`
         then adds a row's slots in order."""
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
-        y = _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, p, n, nm, D, F, n_groups, FMT, G, BN, GB, OPERAND)
+        y = _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, p, n, nm, D, F, n_groups, FMT, G, BN, GB, OPERAND,
+                       PREFETCH)
         tl.store(part_ptr + p * D + n, y, mask=nm)
 
     @triton.jit
     def _matrix_rows(x_ptr, w_ptr, sm_ptr, out_ptr, E, N, K, n_groups, stride_xt, stride_xe, stride_ot, stride_oe,
                      FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr):
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """One (row t, matrix e) pair and N-column tile: out[t, e] = matrix e times x[t, e]."""
         p = tl.program_id(0)
         t = p // E
@@ -400,7 +422,7 @@ if AVAILABLE:
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < N
         y = _expert_columns(x_ptr + t * stride_xt + e * stride_xe, w_ptr, sm_ptr, e.to(tl.int64), n, nm, N, K,
-                            n_groups, FMT, G, BN, GB, OPERAND)
+                            n_groups, FMT, G, BN, GB, OPERAND, PREFETCH)
         tl.store(out_ptr + t * stride_ot + e * stride_oe + n, y, mask=nm)
 
     @triton.jit
@@ -664,7 +686,8 @@ def matrix_products(x: torch.Tensor, stack: StackedWeight, out: torch.Tensor | N
     _matrix_rows[(T * E, triton.cdiv(stack.n, bn))](
         x, *stack.row_operands(), out, E, stack.n, K, stack.n_groups, x.stride(0), x.stride(1), out.stride(0),
         out.stride(1), FMT=stack.format_index, G=stack.group, BN=bn,
-        GB=_groups_per_step(stack.n_groups, launch.gemv_gb), OPERAND=OPERAND, num_warps=launch.gemv_warps)
+        GB=_groups_per_step(stack.n_groups, launch.gemv_gb), OPERAND=OPERAND, PREFETCH=launch.gemv_prefetch,
+        num_warps=launch.gemv_warps)
     return out
 
 
@@ -745,9 +768,9 @@ class StackedExperts:
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
             h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
             G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), TOGETHER=cfg.gemv_together,
-            OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+            OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
         shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb),
-                     OPERAND=OPERAND, num_warps=cfg.gemv_warps)
+                     OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
         if cfg.gemv_down == "pairs":
             part = torch.empty((T * k, D), dtype=torch.float32, device=h.device)
             _down_pairs[(T * k, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), part, D, F,

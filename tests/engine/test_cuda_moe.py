@@ -180,8 +180,12 @@ def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
 
 # The few-row launch shapes (engine.cuda_moe.MoeLaunch): gate/up in one pass or two, the down
 # product a program per row (its slots looped or unrolled) or per (row, slot) pair.
-FEW_ROW_SHAPES = [dict(gemv_together=t, gemv_down=d) for t in (False, True) for d in cuda_moe.DOWN_SHAPES]
-FEW_ROW_IDS = [f"{'together' if s['gemv_together'] else 'apart'}-{s['gemv_down']}" for s in FEW_ROW_SHAPES]
+FEW_ROW_SHAPES = [dict(gemv_together=t, gemv_down=d, gemv_prefetch=False) for t in (False, True)
+                  for d in cuda_moe.DOWN_SHAPES]
+FEW_ROW_SHAPES += [dict(gemv_together=False, gemv_down="rows", gemv_prefetch=True),
+                   dict(gemv_together=True, gemv_down="pairs", gemv_prefetch=True)]  # each weight load a step early
+FEW_ROW_IDS = [f"{'together' if s['gemv_together'] else 'apart'}-{s['gemv_down']}"
+               f"{'-prefetch' if s['gemv_prefetch'] else ''}" for s in FEW_ROW_SHAPES]
 
 
 @pytest.mark.parametrize("shape", FEW_ROW_SHAPES, ids=FEW_ROW_IDS)
@@ -189,7 +193,8 @@ FEW_ROW_IDS = [f"{'together' if s['gemv_together'] else 'apart'}-{s['gemv_down']
 def test_few_row_launch_shapes(device, shape, qtype):
     """Each shape against the float64 reference, alone and added into the residual, with
     column tiles past the matrices' edges (64-wide tiles of 96 and 160 columns) and a masked
-    loop step (5 groups in steps of 8); each row of a few equals the row alone, bit for bit."""
+    loop step (5 groups in steps of 8); each row of a few equals the row alone, bit for bit;
+    prefetching the next step's weights gives the same bits as not."""
     E, d, f, k, rows = 16, 96, 160, 6, 3
     experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT[qtype], seed=7), device)
     experts.launch = dataclasses.replace(cuda_moe.LAUNCH, gemv_bn=64, gemv_gb=8, **shape)
@@ -203,6 +208,9 @@ def test_few_row_launch_shapes(device, shape, qtype):
     assert np.abs(added - (residual + got)).max() <= 1e-6 * np.abs(added).max()
     for i in range(rows):
         np.testing.assert_array_equal(got[i], run(experts, h[i: i + 1], ids[i: i + 1], w[i: i + 1], device)[0])
+    if shape["gemv_prefetch"]:
+        experts.launch = dataclasses.replace(experts.launch, gemv_prefetch=False)
+        np.testing.assert_array_equal(got, run(experts, h, ids, w, device))
 
 
 @pytest.mark.parametrize("unroll", [2, 4])
@@ -232,7 +240,8 @@ def test_launch_refuses_an_unknown_down_shape():
 def test_matrix_products_of_a_stack(device, qtype, rows):
     """Each row's input e through matrix e (deepseek2's per-head W_k and W_v): against float64
     products of the stack's matrices, from strided inputs, into a strided output; each row
-    equals the row alone, bit for bit."""
+    equals the row alone, and the launch prefetching weights the one that does not, bit for
+    bit."""
     E, n, k = 4, 48, 256
     w = np.random.default_rng(11).standard_normal((E, n, k)) * k ** -0.5
     stack = cuda_moe.StackedWeight([record("attn_k_b", w, QT[qtype])], device)
@@ -251,6 +260,9 @@ def test_matrix_products_of_a_stack(device, qtype, rows):
     assert torch.equal(into, got) and not held[:, :, n:].any()
     for t in range(rows):
         assert torch.equal(cuda_moe.matrix_products(x[t: t + 1], stack)[0], got[t])
+    early = dataclasses.replace(cuda_moe.LAUNCH, gemv_prefetch=True, gemv_gb=4)  # 8 groups in two steps
+    assert torch.equal(cuda_moe.matrix_products(x, stack, launch=early),
+                       cuda_moe.matrix_products(x, stack, launch=dataclasses.replace(early, gemv_prefetch=False)))
     with pytest.raises(ValueError, match="stack of 4 matrices"):
         cuda_moe.matrix_products(x[:, :3], stack)
 
