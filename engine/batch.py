@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from engine import threads
-from engine.device_sampling import DeviceLogits
+from engine.device_sampling import greedy_column
 from engine.errors import Cancelled
 from engine.kvcache import KVCache
 from engine.sampling import Sampler, SamplingParams
@@ -201,14 +201,6 @@ def _finisher(sessions: list[Session], tokens: list[int], step: Any) -> Callable
             s.cache.n += 1
             s.append_decoded(t, out.row(i))
     return finish
-
-
-def greedy_column(logits: Any, sampler: Any) -> int | None:
-    """Which of a device row's greedy ids `sampler` takes (engine.device_sampling), or None
-    where it samples, chooses by other means, or the row is on the host."""
-    if isinstance(logits, DeviceLogits) and isinstance(sampler, Sampler):
-        return logits.greedy_column(sampler)
-    return None
 
 
 class BatchScheduler:

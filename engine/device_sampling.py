@@ -19,15 +19,12 @@ It does not decide which rows to decode or when (see engine.batch, engine.cuda_g
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from engine import cuda_elementwise
-from engine.sampling import apply_logit_bias, filtered_probs
-
-if TYPE_CHECKING:
-    from engine.sampling import Sampler
+from engine.sampling import Sampler, apply_logit_bias, filtered_probs
 
 
 def greedy_pair(rows: torch.Tensor, eos_index: torch.Tensor | None) -> torch.Tensor:
@@ -81,7 +78,7 @@ class DeviceLogits:
     def argmax(self) -> int:
         return self.greedy
 
-    def greedy_column(self, sampler: "Sampler") -> int | None:
+    def greedy_column(self, sampler: Sampler) -> int | None:
         """Which of the step's greedy ids `sampler` draws from this row: 0 (plain argmax), 1
         (eos masked), or None where it draws otherwise (sampling, other masked ids)."""
         p = sampler.params
@@ -93,7 +90,7 @@ class DeviceLogits:
             return 1 if sampler.eos_ids == self.eos_ids else None
         return 0 if p.temperature == 0.0 else None
 
-    def pick(self, sampler: "Sampler") -> int:
+    def pick(self, sampler: Sampler) -> int:
         """The token `sampler` draws from this row, without copying the row to the host."""
         column = self.greedy_column(sampler)
         if column is not None:
@@ -113,6 +110,15 @@ class DeviceLogits:
         # The first id whose cumulative mass exceeds u; zero-probability ids are never hit.
         token = torch.searchsorted(cdf, (u * cdf[-1]).to(cdf.device), right=True)
         return int(torch.clamp(token, max=probs.shape[0] - 1))
+
+
+def greedy_column(logits: Any, chooser: Any) -> int | None:
+    """Which of a frontier row's greedy ids `chooser` takes (`DeviceLogits.greedy_column`):
+    None where the row is on the host or the chooser is not a `Sampler` (it picks by means
+    the step's ids do not know)."""
+    if isinstance(logits, DeviceLogits) and isinstance(chooser, Sampler):
+        return logits.greedy_column(chooser)
+    return None
 
 
 def host_row(logits: "torch.Tensor | DeviceLogits") -> torch.Tensor:

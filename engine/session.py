@@ -78,7 +78,7 @@ import numpy as np
 import torch
 
 from engine import threads
-from engine.device_sampling import DeviceLogits, host_row
+from engine.device_sampling import DeviceLogits, greedy_column, host_row
 from engine.errors import Cancelled
 from engine.kvcache import HeldRows
 from engine.sampling import Sampler, SamplingParams
@@ -337,7 +337,7 @@ class Session:
         this returns (run-ahead, see the module docstring)."""
         logits = self.raw_logits
         token = sampler(logits)
-        column = logits.greedy_column(sampler) if isinstance(logits, DeviceLogits) else None
+        column = greedy_column(logits, sampler)
         if column is None or (token in self.model.eos_ids and not sampler.params.argmax_ignoring_eos):
             self._ahead.clear()  # the caller samples, or stops here
         else:
