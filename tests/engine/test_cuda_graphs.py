@@ -420,16 +420,16 @@ def test_sampling_and_generate_without_run_ahead_launch_nothing_extra(tiny_gguf,
 def test_scheduler_run_ahead_decodes_bitwise_like_stepping(tiny_gguf, invariant):
     """BatchScheduler(run_ahead=True) against the same requests without it: greedy requests of
     different lengths on fewer slots than requests (rows finish and join, so launched steps are
-    dropped as well as taken), one with end-of-generation ids masked (another greedy column:
-    no step ahead while it decodes) and one sampled; the same tokens, and the sessions' last
-    logits bitwise.  Batch-invariant mode launches one-row steps ahead only."""
+    dropped as well as taken; the longest decodes alone at the end), one whose greedy choice
+    may stop at an end-of-generation id (another greedy column: no step ahead while it
+    decodes) and one sampled; the same tokens, and the sessions' last logits bitwise.
+    Batch-invariant mode launches one-row steps ahead only."""
     m = engine.load_model(tiny_gguf("llama", "Q4_1", n_ctx=512), device="cuda", batch_invariant=invariant)
-    plain = SamplingParams(temperature=0.0)
 
     def serve(run_ahead: bool):
         sched = BatchScheduler(m, 3, check_memory=False, run_ahead=run_ahead)
-        reqs = [GenRequest(_prompt(20 + 7 * i, i), plain, 12 + 9 * i) for i in range(4)]
-        reqs.append(GenRequest(_prompt(15, 8), GREEDY, 14))
+        reqs = [GenRequest(_prompt(20 + 7 * i, i), GREEDY, n) for i, n in enumerate((12, 21, 30, 60))]
+        reqs.append(GenRequest(_prompt(15, 8), SamplingParams(temperature=0.0), 14))
         reqs.append(GenRequest(_prompt(11, 9), SamplingParams(temperature=0.9, seed=4), 10))
         for r in reqs:
             sched.submit(r)
