@@ -374,12 +374,8 @@ class BatchScheduler:
             step = launched.step
             self.adopted += 1
         else:
-            for s in rows:
-                s.check_fits(s.n_past + 1)
-            threads.before_forward()
-            caches = [s.cache for s in rows]
-            step = self.model.net.decode_launch(tokens, caches, self.model.eos_ids) if self.run_ahead else None
-            if step is None:
+            step = self._launch(rows, tokens) if self.run_ahead else None
+            if step is None:  # no graph takes these caches, or run-ahead is off: the usual step
                 return start_decode_batch(rows, tokens)
         column = columns[0]
         if column is not None and all(c == column for c in columns):
@@ -389,6 +385,15 @@ class BatchScheduler:
             if ahead is not None:
                 self._launched = _Launched(rows, caches, [c.n for c in caches], column, step, ahead)
         return _finisher(rows, tokens, step)
+
+    def _launch(self, rows: list[Session], tokens: list[int]) -> Any:
+        """The step of `rows` evaluating `tokens` launched with its greedy ids kept on the
+        device for a step after it (the network's pending step), or None where no captured
+        graph takes these caches."""
+        for s in rows:
+            s.check_fits(s.n_past + 1)
+        threads.before_forward()
+        return self.model.net.decode_launch(tokens, [s.cache for s in rows], self.model.eos_ids)
 
     def step(self, prefill: bool = True) -> bool:
         """One prefill chunk (if any, and if `prefill`) and one batched decode step; False when idle."""

@@ -238,8 +238,6 @@ class MlaBlock:
         if stacks_experts(device, fmt) and p + "attn_k_b.weight" in t:
             self.k_stack = head_stack(t[p + "attn_k_b.weight"], (H, rank, nope), device)
             self.v_stack = head_stack(t[p + "attn_v_b.weight"], (H, dv, rank), device)
-            if self.k_stack is None or self.v_stack is None:
-                self.k_stack = self.v_stack = None
         self.wo: Linear = build_linear([t[p + "attn_output.weight"]], fmt, device, cpu=cpu)
         self.dense: Expert | None = None
         self.experts: list[Expert] | cuda_moe.StackedExperts = []

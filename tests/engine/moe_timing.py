@@ -58,8 +58,9 @@ def token_bytes(m: engine.Model) -> int:
     total = 0
     for blk in m.net.blocks:
         total += blk.nbytes
-        if getattr(blk, "k_stack", None) is not None:
-            total -= blk.w_k.nbytes + blk.w_v.nbytes
+        for stack, copy in (("k_stack", "w_k"), ("v_stack", "w_v")):
+            if getattr(blk, stack, None) is not None:
+                total -= getattr(blk, copy).nbytes
         if isinstance(blk.experts, cuda_moe.StackedExperts):
             total -= blk.experts.nbytes * (blk.experts.n_expert - m.config.n_expert_used) // blk.experts.n_expert
     return total
