@@ -25,7 +25,9 @@
   anything else (a row finished, cancelled or joined, a token not the greedy one) drops it
   unused, its keys and values lying past the caches' valid lengths.  A taken step is the same
   graph replay at the same positions as the step it replaces, so the logits are bitwise the
-  same.  Off by default (`RUN_AHEAD`): its effect on batched throughput is not yet measured.
+  same.  On by default (`RUN_AHEAD`): the embedded model's greedy batches decode 3-4% faster
+  with it on an H100 (1 to 16 rows), and nothing changes on the CPU, where no step is launched
+  ahead.
 - `check_capacity(model, n_sessions, ctx)` refuses configurations whose memory need (weights
   + KV + working buffers, from the model's own accounting, with a 10% margin) exceeds what
   the device has available, with the figures in the message.
@@ -57,7 +59,7 @@ class CapacityError(Exception):
     """The requested sessions do not fit in the device's memory."""
 
 
-RUN_AHEAD = False
+RUN_AHEAD = True
 """`BatchScheduler`'s default for `run_ahead` (see the module docstring)."""
 
 

@@ -94,21 +94,23 @@ class MoeLaunch:
     of DOWN_SHAPES: a program per row and column tile looping over the row's slots, the same
     with the loop unrolled, or a program per (row, slot) pair and one more kernel adding a
     row's slots in order).  The grouped GEMM: columns per program, warps, pipeline stages and
-    groups per loop step (at most).  The defaults are the fastest of one sweep on an H200
-    (tests/engine/moe_timing.py --sweep, the Qwen3-30B-A3B shape at Q4_K, 48 layers' routed
-    experts replayed from a graph): at 1 row 1.82 ms against 2.12 ms with 8 columns per
-    program, at 32 rows 21.4 ms against 23.9 ms with 64; the options added since are off."""
+    groups per loop step (at most).  The defaults are the fastest of a sweep on an H100
+    (tests/engine/moe_timing.py --sweep, 26 and 48 layers' routed experts replayed from a graph,
+    random files of DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes): at 1 row 0.98 ms against
+    1.29 ms with the down product a program per row and 8 warps, and 1.51 against 1.78 ms; at
+    32 rows 10.8 ms against 11.7 ms with 3 stages and one group a step, and 21.2 against 21.5
+    ms.  Reading gate and up together and loading ahead measured no faster there (off)."""
 
     gemv_bn: int = 16
     gemv_gb: int = 32
-    gemv_warps: int = 8
+    gemv_warps: int = 4
     gemv_together: bool = False
-    gemv_down: str = "rows"
+    gemv_down: str = "pairs"
     gemv_prefetch: bool = False
     gemm_bn: int = 128
     gemm_warps: int = 4
-    gemm_stages: int = 3
-    gemm_unroll: int = 1
+    gemm_stages: int = 4
+    gemm_unroll: int = 2
 
     def __post_init__(self):
         if self.gemv_down not in DOWN_SHAPES:
