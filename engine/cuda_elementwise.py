@@ -17,8 +17,9 @@ the next matmul reads.
   kernels and a cast.  Rounding to bfloat16 here is the rounding the int4 products apply to
   their inputs anyway.
 
-- `FusedStepKernels(eps, out_dtype)`: the two as engine.models.llama's StepKernels, for graph
-  steps and eager prefill chunks alike.
+- `FusedStepKernels(eps, out_dtype, inputs)`: the two as engine.models.llama's StepKernels,
+  for graph steps and eager prefill chunks alike; with `inputs`, left to the products they feed
+  where those form their input rows themselves.
 
 - `greedy_pair(rows, eos_index)`: each row's argmax, plain and with end-of-generation ids
   masked (engine.device_sampling's greedy ids), in two kernels.
@@ -169,14 +170,26 @@ def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 class FusedStepKernels:
     """A forward pass's norms and SwiGLU (engine.models.llama.StepKernels) as the kernels above,
-    writing the dtype the following matmul computes in."""
+    writing the dtype the following matmul computes in.  With `inputs`, a norm or SwiGLU that
+    feeds a matrix whose product can form its input itself (`normed_product`,
+    `accumulate_swiglu` of engine.weights' matrices: the int4 one-row products) is left to that
+    product, a kernel fewer each; elsewhere the kernels above run as without."""
 
-    def __init__(self, eps: float, out_dtype: torch.dtype):
+    def __init__(self, eps: float, out_dtype: torch.dtype, inputs: bool = False):
         self.eps = eps
         self.out_dtype = out_dtype
+        self.inputs = inputs
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.out_dtype)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return swiglu(gate_up, self.out_dtype)
+
+    def normed_product(self, w, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        y = w.normed_product(x, weight, self.eps) if self.inputs else None
+        return w(self.norm(x, weight)) if y is None else y
+
+    def accumulate_swiglu(self, w, out: torch.Tensor, gate_up: torch.Tensor) -> None:
+        if not (self.inputs and w.accumulate_swiglu(out, gate_up)):
+            w.accumulate(out, self.swiglu(gate_up))

@@ -85,6 +85,15 @@ class StepKernels(Protocol):
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
+    def normed_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """w(norm(x, weight)), in one kernel where these kernels and the matrix allow it."""
+        ...
+
+    def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
+        """w.accumulate(out, swiglu(gate_up)), in one kernel where these kernels and the matrix
+        allow it."""
+        ...
+
 
 class TorchKernels:
     """StepKernels in torch ops, float32 (the CPU path, eager CUDA decoding, and CUDA prefill
@@ -114,6 +123,12 @@ class TorchKernels:
         if self.fused_swiglu is not None and gate_up.dtype == torch.float32 and gate_up.shape[-1] == 2 * self.n_ff:
             return self.fused_swiglu(gate_up)
         return F.silu(gate_up[:, : self.n_ff]) * gate_up[:, self.n_ff:]
+
+    def normed_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return w(self.norm(x, weight))
+
+    def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
+        w.accumulate(out, self.swiglu(gate_up))
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int, rope_dim: int | None = None) -> np.ndarray:
@@ -311,7 +326,7 @@ class LlamaModel(CachedNetwork):
         """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
+        qkv = ops.normed_product(blk.wqkv, x, blk.attn_norm).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None and self.cuda_head_norms:
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:
@@ -324,7 +339,7 @@ class LlamaModel(CachedNetwork):
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
-        blk.w_down.accumulate(x, ops.swiglu(blk.w_gate_up(ops.norm(x, blk.ffn_norm))))
+        ops.accumulate_swiglu(blk.w_down, x, ops.normed_product(blk.w_gate_up, x, blk.ffn_norm))
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

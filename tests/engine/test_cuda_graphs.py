@@ -141,6 +141,34 @@ def test_graph_session_decode_matches_its_own_prefill(tiny_gguf):
     torch.testing.assert_close(s.logits, full.logits, rtol=2e-2, atol=2e-2 * float(full.logits.abs().max()))
 
 
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0")])
+def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny_gguf, monkeypatch, arch, qtype):
+    """DecodeGraphs.fused_inputs: the int4 one-row products norm their rows and form the SwiGLU
+    themselves (qwen2's biased q/k/v keep the separate norm); the greedy tokens and the logits
+    of graphs captured with and without it agree."""
+    from engine import cuda_int4
+    calls = {"rms_normed": 0, "swiglu": 0}
+    for name, kind in (("normed_gemv", "rms_normed"), ("swiglu_gemv", "swiglu")):
+        def counted(self, *args, _f=getattr(cuda_int4.Int4Weight, name), _k=kind, **kw):
+            calls[_k] += 1
+            return _f(self, *args, **kw)
+        monkeypatch.setattr(cuda_int4.Int4Weight, name, counted)
+    path = tiny_gguf(arch, qtype)
+    plain = engine.load_model(path, device="cuda")
+    formed = engine.load_model(path, device="cuda")
+    formed.net.decode_graphs.fused_inputs = True
+    out = []
+    for m in (plain, formed):
+        s = m.new_session()
+        s.sync(TOKENS)
+        out.append((list(generate(s, GREEDY, 40)), s.logits))
+    assert out[0][0] == out[1][0]
+    scale = float(out[0][1].abs().max())
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-2, atol=1e-2 * scale)
+    n_layer = formed.config.n_layer
+    assert calls["swiglu"] >= n_layer and calls["rms_normed"] >= n_layer * (1 if arch == "qwen2" else 2)
+
+
 def _teacher_forced(m: engine.Model, ids: list[int]) -> torch.Tensor:
     s = m.new_session()
     s.sync(ids[:1])

@@ -108,3 +108,69 @@ def test_one_row_products_prefetching_the_next_step(device, monkeypatch, n, k, g
     ahead = w.gemv(x, launch=dataclasses.replace(base, prefetch=True))
     assert torch.equal(plain, ahead)
     assert (ahead.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def _matrix(n: int, k: int, device: str) -> tuple[cuda_int4.Int4Weight, torch.Tensor]:
+    """A random int4 matrix on `device` and its float64 values."""
+    rng = np.random.default_rng(k)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device(device))
+    return w, torch.from_numpy((q.astype(np.float64) - 8) * np.repeat(scale, 32, axis=1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k,gb", [(48, 320, 4), (40, 1024, 8)])  # as above: masked steps, splits
+def test_one_row_products_of_normed_rows_match_the_norm_kernel(device, monkeypatch, n, k, gb):
+    """`normed_gemv` norms the row inside the product: the products of cuda_elementwise's
+    rms_norm (its scale summed in the product's own order: equal to float32 rounding), added
+    into the residual too, and the float64 product of the normed rows."""
+    from engine import cuda_elementwise
+    operand = torch.bfloat16
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        operand = torch.float32
+    w, dense = _matrix(n, k, device)
+    launch = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=64)
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(3, k, generator=g) * 3).to(device)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(device)
+    eps = 1e-5
+    fused = w.normed_gemv(x, norm_w, eps, launch=launch)
+    apart = w.gemv(cuda_elementwise.rms_norm(x, norm_w, eps, operand), launch=launch)
+    assert (fused - apart).abs().max() <= 1e-5 * apart.abs().max()
+    x64 = x.double().cpu()
+    normed = x64 * torch.rsqrt((x64 * x64).mean(dim=1, keepdim=True) + eps) * norm_w.double().cpu()
+    want = normed @ dense.T
+    assert (fused.double().cpu() - want).abs().max() <= 1e-2 * want.abs().max()  # bfloat16 inputs on a GPU
+    residual = torch.randn(3, n, generator=g).to(device)
+    into = residual.clone()
+    assert w.normed_gemv(x, norm_w, eps, into=into, launch=launch) is into
+    assert torch.equal(into, residual + fused)
+    with pytest.raises(ValueError, match="float32"):
+        w.normed_gemv(x.to(torch.bfloat16), norm_w, eps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_int4.AVAILABLE, reason="needs a CUDA device and Triton")
+@pytest.mark.parametrize("n,k,gb", [(48, 320, 4), (40, 1024, 8)])
+def test_one_row_products_of_swiglu_rows_equal_the_swiglu_kernel(n, k, gb):
+    """`swiglu_gemv` forms silu(gate) * up inside the product, bit for bit as
+    cuda_elementwise.swiglu does (libdevice's exp, which Triton's interpreter lacks: a GPU test),
+    added into the residual too, and the float64 product."""
+    from engine import cuda_elementwise
+    w, dense = _matrix(n, k, "cuda")
+    launch = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=64)
+    g = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(3, 2 * k, generator=g) * 3).cuda()
+    fused = w.swiglu_gemv(gate_up, launch=launch)
+    assert torch.equal(fused, w.gemv(cuda_elementwise.swiglu(gate_up, torch.bfloat16), launch=launch))
+    gu64 = gate_up.double().cpu()
+    want = (torch.nn.functional.silu(gu64[:, :k]) * gu64[:, k:]) @ dense.T
+    assert (fused.double().cpu() - want).abs().max() <= 1e-2 * want.abs().max()
+    residual = torch.randn(3, n, generator=g).cuda()
+    into = residual.clone()
+    assert w.swiglu_gemv(gate_up, into=into, launch=launch) is into
+    assert torch.equal(into, residual + fused)
+    with pytest.raises(ValueError, match=f"{2 * k} values"):
+        w.swiglu_gemv(gate_up[:, :k])
