@@ -173,7 +173,8 @@ class FusedStepKernels:
     writing the dtype the following matmul computes in.  With `inputs`, a norm or SwiGLU that
     feeds a matrix whose product can form its input itself (`normed_product`,
     `accumulate_swiglu` of engine.weights' matrices: the int4 one-row products) is left to that
-    product, a kernel fewer each; elsewhere the kernels above run as without."""
+    product, a kernel fewer each, and so is the rotation of q and k that follows their product
+    (`normed_rotated_product`); elsewhere the kernels above run as without."""
 
     def __init__(self, eps: float, out_dtype: torch.dtype, inputs: bool = False):
         self.eps = eps
@@ -189,6 +190,12 @@ class FusedStepKernels:
     def normed_product(self, w, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         y = w.normed_product(x, weight, self.eps) if self.inputs else None
         return w(self.norm(x, weight)) if y is None else y
+
+    def normed_rotated_product(self, w, x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor,
+                               rotated: int) -> torch.Tensor | None:
+        if not self.inputs or rope.shape[0] != x.shape[0]:
+            return None
+        return w.normed_product(x, weight, self.eps, rope=rope.reshape(x.shape[0], -1), rotated=rotated)
 
     def accumulate_swiglu(self, w, out: torch.Tensor, gate_up: torch.Tensor) -> None:
         if not (self.inputs and w.accumulate_swiglu(out, gate_up)):

@@ -22,7 +22,8 @@ The llama family (`LlamaModel.graph_step`, its `decode_layers`) attends with the
 (writing bfloat16, which the output projection rounds its input to anyway) and takes RMSNorm
 and SwiGLU as one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
 `fused = False` keeps torch's, for graphs captured after the change; `fused_inputs` leaves a
-norm or SwiGLU that feeds an int4 one-row product to the product itself).  With the residual adds
+norm or SwiGLU that feeds an int4 one-row product, and the rotation of q and k, to the product
+itself).  With the residual adds
 inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is about 310
 kernels (520 before those changes).  The deepseek2 family (`DeepSeek2Model.graph_step`) attends
 with the latent kernel (`engine.cuda_attention.latent_attention`) on its one-row-per-position
@@ -69,8 +70,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_GRAPH_TOKENS = 256
 ENV_SWITCH = "DS4_CUDA_GRAPHS"  # "0" turns graph decoding off
 # DecodeGraphs.fused_inputs' default: a norm or SwiGLU that feeds an int4 one-row product is
-# formed inside that product (engine.cuda_elementwise.FusedStepKernels' `inputs`), two kernels
-# fewer a llama layer.  Off until its effect on a step is measured on a GPU.
+# formed inside that product, and q and k are turned there too (engine.cuda_elementwise.
+# FusedStepKernels' `inputs`), three kernels fewer a llama layer.  Off until its effect on a
+# step is measured on a GPU.
 FUSED_INPUTS = False
 
 

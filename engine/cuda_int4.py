@@ -23,8 +23,9 @@ as int32 words, four to a group, so each thread sums a whole group of a column a
 rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
 one-row products in one launch, each row's sums in its order alone.  Those products can form
 their input rows themselves (`normed_gemv`: the residual's rows RMS-normed, each program
-summing the whole row's squares; `swiglu_gemv`: silu(gate) * up), so the norm or SwiGLU
-before them needs no kernel of its own.  More rows (`_int4_gemm`)
+summing the whole row's squares, and optionally turning the leading output columns in
+pairs by each row's rope, as the llama family turns q and k; `swiglu_gemv`: silu(gate) * up),
+so the norm, rotation or SwiGLU around them needs no kernel of its own.  More rows (`_int4_gemm`)
 run on the tensor cores, one group per product.  Measured on an H200 per
 product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
 at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
@@ -326,12 +327,28 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
+    def _rotate_pairs(y, rope_ptr, n0, row, rotated, pairs, BN: tl.constexpr):
+        """y [BN], columns n0 .. n0 + BN (n0 even) of one row, with each adjacent pair (2j, 2j+1)
+        below `rotated` turned by the row's (cos, sin) of pair j % pairs at rope_ptr (float32
+        [rows, pairs, 2]) as a complex product: (a + ib)(c + is).  The other pairs are turned by
+        (1, 0), which keeps finite values as they are."""
+        even, odd = tl.split(tl.reshape(y, (BN // 2, 2)))
+        j = n0 // 2 + tl.arange(0, BN // 2)
+        turn = 2 * j < rotated
+        at = rope_ptr + (row * pairs + j % pairs) * 2
+        c = tl.load(at, mask=turn, other=1.0)
+        s = tl.load(at + 1, mask=turn, other=0.0)
+        return tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (BN,))
+
+    @triton.jit
     def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, aux_ptr, eps,
+                   rope_ptr, rotated, pairs,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
-                   OPERAND: tl.constexpr, INPUT: tl.constexpr, KP: tl.constexpr):
+                   OPERAND: tl.constexpr, INPUT: tl.constexpr, KP: tl.constexpr, ROPE: tl.constexpr):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
         CUDA cores (`gemv_columns`), each row's in the order it has alone, its input formed as
-        INPUT says (an RMS-normed row's scale from the whole row, in every program)."""
+        INPUT says (an RMS-normed row's scale from the whole row, in every program); with ROPE
+        (one split) the first `rotated` columns turned in pairs (`_rotate_pairs`)."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         split = tl.program_id(1)
         row = tl.program_id(2)
@@ -340,6 +357,8 @@ if AVAILABLE:
         inv = row_scale(x_row, eps, K, INPUT, KP)
         y = gemv_columns(x_row, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
                          groups_per_split, BN, GB, OPERAND, PREFETCH, aux_ptr, inv, INPUT)
+        if ROPE:
+            y = _rotate_pairs(y, rope_ptr, tl.program_id(0) * BN, row, rotated, pairs, BN)
         out = out_ptr + (split * tl.num_programs(2) + row) * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)
@@ -447,13 +466,34 @@ class Int4Weight:
         return self._gemv(x, launch, into, "plain", x, 0.0)
 
     def normed_gemv(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    into: torch.Tensor | None = None, launch: "GemvLaunch | None" = None) -> torch.Tensor:
+                    into: torch.Tensor | None = None, launch: "GemvLaunch | None" = None,
+                    rope: torch.Tensor | None = None, rotated: int = 0) -> torch.Tensor:
         """`gemv` of x's rows RMS-normed by weight [K] (float32 rows, each contiguous): the
         products of engine.cuda_elementwise.rms_norm(x, weight, eps, bfloat16) in one kernel
-        (its mean square is summed in the kernel's own order, so the last bits may differ)."""
+        (its mean square is summed in the kernel's own order, so the last bits may differ).
+        With `rope` (float32 [M, P, 2], each row's (cos, sin) of P pairs), output pairs
+        (2j, 2j + 1) below column `rotated` are then turned by pair j % P as complex numbers
+        are multiplied, in the same kernel: where `rotates_in_kernel`, and not into an output."""
         if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (self.k,):
             raise ValueError(f"normed_gemv takes float32 rows and a float32 [{self.k}] weight")
-        return self._gemv(x, launch, into, "rms_normed", weight, eps)
+        if rope is not None:
+            if into is not None or not self.rotates_in_kernel(x.device, launch):
+                raise ValueError("rotated one-row products run unsplit and return a new output")
+            if (rope.dtype != torch.float32 or rope.dim() != 3 or rope.shape[0] != x.shape[0] or rope.shape[2] != 2
+                    or not rope.is_contiguous() or rotated % 2 or not 0 <= rotated <= self.n):
+                raise ValueError(f"rope must be float32 [{x.shape[0]}, pairs, 2], contiguous, and the rotated "
+                                 f"columns an even count up to {self.n}")
+        return self._gemv(x, launch, into, "rms_normed", weight, eps, rope, rotated)
+
+    def rotates_in_kernel(self, device: torch.device, launch: "GemvLaunch | None" = None) -> bool:
+        """Whether the one-row product runs unsplit here (its columns then leave the kernel
+        whole, so pairs of them can be turned there)."""
+        cfg = launch or gemv_launch_for(self.n, self.k)
+        return cfg.bn % 2 == 0 and self._gemv_splits(cfg, device) == 1
+
+    def _gemv_splits(self, cfg: "GemvLaunch", device: torch.device) -> int:
+        # Split as for one row, whatever the rows: each row's sums then run in its one-row order.
+        return split_k(self.k // GROUP, triton.cdiv(self.n, cfg.bn), cfg.waves * multiprocessors(device))
 
     def swiglu_gemv(self, gate_up: torch.Tensor, into: torch.Tensor | None = None,
                     launch: "GemvLaunch | None" = None) -> torch.Tensor:
@@ -465,22 +505,22 @@ class Int4Weight:
         return self._gemv(gate_up, launch, into, "swiglu", gate_up, 0.0)
 
     def _gemv(self, x: torch.Tensor, launch: "GemvLaunch | None", into: torch.Tensor | None, input_kind: str,
-              aux: torch.Tensor, eps: float) -> torch.Tensor:
+              aux: torch.Tensor, eps: float, rope: torch.Tensor | None = None, rotated: int = 0) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
         cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
         tiles = triton.cdiv(self.n, cfg.bn)
-        # Split as for one row, whatever the rows: each row's sums then run in its one-row order.
-        splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
+        splits = self._gemv_splits(cfg, x.device)
         out, part = _outputs(rows, self.n, splits, x.device, into)
         add = into is not None
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
-                                          n_groups // splits, aux, eps, BN=cfg.bn, GB=cfg.gb,
+                                          n_groups // splits, aux, eps, aux if rope is None else rope, rotated,
+                                          1 if rope is None else rope.shape[1], BN=cfg.bn, GB=cfg.gb,
                                           ADD=add and splits == 1, PREFETCH=cfg.prefetch, OPERAND=OPERAND,
                                           INPUT=INPUTS.index(input_kind), KP=triton.next_power_of_2(self.k),
-                                          num_warps=cfg.warps, num_stages=cfg.stages)
+                                          ROPE=rope is not None, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

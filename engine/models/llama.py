@@ -89,6 +89,13 @@ class StepKernels(Protocol):
         """w(norm(x, weight)), in one kernel where these kernels and the matrix allow it."""
         ...
 
+    def normed_rotated_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor,
+                               rotated: int) -> torch.Tensor | None:
+        """w(norm(x, weight)) with its leading `rotated` columns turned in adjacent pairs by
+        rope [rows, 1, P] (complex64, each row's) in one kernel, where these kernels and the
+        matrix allow it; None elsewhere."""
+        ...
+
     def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
         """w.accumulate(out, swiglu(gate_up)), in one kernel where these kernels and the matrix
         allow it."""
@@ -126,6 +133,10 @@ class TorchKernels:
 
     def normed_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return w(self.norm(x, weight))
+
+    def normed_rotated_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor,
+                               rotated: int) -> torch.Tensor | None:
+        return None
 
     def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
         w.accumulate(out, self.swiglu(gate_up))
@@ -326,6 +337,10 @@ class LlamaModel(CachedNetwork):
         """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
+        if blk.q_norm is None:  # qwen3's head norms come between the product and the rotation
+            qkv = ops.normed_rotated_product(blk.wqkv, x, blk.attn_norm, rope, (H + Hkv) * D)
+            if qkv is not None:
+                return qkv
         qkv = ops.normed_product(blk.wqkv, x, blk.attn_norm).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None and self.cuda_head_norms:
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)

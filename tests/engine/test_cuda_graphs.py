@@ -141,16 +141,17 @@ def test_graph_session_decode_matches_its_own_prefill(tiny_gguf):
     torch.testing.assert_close(s.logits, full.logits, rtol=2e-2, atol=2e-2 * float(full.logits.abs().max()))
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0")])
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0"), ("llama", "Q4_1")])
 def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny_gguf, monkeypatch, arch, qtype):
-    """DecodeGraphs.fused_inputs: the int4 one-row products norm their rows and form the SwiGLU
-    themselves (qwen2's biased q/k/v keep the separate norm); the greedy tokens and the logits
-    of graphs captured with and without it agree."""
+    """DecodeGraphs.fused_inputs: the int4 one-row products norm their rows, turn q and k and
+    form the SwiGLU themselves (qwen2's biased q/k/v keep the separate norm and rotation); the
+    greedy tokens and the logits of graphs captured with and without it agree."""
     from engine import cuda_int4
-    calls = {"rms_normed": 0, "swiglu": 0}
+    calls = {"rms_normed": 0, "swiglu": 0, "rotated": 0}
     for name, kind in (("normed_gemv", "rms_normed"), ("swiglu_gemv", "swiglu")):
         def counted(self, *args, _f=getattr(cuda_int4.Int4Weight, name), _k=kind, **kw):
             calls[_k] += 1
+            calls["rotated"] += kw.get("rope") is not None
             return _f(self, *args, **kw)
         monkeypatch.setattr(cuda_int4.Int4Weight, name, counted)
     path = tiny_gguf(arch, qtype)
@@ -167,6 +168,7 @@ def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny
     torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-2, atol=1e-2 * scale)
     n_layer = formed.config.n_layer
     assert calls["swiglu"] >= n_layer and calls["rms_normed"] >= n_layer * (1 if arch == "qwen2" else 2)
+    assert calls["rotated"] == 0 if arch == "qwen2" else calls["rotated"] >= n_layer
 
 
 def _teacher_forced(m: engine.Model, ids: list[int]) -> torch.Tensor:

@@ -174,3 +174,81 @@ def test_one_row_products_of_swiglu_rows_equal_the_swiglu_kernel(n, k, gb):
     assert torch.equal(into, residual + fused)
     with pytest.raises(ValueError, match=f"{2 * k} values"):
         w.swiglu_gemv(gate_up[:, :k])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k,gb,head_dim,rotated", [(1088, 320, 4, 64, 768), (96, 128, 8, 16, 96)])
+def test_normed_one_row_products_turn_their_leading_pairs_by_each_rows_rope(device, monkeypatch, n, k, gb,
+                                                                            head_dim, rotated):
+    """`normed_gemv(..., rope=...)`: the leading `rotated` columns leave the kernel turned in
+    adjacent pairs by each row's (cos, sin), as the llama family turns q and k (a complex
+    product per pair), the columns after them untouched; a split product refuses."""
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+    w, _ = _matrix(n, k, device)
+    launch = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=1)
+    assert w.rotates_in_kernel(torch.device(device), launch)
+    g = torch.Generator().manual_seed(n)
+    rows, pairs = 3, head_dim // 2
+    x = torch.randn(rows, k, generator=g).to(device)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(device)
+    angles = torch.rand(rows, pairs, generator=g) * 6.28
+    rope = torch.polar(torch.ones_like(angles), angles)  # [rows, pairs] complex64
+    got = w.normed_gemv(x, norm_w, 1e-5, launch=launch, rope=torch.view_as_real(rope).to(device), rotated=rotated)
+    want = w.normed_gemv(x, norm_w, 1e-5, launch=launch).cpu()
+    turned = torch.view_as_complex(want[:, :rotated].reshape(rows, -1, pairs, 2)) * rope[:, None, :]
+    want[:, :rotated] = torch.view_as_real(turned).reshape(rows, rotated)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    assert torch.equal(got[:, rotated:].cpu(), want[:, rotated:])
+
+    if k // 32 >= 2 * cuda_int4.MIN_GROUPS_PER_SPLIT:  # a matrix long enough to split
+        split = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=1 << 12)
+        assert not w.rotates_in_kernel(torch.device(device), split)
+        with pytest.raises(ValueError, match="unsplit"):
+            w.normed_gemv(x, norm_w, 1e-5, launch=split, rope=torch.view_as_real(rope).to(device), rotated=rotated)
+    with pytest.raises(ValueError, match="rope must be"):
+        w.normed_gemv(x, norm_w, 1e-5, launch=launch, rope=torch.view_as_real(rope).to(device), rotated=rotated + 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_kernels_leave_the_norm_and_rotation_to_products_that_form_them(device, monkeypatch):
+    """cuda_elementwise.FusedStepKernels(inputs=True) hands the norm and the rotation to an
+    int4 matrix's one-row product (weights.Int4Linear.normed_product) and takes the separate
+    kernels where the matrix cannot (a bias, too many rows for one-row products, another
+    rope layout) or `inputs` is off; both ways give the same products."""
+    from engine import cuda_elementwise
+    from engine.weights import Int4Linear
+    operand = torch.bfloat16
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        operand = torch.float32
+    n, k, head_dim = 96, 128, 16
+    w, _ = _matrix(n, k, device)
+    dev = torch.device(device)
+    lin = Int4Linear.on_cuda(w, dev)
+    biased = Int4Linear.on_cuda(w, dev, bias=torch.zeros(n, device=device))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, k, generator=g).to(device)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(device)
+    angles = torch.rand(2, head_dim // 2, generator=g) * 6.28
+    rope = torch.polar(torch.ones_like(angles), angles).to(device)[:, None, :]  # [rows, 1, pairs]
+    formed = cuda_elementwise.FusedStepKernels(1e-5, operand, inputs=True)
+    apart = cuda_elementwise.FusedStepKernels(1e-5, operand)
+
+    want = apart.normed_product(lin, x, norm_w)
+    got = formed.normed_product(lin, x, norm_w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    turned = formed.normed_rotated_product(lin, x, norm_w, rope, 64)
+    assert turned is not None
+    want = want.clone()
+    want[:, :64] = torch.view_as_real(torch.view_as_complex(want[:, :64].reshape(2, 4, 8, 2)) * rope).reshape(2, 64)
+    torch.testing.assert_close(turned, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+    assert apart.normed_rotated_product(lin, x, norm_w, rope, 64) is None
+    assert formed.normed_rotated_product(biased, x, norm_w, rope, 64) is None
+    assert formed.normed_rotated_product(lin, x, norm_w, rope[:1], 64) is None  # not a rope per row
+    assert biased.normed_product(x, norm_w, 1e-5) is None
+    many = torch.randn(w.gemv_rows + 1, k, generator=g).to(device)
+    assert lin.normed_product(many, norm_w, 1e-5) is None
+    assert lin.accumulate_swiglu(torch.zeros(w.gemv_rows + 1, n, device=device),
+                                 torch.randn(w.gemv_rows + 1, 2 * k, device=device)) is False
