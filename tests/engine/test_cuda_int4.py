@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 
 import numpy as np
 import pytest
@@ -151,24 +152,33 @@ def test_one_row_products_of_normed_rows_match_the_norm_kernel(device, monkeypat
         w.normed_gemv(x.to(torch.bfloat16), norm_w, eps)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_int4.AVAILABLE, reason="needs a CUDA device and Triton")
+def _interpreted_exp(monkeypatch, *modules) -> None:
+    """Triton's interpreter has no libdevice: the modules' kernels take tl.exp (numpy's) there."""
+    for module in modules:
+        monkeypatch.setattr(module, "libdevice", types.SimpleNamespace(exp=lambda x: cuda_int4.tl.exp(x)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,k,gb", [(48, 320, 4), (40, 1024, 8)])
-def test_one_row_products_of_swiglu_rows_equal_the_swiglu_kernel(n, k, gb):
+def test_one_row_products_of_swiglu_rows_equal_the_swiglu_kernel(device, monkeypatch, n, k, gb):
     """`swiglu_gemv` forms silu(gate) * up inside the product, bit for bit as
-    cuda_elementwise.swiglu does (libdevice's exp, which Triton's interpreter lacks: a GPU test),
-    added into the residual too, and the float64 product."""
+    cuda_elementwise.swiglu does, added into the residual too, and the float64 product."""
     from engine import cuda_elementwise
-    w, dense = _matrix(n, k, "cuda")
+    operand = torch.bfloat16
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        _interpreted_exp(monkeypatch, cuda_int4, cuda_elementwise)
+        operand = torch.float32
+    w, dense = _matrix(n, k, device)
     launch = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=64)
     g = torch.Generator().manual_seed(n)
-    gate_up = (torch.randn(3, 2 * k, generator=g) * 3).cuda()
+    gate_up = (torch.randn(3, 2 * k, generator=g) * 3).to(device)
     fused = w.swiglu_gemv(gate_up, launch=launch)
-    assert torch.equal(fused, w.gemv(cuda_elementwise.swiglu(gate_up, torch.bfloat16), launch=launch))
+    assert torch.equal(fused, w.gemv(cuda_elementwise.swiglu(gate_up, operand), launch=launch))
     gu64 = gate_up.double().cpu()
     want = (torch.nn.functional.silu(gu64[:, :k]) * gu64[:, k:]) @ dense.T
     assert (fused.double().cpu() - want).abs().max() <= 1e-2 * want.abs().max()
-    residual = torch.randn(3, n, generator=g).cuda()
+    residual = torch.randn(3, n, generator=g).to(device)
     into = residual.clone()
     assert w.swiglu_gemv(gate_up, into=into, launch=launch) is into
     assert torch.equal(into, residual + fused)
@@ -252,3 +262,16 @@ def test_graph_kernels_leave_the_norm_and_rotation_to_products_that_form_them(de
     assert lin.normed_product(many, norm_w, 1e-5) is None
     assert lin.accumulate_swiglu(torch.zeros(w.gemv_rows + 1, n, device=device),
                                  torch.randn(w.gemv_rows + 1, 2 * k, device=device)) is False
+
+    down, _ = _matrix(k, 64, device)  # [k, 64]: takes the SwiGLU of rows [gate, up] of 128 values
+    down_lin = Int4Linear.on_cuda(down, dev)
+    if device == "cpu":
+        _interpreted_exp(monkeypatch, cuda_int4, cuda_elementwise)
+    gate_up = torch.randn(2, 128, generator=g).to(device)
+    residual = torch.randn(2, k, generator=g).to(device)
+    mine, theirs = residual.clone(), residual.clone()
+    formed.accumulate_swiglu(down_lin, mine, gate_up)
+    apart.accumulate_swiglu(down_lin, theirs, gate_up)
+    assert torch.equal(mine, theirs)
+    assert Int4Linear.on_cuda(down, dev, bias=torch.zeros(k, device=device)).accumulate_swiglu(mine, gate_up) is False
+    assert torch.equal(mine, theirs)  # untouched where the matrix declines
