@@ -70,9 +70,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_GRAPH_TOKENS = 256
 ENV_SWITCH = "DS4_CUDA_GRAPHS"  # "0" turns graph decoding off
 # DecodeGraphs.fused_inputs' default: a norm or SwiGLU that feeds an int4 one-row product is
-# formed inside that product, and q and k are turned there too (engine.cuda_elementwise.
-# FusedStepKernels' `inputs`), three kernels fewer a llama layer.  Off until its effect on a
-# step is measured on a GPU.
+# formed inside that product, and q and k are turned there too, or in qwen3's head norms
+# (engine.cuda_elementwise.FusedStepKernels' `inputs`): four of a llama layer's ten kernels.  Off
+# until its effect on a step is measured on a GPU.
 FUSED_INPUTS = False
 
 

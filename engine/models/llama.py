@@ -101,6 +101,13 @@ class StepKernels(Protocol):
         allow it."""
         ...
 
+    def rotated_head_norms_(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                            rope: torch.Tensor, n_head: int, n_head_kv: int) -> bool:
+        """qwen3's per-head q/k norms of qkv [T, ...] in place, then q and k turned by rope
+        [T, 1, D/2], in one kernel where these kernels allow it (True); False, and qkv
+        untouched, elsewhere."""
+        ...
+
 
 class TorchKernels:
     """StepKernels in torch ops, float32 (the CPU path, eager CUDA decoding, and CUDA prefill
@@ -140,6 +147,10 @@ class TorchKernels:
 
     def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
         w.accumulate(out, self.swiglu(gate_up))
+
+    def rotated_head_norms_(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                            rope: torch.Tensor, n_head: int, n_head_kv: int) -> bool:
+        return False
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int, rope_dim: int | None = None) -> np.ndarray:
@@ -342,6 +353,9 @@ class LlamaModel(CachedNetwork):
             if qkv is not None:
                 return qkv
         qkv = ops.normed_product(blk.wqkv, x, blk.attn_norm).float()  # a fresh tensor: safe to modify
+        if (blk.q_norm is not None and self.cuda_head_norms
+                and ops.rotated_head_norms_(qkv, blk.q_norm, blk.k_norm, rope, H, Hkv)):
+            return qkv
         if blk.q_norm is not None and self.cuda_head_norms:
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:

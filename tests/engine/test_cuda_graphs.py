@@ -141,12 +141,14 @@ def test_graph_session_decode_matches_its_own_prefill(tiny_gguf):
     torch.testing.assert_close(s.logits, full.logits, rtol=2e-2, atol=2e-2 * float(full.logits.abs().max()))
 
 
-@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0"), ("llama", "Q4_1")])
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_K"), ("qwen2", "Q4_0"), ("llama", "Q4_1"),
+                                        ("qwen3", "Q4_K")])
 def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny_gguf, monkeypatch, arch, qtype):
     """DecodeGraphs.fused_inputs: the int4 one-row products norm their rows, turn q and k and
-    form the SwiGLU themselves (qwen2's biased q/k/v keep the separate norm and rotation); the
-    greedy tokens and the logits of graphs captured with and without it agree."""
-    from engine import cuda_int4
+    form the SwiGLU themselves (qwen2's biased q/k/v keep the separate norm and rotation;
+    qwen3's head norms turn q and k instead); the greedy tokens and the logits of graphs
+    captured with and without it agree."""
+    from engine import cuda_elementwise, cuda_int4
     calls = {"rms_normed": 0, "swiglu": 0, "rotated": 0}
     for name, kind in (("normed_gemv", "rms_normed"), ("swiglu_gemv", "swiglu")):
         def counted(self, *args, _f=getattr(cuda_int4.Int4Weight, name), _k=kind, **kw):
@@ -154,6 +156,11 @@ def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny
             calls["rotated"] += kw.get("rope") is not None
             return _f(self, *args, **kw)
         monkeypatch.setattr(cuda_int4.Int4Weight, name, counted)
+
+    def head_norms(*args, _f=cuda_elementwise.head_norms_, **kw):
+        calls["rotated"] += kw.get("rope") is not None
+        return _f(*args, **kw)
+    monkeypatch.setattr(cuda_elementwise, "head_norms_", head_norms)
     path = tiny_gguf(arch, qtype)
     plain = engine.load_model(path, device="cuda")
     formed = engine.load_model(path, device="cuda")
