@@ -372,15 +372,16 @@ class BatchScheduler:
         step) and, where every row's sampler takes the same greedy column, launch the step after
         it too; the returned call waits for the first and advances the rows."""
         launched, self._launched = self._launched, None  # one not taken now is dropped unused
+        # Rows on the host (CPU) or sampled otherwise have no column: nothing to launch ahead.
+        column = columns[0] if all(c == columns[0] for c in columns) else None
         if launched is not None and launched.takes(rows, tokens):
             step = launched.step
             self.adopted += 1
         else:
-            step = self._launch(rows, tokens) if self.run_ahead else None
-            if step is None:  # no graph takes these caches, or run-ahead is off: the usual step
+            step = self._launch(rows, tokens) if self.run_ahead and column is not None else None
+            if step is None:  # the usual step
                 return start_decode_batch(rows, tokens)
-        column = columns[0]
-        if column is not None and all(c == column for c in columns):
+        if column is not None:
             caches = [s.cache for s in rows]
             ahead = self.model.net.decode_launch(None, caches, self.model.eos_ids, ahead=1, after=step,
                                                  column=column)
