@@ -79,7 +79,7 @@ if AVAILABLE:
     from engine.cuda_int4 import gemv_columns, group_product
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
-DOWN_SHAPES = ("rows", "unrolled", "pairs")
+DOWN_SHAPES = ("rows", "pairs")
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
 ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
 CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is built
@@ -89,22 +89,20 @@ CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is b
 class MoeLaunch:
     """Launch shapes.  The indexed products: columns per program, groups per loop step and
     warps, whether a loop step loads the next one's weights first (`gemv_prefetch`, as
-    engine.cuda_int4.GemvLaunch.prefetch), whether gate/up reads its two matrices' columns in
-    one pass (`gemv_together`) and how the down product spreads over programs (`gemv_down`, one
-    of DOWN_SHAPES: a program per row and column tile looping over the row's slots, the same
-    with the loop unrolled, or a program per (row, slot) pair and one more kernel adding a
-    row's slots in order).  The grouped GEMM: columns per program, warps, pipeline stages and
+    engine.cuda_int4.GemvLaunch.prefetch) and how the down product spreads over programs
+    (`gemv_down`, one of DOWN_SHAPES: a program per row and column tile looping over the row's
+    slots, or a program per (row, slot) pair and one more kernel adding a row's slots in
+    order).  The grouped GEMM: columns per program, warps, pipeline stages and
     groups per loop step (at most).  The defaults are the fastest of a sweep on an H100
     (tests/engine/moe_timing.py --sweep, 26 and 48 layers' routed experts replayed from a graph,
     random files of DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes): at 1 row 0.98 ms against
     1.29 ms with the down product a program per row and 8 warps, and 1.51 against 1.78 ms; at
     32 rows 10.8 ms against 11.7 ms with 3 stages and one group a step, and 21.2 against 21.5
-    ms.  Reading gate and up together and loading ahead measured no faster there (off)."""
+    ms.  Loading ahead measured no faster there (off)."""
 
     gemv_bn: int = 16
     gemv_gb: int = 32
     gemv_warps: int = 4
-    gemv_together: bool = False
     gemv_down: str = "pairs"
     gemv_prefetch: bool = False
     gemm_bn: int = 128
@@ -343,27 +341,15 @@ if AVAILABLE:
     @triton.jit
     def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,
                       FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
-                      TOGETHER: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
-        """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert.
-        TOGETHER: the gate and up columns of the tile in one pass (interleaved, 2 * BN columns: each
-        loop step has both matrices' loads in flight and reads the activations once), else one
-        pass after the other."""
+                      OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
+        """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert."""
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < F
         e = tl.load(ids_ptr + p).to(tl.int64)
         x = x_ptr + (p // TOPK) * stride_x
-        if TOGETHER:
-            both = tl.reshape(tl.join(n, n + F), (2 * BN,))  # gate column j, then up column j
-            bm = tl.reshape(tl.join(nm, nm), (2 * BN,))
-            y = _expert_columns(x, w_ptr, sm_ptr, e, both, bm, 2 * F, K, n_groups, FMT, G, 2 * BN, GB, OPERAND,
-                                PREFETCH)
-            gate, up = tl.split(tl.reshape(y, (BN, 2)))
-        else:
-            gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND,
-                                   PREFETCH)
-            up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND,
-                                 PREFETCH)
+        gate = _expert_columns(x, w_ptr, sm_ptr, e, n, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND, PREFETCH)
+        up = _expert_columns(x, w_ptr, sm_ptr, e, n + F, nm, 2 * F, K, n_groups, FMT, G, BN, GB, OPERAND, PREFETCH)
         tl.store(act_ptr + p * F + n, _silu_times(gate, up), mask=nm)
 
     @triton.jit
@@ -378,23 +364,17 @@ if AVAILABLE:
 
     @triton.jit
     def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr,
-                   ADD: tl.constexpr, UNROLL: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+                   ADD: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
                    GB: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
-        weight_j * down_j(act[t * TOPK + j]).  UNROLL: the slots' loop unrolled, so the compiler
-        may have several slots' loads in flight at once."""
+        weight_j * down_j(act[t * TOPK + j])."""
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
         y = tl.zeros([BN], tl.float32)
-        if UNROLL:
-            for j in tl.static_range(TOPK):
-                y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
-                                G, BN, GB, OPERAND, PREFETCH)
-        else:
-            for j in range(TOPK):
-                y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
-                                G, BN, GB, OPERAND, PREFETCH)
+        for j in range(TOPK):
+            y += _slot_down(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, t * TOPK + j, n, nm, D, F, n_groups, FMT,
+                            G, BN, GB, OPERAND, PREFETCH)
         out = out_ptr + t * D + n
         if ADD:  # the residual stream, updated in place after the row's own sum
             y += tl.load(out, mask=nm, other=0.0)
@@ -769,8 +749,8 @@ class StackedExperts:
         bn = cfg.gemv_bn
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
             h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
-            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), TOGETHER=cfg.gemv_together,
-            OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
+            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
+            PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
         shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb),
                      OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
         if cfg.gemv_down == "pairs":
@@ -780,7 +760,7 @@ class StackedExperts:
             self._sum_slots(part, out, k, add)
         else:
             _down_rows[(T, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), out, D, F, dn.n_groups,
-                                                TOPK=k, ADD=add, UNROLL=cfg.gemv_down == "unrolled", **shape)
+                                                TOPK=k, ADD=add, **shape)
 
     @staticmethod
     def _sum_slots(part: torch.Tensor, out: torch.Tensor, k: int, add: bool) -> None:

@@ -116,10 +116,10 @@ def time_experts(layers: list[cuda_moe.StackedExperts], rows: int, k: int, launc
 
 
 # Grids of launch shapes, swept one after the other from the defaults, each from the fastest
-# shape the grid before it found: for a few rows how the work spreads (gate/up in one pass, the
-# down product's programs, weights loaded a step early), then tile sizes; for more rows the
-# grouped GEMM's tiles, then its groups per loop step.
-SWEEPS = {"rows": [dict(gemv_together=(False, True), gemv_down=cuda_moe.DOWN_SHAPES, gemv_prefetch=(False, True)),
+# shape the grid before it found: for a few rows how the work spreads (the down product's
+# programs, weights loaded a step early), then tile sizes; for more rows the grouped GEMM's
+# tiles, then its groups per loop step.
+SWEEPS = {"rows": [dict(gemv_down=cuda_moe.DOWN_SHAPES, gemv_prefetch=(False, True)),
                    dict(gemv_bn=(4, 8, 16, 32), gemv_gb=(8, 16, 32), gemv_warps=(2, 4, 8))],
           "blocks": [dict(gemm_bn=(32, 64, 128), gemm_warps=(4, 8), gemm_stages=(2, 3, 4)),
                      dict(gemm_unroll=(1, 2, 4))]}

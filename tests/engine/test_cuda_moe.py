@@ -178,14 +178,10 @@ def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
     np.testing.assert_array_equal(few[1:], run(experts, h[1:3], ids[1:3], w[1:3], device))
 
 
-# The few-row launch shapes (engine.cuda_moe.MoeLaunch): gate/up in one pass or two, the down
-# product a program per row (its slots looped or unrolled) or per (row, slot) pair.
-FEW_ROW_SHAPES = [dict(gemv_together=t, gemv_down=d, gemv_prefetch=False) for t in (False, True)
-                  for d in cuda_moe.DOWN_SHAPES]
-FEW_ROW_SHAPES += [dict(gemv_together=False, gemv_down="rows", gemv_prefetch=True),
-                   dict(gemv_together=True, gemv_down="pairs", gemv_prefetch=True)]  # each weight load a step early
-FEW_ROW_IDS = [f"{'together' if s['gemv_together'] else 'apart'}-{s['gemv_down']}"
-               f"{'-prefetch' if s['gemv_prefetch'] else ''}" for s in FEW_ROW_SHAPES]
+# The few-row launch shapes (engine.cuda_moe.MoeLaunch): the down product a program per row or
+# per (row, slot) pair, each weight load a step early or not.
+FEW_ROW_SHAPES = [dict(gemv_down=d, gemv_prefetch=p) for d in cuda_moe.DOWN_SHAPES for p in (False, True)]
+FEW_ROW_IDS = [f"{s['gemv_down']}{'-prefetch' if s['gemv_prefetch'] else ''}" for s in FEW_ROW_SHAPES]
 
 
 @pytest.mark.parametrize("shape", FEW_ROW_SHAPES, ids=FEW_ROW_IDS)
