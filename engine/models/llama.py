@@ -353,10 +353,9 @@ class LlamaModel(CachedNetwork):
             if qkv is not None:
                 return qkv
         qkv = ops.normed_product(blk.wqkv, x, blk.attn_norm).float()  # a fresh tensor: safe to modify
-        if (blk.q_norm is not None and self.cuda_head_norms
-                and ops.rotated_head_norms_(qkv, blk.q_norm, blk.k_norm, rope, H, Hkv)):
-            return qkv
         if blk.q_norm is not None and self.cuda_head_norms:
+            if ops.rotated_head_norms_(qkv, blk.q_norm, blk.k_norm, rope, H, Hkv):
+                return qkv
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:
             norm = self.torch_kernels.norm
