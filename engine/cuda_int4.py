@@ -379,14 +379,19 @@ if AVAILABLE:
     def _dequantize(q_ptr, sm_ptr, out_ptr, N, K, BN: tl.constexpr, BB: tl.constexpr):
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         byte = tl.program_id(1) * BB + tl.arange(0, BB)  # byte j holds inputs 2j (high) and 2j+1 (low)
-        mask = (n < N)[:, None] & (byte < K // 2)[None, :]
+        nm = n < N
+        mask = nm[:, None] & (byte < K // 2)[None, :]
         q = tl.load(q_ptr + n[:, None] * (K // 2) + byte[None, :], mask=mask, other=0).to(tl.int32)
         pair = sm_ptr + (((2 * byte) // 32)[None, :] * N + n[:, None]) * 2
         scale = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
         minimum = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
-        row = out_ptr + n[:, None] * K + 2 * byte[None, :]
-        tl.store(row, ((q >> 4).to(tl.float32) * scale + minimum).to(tl.bfloat16), mask=mask)
-        tl.store(row + 1, ((q & 15).to(tl.float32) * scale + minimum).to(tl.bfloat16), mask=mask)
+        high = ((q >> 4).to(tl.float32) * scale + minimum).to(tl.bfloat16)
+        low = ((q & 15).to(tl.float32) * scale + minimum).to(tl.bfloat16)
+        # Joined, the two nibbles of each byte are a row's inputs in order: one contiguous store
+        # per row (two interleaved stores of every other value ran 4-13x slower on an H100).
+        col = tl.program_id(1) * 2 * BB + tl.arange(0, 2 * BB)
+        tl.store(out_ptr + n[:, None] * K + col[None, :], tl.reshape(tl.join(high, low), (BN, 2 * BB)),
+                 mask=nm[:, None] & (col < K)[None, :])
 
 
 def _outputs(rows: int, n: int, splits: int, device: torch.device,
@@ -545,7 +550,7 @@ class Int4Weight:
     def weight(self) -> torch.Tensor:
         """W as bfloat16 [N, K] in the shared scratch (valid until the next call on this device)."""
         out = _scratch(self.n * self.k, self.nibbles.device)[: self.n * self.k].view(self.n, self.k)
-        bn, bb = 32, 64
+        bn, bb = 16, 128
         grid = (triton.cdiv(self.n, bn), triton.cdiv(self.k // 2, bb))
         _dequantize[grid](self.nibbles, self.pairs, out, self.n, self.k, BN=bn, BB=bb)
         return out

@@ -66,6 +66,24 @@ def test_large_matrices_take_cublas_from_gemm_rows_on():
     assert cuda_int4.gemm_rows_for(960, 576) == cuda_int4.NEVER
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,k", [(40, 320), (16, 256), (33, 1024)])  # partial row and column tiles, and whole ones
+def test_the_matrix_for_cublas_holds_every_weight_at_its_place(device, n, k):
+    """`Int4Weight.weight()` (prefill chunks of large matrices multiply it with cuBLAS): every
+    weight q * scale + minimum at its own place.  The scales and minimums are whole multiples of
+    2**-10 that keep every weight exact in bfloat16 (Triton's interpreter rounds toward zero
+    where the GPU rounds to nearest), and differ from group to group and row to row."""
+    rng = np.random.default_rng(n * k)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = rng.integers(1, 8, size=(n, k // 32)).astype(np.float32) / 1024
+    minimum = -rng.integers(0, 128, size=(n, k // 32)).astype(np.float32) / 1024
+    w = cuda_int4.Int4Weight(q, scale, minimum, torch.device(device))
+    exact = q.astype(np.float64) * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
+    want = torch.from_numpy(exact).to(torch.bfloat16)
+    assert torch.equal(want.double(), torch.from_numpy(exact))  # exact in bfloat16, as meant
+    assert torch.equal(w.weight().cpu(), want)
+
+
 def test_launches_cover_every_row_count_and_shape():
     for rows in (2, 16, 17, 64, 65, 2048):
         for n, k in ((960, 576), (576, 1536), (16384, 2048), (2048, 8192), (3072, 2048)):
