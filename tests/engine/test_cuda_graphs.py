@@ -163,6 +163,13 @@ def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny
             return _f(self, *args, **kw)
         monkeypatch.setattr(cuda_int4.Int4Weight, name, counted)
 
+    unsplit: list[bool] = []  # the q/k/v products that can turn q and k (their columns leave the kernel whole)
+
+    def rotates(self, *args, _f=cuda_int4.Int4Weight.rotates_in_kernel, **kw):
+        unsplit.append(_f(self, *args, **kw))
+        return unsplit[-1]
+    monkeypatch.setattr(cuda_int4.Int4Weight, "rotates_in_kernel", rotates)
+
     def head_norms(*args, _f=cuda_elementwise.head_norms_, **kw):
         calls["rotated"] += kw.get("rope") is not None
         return _f(*args, **kw)
@@ -174,7 +181,10 @@ def test_graph_steps_forming_product_inputs_agree_with_the_separate_kernels(tiny
     assert_same_greedy_decoding(formed, plain, 1e-2)
     n_layer = formed.config.n_layer
     assert calls["swiglu"] >= n_layer and calls["rms_normed"] >= n_layer * (1 if arch == "qwen2" else 2)
-    assert calls["rotated"] == 0 if arch == "qwen2" else calls["rotated"] >= n_layer
+    # llama turns q and k in the product only where it runs unsplit (a tiny matrix is split on a
+    # GPU of many multiprocessors), qwen3 in its head norms, qwen2 (biased q/k/v) never
+    turned = arch == "qwen3" or arch == "llama" and bool(unsplit) and all(unsplit)
+    assert calls["rotated"] >= n_layer if turned else calls["rotated"] == 0
 
 
 def _teacher_forced(m: engine.Model, ids: list[int]) -> torch.Tensor:
