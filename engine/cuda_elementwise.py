@@ -7,10 +7,9 @@ the next matmul reads.
   expression (`engine.models.llama.TorchKernels.norm`, then the matmul's cast) is five elementwise and reduction
   kernels and a cast.  The mean square is summed in another order than torch's, so results
   differ in the last bits.
-- `head_norms_(qkv, q_weight, k_weight, H, Hkv, eps, rope=None)`: qwen3's per-head RMSNorms of
-  the query and key heads, in place in the projections' rows, float32: one kernel where torch's
-  expression is five for each and two copies back; with `rope`, the heads' rotation after the
-  norms in the same kernel.
+- `head_norms_(qkv, q_weight, k_weight, H, Hkv, eps)`: qwen3's per-head RMSNorms of the query
+  and key heads, in place in the projections' rows, float32: one kernel where torch's
+  expression is five for each and two copies back.
 - `swiglu(gate_up, out_dtype)`: gate_up [N, 2 * n_ff] (gate, then up; float32 from int4
   products, bfloat16 from dense ones) -> silu(gate) * up [N, n_ff], computed as torch computes
   `F.silu(gate) * up` on tensors of that dtype (float32 arithmetic, each op's result rounded to
@@ -18,9 +17,8 @@ the next matmul reads.
   kernels and a cast.  Rounding to bfloat16 here is the rounding the int4 products apply to
   their inputs anyway.
 
-- `FusedStepKernels(eps, out_dtype, inputs)`: the two as engine.models.llama's StepKernels,
-  for graph steps and eager prefill chunks alike; with `inputs`, left to the products they feed
-  where those form their input rows themselves.
+- `FusedStepKernels(eps, out_dtype)`: the two as engine.models.llama's StepKernels, for graph
+  steps and eager prefill chunks alike.
 
 - `greedy_pair(rows, eos_index)`: each row's argmax, plain and with end-of-generation ids
   masked (engine.device_sampling's greedy ids), in two kernels.
@@ -49,8 +47,7 @@ if AVAILABLE:
         tl.store(out_ptr + r * n + c, (x * inv * w).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _head_norms(x_ptr, qw_ptr, kw_ptr, rope_ptr, row_stride, eps, H: tl.constexpr, D: tl.constexpr,
-                    DP: tl.constexpr, ROPE: tl.constexpr):
+    def _head_norms(x_ptr, qw_ptr, kw_ptr, row_stride, eps, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         t = tl.program_id(0)
         h = tl.program_id(1)  # q heads first, then k heads
         d = tl.arange(0, DP)
@@ -59,15 +56,7 @@ if AVAILABLE:
         x = tl.load(p, mask=m, other=0.0)
         w = tl.where(h < H, tl.load(qw_ptr + d, mask=m, other=0.0), tl.load(kw_ptr + d, mask=m, other=0.0))
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        y = x * inv * w
-        if ROPE:  # then the head's adjacent pairs turned by the row's (cos, sin), as complex numbers multiply
-            even, odd = tl.split(tl.reshape(y, (DP // 2, 2)))
-            j = tl.arange(0, DP // 2)
-            at = rope_ptr + (t * (D // 2) + j) * 2
-            c = tl.load(at, mask=j < D // 2, other=1.0)
-            s = tl.load(at + 1, mask=j < D // 2, other=0.0)
-            y = tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (DP,))
-        tl.store(p, y, mask=m)
+        tl.store(p, x * inv * w, mask=m)
 
     @triton.jit
     def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr):
@@ -157,23 +146,15 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtyp
 
 
 def head_norms_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, n_head: int, n_head_kv: int,
-                eps: float, rope: torch.Tensor | None = None) -> None:
+                eps: float) -> None:
     """In place: each query head of qkv [T, (H + 2*Hkv) * D] float32 RMS-normed by q_weight [D],
-    each key head by k_weight (qwen3's per-head norms), values untouched; one kernel.  With
-    `rope` (complex64 [T, 1, D/2] or [T, D/2], each row's), every normed head's adjacent pairs
-    are then turned by it as engine.models.llama turns q and k, in the same kernel."""
+    each key head by k_weight (qwen3's per-head norms), values untouched; one kernel."""
     T, width = qkv.shape
     D = width // (n_head + 2 * n_head_kv)
     if qkv.stride(1) != 1:
         raise ValueError("head_norms_ takes rows of contiguous elements")
-    turns = qkv  # never read without ROPE
-    if rope is not None:
-        if rope.dtype != torch.complex64 or rope.numel() != T * (D // 2) or D % 2:
-            raise ValueError(f"rope must be complex64 with {D // 2} pairs for each of {T} rows")
-        turns = torch.view_as_real(rope.reshape(T, D // 2).contiguous())
-    _head_norms[(T, n_head + n_head_kv)](qkv, q_weight, k_weight, turns, qkv.stride(0), eps, H=n_head, D=D,
-                                         DP=triton.next_power_of_2(D), ROPE=rope is not None,
-                                         num_warps=1 if D <= 128 else 4)
+    _head_norms[(T, n_head + n_head_kv)](qkv, q_weight, k_weight, qkv.stride(0), eps, H=n_head, D=D,
+                                         DP=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 4)
 
 
 def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -188,41 +169,14 @@ def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
 
 class FusedStepKernels:
     """A forward pass's norms and SwiGLU (engine.models.llama.StepKernels) as the kernels above,
-    writing the dtype the following matmul computes in.  With `inputs`, a norm or SwiGLU that
-    feeds a matrix whose product can form its input itself (`normed_product`,
-    `accumulate_swiglu` of engine.weights' matrices: the int4 one-row products) is left to that
-    product, a kernel fewer each, and so is the rotation of q and k that follows their product
-    (`normed_rotated_product`) or their per-head norms (`rotated_head_norms_`, qwen3's);
-    elsewhere the kernels above run as without."""
+    writing the dtype the following matmul computes in."""
 
-    def __init__(self, eps: float, out_dtype: torch.dtype, inputs: bool = False):
+    def __init__(self, eps: float, out_dtype: torch.dtype):
         self.eps = eps
         self.out_dtype = out_dtype
-        self.inputs = inputs
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.out_dtype)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         return swiglu(gate_up, self.out_dtype)
-
-    def normed_product(self, w, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        y = w.normed_product(x, weight, self.eps) if self.inputs else None
-        return w(self.norm(x, weight)) if y is None else y
-
-    def normed_rotated_product(self, w, x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor,
-                               rotated: int) -> torch.Tensor | None:
-        if not self.inputs or rope.shape[0] != x.shape[0]:
-            return None
-        return w.normed_product(x, weight, self.eps, rope=rope.reshape(x.shape[0], -1), rotated=rotated)
-
-    def rotated_head_norms_(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                            rope: torch.Tensor, n_head: int, n_head_kv: int) -> bool:
-        if not self.inputs or rope.shape[0] != qkv.shape[0]:
-            return False
-        head_norms_(qkv, q_weight, k_weight, n_head, n_head_kv, self.eps, rope=rope)
-        return True
-
-    def accumulate_swiglu(self, w, out: torch.Tensor, gate_up: torch.Tensor) -> None:
-        if not (self.inputs and w.accumulate_swiglu(out, gate_up)):
-            w.accumulate(out, self.swiglu(gate_up))

@@ -21,9 +21,7 @@ attention's workspace), so the graph runs the same kernels as eager decoding exc
 The llama family (`LlamaModel.graph_step`, its `decode_layers`) attends with the Triton kernels
 (writing bfloat16, which the output projection rounds its input to anyway) and takes RMSNorm
 and SwiGLU as one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
-`fused = False` keeps torch's, for graphs captured after the change; `fused_inputs` leaves a
-norm or SwiGLU that feeds an int4 one-row product, and the rotation of q and k, to the product
-itself).  With the residual adds
+`fused = False` keeps torch's, for graphs captured after the change).  With the residual adds
 inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is about 310
 kernels (520 before those changes).  The deepseek2 family (`DeepSeek2Model.graph_step`) attends
 with the latent kernel (`engine.cuda_attention.latent_attention`) on its one-row-per-position
@@ -69,12 +67,6 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # a replay; longer ones run eagerly.
 PREFILL_GRAPH_TOKENS = 256
 ENV_SWITCH = "DS4_CUDA_GRAPHS"  # "0" turns graph decoding off
-# DecodeGraphs.fused_inputs' default: a norm or SwiGLU that feeds an int4 one-row product is
-# formed inside that product, and q and k are turned there too, or in qwen3's head norms
-# (engine.cuda_elementwise.FusedStepKernels' `inputs`): four of a llama layer's ten kernels.  Off:
-# every program of a product forms its whole input again, and on an H100 one-row steps ran at
-# 0.81x (Llama-3.2-1B shape) and 0.98x (SmolLM2 shape) of the separate kernels.
-FUSED_INPUTS = False
 
 
 def usable(device: torch.device) -> bool:
@@ -183,7 +175,6 @@ class DecodeGraphs:
         # The family's fused kernels (llama: RMSNorm and SwiGLU in engine.cuda_elementwise;
         # deepseek2: its latent attention's inputs); read at capture.
         self.fused = True
-        self.fused_inputs = FUSED_INPUTS  # read at capture, as `fused`
         self.disabled_reason: str | None = None
         self.capture_seconds = 0.0
         self.replays = 0  # decoding steps
@@ -235,9 +226,7 @@ class DecodeGraphs:
     # --- capture ---
     def _step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
               eos_index: torch.Tensor | None, shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        kernels = None
-        if self.fused:
-            kernels = cuda_elementwise.FusedStepKernels(self.net.cfg.norm_eps, self.compute_dtype(), self.fused_inputs)
+        kernels = cuda_elementwise.FusedStepKernels(self.net.cfg.norm_eps, self.compute_dtype()) if self.fused else None
         logits = self.net.graph_step(table, base, work, kernels, shared)  # [B, n_vocab]
         return logits, greedy_pair(logits, eos_index)
 
@@ -270,7 +259,7 @@ class DecodeGraphs:
                    shared: bool = False) -> _Captured:
         """The graph for n rows (`shared`: rows of one cache, a prefill's), captured on first use."""
         b = bucket_for(n)
-        key = (b, dtype, eos_ids, n_ctx, self.fused, self.fused_inputs, shared)
+        key = (b, dtype, eos_ids, n_ctx, self.fused, shared)
         cap = self._graphs.get(key)
         if cap is None:
             try:

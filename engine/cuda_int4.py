@@ -21,11 +21,7 @@ decoding and eager) with these kernels.
 One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
 as int32 words, four to a group, so each thread sums a whole group of a column alone.  A few
 rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
-one-row products in one launch, each row's sums in its order alone.  Those products can form
-their input rows themselves (`normed_gemv`: the residual's rows RMS-normed, each program
-summing the whole row's squares, and optionally turning the leading output columns in
-pairs by each row's rope, as the llama family turns q and k; `swiglu_gemv`: silu(gate) * up),
-so the norm, rotation or SwiGLU around them needs no kernel of its own.  More rows (`_int4_gemm`)
+one-row products in one launch, each row's sums in its order alone; more rows (`_int4_gemm`)
 run on the tensor cores, one group per product.  Measured on an H200 per
 product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
 at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
@@ -185,10 +181,6 @@ def scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     return half if bool(torch.isfinite(half).all()) else pairs
 
 
-# How the one-row kernel forms its input row, by the index its INPUT argument takes: as given,
-# RMS-normed, or the SwiGLU of [gate, up] (Int4Weight.gemv, normed_gemv, swiglu_gemv).
-INPUTS = ("plain", "rms_normed", "swiglu")
-
 # The tensor cores' operand type: activations are rounded to it (the nibbles are exact in it).
 OPERAND = tl.bfloat16 if AVAILABLE else None
 
@@ -203,8 +195,6 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 
 if AVAILABLE:
-    from triton.language.extra import libdevice
-
     @triton.jit
     def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, OPERAND: tl.constexpr):
         """One group's contribution to the [BM, BN] tile: scale * (x . q) + minimum * sum(x)."""
@@ -258,42 +248,14 @@ if AVAILABLE:
                        mask=nm[:, None, None] & gm[None, :, None], other=0)
 
     @triton.jit
-    def _row_input(x_ptr, aux_ptr, i, m, inv, K, INPUT: tl.constexpr):
-        """Inputs i (masked by m) of one row as the product takes them (INPUT, see INPUTS): x
-        itself; x * inv * w with w at aux_ptr, as engine.cuda_elementwise.rms_norm writes it; or
-        silu(gate) * up from a row of [gate, up] halves K apart, as its swiglu computes it in
-        float32.  Float32, not yet rounded to the operand type."""
-        if INPUT == 1:
-            v = tl.load(x_ptr + i, mask=m, other=0.0) * inv * tl.load(aux_ptr + i, mask=m, other=0.0)
-        elif INPUT == 2:
-            g = tl.load(x_ptr + i, mask=m, other=0.0)
-            up = tl.load(x_ptr + K + i, mask=m, other=0.0)
-            v = tl.div_rn(g, 1.0 + libdevice.exp(-g)) * up
-        else:
-            v = tl.load(x_ptr + i, mask=m, other=0.0)
-        return v
-
-    @triton.jit
-    def row_scale(x_ptr, eps, K, INPUT: tl.constexpr, KP: tl.constexpr):
-        """rsqrt(mean(x^2) + eps) of one row of K values where INPUT is 1 (RMS-normed), else 1."""
-        if INPUT == 1:
-            c = tl.arange(0, KP)
-            x = tl.load(x_ptr + c, mask=c < K, other=0.0)
-            inv = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-        else:
-            inv = 1.0
-        return inv
-
-    @triton.jit
     def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr, aux_ptr, inv, INPUT: tl.constexpr):
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores.  The nibbles are read as int32 words, four per group, so a thread holds
         a whole group of a column and sums its 32 products alone; GB groups per loop step (the
         last step masked).  PREFETCH: each step loads the next step's words before it
-        computes, so their reads are in flight during the arithmetic (the same sums).  INPUT
-        forms the row from x as `_row_input` says (aux_ptr and inv serve it; 0: x as it is)."""
+        computes, so their reads are in flight during the arithmetic (the same sums)."""
         gi = tl.arange(0, GB)
         wi = tl.arange(0, 4)
         words_per_row = K // 8
@@ -312,10 +274,8 @@ if AVAILABLE:
             dot = tl.zeros([BN, GB, 4], tl.float32)
             xsum = tl.zeros([GB, 4], tl.float32)
             for b in tl.static_range(4):  # byte b of a word: inputs 8i+2b (high nibble), 8i+2b+1 (low)
-                xh = _row_input(x_ptr, aux_ptr, word * 8 + 2 * b, gm[:, None], inv, K, INPUT)
-                xl = _row_input(x_ptr, aux_ptr, word * 8 + 2 * b + 1, gm[:, None], inv, K, INPUT)
-                xh = xh.to(OPERAND).to(tl.float32)
-                xl = xl.to(OPERAND).to(tl.float32)
+                xh = tl.load(x_ptr + word * 8 + 2 * b, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+                xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
                 # exact products (bfloat16 x 4-bit integer) summed in float32
                 dot += _nibble(w, 8 * b + 4) * xh[None] + _nibble(w, 8 * b) * xl[None]
                 xsum += xh + xl
@@ -327,38 +287,17 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _rotate_pairs(y, rope_ptr, n0, row, rotated, pairs, BN: tl.constexpr):
-        """y [BN], columns n0 .. n0 + BN (n0 even) of one row, with each adjacent pair (2j, 2j+1)
-        below `rotated` turned by the row's (cos, sin) of pair j % pairs at rope_ptr (float32
-        [rows, pairs, 2]) as a complex product: (a + ib)(c + is).  The other pairs are turned by
-        (1, 0), which keeps finite values as they are."""
-        even, odd = tl.split(tl.reshape(y, (BN // 2, 2)))
-        j = n0 // 2 + tl.arange(0, BN // 2)
-        turn = 2 * j < rotated
-        at = rope_ptr + (row * pairs + j % pairs) * 2
-        c = tl.load(at, mask=turn, other=1.0)
-        s = tl.load(at + 1, mask=turn, other=0.0)
-        return tl.reshape(tl.join(even * c - odd * s, even * s + odd * c), (BN,))
-
-    @triton.jit
-    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, aux_ptr, eps,
-                   rope_ptr, rotated, pairs,
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
-                   OPERAND: tl.constexpr, INPUT: tl.constexpr, KP: tl.constexpr, ROPE: tl.constexpr):
+                   OPERAND: tl.constexpr):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
-        CUDA cores (`gemv_columns`), each row's in the order it has alone, its input formed as
-        INPUT says (an RMS-normed row's scale from the whole row, in every program); with ROPE
-        (one split) the first `rotated` columns turned in pairs (`_rotate_pairs`)."""
+        CUDA cores (`gemv_columns`), each row's in the order it has alone."""
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         split = tl.program_id(1)
         row = tl.program_id(2)
         nm = n < N
-        x_row = x_ptr + row * stride_x
-        inv = row_scale(x_row, eps, K, INPUT, KP)
-        y = gemv_columns(x_row, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
-                         groups_per_split, BN, GB, OPERAND, PREFETCH, aux_ptr, inv, INPUT)
-        if ROPE:
-            y = _rotate_pairs(y, rope_ptr, tl.program_id(0) * BN, row, rotated, pairs, BN)
+        y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
+                         groups_per_split, BN, GB, OPERAND, PREFETCH)
         out = out_ptr + (split * tl.num_programs(2) + row) * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)
@@ -468,64 +407,18 @@ class Int4Weight:
              into: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] float32 (each row of x contiguous), or added to `into`: each row
         as the one-row kernel computes it alone, one launch for all."""
-        return self._gemv(x, launch, into, "plain", x, 0.0)
-
-    def normed_gemv(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                    into: torch.Tensor | None = None, launch: "GemvLaunch | None" = None,
-                    rope: torch.Tensor | None = None, rotated: int = 0) -> torch.Tensor:
-        """`gemv` of x's rows RMS-normed by weight [K] (float32 rows, each contiguous): the
-        products of engine.cuda_elementwise.rms_norm(x, weight, eps, bfloat16) in one kernel
-        (its mean square is summed in the kernel's own order, so the last bits may differ).
-        With `rope` (float32 [M, P, 2], each row's (cos, sin) of P pairs), output pairs
-        (2j, 2j + 1) below column `rotated` are then turned by pair j % P as complex numbers
-        are multiplied, in the same kernel: where `rotates_in_kernel`, and not into an output."""
-        if x.dtype != torch.float32 or weight.dtype != torch.float32 or weight.shape != (self.k,):
-            raise ValueError(f"normed_gemv takes float32 rows and a float32 [{self.k}] weight")
-        if rope is not None:
-            if into is not None or not self.rotates_in_kernel(x.device, launch):
-                raise ValueError("rotated one-row products run unsplit and return a new output")
-            if (rope.dtype != torch.float32 or rope.dim() != 3 or rope.shape[0] != x.shape[0] or rope.shape[2] != 2
-                    or not rope.is_contiguous() or rotated % 2 or not 0 <= rotated <= self.n):
-                raise ValueError(f"rope must be float32 [{x.shape[0]}, pairs, 2], contiguous, and the rotated "
-                                 f"columns an even count up to {self.n}")
-        return self._gemv(x, launch, into, "rms_normed", weight, eps, rope, rotated)
-
-    def rotates_in_kernel(self, device: torch.device, launch: "GemvLaunch | None" = None) -> bool:
-        """Whether the one-row product runs unsplit here (its columns then leave the kernel
-        whole, so pairs of them can be turned there)."""
-        cfg = launch or gemv_launch_for(self.n, self.k)
-        return cfg.bn % 2 == 0 and self._gemv_splits(cfg, device) == 1
-
-    def _gemv_splits(self, cfg: "GemvLaunch", device: torch.device) -> int:
-        # Split as for one row, whatever the rows: each row's sums then run in its one-row order.
-        return split_k(self.k // GROUP, triton.cdiv(self.n, cfg.bn), cfg.waves * multiprocessors(device))
-
-    def swiglu_gemv(self, gate_up: torch.Tensor, into: torch.Tensor | None = None,
-                    launch: "GemvLaunch | None" = None) -> torch.Tensor:
-        """`gemv` of silu(gate) * up for float32 rows [gate, up] of 2K values (each contiguous):
-        the products of engine.cuda_elementwise.swiglu(gate_up, bfloat16), bit for bit, in one
-        kernel."""
-        if gate_up.dtype != torch.float32 or gate_up.shape[-1] != 2 * self.k:
-            raise ValueError(f"swiglu_gemv takes float32 rows of {2 * self.k} values")
-        return self._gemv(gate_up, launch, into, "swiglu", gate_up, 0.0)
-
-    def _gemv(self, x: torch.Tensor, launch: "GemvLaunch | None", into: torch.Tensor | None, input_kind: str,
-              aux: torch.Tensor, eps: float, rope: torch.Tensor | None = None, rotated: int = 0) -> torch.Tensor:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
         rows = x.shape[0]
         cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
         tiles = triton.cdiv(self.n, cfg.bn)
-        splits = self._gemv_splits(cfg, x.device)
+        # Split as for one row, whatever the rows: each row's sums then run in its one-row order.
+        splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
         out, part = _outputs(rows, self.n, splits, x.device, into)
         add = into is not None
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
-                                          n_groups // splits, aux, eps, aux if rope is None else rope, rotated,
-                                          1 if rope is None else rope.shape[1], BN=cfg.bn, GB=cfg.gb,
-                                          ADD=add and splits == 1, PREFETCH=cfg.prefetch, OPERAND=OPERAND,
-                                          INPUT=INPUTS.index(input_kind), KP=triton.next_power_of_2(self.k),
-                                          ROPE=rope is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+                                          n_groups // splits, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
+                                          PREFETCH=cfg.prefetch, OPERAND=OPERAND, num_warps=cfg.warps,
+                                          num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

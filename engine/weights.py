@@ -114,21 +114,6 @@ class Linear:
         their last step do so, saving a kernel and a tensor."""
         out += self(x)
 
-    def normed_product(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       rope: torch.Tensor | None = None, rotated: int = 0) -> torch.Tensor | None:
-        """x's rows RMS-normed by `weight` (with `eps`), times W^T, in one kernel that norms the
-        rows as it reads them, where this matrix has one for these rows; None elsewhere (the
-        caller norms, then multiplies).  With `rope` (complex64 [rows, P]) the same kernel also
-        turns the output's leading `rotated` columns, pair (2j, 2j + 1) as a complex number
-        times rope[row, j % P] (the llama family's q and k), or None is returned."""
-        return None
-
-    def accumulate_swiglu(self, out: torch.Tensor, gate_up: torch.Tensor) -> bool:
-        """out += (silu(gate) * up) @ W^T for rows [gate, up] of gate_up, in one kernel that forms
-        the SwiGLU as it reads the rows, where this matrix has one for these rows; False (and
-        `out` untouched) elsewhere."""
-        return False
-
     def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
         """The CPU vector op's operands where a product of `rows` rows is that op alone, with
         nothing around it (no bias, no padding columns): int4 (packed, scales) or int8 (q,
@@ -550,32 +535,6 @@ class Int4Linear(Linear):
             self._add(x, self.packed, self.scales_zeros, out, self.high, self.levels)
         else:
             out += self(x)
-
-    def _one_row_inputs(self, x: torch.Tensor) -> bool:
-        """Whether the CUDA one-row kernel takes x's rows (float32, contiguous) with an input
-        transform: few enough rows for one-row products, and no bias to add after."""
-        cuda = self._cuda
-        return (cuda is not None and self.bias is None and x.dim() == 2 and x.dtype == torch.float32
-                and x.stride(-1) == 1 and x.shape[0] <= cuda.gemv_rows)
-
-    def normed_product(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                       rope: torch.Tensor | None = None, rotated: int = 0) -> torch.Tensor | None:
-        if not self._one_row_inputs(x) or x.shape[1] != self.in_features:
-            return None
-        if rope is None:
-            return self._cuda.normed_gemv(x, weight, eps)
-        if (rope.dtype != torch.complex64 or rope.dim() != 2 or rope.shape[0] != x.shape[0]
-                or not self._cuda.rotates_in_kernel(x.device)):
-            return None
-        return self._cuda.normed_gemv(x, weight, eps, rope=torch.view_as_real(rope.contiguous()), rotated=rotated)
-
-    def accumulate_swiglu(self, out: torch.Tensor, gate_up: torch.Tensor) -> bool:
-        if (not self._one_row_inputs(gate_up) or gate_up.shape[1] != 2 * self.in_features
-                or out.dtype != torch.float32 or out.shape != (gate_up.shape[0], self.out_features)
-                or not out.is_contiguous()):
-            return False
-        self._cuda.swiglu_gemv(gate_up, into=out)
-        return True
 
     @property
     def cuda_weight(self) -> "cuda_int4.Int4Weight | None":

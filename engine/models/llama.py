@@ -85,29 +85,6 @@ class StepKernels(Protocol):
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
-    def normed_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """w(norm(x, weight)), in one kernel where these kernels and the matrix allow it."""
-        ...
-
-    def normed_rotated_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor,
-                               rotated: int) -> torch.Tensor | None:
-        """w(norm(x, weight)) with its leading `rotated` columns turned in adjacent pairs by
-        rope [rows, 1, P] (complex64, each row's) in one kernel, where these kernels and the
-        matrix allow it; None elsewhere."""
-        ...
-
-    def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
-        """w.accumulate(out, swiglu(gate_up)), in one kernel where these kernels and the matrix
-        allow it."""
-        ...
-
-    def rotated_head_norms_(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                            rope: torch.Tensor, n_head: int, n_head_kv: int) -> bool:
-        """qwen3's per-head q/k norms of qkv [T, ...] in place, then q and k turned by rope
-        [T, 1, D/2], in one kernel where these kernels allow it (True); False, and qkv
-        untouched, elsewhere."""
-        ...
-
 
 class TorchKernels:
     """StepKernels in torch ops, float32 (the CPU path, eager CUDA decoding, and CUDA prefill
@@ -137,20 +114,6 @@ class TorchKernels:
         if self.fused_swiglu is not None and gate_up.dtype == torch.float32 and gate_up.shape[-1] == 2 * self.n_ff:
             return self.fused_swiglu(gate_up)
         return F.silu(gate_up[:, : self.n_ff]) * gate_up[:, self.n_ff:]
-
-    def normed_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return w(self.norm(x, weight))
-
-    def normed_rotated_product(self, w: Linear, x: torch.Tensor, weight: torch.Tensor, rope: torch.Tensor,
-                               rotated: int) -> torch.Tensor | None:
-        return None
-
-    def accumulate_swiglu(self, w: Linear, out: torch.Tensor, gate_up: torch.Tensor) -> None:
-        w.accumulate(out, self.swiglu(gate_up))
-
-    def rotated_head_norms_(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                            rope: torch.Tensor, n_head: int, n_head_kv: int) -> bool:
-        return False
 
 
 def _neox_to_pairs(n_heads: int, head_dim: int, rope_dim: int | None = None) -> np.ndarray:
@@ -348,14 +311,8 @@ class LlamaModel(CachedNetwork):
         """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        if blk.q_norm is None:  # qwen3's head norms come between the product and the rotation
-            qkv = ops.normed_rotated_product(blk.wqkv, x, blk.attn_norm, rope, (H + Hkv) * D)
-            if qkv is not None:
-                return qkv
-        qkv = ops.normed_product(blk.wqkv, x, blk.attn_norm).float()  # a fresh tensor: safe to modify
+        qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None and self.cuda_head_norms:
-            if ops.rotated_head_norms_(qkv, blk.q_norm, blk.k_norm, rope, H, Hkv):
-                return qkv
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:
             norm = self.torch_kernels.norm
@@ -367,7 +324,7 @@ class LlamaModel(CachedNetwork):
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
-        ops.accumulate_swiglu(blk.w_down, x, ops.normed_product(blk.w_gate_up, x, blk.ffn_norm))
+        blk.w_down.accumulate(x, ops.swiglu(blk.w_gate_up(ops.norm(x, blk.ffn_norm))))
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

@@ -52,28 +52,3 @@ def test_head_norms_norm_query_and_key_heads_in_place(device, heads):
     cuda_elementwise.head_norms_(qkv, q_w, k_w, H, Hkv, 1e-6)
     torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, (H + Hkv) * D:], want[:, (H + Hkv) * D:])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("heads", [(4, 2, 64), (32, 4, 128), (2, 1, 48)], ids=lambda h: "x".join(map(str, h)))
-def test_head_norms_then_turn_the_heads_by_each_rows_rope(device, heads):
-    """With `rope`, the normed q and k heads leave the kernel turned in adjacent pairs by their
-    row's (cos, sin), as engine.models.llama turns them after the norms (a complex product per
-    pair; 48 is a head width below its power of two); the values untouched."""
-    H, Hkv, D = heads
-    torch.manual_seed(2)
-    T = 3
-    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=device)
-    q_w, k_w = torch.rand(D, device=device) + 0.5, torch.rand(D, device=device) + 0.5
-    angles = torch.rand(T, 1, D // 2) * 6.28
-    rope = torch.polar(torch.ones_like(angles), angles).to(device)
-    want = qkv.clone()
-    cuda_elementwise.head_norms_(want, q_w, k_w, H, Hkv, 1e-6)
-    turned = torch.view_as_complex(want.view(T, -1, D // 2, 2))[:, : H + Hkv] * rope
-    want.view(T, -1, D // 2, 2)[:, : H + Hkv] = torch.view_as_real(turned)
-    got = qkv.clone()
-    cuda_elementwise.head_norms_(got, q_w, k_w, H, Hkv, 1e-6, rope=rope)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(got[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:])
-    with pytest.raises(ValueError, match="complex64"):
-        cuda_elementwise.head_norms_(got, q_w, k_w, H, Hkv, 1e-6, rope=rope[:, :, : D // 4])
