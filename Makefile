@@ -13,6 +13,13 @@ SPEED_THRESHOLD ?= 0.10
 PRODUCT_FLOOR ?= 0.90
 # ...and spend at most this fraction of the engine's time per token on work of their own.
 PRODUCT_OWN_MAX ?= 0.05
+# pytest runs in TEST_WORKERS processes (pytest-xdist), each taking a whole test file at a time
+# so that a file's module-scoped model or server is loaded once. On 2 cores two workers took the
+# tests from 16.4 to 10.1-10.8 minutes (much of a serial run waits on servers, subprocesses and
+# sockets); three took 10.4, the two cores being busy by then. `make test-slow` stays serial: its
+# load and soak tests measure a machine to themselves. TEST_WORKERS=0 runs the tests in one process.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
 # Streams of the batched product paths (engine, ds4-eval and ds4-server, 8 rows each; 0: left out).
 PRODUCT_STREAMS ?= 8
 
@@ -36,16 +43,16 @@ run: setup
 # Everything that needs no model weights.
 test-frontends: setup
 	$(VENV)/bin/ds4-eval selftest
-	$(PY) -m pytest -q -m "not model and not gpu and not reference"
+	$(PY) -m pytest -q -m "not model and not gpu and not reference" $(PYTEST_WORKERS)
 
 # Unit and model tests (all but the quality set).
 test-unit: setup
-	$(PY) -m pytest -q $(addprefix --ignore=,$(QUALITY_TESTS))
+	$(PY) -m pytest -q $(PYTEST_WORKERS) $(addprefix --ignore=,$(QUALITY_TESTS))
 
 # Frontier-logit comparisons against the reference, golden outputs, and the corpus KL divergence
 # of the packed path from the float32 path (bounds: quality_testing/README.md).
 test-quality: setup
-	$(PY) -m pytest -q $(QUALITY_TESTS)
+	$(PY) -m pytest -q $(PYTEST_WORKERS) $(QUALITY_TESTS)
 	$(PY) -m quality_testing.compare_frontier_logits
 	$(PY) -m quality_testing.gate_kld
 
@@ -93,18 +100,14 @@ bench: setup
 		tests/engine/test_cpu_kernels_bench.py
 
 # The README's test command, which CI runs: every CPU test but the slow ones, the quality gate and
-# the speed check. pytest runs in TEST_WORKERS processes (pytest-xdist), a test file each at a
-# time, so that a file's module-scoped model or server is loaded once; on 2 cores two workers
-# took the tests from 16.4 to 10.8 minutes, since much of their time is spent waiting on
-# servers, subprocesses and sockets rather than computing.
-TEST_WORKERS ?= 2
+# the speed check.
 # pytest rewrites the asserts of every test module it imports and keeps the result as bytecode
 # in __pycache__ (ignored by git); with PYTHONDONTWRITEBYTECODE set it redoes all of that on
 # every run (about 14 s of a 24 s collection on 2 cores), so the test targets write bytecode.
 test test-slow test-unit test-frontends test-quality: export PYTHONDONTWRITEBYTECODE :=
 test: setup
 	$(VENV)/bin/ds4-eval selftest
-	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_WORKERS)
 	$(PY) -m quality_testing.compare_frontier_logits
 	$(PY) -m quality_testing.gate_kld
 	$(MAKE) --no-print-directory gate-quality
