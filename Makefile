@@ -14,10 +14,10 @@ PRODUCT_FLOOR ?= 0.90
 # ...and spend at most this fraction of the engine's time per token on work of their own.
 PRODUCT_OWN_MAX ?= 0.05
 # pytest runs in TEST_WORKERS processes (pytest-xdist), each taking a whole test file at a time
-# so that a file's module-scoped model or server is loaded once. On 2 cores two workers took the
-# tests from 16.4 to 10.1-10.8 minutes (much of a serial run waits on servers, subprocesses and
-# sockets); three took 10.4, the two cores being busy by then. `make test-slow` stays serial: its
-# load and soak tests measure a machine to themselves. TEST_WORKERS=0 runs the tests in one process.
+# so that a file's module-scoped model or server is loaded once; much of a serial run waits on
+# servers, subprocesses and sockets, so two fill 2 cores (docs/measurements.md, "The test suite").
+# `make test-slow` stays serial: its load and soak tests measure a machine to themselves.
+# TEST_WORKERS=0 runs the tests in one process.
 TEST_WORKERS ?= 2
 PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
 # Streams of the batched product paths (engine, ds4-eval and ds4-server, 8 rows each; 0: left out).
