@@ -40,11 +40,20 @@ contexts.  `latent_inputs` makes `q_rope` and `new` from a layer's projections i
 (the latent's RMSNorm, the rotation of the query's and key's rope parts), where torch's ops
 take eight.
 
+`dependent_launch(device)`: whether this module's, engine.cuda_elementwise's and the one-row int4
+kernels are launched as programmatic dependents on `device` (Hopper on, a Triton with grid
+dependency control): each lets the next kernel launch as it starts and waits for the one
+before it before reading what that one writes, so a decoding step's short kernels start while
+the one before them runs.  Measured on an H100: one-row decoding 1.29x faster on the 135M
+shape, the same bits.
+
 `reference_attention` and `reference_latent` are the same functions in torch ops, for tests.
 Without Triton (`AVAILABLE` is False) nothing here can run; callers keep their torch paths.
 It computes no projections and knows nothing of sessions.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -56,6 +65,36 @@ except ImportError:  # CPU-only installs: the module still imports
     tl = None
 
 AVAILABLE = triton is not None
+try:  # grid dependency control (programmatic dependent launch, sm_90 on): Triton 3.3 on
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _GDC = "launch_pdl" in CUDAOptions.__dataclass_fields__
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+    _GDC = False
+# Whether kernels start while the kernel before them runs (see `dependent_launch`).
+DEPENDENT_LAUNCH = True
+
+
+def dependent_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` are launched as programmatic dependents of the kernel before
+    them.  Such a kernel lets the next one launch as soon as it starts (`gdc_launch_dependents`),
+    then waits for the one before it to finish (`gdc_wait`) before it reads anything that one
+    may write; the one-row int4 product first reads some of its weights.  A step's kernels then
+    start while the kernel before them runs, instead of after it ends.  The results are the same
+    bits (tests/engine/test_cuda_int4.py)."""
+    return DEPENDENT_LAUNCH and dependent_launch_capable(device)
+
+
+def dependent_launch_capable(device: torch.device) -> bool:
+    """Whether `device` and this Triton can launch kernels as dependents (sm_90 on)."""
+    return device.type == "cuda" and _gdc_capable(device.index)
+
+
+@functools.cache
+def _gdc_capable(index: int | None) -> bool:  # asked at every launch: the host's time counts in eager prefill
+    return _GDC and torch.cuda.get_device_capability(index) >= (9, 0)
+
 
 # Columns of the row table: token, position, K offset, layer stride, V offset, head stride.
 TOKEN, POS, K_OFFSET, LAYER_STRIDE, V_OFFSET, HEAD_STRIDE = range(6)
@@ -114,7 +153,17 @@ class Workspace:
                    max_part_bytes=LATENT_PART_BYTES, splits=LATENT_SPLITS)
 
 
+
+
 if AVAILABLE:
+    @triton.jit
+    def dependent_start(DEPENDENT: tl.constexpr):
+        """A kernel's first step where it is launched as a dependent (`dependent_launch`): the
+        next kernel may launch, and this one waits for the one before it."""
+        if DEPENDENT:
+            gdc_launch_dependents()
+            gdc_wait()
+
     @triton.jit
     def _softmax_block(sc, values, acc, m_i, l_i, IEEE: tl.constexpr):
         """One block of scores [G, BLOCK] and its values [BLOCK, DP] into a running softmax's
@@ -140,7 +189,9 @@ if AVAILABLE:
     def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
-                       BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr):
+                       BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
+                       DEPENDENT: tl.constexpr):
+        dependent_start(DEPENDENT)
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -213,7 +264,9 @@ if AVAILABLE:
     @triton.jit
     def _merge_pieces(part_ptr, stat_ptr, rows_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr,
-                      NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr, DB: tl.constexpr):
+                      NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr, DB: tl.constexpr,
+                      DEPENDENT: tl.constexpr):
+        dependent_start(DEPENDENT)
         b = tl.program_id(0)
         hh = tl.program_id(1)
         length = tl.load(rows_ptr + b * FIELDS + 1).to(tl.int32) + 1
@@ -337,11 +390,12 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
     if store_first:
         _store_rows[(B, Hkv)](qkv, kv_base, rows, layer, qkv.stride(0), H=H, HKV=Hkv, D=D, DP=work.dp,
                               FIELDS=ROW_FIELDS, num_warps=1)
+    dependent = dependent_launch(qkv.device)
     _attend_pieces[(B, Hkv, work.n_split)](
         qkv, kv_base, rows, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
-        STORE=not store_first, num_warps=4)
+        STORE=not store_first, DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
     _merge(work, rows, B, H, D)
     return work.out
 
@@ -350,9 +404,11 @@ def _merge(work: Workspace, rows: torch.Tensor, B: int, H: int, D: int) -> None:
     """work.out <- the pieces' partial results merged, each head's D values in programs of
     MERGE_WIDTH (one program where D fits in one)."""
     db = min(work.dp, MERGE_WIDTH)
+    dependent = dependent_launch(rows.device)
     _merge_pieces[(B, H, work.dp // db)](
         work.part, work.stat, rows, work.out, H=H, D=D, DP=work.dp, SPLIT=work.split,
-        NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, DB=db, num_warps=4)
+        NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, DB=db,
+        DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
 
 
 def latent_inputs(q: torch.Tensor, kv: torch.Tensor, turns: torch.Tensor, norm_weight: torch.Tensor, eps: float,

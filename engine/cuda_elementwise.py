@@ -10,12 +10,13 @@ the next matmul reads.
 - `head_norms_(qkv, q_weight, k_weight, H, Hkv, eps)`: qwen3's per-head RMSNorms of the query
   and key heads, in place in the projections' rows, float32: one kernel where torch's
   expression is five for each and two copies back.
-- `swiglu(gate_up, out_dtype)`: gate_up [N, 2 * n_ff] (gate, then up; float32 from int4
-  products, bfloat16 from dense ones) -> silu(gate) * up [N, n_ff], computed as torch computes
-  `F.silu(gate) * up` on tensors of that dtype (float32 arithmetic, each op's result rounded to
-  the dtype), so eager and graph steps agree bitwise up to here; torch's is a slice, two
-  kernels and a cast.  Rounding to bfloat16 here is the rounding the int4 products apply to
-  their inputs anyway.
+- `swiglu(gate_up, out_dtype, op_dtype=None)`: gate_up [N, 2 * n_ff] (gate, then up; float32
+  from int4 products, bfloat16 from dense ones and from int4 products of prefill rows, which
+  cuBLAS rounded to it: `op_dtype` float32 then) -> silu(gate) * up [N, n_ff], computed as torch
+  computes `F.silu(gate) * up` on tensors of `op_dtype` (default gate_up's; float32 arithmetic,
+  each op's result rounded to it), so eager and graph steps agree bitwise up to here; torch's is
+  a slice, two kernels and a cast.  Rounding to bfloat16 here is the rounding the int4 products
+  apply to their inputs anyway.
 
 - `FusedStepKernels(eps, out_dtype)`: the two as engine.models.llama's StepKernels, for graph
   steps and eager prefill chunks alike.
@@ -31,13 +32,16 @@ from __future__ import annotations
 
 import torch
 
-from engine.cuda_attention import AVAILABLE, tl, triton
+from engine.cuda_attention import AVAILABLE, dependent_launch, tl, triton
 
 if AVAILABLE:
     from triton.language.extra import libdevice
 
+    from engine.cuda_attention import dependent_start
+
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, out_ptr, n, x_stride, eps, BLOCK: tl.constexpr):
+    def _rms_norm(x_ptr, w_ptr, out_ptr, n, x_stride, eps, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
+        dependent_start(DEPENDENT)
         r = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         m = c < n
@@ -59,17 +63,17 @@ if AVAILABLE:
         tl.store(p, x * inv * w, mask=m)
 
     @triton.jit
-    def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr):
+    def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr, OP: tl.constexpr, DEPENDENT: tl.constexpr):
+        dependent_start(DEPENDENT)
         r = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < n_ff
-        gate = tl.load(gu_ptr + r * 2 * n_ff + c, mask=m, other=0.0)
+        gate = tl.load(gu_ptr + r * 2 * n_ff + c, mask=m, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + r * 2 * n_ff + n_ff + c, mask=m, other=0.0).to(tl.float32)
         # torch's silu, x / (1 + exp(-x)) with the accurate exp and a correctly rounded
-        # division, rounded to the input's dtype as torch rounds each op's result
-        g = gate.to(tl.float32)
-        silu = tl.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype).to(tl.float32)
-        product = (silu * up).to(gate.dtype)
+        # division, rounded to the dtype OP as torch rounds each op's result on tensors of it
+        silu = tl.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(OP).to(tl.float32)
+        product = (silu * up).to(OP)
         tl.store(out_ptr + r * n_ff + c, product.to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -141,7 +145,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtyp
         x = x.contiguous()
     out = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    _rms_norm[(rows,)](x, w, out, n, x.stride(0), eps, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    dependent = dependent_launch(x.device)
+    _rms_norm[(rows,)](x, w, out, n, x.stride(0), eps, BLOCK=block, DEPENDENT=dependent, launch_pdl=dependent,
+                       num_warps=4 if block <= 1024 else 8)
     return out
 
 
@@ -157,13 +163,17 @@ def head_norms_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
                                          DP=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 4)
 
 
-def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype, op_dtype: torch.dtype | None = None) -> torch.Tensor:
     rows, width = gate_up.shape
     n_ff = width // 2
     gate_up = gate_up.contiguous()
     out = torch.empty((rows, n_ff), dtype=out_dtype, device=gate_up.device)
     block = min(triton.next_power_of_2(n_ff), 2048)
-    _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+    op = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+          torch.float16: tl.float16}[op_dtype or gate_up.dtype]
+    dependent = dependent_launch(out.device)
+    _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, OP=op, DEPENDENT=dependent,
+                                              launch_pdl=dependent, num_warps=4 if block <= 1024 else 8)
     return out
 
 
@@ -178,5 +188,5 @@ class FusedStepKernels:
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.out_dtype)
 
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return swiglu(gate_up, self.out_dtype)
+    def swiglu(self, gate_up: torch.Tensor, op_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return swiglu(gate_up, self.out_dtype, op_dtype)

@@ -19,7 +19,12 @@ agreed with the CPU float32 path at 98.05% of teacher-forced positions, against 
 decoding and eager) with these kernels.
 
 One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
-as int32 words, four to a group, so each thread sums a whole group of a column alone.  A few
+as int32 words, four to a group, so each thread sums a whole group of a column alone.  A nibble
+becomes a float without a conversion instruction (a quarter of the arithmetic rate on sm_90):
+OR-ed into the mantissa of 2**23 and 2**23 taken off, it comes as q * 2**s for its bit offset s
+in a 16-bit half word, and meets x * 2**-s, so the products stay exact.  Launched as a dependent
+(`cuda_attention.dependent_launch`, sm_90 on) it reads its first weights before it waits for
+the kernel that writes its input.  A few
 rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
 one-row products in one launch, each row's sums in its order alone; more rows (`_int4_gemm`)
 run on the tensor cores, one group per product.  Measured on an H200 per
@@ -29,9 +34,10 @@ earlier, split version 4.1-5.2 us) and 4.2-14.7 us on the 1B shape's (torch 3.4-
 rows, on the 1B shape's matrices, 16.5-44 us against 22-154 us; at 64 rows on the 135M
 shape's small matrices 8.6-21 us against 4.3-11.9 us; at 2048 rows on those small matrices
 21-61 us against 57-327 us.  The one-row kernel stays well above the bandwidth floor (the
-16384 x 2048 matrix: 14.7 us against about 4.4 us to read it once); neither reading the
-activations as vectors nor turning nibbles into floats by bit tricks (OR-ed into the
-mantissa of 2**23) changed that in a sweep.  `launch_for` and
+16384 x 2048 matrix: 14.7 us against about 4.4 us to read it once).  Whole graph-replayed
+decoding steps on an H100 (docs/measurements.md, round 12): the conversion without the
+integer instruction 1.024-1.027x on the 135M shape and 0.981-0.984x on the 1B shape, with
+dependent launches 1.32x and 1.03x.  `launch_for` and
 `gemv_launch_for` hold the launch shapes the sweeps found fastest, except for small matrices
 at more than 16 rows: the sweep capped their split, and whole 64-row decoding steps of the
 135M shape ran at 25,006 tokens/s with an uncapped split against 18,587 with the sweep's
@@ -60,7 +66,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.cuda_attention import AVAILABLE, tl, triton
+from engine.cuda_attention import AVAILABLE, dependent_launch, gdc_launch_dependents, gdc_wait, tl, triton
 
 GROUP = 32
 BLOCK_N = 64  # output columns per program (default launch)
@@ -81,6 +87,10 @@ def gemv_rows_for(n: int, k: int) -> int:
 GEMM_ROWS = 512
 GEMM_MIN_ELEMENTS = 4 * 2 ** 20
 NEVER = 1 << 62
+# The bits of float32 2**23, which the one-row kernels OR into nibbles to make floats of them.  They
+# are a kernel argument, not a constant: a constant is folded into each nibble's mask, and ptxas
+# then spends a register move per nibble on it (sm_90).
+TWO23_BITS = 0x4B000000
 MIN_GROUPS_PER_SPLIT = 4
 
 
@@ -195,6 +205,8 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 
 if AVAILABLE:
+    from engine.cuda_attention import dependent_start
+
     @triton.jit
     def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, OPERAND: tl.constexpr):
         """One group's contribution to the [BM, BN] tile: scale * (x . q) + minimum * sum(x)."""
@@ -236,9 +248,12 @@ if AVAILABLE:
         tl.store(out, acc, mask=mask)
 
     @triton.jit
-    def _nibble(words, shift: tl.constexpr):
-        """The 4-bit integers at `shift` of int32 words, as float32."""
-        return ((words >> shift) & 15).to(tl.float32)
+    def _scaled_nibble(marked, s: tl.constexpr):
+        """q * 2**s as float32 for the 4-bit integer q at bits s .. s+3 (s <= 12) of int32 words
+        OR-ed with the bits of 2**23 (`marked`): 2**23 + q * 2**s kept by one mask, then 2**23
+        taken off, both exact.  Two full-rate instructions, where a conversion from integer
+        runs at a quarter of the rate."""
+        return (marked & (0x4B000000 | (15 << s))).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
     def _group_words(w_ptr, n, nm, g, gm, words_per_row):
@@ -248,8 +263,8 @@ if AVAILABLE:
                        mask=nm[:, None, None] & gm[None, :, None], other=0)
 
     @triton.jit
-    def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
+    def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, two23, BN: tl.constexpr, GB: tl.constexpr,
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores.  The nibbles are read as int32 words, four per group, so a thread holds
@@ -258,10 +273,12 @@ if AVAILABLE:
         computes, so their reads are in flight during the arithmetic (the same sums)."""
         gi = tl.arange(0, GB)
         wi = tl.arange(0, 4)
-        words_per_row = K // 8
+        words_per_row = tl.multiple_of(K // 8, 4)  # K is whole groups: a group's 4 words load as one
         acc = tl.zeros([BN, GB], tl.float32)
         if PREFETCH:
             w_next = _group_words(w_ptr, n, nm, g0 + gi, gi < n_groups, words_per_row)
+        if WAIT:  # launched as a dependent: the kernel before writes x
+            gdc_wait()
         for c in range(0, n_groups, GB):
             gm = c + gi < n_groups
             g = g0 + c + gi  # [GB]
@@ -273,12 +290,19 @@ if AVAILABLE:
                 w = _group_words(w_ptr, n, nm, g, gm, words_per_row)
             dot = tl.zeros([BN, GB, 4], tl.float32)
             xsum = tl.zeros([GB, 4], tl.float32)
-            for b in tl.static_range(4):  # byte b of a word: inputs 8i+2b (high nibble), 8i+2b+1 (low)
-                xh = tl.load(x_ptr + word * 8 + 2 * b, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
-                xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
-                # exact products (bfloat16 x 4-bit integer) summed in float32
-                dot += _nibble(w, 8 * b + 4) * xh[None] + _nibble(w, 8 * b) * xl[None]
-                xsum += xh + xl
+            # Byte b of a word holds inputs 8i+2b (high nibble) and 8i+2b+1 (low).  The nibble at bit s
+            # of its 16-bit half comes as q * 2**s and meets x * 2**-s: the same exact product.
+            for h in tl.static_range(2):
+                half = (w if h == 0 else w >> 16) | two23
+                for sb in tl.static_range(2):
+                    b = 2 * h + sb
+                    xh = tl.load(x_ptr + word * 8 + 2 * b, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+                    xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+                    xh_scaled = xh * (0.0625 if sb == 0 else 0.000244140625)  # 2**-4, 2**-12
+                    xl_scaled = xl * (1.0 if sb == 0 else 0.00390625)  # 2**0, 2**-8
+                    dot = tl.fma(_scaled_nibble(half, 8 * sb + 4), xh_scaled[None], dot)
+                    dot = tl.fma(_scaled_nibble(half, 8 * sb), xl_scaled[None], dot)
+                    xsum += xh + xl
             pair = sm_ptr + (g[None, :] * N + n[:, None]) * 2  # [BN, GB]
             pm = nm[:, None] & gm[None, :]
             scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
@@ -287,24 +311,28 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split,
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
-                   OPERAND: tl.constexpr):
+                   OPERAND: tl.constexpr, DEPENDENT: tl.constexpr):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
         CUDA cores (`gemv_columns`), each row's in the order it has alone."""
+        if DEPENDENT:  # the next kernel may launch; gemv_columns waits for the one before
+            gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
         split = tl.program_id(1)
         row = tl.program_id(2)
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
-                         groups_per_split, BN, GB, OPERAND, PREFETCH)
+                         groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT)
         out = out_ptr + (split * tl.num_programs(2) + row) * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)
         tl.store(out, y, mask=nm)
 
     @triton.jit(do_not_specialize=["total"])
-    def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr):
+    def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
+                    DEPENDENT: tl.constexpr):
+        dependent_start(DEPENDENT)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
         acc = tl.load(part_ptr + i, mask=mask, other=0.0)
@@ -344,8 +372,9 @@ def _outputs(rows: int, n: int, splits: int, device: torch.device,
 def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int, add: bool) -> torch.Tensor:
     if splits > 1:
         total, block = out.numel(), 1024
+        dependent = dependent_launch(out.device)
         _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, ADD=add,
-                                                  num_warps=4)
+                                                  DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
     return out
 
 
@@ -387,20 +416,24 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.nibbles.nbytes + self.pairs.nbytes
 
-    def __call__(self, x: torch.Tensor, into: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, into: torch.Tensor | None = None, narrow: bool = False) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N] float32; with `into` ([M, N] float32), into += x @ W^T
-        (in the product's last kernel where `into` is contiguous) and `into` is returned."""
+        (in the product's last kernel where `into` is contiguous) and `into` is returned.  With
+        `narrow`, a product that cuBLAS rounded to bfloat16 comes back as it is: the same values
+        as float32 in half the bytes."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
+        if rows >= self.gemm_rows:
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
+            # into += y reads the bfloat16 product as it is: the same float32 sums as adding
+            # y.float(), without writing that copy out and reading it back
+            return (y if narrow else y.float()) if into is None else into.add_(y)
         # Prefill-sized products add afterwards: with the output tile loaded too, the wide
         # tiles of many rows ran slower than the separate addition costs.
         if into is not None and (rows > ADD_IN_KERNEL_ROWS or not _accepts(into, rows, self.n)):
             into += self(x)
             return into
-        if rows >= self.gemm_rows:
-            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
-            return y.float() if into is None else into.add_(y)
         return self.gemv(x, into=into) if rows <= self.gemv_rows else self.fused(x, into=into)
 
     def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None,
@@ -415,10 +448,11 @@ class Int4Weight:
         splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
         out, part = _outputs(rows, self.n, splits, x.device, into)
         add = into is not None
+        dependent = dependent_launch(x.device)
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
-                                          n_groups // splits, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
-                                          PREFETCH=cfg.prefetch, OPERAND=OPERAND, num_warps=cfg.warps,
-                                          num_stages=cfg.stages)
+                                          n_groups // splits, TWO23_BITS, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
+                                          PREFETCH=cfg.prefetch, OPERAND=OPERAND, DEPENDENT=dependent,
+                                          launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

@@ -325,7 +325,7 @@ if AVAILABLE:
         (an index into FORMATS: int4, int8, bf16), K = G * n_groups."""
         if FMT == 0:
             y = gemv_columns(x_ptr, w_ptr + e * N * (K // 8), sm_ptr + e * n_groups * N * 2, n, nm, N, K,
-                             0, n_groups, BN, GB, OPERAND, PREFETCH)
+                             0, n_groups, 0x4B000000, BN, GB, OPERAND, PREFETCH)  # 2**23's bits, folded here
         elif FMT == 1:
             y = _int8_columns(x_ptr, w_ptr + e * N * K, sm_ptr + e * n_groups * N * 2, n, nm, N, K, n_groups, G,
                               BN, GB, OPERAND, PREFETCH)

@@ -109,6 +109,14 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def narrow(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        """(y, dtype): self(x)'s values, of `dtype`, held in y in the narrowest dtype that keeps
+        them exactly, for a consumer that computes from them as from tensors of `dtype`: an
+        int4 product of many rows on CUDA, which cuBLAS rounded to bfloat16, stays bfloat16
+        (half the bytes written and read back); elsewhere y is self(x)."""
+        y = self(x)
+        return y, y.dtype
+
     def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
         """out += x @ W^T for a float32 `out` (the residual stream); kernels that can add in
         their last step do so, saving a kernel and a tensor."""
@@ -523,6 +531,11 @@ class Int4Linear(Linear):
         if self._pad:
             y = y[:, : self.out_features].contiguous()
         return y if self.bias is None else y.float() + self.bias
+
+    def narrow(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        if self._cuda is not None and self.bias is None:
+            return self._cuda(x, narrow=True), torch.float32
+        return super().narrow(x)
 
     def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
         if self._cuda is not None and self.bias is None:

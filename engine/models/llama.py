@@ -83,7 +83,10 @@ class StepKernels(Protocol):
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def swiglu(self, gate_up: torch.Tensor, op_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """silu(gate) * up, each op rounded as torch's on tensors of `op_dtype` (default
+        gate_up's own: another where gate_up holds values of it exactly, `Linear.narrow`)."""
+        ...
 
 
 class TorchKernels:
@@ -110,7 +113,9 @@ class TorchKernels:
         ss = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
         return x * torch.addcmul(self.eps, ss, ss, value=1.0 / x.shape[-1]).rsqrt_() * weight
 
-    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def swiglu(self, gate_up: torch.Tensor, op_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if op_dtype is not None:
+            gate_up = gate_up.to(op_dtype)
         if self.fused_swiglu is not None and gate_up.dtype == torch.float32 and gate_up.shape[-1] == 2 * self.n_ff:
             return self.fused_swiglu(gate_up)
         return F.silu(gate_up[:, : self.n_ff]) * gate_up[:, self.n_ff:]
@@ -324,7 +329,8 @@ class LlamaModel(CachedNetwork):
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
-        blk.w_down.accumulate(x, ops.swiglu(blk.w_gate_up(ops.norm(x, blk.ffn_norm))))
+        gate_up, values = blk.w_gate_up.narrow(ops.norm(x, blk.ffn_norm))
+        blk.w_down.accumulate(x, ops.swiglu(gate_up, values))
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

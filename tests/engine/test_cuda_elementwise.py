@@ -52,3 +52,31 @@ def test_head_norms_norm_query_and_key_heads_in_place(device, heads):
     cuda_elementwise.head_norms_(qkv, q_w, k_w, H, Hkv, 1e-6)
     torch.testing.assert_close(qkv, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, (H + Hkv) * D:], want[:, (H + Hkv) * D:])
+
+
+@pytest.mark.parametrize("device", [p for p in DEVICES if p.values[0] == "cuda"])  # bfloat16 inputs
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_of_float32_values_held_in_bfloat16(device, out_dtype):
+    """A prefill's gate/up product that cuBLAS rounded to bfloat16 (`Linear.narrow`) gives the
+    SwiGLU of the same values in float32, bit for bit, with `op_dtype` float32; without it the
+    ops round to bfloat16, as torch's on bfloat16 tensors."""
+    torch.manual_seed(2)
+    narrow = (torch.randn(4, 2 * 1536, device=device) * 3).to(torch.bfloat16)
+    wide = cuda_elementwise.swiglu(narrow.float(), out_dtype)
+    assert torch.equal(cuda_elementwise.swiglu(narrow, out_dtype, torch.float32), wide)
+    g, u = narrow[:, :1536].float(), narrow[:, 1536:].float()
+    assert torch.equal(wide, (torch.nn.functional.silu(g) * u).to(out_dtype))
+    as_bf16 = cuda_elementwise.swiglu(narrow, out_dtype)
+    g, u = narrow[:, :1536], narrow[:, 1536:]
+    assert torch.equal(as_bf16, (torch.nn.functional.silu(g) * u).to(out_dtype))
+    assert not torch.equal(as_bf16.float(), wide.float())
+
+
+def test_torch_swiglu_of_float32_values_held_in_bfloat16():
+    """TorchKernels (eager CUDA without Triton's kernels, CPU) computes a `Linear.narrow` product
+    as the float32 tensor it stands for."""
+    from engine.models.llama import TorchKernels
+    ops = TorchKernels(torch.tensor(1e-6), 64)
+    narrow = (torch.randn(3, 128, generator=torch.Generator().manual_seed(3)) * 3).to(torch.bfloat16)
+    assert torch.equal(ops.swiglu(narrow, torch.float32), ops.swiglu(narrow.float()))
+    assert ops.swiglu(narrow).dtype == torch.bfloat16

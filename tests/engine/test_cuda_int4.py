@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine import cuda_int4
+from engine.cuda_attention import dependent_launch_capable
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -126,3 +127,67 @@ def test_one_row_products_prefetching_the_next_step(device, monkeypatch, n, k, g
     ahead = w.gemv(x, launch=dataclasses.replace(base, prefetch=True))
     assert torch.equal(plain, ahead)
     assert (ahead.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,gemm_rows", [(1, cuda_int4.NEVER), (3, cuda_int4.NEVER), (70, cuda_int4.NEVER),
+                                            (5, 4)])
+def test_a_product_added_to_the_residual_is_the_product_added_after(device, monkeypatch, rows, gemm_rows):
+    """`w(x, into=r)` is r + w(x), bit for bit, on every path: one row and a few (added in the
+    kernel), rows past ADD_IN_KERNEL_ROWS (added after it) and the cuBLAS path (the bfloat16
+    product added as it is, `gemm_rows` lowered here to reach it with a small matrix); and
+    `w(x, narrow=True)` holds w(x)'s values, in bfloat16 on the cuBLAS path."""
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+    n, k = 40, 256
+    rng = np.random.default_rng(rows)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device(device))
+    w.gemm_rows = gemm_rows
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).float().to(device)
+    residual = torch.randn(rows, n, generator=torch.Generator().manual_seed(7)).to(device)
+    product = w(x)
+    assert product.dtype == torch.float32 and product.shape == (rows, n)
+    narrow = w(x, narrow=True)  # bfloat16 where cuBLAS rounded the product to it, the same values
+    assert narrow.dtype == (torch.bfloat16 if rows >= gemm_rows else torch.float32)
+    assert torch.equal(narrow.float(), product)
+    into = residual.clone()
+    assert w(x, into=into) is into
+    assert torch.equal(into, residual + product)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_int4.AVAILABLE
+                    or not dependent_launch_capable(torch.device("cuda")),
+                    reason="needs a CUDA device of compute capability 9.0 or more and a Triton with dependent launches")
+@pytest.mark.parametrize("n,k", [(960, 576), (16384, 2048)])  # unsplit, split
+def test_one_row_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k):
+    """A product that starts while the kernel before it runs (its weights read, then a wait for
+    that kernel) sums as one launched after it: here after the norm that writes its input, the
+    two captured in a CUDA graph as decoding steps are."""
+    from engine import cuda_attention, cuda_elementwise
+    rng = np.random.default_rng(n)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device("cuda"))
+    h = torch.randn(1, k, device="cuda")
+    norm_weight = torch.rand(k, device="cuda") + 0.5
+    out = {}
+    for dependent in (False, True):
+        monkeypatch.setattr(cuda_attention, "DEPENDENT_LAUNCH", dependent)
+
+        def step():
+            return w(cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32))
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+        h.add_(1.0)  # the graph must read the input as it is at replay
+        graph.replay()
+        torch.cuda.synchronize()
+        out[dependent] = (y.clone(), step())
+        h.sub_(1.0)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    assert torch.equal(out[True][0], out[True][1])
