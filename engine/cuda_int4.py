@@ -269,8 +269,11 @@ if AVAILABLE:
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores.  The nibbles are read as int32 words, four per group, so a thread holds
         a whole group of a column and sums its 32 products alone; GB groups per loop step (the
-        last step masked).  PREFETCH: each step loads the next step's words before it
-        computes, so their reads are in flight during the arithmetic (the same sums)."""
+        last step masked).  `two23`: TWO23_BITS, passed at run time.  PREFETCH: each step loads
+        the next step's words before it computes, so their reads are in flight during the
+        arithmetic (the same sums).  WAIT (a kernel launched as a dependent): before it reads x
+        it waits for the kernel before it, which writes x; with PREFETCH, after it has asked for
+        the first step's words."""
         gi = tl.arange(0, GB)
         wi = tl.arange(0, 4)
         words_per_row = tl.multiple_of(K // 8, 4)  # K is whole groups: a group's 4 words load as one
