@@ -153,8 +153,6 @@ class Workspace:
                    max_part_bytes=LATENT_PART_BYTES, splits=LATENT_SPLITS)
 
 
-
-
 if AVAILABLE:
     @triton.jit
     def dependent_start(DEPENDENT: tl.constexpr):

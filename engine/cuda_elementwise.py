@@ -39,6 +39,9 @@ if AVAILABLE:
 
     from engine.cuda_attention import dependent_start
 
+    # torch dtypes as the SwiGLU kernel's rounding dtype (`swiglu`'s op_dtype)
+    _OP_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
     @triton.jit
     def _rms_norm(x_ptr, w_ptr, out_ptr, n, x_stride, eps, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
         dependent_start(DEPENDENT)
@@ -169,8 +172,7 @@ def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype, op_dtype: torch.dtype 
     gate_up = gate_up.contiguous()
     out = torch.empty((rows, n_ff), dtype=out_dtype, device=gate_up.device)
     block = min(triton.next_power_of_2(n_ff), 2048)
-    op = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-          torch.float16: tl.float16}[op_dtype or gate_up.dtype]
+    op = _OP_DTYPES[op_dtype or gate_up.dtype]
     dependent = dependent_launch(out.device)
     _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, OP=op, DEPENDENT=dependent,
                                               launch_pdl=dependent, num_warps=4 if block <= 1024 else 8)
