@@ -11,23 +11,25 @@ adds the product to r (the residual stream) in the product's last kernel instead
 
 The products never form W.  Per group they multiply the activations, rounded to bfloat16,
 by the nibbles as integers: those products are exact and are summed in float32.  Then the
-group's scale is applied and minimum * (sum of the group's activations) added, both in
-float32.  That is the arithmetic of the CPU kernels (engine.kernels), so the CUDA and CPU
-packed paths round alike.  torch's own int4 kernel instead keeps scales in bfloat16 and
+group's scale is applied and minimum * (sum of the group's activations) added, two float32
+fused multiply-adds into the output.  That is the arithmetic of the CPU kernels
+(engine.kernels), so the CUDA and CPU packed paths round alike.  torch's own int4 kernel instead keeps scales in bfloat16 and
 rounds every weight to bfloat16; with it, greedy decoding of a random 135M-shape model
 agreed with the CPU float32 path at 98.05% of teacher-forced positions, against 100% (graph
 decoding and eager) with these kernels.
 
 One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
-as int32 words, four to a group, so each thread sums a whole group of a column alone.  A nibble
-becomes a float without a conversion instruction (a quarter of the arithmetic rate on sm_90):
-OR-ed into the mantissa of 2**23 and 2**23 taken off, it comes as q * 2**s for its bit offset s
-in a 16-bit half word, and meets x * 2**-s, so the products stay exact.  Launched as a dependent
-(`cuda_attention.dependent_launch`, sm_90 on) it reads its first weights before it waits for
-the kernel that writes its input.  A few
+as int32 words, four to a group, in [columns, words] tiles with a group's words side by side,
+so each thread sums whole groups of several columns and rounds, scales and sums each of its
+activations once for all of them.  A nibble becomes a float without a conversion instruction
+(a quarter of the arithmetic rate on sm_90): OR-ed into the mantissa of 2**23 and 2**23 taken
+off, it comes as q * 2**s for its bit offset s in a 16-bit half word, and meets x * 2**-s, so
+the products stay exact.  Launched as a dependent (`cuda_attention.dependent_launch`, sm_90 on)
+it reads its first weights before it waits for the kernel that writes its input.  A few
 rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
 one-row products in one launch, each row's sums in its order alone; more rows (`_int4_gemm`)
-run on the tensor cores, one group per product.  Measured on an H200 per
+run on the tensor cores, one group per product, the nibbles made bfloat16 operands by the
+same bits (2**23 + q in float32, less 2**23) instead of an integer conversion.  Measured on an H200 per
 product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
 at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
 earlier, split version 4.1-5.2 us) and 4.2-14.7 us on the 1B shape's (torch 3.4-12.0); at 64
@@ -154,16 +156,17 @@ LARGE_GEMV_ELEMENTS = 16 * 2 ** 20
 
 
 def gemv_launch_for(n: int, k: int) -> GemvLaunch:
-    """The one-row launch measured fastest on an H200 for this kind of matrix (random int4
-    matrices of the SmolLM2-135M and Llama-3.2-1B shapes): for the two largest (gate/up and
-    down of the 1B shape) one warp per program, 16 groups per step, columns held in the
-    thread, and the long matrix split; else eight columns and 32 groups per step of eight
-    warps, unsplit."""
+    """The one-row launch measured fastest on an H100 for this kind of matrix (random int4
+    matrices of the SmolLM2-135M and Llama-3.2-1B shapes, docs/measurements.md round 13): for
+    the two largest (gate/up and down of the 1B shape) two warps per program and the long
+    matrix split; else 32 groups per step of four warps, narrow tiles (8 columns below
+    GEMM_MIN_ELEMENTS, 16 from there), unsplit: a split's second kernel cost whole steps more
+    than it saved on the products."""
     if n * k >= LARGE_GEMV_ELEMENTS:
         if k >= 4 * n:  # long (down)
-            return GemvLaunch(bn=8, gb=16, warps=1, waves=16)
-        return GemvLaunch(bn=16, gb=16, warps=1, waves=1)
-    return GemvLaunch(bn=8, gb=32, warps=8, waves=1)
+            return GemvLaunch(bn=16, gb=32, warps=2, waves=4)
+        return GemvLaunch(bn=32, gb=16, warps=2, waves=1)
+    return GemvLaunch(bn=8 if n * k < GEMM_MIN_ELEMENTS else 16, gb=32, warps=4, waves=1)
 
 
 def launch_for(rows: int, n: int, k: int) -> Launch:
@@ -208,8 +211,9 @@ if AVAILABLE:
     from engine.cuda_attention import dependent_start
 
     @triton.jit
-    def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, OPERAND: tl.constexpr):
-        """One group's contribution to the [BM, BN] tile: scale * (x . q) + minimum * sum(x)."""
+    def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND: tl.constexpr):
+        """acc [BM, BN] with group g's contribution added: acc + scale * (x . q), then
+        + minimum * sum(x), each one float32 fused multiply-add (the CPU kernels' order)."""
         half = tl.arange(0, 16)  # the 16 bytes of a group
         qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
         pair = sm_ptr + (g * N + n) * 2
@@ -217,11 +221,16 @@ if AVAILABLE:
         minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
         row = x_ptr + m[:, None] * stride_x + g * 32
         x = tl.load(row + tl.arange(0, 32)[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
-        # byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order
-        q = tl.reshape(tl.join(qb >> 4, qb & 15), (qb.shape[0], 32)).to(OPERAND)
+        # Byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order.
+        # OR-ed into the bits of float32 2**23 they are 2**23 + q, and 2**23 taken off leaves q,
+        # exact: no integer conversion, which runs at an eighth of the rate.
+        q32 = qb.to(tl.int32)
+        biased = tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000
+        q = (biased.to(tl.float32, bitcast=True) - 8388608.0).to(OPERAND)
         dot = tl.dot(x, tl.trans(q))  # exact products, float32 sums
         xsum = tl.sum(x.to(tl.float32), axis=1)
-        return dot * scale[None, :] + xsum[:, None] * minimum[None, :]
+        acc = tl.fma(dot, scale[None, :], acc)
+        return tl.fma(xsum[:, None], minimum[None, :], acc)
 
     # Row counts and split lengths are not specialized on (Triton compiles a variant for
     # values of 1 and multiples of 16 otherwise): prompts of every length reach these kernels,
@@ -239,8 +248,8 @@ if AVAILABLE:
         acc = tl.zeros([BM, BN], tl.float32)
         for c in range(0, groups_per_split // UNROLL):
             for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
-                acc += group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
-                                      OPERAND)
+                acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
+                                    acc, OPERAND)
         out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
         mask = mm[:, None] & nm[None, :]
         if ADD:  # out += x @ W^T (one split)
@@ -256,61 +265,66 @@ if AVAILABLE:
         return (marked & (0x4B000000 | (15 << s))).to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def _group_words(w_ptr, n, nm, g, gm, words_per_row):
-        """[BN, GB, 4] int32: the nibble words of groups g (masked by gm) of columns n (by nm)."""
-        word = g[:, None] * 4 + tl.arange(0, 4)[None, :]  # word i holds inputs 8i .. 8i+7
-        return tl.load(w_ptr + n[:, None, None] * words_per_row + word[None, :, :],
-                       mask=nm[:, None, None] & gm[None, :, None], other=0)
+    def _step_words(w_ptr, n, nm, word, wm, words_per_row):
+        """[BN, GB * 4] int32: the nibble words `word` (masked by wm) of columns n (by nm)."""
+        return tl.load(w_ptr + n[:, None] * words_per_row + word[None, :], mask=nm[:, None] & wm[None, :], other=0)
 
     @triton.jit
     def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, two23, BN: tl.constexpr, GB: tl.constexpr,
                      OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
-        the CUDA cores.  The nibbles are read as int32 words, four per group, so a thread holds
-        a whole group of a column and sums its 32 products alone; GB groups per loop step (the
-        last step masked).  `two23`: TWO23_BITS, passed at run time.  PREFETCH: each step loads
-        the next step's words before it computes, so their reads are in flight during the
-        arithmetic (the same sums).  WAIT (a kernel launched as a dependent): before it reads x
-        it waits for the kernel before it, which writes x; with PREFETCH, after it has asked for
-        the first step's words."""
+        the CUDA cores, GB groups per loop step (the last step masked).
+
+        A step is one [BN, 4 * GB] tile of words, a group's four words side by side, so a
+        thread loads a whole group (16 bytes) of each of its columns and the activations it
+        needs (that group's 32) serve all of them: each activation is rounded, scaled and
+        summed once per thread, not once per column.  `two23`: TWO23_BITS, passed at run time.
+        PREFETCH: each step loads the next step's words before it computes, so their reads
+        are in flight during the arithmetic (the same sums).  WAIT (a kernel launched as a
+        dependent): before it reads x it waits for the kernel before it, which writes x; with
+        PREFETCH, after it has asked for the first step's words."""
+        WB: tl.constexpr = 4 * GB
+        wi = tl.arange(0, WB)  # word i of a step: group i // 4, its inputs 8 * (i % 4) ..
         gi = tl.arange(0, GB)
-        wi = tl.arange(0, 4)
         words_per_row = tl.multiple_of(K // 8, 4)  # K is whole groups: a group's 4 words load as one
         acc = tl.zeros([BN, GB], tl.float32)
         if PREFETCH:
-            w_next = _group_words(w_ptr, n, nm, g0 + gi, gi < n_groups, words_per_row)
+            w_next = _step_words(w_ptr, n, nm, g0 * 4 + wi, wi < 4 * n_groups, words_per_row)
         if WAIT:  # launched as a dependent: the kernel before writes x
             gdc_wait()
         for c in range(0, n_groups, GB):
+            wm = c * 4 + wi < 4 * n_groups
             gm = c + gi < n_groups
-            g = g0 + c + gi  # [GB]
-            word = g[:, None] * 4 + wi[None, :]  # [GB, 4]
+            word = (g0 + c) * 4 + wi  # [WB]
             if PREFETCH:
                 w = w_next
-                w_next = _group_words(w_ptr, n, nm, g + GB, c + GB + gi < n_groups, words_per_row)
+                w_next = _step_words(w_ptr, n, nm, word + WB, (c + GB) * 4 + wi < 4 * n_groups, words_per_row)
             else:
-                w = _group_words(w_ptr, n, nm, g, gm, words_per_row)
-            dot = tl.zeros([BN, GB, 4], tl.float32)
-            xsum = tl.zeros([GB, 4], tl.float32)
+                w = _step_words(w_ptr, n, nm, word, wm, words_per_row)
+            dot = tl.zeros([BN, WB], tl.float32)
+            xsum = tl.zeros([WB], tl.float32)
             # Byte b of a word holds inputs 8i+2b (high nibble) and 8i+2b+1 (low).  The nibble at bit s
             # of its 16-bit half comes as q * 2**s and meets x * 2**-s: the same exact product.
             for h in tl.static_range(2):
                 half = (w if h == 0 else w >> 16) | two23
                 for sb in tl.static_range(2):
                     b = 2 * h + sb
-                    xh = tl.load(x_ptr + word * 8 + 2 * b, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
-                    xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=gm[:, None], other=0.0).to(OPERAND).to(tl.float32)
+                    xh = tl.load(x_ptr + word * 8 + 2 * b, mask=wm, other=0.0).to(OPERAND).to(tl.float32)
+                    xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0).to(OPERAND).to(tl.float32)
                     xh_scaled = xh * (0.0625 if sb == 0 else 0.000244140625)  # 2**-4, 2**-12
                     xl_scaled = xl * (1.0 if sb == 0 else 0.00390625)  # 2**0, 2**-8
-                    dot = tl.fma(_scaled_nibble(half, 8 * sb + 4), xh_scaled[None], dot)
-                    dot = tl.fma(_scaled_nibble(half, 8 * sb), xl_scaled[None], dot)
+                    dot = tl.fma(_scaled_nibble(half, 8 * sb + 4), xh_scaled[None, :], dot)
+                    dot = tl.fma(_scaled_nibble(half, 8 * sb), xl_scaled[None, :], dot)
                     xsum += xh + xl
-            pair = sm_ptr + (g[None, :] * N + n[:, None]) * 2  # [BN, GB]
+            pair = sm_ptr + ((g0 + c + gi)[None, :] * N + n[:, None]) * 2  # [BN, GB]
             pm = nm[:, None] & gm[None, :]
             scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
             minimum = tl.load(pair + 1, mask=pm, other=0.0).to(tl.float32)
-            acc += tl.sum(dot, axis=2) * scale + tl.sum(xsum, axis=1)[None, :] * minimum
+            group_dot = tl.sum(tl.reshape(dot, (BN, GB, 4)), axis=2)  # a group's four words together
+            group_x = tl.sum(tl.reshape(xsum, (GB, 4)), axis=1)
+            acc = tl.fma(group_dot, scale, acc)
+            acc = tl.fma(group_x[None, :], minimum, acc)
         return tl.sum(acc, axis=1)
 
     @triton.jit

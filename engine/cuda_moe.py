@@ -440,13 +440,13 @@ if AVAILABLE:
             tl.store(owner_ptr + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
 
     @triton.jit
-    def _block_product(x_ptr, w_ptr, sm_ptr, e, m, n, mm, nm, g, N, K, n_groups, stride_x, FMT: tl.constexpr,
+    def _block_product(x_ptr, w_ptr, sm_ptr, e, m, n, mm, nm, g, N, K, n_groups, stride_x, acc, FMT: tl.constexpr,
                        G: tl.constexpr, OPERAND: tl.constexpr):
-        """Group g's contribution to the [BM, BN] tile of rows m (of x) and columns n of expert e
-        (format FMT, groups of G)."""
+        """acc, the [BM, BN] tile of rows m (of x) and columns n of expert e (format FMT, groups
+        of G), with group g's contribution added."""
         if FMT == 0:
             y = group_product(x_ptr, w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, m, n, mm, nm, g,
-                              N, K, stride_x, OPERAND)
+                              N, K, stride_x, acc, OPERAND)
         else:
             kk = g * G + tl.arange(0, G)
             w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0)
@@ -456,7 +456,10 @@ if AVAILABLE:
                 pair = sm_ptr + e * n_groups * N * 2 + (g * N + n) * 2
                 scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
                 minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
-                y = y * scale[None, :] + tl.sum(x.to(tl.float32), axis=1)[:, None] * minimum[None, :]
+                y = tl.fma(y, scale[None, :], acc)
+                y = tl.fma(tl.sum(x.to(tl.float32), axis=1)[:, None], minimum[None, :], y)
+            else:
+                y += acc
         return y
 
     @triton.jit
@@ -479,10 +482,10 @@ if AVAILABLE:
         for c in range(0, n_groups // UNROLL):
             for u in tl.static_range(UNROLL):
                 g = c * UNROLL + u
-                gate += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                       FMT, G, OPERAND)
-                up += _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                     FMT, G, OPERAND)
+                gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
+                                      gate, FMT, G, OPERAND)
+                up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
+                                    up, FMT, G, OPERAND)
         tl.store(act_ptr + pair[:, None] * F + n[None, :], _silu_times(gate, up), mask=pm[:, None] & nm[None, :])
 
     @triton.jit
@@ -502,8 +505,8 @@ if AVAILABLE:
         acc = tl.zeros([BM, BN], tl.float32)
         for c in range(0, n_groups // UNROLL):
             for u in tl.static_range(UNROLL):
-                acc += _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, c * UNROLL + u, D, F, n_groups, F,
-                                      FMT, G, OPERAND)
+                acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, c * UNROLL + u, D, F, n_groups, F,
+                                     acc, FMT, G, OPERAND)
         weight = tl.load(wt_ptr + pair, mask=pm, other=0.0)
         tl.store(part_ptr + pair[:, None] * D + n[None, :], acc * weight[:, None], mask=pm[:, None] & nm[None, :])
 

@@ -1,7 +1,8 @@
-"""engine.cuda_int4's launch rules and weight layout, which need no GPU (the kernels are
-tested against float64 in tests/engine/test_cuda_graphs.py), and the one-row kernel's launch
-options on a CUDA device or under Triton's interpreter (TRITON_INTERPRET=1: the activations are
-bfloat16 values already and the kernel takes them as float32, as in test_cuda_moe.py)."""
+"""engine.cuda_int4's launch rules and weight layout, which need no GPU, and its kernels on a
+CUDA device or under Triton's interpreter (TRITON_INTERPRET=1: the activations are bfloat16
+values already and the kernels take them as float32, as in test_cuda_moe.py): their values
+against float64, the one-row kernel's launch options (whole models' products against float64 are
+in tests/engine/test_cuda_graphs.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -82,6 +83,32 @@ def test_the_matrix_for_cublas_holds_every_weight_at_its_place(device, n, k):
     want = torch.from_numpy(exact).to(torch.bfloat16)
     assert torch.equal(want.double(), torch.from_numpy(exact))  # exact in bfloat16, as meant
     assert torch.equal(w.weight().cpu(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 3, 17, 70])
+def test_both_kernels_match_the_float64_product(device, monkeypatch, rows):
+    """The one-row kernel (`gemv`: each row alone) and the tensor-core kernel (`fused`: one and
+    two tiles of rows) against the float64 product of q * scale + minimum: nibbles made numbers
+    by bit operations must give every weight its value, at its place, with partial column tiles,
+    a masked last loop step and the input axis split."""
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+    n, k = 48, 640  # 20 groups
+    rng = np.random.default_rng(rows)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    minimum = (-rng.random((n, k // 32)) * 0.1).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, minimum, torch.device(device))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).float().to(device)
+    weights = q.astype(np.float64) * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
+    want = x.double().cpu() @ torch.from_numpy(weights).T
+    one_row = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # 3 column tiles, 3 steps of 8 groups
+    assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
+    tiles = cuda_int4.Launch(bn=32, unroll=2, waves=64, split_cap=False)
+    for got in (w.gemv(x), w.gemv(x, launch=one_row), w.fused(x), w.fused(x, launch=tiles)):
+        assert got.shape == (rows, n)
+        assert (got.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_launches_cover_every_row_count_and_shape():
