@@ -29,17 +29,15 @@ it reads its first weights before it waits for the kernel that writes its input.
 rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
 one-row products in one launch, each row's sums in its order alone; more rows (`_int4_gemm`)
 run on the tensor cores, one group per product, the nibbles made bfloat16 operands by the
-same bits (2**23 + q in float32, less 2**23) instead of an integer conversion.  Measured on an H200 per
-product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes):
-at one row 2.3-3.4 us on the 135M shape's matrices (torch's kernel 2.2-2.8 us; this kernel's
-earlier, split version 4.1-5.2 us) and 4.2-14.7 us on the 1B shape's (torch 3.4-12.0); at 64
-rows, on the 1B shape's matrices, 16.5-44 us against 22-154 us; at 64 rows on the 135M
-shape's small matrices 8.6-21 us against 4.3-11.9 us; at 2048 rows on those small matrices
-21-61 us against 57-327 us.  The one-row kernel stays well above the bandwidth floor (the
-16384 x 2048 matrix: 14.7 us against about 4.4 us to read it once).  Whole graph-replayed
-decoding steps on an H100 (docs/measurements.md, round 12): the conversion without the
-integer instruction 1.024-1.027x on the 135M shape and 0.981-0.984x on the 1B shape, with
-dependent launches 1.32x and 1.03x.  `launch_for` and
+same bits (2**23 + q in float32, less 2**23) instead of an integer conversion.  Measured per
+product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes): on an
+H100 at one row 1.9-3.4 us on the 135M shape's matrices and 4.2-8.8 us on the 1B shape's (the
+kernel before round 13 of docs/measurements.md: 2.1-4.5 and 10.1-19.8 us), the 16384 x 2048
+matrix at 1.40x the time to read it once; on an H200 at 64 rows, on the 1B shape's matrices,
+16.5-44 us against torch's 22-154 us, on the 135M shape's small matrices 8.6-21 us against
+4.3-11.9 us, and at 2048 rows on those 21-61 us against 57-327 us.  Whole graph-replayed
+one-row decoding steps on an H100: dependent launches 1.32x (135M shape) and 1.03x (1B), the
+[columns, words] tiles 0.99x and 1.23x.  `launch_for` and
 `gemv_launch_for` hold the launch shapes the sweeps found fastest, except for small matrices
 at more than 16 rows: the sweep capped their split, and whole 64-row decoding steps of the
 135M shape ran at 25,006 tokens/s with an uncapped split against 18,587 with the sweep's
