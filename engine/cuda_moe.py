@@ -76,7 +76,7 @@ from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
-    from engine.cuda_int4 import gemv_columns, group_product
+    from engine.cuda_int4 import add_group, gemv_columns, group_product
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
 DOWN_SHAPES = ("rows", "pairs")
@@ -456,8 +456,7 @@ if AVAILABLE:
                 pair = sm_ptr + e * n_groups * N * 2 + (g * N + n) * 2
                 scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
                 minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
-                y = tl.fma(y, scale[None, :], acc)
-                y = tl.fma(tl.sum(x.to(tl.float32), axis=1)[:, None], minimum[None, :], y)
+                y = add_group(acc, y, scale[None, :], tl.sum(x.to(tl.float32), axis=1)[:, None], minimum[None, :])
             else:
                 y += acc
         return y
