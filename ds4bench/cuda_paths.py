@@ -61,7 +61,7 @@ def vocab_gguf(path: str, n_vocab: int) -> str:
     tokens = byte_unicode() + [f"w{i}" for i in range(n_vocab - 259)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     w = GGUFWriter(path + ".tmp", "llama")
     w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "gpt-2")  # llama.cpp's name for it: it refuses "gpt2"
     w.add_array("tokenizer.ggml.tokens", tokens)
     w.add_array("tokenizer.ggml.token_type", [1] * (n_vocab - 3) + [3, 3, 3])
     w.add_array("tokenizer.ggml.merges", ["w 0"])

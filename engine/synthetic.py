@@ -75,11 +75,12 @@ def filler_tokens(n: int, taken: set[str]) -> list[str]:
     return out
 
 
-def byte_level_tokenizer(n_vocab: int | None = None, pre: str = "gpt2") -> dict:
+def byte_level_tokenizer(n_vocab: int | None = None, pre: str = "gpt-2") -> dict:
     """Metadata of a small byte-level ChatML tokenizer: the 256 byte tokens, 3 merges, then
     (when `n_vocab` asks for more) ordinary filler tokens, and the 3 specials last (BOS and EOS
-    the last two).  `pre` is the pre-tokenizer name written (llama.cpp refuses "gpt2"; the
-    MoE presets name their real models' ones)."""
+    the last two).  `pre` is the pre-tokenizer name written: by default GPT-2's under the name
+    llama.cpp knows it by (it refuses to load a file saying "gpt2"; this engine reads both), so
+    llama.cpp can run the same random files; the MoE presets name their real models' ones."""
     base = byte_unicode() + MERGED
     n_fill = 0 if n_vocab is None else n_vocab - len(base) - len(SPECIALS)
     if n_fill < 0:
