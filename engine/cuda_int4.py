@@ -27,9 +27,15 @@ off, it comes as q * 2**s for its bit offset s in a 16-bit half word, and meets 
 the products stay exact.  Launched as a dependent (`cuda_attention.dependent_launch`, sm_90 on)
 it reads its first weights before it waits for the kernel that writes its input.  A few
 rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
-one-row products in one launch, each row's sums in its order alone; more rows (`_int4_gemm`)
-run on the tensor cores, one group per product, the nibbles made bfloat16 operands by the
-same bits (2**23 + q in float32, less 2**23) instead of an integer conversion.  Measured per
+one-row products in one launch, each row's sums in its order alone; more rows run on the
+tensor cores, one group per product, the nibbles made bfloat16 operands by the same bits
+(2**23 + q in float32, less 2**23) instead of an integer conversion.  Decoding steps of up to
+MAX_BLOCK_M rows take `_int4_gemm_t`, which computes each tile transposed (columns by rows):
+the nibbles are then the operand the tensor cores read from registers, and the activations'
+group sums come from the tensor cores as well, where `_int4_gemm` (prefill chunks) moves the
+nibbles through shared memory and sums the activations across threads, a handful of barriers
+per group.  At 64 rows on an H100 that made the Llama-3.2-1B shape's products 1.33-1.89x faster
+and its whole decoding steps 1.25x (docs/measurements.md round 14).  Measured per
 product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes): on an
 H100 at one row 1.9-3.4 us on the 135M shape's matrices and 4.2-8.8 us on the 1B shape's (the
 kernel before round 13 of docs/measurements.md: 2.1-4.5 and 10.1-19.8 us), the 16384 x 2048
@@ -123,10 +129,11 @@ def split_k(n_groups: int, tiles: int, programs: int, max_split: int = 1 << 30) 
 
 @dataclass(frozen=True)
 class Launch:
-    """How `_int4_gemm` is launched: output columns per program, groups unrolled per loop
-    step, warps and pipeline stages per program, programs aimed at per multiprocessor (via
-    the split), and whether the split is capped by the rows' partial sums (`split_cap`: at
-    most K / (16 * rows) splits)."""
+    """How a tensor-core product is launched: which kernel (`transposed`: `_int4_gemm_t`, the
+    columns-by-rows one; else `_int4_gemm`), output columns per program, groups unrolled per
+    loop step, warps and pipeline stages per program, programs aimed at per multiprocessor (via
+    the split), whether the split is capped by the rows' partial sums (`split_cap`: at most
+    K / (16 * rows) splits), and the most splits in any case (`max_split`)."""
 
     bn: int = BLOCK_N
     unroll: int = 4
@@ -134,6 +141,8 @@ class Launch:
     stages: int = 3
     waves: int = 8
     split_cap: bool = True
+    max_split: int = 1 << 30
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -168,19 +177,17 @@ def gemv_launch_for(n: int, k: int) -> GemvLaunch:
 
 
 def launch_for(rows: int, n: int, k: int) -> Launch:
-    """The launch measured fastest on an H200 for this kind of product (random int4
-    matrices of the SmolLM2-135M and Llama-3.2-1B shapes at 2 to 2048 rows)."""
-    if rows > MAX_BLOCK_M:  # prefill chunks: wide tiles, the weights re-read per 64 rows
+    """The launch measured fastest for this kind of product (random int4 matrices of the
+    SmolLM2-135M and Llama-3.2-1B shapes): prefill chunks (more than MAX_BLOCK_M rows) on an
+    H200, wide tiles of `_int4_gemm` that re-read the weights per 64 rows; decoding steps of 2
+    to 64 rows on an H100 (docs/measurements.md round 14), `_int4_gemm_t` in 64-column tiles
+    with the input axis split up to 8 ways, except that the wide gate/up matrices split fewer
+    ways as the rows grow (their float32 partial sums grow with the rows: at 64 rows the
+    16384 x 2048 matrix ran fastest unsplit)."""
+    if rows > MAX_BLOCK_M:
         return Launch(bn=128, unroll=4, waves=4)
-    if n * k < GEMM_MIN_ELEMENTS:  # small matrices
-        if rows > 16:  # in a 64-row decoding step this took half the time of the narrow tiles below
-            return Launch(bn=64, unroll=1, stages=4, waves=2, split_cap=False)
-        return Launch(bn=32, unroll=4, waves=4) if k >= 2 * n else Launch(bn=16, unroll=4, warps=2, waves=16)
-    if n >= 4 * k:  # wide (gate/up)
-        return Launch(bn=128, unroll=1, waves=4)
-    if k >= 4 * n:  # long (down)
-        return Launch(bn=64, unroll=4 if rows > 16 else 1, waves=4)
-    return Launch(bn=32, unroll=4, waves=4) if rows > 16 else Launch(bn=64, unroll=1, waves=4)
+    waves = (2 if rows > 32 else 4 if rows > 16 else 8) if n >= 4 * k else 8
+    return Launch(bn=64, unroll=2, waves=waves, split_cap=False, max_split=8, transposed=True)
 
 
 def scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
@@ -239,6 +246,27 @@ if AVAILABLE:
         dot = tl.dot(x, tl.trans(q))  # exact products, float32 sums
         return add_group(acc, dot, scale[None, :], tl.sum(x.to(tl.float32), axis=1)[:, None], minimum[None, :])
 
+    @triton.jit
+    def group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND: tl.constexpr):
+        """group_product transposed: acc [BN, BM] (columns n by rows m), the same sums.  The
+        nibbles are the tensor cores' first operand, which they read from registers, so the
+        nibbles made numbers go straight in; the activations, the second, go through shared
+        memory as the loads' pipeline brings them.  The group's sums of the activations come
+        from the tensor cores too (ones times x, exact products, float32 sums), laid out as acc
+        already, where a sum across threads and a change of layout cost several barriers."""
+        half = tl.arange(0, 16)
+        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
+        pair = sm_ptr + (g * N + n) * 2
+        scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
+        minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + m[None, :] * stride_x + (g * 32 + tl.arange(0, 32))[:, None], mask=mm[None, :],
+                    other=0.0).to(OPERAND)  # [32, BM]
+        q32 = qb.to(tl.int32)
+        q = _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
+        dot = tl.dot(q, x)
+        xsum = tl.dot(tl.full(q.shape, 1.0, OPERAND), x)
+        return add_group(acc, dot, scale[:, None], xsum, minimum[:, None])
+
     # Row counts and split lengths are not specialized on (Triton compiles a variant for
     # values of 1 and multiples of 16 otherwise): prompts of every length reach these kernels,
     # and each new variant cost a compile of up to a second in the middle of a case.
@@ -260,6 +288,29 @@ if AVAILABLE:
         out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
         mask = mm[:, None] & nm[None, :]
         if ADD:  # out += x @ W^T (one split)
+            acc += tl.load(out, mask=mask, other=0.0)
+        tl.store(out, acc, mask=mask)
+
+    @triton.jit(do_not_specialize=["M", "groups_per_split"])
+    def _int4_gemm_t(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
+                     BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
+                     OPERAND: tl.constexpr):
+        """_int4_gemm with each tile computed transposed (`group_product_t`), written back as
+        [rows, columns]: the same sums."""
+        m = tl.program_id(0) * BM + tl.arange(0, BM)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        split = tl.program_id(2)
+        mm = m < M
+        nm = n < N
+        g0 = split * groups_per_split
+        acc = tl.zeros([BN, BM], tl.float32)
+        for c in range(0, groups_per_split // UNROLL):
+            for u in tl.static_range(UNROLL):
+                acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
+                                      acc, OPERAND)
+        out = out_ptr + split * M * N + m[None, :] * N + n[:, None]
+        mask = mm[None, :] & nm[:, None]
+        if ADD:
             acc += tl.load(out, mask=mask, other=0.0)
         tl.store(out, acc, mask=mask)
 
@@ -484,16 +535,16 @@ class Int4Weight:
         bm = block_m(rows)
         tiles_m, tiles_n = triton.cdiv(rows, bm), triton.cdiv(self.n, cfg.bn)
         n_groups = self.k // GROUP
-        splits = split_k(n_groups, tiles_m * tiles_n, cfg.waves * multiprocessors(x.device),
-                         max_split=max(1, self.k // (16 * rows)) if cfg.split_cap else 1 << 30)
+        cap = min(cfg.max_split, max(1, self.k // (16 * rows)) if cfg.split_cap else cfg.max_split)
+        splits = split_k(n_groups, tiles_m * tiles_n, cfg.waves * multiprocessors(x.device), max_split=cap)
         per = n_groups // splits
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
         out, part = _outputs(rows, self.n, splits, x.device, into)
         add = into is not None
-        _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
-                                               x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
-                                               ADD=add and splits == 1, OPERAND=OPERAND,
-                                               num_warps=cfg.warps, num_stages=cfg.stages)
+        kernel = _int4_gemm_t if cfg.transposed else _int4_gemm
+        kernel[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k, x.stride(0), per,
+                                           BM=bm, BN=cfg.bn, UNROLL=unroll, ADD=add and splits == 1, OPERAND=OPERAND,
+                                           num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def weight(self) -> torch.Tensor:

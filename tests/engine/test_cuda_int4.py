@@ -87,11 +87,12 @@ def test_the_matrix_for_cublas_holds_every_weight_at_its_place(device, n, k):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 70])
-def test_both_kernels_match_the_float64_product(device, monkeypatch, rows):
-    """The one-row kernel (`gemv`: each row alone) and the tensor-core kernel (`fused`: one and
-    two tiles of rows) against the float64 product of q * scale + minimum: nibbles made numbers
-    by bit operations must give every weight its value, at its place, with partial column tiles,
-    a masked last loop step and the input axis split."""
+def test_all_kernels_match_the_float64_product(device, monkeypatch, rows):
+    """The one-row kernel (`gemv`: each row alone) and both tensor-core kernels (`fused`: one and
+    two tiles of rows, rows by columns and transposed) against the float64 product of
+    q * scale + minimum: nibbles made numbers by bit operations must give every weight its
+    value, at its place, with partial column tiles, a masked last loop step and the input axis
+    split."""
     if device == "cpu":
         monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
     n, k = 48, 640  # 20 groups
@@ -106,7 +107,10 @@ def test_both_kernels_match_the_float64_product(device, monkeypatch, rows):
     one_row = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # 3 column tiles, 3 steps of 8 groups
     assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
     tiles = cuda_int4.Launch(bn=32, unroll=2, waves=64, split_cap=False)
-    for got in (w.gemv(x), w.gemv(x, launch=one_row), w.fused(x), w.fused(x, launch=tiles)):
+    transposed = dataclasses.replace(tiles, transposed=True)
+    assert cuda_int4.launch_for(rows, n, k).transposed == (rows <= cuda_int4.MAX_BLOCK_M)
+    for got in (w.gemv(x), w.gemv(x, launch=one_row), w.fused(x), w.fused(x, launch=tiles),
+                w.fused(x, launch=transposed)):
         assert got.shape == (rows, n)
         assert (got.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
 
@@ -116,6 +120,16 @@ def test_launches_cover_every_row_count_and_shape():
         for n, k in ((960, 576), (576, 1536), (16384, 2048), (2048, 8192), (3072, 2048)):
             launch = cuda_int4.launch_for(rows, n, k)
             assert launch.bn in (16, 32, 64, 128) and launch.unroll in (1, 2, 4) and launch.warps in (2, 4, 8)
+
+
+def test_decoding_steps_take_the_transposed_kernel_and_split_wide_matrices_less_as_rows_grow():
+    for n, k in ((960, 576), (576, 1536), (16384, 2048), (2048, 8192), (3072, 2048)):
+        assert all(cuda_int4.launch_for(rows, n, k).transposed for rows in (2, 16, 17, 33, 64))
+        assert not cuda_int4.launch_for(cuda_int4.MAX_BLOCK_M + 1, n, k).transposed  # prefill chunks
+        assert all(cuda_int4.launch_for(rows, n, k).max_split <= 8 for rows in (2, 64))
+    waves = [cuda_int4.launch_for(rows, 16384, 2048).waves for rows in (4, 16, 32, 64)]
+    assert waves == sorted(waves, reverse=True) and waves[0] > waves[-1]
+    assert cuda_int4.split_k(64, 16384 // 64, cuda_int4.launch_for(64, 16384, 2048).waves * 132) == 1
 
 
 def test_one_row_products_of_all_but_the_largest_matrices_are_one_unsplit_kernel():
