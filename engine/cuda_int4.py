@@ -30,14 +30,14 @@ rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) r
 one-row products in one launch, each row's sums in its order alone; more rows run on the
 tensor cores, one group per product, the nibbles made bfloat16 operands by the same bits
 (2**23 + q in float32, less 2**23) instead of an integer conversion.  Decoding steps of up to
-MAX_BLOCK_M rows take `_int4_gemm_t`, which computes each tile transposed (columns by rows):
-the nibbles are then the operand the tensor cores read from registers, and the activations'
-group sums come from the tensor cores as well, where `_int4_gemm` (prefill chunks) moves the
-nibbles through shared memory and sums the activations across threads, a handful of barriers
-per group.  At 64 rows on an H100 that made the Llama-3.2-1B shape's products 1.33-1.89x faster
-and its whole decoding steps 1.25x (docs/measurements.md round 14).  Measured per
-product (CUDA-graph timings, random matrices of the SmolLM2-135M and Llama-3.2-1B shapes): on an
-H100 at one row 1.9-3.4 us on the 135M shape's matrices and 4.2-8.8 us on the 1B shape's (the
+MAX_BLOCK_M rows compute `_int4_gemm`'s tiles transposed (TRANSPOSED: columns by rows): the
+nibbles are then the operand the tensor cores read from registers, and the activations' group
+sums come from the tensor cores as well, where the rows-by-columns tiles (prefill chunks) move
+the nibbles through shared memory and sum the activations across threads, a handful of
+barriers per group.  At 64 rows on an H100 that made the Llama-3.2-1B shape's products
+1.33-1.89x faster and its whole decoding steps 1.25x (docs/measurements.md round 14).
+Measured per product (CUDA-graph timings, random matrices of the SmolLM2-135M and
+Llama-3.2-1B shapes): on an H100 at one row 1.9-3.4 us on the 135M shape's matrices and 4.2-8.8 us on the 1B shape's (the
 kernel before round 13 of docs/measurements.md: 2.1-4.5 and 10.1-19.8 us), the 16384 x 2048
 matrix at 1.40x the time to read it once; on an H200 at 64 rows, on the 1B shape's matrices,
 16.5-44 us against torch's 22-154 us, on the 135M shape's small matrices 8.6-21 us against
@@ -129,11 +129,11 @@ def split_k(n_groups: int, tiles: int, programs: int, max_split: int = 1 << 30) 
 
 @dataclass(frozen=True)
 class Launch:
-    """How a tensor-core product is launched: which kernel (`transposed`: `_int4_gemm_t`, the
-    columns-by-rows one; else `_int4_gemm`), output columns per program, groups unrolled per
-    loop step, warps and pipeline stages per program, programs aimed at per multiprocessor (via
-    the split), whether the split is capped by the rows' partial sums (`split_cap`: at most
-    K / (16 * rows) splits), and the most splits in any case (`max_split`)."""
+    """How `_int4_gemm` is launched: its tiles rows by columns or transposed (`transposed`),
+    output columns per program, groups unrolled per loop step, warps and pipeline stages per
+    program, programs aimed at per multiprocessor (via the split), whether the split is capped
+    by the rows' partial sums (`split_cap`: at most K / (16 * rows) splits), and the most
+    splits in any case (`max_split`)."""
 
     bn: int = BLOCK_N
     unroll: int = 4
@@ -180,8 +180,8 @@ def launch_for(rows: int, n: int, k: int) -> Launch:
     """The launch measured fastest for this kind of product (random int4 matrices of the
     SmolLM2-135M and Llama-3.2-1B shapes): prefill chunks (more than MAX_BLOCK_M rows) on an
     H200, wide tiles of `_int4_gemm` that re-read the weights per 64 rows; decoding steps of 2
-    to 64 rows on an H100 (docs/measurements.md round 14), `_int4_gemm_t` in 64-column tiles
-    with the input axis split up to 8 ways, except that the wide gate/up matrices split fewer
+    to 64 rows on an H100 (docs/measurements.md round 14), transposed tiles of 64 columns with
+    the input axis split up to 8 ways, except that the wide gate/up matrices split fewer
     ways as the rows grow (their float32 partial sums grow with the rows: at 64 rows the
     16384 x 2048 matrix ran fastest unsplit)."""
     if rows > MAX_BLOCK_M:
@@ -273,44 +273,34 @@ if AVAILABLE:
     @triton.jit(do_not_specialize=["M", "groups_per_split"])
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
-                   OPERAND: tl.constexpr):
+                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """A [BM, BN] tile of x @ W^T per program, over its split's groups; TRANSPOSED: the tile
+        computed columns by rows (`group_product_t`, decoding steps) and written back as
+        [rows, columns], the same sums."""
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         split = tl.program_id(2)
         mm = m < M
         nm = n < N
         g0 = split * groups_per_split
-        acc = tl.zeros([BM, BN], tl.float32)
+        if TRANSPOSED:
+            acc = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], tl.float32)
         for c in range(0, groups_per_split // UNROLL):
             for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
-                acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
-                                    acc, OPERAND)
-        out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
-        mask = mm[:, None] & nm[None, :]
+                g = g0 + c * UNROLL + u
+                if TRANSPOSED:
+                    acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+                else:
+                    acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+        if TRANSPOSED:
+            out = out_ptr + split * M * N + m[None, :] * N + n[:, None]
+            mask = mm[None, :] & nm[:, None]
+        else:
+            out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
+            mask = mm[:, None] & nm[None, :]
         if ADD:  # out += x @ W^T (one split)
-            acc += tl.load(out, mask=mask, other=0.0)
-        tl.store(out, acc, mask=mask)
-
-    @triton.jit(do_not_specialize=["M", "groups_per_split"])
-    def _int4_gemm_t(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
-                     BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
-                     OPERAND: tl.constexpr):
-        """_int4_gemm with each tile computed transposed (`group_product_t`), written back as
-        [rows, columns]: the same sums."""
-        m = tl.program_id(0) * BM + tl.arange(0, BM)
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        split = tl.program_id(2)
-        mm = m < M
-        nm = n < N
-        g0 = split * groups_per_split
-        acc = tl.zeros([BN, BM], tl.float32)
-        for c in range(0, groups_per_split // UNROLL):
-            for u in tl.static_range(UNROLL):
-                acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g0 + c * UNROLL + u, N, K, stride_x,
-                                      acc, OPERAND)
-        out = out_ptr + split * M * N + m[None, :] * N + n[:, None]
-        mask = mm[None, :] & nm[:, None]
-        if ADD:
             acc += tl.load(out, mask=mask, other=0.0)
         tl.store(out, acc, mask=mask)
 
@@ -541,10 +531,10 @@ class Int4Weight:
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
         out, part = _outputs(rows, self.n, splits, x.device, into)
         add = into is not None
-        kernel = _int4_gemm_t if cfg.transposed else _int4_gemm
-        kernel[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k, x.stride(0), per,
-                                           BM=bm, BN=cfg.bn, UNROLL=unroll, ADD=add and splits == 1, OPERAND=OPERAND,
-                                           num_warps=cfg.warps, num_stages=cfg.stages)
+        _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
+                                               x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
+                                               ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
+                                               num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add)
 
     def weight(self) -> torch.Tensor:
