@@ -37,17 +37,14 @@ the nibbles through shared memory and sum the activations across threads, a hand
 barriers per group.  At 64 rows on an H100 that made the Llama-3.2-1B shape's products
 1.33-1.89x faster and its whole decoding steps 1.25x (docs/measurements.md round 14).
 Measured per product (CUDA-graph timings, random matrices of the SmolLM2-135M and
-Llama-3.2-1B shapes): on an H100 at one row 1.9-3.4 us on the 135M shape's matrices and 4.2-8.8 us on the 1B shape's (the
-kernel before round 13 of docs/measurements.md: 2.1-4.5 and 10.1-19.8 us), the 16384 x 2048
-matrix at 1.40x the time to read it once; on an H200 at 64 rows, on the 1B shape's matrices,
-16.5-44 us against torch's 22-154 us, on the 135M shape's small matrices 8.6-21 us against
-4.3-11.9 us, and at 2048 rows on those 21-61 us against 57-327 us.  Whole graph-replayed
-one-row decoding steps on an H100: dependent launches 1.32x (135M shape) and 1.03x (1B), the
-[columns, words] tiles 0.99x and 1.23x.  `launch_for` and
-`gemv_launch_for` hold the launch shapes the sweeps found fastest, except for small matrices
-at more than 16 rows: the sweep capped their split, and whole 64-row decoding steps of the
-135M shape ran at 25,006 tokens/s with an uncapped split against 18,587 with the sweep's
-choice (the products took 1.0 against 2.0 ms of a step).
+Llama-3.2-1B shapes): on an H100 at one row 1.9-3.4 us on the 135M shape's matrices and
+4.2-8.8 us on the 1B shape's (the kernel before round 13 of docs/measurements.md: 2.1-4.5 and
+10.1-19.8 us), the 16384 x 2048 matrix at 1.40x the time to read it once; on an H100 at 64
+rows, transposed, 6.5-7.2 us on the 135M shape's matrices and 8.7-29.8 us on the 1B shape's
+(rows by columns: 6.3-8.9 and 15.4-39.5 us); on an H200 at 2048 rows, on the 135M shape's
+matrices, 21-61 us against torch's 57-327 us.  Whole graph-replayed one-row decoding steps on
+an H100: dependent launches 1.32x (135M shape) and 1.03x (1B), the [columns, words] tiles 0.99x
+and 1.23x.  `launch_for` and `gemv_launch_for` hold the launch shapes the sweeps found fastest.
 
 Few output tiles cannot fill the GPU, so the input axis is split (`split_k`): each split
 writes float32 partial sums and one more kernel adds them in a fixed order, so results
@@ -181,13 +178,14 @@ def launch_for(rows: int, n: int, k: int) -> Launch:
     SmolLM2-135M and Llama-3.2-1B shapes): prefill chunks (more than MAX_BLOCK_M rows) on an
     H200, wide tiles of `_int4_gemm` that re-read the weights per 64 rows; decoding steps of 2
     to 64 rows on an H100 (docs/measurements.md round 14), transposed tiles of 64 columns with
-    the input axis split up to 8 ways, except that the wide gate/up matrices split fewer
-    ways as the rows grow (their float32 partial sums grow with the rows: at 64 rows the
-    16384 x 2048 matrix ran fastest unsplit)."""
+    the input axis split 8 ways (2 over fewer than 1,024 inputs: of the 1 and 2 ways tried there
+    for 576 inputs), except that the wide gate/up matrices split fewer ways as the rows grow
+    (their float32 partial sums grow with the rows: at 64 rows the 16384 x 2048 matrix ran
+    fastest unsplit)."""
     if rows > MAX_BLOCK_M:
         return Launch(bn=128, unroll=4, waves=4)
     waves = (2 if rows > 32 else 4 if rows > 16 else 8) if n >= 4 * k else 8
-    return Launch(bn=64, unroll=2, waves=waves, split_cap=False, max_split=8, transposed=True)
+    return Launch(bn=64, unroll=2, waves=waves, split_cap=False, max_split=8 if k >= 1024 else 2, transposed=True)
 
 
 def scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
