@@ -51,24 +51,15 @@ def emit(label: str, key: str, value: object) -> None:
 
 
 def vocab_gguf(path: str, n_vocab: int) -> str:
-    """A tokenizer-only GGUF: 256 byte tokens, fillers, three specials."""
+    """A tokenizer-only GGUF: engine.synthetic's byte-level tokenizer grown to `n_vocab` tokens."""
     from gguf import GGUFWriter
 
-    from engine.synthetic import CHATML, byte_unicode
+    from engine.synthetic import add_metadata, byte_level_tokenizer
 
     if os.path.exists(path):
         return path
-    tokens = byte_unicode() + [f"w{i}" for i in range(n_vocab - 259)] + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     w = GGUFWriter(path + ".tmp", "llama")
-    w.add_string("tokenizer.ggml.model", "gpt2")
-    w.add_string("tokenizer.ggml.pre", "gpt-2")  # llama.cpp's name for it: it refuses "gpt2"
-    w.add_array("tokenizer.ggml.tokens", tokens)
-    w.add_array("tokenizer.ggml.token_type", [1] * (n_vocab - 3) + [3, 3, 3])
-    w.add_array("tokenizer.ggml.merges", ["w 0"])
-    w.add_uint32("tokenizer.ggml.bos_token_id", n_vocab - 2)
-    w.add_uint32("tokenizer.ggml.eos_token_id", n_vocab - 1)
-    w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_string("tokenizer.chat_template", CHATML)
+    add_metadata(w, byte_level_tokenizer(n_vocab))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

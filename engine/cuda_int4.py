@@ -227,20 +227,26 @@ if AVAILABLE:
         return bits.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND: tl.constexpr):
-        """acc [BM, BN] with group g's contribution added: acc + scale * (x . q), then
-        + minimum * sum(x), each one float32 fused multiply-add (the CPU kernels' order)."""
-        half = tl.arange(0, 16)  # the 16 bytes of a group
-        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
+    def group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND: tl.constexpr):
+        """Group g of columns n: the nibbles as OPERAND values [BN, 32] in input order, and each
+        column's scale and minimum [BN] as float32."""
+        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
         pair = sm_ptr + (g * N + n) * 2
         scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
         minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
-        row = x_ptr + m[:, None] * stride_x + g * 32
-        x = tl.load(row + tl.arange(0, 32)[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
         # Byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order,
         # each OR-ed into the bits of 2**23 to be made a float.
         q32 = qb.to(tl.int32)
         q = _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
+        return q, scale, minimum
+
+    @triton.jit
+    def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND: tl.constexpr):
+        """acc [BM, BN] with group g's contribution added: acc + scale * (x . q), then
+        + minimum * sum(x), each one float32 fused multiply-add (the CPU kernels' order)."""
+        row = x_ptr + m[:, None] * stride_x + g * 32
+        x = tl.load(row + tl.arange(0, 32)[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
+        q, scale, minimum = group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND)
         dot = tl.dot(x, tl.trans(q))  # exact products, float32 sums
         return add_group(acc, dot, scale[None, :], tl.sum(x.to(tl.float32), axis=1)[:, None], minimum[None, :])
 
@@ -252,15 +258,9 @@ if AVAILABLE:
         memory as the loads' pipeline brings them.  The group's sums of the activations come
         from the tensor cores too (ones times x, exact products, float32 sums), laid out as acc
         already, where a sum across threads and a change of layout cost several barriers."""
-        half = tl.arange(0, 16)
-        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + half)[None, :], mask=nm[:, None], other=0)
-        pair = sm_ptr + (g * N + n) * 2
-        scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
-        minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+        q, scale, minimum = group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND)
         x = tl.load(x_ptr + m[None, :] * stride_x + (g * 32 + tl.arange(0, 32))[:, None], mask=mm[None, :],
                     other=0.0).to(OPERAND)  # [32, BM]
-        q32 = qb.to(tl.int32)
-        q = _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
         dot = tl.dot(q, x)
         xsum = tl.dot(tl.full(q.shape, 1.0, OPERAND), x)
         return add_group(acc, dot, scale[:, None], xsum, minimum[:, None])
@@ -523,7 +523,7 @@ class Int4Weight:
         bm = block_m(rows)
         tiles_m, tiles_n = triton.cdiv(rows, bm), triton.cdiv(self.n, cfg.bn)
         n_groups = self.k // GROUP
-        cap = min(cfg.max_split, max(1, self.k // (16 * rows)) if cfg.split_cap else cfg.max_split)
+        cap = min(cfg.max_split, max(1, self.k // (16 * rows))) if cfg.split_cap else cfg.max_split
         splits = split_k(n_groups, tiles_m * tiles_n, cfg.waves * multiprocessors(x.device), max_split=cap)
         per = n_groups // splits
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
