@@ -42,7 +42,11 @@ Two shapes of work, by rows:
   expert of every block; the grid covers the most blocks T * k pairs can need, and blocks past
   the last do nothing), then a grouped tensor-core product runs each block against its
   expert's weights once, gate/up fused with the SwiGLU, and down scaled by each pair's weight;
-  one more kernel sums a row's k slots in order and adds them to the residual.
+  one more kernel sums a row's k slots in order and adds them to the residual.  Its tiles are
+  computed transposed, columns by pairs (engine.cuda_int4.group_product_t's order: the weights
+  the operand the tensor cores read from registers, the group sums of the activations from
+  ones times them, one load of a block's activations for its gate and up tiles); rows by
+  columns remains a launch choice (`MoeLaunch.gemm_transposed_bm`).
 
 Within each shape a row's result depends on its own routing and activations only, not on the
 other rows; the two shapes sum a group's products in different orders, so a row decoded alone
@@ -76,7 +80,7 @@ from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
-    from engine.cuda_int4 import add_group, gemv_columns, group_product
+    from engine.cuda_int4 import add_group, gemv_columns, group_product, group_weights
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
 DOWN_SHAPES = ("rows", "pairs")
@@ -92,23 +96,27 @@ class MoeLaunch:
     engine.cuda_int4.GemvLaunch.prefetch) and how the down product spreads over programs
     (`gemv_down`, one of DOWN_SHAPES: a program per row and column tile looping over the row's
     slots, or a program per (row, slot) pair and one more kernel adding a row's slots in
-    order).  The grouped GEMM: columns per program, warps, pipeline stages and
-    groups per loop step (at most).  The defaults are the fastest of a sweep on an H100
-    (tests/engine/moe_timing.py --sweep, 26 and 48 layers' routed experts replayed from a graph,
-    random files of DeepSeek-V2-Lite's and Qwen3-30B-A3B's shapes): at 1 row 0.98 ms against
-    1.29 ms with the down product a program per row and 8 warps, and 1.51 against 1.78 ms; at
-    32 rows 10.8 ms against 11.7 ms with 3 stages and one group a step, and 21.2 against 21.5
-    ms.  Loading ahead measured no faster there (off)."""
+    order).  The grouped GEMM: columns per program, warps, pipeline stages, groups per loop
+    step (at most), and the largest block (`block_m`) whose tiles are computed transposed,
+    columns by pairs (`gemm_transposed_bm`; 0: every block rows by columns).  The defaults are
+    the fastest of sweeps on an H100 (tests/engine/moe_timing.py --sweep, 26 and 48 layers'
+    routed experts replayed from a graph, random files of DeepSeek-V2-Lite's and
+    Qwen3-30B-A3B's shapes): at 1 row 0.98 ms against 1.29 ms with the down product a program
+    per row and 8 warps, and 1.51 against 1.78 ms; at 32 rows, transposed 64-column tiles with
+    3 stages 9.05 ms against 10.48 ms rows by columns with 128 columns and 4 stages, and 16.33
+    against 19.44 ms (docs/measurements.md, round 15).  Loading ahead measured no faster there
+    (off)."""
 
     gemv_bn: int = 16
     gemv_gb: int = 32
     gemv_warps: int = 4
     gemv_down: str = "pairs"
     gemv_prefetch: bool = False
-    gemm_bn: int = 128
+    gemm_bn: int = 64
     gemm_warps: int = 4
-    gemm_stages: int = 4
+    gemm_stages: int = 3
     gemm_unroll: int = 2
+    gemm_transposed_bm: int = 64
 
     def __post_init__(self):
         if self.gemv_down not in DOWN_SHAPES:
@@ -440,6 +448,26 @@ if AVAILABLE:
             tl.store(owner_ptr + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
 
     @triton.jit
+    def _expert_group(w_ptr, sm_ptr, e, n, nm, g, N, K, n_groups, FMT: tl.constexpr, G: tl.constexpr,
+                      OPERAND: tl.constexpr):
+        """Group g of columns n of expert e: the weights as OPERAND values [BN, G] and each
+        column's scale and minimum [BN] float32 (ones and zeros for a bfloat16 stack)."""
+        if FMT == 0:
+            w, scale, minimum = group_weights(w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, n, nm, g, N,
+                                              K, OPERAND)
+        else:
+            kk = g * G + tl.arange(0, G)
+            w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0).to(OPERAND)
+            if FMT == 1:  # int8 values are exact in bfloat16
+                pair = sm_ptr + e * n_groups * N * 2 + (g * N + n) * 2
+                scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
+                minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+            else:
+                scale = tl.full(n.shape, 1.0, tl.float32)
+                minimum = tl.zeros(n.shape, tl.float32)
+        return w, scale, minimum
+
+    @triton.jit
     def _block_product(x_ptr, w_ptr, sm_ptr, e, m, n, mm, nm, g, N, K, n_groups, stride_x, acc, FMT: tl.constexpr,
                        G: tl.constexpr, OPERAND: tl.constexpr):
         """acc, the [BM, BN] tile of rows m (of x) and columns n of expert e (format FMT, groups
@@ -448,25 +476,61 @@ if AVAILABLE:
             y = group_product(x_ptr, w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, m, n, mm, nm, g,
                               N, K, stride_x, acc, OPERAND)
         else:
-            kk = g * G + tl.arange(0, G)
-            w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0)
-            x = tl.load(x_ptr + m[:, None] * stride_x + kk[None, :], mask=mm[:, None], other=0.0).to(OPERAND)
-            y = tl.dot(x, tl.trans(w.to(OPERAND)))  # int8 values are exact in bfloat16
+            w, scale, minimum = _expert_group(w_ptr, sm_ptr, e, n, nm, g, N, K, n_groups, FMT, G, OPERAND)
+            x = tl.load(x_ptr + m[:, None] * stride_x + (g * G + tl.arange(0, G))[None, :], mask=mm[:, None],
+                        other=0.0).to(OPERAND)
+            y = tl.dot(x, tl.trans(w))
             if FMT == 1:
-                pair = sm_ptr + e * n_groups * N * 2 + (g * N + n) * 2
-                scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
-                minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
                 y = add_group(acc, y, scale[None, :], tl.sum(x.to(tl.float32), axis=1)[:, None], minimum[None, :])
             else:
                 y += acc
         return y
 
     @triton.jit
+    def _group_inputs_t(x_ptr, m, mm, g, stride_x, BN: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr,
+                        OPERAND: tl.constexpr):
+        """Group g of rows m as the second operand [G, BM] of a transposed tile, and their sums laid
+        out as that tile [BN, BM] (engine.cuda_int4.group_product_t's ones times x; zeros for a
+        bfloat16 stack, which has no minimums)."""
+        x = tl.load(x_ptr + m[None, :] * stride_x + (g * G + tl.arange(0, G))[:, None], mask=mm[None, :],
+                    other=0.0).to(OPERAND)
+        if FMT == 2:
+            xsum = tl.zeros([BN, x.shape[1]], tl.float32)
+        else:
+            xsum = tl.dot(tl.full([BN, G], 1.0, OPERAND), x)
+        return x, xsum
+
+    @triton.jit
+    def _block_product_t(w_ptr, sm_ptr, e, n, nm, g, N, K, n_groups, x, xsum, acc, FMT: tl.constexpr,
+                         G: tl.constexpr, OPERAND: tl.constexpr):
+        """_block_product transposed: acc [BN, BM] (columns n by the rows of x), the same sums,
+        the weights the tensor cores' first operand, which they read from registers; x and
+        xsum from `_group_inputs_t`, shared by a block's gate and up tiles."""
+        w, scale, minimum = _expert_group(w_ptr, sm_ptr, e, n, nm, g, N, K, n_groups, FMT, G, OPERAND)
+        y = tl.dot(w, x)  # exact products, float32 sums
+        if FMT == 2:
+            y += acc
+        else:
+            y = add_group(acc, y, scale[:, None], xsum, minimum[:, None])
+        return y
+
+    @triton.jit
+    def _tile(m, n, TRANSPOSED: tl.constexpr):
+        """Row indices m and column indices n broadcast to a tile of the order TRANSPOSED picks
+        ([BN, BM] or [BM, BN])."""
+        if TRANSPOSED:
+            rows, columns = m[None, :], n[:, None]
+        else:
+            rows, columns = m[:, None], n[None, :]
+        return rows, columns
+
+    @triton.jit
     def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
                         TOPK: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        UNROLL: tl.constexpr, OPERAND: tl.constexpr):
+                        UNROLL: tl.constexpr, OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr):
         """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up.  UNROLL
-        groups (a divisor of n_groups) per loop step, in order, their loads in flight together."""
+        groups (a divisor of n_groups) per loop step, in order, their loads in flight together;
+        TRANSPOSED: the tiles computed columns by rows (`_block_product_t`)."""
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
             return
@@ -476,23 +540,35 @@ if AVAILABLE:
         rows = pair // TOPK
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < F
-        gate = tl.zeros([BM, BN], tl.float32)
-        up = tl.zeros([BM, BN], tl.float32)
+        if TRANSPOSED:
+            gate = tl.zeros([BN, BM], tl.float32)
+        else:
+            gate = tl.zeros([BM, BN], tl.float32)
+        up = tl.zeros_like(gate)
         for c in range(0, n_groups // UNROLL):
             for u in tl.static_range(UNROLL):
                 g = c * UNROLL + u
-                gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                      gate, FMT, G, OPERAND)
-                up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups, stride_x,
-                                    up, FMT, G, OPERAND)
-        tl.store(act_ptr + pair[:, None] * F + n[None, :], _silu_times(gate, up), mask=pm[:, None] & nm[None, :])
+                if TRANSPOSED:  # one load of the block's activations for both
+                    x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
+                    gate = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, 2 * F, K, n_groups, x, xsum, gate, FMT, G,
+                                            OPERAND)
+                    up = _block_product_t(w_ptr, sm_ptr, e, n + F, nm, g, 2 * F, K, n_groups, x, xsum, up, FMT, G,
+                                          OPERAND)
+                else:
+                    gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups,
+                                          stride_x, gate, FMT, G, OPERAND)
+                    up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups,
+                                        stride_x, up, FMT, G, OPERAND)
+        tm, tn = _tile(pair, n, TRANSPOSED)
+        tmm, tnm = _tile(pm, nm, TRANSPOSED)
+        tl.store(act_ptr + tm * F + tn, _silu_times(gate, up), mask=tmm & tnm)
 
     @triton.jit
     def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
                      FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr,
-                     OPERAND: tl.constexpr):
-        """One block and D-column tile: part[pair] = weight[pair] * down(act[pair]) (UNROLL as
-        `_gate_up_blocks`)."""
+                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr):
+        """One block and D-column tile: part[pair] = weight[pair] * down(act[pair]) (UNROLL and
+        TRANSPOSED as `_gate_up_blocks`)."""
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
             return
@@ -501,13 +577,23 @@ if AVAILABLE:
         pm = pair < P
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
-        acc = tl.zeros([BM, BN], tl.float32)
+        if TRANSPOSED:
+            acc = tl.zeros([BN, BM], tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], tl.float32)
         for c in range(0, n_groups // UNROLL):
             for u in tl.static_range(UNROLL):
-                acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, c * UNROLL + u, D, F, n_groups, F,
-                                     acc, FMT, G, OPERAND)
-        weight = tl.load(wt_ptr + pair, mask=pm, other=0.0)
-        tl.store(part_ptr + pair[:, None] * D + n[None, :], acc * weight[:, None], mask=pm[:, None] & nm[None, :])
+                g = c * UNROLL + u
+                if TRANSPOSED:
+                    x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
+                    acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G, OPERAND)
+                else:
+                    acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, acc, FMT,
+                                         G, OPERAND)
+        tm, tn = _tile(pair, n, TRANSPOSED)
+        tmm, tnm = _tile(pm, nm, TRANSPOSED)
+        weight = tl.load(wt_ptr + tm, mask=tmm, other=0.0)
+        tl.store(part_ptr + tm * D + tn, acc * weight, mask=tmm & tnm)
 
     @triton.jit
     def _sum_slots(part_ptr, out_ptr, D, TOPK: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
@@ -780,13 +866,13 @@ class StackedExperts:
         pairs, owner = group_by_expert(ids, E, bm)
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
+        shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=bm <= cfg.gemm_transposed_bm,
+                     num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
-            FMT=gu.format_index, G=gu.group, BM=bm, BN=bn, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll),
-            OPERAND=OPERAND, num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll), **shape)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
-            G=dn.group, BM=bm, BN=bn, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), OPERAND=OPERAND,
-            num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), **shape)
         self._sum_slots(part, out, k, add)

@@ -118,11 +118,11 @@ def time_experts(layers: list[cuda_moe.StackedExperts], rows: int, k: int, launc
 # Grids of launch shapes, swept one after the other from the defaults, each from the fastest
 # shape the grid before it found: for a few rows how the work spreads (the down product's
 # programs, weights loaded a step early), then tile sizes; for more rows the grouped GEMM's
-# tiles, then its groups per loop step.
+# tile order and size, then its pipeline and groups per loop step.
 SWEEPS = {"rows": [dict(gemv_down=cuda_moe.DOWN_SHAPES, gemv_prefetch=(False, True)),
                    dict(gemv_bn=(4, 8, 16, 32), gemv_gb=(8, 16, 32), gemv_warps=(2, 4, 8))],
-          "blocks": [dict(gemm_bn=(32, 64, 128), gemm_warps=(4, 8), gemm_stages=(2, 3, 4)),
-                     dict(gemm_unroll=(1, 2, 4))]}
+          "blocks": [dict(gemm_transposed_bm=(0, 16), gemm_bn=(64, 128), gemm_warps=(4, 8)),
+                     dict(gemm_stages=(2, 3, 4), gemm_unroll=(1, 2, 4))]}
 
 
 def sweep(layers: list[cuda_moe.StackedExperts], rows: int, k: int) -> list[tuple[float, cuda_moe.MoeLaunch]]:

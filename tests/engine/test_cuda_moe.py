@@ -226,6 +226,31 @@ def test_grouped_gemm_unrolled(device, unroll):
     assert np.abs(got - plain).max() <= 1e-6 * np.abs(plain).max()  # the same sums in the same order
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "F16"])  # int4, int8 (groups of 32, 16), bfloat16
+@pytest.mark.parametrize("n_expert", [8, 2])  # blocks of 16 pairs (decoding batches) and of 64 (prefill)
+def test_grouped_gemm_in_both_tile_orders(device, qtype, n_expert):
+    """The grouped GEMM's tiles computed rows by columns and transposed (MoeLaunch.
+    gemm_transposed_bm), with a column tile past the matrices' edge: both against the float64
+    reference, and each other up to the order of float32 sums."""
+    E, d, f, k, rows = n_expert, 64, 96, 2, 40
+    if qtype.endswith("_K"):
+        d, f = 256, 256
+    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT[qtype], seed=16), device)
+    assert cuda_moe.block_m(rows * k, E) == (16 if E == 8 else 64)
+    h = inputs(rows, d, device, seed=17)
+    ids, w = routing(rows, E, k, seed=18)
+    want = reference(experts, h, ids, w, rounds=device.type == "cuda")
+    got = {}
+    for transposed_bm in (0, 64):
+        experts.launch = dataclasses.replace(cuda_moe.LAUNCH, gemm_bn=64, gemm_transposed_bm=transposed_bm)
+        got[transposed_bm] = run(experts, h, ids, w, device)
+        assert np.abs(got[transposed_bm] - want).max() <= 2e-3 * np.abs(want).max()
+    assert np.abs(got[0] - got[64]).max() <= 1e-5 * np.abs(want).max()
+    residual = np.random.default_rng(19).standard_normal(want.shape).astype(np.float32)
+    added = run(experts, h, ids, w, device, into=residual)
+    assert np.abs(added - (residual + got[64])).max() <= 1e-6 * np.abs(added).max()
+
+
 def test_launch_refuses_an_unknown_down_shape():
     with pytest.raises(ValueError, match="gemv_down"):
         cuda_moe.MoeLaunch(gemv_down="columns")
