@@ -29,7 +29,9 @@ a server's loop owns that thread while the server is up, so the servers are star
 stopped inside each round.
 
 Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of the first),
-so prefill and time to first token are left out; the aggregate of N streams is all their
+so prefill and time to first token are left out (a server stream is timed by its content
+pieces, so one whose text is held back, as a random-weight model's is, fails the run:
+`held_back`); the aggregate of N streams is all their
 tokens after each stream's first over the span from the first stream's first token to the
 last token (the engine's N rows and ds4-eval's N cases are timed the same way).  The summary
 gives each path's median and its ratio to the engine: the median over rounds of the path's
@@ -159,6 +161,26 @@ def decode_rate(stamps: Sequence[float], tokens: int | None = None) -> tuple[int
     if len(stamps) < 2 or n < 2:
         return 0, 0.0
     return n - 1, stamps[-1] - stamps[0]
+
+
+# A stream whose pieces carry on average more tokens than this had its text held back.
+MAX_TOKENS_PER_PIECE = 2
+
+
+def held_back(stamps: Sequence[float], tokens: int) -> str | None:
+    """Why a server stream's rate cannot be measured, or None.
+
+    A stream's rate counts its tokens (the usage's) from its first content piece to its last.
+    When its pieces carry many tokens each, its text was held back (tokens that are not whole
+    characters, as a random-weight model writes, wait for the bytes that complete them; text
+    that may start a stop or a tag waits for what follows), so its first piece came well after
+    its first token and the rate would count tokens from before it: too fast, by any amount.
+    Streams of fewer than two pieces are `decode_rate`'s to refuse."""
+    if len(stamps) < 2 or tokens <= MAX_TOKENS_PER_PIECE * len(stamps):
+        return None
+    return (f"{tokens} tokens came in {len(stamps)} pieces: the text was held back (tokens that are not whole "
+            "characters, as a random-weight model's), so the first piece is not the first token and no decode "
+            "rate can be measured")
 
 
 def aggregate_rate(streams: Sequence[tuple[Sequence[float], int]]) -> tuple[int, float]:
@@ -530,6 +552,9 @@ def _streams(base: str, n: int, tokens: int) -> tuple[int, float, float | None]:
     except RawStreamError as e:
         raise RuntimeError(f"ds4-server's stream: {e}") from None
     results = [_content_stamps(s) for s in streams]
+    for stamps, used in results:
+        if (why := held_back(stamps, used)) is not None:
+            raise RuntimeError(f"ds4-server's stream: {why}")
     if n <= 1:
         stamps = results[0][0]
         return (*decode_rate(*results[0]), stamps[-1] - sent if stamps else None)

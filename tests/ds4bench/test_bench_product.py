@@ -1,4 +1,5 @@
-"""ds4-bench product: rates, summary and floor (pure), and a whole run on a tiny random GGUF."""
+"""ds4-bench product: rates, summary, floor and held-back streams (pure), and whole runs on tiny
+random GGUFs."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from click.testing import CliRunner
 
 from ds4bench import cli
 from ds4bench import product as pb
-from engine.synthetic import RandomModelSpec, write_random_gguf
+from engine.synthetic import PRESETS, RandomModelSpec, write_moe_gguf, write_random_gguf
 
 
 def test_decode_rate_leaves_out_the_first_token():
@@ -168,6 +169,28 @@ def test_a_path_with_nothing_to_time_fails_the_run(tiny):
                                       "--streams", "0"])
     assert r.exit_code == 1
     assert "the server path gave fewer than two timed output pieces" in r.output
+
+
+def test_a_stream_whose_pieces_carry_many_tokens_cannot_be_timed():
+    # one token a piece, or a few merged (a character of several tokens, a held stop prefix)
+    assert pb.held_back([0.0, 0.1, 0.2], 3) is None
+    assert pb.held_back([0.0, 0.1, 0.2], 6) is None
+    # 128 tokens in 12 pieces: most of them were decoded before the first piece arrived
+    why = pb.held_back([0.0] * 12, 128)
+    assert why is not None and "128 tokens came in 12 pieces" in why
+    assert pb.held_back([0.0], 50) is None  # fewer than two pieces: decode_rate's case
+
+
+def test_a_server_stream_held_back_fails_the_run_instead_of_reporting_a_rate(tmp_path):
+    # This random model's greedy tokens are mostly not whole characters: its 64 tokens reach the
+    # client in about 15 pieces, the first late, whose span would give a rate several times the
+    # engine's.
+    path = str(tmp_path / "moe.gguf")
+    write_moe_gguf(path, PRESETS["qwen3moe-tiny"])
+    r = CliRunner().invoke(cli.main, ["product", "-m", path, "--rounds", "1", "--decode-tokens", "64",
+                                      "--streams", "0"])
+    assert r.exit_code == 1
+    assert "the text was held back" in r.output and "Traceback" not in r.output
 
 
 @pytest.mark.model
