@@ -121,7 +121,7 @@ def time_experts(layers: list[cuda_moe.StackedExperts], rows: int, k: int, launc
 # tile order and size, then its pipeline and groups per loop step.
 SWEEPS = {"rows": [dict(gemv_down=cuda_moe.DOWN_SHAPES, gemv_prefetch=(False, True)),
                    dict(gemv_bn=(4, 8, 16, 32), gemv_gb=(8, 16, 32), gemv_warps=(2, 4, 8))],
-          "blocks": [dict(gemm_transposed_bm=(0, 16), gemm_bn=(64, 128), gemm_warps=(4, 8)),
+          "blocks": [dict(gemm_transposed_bm=(0, 64), gemm_bn=(64, 128), gemm_warps=(4, 8)),
                      dict(gemm_stages=(2, 3, 4), gemm_unroll=(1, 2, 4))]}
 
 
