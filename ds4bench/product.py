@@ -30,8 +30,8 @@ stopped inside each round.
 
 Decode tokens/s of a path is (tokens - 1) / (time of the last token - time of the first),
 so prefill and time to first token are left out (a server stream is timed by its content
-pieces, so one whose text is held back, as a random-weight model's is, fails the run:
-`held_back`); the aggregate of N streams is all their
+pieces, from the tokens its first piece carried, so one whose first text was held back, as a
+random-weight model's is, fails the run: `held_back`); the aggregate of N streams is all their
 tokens after each stream's first over the span from the first stream's first token to the
 last token (the engine's N rows and ds4-eval's N cases are timed the same way).  The summary
 gives each path's median and its ratio to the engine: the median over rounds of the path's
@@ -163,24 +163,26 @@ def decode_rate(stamps: Sequence[float], tokens: int | None = None) -> tuple[int
     return n - 1, stamps[-1] - stamps[0]
 
 
-# A stream whose pieces carry on average more tokens than this had its text held back.
-MAX_TOKENS_PER_PIECE = 2
+# The most tokens a stream's first content piece may carry for its rate to start from it.
+MAX_FIRST_PIECE_TOKENS = 2
 
 
-def held_back(stamps: Sequence[float], tokens: int) -> str | None:
+def held_back(first_piece_tokens: int, tokens: int) -> str | None:
     """Why a server stream's rate cannot be measured, or None.
 
     A stream's rate counts its tokens (the usage's) from its first content piece to its last.
-    When its pieces carry many tokens each, its text was held back (tokens that are not whole
-    characters, as a random-weight model writes, wait for the bytes that complete them; text
-    that may start a stop or a tag waits for what follows), so its first piece came well after
-    its first token and the rate would count tokens from before it: too fast, by any amount.
-    Streams of fewer than two pieces are `decode_rate`'s to refuse."""
-    if len(stamps) < 2 or tokens <= MAX_TOKENS_PER_PIECE * len(stamps):
+    ds4-server sends a stream's first text at once and merges the text of tokens that follow
+    within its stream interval into the next piece, so later pieces may carry many tokens
+    while the first carries one.  When the first carries more (`first_piece_tokens`: its text
+    encoded again), its text was held back (tokens that are not whole characters, as a
+    random-weight model writes, wait for the bytes that complete them; text that may start a
+    stop or a tag waits for what follows), so it came well after the stream's first token and
+    the rate would count time that is not in it: too fast, by any amount."""
+    if first_piece_tokens <= MAX_FIRST_PIECE_TOKENS:
         return None
-    return (f"{tokens} tokens came in {len(stamps)} pieces: the text was held back (tokens that are not whole "
-            "characters, as a random-weight model's), so the first piece is not the first token and no decode "
-            "rate can be measured")
+    return (f"the first of its pieces carried {first_piece_tokens} of its {tokens} tokens: the text was held "
+            "back (tokens that are not whole characters, as a random-weight model's), so the first piece is "
+            "not the first token and no decode rate can be measured")
 
 
 def aggregate_rate(streams: Sequence[tuple[Sequence[float], int]]) -> tuple[int, float]:
@@ -501,7 +503,8 @@ class _Paths:
         app = create_app(self.model, ServerConfig(batched_session=streams if streams > 1 else 1),
                          engine_thread=self.thread)
         with _LiveServer(app) as base:
-            return _streams(base, streams, self.cfg.decode_tokens)
+            return _streams(base, streams, self.cfg.decode_tokens,
+                            lambda text: len(self.model.tokenize(text, special=False)))
 
 
 class _LiveServer:
@@ -540,9 +543,11 @@ class _LiveServer:
 _CONTENT, _EMPTY_CONTENT, _USAGE = '"content":', '"content":""', '"usage":{'
 
 
-def _streams(base: str, n: int, tokens: int) -> tuple[int, float, float | None]:
+def _streams(base: str, n: int, tokens: int, count_tokens: Callable[[str], int]
+             ) -> tuple[int, float, float | None]:
     """Decode rate of `n` concurrent chat streams read by the light client (`rawstream`), and
-    for one stream the seconds from sending its request to its last content piece."""
+    for one stream the seconds from sending its request to its last content piece.  Each
+    stream's tokens are counted from those of its first piece (`count_tokens` of its text)."""
     body = {"model": "default", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     host, port = base.removeprefix("http://").rsplit(":", 1)
@@ -551,30 +556,40 @@ def _streams(base: str, n: int, tokens: int) -> tuple[int, float, float | None]:
         streams = post_streams(host, int(port), "/v1/chat/completions", [body] * max(1, n))
     except RawStreamError as e:
         raise RuntimeError(f"ds4-server's stream: {e}") from None
-    results = [_content_stamps(s) for s in streams]
-    for stamps, used in results:
-        if (why := held_back(stamps, used)) is not None:
-            raise RuntimeError(f"ds4-server's stream: {why}")
+    results = [timed_stream(s, count_tokens) for s in streams]
     if n <= 1:
         stamps = results[0][0]
         return (*decode_rate(*results[0]), stamps[-1] - sent if stamps else None)
     return (*aggregate_rate(results), None)
 
 
-def _content_stamps(stream: StampedStream) -> tuple[list[float], int]:
-    """The stamps of a stream's content chunks and its completion tokens (from its usage chunk).
+def timed_stream(stream: StampedStream, count_tokens: Callable[[str], int]) -> tuple[list[float], int]:
+    """A chat stream's content-piece stamps and the tokens `decode_rate` counts over them: its
+    completion tokens (from its usage chunk) less those of its first piece beyond one, which
+    were decoded before that piece came (`count_tokens` of the piece's text).  Raises
+    RuntimeError where its first text was held back (`held_back`).
 
-    Chunks are told apart by their text, and only the usage chunk is parsed, so that the
-    client's own work per token stays small."""
+    Chunks are told apart by their text, and only the first content chunk and the usage chunk
+    are parsed, so that the client's own work per token stays small."""
     stamps: list[float] = []
     used = 0
+    first_text = ""
     for data, t in zip(stream.events, stream.stamps):
         if _CONTENT in data and _EMPTY_CONTENT not in data:
+            if not stamps:
+                choices = json.loads(data).get("choices") or [{}]
+                first_text = (choices[0].get("delta") or {}).get("content") or ""
             stamps.append(t)
         elif _USAGE in data:
             usage = json.loads(data).get("usage") or {}
             used = int(usage.get("completion_tokens") or 0)
-    return stamps, used or len(stamps)
+    used = used or len(stamps)
+    if len(stamps) < 2:  # decode_rate's to refuse
+        return stamps, used
+    first = count_tokens(first_text)
+    if (why := held_back(first, used)) is not None:
+        raise RuntimeError(f"ds4-server's stream: {why}")
+    return stamps, used - max(0, first - 1)
 
 
 class BusyProcesses:
