@@ -76,10 +76,12 @@ BLOCK_N = 64  # output columns per program (default launch)
 MAX_BLOCK_M = 64  # rows per program; more rows take more row tiles
 ADD_IN_KERNEL_ROWS = MAX_BLOCK_M  # `into` is added by the product's kernel up to this many rows
 # A product of rows x n x k up to this many weight elements, times rows, runs as that many one-row
-# products in one launch (`gemv`), each row's sums as alone, instead of the tensor-core GEMM, which
-# costs the same from 2 to 16 rows: on an H200, 2 rows of a 3072 x 576 matrix 5.2 against 8.3 us,
-# 8 rows of 576 x 576 4.5 against 5.5 us, and the other way round from about twice this.
-GEMV_ROW_ELEMENTS = 4 * 2 ** 20
+# products in one launch (`gemv`), each row's sums as alone, instead of the tensor-core GEMM, whose
+# time hardly grows from 2 to 16 rows.  Whole graph-replayed decoding steps on an H100 with 16 Mi
+# against 4 Mi (docs/measurements.md round 16): SmolLM2-135M shape 1.09x at 4 rows, 1.16x at 8 and
+# 1.12x at 16; Llama-3.2-1B shape 1.11x at 2 rows, 1.03x at 4, level at 8 and 16; 32 Mi and 64 Mi
+# ran slower at 16 rows.
+GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 
 
 def gemv_rows_for(n: int, k: int) -> int:

@@ -143,9 +143,10 @@ def test_one_row_products_of_all_but_the_largest_matrices_are_one_unsplit_kernel
 
 
 def test_few_rows_take_one_row_products_only_on_small_matrices():
-    assert cuda_int4.gemv_rows_for(960, 576) == 7 and cuda_int4.gemv_rows_for(576, 576) == 12
-    assert cuda_int4.gemv_rows_for(3072, 576) == 2 and cuda_int4.gemv_rows_for(576, 1536) == 4
-    assert all(cuda_int4.gemv_rows_for(n, k) == 1 for n, k in ((3072, 2048), (16384, 2048), (2048, 8192)))
+    assert cuda_int4.gemv_rows_for(960, 576) == 30 and cuda_int4.gemv_rows_for(576, 576) == 50
+    assert cuda_int4.gemv_rows_for(3072, 576) == 9 and cuda_int4.gemv_rows_for(576, 1536) == 18
+    assert cuda_int4.gemv_rows_for(3072, 2048) == 2 and cuda_int4.gemv_rows_for(2048, 2048) == 4
+    assert all(cuda_int4.gemv_rows_for(n, k) == 1 for n, k in ((16384, 2048), (2048, 8192)))
 
 
 @pytest.mark.parametrize("device", DEVICES)
