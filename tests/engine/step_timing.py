@@ -1,0 +1,81 @@
+"""Times graph-replayed decoding steps of the dense shapes on CUDA under several values of
+`engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k a product runs as one-row products
+before the tensor-core kernel takes it), alternated in one process; a script for the device,
+not a test.
+
+The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
+into `--models` on first use.  The model is loaded once per value (each Int4Weight reads the
+value when it is built), each row count's sessions are made and stepped once (which captures
+that bucket's graph under that value), and then 32-step timings of every value are alternated
+`--repeats` times per row count, each from the same 128 cached positions.  It prints, per row
+count, every value's median milliseconds a step and its speed against the first value.
+
+    PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --shape smollm2-135m \\
+        --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+import engine
+from ds4bench.cuda_paths import SHAPES, batch_sessions, model_file, run_steps
+from engine import cuda_int4
+
+CACHED = 128  # positions each row holds before the timed steps
+STEPS = 32  # steps a timing
+
+
+def timed(sessions: list, first: list[int], device: torch.device) -> float:
+    """Milliseconds a step over STEPS steps from CACHED positions; the sessions are left there."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    run_steps(sessions, first, STEPS)
+    sync()
+    ms = (time.perf_counter() - t0) / STEPS * 1e3
+    for s in sessions:
+        s.truncate(CACHED)
+    return ms
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", required=True, help="folder of the random files (written on first use)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
+    ap.add_argument("--rows", default="1,2,4,8,16", help="row counts of the timed steps")
+    ap.add_argument("--gemv-mi", default="4,16", help="GEMV_ROW_ELEMENTS values in Mi elements; the first is the base")
+    ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    values = [int(v) for v in args.gemv_mi.split(",")]
+    os.makedirs(args.models, exist_ok=True)
+    path = model_file(args.models, args.shape)
+    n_vocab = SHAPES[args.shape]["n_vocab"]
+    device = torch.device(args.device)
+    held = {}
+    for value in values:
+        cuda_int4.GEMV_ROW_ELEMENTS = value * 2 ** 20
+        model = engine.load_model(path, device=args.device, ctx=CACHED + 4 * STEPS)
+        for n in rows:
+            sessions, first = batch_sessions(model, n, CACHED, n_vocab)
+            timed(sessions, first, device)  # captures this bucket's graph under this value
+            held[value, n] = sessions, first
+    for n in rows:
+        ms = {value: [] for value in values}
+        for _ in range(args.repeats):
+            for value in values:
+                ms[value].append(timed(*held[value, n], device))
+        base = statistics.median(ms[values[0]])
+        cells = "  ".join(f"{v} Mi {statistics.median(ms[v]):.4f} ms ({base / statistics.median(ms[v]):.3f}x)"
+                          for v in values)
+        print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
