@@ -167,6 +167,9 @@ class EvalConfig(CommandConfig):
     report: str | None = None
     """--report FILE: write the report of the run there; HTML (one self-contained page), or
     markdown when FILE ends in .md. It is rendered from the records the run wrote to --trace."""
+    step_log: str | None = None
+    """--step-log FILE: with --parallel, write the engine's batched steps there when the run
+    ends, one JSON line a step (ds4eval.run.steplog), and their summary on stderr."""
 
     def request_extra_fields(self) -> dict:
         """--request-extra parsed (empty when not given); ConfigError when it is not an object."""
@@ -214,6 +217,9 @@ class EvalConfig(CommandConfig):
             raise ConfigError("--threads must be at least 1")
         if self.parallel is not None and self.backend != "engine":
             raise ConfigError("--parallel applies to the engine backend; servers take --concurrency")
+        if self.step_log is not None and (self.parallel is None or self.ray is not None):
+            raise ConfigError("--step-log records the engine's batched steps in this process: it needs "
+                              "--parallel, without --ray")
         if self.repeats < 1:
             raise ConfigError("--repeats must be at least 1")
         if self.temperature < 0:

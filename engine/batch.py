@@ -28,6 +28,10 @@
   same.  On by default (`RUN_AHEAD`): the embedded model's greedy batches decode 3-4% faster
   with it on an H100 (1 to 16 rows), and nothing changes on the CPU, where no step is launched
   ahead.
+- `BatchScheduler(observer=...)` hands each `step()`'s `StepRecord` to the observer: its wall
+  time on the scheduler's thread, the rows it decoded, the tokens of the prefill chunk it ran,
+  whether its decoding step was one launched ahead, and the CUDA graph captures it waited for
+  (ds4-eval's `--step-log`), so a batched run's time can be told apart step by step.
 - `check_capacity(model, n_sessions, ctx)` refuses configurations whose memory need (weights
   + KV + working buffers, from the model's own accounting, with a 10% margin) exceeds what
   the device has available, with the figures in the message.
@@ -161,6 +165,18 @@ class GenRequest:
         return self.finish is not None
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one `BatchScheduler.step()` did (see the module docstring)."""
+
+    started: float  # time.perf_counter() as the step began
+    seconds: float  # its wall time on the scheduler's thread
+    decoding: int  # rows its decoding step evaluated (0: none)
+    prefill_tokens: int  # tokens of the prefill chunk it ran (0: none)
+    adopted: bool  # its decoding step was the one launched ahead of it (run-ahead)
+    capture_seconds: float  # CUDA graphs captured during it (engine.cuda_graphs), seconds
+
+
 @dataclass
 class _Slot:
     session: Session
@@ -212,7 +228,7 @@ class BatchScheduler:
     request after a failure), never the slots or the queue themselves."""
 
     def __init__(self, model: "Model", n_slots: int, ctx: int | None = None, check_memory: bool = True,
-                 run_ahead: bool | None = None):
+                 run_ahead: bool | None = None, observer: Callable[[StepRecord], None] | None = None):
         if n_slots < 1:
             raise ValueError("n_slots must be >= 1")
         ctx = model.n_ctx if ctx is None else ctx
@@ -225,6 +241,7 @@ class BatchScheduler:
         self.run_ahead = RUN_AHEAD if run_ahead is None else run_ahead
         self._launched: _Launched | None = None  # the step launched ahead of the host, if any
         self.adopted = 0  # decoding steps that were launched ahead and then taken
+        self.observer = observer  # called with each step's StepRecord, on the scheduler's thread
 
     # --- admission ---
     def submit(self, req: GenRequest) -> None:
@@ -305,7 +322,9 @@ class BatchScheduler:
         slot.request, slot.prefill, slot.sampler = None, None, None
         slot.last_used = req.finished_at
 
-    def _prefill_one_chunk(self) -> bool:
+    def _prefill_one_chunk(self) -> int | None:
+        """The next prefilling slot's next chunk: the tokens it evaluated (0 where its request was
+        cancelled instead), None where no slot is prefilling."""
         n = len(self.slots)
         for k in range(n):
             i = (self._next_prefill + k) % n
@@ -314,23 +333,25 @@ class BatchScheduler:
                 continue
             if slot.request.cancel is not None and slot.request.cancel():
                 self._finish(slot, "cancelled")
-                return True
+                return 0
+            tokens = 0
             if not slot.prefill.done:
                 try:
-                    slot.prefill.step(slot.request.cancel)
+                    tokens = slot.prefill.step(slot.request.cancel)
                 except Cancelled:
                     self._finish(slot, "cancelled")
-                    return True
+                    return 0
             if slot.prefill.done:
                 slot.prefill = None
             self._next_prefill = (i + 1) % n
-            return True
-        return False
+            return tokens
+        return None
 
-    def _decode(self) -> bool:
+    def _decode(self) -> int:
         """Each generating slot's next token; the step that evaluates them is started before the
         tokens go to their requests (`on_token`, finishing), which runs while the GPU computes
-        it (engine.batch.start_decode_batch), each request's events in the order they had."""
+        it (engine.batch.start_decode_batch), each request's events in the order they had.
+        Returns the rows that step evaluates (0: no step)."""
         rows, tokens, columns, taken = [], [], [], []
         for slot in self.slots:
             req = slot.request
@@ -365,7 +386,7 @@ class BatchScheduler:
         finally:  # even where a callback raised: the sessions hold the step they started
             if wait is not None:
                 wait()
-        return bool(rows)
+        return len(rows)
 
     def _start(self, rows: list[Session], tokens: list[int], columns: list[int | None]) -> Callable[[], None]:
         """Start the step of `rows` evaluating `tokens` (the one launched ahead where it is that
@@ -400,15 +421,25 @@ class BatchScheduler:
 
     def step(self, prefill: bool = True) -> bool:
         """One prefill chunk (if any, and if `prefill`) and one batched decode step; False when idle."""
+        observed = self.observer is not None
+        if observed:
+            started, adopted, captured = time.perf_counter(), self.adopted, self._capture_seconds()
         self._admit()
-        did = prefill and self._prefill_one_chunk()
-        did = self._decode() or did
+        chunk = self._prefill_one_chunk() if prefill else None
+        rows = self._decode()
         self._admit()
-        return did or self.busy
+        if observed:
+            self.observer(StepRecord(started, time.perf_counter() - started, rows, chunk or 0,
+                                     self.adopted > adopted, self._capture_seconds() - captured))
+        return chunk is not None or rows > 0 or self.busy
+
+    def _capture_seconds(self) -> float:
+        graphs = self.model.net.decode_graphs
+        return graphs.capture_seconds if graphs is not None else 0.0
 
     def run(self) -> None:
         while self.step():
             pass
 
 
-__all__ = ["BatchScheduler", "CapacityError", "GenRequest", "check_capacity", "decode_batch"]
+__all__ = ["BatchScheduler", "CapacityError", "GenRequest", "StepRecord", "check_capacity", "decode_batch"]

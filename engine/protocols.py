@@ -33,7 +33,7 @@ class EngineAPI(Protocol):
     SamplingParams: type  # SamplingParams(temperature=, top_k=, top_p=, min_p=, seed=, ...)
     Sampler: type  # Sampler(params, eos_ids)(logits) -> int, one random stream per object
     Cancelled: type  # the exception a cancel callback's True raises
-    BatchScheduler: type  # BatchScheduler(model, n_slots, ctx=None, check_memory=True)
+    BatchScheduler: type  # BatchScheduler(model, n_slots, ctx=None, check_memory=True, run_ahead=None, observer=None)
     GenRequest: type  # GenRequest(ids, params, max_tokens, on_token, cancel, slot, choose)
 
 

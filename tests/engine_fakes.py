@@ -446,6 +446,7 @@ class FakeScheduler:
     ctx: int | None = None
     check_memory: bool = True
     run_ahead: bool | None = None  # nothing runs ahead of fake sessions
+    observer: Any = None  # takes no step records: the fake's steps are not the engine's
     slots: list[FakeSlot] = field(init=False)
     queue: list[GenRequest] = field(init=False, default_factory=list)
 

@@ -98,6 +98,10 @@ def report(help: str):
     return click.option("--report", type=click.Path(dir_okay=False), metavar="FILE", help=help)
 
 
+step_log = click.option("--step-log", type=click.Path(dir_okay=False), metavar="FILE",
+                        help="With --parallel: the engine's batched steps, a JSON line each, and their "
+                             "summary on stderr.")
+
 RUN_REPORT_HELP = "Write the report of the run (needs --trace): HTML, or markdown if FILE ends in .md."
 
 # ---------------------------------------------------------------- compare
@@ -122,7 +126,7 @@ BACKEND = (backend, model, ctx, device, urls, url_file, allow_mixed_endpoints, e
            concurrency, parallel, threads, request_timeout_s, request_extra, chat_template_kwargs, tokenizer, model_file,
            kv_type, batch_invariant, no_probe)
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)
-OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP))
+OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP), step_log)
 
 RUN = (*CASE_SELECTION, *BACKEND, *SAMPLING, repeats, *OUTPUT, ray, ray_shards)
 """Every flag of `ds4-eval run`, one per settable EvalConfig field."""

@@ -103,7 +103,8 @@ MODE_FLAGS = (
 )
 """The old flags that chose a mode; the subcommands' names replace them."""
 FLAGS = (*flags.CASE_SELECTION, *flags.BACKEND, *flags.SAMPLING, flags.repeats, flags.plain, flags.trace,
-         flags.summary, flags.allow_errors, flags.ray, flags.ray_shards, *MODE_FLAGS, flags.data_url, *flags.COMPARE,
+         flags.summary, flags.allow_errors, flags.step_log, flags.ray, flags.ray_shards, *MODE_FLAGS, flags.data_url,
+         *flags.COMPARE,
          flags.report("Write the report of the run (needs --trace), of --compare or of --report-from: "
                       "HTML, or markdown if FILE ends in .md."))
 """Every old flag, on one command."""

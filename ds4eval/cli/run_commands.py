@@ -138,7 +138,22 @@ def run_cases(cfg: EvalConfig, selected: list[cs.Case], numbers: list[int] | Non
     endpoints = _endpoint_rows(backend)
     if endpoints:
         info["endpoints"] = endpoints
-    return _finish(cfg, states, wall_s, interrupted, failed, info, report_offset)
+    status = _finish(cfg, states, wall_s, interrupted, failed, info, report_offset)
+    if cfg.step_log:
+        _write_step_log(cfg.step_log, backend.step_log)
+    return status
+
+
+def _write_step_log(path: str, log) -> None:
+    """--step-log, after the run's report: the steps' summary on stderr and their lines in `path`."""
+    from ds4eval.run.steplog import render_steps, summarize_steps
+
+    summary = summarize_steps(log.records)
+    click.echo(render_steps(summary) if summary else "engine steps: none", err=True)
+    try:
+        log.write(path)
+    except OSError as e:  # named by the path given, not the temporary file beside it
+        raise UsageFailure(f"cannot write the step log {path}: {e.strerror or e}") from None
 
 
 def _settings(cfg: EvalConfig, n_ctx: int | None, concurrency: int) -> dict:
@@ -242,6 +257,7 @@ def check_outputs(cfg: EvalConfig) -> None:
     check_destination(cfg.trace, "trace")
     check_destination(cfg.summary, "summary")
     check_destination(cfg.report, "report")
+    check_destination(cfg.step_log, "step log")
 
 
 def run(cfg: EvalConfig) -> int:

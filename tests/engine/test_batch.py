@@ -132,6 +132,27 @@ def test_run_ahead_on_cpu_launches_nothing_and_changes_nothing(model, monkeypatc
     assert [r.output for r in reqs] == expected and sched.adopted == 0 and not tried
 
 
+def test_each_step_is_handed_to_the_observer(model):
+    """One StepRecord a step(), the last (idle) one too: the prefill chunks' tokens add up to the
+    prompts, the decoding rows to the tokens evaluated after them (all but each request's last),
+    three rows at most, and on CPU nothing launched ahead and no graph captured."""
+    ps = prompts(3)  # 5, 14 and 23 tokens, in chunks of 16
+    records = []
+    sched = BatchScheduler(model, 3, check_memory=False, observer=records.append)
+    reqs = [GenRequest(p, GREEDY, 6) for p in ps]
+    for r in reqs:
+        sched.submit(r)
+    steps = 1
+    while sched.step():
+        steps += 1
+    assert len(records) == steps
+    assert [r.prefill_tokens for r in records if r.prefill_tokens] == [5, 14, 16, 7]
+    assert sum(r.decoding for r in records) == sum(len(r.output) - 1 for r in reqs) == 15
+    assert max(r.decoding for r in records) == 3 and records[-1].decoding == 0
+    assert all(r.seconds >= 0 and r.capture_seconds == 0 and not r.adopted for r in records)
+    assert all(a.started + a.seconds <= b.started for a, b in zip(records, records[1:]))
+
+
 def test_long_prefill_is_interleaved_with_decoding(model):
     sched = BatchScheduler(model, 2, check_memory=False)
     short = GenRequest([5, 6, 7], GREEDY, 40)

@@ -1,10 +1,12 @@
 """Engine backend: runs cases in-process through the `engine` package's public API.
 
 Contract
-- `EngineBackend(model, engine=None, parallel=None, engine_thread=None, *, own_thread=False)`
-  wraps a model (`engine.protocols.ModelLike`, load_model's result) and takes the engine's
-  types from `engine`, any object satisfying `engine.protocols.EngineAPI` (default: the
-  `engine` package; tests pass a fake); `EngineBackend.load(config)` loads one.
+- `EngineBackend(model, engine=None, parallel=None, engine_thread=None, *, own_thread=False,
+  step_log=None)` wraps a model (`engine.protocols.ModelLike`, load_model's result) and takes
+  the engine's types from `engine`, any object satisfying `engine.protocols.EngineAPI`
+  (default: the `engine` package; tests pass a fake); `EngineBackend.load(config)` loads one.
+  With a `step_log` (ds4eval.run.steplog, --step-log) the batched scheduler hands it a record
+  of each step.
 - Threads: every engine call, from loading the model to the last token, runs on one
   `engine.threads.EngineThread` (torch's OpenMP pool is per calling thread, and two pools on
   the same cores make every kernel wait passively; engine/threads.py says why).  The runner's
@@ -60,7 +62,7 @@ import queue
 import time
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ds4eval.cases import prompts
 from ds4eval.cases.extract import THINK_CLOSE, THINK_OPEN
@@ -68,6 +70,7 @@ from ds4eval.config import EvalConfig
 from ds4eval.run.latency import LatencyClock
 from ds4eval.run.provenance import RenderedPrompt, text_sha256, token_pieces
 from ds4eval.run.runner import CaseContext, GenerationJob, GenerationResult
+from ds4eval.run.steplog import StepLog
 from engine.protocols import EngineAPI, ModelLike
 from engine.threads import EngineThread
 
@@ -202,10 +205,10 @@ class SchedulerThread:
     """A BatchScheduler's loop, run on the engine thread; cases reach it through `submit` and `release`."""
 
     def __init__(self, engine: EngineAPI, model: ModelLike, n_slots: int, n_ctx: int,
-                 engine_thread: EngineThread):
-        self.engine, self.model = engine, model
+                 engine_thread: EngineThread, observer: Callable[[Any], None] | None = None):
+        self.engine, self.model, self.observer = engine, model, observer
         # Raises engine.CapacityError (with the figures) when n_slots sessions do not fit.
-        self.scheduler = engine_thread.call(engine.BatchScheduler, model, n_slots, ctx=n_ctx)
+        self.scheduler = engine_thread.call(engine.BatchScheduler, model, n_slots, ctx=n_ctx, observer=observer)
         self.owner: list[_BatchedCase | None] = [None] * n_slots
         self.inbox: queue.Queue = queue.Queue()
         self.active: list[_Segment] = []
@@ -273,7 +276,8 @@ class SchedulerThread:
         # The scheduler's state is unknown after a failed step: start again with empty slots.
         # Cases in flight got "failed" and release their slots as usual.
         n = len(self.scheduler.slots)
-        self.scheduler = self.engine.BatchScheduler(self.model, n, ctx=self.model.n_ctx, check_memory=False)
+        self.scheduler = self.engine.BatchScheduler(self.model, n, ctx=self.model.n_ctx, check_memory=False,
+                                                    observer=self.observer)
         self.active = []
 
     def _start_waiting(self) -> None:
@@ -301,12 +305,14 @@ class EngineBackend:
     name = "engine"
 
     def __init__(self, model: ModelLike, engine: EngineAPI | None = None, parallel: int | None = None,
-                 engine_thread: EngineThread | None = None, *, own_thread: bool = False):
+                 engine_thread: EngineThread | None = None, *, own_thread: bool = False,
+                 step_log: StepLog | None = None):
         """`engine` provides SamplingParams and Cancelled (default: the `engine` package);
         `parallel` N uses its BatchScheduler, GenRequest and Sampler too.  All engine work runs
         on `engine_thread` (the thread the model was loaded on, see `load`); without one the
         backend starts its own and closes it in `close()`, and `own_thread=True` hands it a
-        given one to close the same way."""
+        given one to close the same way.  `step_log` collects the batched scheduler's steps
+        (--step-log)."""
         if engine is None:
             import engine
         self.engine = engine
@@ -319,7 +325,9 @@ class EngineBackend:
         self._owns_thread = engine_thread is None or own_thread
         self.engine_thread = engine_thread or EngineThread("ds4eval-engine")
         self._session = None
-        self._scheduler = (SchedulerThread(engine, model, parallel, model.n_ctx, self.engine_thread)
+        self.step_log = step_log
+        self._scheduler = (SchedulerThread(engine, model, parallel, model.n_ctx, self.engine_thread,
+                                           observer=step_log.add if step_log is not None else None)
                            if parallel is not None else None)
 
     @classmethod
@@ -330,7 +338,8 @@ class EngineBackend:
         try:
             model = thread.call(engine.load_model, config.model, ctx=config.ctx, device=config.device,
                                 kv_type=config.kv_type, batch_invariant=config.batch_invariant)
-            backend = cls(model, engine, parallel=config.parallel, engine_thread=thread, own_thread=True)
+            backend = cls(model, engine, parallel=config.parallel, engine_thread=thread, own_thread=True,
+                          step_log=StepLog() if config.step_log else None)
         except BaseException:
             thread.close()
             raise
