@@ -362,8 +362,9 @@ class BatchedLoop:
                     log.exception("batched step failed")
                     self._fail_all(e)
                     continue
-                self._charge(stepping, before, time.monotonic() - t0)
-                self.jobs.observer.batch_step(self.n_active)
+                seconds = time.monotonic() - t0
+                self._charge(stepping, before, seconds)
+                self.jobs.observer.batch_step(self.n_active, seconds)
             self._collect()
         for i in range(self.n_slots):
             self._save_slot(i, policy.SHUTDOWN, None)

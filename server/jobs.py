@@ -227,8 +227,9 @@ class JobObserver(Protocol):
     def job_finished(self, stats: JobStats) -> None:
         """The job left the loop (done, cancelled or failed); `stats` are final."""
 
-    def batch_step(self, busy_slots: int) -> None:
-        """The batched loop ran one step with this many slots serving a job."""
+    def batch_step(self, busy_slots: int, seconds: float) -> None:
+        """The batched loop ran one step, of `seconds` on the worker thread, with this many
+        slots serving a job."""
 
 
 class _NoObserver:
@@ -241,7 +242,7 @@ class _NoObserver:
     def job_finished(self, stats: JobStats) -> None:
         pass
 
-    def batch_step(self, busy_slots: int) -> None:
+    def batch_step(self, busy_slots: int, seconds: float) -> None:
         pass
 
 

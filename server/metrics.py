@@ -40,6 +40,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # Buckets in seconds, from a fast GPU token to a long CPU prefill.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+# A batched step: a GPU's decoding step of a small model (under a millisecond) to a CPU prefill chunk.
+STEP_BUCKETS = (0.0005, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
                    1280.0, 2560.0)
 
@@ -149,6 +151,9 @@ class ServerMetrics:
         self.busy_slots = histogram("ds4:batch_busy_slots",
                                     "Resident sessions serving a request, per batched decode step.",
                                     tuple(float(i) for i in range(1, max(1, n_slots) + 1)))
+        self.step_time = histogram("ds4:batch_step_seconds",
+                                   "Wall time of a batched step: every busy slot's token and at most one "
+                                   "prefill or scoring chunk.", STEP_BUCKETS)
         self.http = Counter("http_requests", "HTTP responses by route, method and status.",
                             ["handler", "method", "status"], registry=r)
         self._load = _LoadCollector(model_name)
@@ -184,8 +189,9 @@ class ServerMetrics:
             self.prefill_time.observe(stats.first_token_at - stats.started_at)
             self.decode_time.observe(end - stats.first_token_at)
 
-    def batch_step(self, busy_slots: int) -> None:
+    def batch_step(self, busy_slots: int, seconds: float) -> None:
         self.busy_slots.observe(busy_slots)
+        self.step_time.observe(seconds)
 
     def _prompt_done(self, stats: JobStats) -> None:
         self.prompt_tokens.inc(stats.n_prompt)

@@ -599,7 +599,7 @@ class StepMarks:
     def job_finished(self, stats) -> None:
         pass
 
-    def batch_step(self, busy_slots: int) -> None:
+    def batch_step(self, busy_slots: int, seconds: float) -> None:
         self.order.append("step")
 
 

@@ -215,6 +215,7 @@ def test_the_batched_loops_occupancy_per_step(tiny_model):
     assert steps > 0 and v("ds4:batch_busy_slots_bucket", le="2.0") == steps
     assert one < steps  # at least one step decoded both
     assert v("ds4:batch_busy_slots_sum") == one * 1 + (steps - one) * 2
+    assert v("ds4:batch_step_seconds_count") == steps and 0 < v("ds4:batch_step_seconds_sum") < 60
     assert v("ds4:batch_slots") == 2 and v("ds4:kv_cache_capacity_tokens") == 2 * tiny_model.n_ctx
     assert v("vllm:generation_tokens_total") == 24
     assert v("vllm:request_success_total", finished_reason="length") == 2
