@@ -84,3 +84,4 @@ def test_an_unwritable_step_log_is_refused_before_any_case_runs(tmp_path):
     r = CliRunner().invoke(main, ["run", "--suite", "sanity", "--plain", "--parallel", "2",
                                   "--step-log", str(tmp_path / "missing" / "steps.jsonl")])
     assert r.exit_code != 0 and "step log" in r.output and "Traceback" not in r.output
+    assert "TOTAL" not in r.output and "passed" not in r.output  # no case ran, no report came
