@@ -110,6 +110,10 @@ class EvalConfig(CommandConfig):
     """--batch-invariant: the engine runs every token through one row's decoding step
     (engine.invariant): answers that do not depend on the batch, prefill chunks or cached
     prefixes on any device, at the cost of the batch's parallelism."""
+    warmup: bool = True
+    """The engine backend meets its device's first uses (CUDA graph captures, kernel compiles) for
+    the run's batch sizes before the first case (engine.warmup), so that no case's time holds
+    them; --no-warmup leaves them to the cases that meet them."""
     request_extra: str | None = None
     """--request-extra JSON: an object merged into every request body of the openai backend
     (its keys win over ds4-eval's own), e.g. '{"repeat_penalty": 1.0}' for llama.cpp."""

@@ -338,6 +338,11 @@ class DecodeGraphs:
         return out
 
     @property
+    def graph_count(self) -> int:
+        """Graphs captured so far (decoding and prefill, every context size and dtype)."""
+        return len(self._graphs)
+
+    @property
     def captured_buckets(self) -> set[int]:
         """Batch sizes that have a captured graph."""
         return {key[0] for key in self._graphs}

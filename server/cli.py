@@ -5,7 +5,8 @@
     ds4-server --cors http://localhost:3000 --kv-disk-dir ~/.cache/ds4-kv --batched-session 4
 
 The socket is bound before the model loads (a port in use fails at once) and listens once the
-app is built; "listening on" is printed then (`--port 0` prints the port the system chose).
+model is warmed up for up to `--batched-session` rows (on CUDA: its graphs captured, engine.warmup)
+and the app is built; "listening on" is printed then (`--port 0` prints the port the system chose).
 Bad flags, a port in use and model loading failures end with a one-line error and exit status
 1 or 2; no traceback. The server itself lives in `server.app`, the connection limits in
 `server.edge`.
@@ -54,7 +55,8 @@ def access_line(config: ServerConfig) -> str:
     return f"ds4-server: access: {key}; {checked}"
 
 
-def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
+def banner(model: object, config: ServerConfig, port: int | None = None, warmed: object = None) -> str:
+    """The start-up lines; `warmed`: `Model.warm_up`'s report, shown where it ran (CUDA)."""
     n_ctx = model.n_ctx  # type: ignore[attr-defined]
     weights = int(getattr(model, "weight_bytes", 0))
     try:
@@ -75,6 +77,8 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
         + (f" {str(model.kv_dtype).removeprefix('torch.')})" if hasattr(model, "kv_dtype") else ")"),  # type: ignore[attr-defined]
         f"ds4-server: batched sessions {config.batched_session}, disk KV cache "
         + (f"{config.kv.directory} (budget {config.kv.budget_mb} MiB)" if config.kv.directory else "off"),
+        *([f"ds4-server: {warmed.describe()}"]  # type: ignore[attr-defined]
+          if warmed is not None and warmed.plan is not None else []),  # type: ignore[attr-defined]
         access_line(config),
         f"ds4-server: listening on http://{host}:{config.port if port is None else port}"
         + (f" (CORS: {', '.join(config.cors_origins)})" if config.cors else ""),
@@ -160,6 +164,9 @@ def banner(model: object, config: ServerConfig, port: int | None = None) -> str:
               help="Run every token through one row's decoding step, so that answers do not depend on "
                    "other requests, prefill chunks or cached prefixes (CUDA needs it; it costs the batch's "
                    "parallelism: docs/measurements.md, Determinism).")
+@click.option("--no-warmup", "warmup", is_flag=True, flag_value=False, default=True,
+              help="Leave CUDA graph captures and kernel compiles to the first requests that meet them "
+                   "(default: met for every batch size before the server listens).")
 def main(**flags: object) -> None:
     """Serve the engine over OpenAI, Anthropic and Responses HTTP APIs."""
     config = config_from_flags(**flags)
@@ -222,6 +229,7 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
         grammar_tokenizer(model)
     except Exception as e:  # the first request that needs it then meets the same error, as before
         logging.getLogger("ds4.server").warning("grammar vocabulary not built: %s: %s", type(e).__name__, e)
+    warmed = engine_thread.call(model.warm_up, config.batched_session) if config.warmup else None
     try:
         app = create_app(model, config, engine_thread=engine_thread)
     except CapacityError as e:
@@ -232,7 +240,7 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
         listen(sock)
     except OSError as e:  # another process bound the same port meanwhile and listens on it
         raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
-    click.echo(banner(model, config, port=sock.getsockname()[1]), err=True)
+    click.echo(banner(model, config, port=sock.getsockname()[1], warmed=warmed), err=True)
     limits = EdgeLimits(header_timeout_s=config.header_timeout_sec, max_connections=config.max_connections)
     try:
         # The work in flight is cancelled as the exit begins: its requests are answered 503.

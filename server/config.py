@@ -83,6 +83,10 @@ class ServerConfig:
     """--batch-invariant: every token through one row's decoding step (engine.invariant), so that
     an answer does not depend on the other requests, prefill chunks or cached prefixes, at the
     cost of the batch's parallelism."""
+    warmup: bool = True
+    """Meet the device's first uses (CUDA graph captures, kernel compiles) for every batch size up
+    to `batched_session` before listening (engine.warmup), not in the first requests; --no-warmup
+    leaves them there."""
     header_timeout_sec: float = 10.0
     """Seconds a connection has to send complete request headers (from its opening, or from the
     first byte of a later request on it); slower ones get 408, idle ones are closed."""

@@ -40,6 +40,7 @@ import torch
 from engine.batch import GenRequest
 from engine.prompt_text import PromptText, escape_strings
 from engine.sampling import Sampler, SamplingParams, apply_logit_bias, filtered_probs
+from engine.warmup import WarmUp
 
 
 class FakeCancelled(Exception):
@@ -289,6 +290,7 @@ class FakeModel:
         self.name, self.path, self.add_bos = name, path, add_bos
         self.sessions: list[Any] = []
         self.rendered: list[str] = []
+        self.warmed_up: list[int] = []  # the rows of each warm_up call
 
     # --- ids ---
     @property
@@ -380,6 +382,10 @@ class FakeModel:
         esc = self.escape_text
         return self.render_chat(escape_strings(messages, esc), add_generation_prompt,
                                 escape_strings(tools, esc) if tools else tools, **extra)
+
+    def warm_up(self, rows: int = 1) -> WarmUp:
+        self.warmed_up.append(rows)
+        return WarmUp(0.0, skipped="a fake model captures nothing")
 
     def token_bytes(self, token_id: int) -> tuple[bytes, bool]:
         if token_id < 256:

@@ -64,6 +64,9 @@ kv_type = click.option("--kv-type", type=click.Choice(KV_TYPES), default=None,
 batch_invariant = click.option("--batch-invariant", is_flag=True, default=False,
                                help="Engine backend: every token through one row's step, so answers do not "
                                     "depend on the batch, prefill chunks or cached prefixes (slower).")
+warmup = click.option("--no-warmup", "warmup", is_flag=True, flag_value=False, default=True,
+                      help="Engine backend: leave CUDA graph captures and kernel compiles to the cases that "
+                           "meet them (default: met before the first case).")
 no_probe = click.option("--no-probe", is_flag=True, help="Skip the capability probe before a run against a server.")
 ray = click.option("--ray", metavar="[ADDRESS]", is_flag=False, flag_value="", default=None,
                    help="Spread the run over a Ray cluster (the `ray` extra), one task a shard; ADDRESS as "
@@ -124,7 +127,7 @@ data_url = click.option("--data-url", default=DEFAULT_DATA_URL, show_default=Tru
 CASE_SELECTION = (suite, case_ids, domains, sources, data_dir, shard)
 BACKEND = (backend, model, ctx, device, urls, url_file, allow_mixed_endpoints, endpoint_wait_s, api_key, served_model,
            concurrency, parallel, threads, request_timeout_s, request_extra, chat_template_kwargs, tokenizer, model_file,
-           kv_type, batch_invariant, no_probe)
+           kv_type, batch_invariant, warmup, no_probe)
 SAMPLING = (tokens, temperature, top_p, min_p, seed, think)
 OUTPUT = (plain, trace, summary, allow_errors, report(RUN_REPORT_HELP), step_log)
 

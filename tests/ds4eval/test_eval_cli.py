@@ -98,7 +98,7 @@ def test_run_and_retry_incomplete_through_the_cli(tmp_path, monkeypatch):
         return next((a for q, a in answers.items() if q in prompt), "Answer: no idea")
 
     monkeypatch.setattr(engine_backend.EngineBackend, "load",
-                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_ENGINE)))
+                        classmethod(lambda cls, cfg, note=None: cls(FakeModel(script), FAKE_ENGINE)))
     trace_path, summary = tmp_path / "run.trace", tmp_path / "s.json"
     r = invoke("--plain", "--domain", "arithmetic", "--trace", str(trace_path), "--summary", str(summary))
     assert r.exit_code == 0, r.output
@@ -204,7 +204,7 @@ def test_repeats_record_every_repeat_class_flaky_cases_and_retry_one_repeat(tmp_
         return "Answer: no idea"
 
     monkeypatch.setattr(engine_backend.EngineBackend, "load",
-                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_ENGINE)))
+                        classmethod(lambda cls, cfg, note=None: cls(FakeModel(script), FAKE_ENGINE)))
     trace_path, summary = tmp_path / "run.trace", tmp_path / "s.json"
     r = invoke("--plain", "--domain", "arithmetic", "--repeats", "3", "--temp", "0.7", "--seed", "5",
                "--trace", str(trace_path), "--summary", str(summary))
@@ -246,7 +246,7 @@ def test_greedy_repeats_report_a_non_deterministic_case(tmp_path, monkeypatch):
         return "Answer: no idea"
 
     monkeypatch.setattr(engine_backend.EngineBackend, "load",
-                        classmethod(lambda cls, cfg: cls(FakeModel(script), FAKE_ENGINE)))
+                        classmethod(lambda cls, cfg, note=None: cls(FakeModel(script), FAKE_ENGINE)))
     r = invoke("--plain", "--case-id", "int-add-small", "--repeats", "3")
     assert r.exit_code == 0, r.output
     assert "non-deterministic sanity/int-add-small: repeat 1 differs from repeat 0 at token 2" in r.output

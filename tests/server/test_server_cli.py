@@ -121,6 +121,40 @@ def test_banner_names_model_memory_and_address():
     assert "CPU threads auto" in text and "CPU threads 1" in banner(FakeModel(), ServerConfig(threads=1))
 
 
+def test_the_warm_up_shows_in_the_banner_where_it_ran():
+    from engine.warmup import Plan, WarmUp
+
+    ran = WarmUp(0.5, Plan((1, 2, 257), (1, 2, 4)), graphs=10)
+    text = banner(FakeModel(), ServerConfig(batched_session=4), warmed=ran)
+    assert "ds4-server: warm-up: 10 CUDA graphs captured in 0.50 s (decoding steps of 1-4 rows" in text
+    for nothing in (None, WarmUp(0.0, skipped="no captured steps on cpu")):
+        assert "warm-up" not in banner(FakeModel(), ServerConfig(), warmed=nothing)
+    assert ServerConfig().warmup and not config_from_flags(warmup=False).warmup
+
+
+def test_the_model_is_warmed_up_for_the_batched_sessions_before_it_serves(monkeypatch, tmp_path):
+    """The server warms its model up for --batched-session rows (none with --no-warmup) on the
+    engine thread, after loading and before it listens."""
+    import threading
+
+    import engine
+
+    model = FakeModel()
+    calls = []
+    monkeypatch.setattr(engine, "load_model", lambda *a, **kw: model)
+    monkeypatch.setattr(model, "warm_up", lambda rows: (calls.append((rows, threading.current_thread().name)),
+                                                        FakeModel.warm_up(model, rows))[1])
+    import server.app
+
+    def stop(*a, **kw):  # the app is built after the warm-up: stop there
+        raise KeyboardInterrupt
+    monkeypatch.setattr(server.app, "create_app", stop)
+    for args, want in ((["--batched-session", "3"], [(3, "ds4-inference")]), (["--no-warmup"], [])):
+        calls.clear()
+        CliRunner().invoke(main, ["--port", "0", *args])
+        assert calls == want
+
+
 def test_threads_flag_sets_the_engine_threads_before_loading(monkeypatch):
     import threading
 

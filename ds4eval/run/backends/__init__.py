@@ -4,7 +4,8 @@ Each implements the `ds4eval.run.runner.Backend` protocol: `run_case(job, ctx) -
 reporting progress and text through `ctx` and calling `ctx.checkpoint()` between tokens so
 that pause, stop and switch take effect at a token boundary; a backend that can block between
 tokens (waiting on a server) also has `interrupt()`, which the runner's stop calls.
-`create_backend(config, note=)` builds the configured one; for servers it first probes every
+`create_backend(config, note=)` builds the configured one (the engine's warm-up line goes to
+`note`); for servers it first probes every
 endpoint (`GET /v1/models`, then, unless `config.no_probe`, the capability probe of the features
 the run needs, `run.probe`), so a server that does not answer, a required feature it ignores or
 rejects, or endpoints that differ stop the run before the first case (`BackendUnavailable`, one
@@ -27,7 +28,7 @@ def create_backend(config: EvalConfig, note=lambda line: None):
     if config.backend == "engine":
         from ds4eval.run.backends.engine_backend import EngineBackend
 
-        return EngineBackend.load(config)
+        return EngineBackend.load(config, note=note)
     if config.backend == "openai":
         from ds4eval.run.backends.openai_backend import OpenAIBackend, capability_needs
         from ds4eval.run.endpoints import configured_urls

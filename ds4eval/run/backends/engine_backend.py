@@ -331,13 +331,20 @@ class EngineBackend:
                            if parallel is not None else None)
 
     @classmethod
-    def load(cls, config: EvalConfig) -> "EngineBackend":
+    def load(cls, config: EvalConfig, note: Callable[[str], None] = lambda line: None) -> "EngineBackend":
+        """The model of `config` loaded on an engine thread of its own and, unless `config.warmup`
+        is off, warmed up for the run's batches (`Model.warm_up`; `note` gets its line where it
+        ran: on CUDA)."""
         import engine
 
         thread = EngineThread("ds4eval-engine", threads=config.threads)
         try:
             model = thread.call(engine.load_model, config.model, ctx=config.ctx, device=config.device,
                                 kv_type=config.kv_type, batch_invariant=config.batch_invariant)
+            if config.warmup:
+                done = thread.call(model.warm_up, config.parallel or 1)
+                if done.plan is not None:
+                    note(done.describe())
             backend = cls(model, engine, parallel=config.parallel, engine_thread=thread, own_thread=True,
                           step_log=StepLog() if config.step_log else None)
         except BaseException:

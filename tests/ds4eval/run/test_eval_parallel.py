@@ -271,6 +271,27 @@ def test_threads_setting_reaches_the_engine_thread(tmp_path):
         backend.close()
 
 
+@pytest.mark.parametrize("parallel,warmup,rows", [(None, True, [1]), (6, True, [6]), (6, False, [])])
+def test_the_loaded_model_is_warmed_up_for_the_run_s_batches(monkeypatch, parallel, warmup, rows):
+    """`EngineBackend.load` warms the model up for --parallel rows (one row serially) unless
+    --no-warmup, and notes the warm-up's line where it ran."""
+    from engine.warmup import Plan, WarmUp
+
+    model = FakeModel()
+    monkeypatch.setattr(engine, "load_model", lambda *a, **kw: model)
+    ran = WarmUp(0.25, Plan((1, 2), (1, 2, 4, 8)), graphs=6)
+    monkeypatch.setattr(model, "warm_up", lambda n: (model.warmed_up.append(n), ran)[1])
+    notes = []
+    backend = EngineBackend.load(EvalConfig(parallel=parallel, warmup=warmup), note=notes.append)
+    backend.close()
+    assert model.warmed_up == rows
+    assert notes == ([ran.describe()] if warmup else [])
+    notes.clear()
+    monkeypatch.setattr(model, "warm_up", FakeModel.warm_up.__get__(model))  # nothing ran: no line
+    EngineBackend.load(EvalConfig(parallel=parallel), note=notes.append).close()
+    assert notes == []
+
+
 # ---------------------------------------------------------------- the embedded model
 
 @pytest.mark.model

@@ -298,7 +298,7 @@ def test_a_summary_written_by_a_run_compares(tmp_path, monkeypatch):
 
     replies = {"What is 2 + 3?": "Answer: 5"}
     monkeypatch.setattr(engine_backend.EngineBackend, "load", classmethod(
-        lambda cls, cfg: cls(FakeModel(lambda p: next((a for q, a in replies.items() if q in p), "no idea")),
+        lambda cls, cfg, note=None: cls(FakeModel(lambda p: next((a for q, a in replies.items() if q in p), "no idea")),
                              FAKE_ENGINE)))
     paths = []
     for name in ("a", "b"):
