@@ -150,6 +150,8 @@ class GenRequest:
     # Picks each token from the logits instead of a Sampler(params) (e.g. greedy inside tool
     # syntax). It gets `Session.raw_logits`: a host tensor, or on CUDA a device row whose
     # `host()` copies it, so that only a chooser that needs the whole row pays for the copy.
+    # A chooser that says which greedy id it takes (engine.device_sampling.ColumnChooser) lets
+    # the scheduler run ahead as a Sampler does.
     choose: Callable[[Any], int] | None = None
     # Results.
     output: list[int] = field(default_factory=list)

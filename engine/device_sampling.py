@@ -19,7 +19,7 @@ It does not decide which rows to decode or when (see engine.batch, engine.cuda_g
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -112,12 +112,28 @@ class DeviceLogits:
         return int(torch.clamp(token, max=probs.shape[0] - 1))
 
 
+@runtime_checkable
+class ColumnChooser(Protocol):
+    """A token chooser other than a `Sampler` (engine.batch's `GenRequest.choose`) that can say
+    which of a device row's greedy ids it will take, so that a scheduler may launch the next
+    step on that id before the host has it."""
+
+    def __call__(self, logits: Any) -> int: ...
+
+    def greedy_column(self, logits: "DeviceLogits") -> int | None:
+        """0 (plain argmax), 1 (end ids masked) or None (it chooses otherwise)."""
+
+
 def greedy_column(logits: Any, chooser: Any) -> int | None:
-    """Which of a frontier row's greedy ids `chooser` takes (`DeviceLogits.greedy_column`):
-    None where the row is on the host or the chooser is not a `Sampler` (it picks by means
-    the step's ids do not know)."""
-    if isinstance(logits, DeviceLogits) and isinstance(chooser, Sampler):
+    """Which of a frontier row's greedy ids `chooser` takes (`DeviceLogits.greedy_column` for
+    a `Sampler`, its own answer for a `ColumnChooser`): None where the row is on the host or
+    the chooser picks by means the step's ids do not know."""
+    if not isinstance(logits, DeviceLogits):
+        return None
+    if isinstance(chooser, Sampler):
         return logits.greedy_column(chooser)
+    if isinstance(chooser, ColumnChooser):
+        return chooser.greedy_column(logits)
     return None
 
 

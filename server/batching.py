@@ -215,6 +215,26 @@ def step_charges(seconds: float, advanced: Sequence[int], decode_step_s: float |
 
 # --- the loop ------------------------------------------------------------------------------
 
+class _Chooser:
+    """A batched job's token chooser (`choose`, guarded) that also tells the scheduler which of a
+    device row's greedy ids it takes (engine.device_sampling.ColumnChooser): its sampler's, while
+    the job's decoder draws with that sampler alone.  The scheduler then launches the next step
+    on that id before the host has it, and keeps that step only where the chosen token is that id
+    (engine.batch), so a wrong answer costs a step's time, never a token."""
+
+    def __init__(self, choose: Callable[[Any], int], run: "_Running", sampler: Any):
+        self._choose, self._run, self._sampler = choose, run, sampler
+
+    def __call__(self, logits: Any) -> int:
+        return self._choose(logits)
+
+    def greedy_column(self, logits: Any) -> int | None:
+        run = self._run
+        if run.error is not None or not run.budget or not run.decoder.follows_sampler:
+            return None
+        return logits.greedy_column(self._sampler)
+
+
 class _Running:
     """One job in one slot: its scoring or its stages, its decoder and the GenRequest in the scheduler."""
 
@@ -671,7 +691,7 @@ class BatchedLoop:
                 if budget > 0:
                     run.decoder.accept(token)
 
-            run.decode_calls = (guard(choose), guard(on_token), cancel, params)
+            run.decode_calls = (_Chooser(guard(choose), run, sampler), guard(on_token), cancel, params)
             run.gen = GenRequest(ids=list(run.ids), params=params, max_tokens=max(1, budget),
                                  on_token=run.decode_calls[1], choose=run.decode_calls[0], cancel=cancel, slot=run.slot)
         self.scheduler.submit(run.gen)

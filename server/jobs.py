@@ -435,6 +435,12 @@ class TokenDecoder:
             return greedy_id(logits)
         return int(sample(logits))
 
+    @property
+    def follows_sampler(self) -> bool:
+        """Whether `choose` now draws with its `sample` alone: no constraint to apply and no tool
+        call in progress (inside one it takes the argmax)."""
+        return self.constraint is None and not (self.splitter is not None and self.splitter.in_structure)
+
     def accept(self, token: int) -> bool:
         stats = self.job.stats
         stats.n_generated += 1

@@ -110,3 +110,31 @@ def test_a_biased_device_row_is_not_answered_from_the_steps_greedy_ids():
     assert Sampler(SamplingParams(logit_bias=((5, -100.0), (1, 50.0))))(row) == 1
     draws = Sampler(SamplingParams(temperature=1.0, seed=3, logit_bias=((2, 100.0),)))
     assert {draws(row) for _ in range(10)} == {2}
+
+
+def test_a_chooser_that_names_its_greedy_column_is_asked_and_other_choosers_are_not():
+    """`greedy_column` (what a scheduler runs ahead on): a Sampler's column, a ColumnChooser's
+    own answer, nothing for any other callable or for a row on the host."""
+    from engine.device_sampling import ColumnChooser, greedy_column
+
+    row = DeviceLogits(LOGITS.clone(), greedy=5, greedy_no_eos=0, eos_ids=frozenset({5}))
+
+    class Names:
+        def __init__(self, column):
+            self.column, self.asked = column, []
+
+        def __call__(self, logits) -> int:
+            return 0
+
+        def greedy_column(self, logits):
+            self.asked.append(logits)
+            return self.column
+
+    assert isinstance(Names(1), ColumnChooser) and not isinstance(lambda logits: 0, ColumnChooser)
+    for column in (0, 1, None):
+        chooser = Names(column)
+        assert greedy_column(row, chooser) == column and chooser.asked == [row]
+        assert greedy_column(LOGITS, chooser) is None  # a host row: the step has no ids to run on
+    assert greedy_column(row, lambda logits: 0) is None
+    assert greedy_column(row, Sampler(SamplingParams(temperature=0.0))) == 0
+    assert greedy_column(row, Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({5}))) == 1

@@ -740,3 +740,55 @@ def test_a_scoring_chunk_that_fails_fails_only_its_job(tiny, monkeypatch):
     assert isinstance(failed[-1], Failed) and job.stats.status == "failed"
     assert not any(isinstance(e, PromptScored) for e in failed)
     assert isinstance(decoding[-1], Finished) and text_of(decoding) == alone
+
+
+# --- running ahead on the device ----------------------------------------------------------------
+
+def test_a_batched_job_names_its_samplers_greedy_column_while_its_decoder_follows_the_sampler():
+    """What a batched job tells the scheduler's run-ahead (`_Chooser.greedy_column`): its
+    sampler's column while the decoder draws with the sampler alone; nothing once the job has
+    failed, has no budget, or its decoder decides by other means (a constraint, a tool call)."""
+    import types
+
+    import torch
+
+    from engine.device_sampling import DeviceLogits
+    from engine.sampling import Sampler, SamplingParams
+    from server.batching import _Chooser
+
+    row = DeviceLogits(torch.tensor([0.0, 3.0, 1.0]), greedy=1, greedy_no_eos=2, eos_ids=frozenset({1}))
+    run = types.SimpleNamespace(error=None, budget=8, decoder=types.SimpleNamespace(follows_sampler=True))
+    greedy = _Chooser(lambda logits: 7, run, Sampler(SamplingParams(temperature=0.0), frozenset({1})))
+    no_eos = _Chooser(lambda logits: 7, run, Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({1})))
+    sampled = _Chooser(lambda logits: 7, run, Sampler(SamplingParams(temperature=0.8), frozenset({1})))
+    assert greedy(row) == 7 and greedy.greedy_column(row) == 0 and no_eos.greedy_column(row) == 1
+    assert sampled.greedy_column(row) is None
+    for change in ({"error": RuntimeError("x")}, {"budget": 0},
+                   {"decoder": types.SimpleNamespace(follows_sampler=False)}):
+        stopped = _Chooser(lambda logits: 7, types.SimpleNamespace(**{**vars(run), **change}), greedy._sampler)
+        assert stopped.greedy_column(row) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_batched_greedy_jobs_run_ahead_on_cuda_and_stream_what_stepping_streams(tmp_path):
+    """On CUDA the batched server's greedy jobs launch each next step before the host has its
+    tokens (the scheduler adopts them), and stream the text they stream without it."""
+    from engine import load_model
+    from engine.synthetic import RandomModelSpec, write_random_gguf
+
+    model = load_model(write_random_gguf(tmp_path / "t.gguf", RandomModelSpec(n_ctx=256, seed=21)), device="cuda")
+    prompts = [chat(model, f"question number {i}, about topic {i * 7}") for i in range(3)]
+
+    def serve(run_ahead: bool) -> tuple[list[str], int]:
+        w = started(model, 3)
+        w.serving.scheduler.run_ahead = run_ahead
+        try:
+            out = collect(w, [req(model, p, 24 + 8 * i) for i, p in enumerate(prompts)])
+        finally:
+            w.stop()
+        return [text_of(events) for _, events in out], w.serving.scheduler.adopted
+
+    ahead, adopted = serve(True)
+    stepped, none = serve(False)
+    assert ahead == stepped and none == 0 and adopted >= 10

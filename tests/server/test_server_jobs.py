@@ -109,3 +109,21 @@ def test_joined_events_merge_only_adjacent_text_of_one_kind():
     assert joined_events((end,), (ContentDelta("b"),)) == (end, ContentDelta("b"))
     assert joined_events((ReasoningDelta("a"),), (ContentDelta("b"),)) == (ReasoningDelta("a"), ContentDelta("b"))
     assert joined_events((), (ContentDelta("b"),)) == (ContentDelta("b"),)
+
+
+def test_the_decoder_follows_its_sampler_unless_a_constraint_or_a_tool_call_decides():
+    """What ds4-server's batched jobs tell the scheduler's run-ahead (`follows_sampler`): plain
+    requests draw with their sampler; a constraint may force or mask tokens, and inside a tool
+    call the argmax is taken."""
+    plain, _ = decoder_for()
+    assert plain.follows_sampler
+    constrained, _ = decoder_for(new_constraint=lambda model, splitter: object())
+    assert not constrained.follows_sampler
+
+    class Splitter:
+        in_structure = False
+
+    tools, _ = decoder_for(new_splitter=Splitter)
+    assert tools.follows_sampler
+    tools.splitter.in_structure = True
+    assert not tools.follows_sampler
