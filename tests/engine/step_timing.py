@@ -1,17 +1,21 @@
-"""Times graph-replayed decoding steps of the dense shapes on CUDA under several values of
-`engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k a product runs as one-row products
-before the tensor-core kernel takes it), alternated in one process; a script for the device,
-not a test.
+"""Times graph-replayed decoding steps of the dense shapes on CUDA under several settings,
+alternated in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k
+a product runs as one-row products before the tensor-core kernel takes it) and sets of
+`engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay
+the next larger one's); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
-into `--models` on first use.  The model is loaded once per value (each Int4Weight reads the
-value when it is built), each row count's sessions are made and stepped once (which captures
-that bucket's graph under that value), and then 32-step timings of every value are alternated
+into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
+one-row limit when it is built; the buckets are set again before each timing, as graphs are
+looked up by them), each row count's sessions are made and stepped once (which captures that
+bucket's graph under that setting), and then 32-step timings of every setting are alternated
 `--repeats` times per row count, each from the same 128 cached positions.  It prints, per row
-count, every value's median milliseconds a step and its speed against the first value.
+count, every setting's median milliseconds a step and its speed against the first.
 
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --shape smollm2-135m \\
         --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64
+    PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --rows 3,6,12 \\
+        --buckets "1,2,4,8,16,32,64;1,2,3,4,6,8,12,16,24,32,48,64"
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import torch
 
 import engine
 from ds4bench.cuda_paths import SHAPES, batch_sessions, model_file, run_steps
-from engine import cuda_int4
+from engine import cuda_graphs, cuda_int4
 
 CACHED = 128  # positions each row holds before the timed steps
 STEPS = 32  # steps a timing
@@ -48,33 +52,44 @@ def main() -> None:
     ap.add_argument("--models", required=True, help="folder of the random files (written on first use)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--rows", default="1,2,4,8,16", help="row counts of the timed steps")
-    ap.add_argument("--gemv-mi", default="4,16", help="GEMV_ROW_ELEMENTS values in Mi elements; the first is the base")
+    ap.add_argument("--gemv-mi", default="16", help="GEMV_ROW_ELEMENTS values in Mi elements")
+    ap.add_argument("--buckets", default=",".join(map(str, cuda_graphs.BUCKETS)),
+                    help="sets of BUCKETS, separated by ';' (each setting is a one-row limit and a set: "
+                         "every pair; the first is the base)")
     ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    values = [int(v) for v in args.gemv_mi.split(",")]
+    settings = [(int(v), tuple(int(b) for b in bs.split(","))) for v in args.gemv_mi.split(",")
+                for bs in args.buckets.split(";")]
     os.makedirs(args.models, exist_ok=True)
     path = model_file(args.models, args.shape)
     n_vocab = SHAPES[args.shape]["n_vocab"]
     device = torch.device(args.device)
     held = {}
-    for value in values:
-        cuda_int4.GEMV_ROW_ELEMENTS = value * 2 ** 20
+    for setting in settings:
+        cuda_int4.GEMV_ROW_ELEMENTS = setting[0] * 2 ** 20
+        cuda_graphs.BUCKETS = setting[1]
         model = engine.load_model(path, device=args.device, ctx=CACHED + 4 * STEPS)
         for n in rows:
             sessions, first = batch_sessions(model, n, CACHED, n_vocab)
-            timed(sessions, first, device)  # captures this bucket's graph under this value
-            held[value, n] = sessions, first
+            timed(sessions, first, device)  # captures this bucket's graph under this setting
+            held[setting, n] = sessions, first
     for n in rows:
-        ms = {value: [] for value in values}
+        ms = {setting: [] for setting in settings}
         for _ in range(args.repeats):
-            for value in values:
-                ms[value].append(timed(*held[value, n], device))
-        base = statistics.median(ms[values[0]])
-        cells = "  ".join(f"{v} Mi {statistics.median(ms[v]):.4f} ms ({base / statistics.median(ms[v]):.3f}x)"
-                          for v in values)
+            for setting in settings:
+                cuda_graphs.BUCKETS = setting[1]
+                ms[setting].append(timed(*held[setting, n], device))
+        base = statistics.median(ms[settings[0]])
+        cells = "  ".join(f"{v} Mi, bucket {_bucket(n, b)}: "
+                          f"{statistics.median(ms[v, b]):.4f} ms ({base / statistics.median(ms[v, b]):.3f}x)"
+                          for v, b in settings)
         print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    return next((b for b in buckets if n <= b), 0)
 
 
 if __name__ == "__main__":
