@@ -63,19 +63,19 @@ class WarmUp:
                 f"{p.batches[0]}-{p.batches[-1]} rows, prompts of {p.prompts[0]}-{p.prompts[-1]} tokens)")
 
 
-def plan(rows: int, n_ctx: int, buckets: tuple[int, ...] = cuda_graphs.BUCKETS,
-         graph_tokens: int = cuda_graphs.PREFILL_GRAPH_TOKENS, chunk: int = 2048) -> Plan:
-    """The warm-up of a model of `n_ctx` positions whose batches reach `rows` rows: every bucket's
-    prefill piece, the eager prefill just past `graph_tokens` and at a whole `chunk`, and the
-    decoding steps of every bucket up to the one of `rows` (at most the largest).  A prompt
-    leaves a position free for the step after it."""
+def plan(rows: int, n_ctx: int, buckets: tuple[int, ...], graph_tokens: int, chunk: int) -> Plan:
+    """The warm-up of a model of `n_ctx` positions whose batches reach `rows` rows, its graphs'
+    `buckets` of rows taking prefills of up to `graph_tokens` tokens and its eager prefill
+    `chunk` tokens at a time: every bucket's prefill piece, the eager prefill just past
+    `graph_tokens` and at a whole chunk, and the decoding steps of every bucket up to the one of
+    `rows` (at most the largest).  A prompt leaves a position free for the step after it."""
     if rows < 1:
         raise ValueError(f"a warm-up needs at least one row, got {rows}")
     longest = n_ctx - 1
     piece = min(buckets[-1], graph_tokens)
     prompts = sorted({min(n, longest) for n in (*(b for b in buckets if b <= piece), graph_tokens + 1, chunk)
                       if n >= 1 and longest >= 1})
-    top = cuda_graphs.bucket_for(min(rows, buckets[-1]))
+    top = next(b for b in buckets if min(rows, buckets[-1]) <= b)
     return Plan(tuple(prompts), tuple(b for b in buckets if b <= top))
 
 
@@ -97,8 +97,8 @@ def warm_up(model: "Model", rows: int = 1) -> WarmUp:
         return WarmUp(0.0, skipped=skipped)
     graphs = model.net.decode_graphs
     before = graphs.graph_count
-    p = plan(rows, model.n_ctx, chunk=model.prefill_chunk)
-    ids = [i % model.n_vocab for i in range(max(p.prompts))]  # any ids: only the shapes matter
+    p = plan(rows, model.n_ctx, cuda_graphs.BUCKETS, cuda_graphs.PREFILL_GRAPH_TOKENS, model.prefill_chunk)
+    ids = [i % model.n_vocab for i in range(max(p.prompts, default=1))]  # any ids: only the shapes matter
     for n in p.prompts:
         model.new_session().sync(ids[:n])
     sessions = model.new_sessions(p.batches[-1])

@@ -229,7 +229,10 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
         grammar_tokenizer(model)
     except Exception as e:  # the first request that needs it then meets the same error, as before
         logging.getLogger("ds4.server").warning("grammar vocabulary not built: %s: %s", type(e).__name__, e)
-    warmed = engine_thread.call(model.warm_up, config.batched_session) if config.warmup else None
+    try:
+        warmed = engine_thread.call(model.warm_up, config.batched_session) if config.warmup else None
+    except (RuntimeError, ValueError) as e:  # e.g. the device's memory: the first requests would fail alike
+        raise click.ClickException(f"cannot warm the model up (--no-warmup skips it): {e}") from None
     try:
         app = create_app(model, config, engine_thread=engine_thread)
     except CapacityError as e:

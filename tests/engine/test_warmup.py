@@ -21,6 +21,7 @@ def test_the_plan_meets_every_prefill_bucket_both_eager_prefills_and_the_batches
     assert plan(1, 4096, BUCKETS, 256, 2048).batches == (1,)
     assert plan(16, 4096, BUCKETS, 256, 2048).batches == (1, 2, 4, 8, 16)
     assert plan(500, 4096, BUCKETS, 256, 2048).batches == BUCKETS  # more rows than graphs: the eager step after
+    assert plan(6, 4096, (1, 2, 3, 4, 6, 8), 256, 2048).batches == (1, 2, 3, 4, 6)
 
 
 def test_prompts_fit_the_context_and_prefill_pieces_their_bucket():
@@ -32,7 +33,7 @@ def test_prompts_fit_the_context_and_prefill_pieces_their_bucket():
 
 def test_a_plan_needs_a_row():
     with pytest.raises(ValueError, match="at least one row"):
-        plan(0, 4096)
+        plan(0, 4096, BUCKETS, 256, 2048)
 
 
 def test_the_report_line_names_what_ran_or_why_nothing_did():

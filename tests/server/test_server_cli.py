@@ -155,6 +155,21 @@ def test_the_model_is_warmed_up_for_the_batched_sessions_before_it_serves(monkey
         assert calls == want
 
 
+def test_a_warm_up_that_fails_is_a_one_line_error(monkeypatch):
+    import engine
+
+    model = FakeModel()
+    monkeypatch.setattr(engine, "load_model", lambda *a, **kw: model)
+
+    def out_of_memory(rows):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(model, "warm_up", out_of_memory)
+    result = CliRunner().invoke(main, ["--port", "0"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert result.output.strip() == ("Error: cannot warm the model up (--no-warmup skips it): CUDA out of memory. "
+                                     "Tried to allocate 2.00 GiB")
+
+
 def test_threads_flag_sets_the_engine_threads_before_loading(monkeypatch):
     import threading
 
