@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import engine
-from engine import SamplingParams, generate
+from engine import SamplingParams, cuda_graphs, generate
 from engine.batch import BatchScheduler, GenRequest
 from engine.warmup import Plan, WarmUp, plan
 
@@ -63,7 +63,7 @@ def test_after_a_warm_up_requests_capture_nothing_and_decode_as_without_it(tiny_
     graphs = warm.net.decode_graphs
     assert done.plan is not None and done.skipped is None and done.graphs == graphs.graph_count > 0
     count, seconds = graphs.graph_count, graphs.capture_seconds
-    assert graphs.captured_buckets == {1, 2, 4, 8, 16, 32, 64}  # the prefill pieces'; decoding's are 1-4
+    assert graphs.captured_buckets == set(cuda_graphs.BUCKETS)  # the prefill pieces'; decoding's are 1-4
 
     params = SamplingParams(argmax_ignoring_eos=True)
 
