@@ -758,14 +758,15 @@ def test_a_batched_job_names_its_samplers_greedy_column_while_its_decoder_follow
 
     row = DeviceLogits(torch.tensor([0.0, 3.0, 1.0]), greedy=1, greedy_no_eos=2, eos_ids=frozenset({1}))
     run = types.SimpleNamespace(error=None, budget=8, decoder=types.SimpleNamespace(follows_sampler=True))
-    greedy = _Chooser(lambda logits: 7, run, Sampler(SamplingParams(temperature=0.0), frozenset({1})))
+    argmax = Sampler(SamplingParams(temperature=0.0), frozenset({1}))
+    greedy = _Chooser(lambda logits: 7, run, argmax)
     no_eos = _Chooser(lambda logits: 7, run, Sampler(SamplingParams(argmax_ignoring_eos=True), frozenset({1})))
     sampled = _Chooser(lambda logits: 7, run, Sampler(SamplingParams(temperature=0.8), frozenset({1})))
     assert greedy(row) == 7 and greedy.greedy_column(row) == 0 and no_eos.greedy_column(row) == 1
     assert sampled.greedy_column(row) is None
     for change in ({"error": RuntimeError("x")}, {"budget": 0},
                    {"decoder": types.SimpleNamespace(follows_sampler=False)}):
-        stopped = _Chooser(lambda logits: 7, types.SimpleNamespace(**{**vars(run), **change}), greedy._sampler)
+        stopped = _Chooser(lambda logits: 7, types.SimpleNamespace(**{**vars(run), **change}), argmax)
         assert stopped.greedy_column(row) is None
 
 
