@@ -47,7 +47,8 @@ class Plan:
 @dataclass(frozen=True)
 class WarmUp:
     """What a warm-up did: its plan, the new graphs it captured and its wall time; `skipped`
-    says why nothing ran (then `plan` is None)."""
+    says why nothing ran (then `plan` is None), or why the graphs were off after it ran (a
+    capture that failed turns them off)."""
 
     seconds: float
     plan: Plan | None = None
@@ -59,8 +60,9 @@ class WarmUp:
         if self.plan is None:
             return f"warm-up: none ({self.skipped})"
         p = self.plan
-        return (f"warm-up: {self.graphs} CUDA graphs captured in {self.seconds:.2f} s (decoding steps of "
+        line = (f"warm-up: {self.graphs} CUDA graphs captured in {self.seconds:.2f} s (decoding steps of "
                 f"{p.batches[0]}-{p.batches[-1]} rows, prompts of {p.prompts[0]}-{p.prompts[-1]} tokens)")
+        return line if self.skipped is None else f"{line}; then {self.skipped}: steps run eagerly"
 
 
 def plan(rows: int, n_ctx: int, buckets: tuple[int, ...], graph_tokens: int, chunk: int) -> Plan:

@@ -41,6 +41,9 @@ def test_the_report_line_names_what_ran_or_why_nothing_did():
     assert ran.describe() == ("warm-up: 9 CUDA graphs captured in 1.23 s (decoding steps of 1-4 rows, "
                               "prompts of 1-257 tokens)")
     assert WarmUp(0.0, skipped="no captured steps on cpu").describe() == "warm-up: none (no captured steps on cpu)"
+    failed = WarmUp(2.0, Plan((1,), (1,)), graphs=0, skipped="CUDA graphs are off: OutOfMemoryError: x")
+    assert failed.describe() == ("warm-up: 0 CUDA graphs captured in 2.00 s (decoding steps of 1-1 rows, prompts "
+                                 "of 1-1 tokens); then CUDA graphs are off: OutOfMemoryError: x: steps run eagerly")
 
 
 def test_on_cpu_nothing_runs(tiny_gguf):
