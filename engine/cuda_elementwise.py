@@ -10,7 +10,8 @@ the next matmul reads.
 - `head_norms_(qkv, q_weight, k_weight, H, Hkv, eps)`: qwen3's per-head RMSNorms of the query
   and key heads, in place in the projections' rows, float32: one kernel where torch's
   expression is five for each and two copies back.
-- `swiglu(gate_up, out_dtype, op_dtype=None)`: gate_up [N, 2 * n_ff] (gate, then up; float32
+- `swiglu(gate_up, out_dtype, op_dtype=None, paired=False)`: gate_up [N, 2 * n_ff] (gate, then
+  up, or with `paired` gate j and up j side by side; float32
   from int4 products, bfloat16 from dense ones and from int4 products of prefill rows, which
   cuBLAS rounded to it: `op_dtype` float32 then) -> silu(gate) * up [N, n_ff], computed as torch
   computes `F.silu(gate) * up` on tensors of `op_dtype` (default gate_up's; float32 arithmetic,
@@ -66,18 +67,28 @@ if AVAILABLE:
         tl.store(p, x * inv * w, mask=m)
 
     @triton.jit
-    def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr, OP: tl.constexpr, DEPENDENT: tl.constexpr):
+    def silu_times(gate, up, OP: tl.constexpr):
+        """silu(gate) * up of float32 values, as torch computes `F.silu(gate) * up` on tensors of
+        the dtype OP: x / (1 + exp(-x)) with the accurate exp and a correctly rounded division,
+        each op's result rounded to OP (returned in OP).  The one formula of every SwiGLU kernel
+        (here and engine.cuda_int4's products that end in it), so they agree bitwise."""
+        silu = tl.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(OP).to(tl.float32)
+        return (silu * up).to(OP)
+
+    @triton.jit
+    def _swiglu(gu_ptr, out_ptr, n_ff, BLOCK: tl.constexpr, OP: tl.constexpr, PAIRED: tl.constexpr,
+                DEPENDENT: tl.constexpr):
         dependent_start(DEPENDENT)
         r = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < n_ff
-        gate = tl.load(gu_ptr + r * 2 * n_ff + c, mask=m, other=0.0).to(tl.float32)
-        up = tl.load(gu_ptr + r * 2 * n_ff + n_ff + c, mask=m, other=0.0).to(tl.float32)
-        # torch's silu, x / (1 + exp(-x)) with the accurate exp and a correctly rounded
-        # division, rounded to the dtype OP as torch rounds each op's result on tensors of it
-        silu = tl.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(OP).to(tl.float32)
-        product = (silu * up).to(OP)
-        tl.store(out_ptr + r * n_ff + c, product.to(out_ptr.dtype.element_ty), mask=m)
+        if PAIRED:  # gate j and up j side by side (engine.cuda_int4.SwiGLUWeight's columns)
+            gate_at, up_at = gu_ptr + r * 2 * n_ff + 2 * c, gu_ptr + r * 2 * n_ff + 2 * c + 1
+        else:
+            gate_at, up_at = gu_ptr + r * 2 * n_ff + c, gu_ptr + r * 2 * n_ff + n_ff + c
+        gate = tl.load(gate_at, mask=m, other=0.0).to(tl.float32)
+        up = tl.load(up_at, mask=m, other=0.0).to(tl.float32)
+        tl.store(out_ptr + r * n_ff + c, silu_times(gate, up, OP).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _chunk_argmax(rows_ptr, eos_ptr, val_ptr, idx_ptr, n_vocab, stride, n_chunks,
@@ -166,7 +177,8 @@ def head_norms_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tenso
                                          DP=triton.next_power_of_2(D), num_warps=1 if D <= 128 else 4)
 
 
-def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype, op_dtype: torch.dtype | None = None) -> torch.Tensor:
+def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype, op_dtype: torch.dtype | None = None,
+           paired: bool = False) -> torch.Tensor:
     rows, width = gate_up.shape
     n_ff = width // 2
     gate_up = gate_up.contiguous()
@@ -174,8 +186,9 @@ def swiglu(gate_up: torch.Tensor, out_dtype: torch.dtype, op_dtype: torch.dtype 
     block = min(triton.next_power_of_2(n_ff), 2048)
     op = _OP_DTYPES[op_dtype or gate_up.dtype]
     dependent = dependent_launch(out.device)
-    _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, OP=op, DEPENDENT=dependent,
-                                              launch_pdl=dependent, num_warps=4 if block <= 1024 else 8)
+    _swiglu[(rows, triton.cdiv(n_ff, block))](gate_up, out, n_ff, BLOCK=block, OP=op, PAIRED=paired,
+                                              DEPENDENT=dependent, launch_pdl=dependent,
+                                              num_warps=4 if block <= 1024 else 8)
     return out
 
 

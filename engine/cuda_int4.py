@@ -8,6 +8,9 @@ it is finite (Q4_K, whose scales are products of two fields: rounded to 11 bits)
 float32.  `w(x)`: x [M, K] (float32 or bfloat16) -> x @ W^T [M, N] float32; `w(x, into=r)`
 adds the product to r (the residual stream) in the product's last kernel instead, up to
 `ADD_IN_KERNEL_ROWS` rows: the same one float32 addition, one kernel and one tensor fewer.
+`w.paired_halves()` is a [gate; up] matrix with its rows reordered in gate/up pairs, whose
+`swiglu(x, dtype)` ends the product in silu(gate) * up (`store_gated`, or the split sums'
+kernel), by engine.cuda_elementwise's formula: the bits of the product and then that kernel.
 
 The products never form W.  Per group they multiply the activations, rounded to bfloat16,
 by the nibbles as integers: those products are exact and are summed in float32.  Then the
@@ -69,6 +72,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import cuda_elementwise
 from engine.cuda_attention import AVAILABLE, dependent_launch, gdc_launch_dependents, gdc_wait, tl, triton
 
 GROUP = 32
@@ -87,6 +91,11 @@ GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 def gemv_rows_for(n: int, k: int) -> int:
     """Most rows an n x k matrix multiplies as one-row products (at least 1)."""
     return max(1, GEMV_ROW_ELEMENTS // (n * k))
+
+# [gate; up] matrices of the SwiGLU families are held in gate/up pairs on CUDA, their products
+# ending in the SwiGLU (`Int4Weight.paired_halves`, engine.weights.PairedInt4Linear), instead of
+# a product and then the SwiGLU kernel: the same bits, one kernel fewer a layer.
+SWIGLU_IN_PRODUCTS = True
 
 # Dequantize + cuBLAS from this many rows on, for matrices of at least GEMM_MIN_ELEMENTS.
 GEMM_ROWS = 512
@@ -214,6 +223,7 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 if AVAILABLE:
     from engine.cuda_attention import dependent_start
+    from engine.cuda_elementwise import silu_times
 
     @triton.jit
     def add_group(acc, dot, scale, xsum, minimum):
@@ -267,16 +277,27 @@ if AVAILABLE:
         xsum = tl.dot(tl.full(q.shape, 1.0, OPERAND), x)
         return add_group(acc, dot, scale[:, None], xsum, minimum[:, None])
 
+    @triton.jit
+    def store_gated(acc, row_ptr, j0, n_out, row_mask):
+        """SwiGLU of a tile of sums [R, 2 * C] whose columns are gate/up pairs (gate j, then up j),
+        stored as [R, C] at row_ptr (a pointer per row) from output column j0, n_out columns in
+        all: the float32 formula of engine.cuda_elementwise's kernel, so the same bits."""
+        gate, up = tl.split(tl.reshape(acc, (acc.shape[0], acc.shape[1] // 2, 2)))
+        j = j0 + tl.arange(0, acc.shape[1] // 2)
+        tl.store(row_ptr + j[None, :], silu_times(gate, up, tl.float32).to(row_ptr.dtype.element_ty),
+                 mask=row_mask & (j < n_out)[None, :])
+
     # Row counts and split lengths are not specialized on (Triton compiles a variant for
     # values of 1 and multiples of 16 otherwise): prompts of every length reach these kernels,
     # and each new variant cost a compile of up to a second in the middle of a case.
     @triton.jit(do_not_specialize=["M", "groups_per_split"])
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
-                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr):
+                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False):
         """A [BM, BN] tile of x @ W^T per program, over its split's groups; TRANSPOSED: the tile
         computed columns by rows (`group_product_t`, decoding steps) and written back as
-        [rows, columns], the same sums."""
+        [rows, columns], the same sums.  GATED (one split, columns in gate/up pairs): the tile's
+        SwiGLU written instead, [BM, BN / 2] of a [M, N / 2] output (`store_gated`)."""
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         split = tl.program_id(2)
@@ -294,6 +315,11 @@ if AVAILABLE:
                     acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
                 else:
                     acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+        if GATED:
+            if TRANSPOSED:
+                acc = tl.trans(acc)
+            store_gated(acc, out_ptr + m[:, None] * (N // 2), tl.program_id(1) * (BN // 2), N // 2, mm[:, None])
+            return
         if TRANSPOSED:
             out = out_ptr + split * M * N + m[None, :] * N + n[:, None]
             mask = mm[None, :] & nm[:, None]
@@ -376,9 +402,9 @@ if AVAILABLE:
     @triton.jit
     def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
-                   OPERAND: tl.constexpr, DEPENDENT: tl.constexpr):
+                   OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, GATED: tl.constexpr = False):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
-        CUDA cores (`gemv_columns`), each row's in the order it has alone."""
+        CUDA cores (`gemv_columns`), each row's in the order it has alone; GATED as _int4_gemm's."""
         if DEPENDENT:  # the next kernel may launch; gemv_columns waits for the one before
             gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -387,20 +413,36 @@ if AVAILABLE:
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
                          groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT)
+        if GATED:
+            store_gated(y[None, :], out_ptr + row * (N // 2), tl.program_id(0) * (BN // 2), N // 2,
+                        tl.full((1, 1), 1, tl.int1))
+            return
         out = out_ptr + (split * tl.num_programs(2) + row) * N + n
         if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
             y += tl.load(out, mask=nm, other=0.0)
         tl.store(out, y, mask=nm)
 
+    @triton.jit
+    def split_sum(part_ptr, i, mask, stride, SPLITS: tl.constexpr):
+        acc = tl.load(part_ptr + i, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):  # a fixed order: the same sums every time
+            acc += tl.load(part_ptr + s * stride + i, mask=mask, other=0.0)
+        return acc
+
     @triton.jit(do_not_specialize=["total"])
     def _add_splits(part_ptr, out_ptr, total, SPLITS: tl.constexpr, BLOCK: tl.constexpr, ADD: tl.constexpr,
-                    DEPENDENT: tl.constexpr):
+                    DEPENDENT: tl.constexpr, GATED: tl.constexpr = False):
+        """out (`total` elements) = the SPLITS partial sums added in split order (+ out's own
+        values with ADD); GATED: out holds `total` SwiGLU values, of the sums' gate/up pairs."""
         dependent_start(DEPENDENT)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < total
-        acc = tl.load(part_ptr + i, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):  # a fixed order: the same sums every time
-            acc += tl.load(part_ptr + s * total + i, mask=mask, other=0.0)
+        if GATED:  # output i is the pair (2i, 2i + 1) of the [splits, rows, N = 2 * N / 2] sums
+            gate = split_sum(part_ptr, 2 * i, mask, 2 * total, SPLITS)
+            up = split_sum(part_ptr, 2 * i + 1, mask, 2 * total, SPLITS)
+            tl.store(out_ptr + i, silu_times(gate, up, tl.float32).to(out_ptr.dtype.element_ty), mask=mask)
+            return
+        acc = split_sum(part_ptr, i, mask, total, SPLITS)
         if ADD:  # added to what the output held, after the product's own sum
             acc += tl.load(out_ptr + i, mask=mask, other=0.0)
         tl.store(out_ptr + i, acc, mask=mask)
@@ -424,20 +466,25 @@ if AVAILABLE:
                  mask=nm[:, None] & (col < K)[None, :])
 
 
-def _outputs(rows: int, n: int, splits: int, device: torch.device,
-             into: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The product's float32 [rows, n] output (`into`, where the product is added to it) and
-    where the kernel writes: the output itself, or [splits, rows, n] partial sums."""
-    out = torch.empty((rows, n), dtype=torch.float32, device=device) if into is None else into
+def _outputs(rows: int, n: int, splits: int, device: torch.device, into: torch.Tensor | None,
+             gated: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product's float32 [rows, n] output (`into`, where the product is added to it; with
+    `gated`, its SwiGLU [rows, n / 2] of that dtype) and where the kernel writes: the output
+    itself, or [splits, rows, n] float32 partial sums."""
+    if gated is not None:
+        out = torch.empty((rows, n // 2), dtype=gated, device=device)
+    else:
+        out = torch.empty((rows, n), dtype=torch.float32, device=device) if into is None else into
     return out, (out if splits == 1 else torch.empty((splits, rows, n), dtype=torch.float32, device=device))
 
 
-def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int, add: bool) -> torch.Tensor:
+def _add_up(part: torch.Tensor, out: torch.Tensor, splits: int, add: bool, gated: bool = False) -> torch.Tensor:
     if splits > 1:
         total, block = out.numel(), 1024
         dependent = dependent_launch(out.device)
         _add_splits[(triton.cdiv(total, block),)](part, out, total, SPLITS=splits, BLOCK=block, ADD=add,
-                                                  DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
+                                                  DEPENDENT=dependent, GATED=gated, launch_pdl=dependent,
+                                                  num_warps=4)
     return out
 
 
@@ -474,6 +521,40 @@ class Int4Weight:
         self.pairs = scale_pairs(scale, minimum)
         self.gemm_rows = gemm_rows_for(self.n, self.k)
         self.gemv_rows = gemv_rows_for(self.n, self.k)
+        self.paired = False  # rows in gate/up pairs (`paired_halves`)
+
+    def paired_halves(self) -> "Int4Weight":
+        """This [gate; up] matrix (gate's n/2 rows, then up's) with its rows reordered gate 0,
+        up 0, gate 1, up 1, ..., for `swiglu`: every output tile of the products then holds
+        whole pairs, and ends in their SwiGLU.  Its plain products (`w(x)`) give the columns in
+        that order."""
+        if self.n % 2:
+            raise ValueError(f"a gate/up matrix has an even number of rows, not {self.n}")
+        order = torch.arange(self.n, device=self.nibbles.device).view(2, self.n // 2).t().reshape(-1)
+        paired = Int4Weight.__new__(Int4Weight)
+        paired.n, paired.k = self.n, self.k
+        paired.nibbles = self.nibbles[order].contiguous()
+        paired.words = paired.nibbles.view(torch.int32)
+        paired.pairs = self.pairs[:, order].contiguous()
+        paired.gemm_rows, paired.gemv_rows = self.gemm_rows, self.gemv_rows
+        paired.paired = True
+        return paired
+
+    def swiglu(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """x [M, K] -> silu(x @ G^T) * (x @ U^T) [M, N / 2] in `out_dtype`, for a matrix made by
+        `paired_halves`: the product's last kernel computes it from the float32 sums (the
+        cuBLAS path's bfloat16 products through engine.cuda_elementwise's kernel), by the
+        formula of that kernel, so the same bits as the product and then that kernel, one
+        kernel and one [M, N] tensor fewer."""
+        if not self.paired:
+            raise ValueError("swiglu needs a matrix made by paired_halves")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        if rows >= self.gemm_rows:
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
+            return cuda_elementwise.swiglu(y, out_dtype, torch.float32, paired=True)
+        return self.gemv(x, gated=out_dtype) if rows <= self.gemv_rows else self.fused(x, gated=out_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -500,26 +581,30 @@ class Int4Weight:
         return self.gemv(x, into=into) if rows <= self.gemv_rows else self.fused(x, into=into)
 
     def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None,
-             into: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> [M, N] float32 (each row of x contiguous), or added to `into`: each row
-        as the one-row kernel computes it alone, one launch for all."""
+             into: torch.Tensor | None = None, gated: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32 (each row of x contiguous), or added to `into`, or with
+        `gated` its SwiGLU (`swiglu`): each row as the one-row kernel computes it alone, one
+        launch for all."""
         rows = x.shape[0]
         cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
         tiles = triton.cdiv(self.n, cfg.bn)
         # Split as for one row, whatever the rows: each row's sums then run in its one-row order.
         splits = split_k(n_groups, tiles, cfg.waves * multiprocessors(x.device))
-        out, part = _outputs(rows, self.n, splits, x.device, into)
+        out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
         dependent = dependent_launch(x.device)
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
                                           n_groups // splits, TWO23_BITS, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
                                           PREFETCH=cfg.prefetch, OPERAND=OPERAND, DEPENDENT=dependent,
-                                          launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
-        return _add_up(part, out, splits, add)
+                                          GATED=gated is not None and splits == 1, launch_pdl=dependent,
+                                          num_warps=cfg.warps, num_stages=cfg.stages)
+        return _add_up(part, out, splits, add, gated is not None)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,
-              into: torch.Tensor | None = None) -> torch.Tensor:
+              into: torch.Tensor | None = None, gated: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] -> [M, N] float32 by the tensor-core kernel, or added to `into`, or with
+        `gated` its SwiGLU (`swiglu`)."""
         rows = x.shape[0]
         cfg = launch or launch_for(rows, self.n, self.k)
         bm = block_m(rows)
@@ -529,13 +614,14 @@ class Int4Weight:
         splits = split_k(n_groups, tiles_m * tiles_n, cfg.waves * multiprocessors(x.device), max_split=cap)
         per = n_groups // splits
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
-        out, part = _outputs(rows, self.n, splits, x.device, into)
+        out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
         _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
+                                               GATED=gated is not None and splits == 1,
                                                num_warps=cfg.warps, num_stages=cfg.stages)
-        return _add_up(part, out, splits, add)
+        return _add_up(part, out, splits, add, gated is not None)
 
     def weight(self) -> torch.Tensor:
         """W as bfloat16 [N, K] in the shared scratch (valid until the next call on this device)."""

@@ -75,7 +75,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Iterable, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -102,6 +102,16 @@ INT8_REPACKED = frozenset(INT8_GROUPS) | INT4_GROUPED
 K_QUANT_TILES = frozenset({QT.Q6_K, QT.Q3_K, QT.Q2_K})
 
 
+class SwiGLUKernels(Protocol):
+    """What `Linear.swiglu` asks of a forward pass's elementwise kernels (engine.models.llama's
+    StepKernels): the SwiGLU of a product, and `out_dtype`, the dtype its fused CUDA kernels
+    write for the next product (None: torch ops, in the product's dtype)."""
+
+    out_dtype: torch.dtype | None
+
+    def swiglu(self, gate_up: torch.Tensor, op_dtype: torch.dtype | None = None) -> torch.Tensor: ...
+
+
 class Linear:
     out_features: int
     in_features: int
@@ -121,6 +131,17 @@ class Linear:
         """out += x @ W^T for a float32 `out` (the residual stream); kernels that can add in
         their last step do so, saving a kernel and a tensor."""
         out += self(x)
+
+    def swiglu(self, x: torch.Tensor, ops: SwiGLUKernels) -> torch.Tensor:
+        """silu(gate) * up for this [gate; up] matrix (gate's rows, then up's) times x: `ops`'
+        SwiGLU of the product; a matrix whose products can end in it (`for_swiglu`) does so."""
+        gate_up, values = self.narrow(x)
+        return ops.swiglu(gate_up, values)
+
+    def for_swiglu(self) -> "Linear":
+        """This [gate; up] matrix in the form whose `swiglu` is fastest: itself, or on CUDA an
+        int4 matrix whose products end in the SwiGLU (`PairedInt4Linear`)."""
+        return self
 
     def vector_operands(self, rows: int) -> list[torch.Tensor] | None:
         """The CPU vector op's operands where a product of `rows` rows is that op alone, with
@@ -537,6 +558,11 @@ class Int4Linear(Linear):
             return self._cuda(x, narrow=True), torch.float32
         return super().narrow(x)
 
+    def for_swiglu(self) -> Linear:
+        if self._cuda is None or self.bias is not None or not cuda_int4.SWIGLU_IN_PRODUCTS:
+            return self
+        return PairedInt4Linear.on_cuda(self._cuda.paired_halves(), self.device)
+
     def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
         if self._cuda is not None and self.bias is None:
             self._cuda(x, into=out)
@@ -561,6 +587,38 @@ class Int4Linear(Linear):
         if self._cuda is not None:
             return self._cuda.nbytes + bias
         return self.packed.nbytes + self.scales_zeros.nbytes + sum(t.nbytes for t in self._codes()) + bias
+
+
+
+class PairedInt4Linear(Int4Linear):
+    """A [gate; up] int4 matrix on CUDA held with its rows in gate/up pairs
+    (cuda_int4.Int4Weight.paired_halves): `swiglu` under fused kernels is then the products'
+    own last kernel, the same bits as the product and then the SwiGLU kernel, one kernel and
+    one [rows, 2 * n_ff] float32 tensor fewer a step (engine.cuda_int4.SWIGLU_IN_PRODUCTS).  Its
+    plain products come back in [gate; up] order, through a copy (no decoding step takes them)."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _unpaired(self._cuda(x))
+
+    def narrow(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.dtype]:
+        return _unpaired(self._cuda(x, narrow=True)), torch.float32
+
+    def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        out += self(x)
+
+    def swiglu(self, x: torch.Tensor, ops: SwiGLUKernels) -> torch.Tensor:
+        if ops.out_dtype is None:  # torch ops: they take the product in [gate; up] order
+            return super().swiglu(x, ops)
+        return self._cuda.swiglu(x, ops.out_dtype)
+
+    def for_swiglu(self) -> Linear:
+        return self
+
+
+def _unpaired(y: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * n] products whose columns are gate/up pairs -> [gate; up] columns."""
+    rows, n = y.shape
+    return y.view(rows, n // 2, 2).transpose(1, 2).reshape(rows, n)
 
 
 def _coded_linear(records: Sequence[TensorRecord], kind: str, row_perm: np.ndarray | None, cpu: CpuKernels,

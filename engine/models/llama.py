@@ -81,6 +81,8 @@ class StepKernels(Protocol):
     ones) and the SwiGLU.  `TorchKernels` is the model's own; engine.cuda_graphs passes fused
     kernels to `LlamaModel.decode_layers` instead."""
 
+    out_dtype: torch.dtype | None  # what fused CUDA kernels write (engine.weights.SwiGLUKernels)
+
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
     def swiglu(self, gate_up: torch.Tensor, op_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -95,6 +97,8 @@ class TorchKernels:
     the compiled kernels' `rms_norm` and `swiglu` (engine.kernels) replace the norm's five torch
     ops for [rows, n_embd] inputs (and for per-head [T, heads, D] ones, the heads taken as rows)
     and the SwiGLU's three, the same ops in prefill and decoding."""
+
+    out_dtype = None  # torch ops: each result in its inputs' dtype
 
     def __init__(self, eps: torch.Tensor, n_ff: int, cpu: CpuKernels | None = None):
         self.eps = eps  # a device scalar: no host value enters the expression
@@ -173,7 +177,7 @@ class Block:
                   cpu: CpuKernels | None) -> None:
         """The dense SwiGLU FFN's matrices; a family with another FFN overrides this (and
         `ffn_bytes`, and its network's `feed_forward`): engine.models.qwen_moe."""
-        self.w_gate_up: Linear = build_linear(self.gate_up_records(t, p), fmt, device, cpu=cpu)
+        self.w_gate_up: Linear = build_linear(self.gate_up_records(t, p), fmt, device, cpu=cpu).for_swiglu()
         self.w_down: Linear = build_linear([t[p + "ffn_down.weight"]], fmt, device, cpu=cpu)
 
     @property
@@ -329,8 +333,7 @@ class LlamaModel(CachedNetwork):
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
-        gate_up, values = blk.w_gate_up.narrow(ops.norm(x, blk.ffn_norm))
-        blk.w_down.accumulate(x, ops.swiglu(gate_up, values))
+        blk.w_down.accumulate(x, blk.w_gate_up.swiglu(ops.norm(x, blk.ffn_norm), ops))
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,20 @@
 """Times graph-replayed decoding steps of the dense shapes on CUDA under several settings,
 alternated in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k
-a product runs as one-row products before the tensor-core kernel takes it) and sets of
+a product runs as one-row products before the tensor-core kernel takes it), sets of
 `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay
-the next larger one's); a script for the device, not a test.
+the next larger one's) and `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
+SwiGLU, or the SwiGLU kernel after them); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
-one-row limit when it is built; the buckets are set again before each timing, as graphs are
+one-row limit, and each gate/up matrix the SwiGLU switch, when it is built; the buckets are set again before each timing, as graphs are
 looked up by them), each row count's sessions are made and stepped once (which captures that
 bucket's graph under that setting), and then 32-step timings of every setting are alternated
 `--repeats` times per row count, each from the same 128 cached positions.  It prints, per row
 count, every setting's median milliseconds a step and its speed against the first.
 
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --shape smollm2-135m \\
-        --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64
+        --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64 --swiglu-in-products 1,0
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --rows 3,6,12 \\
         --buckets "1,2,4,8,16,32,64;1,2,3,4,6,8,12,16,24,32,48,64"
 """
@@ -54,14 +55,16 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16", help="row counts of the timed steps")
     ap.add_argument("--gemv-mi", default="16", help="GEMV_ROW_ELEMENTS values in Mi elements")
     ap.add_argument("--buckets", default=",".join(map(str, cuda_graphs.BUCKETS)),
-                    help="sets of BUCKETS, separated by ';' (each setting is a one-row limit and a set: "
-                         "every pair; the first is the base)")
+                    help="sets of BUCKETS, separated by ';' (each setting is a one-row limit, a set and a "
+                         "SwiGLU switch: every combination; the first is the base)")
+    ap.add_argument("--swiglu-in-products", default="1" if cuda_int4.SWIGLU_IN_PRODUCTS else "0",
+                    help="values of SWIGLU_IN_PRODUCTS (1, 0)")
     ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    settings = [(int(v), tuple(int(b) for b in bs.split(","))) for v in args.gemv_mi.split(",")
-                for bs in args.buckets.split(";")]
+    settings = [(int(v), tuple(int(b) for b in bs.split(",")), p == "1") for v in args.gemv_mi.split(",")
+                for bs in args.buckets.split(";") for p in args.swiglu_in_products.split(",")]
     os.makedirs(args.models, exist_ok=True)
     path = model_file(args.models, args.shape)
     n_vocab = SHAPES[args.shape]["n_vocab"]
@@ -70,6 +73,7 @@ def main() -> None:
     for setting in settings:
         cuda_int4.GEMV_ROW_ELEMENTS = setting[0] * 2 ** 20
         cuda_graphs.BUCKETS = setting[1]
+        cuda_int4.SWIGLU_IN_PRODUCTS = setting[2]
         model = engine.load_model(path, device=args.device, ctx=CACHED + 4 * STEPS)
         for n in rows:
             sessions, first = batch_sessions(model, n, CACHED, n_vocab)
@@ -82,9 +86,9 @@ def main() -> None:
                 cuda_graphs.BUCKETS = setting[1]
                 ms[setting].append(timed(*held[setting, n], device))
         base = statistics.median(ms[settings[0]])
-        cells = "  ".join(f"{v} Mi, bucket {_bucket(n, b)}: "
-                          f"{statistics.median(ms[v, b]):.4f} ms ({base / statistics.median(ms[v, b]):.3f}x)"
-                          for v, b in settings)
+        cells = "  ".join(f"{v} Mi, bucket {_bucket(n, b)}, swiglu {'in' if p else 'after'}: "
+                          f"{statistics.median(ms[v, b, p]):.4f} ms ({base / statistics.median(ms[v, b, p]):.3f}x)"
+                          for v, b, p in settings)
         print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
 
 

@@ -141,6 +141,37 @@ def test_graph_session_decode_matches_its_own_prefill(tiny_gguf):
     torch.testing.assert_close(s.logits, full.logits, rtol=2e-2, atol=2e-2 * float(full.logits.abs().max()))
 
 
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("qwen3", "Q4_K")])
+def test_swiglu_ending_the_gate_up_products_changes_no_bit(tiny_gguf, monkeypatch, arch, qtype):
+    """gate/up matrices held in pairs, their products ending in the SwiGLU
+    (`cuda_int4.SWIGLU_IN_PRODUCTS`), against the product and then the SwiGLU kernel: the same
+    logits bit for bit, through graphs (one row and a batch of five, the 8-row graph) and
+    eagerly (torch's SwiGLU of the products put back in [gate; up] order)."""
+    from engine import cuda_int4
+    from engine.weights import PairedInt4Linear
+    path = tiny_gguf(arch, qtype)
+    logits = {}
+    for paired in (True, False):
+        monkeypatch.setattr(cuda_int4, "SWIGLU_IN_PRODUCTS", paired)
+        graphs, eager = cuda_pair(path)
+        assert isinstance(graphs.net.blocks[0].w_gate_up, PairedInt4Linear) == paired
+        got = []
+        for m in (graphs, eager):
+            s = m.new_session()
+            s.sync(TOKENS)
+            for _ in range(8):
+                got.append(s.logits.clone())
+                s.eval(int(s.logits.argmax()))
+            pool = m.new_sessions(5)
+            for i, p in enumerate(pool):
+                p.sync(TOKENS[i: i + 6])
+            for _ in range(4):
+                decode_batch(pool, [int(p.raw_logits.argmax()) for p in pool])
+                got.extend(p.logits.clone() for p in pool)
+        logits[paired] = got
+    assert all(torch.equal(a, b) for a, b in zip(logits[True], logits[False], strict=True))
+
+
 def _teacher_forced(m: engine.Model, ids: list[int]) -> torch.Tensor:
     s = m.new_session()
     s.sync(ids[:1])

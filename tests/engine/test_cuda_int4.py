@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -197,6 +198,57 @@ def test_a_product_added_to_the_residual_is_the_product_added_after(device, monk
     into = residual.clone()
     assert w(x, into=into) is into
     assert torch.equal(into, residual + product)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+def test_paired_products_end_in_the_swiglu_of_the_plain_product(device, monkeypatch, rows):
+    """`paired_halves().swiglu(x)` is engine.cuda_elementwise's SwiGLU of the plain product, bit
+    for bit, on every path: the one-row kernel and both tensor-core layouts, split (the pairs
+    added up and gated by the second kernel) and not (gated in the product's own), and the
+    cuBLAS path (`gemm_rows` lowered to reach it with a small matrix); and the paired matrix's
+    plain product is the plain one's columns in gate/up pairs."""
+    from engine import cuda_elementwise
+    out_dtype = torch.bfloat16
+    if device == "cpu":
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        # The interpreter has no libdevice (its functions return None) and no bfloat16: tl.exp
+        # (numpy's there) stands in for both sides of each comparison, float32 for the output.
+        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
+        out_dtype = torch.float32
+    n, k = 48, 640  # 24 outputs: a partial tile of pairs at 32 columns; 20 groups
+    rng = np.random.default_rng(rows)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    minimum = (-rng.random((n, k // 32)) * 0.1).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, minimum, torch.device(device))
+    paired = w.paired_halves()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).float().to(device)
+    plain = w(x)
+    assert torch.equal(paired(x), plain.view(rows, 2, n // 2).transpose(1, 2).reshape(rows, n))
+
+    def swiglu(product):
+        return cuda_elementwise.swiglu(product, out_dtype, torch.float32)
+
+    split_row = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)
+    one_row = dataclasses.replace(split_row, waves=1)
+    tiles = cuda_int4.Launch(bn=32, unroll=2, waves=64, split_cap=False)
+    whole = dataclasses.replace(tiles, waves=1, max_split=1)
+    programs = 64 * cuda_int4.multiprocessors(x.device)
+    assert cuda_int4.split_k(k // 32, 3, programs) > 1 and cuda_int4.split_k(k // 32, 2, programs) > 1
+    for launch in (split_row, one_row):
+        got = paired.gemv(x, launch=launch, gated=out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, swiglu(w.gemv(x, launch=launch)))
+    for launch in (tiles, whole, dataclasses.replace(tiles, transposed=True),
+                   dataclasses.replace(whole, transposed=True)):
+        got = paired.fused(x, launch=launch, gated=out_dtype)
+        assert got.shape == (rows, n // 2) and torch.equal(got, swiglu(w.fused(x, launch=launch)))
+    assert torch.equal(paired.swiglu(x, out_dtype), swiglu(plain))
+    paired.gemm_rows = w.gemm_rows = 1
+    assert torch.equal(paired.swiglu(x, torch.float32), cuda_elementwise.swiglu(w(x, narrow=True), torch.float32,
+                                                                             torch.float32))
+    with pytest.raises(ValueError, match="paired_halves"):
+        w.swiglu(x, out_dtype)
 
 
 @pytest.mark.gpu
