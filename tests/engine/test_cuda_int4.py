@@ -251,6 +251,42 @@ def test_paired_products_end_in_the_swiglu_of_the_plain_product(device, monkeypa
         w.swiglu(x, out_dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_paired_gate_up_matrix_answers_as_the_plain_one(device, monkeypatch):
+    """`Linear.for_swiglu` on CUDA: a PairedInt4Linear whose plain, narrow and accumulated
+    products are the plain matrix's, in [gate; up] order, and whose `swiglu` is the plain
+    matrix's under torch ops (`out_dtype` None) and under fused kernels alike, bit for bit;
+    with the switch off, the matrix itself."""
+    from engine import cuda_elementwise
+    from engine.models.llama import TorchKernels
+    from engine.weights import Int4Linear, PairedInt4Linear
+    out_dtype = torch.bfloat16
+    if device == "cpu":  # as in the test above
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
+        out_dtype = torch.float32
+    n, k, rows = 64, 256, 3
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    plain = Int4Linear.on_cuda(cuda_int4.Int4Weight(q, scale, -8 * scale, torch.device(device)), torch.device(device))
+    paired = plain.for_swiglu()
+    assert isinstance(paired, PairedInt4Linear) and paired.for_swiglu() is paired
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).float().to(device)
+    assert torch.equal(paired(x), plain(x))
+    assert torch.equal(paired.narrow(x)[0], plain.narrow(x)[0]) and paired.narrow(x)[1] == torch.float32
+    a, b = torch.ones(rows, n, device=device), torch.ones(rows, n, device=device)
+    paired.accumulate(a, x)
+    plain.accumulate(b, x)
+    assert torch.equal(a, b)
+    torch_ops = TorchKernels(torch.tensor(1e-5, device=device), n // 2)
+    assert torch.equal(paired.swiglu(x, torch_ops), plain.swiglu(x, torch_ops))
+    fused_ops = cuda_elementwise.FusedStepKernels(1e-5, out_dtype)
+    assert torch.equal(paired.swiglu(x, fused_ops), plain.swiglu(x, fused_ops))
+    monkeypatch.setattr(cuda_int4, "SWIGLU_IN_PRODUCTS", False)
+    assert plain.for_swiglu() is plain
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not cuda_int4.AVAILABLE
                     or not dependent_launch_capable(torch.device("cuda")),
