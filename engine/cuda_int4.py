@@ -316,19 +316,21 @@ if AVAILABLE:
                 else:
                     acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
         if GATED:
+            gated_rows = out_ptr + m[:, None] * (N // 2)
             if TRANSPOSED:
-                acc = tl.trans(acc)
-            store_gated(acc, out_ptr + m[:, None] * (N // 2), tl.program_id(1) * (BN // 2), N // 2, mm[:, None])
-            return
-        if TRANSPOSED:
-            out = out_ptr + split * M * N + m[None, :] * N + n[:, None]
-            mask = mm[None, :] & nm[:, None]
+                store_gated(tl.trans(acc), gated_rows, tl.program_id(1) * (BN // 2), N // 2, mm[:, None])
+            else:
+                store_gated(acc, gated_rows, tl.program_id(1) * (BN // 2), N // 2, mm[:, None])
         else:
-            out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
-            mask = mm[:, None] & nm[None, :]
-        if ADD:  # out += x @ W^T (one split)
-            acc += tl.load(out, mask=mask, other=0.0)
-        tl.store(out, acc, mask=mask)
+            if TRANSPOSED:
+                out = out_ptr + split * M * N + m[None, :] * N + n[:, None]
+                mask = mm[None, :] & nm[:, None]
+            else:
+                out = out_ptr + split * M * N + m[:, None] * N + n[None, :]
+                mask = mm[:, None] & nm[None, :]
+            if ADD:  # out += x @ W^T (one split)
+                acc += tl.load(out, mask=mask, other=0.0)
+            tl.store(out, acc, mask=mask)
 
     @triton.jit
     def _scaled_nibble(marked, s: tl.constexpr):
@@ -416,11 +418,11 @@ if AVAILABLE:
         if GATED:
             store_gated(y[None, :], out_ptr + row * (N // 2), tl.program_id(0) * (BN // 2), N // 2,
                         tl.full((1, 1), 1, tl.int1))
-            return
-        out = out_ptr + (split * tl.num_programs(2) + row) * N + n
-        if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
-            y += tl.load(out, mask=nm, other=0.0)
-        tl.store(out, y, mask=nm)
+        else:
+            out = out_ptr + (split * tl.num_programs(2) + row) * N + n
+            if ADD:  # out += x @ W^T (one split: the residual stream, updated in place)
+                y += tl.load(out, mask=nm, other=0.0)
+            tl.store(out, y, mask=nm)
 
     @triton.jit
     def split_sum(part_ptr, i, mask, stride, SPLITS: tl.constexpr):
@@ -441,11 +443,11 @@ if AVAILABLE:
             gate = split_sum(part_ptr, 2 * i, mask, 2 * total, SPLITS)
             up = split_sum(part_ptr, 2 * i + 1, mask, 2 * total, SPLITS)
             tl.store(out_ptr + i, silu_times(gate, up, tl.float32).to(out_ptr.dtype.element_ty), mask=mask)
-            return
-        acc = split_sum(part_ptr, i, mask, total, SPLITS)
-        if ADD:  # added to what the output held, after the product's own sum
-            acc += tl.load(out_ptr + i, mask=mask, other=0.0)
-        tl.store(out_ptr + i, acc, mask=mask)
+        else:
+            acc = split_sum(part_ptr, i, mask, total, SPLITS)
+            if ADD:  # added to what the output held, after the product's own sum
+                acc += tl.load(out_ptr + i, mask=mask, other=0.0)
+            tl.store(out_ptr + i, acc, mask=mask)
 
     @triton.jit
     def _dequantize(q_ptr, sm_ptr, out_ptr, N, K, BN: tl.constexpr, BB: tl.constexpr):
