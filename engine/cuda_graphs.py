@@ -62,7 +62,12 @@ from engine.config import ModelConfig
 from engine.device_sampling import StepLogits, eos_tensor, greedy_pair
 from engine.kvcache import CacheLayout, KVCache
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Batch sizes with graphs of their own; a step of n rows replays the smallest bucket >= n, its
+# padding rows computed like the others.  The sizes between powers of two pay for their extra
+# captures: whole decoding steps on an H100 against (1, 2, 4, 8, 16, 32, 64) (docs/measurements.md
+# round 18): SmolLM2-135M shape 1.03x at 3 rows, 1.07x at 5 and 6, 1.11x at 12; Llama-3.2-1B
+# shape 1.02x at 3, 1.05x at 6, level at 12.
+BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Prefills of up to this many tokens replay the prefill steps (`DecodeGraphs.prefill`), 64 rows
 # a replay; longer ones run eagerly.
 PREFILL_GRAPH_TOKENS = 256

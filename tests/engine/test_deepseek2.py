@@ -21,7 +21,7 @@ import engine
 from engine import SamplingParams, generate
 from engine.batch import decode_batch
 from engine.config import ModelConfig, UnsupportedModel
-from engine import cuda_attention, cuda_moe
+from engine import cuda_attention, cuda_graphs, cuda_moe
 from engine.models import deepseek2, qwen_moe
 from engine.models.deepseek2 import route, yarn_rope
 from gguf_files import file_maker
@@ -525,7 +525,7 @@ def test_cuda_graphs_agree_with_eager_steps(ds_gguf, variant):
             s.sync(TOKENS[:n])
         for step in range(4):
             decode_batch(batch, [7 + step, 40 + step, 90 + step])
-    assert 4 in g.captured_buckets
+    assert cuda_graphs.bucket_for(3) in g.captured_buckets
     for a, b in zip(*batches):
         torch.testing.assert_close(a.logits.float(), b.logits.float(), rtol=2e-2, atol=2e-2 * scale)
 
