@@ -109,14 +109,18 @@ LATENT_HEADS = 16  # query heads per latent program (the tensor cores' smallest 
 LATENT_BLOCK = 32
 LATENT_WARPS = 8
 LATENT_SPLITS = (32, 256, 256)
+# `split_size`'s piece lengths for the grouped-query programs (few, some and many (row, kv head)
+# pairs); read when a workspace is made, so a graph keeps those it was captured with.
+PIECES = (64, 128, 256)
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 
 
-def split_size(n_rows: int, n_head_kv: int, n_ctx: int, sizes: tuple[int, int, int] = (64, 128, 256)) -> int:
+def split_size(n_rows: int, n_head_kv: int, n_ctx: int, sizes: tuple[int, int, int] | None = None) -> int:
     """Positions per program: short pieces (`sizes[0]`) when at most 16 (row, kv head) pairs
     would leave the GPU idle, longer ones (`sizes[1]` up to 64 pairs, then `sizes[2]`) when many
     rows already fill it; at most 256 pieces per row."""
+    sizes = sizes or PIECES
     pairs = n_rows * n_head_kv
     split = sizes[0] if pairs <= 16 else sizes[1] if pairs <= 64 else sizes[2]
     while -(-n_ctx // split) > 256:
@@ -134,7 +138,7 @@ class Workspace:
 
     def __init__(self, n_rows: int, n_head: int, head_dim: int, n_ctx: int, n_head_kv: int,
                  device: torch.device, out_dtype: torch.dtype = torch.float32, max_part_bytes: int | None = None,
-                 splits: tuple[int, int, int] = (64, 128, 256)):
+                 splits: tuple[int, int, int] | None = None):
         self.split = split_size(n_rows, n_head_kv, n_ctx, splits)
         self.dp = _padded(head_dim)
         if max_part_bytes is not None:

@@ -2,15 +2,17 @@
 alternated in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k
 a product runs as one-row products before the tensor-core kernel takes it), sets of
 `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay
-the next larger one's) and `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
-SwiGLU, or the SwiGLU kernel after them); a script for the device, not a test.
+the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
+SwiGLU, or the SwiGLU kernel after them) and `engine.cuda_attention.PIECES` (the decode
+attention's piece lengths); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
 one-row limit, and each gate/up matrix the SwiGLU switch, when it is built; the buckets are set again before each timing, as graphs are
 looked up by them), each row count's sessions are made and stepped once (which captures that
-bucket's graph under that setting), and then 32-step timings of every setting are alternated
-`--repeats` times per row count, each from the same 128 cached positions.  It prints, per row
+bucket's graph, and its attention's pieces, under that setting), and then 32-step timings of
+every setting are alternated `--repeats` times per row count, each from the same `--cached`
+positions (default 128).  It prints, per row
 count, every setting's median milliseconds a step and its speed against the first.
 
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --shape smollm2-135m \\
@@ -29,14 +31,13 @@ import torch
 
 import engine
 from ds4bench.cuda_paths import SHAPES, batch_sessions, model_file, run_steps
-from engine import cuda_graphs, cuda_int4
+from engine import cuda_attention, cuda_graphs, cuda_int4
 
-CACHED = 128  # positions each row holds before the timed steps
 STEPS = 32  # steps a timing
 
 
-def timed(sessions: list, first: list[int], device: torch.device) -> float:
-    """Milliseconds a step over STEPS steps from CACHED positions; the sessions are left there."""
+def timed(sessions: list, first: list[int], device: torch.device, cached: int) -> float:
+    """Milliseconds a step over STEPS steps from `cached` positions; the sessions are left there."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -44,7 +45,7 @@ def timed(sessions: list, first: list[int], device: torch.device) -> float:
     sync()
     ms = (time.perf_counter() - t0) / STEPS * 1e3
     for s in sessions:
-        s.truncate(CACHED)
+        s.truncate(cached)
     return ms
 
 
@@ -55,16 +56,20 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16", help="row counts of the timed steps")
     ap.add_argument("--gemv-mi", default="16", help="GEMV_ROW_ELEMENTS values in Mi elements")
     ap.add_argument("--buckets", default=",".join(map(str, cuda_graphs.BUCKETS)),
-                    help="sets of BUCKETS, separated by ';' (each setting is a one-row limit, a set and a "
-                         "SwiGLU switch: every combination; the first is the base)")
+                    help="sets of BUCKETS, separated by ';' (each setting is a one-row limit, a set, a "
+                         "SwiGLU switch and a set of pieces: every combination; the first is the base)")
     ap.add_argument("--swiglu-in-products", default="1" if cuda_int4.SWIGLU_IN_PRODUCTS else "0",
                     help="values of SWIGLU_IN_PRODUCTS (1, 0)")
+    ap.add_argument("--pieces", default=",".join(map(str, cuda_attention.PIECES)),
+                    help="sets of the attention's PIECES, separated by ';'")
+    ap.add_argument("--cached", type=int, default=128, help="positions each row holds before the timed steps")
     ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    settings = [(int(v), tuple(int(b) for b in bs.split(",")), p == "1") for v in args.gemv_mi.split(",")
-                for bs in args.buckets.split(";") for p in args.swiglu_in_products.split(",")]
+    settings = [(int(v), tuple(int(b) for b in bs.split(",")), p == "1", tuple(int(x) for x in ps.split(",")))
+                for v in args.gemv_mi.split(",") for bs in args.buckets.split(";")
+                for p in args.swiglu_in_products.split(",") for ps in args.pieces.split(";")]
     os.makedirs(args.models, exist_ok=True)
     path = model_file(args.models, args.shape)
     n_vocab = SHAPES[args.shape]["n_vocab"]
@@ -74,21 +79,23 @@ def main() -> None:
         cuda_int4.GEMV_ROW_ELEMENTS = setting[0] * 2 ** 20
         cuda_graphs.BUCKETS = setting[1]
         cuda_int4.SWIGLU_IN_PRODUCTS = setting[2]
-        model = engine.load_model(path, device=args.device, ctx=CACHED + 4 * STEPS)
+        cuda_attention.PIECES = setting[3]
+        model = engine.load_model(path, device=args.device, ctx=args.cached + 4 * STEPS)
         for n in rows:
-            sessions, first = batch_sessions(model, n, CACHED, n_vocab)
-            timed(sessions, first, device)  # captures this bucket's graph under this setting
+            sessions, first = batch_sessions(model, n, args.cached, n_vocab)
+            timed(sessions, first, device, args.cached)  # captures this bucket's graph under this setting
             held[setting, n] = sessions, first
     for n in rows:
         ms = {setting: [] for setting in settings}
         for _ in range(args.repeats):
             for setting in settings:
                 cuda_graphs.BUCKETS = setting[1]
-                ms[setting].append(timed(*held[setting, n], device))
+                ms[setting].append(timed(*held[setting, n], device, args.cached))
         base = statistics.median(ms[settings[0]])
-        cells = "  ".join(f"{v} Mi, bucket {_bucket(n, b)}, swiglu {'in' if p else 'after'}: "
-                          f"{statistics.median(ms[v, b, p]):.4f} ms ({base / statistics.median(ms[v, b, p]):.3f}x)"
-                          for v, b, p in settings)
+        cells = "  ".join(f"{v} Mi, bucket {_bucket(n, b)}, swiglu {'in' if p else 'after'}, pieces {ps}: "
+                          f"{statistics.median(ms[v, b, p, ps]):.4f} ms "
+                          f"({base / statistics.median(ms[v, b, p, ps]):.3f}x)"
+                          for v, b, p, ps in settings)
         print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
 
 
