@@ -31,7 +31,9 @@ On CPU the kernels come from the `engine.kernels.CpuKernels` path chosen at load
   have no such lookup (AVX2's one-row op converts nibbles in place, which a fifth bit or a
   table breaks), so those paths keep these types in the int8 op.
   On a GPU the file's blocks cross as stored and are unpacked there (engine.device_blocks),
-  as are the float and Q8_0 tensors that become dense matrices and embedding tables.
+  as are the float and Q8_0 tensors that become dense matrices and embedding tables.  A
+  [gate; up] matrix there becomes a `PairedInt4Linear` (`Linear.for_swiglu`), its rows in
+  gate/up pairs, whose `swiglu` ends the product in the SwiGLU.
 - `Int8Linear` (CPU): Q8_0, and Q6_K, Q3_K and Q2_K where `KQuantLinear` does not take them
   (and, where the int4 op takes no codes or a fused matrix mixes them with the types above,
   Q5_0, Q5_1, Q5_K, IQ4_NL and IQ4_XS) stay 8-bit
@@ -587,7 +589,6 @@ class Int4Linear(Linear):
         if self._cuda is not None:
             return self._cuda.nbytes + bias
         return self.packed.nbytes + self.scales_zeros.nbytes + sum(t.nbytes for t in self._codes()) + bias
-
 
 
 class PairedInt4Linear(Int4Linear):
