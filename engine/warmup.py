@@ -9,8 +9,9 @@ and without a warm-up it lands in whichever request meets it first: docs/measure
 ones.  `warm_up(model, rows)` meets all of them at once with throwaway sessions, as serving
 engines capture their graphs at start-up:
 
-- the prefill graphs: prompts of every bucket's length (1, 2, 4 ... 64 tokens);
-- the eager prefill: a prompt just past `PREFILL_GRAPH_TOKENS` and one of a whole chunk (the
+- the prefill graphs: a prompt one token longer than each bucket (a prompt's last token runs
+  as a one-row decoding step, so its prefill is the tokens before it: the bucket's length);
+- the eager prefill: a prefill just past `PREFILL_GRAPH_TOKENS` and one of a whole chunk (the
   products of more rows take other kernels), each cut to the context;
 - the decoding graphs: a batched step of every bucket up to `rows`' (a scheduler of N slots
   steps 1 to N rows).
@@ -70,13 +71,15 @@ def plan(rows: int, n_ctx: int, buckets: tuple[int, ...], graph_tokens: int, chu
     `buckets` of rows taking prefills of up to `graph_tokens` tokens and its eager prefill
     `chunk` tokens at a time: every bucket's prefill piece, the eager prefill just past
     `graph_tokens` and at a whole chunk, and the decoding steps of every bucket up to the one of
-    `rows` (at most the largest).  A prompt leaves a position free for the step after it."""
+    `rows` (at most the largest).  A prompt of n tokens prefills its first n - 1 (its last is a
+    decoding step), so each prompt is one token longer than the prefill it meets; it leaves a
+    position free for the step after it."""
     if rows < 1:
         raise ValueError(f"a warm-up needs at least one row, got {rows}")
     longest = n_ctx - 1
     piece = min(buckets[-1], graph_tokens)
-    prompts = sorted({min(n, longest) for n in (*(b for b in buckets if b <= piece), graph_tokens + 1, chunk)
-                      if n >= 1 and longest >= 1})
+    prefills = (*(b for b in buckets if b <= piece), graph_tokens + 1, chunk)
+    prompts = sorted({min(n + 1, longest) for n in prefills if longest >= 1})
     top = next(b for b in buckets if min(rows, buckets[-1]) <= b)
     return Plan(tuple(prompts), tuple(b for b in buckets if b <= top))
 

@@ -16,7 +16,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 def test_the_plan_meets_every_prefill_bucket_both_eager_prefills_and_the_batches_up_to_the_rows():
     p = plan(12, 4096, BUCKETS, graph_tokens=256, chunk=2048)
-    assert p.prompts == (1, 2, 4, 8, 16, 32, 64, 257, 2048)
+    # A prompt's last token is a decoding step: its prefill is one token shorter.
+    assert p.prompts == (2, 3, 5, 9, 17, 33, 65, 258, 2049)
+    fine = plan(12, 4096, (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), 256, 2048).prompts
+    assert fine == (2, 3, 4, 5, 7, 9, 13, 17, 25, 33, 49, 65, 258, 2049)
     assert p.batches == (1, 2, 4, 8, 16)  # 12 rows replay the 16-row graph
     assert plan(1, 4096, BUCKETS, 256, 2048).batches == (1,)
     assert plan(16, 4096, BUCKETS, 256, 2048).batches == (1, 2, 4, 8, 16)
@@ -26,9 +29,9 @@ def test_the_plan_meets_every_prefill_bucket_both_eager_prefills_and_the_batches
 
 def test_prompts_fit_the_context_and_prefill_pieces_their_bucket():
     p = plan(1, 100, BUCKETS, graph_tokens=256, chunk=2048)
-    assert p.prompts == (1, 2, 4, 8, 16, 32, 64, 99)  # the eager lengths cut to the context, one position free
+    assert p.prompts == (2, 3, 5, 9, 17, 33, 65, 99)  # the eager lengths cut to the context, one position free
     assert plan(1, 2, BUCKETS, 256, 2048).prompts == (1,)
-    assert plan(1, 4096, BUCKETS, graph_tokens=16, chunk=512).prompts == (1, 2, 4, 8, 16, 17, 512)
+    assert plan(1, 4096, BUCKETS, graph_tokens=16, chunk=512).prompts == (2, 3, 5, 9, 17, 18, 513)
 
 
 def test_a_plan_needs_a_row():
