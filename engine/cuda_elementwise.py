@@ -82,7 +82,7 @@ if AVAILABLE:
         r = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < n_ff
-        if PAIRED:  # gate j and up j side by side (engine.cuda_int4.SwiGLUWeight's columns)
+        if PAIRED:  # gate j and up j side by side (engine.cuda_int4.Int4Weight.paired_halves' columns)
             gate_at, up_at = gu_ptr + r * 2 * n_ff + 2 * c, gu_ptr + r * 2 * n_ff + 2 * c + 1
         else:
             gate_at, up_at = gu_ptr + r * 2 * n_ff + c, gu_ptr + r * 2 * n_ff + n_ff + c

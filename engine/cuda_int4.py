@@ -504,26 +504,26 @@ class Int4Weight:
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(device)
 
-        self._hold(nibbles, tensor(scale), tensor(minimum))
+        self._hold(nibbles, scale_pairs(tensor(scale), tensor(minimum)))
 
     @classmethod
     def from_nibbles(cls, nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> "Int4Weight":
         """The matrix from tensors already on its device (engine.device_blocks.int4_groups):
         nibbles uint8 [N, K/2] in this module's layout, scale and minimum float32 [N, K/32]."""
         self = cls.__new__(cls)
-        self._hold(nibbles, scale, minimum)
+        self._hold(nibbles, scale_pairs(scale, minimum))
         return self
 
-    def _hold(self, nibbles: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> None:
+    def _hold(self, nibbles: torch.Tensor, pairs: torch.Tensor, paired: bool = False) -> None:
         self.n, self.k = nibbles.shape[0], nibbles.shape[1] * 2
         if self.k % GROUP:
             raise ValueError(f"int4 weights need in_features divisible by {GROUP}, got {self.k}")
         self.nibbles = nibbles.contiguous()
         self.words = self.nibbles.view(torch.int32)  # the same bytes, four to a word (one-row products)
-        self.pairs = scale_pairs(scale, minimum)
+        self.pairs = pairs
         self.gemm_rows = gemm_rows_for(self.n, self.k)
         self.gemv_rows = gemv_rows_for(self.n, self.k)
-        self.paired = False  # rows in gate/up pairs (`paired_halves`)
+        self.paired = paired  # rows in gate/up pairs (`paired_halves`)
 
     def paired_halves(self) -> "Int4Weight":
         """This [gate; up] matrix (gate's n/2 rows, then up's) with its rows reordered gate 0,
@@ -534,12 +534,7 @@ class Int4Weight:
             raise ValueError(f"a gate/up matrix has an even number of rows, not {self.n}")
         order = torch.arange(self.n, device=self.nibbles.device).view(2, self.n // 2).t().reshape(-1)
         paired = Int4Weight.__new__(Int4Weight)
-        paired.n, paired.k = self.n, self.k
-        paired.nibbles = self.nibbles[order].contiguous()
-        paired.words = paired.nibbles.view(torch.int32)
-        paired.pairs = self.pairs[:, order].contiguous()
-        paired.gemm_rows, paired.gemv_rows = self.gemm_rows, self.gemv_rows
-        paired.paired = True
+        paired._hold(self.nibbles[order], self.pairs[:, order].contiguous(), paired=True)
         return paired
 
     def swiglu(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
