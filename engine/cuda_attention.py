@@ -2,7 +2,9 @@
 
 `decode_attention(qkv, rows, layer, kv_base, work)` is one decoding step's attention of one
 layer for B rows.  `qkv` [B, (H + 2*Hkv) * D] float32 holds each row's rotated query, key and
-value; `rows` [B, ROW_FIELDS] int64 holds, per row, its position `p` (the new token's; the
+value (or, given a rope table, its unrotated query and key, which the kernels turn by the row's
+position as they load them: one kernel a layer fewer than turning them first); `rows` [B,
+ROW_FIELDS] int64 holds, per row, its position `p` (the new token's; the
 row attends to positions 0..p) and where its cache lies: the element offset of layer 0's K,
 head 0, position 0 from `kv_base` (any tensor of the caches' dtype; the caches themselves may
 be separate allocations or slots of one pool), the layer stride, the offset from K to V and
@@ -112,6 +114,9 @@ LATENT_SPLITS = (32, 256, 256)
 # `split_size`'s piece lengths for the grouped-query programs (few, some and many (row, kv head)
 # pairs); read when a workspace is made, so a graph keeps those it was captured with.
 PIECES = (64, 128, 256)
+# Whether the graphs' decoding steps pass their rope table to `decode_attention` (read when a
+# graph is captured) instead of turning q and k with torch's ops first.
+ROPE_IN_ATTENTION = True
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 
@@ -188,11 +193,38 @@ if AVAILABLE:
         tl.store(stat_ptr + where * 2 + 1, l_i, mask=mask)
 
     @triton.jit
-    def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
+    def _turned(ptr, d, dm, cos, sin):
+        """Values at `ptr + d` (d: one head's value indices, any leading axes) turned by rope:
+        value 2i of pair i becomes x cos - y sin and value 2i + 1 becomes x sin + y cos (x, y
+        the pair's values; `cos`, `sin` per value, from `_turns`)."""
+        x = tl.load(ptr + d, mask=dm, other=0.0)
+        partner = tl.load(ptr + (d + 1 - 2 * (d % 2)), mask=dm, other=0.0)
+        return x * cos + partner * tl.where(d % 2 == 0, -sin, sin)
+
+    @triton.jit
+    def _turns(rope_ptr, p, d, dm, D: tl.constexpr):
+        """Each of a head's values' (cos, sin) at position p, from a [positions, D] table of
+        (cos, sin) pairs."""
+        pair = rope_ptr + p * D + (d - d % 2)
+        return tl.load(pair, mask=dm, other=1.0), tl.load(pair + 1, mask=dm, other=0.0)
+
+    @triton.jit
+    def _new_key(q_row, rope_ptr, p, h, d, dm, H: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr):
+        """A row's new key of kv head h, float32, turned by rope at p where ROPE."""
+        k_ptr = q_row + H * D + h * D
+        if ROPE:
+            cos, sin = _turns(rope_ptr, p, d, dm, D)
+            k = _turned(k_ptr, d, dm, cos, sin)
+        else:
+            k = tl.load(k_ptr + d, mask=dm, other=0.0)
+        return k
+
+    @triton.jit
+    def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, rope_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
-                       DEPENDENT: tl.constexpr):
+                       ROPE: tl.constexpr, DEPENDENT: tl.constexpr):
         dependent_start(DEPENDENT)
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -211,11 +243,17 @@ if AVAILABLE:
         gm = g < G
         dm = d < D
         q_row = qkv_ptr + b * qkv_stride
-        q = tl.load(q_row + (h * G + g)[:, None] * D + d[None, :], mask=gm[:, None] & dm[None, :], other=0.0)
+        q_mask = gm[:, None] & dm[None, :]
+        q_heads = q_row + (h * G + g)[:, None] * D
+        if ROPE:
+            cos, sin = _turns(rope_ptr, p_new, d, dm, D)
+            q = _turned(q_heads, d[None, :], q_mask, cos[None, :], sin[None, :])
+        else:
+            q = tl.load(q_heads + d[None, :], mask=q_mask, other=0.0)
         # Scaled in float32, then in the cache's dtype for the tensor cores, as eager decoding does.
         q = (q * scale).to(kv_ptr.dtype.element_ty)  # [GP, DP]; rows >= G are zero padding
         # The new key and value, rounded to the cache's dtype as a later read would see them.
-        k_new = tl.load(q_row + H * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
+        k_new = _new_key(q_row, rope_ptr, p_new, h, d, dm, H, D, ROPE).to(kv_ptr.dtype.element_ty)
         v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
         lo = s * SPLIT
         hi = tl.minimum(lo + SPLIT, p_new + 1)
@@ -248,8 +286,8 @@ if AVAILABLE:
         _store_piece(part_ptr, stat_ptr, (b * H + h * G + g) * NSPLIT + s, acc, m_i, l_i, gm, d, DP)
 
     @triton.jit
-    def _store_rows(qkv_ptr, kv_ptr, rows_ptr, layer, qkv_stride, H: tl.constexpr, HKV: tl.constexpr,
-                    D: tl.constexpr, DP: tl.constexpr, FIELDS: tl.constexpr):
+    def _store_rows(qkv_ptr, kv_ptr, rows_ptr, rope_ptr, layer, qkv_stride, H: tl.constexpr, HKV: tl.constexpr,
+                    D: tl.constexpr, DP: tl.constexpr, FIELDS: tl.constexpr, ROPE: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         row = rows_ptr + b * FIELDS
@@ -258,7 +296,7 @@ if AVAILABLE:
         d = tl.arange(0, DP)
         dm = d < D
         q_row = qkv_ptr + b * qkv_stride
-        k_new = tl.load(q_row + H * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
+        k_new = _new_key(q_row, rope_ptr, p_new, h, d, dm, H, D, ROPE).to(kv_ptr.dtype.element_ty)
         v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
         tl.store(k_base + p_new * D + d, k_new, mask=dm)
         tl.store(k_base + tl.load(row + 4) + p_new * D + d, v_new, mask=dm)
@@ -383,21 +421,27 @@ if AVAILABLE:
 
 def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
                      work: Workspace, n_head: int, n_head_kv: int, head_dim: int,
-                     store_first: bool = False) -> torch.Tensor:
+                     store_first: bool = False, rope: torch.Tensor | None = None) -> torch.Tensor:
     """[B, H * D] attention outputs in work.out's dtype (overwritten by the next call);
-    `store_first` for rows that share a cache (see the module's docstring)."""
+    `store_first` for rows that share a cache (see the module's docstring).  With `rope`, a
+    [positions, D] float32 table of each pair's (cos, sin) (`rope_pairs`), qkv's queries and keys
+    enter unrotated and the kernels turn them by each row's position as they load them."""
     B = qkv.shape[0]
     H, Hkv, D = n_head, n_head_kv, head_dim
     G = H // Hkv
+    turns = qkv if rope is None else rope  # an unread pointer where ROPE is off
+    if rope is not None and (rope.dtype != torch.float32 or rope.shape[1] != D or not rope.is_contiguous()):
+        raise ValueError(f"rope must be a contiguous [positions, {D}] float32 table, "
+                         f"got {tuple(rope.shape)} {rope.dtype}")
     if store_first:
-        _store_rows[(B, Hkv)](qkv, kv_base, rows, layer, qkv.stride(0), H=H, HKV=Hkv, D=D, DP=work.dp,
-                              FIELDS=ROW_FIELDS, num_warps=1)
+        _store_rows[(B, Hkv)](qkv, kv_base, rows, turns, layer, qkv.stride(0), H=H, HKV=Hkv, D=D, DP=work.dp,
+                              FIELDS=ROW_FIELDS, ROPE=rope is not None, num_warps=1)
     dependent = dependent_launch(qkv.device)
     _attend_pieces[(B, Hkv, work.n_split)](
-        qkv, kv_base, rows, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
+        qkv, kv_base, rows, turns, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
-        STORE=not store_first, DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
+        STORE=not store_first, ROPE=rope is not None, DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
     _merge(work, rows, B, H, D)
     return work.out
 
@@ -475,12 +519,23 @@ def reference_latent(q: torch.Tensor, new: torch.Tensor, layers: list[torch.Tens
     return torch.stack(out)
 
 
+def rope_pairs(table: torch.Tensor) -> torch.Tensor:
+    """A [positions, D / 2] complex rope table as decode_attention's `rope`: [positions, D]
+    float32, each pair's cos then sin (a view where the table is complex64)."""
+    return torch.view_as_real(table.to(torch.complex64)).flatten(1)
+
+
 def reference_attention(qkv: torch.Tensor, layer_kvs: list[torch.Tensor], positions: list[int],
-                        n_head: int, n_head_kv: int, head_dim: int) -> torch.Tensor:
+                        n_head: int, n_head_kv: int, head_dim: int, rope: torch.Tensor | None = None) -> torch.Tensor:
     """Torch ops: stores each row's K/V into its layer cache view [2, Hkv, cap, D] at its position,
     then attends with the kernel's roundings (queries and probabilities in the cache's dtype,
-    float32 arithmetic) -> [B, H * D] float32."""
+    float32 arithmetic) -> [B, H * D] float32.  `rope` [positions, D / 2] complex: queries and
+    keys are turned by it first, as the models' torch ops turn them."""
     H, Hkv, D = n_head, n_head_kv, head_dim
+    if rope is not None:
+        qkv = qkv.clone()
+        turns = rope[torch.tensor(positions, device=rope.device)].unsqueeze(1)  # [B, 1, D/2]
+        torch.view_as_complex(qkv.view(len(positions), -1, D // 2, 2))[:, : H + Hkv].mul_(turns)
     out = []
     for i, (kv, p) in enumerate(zip(layer_kvs, positions)):
         kv[:, :, p] = qkv[i, H * D:].view(2, Hkv, D).to(kv.dtype)

@@ -316,8 +316,9 @@ class LlamaModel(CachedNetwork):
     def head(self, h: torch.Tensor, ops: StepKernels | None = None) -> torch.Tensor:
         return self.output((ops or self.torch_kernels).norm(h, self.out_norm)).float()
 
-    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor, ops: StepKernels) -> torch.Tensor:
-        """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place."""
+    def _qkv(self, blk: Block, x: torch.Tensor, rope: torch.Tensor | None, ops: StepKernels) -> torch.Tensor:
+        """[T, (H + 2*Hkv) * D] float32 projections of x's T rows, q and k rotated in place by
+        `rope` (None: left unrotated, for an attention that turns them itself)."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
@@ -328,7 +329,8 @@ class LlamaModel(CachedNetwork):
             qkv[:, : H * D] = norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
             qkv[:, H * D: (H + Hkv) * D] = norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
                                                 blk.k_norm).view(T, Hkv * D)
-        torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
+        if rope is not None:
+            torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
         return qkv
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
@@ -446,10 +448,11 @@ class LlamaModel(CachedNetwork):
             c.n = p + 1
         return logits
 
-    def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor,
+    def decode_layers(self, tokens: torch.Tensor, rope: torch.Tensor | None,
                       attend: Callable[[int, torch.Tensor], torch.Tensor],
                       ops: StepKernels | None = None) -> torch.Tensor:
-        """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position and
+        """The body of a decoding step: tokens [N], rope [N, 1, D/2] at each row's position (None
+        where `attend` turns q and k itself) and
         attend(layer, qkv [N, ...]) -> [N, H * D] (which stores the new keys and values) ->
         logits [N, n_vocab] float32.  `ops` replaces the norms and the SwiGLU (default: the
         model's torch ops), e.g. by fused kernels.  It launches no host synchronisation, so a
@@ -469,12 +472,17 @@ class LlamaModel(CachedNetwork):
     def graph_step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
                    kernels: StepKernels | None, shared: bool) -> torch.Tensor:
         """engine.cuda_graphs.GraphNetwork: decode_layers with the Triton attention reading each
-        row's cache from the table."""
+        row's cache from the table (and, with cuda_attention.ROPE_IN_ATTENTION, turning q and k by
+        each row's position as it loads them)."""
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        rope = self.rope[table[:, cuda_attention.POS]].unsqueeze(1)  # [B, 1, D/2]
+        if cuda_attention.ROPE_IN_ATTENTION:
+            rope, turns = None, cuda_attention.rope_pairs(self.rope)
+        else:
+            rope, turns = self.rope[table[:, cuda_attention.POS]].unsqueeze(1), None  # [B, 1, D/2]
 
         def attend(li: int, qkv: torch.Tensor) -> torch.Tensor:
-            return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D, store_first=shared)
+            return cuda_attention.decode_attention(qkv, table, li, base, work, H, Hkv, D, store_first=shared,
+                                                   rope=turns)
         return self.decode_layers(table[:, cuda_attention.TOKEN], rope, attend, kernels)
 
     def decode_layers_in_blocks(self, tokens: torch.Tensor, rope: torch.Tensor,

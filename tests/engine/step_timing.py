@@ -3,8 +3,9 @@ alternated in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the m
 a product runs as one-row products before the tensor-core kernel takes it), sets of
 `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay
 the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
-SwiGLU, or the SwiGLU kernel after them) and `engine.cuda_attention.PIECES` (the decode
-attention's piece lengths); a script for the device, not a test.
+SwiGLU, or the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode
+attention's piece lengths) and `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
+attention's kernels, or by torch's ops before them); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
@@ -16,7 +17,7 @@ positions (default 128).  It prints, per row
 count, every setting's median milliseconds a step and its speed against the first.
 
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --shape smollm2-135m \\
-        --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64 --swiglu-in-products 1,0
+        --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64 --swiglu-in-products 1,0 --rope-in-attention 1,0
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --rows 3,6,12 \\
         --buckets "1,2,4,8,16,32,64;1,2,3,4,6,8,12,16,24,32,48,64"
 """
@@ -26,6 +27,7 @@ import argparse
 import os
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +36,25 @@ from ds4bench.cuda_paths import SHAPES, batch_sessions, model_file, run_steps
 from engine import cuda_attention, cuda_graphs, cuda_int4
 
 STEPS = 32  # steps a timing
+
+
+class Setting(NamedTuple):
+    mi: int  # GEMV_ROW_ELEMENTS in Mi elements
+    buckets: tuple[int, ...]
+    swiglu: bool
+    pieces: tuple[int, ...]
+    rope: bool
+
+    def apply(self) -> None:
+        cuda_int4.GEMV_ROW_ELEMENTS = self.mi * 2 ** 20
+        cuda_graphs.BUCKETS = self.buckets
+        cuda_int4.SWIGLU_IN_PRODUCTS = self.swiglu
+        cuda_attention.PIECES = self.pieces
+        cuda_attention.ROPE_IN_ATTENTION = self.rope
+
+    def label(self, n: int) -> str:
+        return (f"{self.mi} Mi, bucket {_bucket(n, self.buckets)}, swiglu {'in' if self.swiglu else 'after'}, "
+                f"pieces {self.pieces}, rope {'in' if self.rope else 'before'}")
 
 
 def timed(sessions: list, first: list[int], device: torch.device, cached: int) -> float:
@@ -62,24 +83,25 @@ def main() -> None:
                     help="values of SWIGLU_IN_PRODUCTS (1, 0)")
     ap.add_argument("--pieces", default=",".join(map(str, cuda_attention.PIECES)),
                     help="sets of the attention's PIECES, separated by ';'")
+    ap.add_argument("--rope-in-attention", default="1" if cuda_attention.ROPE_IN_ATTENTION else "0",
+                    help="values of ROPE_IN_ATTENTION (1, 0)")
     ap.add_argument("--cached", type=int, default=128, help="positions each row holds before the timed steps")
     ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    settings = [(int(v), tuple(int(b) for b in bs.split(",")), p == "1", tuple(int(x) for x in ps.split(",")))
+    settings = [Setting(int(v), tuple(int(b) for b in bs.split(",")), p == "1", tuple(int(x) for x in ps.split(",")),
+                        r == "1")
                 for v in args.gemv_mi.split(",") for bs in args.buckets.split(";")
-                for p in args.swiglu_in_products.split(",") for ps in args.pieces.split(";")]
+                for p in args.swiglu_in_products.split(",") for ps in args.pieces.split(";")
+                for r in args.rope_in_attention.split(",")]
     os.makedirs(args.models, exist_ok=True)
     path = model_file(args.models, args.shape)
     n_vocab = SHAPES[args.shape]["n_vocab"]
     device = torch.device(args.device)
     held = {}
     for setting in settings:
-        cuda_int4.GEMV_ROW_ELEMENTS = setting[0] * 2 ** 20
-        cuda_graphs.BUCKETS = setting[1]
-        cuda_int4.SWIGLU_IN_PRODUCTS = setting[2]
-        cuda_attention.PIECES = setting[3]
+        setting.apply()
         model = engine.load_model(path, device=args.device, ctx=args.cached + 4 * STEPS)
         for n in rows:
             sessions, first = batch_sessions(model, n, args.cached, n_vocab)
@@ -89,13 +111,11 @@ def main() -> None:
         ms = {setting: [] for setting in settings}
         for _ in range(args.repeats):
             for setting in settings:
-                cuda_graphs.BUCKETS = setting[1]
+                cuda_graphs.BUCKETS = setting.buckets
                 ms[setting].append(timed(*held[setting, n], device, args.cached))
         base = statistics.median(ms[settings[0]])
-        cells = "  ".join(f"{v} Mi, bucket {_bucket(n, b)}, swiglu {'in' if p else 'after'}, pieces {ps}: "
-                          f"{statistics.median(ms[v, b, p, ps]):.4f} ms "
-                          f"({base / statistics.median(ms[v, b, p, ps]):.3f}x)"
-                          for v, b, p, ps in settings)
+        cells = "  ".join(f"{s.label(n)}: {statistics.median(ms[s]):.4f} ms ({base / statistics.median(ms[s]):.3f}x)"
+                          for s in settings)
         print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
 
 

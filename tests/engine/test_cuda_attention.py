@@ -127,11 +127,25 @@ def test_latent_inputs_match_the_torch_ops(device, shape):
     torch.testing.assert_close(new, want_new, rtol=1e-5, atol=1e-5)
 
 
+def rope_table(n_pos: int, head_dim: int, device: str, rotated: int) -> torch.Tensor:
+    """[n_pos, head_dim / 2] complex64 turns at random angles of a head's first `rotated` values,
+    the pairs past them (partial rotary) exactly 1, as the models' tables hold them."""
+    angles = torch.rand(n_pos, rotated // 2, dtype=torch.float64) * 6.3
+    turned = torch.polar(torch.ones_like(angles), angles)
+    still = torch.ones(n_pos, head_dim // 2 - angles.shape[1], dtype=turned.dtype)
+    return torch.cat([turned, still], dim=1).to(torch.complex64).to(device)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype):
+@pytest.mark.parametrize("rotated", [None, 0, 64, 48],
+                         ids=["turned-first", "turns-of-one", "turned-whole", "turned-partly"])
+def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype, rotated):
     """Rows at consecutive positions of one cache, keys and values stored before any row
-    attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does."""
+    attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does.
+    With a rope table the kernels turn the queries and keys themselves (`rotated`: how many of a
+    head's values turn; 0: none, the reference's table is all ones), as torch's complex product
+    does up to a last bit (the stored keys to one unit of the cache's precision)."""
     if not usable(device, dtype):
         pytest.skip("no bfloat16 in Triton's interpreter")
     torch.manual_seed(1)
@@ -141,9 +155,27 @@ def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dev
     rows = torch.tensor([[0, start + i, 0, cache.stride(0), cache.stride(1), cache.stride(2)] for i in range(T)],
                         device=device)
     work = ca.Workspace(T, H, D, n_ctx, Hkv, torch.device(device))
+    table = None if rotated is None else rope_table(n_ctx, D, device, rotated)
+    turns = None if table is None else ca.rope_pairs(table)
     expect = cache.clone()
     for layer in range(n_layer):
-        got = ca.decode_attention(qkv, rows, layer, cache, work, H, Hkv, D, store_first=True).clone()
-        want = ca.reference_attention(qkv, [expect[layer]] * T, list(range(start, start + T)), H, Hkv, D)
+        got = ca.decode_attention(qkv, rows, layer, cache, work, H, Hkv, D, store_first=True, rope=turns).clone()
+        want = ca.reference_attention(qkv, [expect[layer]] * T, list(range(start, start + T)), H, Hkv, D, table)
         torch.testing.assert_close(got, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    assert torch.equal(cache, expect)
+    if rotated:
+        torch.testing.assert_close(cache, expect, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+        assert torch.equal(cache[:, :, :, :start], expect[:, :, :, :start])  # nothing before the rows moved
+        assert torch.equal(cache[:, :, :, start + T:], expect[:, :, :, start + T:])
+    else:
+        assert torch.equal(cache, expect)  # no turn (or turns of exactly 1): the same bits
+
+
+def test_rope_must_be_a_float32_table_of_the_head_width():
+    qkv, rows = torch.zeros(1, 5 * 8), torch.zeros(1, ca.ROW_FIELDS, dtype=torch.int64)
+    cache = torch.zeros(1, 2, 1, 4, 8)
+    work = ca.Workspace(1, 3, 8, 4, 1, torch.device("cpu"))
+    table = rope_table(4, 8, "cpu", 8)
+    for bad in (torch.view_as_real(table).flatten(1).double(), torch.view_as_real(table)[:, :2].flatten(1),
+                torch.view_as_real(table).flatten(1).t().contiguous().t()):
+        with pytest.raises(ValueError, match="rope must be"):
+            ca.decode_attention(qkv, rows, 0, cache, work, 3, 1, 8, rope=bad)

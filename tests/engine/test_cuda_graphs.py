@@ -27,7 +27,10 @@ def cuda_pair(path: str, **kw) -> tuple[engine.Model, engine.Model]:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dtype):
+@pytest.mark.parametrize("turned", [False, True], ids=["turned-first", "turned-in-kernel"])
+def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dtype, turned):
+    """Rows storing their own keys and values (decoding); with `turned` the kernel turns q and k
+    by a rope table itself (the keys it stores to one unit of the cache's precision of torch's)."""
     from engine import cuda_attention as ca
 
     torch.manual_seed(0)
@@ -40,14 +43,21 @@ def test_attention_kernel_matches_torch_over_pool_slots_and_standalone_caches(dt
     rows = torch.tensor([[0, p, (c.data_ptr() - solo.data_ptr()) // c.element_size(),
                           c.stride(0), c.stride(1), c.stride(2)] for c, p in zip(caches, pos)], device="cuda")
     work = ca.Workspace(len(caches), H, D, n_ctx, Hkv, torch.device("cuda"))
+    table = torch.polar(torch.ones(n_ctx, D // 2), torch.rand(n_ctx, D // 2) * 6.3).cuda() if turned else None
     expect = [c.clone() for c in caches]
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # where probabilities round
     for layer in range(n_layer):
-        got = ca.decode_attention(qkv, rows, layer, solo, work, H, Hkv, D).clone()
-        ref = ca.reference_attention(qkv, [c[layer] for c in expect], pos, H, Hkv, D)
-        tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # where probabilities round
+        got = ca.decode_attention(qkv, rows, layer, solo, work, H, Hkv, D,
+                                  rope=None if table is None else ca.rope_pairs(table)).clone()
+        ref = ca.reference_attention(qkv, [c[layer] for c in expect], pos, H, Hkv, D, table)
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-    for c, e in zip(caches, expect):
-        assert torch.equal(c, e)  # the new keys and values landed where torch put them, nothing else moved
+    for c, e, p in zip(caches, expect, pos):
+        if turned:  # the turned keys may part from torch's in their last bit before rounding
+            torch.testing.assert_close(c, e, rtol=tol, atol=tol)
+            others = torch.arange(c.shape[3], device="cuda") != p
+            assert torch.equal(c[:, :, :, others], e[:, :, :, others])  # nothing but the new rows moved
+        else:
+            assert torch.equal(c, e)  # the new keys and values landed where torch put them, nothing else moved
 
 
 @pytest.mark.parametrize("length", [2, 16, 40, 64, 100, 256, 300])
