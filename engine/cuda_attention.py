@@ -115,8 +115,9 @@ LATENT_SPLITS = (32, 256, 256)
 # pairs); read when a workspace is made, so a graph keeps those it was captured with.
 PIECES = (64, 128, 256)
 # Whether the graphs' decoding steps pass their rope table to `decode_attention` (read when a
-# graph is captured) instead of turning q and k with torch's ops first.
-ROPE_IN_ATTENTION = True
+# graph is captured) instead of turning q and k with torch's ops first.  Off until its speed is
+# measured on a GPU (tests/engine/step_timing.py --rope-in-attention 1,0).
+ROPE_IN_ATTENTION = False
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 

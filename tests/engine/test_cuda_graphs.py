@@ -107,7 +107,13 @@ def test_graph_prefill_extends_a_session_and_scores_every_position(tiny_gguf):
 
 @pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("llama", "Q4_K"), ("qwen2", "Q4_0"),
                                         ("qwen3", "Q8_0"), ("llama", "F16")])
-def test_graph_greedy_tokens_equal_eager(tiny_gguf, arch, qtype):
+@pytest.mark.parametrize("rope_in_attention", [False, True], ids=["rope-before", "rope-in-attention"])
+def test_graph_greedy_tokens_equal_eager(tiny_gguf, monkeypatch, arch, qtype, rope_in_attention):
+    """Greedy tokens and logits of graph decoding (its prefill replays included) against eager
+    decoding; with `rope_in_attention` the graphs' attention turns q and k itself
+    (`cuda_attention.ROPE_IN_ATTENTION`, read when a graph is captured)."""
+    from engine import cuda_attention
+    monkeypatch.setattr(cuda_attention, "ROPE_IN_ATTENTION", rope_in_attention)
     graphs, eager = cuda_pair(tiny_gguf(arch, qtype))
     out = []
     for m in (graphs, eager):
