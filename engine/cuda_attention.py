@@ -112,12 +112,15 @@ LATENT_BLOCK = 32
 LATENT_WARPS = 8
 LATENT_SPLITS = (32, 256, 256)
 # `split_size`'s piece lengths for the grouped-query programs (few, some and many (row, kv head)
-# pairs); read when a workspace is made, so a graph keeps those it was captured with.
-PIECES = (64, 128, 256)
+# pairs); read when a workspace is made, so a graph keeps those it was captured with.  Pieces of
+# 64 up to 64 pairs: on an H100, 6 and 16 rows of the 135M shape 1.03-1.11x, 6 rows of the 1B
+# shape 1.01-1.04x, after 512 and 2,048 positions; 128 for more pairs gained at 512 positions
+# but lost 1.4-2.2% at 2,048 on the 1B shape (docs/measurements.md, round 19).
+PIECES = (64, 64, 256)
 # Whether the graphs' decoding steps pass their rope table to `decode_attention` (read when a
-# graph is captured) instead of turning q and k with torch's ops first.  Off until its speed is
-# measured on a GPU (tests/engine/step_timing.py --rope-in-attention 1,0).
-ROPE_IN_ATTENTION = False
+# graph is captured) instead of turning q and k with torch's ops first: on an H100 1.027-1.041x
+# a step, one row and 16, both dense shapes (tests/engine/step_timing.py --rope-in-attention).
+ROPE_IN_ATTENTION = True
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 

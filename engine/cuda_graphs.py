@@ -19,9 +19,9 @@ cache, and their outputs are dropped.
 The step itself is the family's (`GraphNetwork.graph_step`, given the table, the base and the
 attention's workspace), so the graph runs the same kernels as eager decoding except attention.
 The llama family (`LlamaModel.graph_step`, its `decode_layers`) attends with the Triton kernels
-(writing bfloat16, which the output projection rounds its input to anyway; with
-`cuda_attention.ROPE_IN_ATTENTION` they also turn q and k by rope as they load them, one kernel a
-layer fewer) and takes RMSNorm
+(writing bfloat16, which the output projection rounds its input to anyway; they also turn q and
+k by rope as they load them, `cuda_attention.ROPE_IN_ATTENTION`, one kernel a layer fewer) and
+takes RMSNorm
 and SwiGLU as one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
 `fused = False` keeps torch's, for graphs captured after the change).  With the residual adds
 inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is about 310
