@@ -79,7 +79,7 @@ def plan(rows: int, n_ctx: int, buckets: tuple[int, ...], graph_tokens: int, chu
     longest = n_ctx - 1
     piece = min(buckets[-1], graph_tokens)
     prefills = (*(b for b in buckets if b <= piece), graph_tokens + 1, chunk)
-    prompts = sorted({min(n + 1, longest) for n in prefills if longest >= 1})
+    prompts = sorted({min(n + 1, longest) for n in prefills}) if longest >= 1 else []  # one position: none
     top = next(b for b in buckets if min(rows, buckets[-1]) <= b)
     return Plan(tuple(prompts), tuple(b for b in buckets if b <= top))
 

@@ -31,6 +31,7 @@ def test_prompts_fit_the_context_and_prefill_pieces_their_bucket():
     p = plan(1, 100, BUCKETS, graph_tokens=256, chunk=2048)
     assert p.prompts == (2, 3, 5, 9, 17, 33, 65, 99)  # the eager lengths cut to the context, one position free
     assert plan(1, 2, BUCKETS, 256, 2048).prompts == (1,)
+    assert plan(1, 1, BUCKETS, 256, 2048).prompts == ()  # one position leaves no room for a prompt
     assert plan(1, 4096, BUCKETS, graph_tokens=16, chunk=512).prompts == (2, 3, 5, 9, 17, 18, 513)
 
 
