@@ -42,12 +42,14 @@ contexts.  `latent_inputs` makes `q_rope` and `new` from a layer's projections i
 (the latent's RMSNorm, the rotation of the query's and key's rope parts), where torch's ops
 take eight.
 
-`dependent_launch(device)`: whether this module's, engine.cuda_elementwise's and the one-row int4
-kernels are launched as programmatic dependents on `device` (Hopper on, a Triton with grid
+`dependent_launch(device)`: whether this module's, engine.cuda_elementwise's and the int4
+kernels (the tensor-core one where engine.cuda_int4.DEPENDENT_TENSOR_CORES) are launched as programmatic dependents on `device` (Hopper on, a Triton with grid
 dependency control): each lets the next kernel launch as it starts and waits for the one
 before it before reading what that one writes, so a decoding step's short kernels start while
 the one before them runs.  Measured on an H100: one-row decoding 1.29x faster on the 135M
-shape, the same bits.
+shape, the same bits.  What a kernel reads before its wait must be something no kernel of the
+chain writes: weights, the row table (written by copies before a step's kernels), and the
+cache's positions before each row's own (`EARLY_CACHE_READS`).
 
 `reference_attention` and `reference_latent` are the same functions in torch ops, for tests.
 Without Triton (`AVAILABLE` is False) nothing here can run; callers keep their torch paths.
@@ -121,6 +123,9 @@ PIECES = (64, 64, 256)
 # graph is captured) instead of turning q and k with torch's ops first: on an H100 1.027-1.041x
 # a step, one row and 16, both dense shapes (tests/engine/step_timing.py --rope-in-attention).
 ROPE_IN_ATTENTION = True
+# Whether the decoding kernel, where its rows store their own keys, reads the first block of each
+# piece of the cache before it waits for the kernel before it (read at launch, so at a capture).
+EARLY_CACHE_READS = False
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 
@@ -224,12 +229,25 @@ if AVAILABLE:
         return k
 
     @triton.jit
+    def _cache_block(k_base, v_base, n, hi, d, dm, D: tl.constexpr):
+        """Keys and values [BLOCK, DP] at cache positions n (those before `hi`) of one head."""
+        kv_mask = (n < hi)[:, None] & dm[None, :]
+        k = tl.load(k_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
     def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, rope_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
-                       ROPE: tl.constexpr, DEPENDENT: tl.constexpr):
-        dependent_start(DEPENDENT)
+                       ROPE: tl.constexpr, EARLY: tl.constexpr, DEPENDENT: tl.constexpr):
+        """EARLY (rows that store their own keys): the piece's first block of the cache is
+        read before the wait for the kernel before (which writes qkv, never the cache: the
+        positions before a row's own were stored by earlier steps, and its own position is
+        taken from qkv), and each block's successor before the block's arithmetic."""
+        if DEPENDENT:
+            gdc_launch_dependents()
         b = tl.program_id(0)
         h = tl.program_id(1)
         s = tl.program_id(2)
@@ -241,11 +259,17 @@ if AVAILABLE:
         head_stride = tl.load(row + 5)
         k_base = kv_ptr + k_off + layer * layer_stride + h * head_stride
         v_base = k_base + v_off
-
         g = tl.arange(0, GP)
         d = tl.arange(0, DP)
         gm = g < G
         dm = d < D
+        lo = s * SPLIT
+        hi = tl.minimum(lo + SPLIT, p_new + 1)
+        if EARLY:
+            k_next, v_next = _cache_block(k_base, v_base, lo + tl.arange(0, BLOCK), hi, d, dm, D)
+        if DEPENDENT:
+            gdc_wait()
+
         q_row = qkv_ptr + b * qkv_stride
         q_mask = gm[:, None] & dm[None, :]
         q_heads = q_row + (h * G + g)[:, None] * D
@@ -259,12 +283,11 @@ if AVAILABLE:
         # The new key and value, rounded to the cache's dtype as a later read would see them.
         k_new = _new_key(q_row, rope_ptr, p_new, h, d, dm, H, D, ROPE).to(kv_ptr.dtype.element_ty)
         v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
-        lo = s * SPLIT
-        hi = tl.minimum(lo + SPLIT, p_new + 1)
-        if STORE:
-            mine = (p_new >= lo) & (p_new < lo + SPLIT)
-            tl.store(k_base + p_new * D + d, k_new, mask=dm & mine)
-            tl.store(v_base + p_new * D + d, v_new, mask=dm & mine)
+        if STORE:  # the piece that holds the row's position stores its key and value
+            p_vec = d * 0 + p_new  # (a vector: Triton's interpreter takes no scalar in a mask)
+            mine = dm & (p_vec >= lo) & (p_vec < lo + SPLIT)
+            tl.store(k_base + p_new * D + d, k_new, mask=mine)
+            tl.store(v_base + p_new * D + d, v_new, mask=mine)
 
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
@@ -276,15 +299,17 @@ if AVAILABLE:
                 n = lo + j + tl.arange(0, BLOCK)
                 nm = n < hi
                 is_new = (n == p_new)[:, None]
-                kv_mask = nm[:, None] & dm[None, :]
-                k = tl.load(k_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
+                if EARLY:
+                    k, v = k_next, v_next
+                    k_next, v_next = _cache_block(k_base, v_base, n + BLOCK, hi, d, dm, D)
+                else:
+                    k, v = _cache_block(k_base, v_base, n, hi, d, dm, D)
                 k = tl.where(is_new, k_new[None, :], k)  # [BLOCK, DP]
                 if IEEE:
                     sc = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
                     sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK] float32
                 sc = tl.where(nm[None, :], sc, float("-inf"))
-                v = tl.load(v_base + n[:, None] * D + d[None, :], mask=kv_mask, other=0.0)
                 v = tl.where(is_new, v_new[None, :], v)
                 acc, m_i, l_i = _softmax_block(sc, v, acc, m_i, l_i, IEEE)
         _store_piece(part_ptr, stat_ptr, (b * H + h * G + g) * NSPLIT + s, acc, m_i, l_i, gm, d, DP)
@@ -445,7 +470,8 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
         qkv, kv_base, rows, turns, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
-        STORE=not store_first, ROPE=rope is not None, DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
+        STORE=not store_first, ROPE=rope is not None, EARLY=EARLY_CACHE_READS and not store_first,
+        DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
     _merge(work, rows, B, H, D)
     return work.out
 

@@ -4,17 +4,21 @@ a product runs as one-row products before the tensor-core kernel takes it), sets
 `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay
 the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
 SwiGLU, or the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode
-attention's piece lengths) and `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
-attention's kernels, or by torch's ops before them); a script for the device, not a test.
+attention's piece lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
+attention's kernels, or by torch's ops before them), `engine.cuda_int4.GEMV_AHEAD` (loop steps
+of weights the one-row products ask for ahead), `engine.cuda_int4.DEPENDENT_TENSOR_CORES` (the
+tensor-core products launched as dependents) and `engine.cuda_attention.EARLY_CACHE_READS`
+(the attention's first cache reads before its wait); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
-one-row limit, and each gate/up matrix the SwiGLU switch, when it is built; the buckets are set again before each timing, as graphs are
-looked up by them), each row count's sessions are made and stepped once (which captures that
-bucket's graph, and its attention's pieces, under that setting), and then 32-step timings of
-every setting are alternated `--repeats` times per row count, each from the same `--cached`
-positions (default 128).  It prints, per row
-count, every setting's median milliseconds a step and its speed against the first.
+one-row limit, and each gate/up matrix the SwiGLU switch, when it is built; the buckets are set
+again before each timing, as graphs are looked up by them), each row count's sessions are made
+and stepped once (which captures that bucket's graph, and its attention's pieces and launch
+options, under that setting), and then 32-step timings of every setting are alternated
+`--repeats` times per row count, each from the same `--cached` positions (default 128).  It
+prints, per row count, every setting's median milliseconds a step and its speed against the
+first (every combination of the values given is a setting; the first values make the base).
 
     PYTHONPATH=$PWD python tests/engine/step_timing.py --models /tmp/models --shape smollm2-135m \\
         --rows 1,2,4,8,16 --gemv-mi 4,8,16,32,64 --swiglu-in-products 1,0 --rope-in-attention 1,0
@@ -24,10 +28,11 @@ count, every setting's median milliseconds a step and its speed against the firs
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -38,23 +43,53 @@ from engine import cuda_attention, cuda_graphs, cuda_int4
 STEPS = 32  # steps a timing
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(","))
+
+
+class Knob(NamedTuple):
+    """A module setting the script varies: its flag, its values' separator on the command line,
+    how a value is read, set and shown, and the default (the setting's value now)."""
+
+    flag: str
+    module: object
+    name: str
+    parse: Callable[[str], object]
+    show: Callable[[object], str]
+    separator: str = ","
+    write: Callable[[object], str] = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else str(int(v))
+
+    def default(self) -> str:
+        return self.write(getattr(self.module, self.name))
+
+
+KNOBS = (
+    Knob("gemv-mi", cuda_int4, "GEMV_ROW_ELEMENTS", lambda v: int(v) * 2 ** 20, lambda v: f"{v >> 20} Mi",
+         write=lambda v: str(v >> 20)),
+    Knob("buckets", cuda_graphs, "BUCKETS", _ints, lambda v: f"buckets {v}", ";"),
+    Knob("swiglu-in-products", cuda_int4, "SWIGLU_IN_PRODUCTS", lambda v: v == "1",
+         lambda v: f"swiglu {'in' if v else 'after'}"),
+    Knob("pieces", cuda_attention, "PIECES", _ints, lambda v: f"pieces {v}", ";"),
+    Knob("rope-in-attention", cuda_attention, "ROPE_IN_ATTENTION", lambda v: v == "1",
+         lambda v: f"rope {'in' if v else 'before'}"),
+    Knob("gemv-ahead", cuda_int4, "GEMV_AHEAD", int, lambda v: f"ahead {v}"),
+    Knob("dependent-tensor-cores", cuda_int4, "DEPENDENT_TENSOR_CORES", lambda v: v == "1",
+         lambda v: f"tensor cores {'dependent' if v else 'waiting'}"),
+    Knob("early-cache-reads", cuda_attention, "EARLY_CACHE_READS", lambda v: v == "1",
+         lambda v: f"cache reads {'early' if v else 'after the wait'}"),
+)
+
+
 class Setting(NamedTuple):
-    mi: int  # GEMV_ROW_ELEMENTS in Mi elements
-    buckets: tuple[int, ...]
-    swiglu: bool
-    pieces: tuple[int, ...]
-    rope: bool
+    values: tuple  # one per knob, in KNOBS' order (the buckets second)
 
     def apply(self) -> None:
-        cuda_int4.GEMV_ROW_ELEMENTS = self.mi * 2 ** 20
-        cuda_graphs.BUCKETS = self.buckets
-        cuda_int4.SWIGLU_IN_PRODUCTS = self.swiglu
-        cuda_attention.PIECES = self.pieces
-        cuda_attention.ROPE_IN_ATTENTION = self.rope
+        for knob, value in zip(KNOBS, self.values):
+            setattr(knob.module, knob.name, value)
 
-    def label(self, n: int) -> str:
-        return (f"{self.mi} Mi, bucket {_bucket(n, self.buckets)}, swiglu {'in' if self.swiglu else 'after'}, "
-                f"pieces {self.pieces}, rope {'in' if self.rope else 'before'}")
+    def label(self, varied: list[bool]) -> str:
+        shown = [k.show(v) for k, v, on in zip(KNOBS, self.values, varied) if on]
+        return ", ".join(shown) or "as set"
 
 
 def timed(sessions: list, first: list[int], device: torch.device, cached: int) -> float:
@@ -75,26 +110,18 @@ def main() -> None:
     ap.add_argument("--models", required=True, help="folder of the random files (written on first use)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     ap.add_argument("--rows", default="1,2,4,8,16", help="row counts of the timed steps")
-    ap.add_argument("--gemv-mi", default="16", help="GEMV_ROW_ELEMENTS values in Mi elements")
-    ap.add_argument("--buckets", default=",".join(map(str, cuda_graphs.BUCKETS)),
-                    help="sets of BUCKETS, separated by ';' (each setting is a one-row limit, a set, a "
-                         "SwiGLU switch and a set of pieces: every combination; the first is the base)")
-    ap.add_argument("--swiglu-in-products", default="1" if cuda_int4.SWIGLU_IN_PRODUCTS else "0",
-                    help="values of SWIGLU_IN_PRODUCTS (1, 0)")
-    ap.add_argument("--pieces", default=",".join(map(str, cuda_attention.PIECES)),
-                    help="sets of the attention's PIECES, separated by ';'")
-    ap.add_argument("--rope-in-attention", default="1" if cuda_attention.ROPE_IN_ATTENTION else "0",
-                    help="values of ROPE_IN_ATTENTION (1, 0)")
+    for knob in KNOBS:
+        what = "sets" if knob.separator == ";" else "values"
+        ap.add_argument(f"--{knob.flag}", default=knob.default(),
+                        help=f"{what} of {knob.name}, separated by '{knob.separator}' (default: as now)")
     ap.add_argument("--cached", type=int, default=128, help="positions each row holds before the timed steps")
     ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
-    settings = [Setting(int(v), tuple(int(b) for b in bs.split(",")), p == "1", tuple(int(x) for x in ps.split(",")),
-                        r == "1")
-                for v in args.gemv_mi.split(",") for bs in args.buckets.split(";")
-                for p in args.swiglu_in_products.split(",") for ps in args.pieces.split(";")
-                for r in args.rope_in_attention.split(",")]
+    choices = [[k.parse(v) for v in getattr(args, k.flag.replace("-", "_")).split(k.separator)] for k in KNOBS]
+    settings = [Setting(tuple(values)) for values in itertools.product(*choices)]
+    varied = [len(c) > 1 for c in choices]
     os.makedirs(args.models, exist_ok=True)
     path = model_file(args.models, args.shape)
     n_vocab = SHAPES[args.shape]["n_vocab"]
@@ -111,10 +138,11 @@ def main() -> None:
         ms = {setting: [] for setting in settings}
         for _ in range(args.repeats):
             for setting in settings:
-                cuda_graphs.BUCKETS = setting.buckets
+                setting.apply()  # the buckets pick the graph a step replays
                 ms[setting].append(timed(*held[setting, n], device, args.cached))
         base = statistics.median(ms[settings[0]])
-        cells = "  ".join(f"{s.label(n)}: {statistics.median(ms[s]):.4f} ms ({base / statistics.median(ms[s]):.3f}x)"
+        cells = "  ".join(f"{s.label(varied)}, bucket {_bucket(n, s.values[1])}: "
+                          f"{statistics.median(ms[s]):.4f} ms ({base / statistics.median(ms[s]):.3f}x)"
                           for s in settings)
         print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
 

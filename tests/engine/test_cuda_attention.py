@@ -170,6 +170,48 @@ def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dev
         assert torch.equal(cache, expect)  # no turn (or turns of exactly 1): the same bits
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotated", [None, 64], ids=["turned-first", "turned-whole"])
+def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, monkeypatch):
+    """Decoding rows of pool slots and standalone caches, each storing its own key and value
+    (a graph's decoding step): torch's reference at positions within a piece, at a piece's last
+    and next positions, and a first token; the piece reads started before the kernel's wait
+    (`EARLY_CACHE_READS`) give the same bits as reads in the loop, outputs and caches."""
+    if not usable(device, dtype):
+        pytest.skip("no bfloat16 in Triton's interpreter")
+    torch.manual_seed(2)
+    H, Hkv, D, n_layer, n_ctx = 9, 3, 64, 2, 300
+    pool = torch.randn(n_layer, 2, 3, Hkv, 320, D, device=device).to(dtype)
+    solo = torch.randn(n_layer, 2, Hkv, 200, D, device=device).to(dtype)
+    fresh = [pool.clone(), solo.clone()]
+    pos = [5, 63, 64, 199, 0]
+    qkv = torch.randn(len(pos), (H + 2 * Hkv) * D, device=device)
+    table = None if rotated is None else rope_table(n_ctx, D, device, rotated)
+    turns = None if table is None else ca.rope_pairs(table)
+    results = {}
+    for early in (False, True):
+        pool.copy_(fresh[0])
+        solo.copy_(fresh[1])
+        caches = [pool[:, :, 2], pool[:, :, 1], solo, pool[:, :, 0], solo.new_zeros(n_layer, 2, Hkv, 1, D)]
+        rows = torch.tensor([[0, p, (c.data_ptr() - solo.data_ptr()) // c.element_size(), c.stride(0), c.stride(1),
+                              c.stride(2)] for c, p in zip(caches, pos)], device=device)
+        work = ca.Workspace(len(pos), H, D, n_ctx, Hkv, torch.device(device))
+        assert work.split == 64  # pieces of 64 positions: 63 and 64 end one and begin the next
+        monkeypatch.setattr(ca, "EARLY_CACHE_READS", early)
+        expect = [c.clone() for c in caches]
+        outs = []
+        for layer in range(n_layer):
+            outs.append(ca.decode_attention(qkv, rows, layer, solo, work, H, Hkv, D, rope=turns).clone())
+            want = ca.reference_attention(qkv, [e[layer] for e in expect], pos, H, Hkv, D, table)
+            torch.testing.assert_close(outs[-1], want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+        for c, e in zip(caches, expect):
+            torch.testing.assert_close(c, e, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+        results[early] = outs, [c.clone() for c in caches]
+    for a, b in zip(results[False][0] + results[False][1], results[True][0] + results[True][1]):
+        assert torch.equal(a, b)
+
+
 def test_rope_must_be_a_float32_table_of_the_head_width():
     qkv, rows = torch.zeros(1, 5 * 8), torch.zeros(1, ca.ROW_FIELDS, dtype=torch.int64)
     cache = torch.zeros(1, 2, 1, 4, 8)
