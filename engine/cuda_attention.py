@@ -42,8 +42,8 @@ contexts.  `latent_inputs` makes `q_rope` and `new` from a layer's projections i
 (the latent's RMSNorm, the rotation of the query's and key's rope parts), where torch's ops
 take eight.
 
-`dependent_launch(device)`: whether this module's, engine.cuda_elementwise's and the int4
-kernels (the tensor-core one where engine.cuda_int4.DEPENDENT_TENSOR_CORES) are launched as programmatic dependents on `device` (Hopper on, a Triton with grid
+`dependent_launch(device)`: whether this module's, engine.cuda_elementwise's and the one-row int4
+kernels are launched as programmatic dependents on `device` (Hopper on, a Triton with grid
 dependency control): each lets the next kernel launch as it starts and waits for the one
 before it before reading what that one writes, so a decoding step's short kernels start while
 the one before them runs.  Measured on an H100: one-row decoding 1.29x faster on the 135M
@@ -124,8 +124,11 @@ PIECES = (64, 64, 256)
 # a step, one row and 16, both dense shapes (tests/engine/step_timing.py --rope-in-attention).
 ROPE_IN_ATTENTION = True
 # Whether the decoding kernel, where its rows store their own keys, reads the first block of each
-# piece of the cache before it waits for the kernel before it (read at launch, so at a capture).
-EARLY_CACHE_READS = False
+# piece of the cache before it waits for the kernel before it, and each block's successor before
+# the block's arithmetic (read at launch, so at a capture): on an H100 1.012x (one row) and 1.019x
+# (16 rows) a step on the Llama-3.2-1B shape, 1.027x and 1.054x on the SmolLM2-135M shape
+# (docs/measurements.md, round 20).
+EARLY_CACHE_READS = True
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 

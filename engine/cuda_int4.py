@@ -156,25 +156,18 @@ class Launch:
 @dataclass(frozen=True)
 class GemvLaunch:
     """How `_int4_gemv` (one row) is launched: columns per program, groups per loop step,
-    warps, pipeline stages, programs aimed at per multiprocessor, and how many loop steps'
-    weights are asked for ahead of the arithmetic (`gemv_columns`' AHEAD, 0 to 2; a dependent
-    launch takes at least GEMV_AHEAD)."""
+    warps, pipeline stages, programs aimed at per multiprocessor, and whether a loop step
+    loads the next one's weights before its arithmetic (`gemv_columns`' PREFETCH)."""
 
     bn: int = 64
     gb: int = 8
     warps: int = 4
     stages: int = 3
     waves: int = 8
-    ahead: int = 0
+    prefetch: bool = False
 
 
 LARGE_GEMV_ELEMENTS = 16 * 2 ** 20
-# Whether the tensor-core kernel (`_int4_gemm`: a few rows of large matrices, and prefill chunks)
-# is launched as a dependent too (`cuda_attention.dependent_launch`), as the one-row kernel is.
-DEPENDENT_TENSOR_CORES = False
-# Loop steps of weights a one-row product launched as a dependent asks for before it waits for
-# the kernel that writes its input, and keeps in flight after (`gemv_columns`' AHEAD).
-GEMV_AHEAD = 1
 
 
 def gemv_launch_for(n: int, k: int) -> GemvLaunch:
@@ -300,14 +293,11 @@ if AVAILABLE:
     @triton.jit(do_not_specialize=["M", "groups_per_split"])
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
-                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False,
-                   DEPENDENT: tl.constexpr = False):
+                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False):
         """A [BM, BN] tile of x @ W^T per program, over its split's groups; TRANSPOSED: the tile
         computed columns by rows (`group_product_t`, decoding steps) and written back as
         [rows, columns], the same sums.  GATED (one split, columns in gate/up pairs): the tile's
-        SwiGLU written instead, [BM, BN / 2] of a [M, N / 2] output (`store_gated`).  DEPENDENT:
-        launched as a dependent (`dependent_start`)."""
-        dependent_start(DEPENDENT)
+        SwiGLU written instead, [BM, BN / 2] of a [M, N / 2] output (`store_gated`)."""
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         split = tl.program_id(2)
@@ -356,7 +346,7 @@ if AVAILABLE:
 
     @triton.jit
     def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, two23, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr, AHEAD: tl.constexpr, WAIT: tl.constexpr = False):
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores, GB groups per loop step (the last step masked).
@@ -365,36 +355,28 @@ if AVAILABLE:
         thread loads a whole group (16 bytes) of each of its columns and the activations it
         needs (that group's 32) serve all of them: each activation is rounded, scaled and
         summed once per thread, not once per column.  `two23`: TWO23_BITS, passed at run time.
-        AHEAD (0, 1 or 2): the words of that many steps are asked for before the loop, and each
-        step asks for the words AHEAD steps on before it computes, so their reads are in flight
-        during the arithmetic (the same sums).  WAIT (a kernel launched as a dependent): before
-        it reads x it waits for the kernel before it, which writes x; after it has asked for
-        the first AHEAD steps' words, which no kernel writes."""
+        PREFETCH: each step loads the next step's words before it computes, so their reads
+        are in flight during the arithmetic (the same sums).  WAIT (a kernel launched as a
+        dependent): before it reads x it waits for the kernel before it, which writes x; with
+        PREFETCH, after it has asked for the first step's words."""
         WB: tl.constexpr = 4 * GB
         wi = tl.arange(0, WB)  # word i of a step: group i // 4, its inputs 8 * (i % 4) ..
         gi = tl.arange(0, GB)
         words_per_row = tl.multiple_of(K // 8, 4)  # K is whole groups: a group's 4 words load as one
         acc = tl.zeros([BN, GB], tl.float32)
-        if AHEAD >= 1:
+        if PREFETCH:
             w_next = _step_words(w_ptr, n, nm, g0 * 4 + wi, wi < 4 * n_groups, words_per_row)
-        if AHEAD >= 2:
-            w_after = _step_words(w_ptr, n, nm, g0 * 4 + WB + wi, WB + wi < 4 * n_groups, words_per_row)
         if WAIT:  # launched as a dependent: the kernel before writes x
             gdc_wait()
         for c in range(0, n_groups, GB):
             wm = c * 4 + wi < 4 * n_groups
             gm = c + gi < n_groups
             word = (g0 + c) * 4 + wi  # [WB]
-            if AHEAD == 0:
-                w = _step_words(w_ptr, n, nm, word, wm, words_per_row)
-            elif AHEAD == 1:
+            if PREFETCH:
                 w = w_next
                 w_next = _step_words(w_ptr, n, nm, word + WB, (c + GB) * 4 + wi < 4 * n_groups, words_per_row)
             else:
-                w = w_next
-                w_next = w_after
-                w_after = _step_words(w_ptr, n, nm, word + 2 * WB, (c + 2 * GB) * 4 + wi < 4 * n_groups,
-                                      words_per_row)
+                w = _step_words(w_ptr, n, nm, word, wm, words_per_row)
             dot = tl.zeros([BN, WB], tl.float32)
             xsum = tl.zeros([WB], tl.float32)
             # Byte b of a word holds inputs 8i+2b (high nibble) and 8i+2b+1 (low).  The nibble at bit s
@@ -421,7 +403,7 @@ if AVAILABLE:
 
     @triton.jit
     def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23,
-                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, AHEAD: tl.constexpr,
+                   BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
                    OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, GATED: tl.constexpr = False):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
         CUDA cores (`gemv_columns`), each row's in the order it has alone; GATED as _int4_gemm's."""
@@ -432,7 +414,7 @@ if AVAILABLE:
         row = tl.program_id(2)
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
-                         groups_per_split, two23, BN, GB, OPERAND, AHEAD, DEPENDENT)
+                         groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT)
         if GATED:
             store_gated(y[None, :], out_ptr + row * (N // 2), tl.program_id(0) * (BN // 2), N // 2,
                         tl.full((1, 1), 1, tl.int1))
@@ -611,8 +593,7 @@ class Int4Weight:
         dependent = dependent_launch(x.device)
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
                                           n_groups // splits, TWO23_BITS, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
-                                          AHEAD=max(cfg.ahead, GEMV_AHEAD if dependent else 0), OPERAND=OPERAND,
-                                          DEPENDENT=dependent,
+                                          PREFETCH=cfg.prefetch, OPERAND=OPERAND, DEPENDENT=dependent,
                                           GATED=gated is not None and splits == 1, launch_pdl=dependent,
                                           num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
@@ -632,12 +613,11 @@ class Int4Weight:
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
         out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
-        dependent = DEPENDENT_TENSOR_CORES and dependent_launch(x.device)
         _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
-                                               GATED=gated is not None and splits == 1, DEPENDENT=dependent,
-                                               launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
+                                               GATED=gated is not None and splits == 1,
+                                               num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 
     def weight(self) -> torch.Tensor:

@@ -93,7 +93,7 @@ CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is b
 class MoeLaunch:
     """Launch shapes.  The indexed products: columns per program, groups per loop step and
     warps, whether a loop step loads the next one's weights first (`gemv_prefetch`, as
-    engine.cuda_int4.GemvLaunch.ahead, one step) and how the down product spreads over programs
+    engine.cuda_int4.GemvLaunch.prefetch) and how the down product spreads over programs
     (`gemv_down`, one of DOWN_SHAPES: a program per row and column tile looping over the row's
     slots, or a program per (row, slot) pair and one more kernel adding a row's slots in
     order).  The grouped GEMM: columns per program, warps, pipeline stages, groups per loop

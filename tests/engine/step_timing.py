@@ -5,9 +5,7 @@ a product runs as one-row products before the tensor-core kernel takes it), sets
 the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
 SwiGLU, or the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode
 attention's piece lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
-attention's kernels, or by torch's ops before them), `engine.cuda_int4.GEMV_AHEAD` (loop steps
-of weights the one-row products ask for ahead), `engine.cuda_int4.DEPENDENT_TENSOR_CORES` (the
-tensor-core products launched as dependents) and `engine.cuda_attention.EARLY_CACHE_READS`
+attention's kernels, or by torch's ops before them) and `engine.cuda_attention.EARLY_CACHE_READS`
 (the attention's first cache reads before its wait); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
@@ -72,9 +70,6 @@ KNOBS = (
     Knob("pieces", cuda_attention, "PIECES", _ints, lambda v: f"pieces {v}", ";"),
     Knob("rope-in-attention", cuda_attention, "ROPE_IN_ATTENTION", lambda v: v == "1",
          lambda v: f"rope {'in' if v else 'before'}"),
-    Knob("gemv-ahead", cuda_int4, "GEMV_AHEAD", int, lambda v: f"ahead {v}"),
-    Knob("dependent-tensor-cores", cuda_int4, "DEPENDENT_TENSOR_CORES", lambda v: v == "1",
-         lambda v: f"tensor cores {'dependent' if v else 'waiting'}"),
     Knob("early-cache-reads", cuda_attention, "EARLY_CACHE_READS", lambda v: v == "1",
          lambda v: f"cache reads {'early' if v else 'after the wait'}"),
 )

@@ -1,6 +1,7 @@
 """engine.cuda_attention's kernels against their torch references: the decode kernel on a
-prefill's rows of one cache stored first (its other cases, whose rows store their own keys,
-need a GPU: tests/engine/test_cuda_graphs.py); the latent attention kernel on rows of pool
+prefill's rows of one cache stored first, and on decoding rows of pool slots and standalone
+caches that store their own keys (with its early cache reads and without; whole graph steps are
+in tests/engine/test_cuda_graphs.py); the latent attention kernel on rows of pool
 slots and standalone caches at lengths that end in different pieces, head counts that fill the
 16-head programs and ones that do not, a prefill's rows of one cache stored first; its inputs'
 kernel (the latent's norm, the rotations) against deepseek2's torch ops; and the workspace's

@@ -151,13 +151,11 @@ def test_few_rows_take_one_row_products_only_on_small_matrices():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-# 10 groups in steps of 4, split in two; 32 in 8 with splits; 32 unsplit in eight steps of 4
-@pytest.mark.parametrize("n,k,gb,waves", [(48, 320, 4, 64), (40, 1024, 8, 64), (40, 1024, 4, 1)])
-def test_one_row_products_asking_for_steps_ahead(device, monkeypatch, n, k, gb, waves):
-    """`GemvLaunch.ahead` asks for the words of one or two loop steps on before each step's
-    arithmetic: the same sums as without, bit for bit, and the float64 product of the matrix,
-    with a masked last step, a partial last column tile, several rows, the input axis split,
-    and more steps ahead than a split has."""
+@pytest.mark.parametrize("n,k,gb", [(48, 320, 4), (40, 1024, 8)])  # 10 groups in steps of 4; 32 in 8 with splits
+def test_one_row_products_prefetching_the_next_step(device, monkeypatch, n, k, gb):
+    """`GemvLaunch.prefetch` loads each loop step's successor before its arithmetic: the same
+    sums as without, bit for bit, and the float64 product of the matrix, with a masked last
+    step, a partial last column tile, several rows and the input axis split."""
     if device == "cpu":
         monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
     rng = np.random.default_rng(n)
@@ -166,15 +164,12 @@ def test_one_row_products_asking_for_steps_ahead(device, monkeypatch, n, k, gb, 
     w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device(device))
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16).float().to(device)
     want = x.double().cpu() @ torch.from_numpy((q.astype(np.float64) - 8) * np.repeat(scale, 32, axis=1)).T
-    base = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=waves)  # 3 column tiles
-    splits = cuda_int4.split_k(k // 32, 3, waves * cuda_int4.multiprocessors(x.device))
-    assert (splits > 1) == (waves > 1)
-    monkeypatch.setattr(cuda_int4, "GEMV_AHEAD", 0)  # a dependent launch (on a GPU) asks for none unless told
+    base = cuda_int4.GemvLaunch(bn=16, gb=gb, warps=2, waves=64)  # 3 column tiles; the groups split 2 and 8 ways
+    assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
     plain = w.gemv(x, launch=base)
-    for ahead in (1, 2):
-        got = w.gemv(x, launch=dataclasses.replace(base, ahead=ahead))
-        assert torch.equal(plain, got), ahead
-    assert (plain.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
+    ahead = w.gemv(x, launch=dataclasses.replace(base, prefetch=True))
+    assert torch.equal(plain, ahead)
+    assert (ahead.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.parametrize("device", DEVICES)
