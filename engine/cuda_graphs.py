@@ -21,9 +21,8 @@ attention's workspace), so the graph runs the same kernels as eager decoding exc
 The llama family (`LlamaModel.graph_step`, its `decode_layers`) attends with the Triton kernels
 (writing bfloat16, which the output projection rounds its input to anyway; they also turn q and
 k by rope as they load them, `cuda_attention.ROPE_IN_ATTENTION`, one kernel a layer fewer) and
-takes RMSNorm
-and SwiGLU as one Triton kernel each instead of six and three (`engine.cuda_elementwise`;
-`fused = False` keeps torch's, for graphs captured after the change).  With the residual adds
+takes RMSNorm and SwiGLU as one Triton kernel each instead of six and three
+(`engine.cuda_elementwise`; `fused = False` keeps torch's, for graphs captured after the change).  With the residual adds
 inside the int4 products and the one-row products unsplit, a SmolLM2-shape step is about 310
 kernels (520 before those changes).  The deepseek2 family (`DeepSeek2Model.graph_step`) attends
 with the latent kernel (`engine.cuda_attention.latent_attention`) on its one-row-per-position

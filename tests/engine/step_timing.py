@@ -76,7 +76,10 @@ KNOBS = (
 
 
 class Setting(NamedTuple):
-    values: tuple  # one per knob, in KNOBS' order (the buckets second)
+    values: tuple  # one per knob, in KNOBS' order
+
+    def value(self, name: str) -> object:
+        return next(v for k, v in zip(KNOBS, self.values) if k.name == name)
 
     def apply(self) -> None:
         for knob, value in zip(KNOBS, self.values):
@@ -136,7 +139,7 @@ def main() -> None:
                 setting.apply()  # the buckets pick the graph a step replays
                 ms[setting].append(timed(*held[setting, n], device, args.cached))
         base = statistics.median(ms[settings[0]])
-        cells = "  ".join(f"{s.label(varied)}, bucket {_bucket(n, s.values[1])}: "
+        cells = "  ".join(f"{s.label(varied)}, bucket {_bucket(n, s.value('BUCKETS'))}: "
                           f"{statistics.median(ms[s]):.4f} ms ({base / statistics.median(ms[s]):.3f}x)"
                           for s in settings)
         print(f"{args.shape} rows {n:2d}: {cells}", flush=True)
