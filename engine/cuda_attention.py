@@ -450,6 +450,28 @@ if AVAILABLE:
         tl.store(out, y0 * cos[None, :] - y1 * sin[None, :], mask=m)
         tl.store(out + 1, y0 * sin[None, :] + y1 * cos[None, :], mask=m)
 
+    @triton.jit
+    def _prefill_inputs(qkv_ptr, rope_ptr, q_ptr, kv_ptr, start, qkv_stride, k_head, v_offset,
+                        H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                        HB: tl.constexpr, ROPE: tl.constexpr):
+        t = tl.program_id(0)
+        hh = tl.program_id(1) * HB + tl.arange(0, HB)  # query heads, then key heads, then value heads
+        d = tl.arange(0, DP)
+        m = (hh < H + 2 * HKV)[:, None] & (d < D)[None, :]
+        row = qkv_ptr + t * qkv_stride + hh[:, None] * D
+        x = tl.load(row + d[None, :], mask=m, other=0.0).to(tl.float32)
+        p = start + t
+        if ROPE:
+            cos, sin = _turns(rope_ptr, p, d, d < D, D)
+            partner = tl.load(row + (d + 1 - 2 * (d % 2))[None, :], mask=m, other=0.0).to(tl.float32)
+            turned = x * cos[None, :] + partner * tl.where(d % 2 == 0, -sin, sin)[None, :]
+            x = tl.where((hh < H + HKV)[:, None], turned, x)
+        is_q = (hh < H)[:, None]
+        tl.store(q_ptr + (t * H + hh[:, None]) * D + d[None, :], x.to(q_ptr.dtype.element_ty), mask=m & is_q)
+        kv_head = tl.where(hh < H + HKV, hh - H, hh - H - HKV)
+        at = kv_ptr + tl.where(hh < H + HKV, 0, v_offset)[:, None] + kv_head[:, None] * k_head + p * D + d[None, :]
+        tl.store(at, x.to(kv_ptr.dtype.element_ty), mask=m & ~is_q)
+
 
 def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base: torch.Tensor,
                      work: Workspace, n_head: int, n_head_kv: int, head_dim: int,
@@ -477,6 +499,36 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
         DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
     _merge(work, rows, B, H, D)
     return work.out
+
+
+def prefill_inputs(qkv: torch.Tensor, kv: torch.Tensor, start: int, n_head: int, n_head_kv: int, head_dim: int,
+                   rope: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill chunk's attention inputs in one kernel: `qkv` [T, (H + 2*Hkv) * D] (any float
+    dtype, rows of contiguous elements) holds the projections of T rows at positions start..;
+    with `rope` (`rope_pairs`' [positions, D] float32 table) queries and keys are turned by each
+    row's position, in float32.  Keys and values are stored into the layer's cache `kv` [2, Hkv,
+    cap, D] (rounded to its dtype) and the queries returned as [T, H, D] in that dtype, so that
+    `.transpose(0, 1)` is the [H, T, D] view the fused attention kernels read without a copy."""
+    T = qkv.shape[0]
+    H, Hkv, D = n_head, n_head_kv, head_dim
+    if qkv.stride(-1) != 1 or qkv.shape[1] != (H + 2 * Hkv) * D:
+        raise ValueError(f"qkv must be [T, {(H + 2 * Hkv) * D}] with contiguous rows, got {tuple(qkv.shape)}")
+    if kv.shape[0] != 2 or kv.shape[1] != Hkv or kv.shape[3] != D or kv.stride(2) != D or kv.stride(3) != 1:
+        raise ValueError(f"kv must be a layer's [2, {Hkv}, cap, {D}] cache, got {tuple(kv.shape)}")
+    if start + T > kv.shape[2]:
+        raise ValueError(f"positions {start}..{start + T - 1} do not fit a cache of {kv.shape[2]}")
+    if rope is not None and (rope.dtype != torch.float32 or rope.shape[1] != D or not rope.is_contiguous()
+                             or rope.shape[0] < start + T):
+        raise ValueError(f"rope must be a contiguous [positions, {D}] float32 table of at least {start + T} "
+                         f"positions, got {tuple(rope.shape)} {rope.dtype}")
+    q = torch.empty((T, H, D), dtype=kv.dtype, device=qkv.device)
+    if T:
+        dp = triton.next_power_of_2(D)
+        hb = max(1, min(triton.next_power_of_2(H + 2 * Hkv), 2048 // dp))
+        _prefill_inputs[(T, triton.cdiv(H + 2 * Hkv, hb))](
+            qkv, qkv if rope is None else rope, q, kv, start, qkv.stride(0), kv.stride(1), kv.stride(0),
+            H=H, HKV=Hkv, D=D, DP=dp, HB=hb, ROPE=rope is not None, num_warps=4)
+    return q
 
 
 def _merge(work: Workspace, rows: torch.Tensor, B: int, H: int, D: int) -> None:

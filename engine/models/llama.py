@@ -74,6 +74,12 @@ from engine.weights import DenseLinear, Embedding, Linear, build_linear, to_floa
 # length on an H200, against a 25 ms prefill of 91 tokens), so short cases of varied lengths
 # paid it again and again.
 PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Whether a CUDA prefill chunk's queries, keys and values are made by one kernel
+# (cuda_attention.prefill_inputs: turned, stored, the queries laid out for the attention) where
+# torch's ops take a cast, the complex product, the cache store and two copies.  The same values
+# (tests/engine/test_cuda_attention.py); read when a model is loaded; off until it is measured
+# on a GPU.
+PREFILL_INPUTS_KERNEL = False
 
 
 class StepKernels(Protocol):
@@ -237,6 +243,7 @@ class LlamaModel(CachedNetwork):
                                           self.cpu_kernels)
         # qwen3's per-head q/k norms on CUDA: one float32 kernel in place (eager and replayed steps).
         self.cuda_head_norms = device.type == "cuda" and cuda_attention.AVAILABLE
+        self.cuda_prefill_inputs = PREFILL_INPUTS_KERNEL and device.type == "cuda" and cuda_attention.AVAILABLE
         # The compiled kernel stores and attends all rows of a decode step in one call (CPU,
         # float32 or float16 caches), the window included; None keeps the torch-ops path.
         fits = device.type == "cpu" and attention_fits(cfg.head_dim)
@@ -322,6 +329,16 @@ class LlamaModel(CachedNetwork):
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
+        self._head_norms(blk, qkv)
+        if rope is not None:
+            torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
+        return qkv
+
+    def _head_norms(self, blk: Block, qkv: torch.Tensor) -> None:
+        """qwen3's per-head RMSNorms of the queries and keys, in place in float32 projections
+        (nothing for a block without them)."""
+        T = qkv.shape[0]
+        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         if blk.q_norm is not None and self.cuda_head_norms:
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:
@@ -329,9 +346,20 @@ class LlamaModel(CachedNetwork):
             qkv[:, : H * D] = norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
             qkv[:, H * D: (H + Hkv) * D] = norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
                                                 blk.k_norm).view(T, Hkv * D)
-        if rope is not None:
-            torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
-        return qkv
+
+    def _prefill_inputs(self, blk: Block, x: torch.Tensor, li: int, cache: KVCache, start: int,
+                        ops: StepKernels) -> torch.Tensor:
+        """A CUDA prefill chunk's projections, its keys and values stored at start.. and its
+        queries returned [T, H, D] in the cache's dtype, turned (cuda_attention.prefill_inputs).
+        The projections enter as the product left them (cuBLAS's bfloat16 for int4 matrices of
+        many rows), made float32 first only where head norms modify them."""
+        if blk.q_norm is None:
+            qkv, _ = blk.wqkv.narrow(ops.norm(x, blk.attn_norm))
+        else:
+            qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()
+            self._head_norms(blk, qkv)
+        return cuda_attention.prefill_inputs(qkv, cache.layer_kv[li], start, self.cfg.n_head, self.cfg.n_head_kv,
+                                             self.cfg.head_dim, cuda_attention.rope_pairs(self.rope_for(cache.n_ctx)))
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
@@ -528,8 +556,17 @@ class LlamaModel(CachedNetwork):
             spans = [slice(self.first_visible(start + i), start + i + 1) for i in range(T)]
             return torch.stack([self._attend_one(rows[i], cache.layer_k[li][:, spans[i]], cache.layer_v[li][:, spans[i]])
                                 for i in range(T)]).view(T, H * D)
+        return self._fused_attention(li, q.view(T, H, D).to(cache.kv.dtype), cache, end, mask, causal)
+
+    def _fused_attention(self, li: int, q: torch.Tensor, cache: KVCache, end: int, mask: torch.Tensor | None,
+                         causal: bool) -> torch.Tensor:
+        """[T, H * D] attention of q [T, H, D] (the cache's dtype; rows at end - T..) to the
+        cache's first `end` positions, which hold their keys and values already: one
+        scaled-dot-product call."""
+        T, H, D = q.shape
+        Hkv = self.cfg.n_head_kv
         keys, vals = cache.layer_k[li][:, :end], cache.layer_v[li][:, :end]  # [Hkv, end, D]
-        qh = q.view(T, H, D).transpose(0, 1).unsqueeze(0).to(keys.dtype)
+        qh = q.transpose(0, 1).unsqueeze(0)
         if H != Hkv:
             # The fused kernels do not all take grouped heads (the memory-efficient one, which
             # the masked chunks need, does not): each kv head is repeated for its queries, a
@@ -577,9 +614,13 @@ class LlamaModel(CachedNetwork):
             for li, blk in enumerate(self.blocks):
                 if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                     raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
-                qkv = self._qkv(blk, x, rope, ops)
-                cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
-                blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
+                if self.cuda_prefill_inputs:
+                    q = self._prefill_inputs(blk, x, li, cache, start, ops)
+                    blk.wo.accumulate(x, self._fused_attention(li, q, cache, end, mask, causal))
+                else:
+                    qkv = self._qkv(blk, x, rope, ops)
+                    cache.layer_kv[li][:, :, start:end] = qkv[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
+                    blk.wo.accumulate(x, self._prefill_attention(li, qkv[:, : H * D], cache, start, mask, causal))
                 self.feed_forward(blk, x, ops)
         cache.n = end
         if logits == "last":

@@ -26,6 +26,30 @@ def test_cuda_logits_match_cpu(tiny_gguf, arch, qtype):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_cuda_prefill_inputs_kernel_matches_the_torch_ops(tiny_gguf, arch, monkeypatch):
+    """Eager prefill chunks (longer than the graphs' prefills: one from position 0, one after
+    it through the masked path) with their attention inputs made by one kernel
+    (engine.models.llama.PREFILL_INPUTS_KERNEL) and by torch's ops: the same logits and caches,
+    up to a turned value's last bit (qwen2's biases, qwen3's head norms on the way)."""
+    from engine.models import llama
+
+    path = tiny_gguf(arch, "Q4_K", n_ctx=1024)
+    ids = torch.randint(0, 250, (700,), generator=torch.Generator().manual_seed(4)).tolist()
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(llama, "PREFILL_INPUTS_KERNEL", on)
+        m = engine.load_model(path, device="cuda", ctx=1024)
+        assert m.net.cuda_prefill_inputs == on
+        cache = m.new_session().cache
+        first = m.net.forward(torch.tensor(ids[:400], device="cuda"), 0, cache, logits="all")
+        second = m.net.forward(torch.tensor(ids[400:], device="cuda"), 400, cache, logits="all")
+        results[on] = [first, second] + [cache.layer_kv[li][:, :, :700] for li in range(m.config.n_layer)]
+    for plain, fused in zip(results[False], results[True]):
+        torch.testing.assert_close(fused, plain, rtol=1e-2, atol=1e-2 * float(plain.abs().max()))
+
+
 def test_cuda_session_decode_matches_its_own_prefill(tiny_gguf):
     m = engine.load_model(tiny_gguf("llama", "Q4_1"), device="cuda")
     s = m.new_session()

@@ -222,3 +222,51 @@ def test_rope_must_be_a_float32_table_of_the_head_width():
                 torch.view_as_real(table).flatten(1).t().contiguous().t()):
         with pytest.raises(ValueError, match="rope must be"):
             ca.decode_attention(qkv, rows, 0, cache, work, 3, 1, 8, rope=bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16], ids=["float32-rows", "bfloat16-rows"])
+@pytest.mark.parametrize("rotated", [None, 64, 48], ids=["unturned", "turned-whole", "turned-partly"])
+@pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 64), (4, 4, 48)], ids=["9-3-64", "32-8-64", "4-4-48"])
+def test_prefill_inputs_are_the_models_torch_ops(device, dtype, source, rotated, shape):
+    """A prefill chunk's queries, keys and values from its projections in one kernel: the same
+    values as engine.models.llama's torch ops (the projections made float32, turned by torch's
+    complex product, the keys and values stored into the cache and the queries rounded to its
+    dtype), with no cache position outside the chunk's written.  Head counts that fill the
+    kernel's head blocks and ones that do not; a head width that is not a power of two."""
+    if not usable(device, dtype) or not usable(device, source):
+        pytest.skip("no bfloat16 in Triton's interpreter")
+    if rotated is not None and rotated > shape[2]:
+        pytest.skip("no more turned values than a head has")
+    torch.manual_seed(3)
+    H, Hkv, D = shape
+    n_ctx, start, T = 120, 37, 50
+    kv = torch.randn(2, Hkv, n_ctx, D, device=device).to(dtype)
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, device=device).to(source)
+    table = None if rotated is None else rope_table(n_ctx, D, device, rotated)
+    want_kv = kv.clone()
+    rows = qkv.to(torch.float32, copy=True)
+    if table is not None:
+        torch.view_as_complex(rows.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(table[start: start + T].unsqueeze(1))
+    want_kv[:, :, start: start + T] = rows[:, H * D:].view(T, 2, Hkv, D).permute(1, 2, 0, 3)
+    want_q = rows[:, : H * D].view(T, H, D).to(dtype)
+    q = ca.prefill_inputs(qkv, kv, start, H, Hkv, D, None if table is None else ca.rope_pairs(table))
+    assert q.shape == (T, H, D) and q.dtype == dtype
+    exact = rotated is None or INTERPRETED  # on a GPU a fused multiply-add may move a turned value's last bit
+    tolerance = {} if not exact else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(q, want_q, **tolerance)
+    torch.testing.assert_close(kv, want_kv, **tolerance)
+    assert torch.equal(kv[:, :, :start], want_kv[:, :, :start])
+    assert torch.equal(kv[:, :, start + T:], want_kv[:, :, start + T:])
+
+
+def test_prefill_inputs_refuse_what_does_not_fit():
+    kv = torch.zeros(2, 1, 8, 16)
+    qkv = torch.zeros(4, 5 * 16)
+    for bad_qkv, bad_kv, start in ((torch.zeros(4, 4 * 16), kv, 0), (qkv, torch.zeros(2, 2, 8, 16), 0),
+                                   (qkv, kv, 5), (qkv.t().contiguous().t(), kv, 0)):
+        with pytest.raises(ValueError, match="must be|do not fit"):
+            ca.prefill_inputs(bad_qkv, bad_kv, start, 3, 1, 16)
+    with pytest.raises(ValueError, match="rope must be"):
+        ca.prefill_inputs(qkv, kv, 0, 3, 1, 16, rope=torch.zeros(3, 16))
