@@ -42,6 +42,10 @@ contexts.  `latent_inputs` makes `q_rope` and `new` from a layer's projections i
 (the latent's RMSNorm, the rotation of the query's and key's rope parts), where torch's ops
 take eight.
 
+`prefill_inputs(qkv, kv, start, ...)` is an eager prefill chunk's side of attention before torch's
+fused kernels: its projections turned (float32), keys and values stored into the layer's cache,
+queries returned [T, H, D] in the cache's dtype, in one kernel.
+
 `dependent_launch(device)`: whether this module's, engine.cuda_elementwise's and the one-row int4
 kernels are launched as programmatic dependents on `device` (Hopper on, a Triton with grid
 dependency control): each lets the next kernel launch as it starts and waits for the one

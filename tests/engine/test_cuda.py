@@ -27,6 +27,25 @@ def test_cuda_logits_match_cpu(tiny_gguf, arch, qtype):
 
 
 
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_eager_prefill_matches_cpu(tiny_gguf, arch):
+    """Eager prefill chunks longer than the graphs' prefills, one from position 0 (flash
+    attention taking the grouped heads as they are) and one after it (masked, each kv head
+    repeated): their logits within the CUDA path's bound of the CPU float32 path's."""
+    path = tiny_gguf(arch, "Q4_K", n_ctx=1024)
+    ids = torch.randint(0, 250, (700,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits = {}
+    for device, weights in (("cpu", "float32"), ("cuda", "packed")):
+        m = engine.load_model(path, device=device, weights=weights, ctx=1024)
+        assert m.config.n_head > m.config.n_head_kv
+        cache = m.new_session().cache
+        logits[device] = [m.net.forward(torch.tensor(part, device=device), at, cache, logits="all").cpu()
+                          for part, at in ((ids[:400], 0), (ids[400:], 400))]
+    for got, want in zip(logits["cuda"], logits["cpu"]):
+        assert (got - want).abs().max() <= 5e-2 * want.abs().max()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_prefill_inputs_kernel_matches_the_torch_ops(tiny_gguf, arch, monkeypatch):
     """Eager prefill chunks (longer than the graphs' prefills: one from position 0, one after
