@@ -362,19 +362,20 @@ class LlamaModel(CachedNetwork):
             qkv[:, H * D: (H + Hkv) * D] = norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
                                                 blk.k_norm).view(T, Hkv * D)
 
-    def _prefill_inputs(self, blk: Block, x: torch.Tensor, li: int, cache: KVCache, start: int,
+    def _prefill_inputs(self, blk: Block, x: torch.Tensor, li: int, cache: KVCache, start: int, turns: torch.Tensor,
                         ops: StepKernels) -> torch.Tensor:
         """A CUDA prefill chunk's projections, its keys and values stored at start.. and its
-        queries returned [T, H, D] in the cache's dtype, turned (cuda_attention.prefill_inputs).
-        The projections enter as the product left them (cuBLAS's bfloat16 for int4 matrices of
-        many rows), made float32 first only where head norms modify them."""
+        queries returned [T, H, D] in the cache's dtype, turned by `turns` (cuda_attention's
+        `rope_pairs` table; `prefill_inputs`).  The projections enter as the product left them
+        (cuBLAS's bfloat16 for int4 matrices of many rows), made float32 first only where head
+        norms modify them."""
         if blk.q_norm is None:
             qkv, _ = blk.wqkv.narrow(ops.norm(x, blk.attn_norm))
         else:
             qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()
             self._head_norms(blk, qkv)
         return cuda_attention.prefill_inputs(qkv, cache.layer_kv[li], start, self.cfg.n_head, self.cfg.n_head_kv,
-                                             self.cfg.head_dim, cuda_attention.rope_pairs(self.rope_for(cache.n_ctx)))
+                                             self.cfg.head_dim, turns)
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
@@ -626,12 +627,13 @@ class LlamaModel(CachedNetwork):
             causal = False
         x = self.embed(tokens)  # [T, n_embd] residual stream, float32
         ops = self.prefill_kernels
+        turns = cuda_attention.rope_pairs(self.rope_for(cache.n_ctx)) if self.cuda_prefill_inputs else None
         with sdpa_kernel(PREFILL_SDPA_BACKENDS) if self.device.type != "cpu" else contextlib.nullcontext():
             for li, blk in enumerate(self.blocks):
                 if cancel is not None and cancel():  # cache.n is still `start`: nothing half-done is visible
                     raise Cancelled(f"cancelled in layer {li} of a {T}-token step")
                 if self.cuda_prefill_inputs:
-                    q = self._prefill_inputs(blk, x, li, cache, start, ops)
+                    q = self._prefill_inputs(blk, x, li, cache, start, turns, ops)
                     blk.wo.accumulate(x, self._fused_attention(li, q, cache, end, mask, causal))
                 else:
                     qkv = self._qkv(blk, x, rope, ops)
