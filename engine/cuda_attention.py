@@ -467,9 +467,7 @@ if AVAILABLE:
         p = start + t
         if ROPE:
             cos, sin = _turns(rope_ptr, p, d, d < D, D)
-            partner = tl.load(row + (d + 1 - 2 * (d % 2))[None, :], mask=m, other=0.0).to(tl.float32)
-            turned = x * cos[None, :] + partner * tl.where(d % 2 == 0, -sin, sin)[None, :]
-            x = tl.where((hh < H + HKV)[:, None], turned, x)
+            x = tl.where((hh < H + HKV)[:, None], _turned(row, d[None, :], m, cos[None, :], sin[None, :]), x)
         is_q = (hh < H)[:, None]
         tl.store(q_ptr + (t * H + hh[:, None]) * D + d[None, :], x.to(q_ptr.dtype.element_ty), mask=m & is_q)
         kv_head = tl.where(hh < H + HKV, hh - H, hh - H - HKV)

@@ -344,16 +344,6 @@ class LlamaModel(CachedNetwork):
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
-        self._head_norms(blk, qkv)
-        if rope is not None:
-            torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
-        return qkv
-
-    def _head_norms(self, blk: Block, qkv: torch.Tensor) -> None:
-        """qwen3's per-head RMSNorms of the queries and keys, in place in float32 projections
-        (nothing for a block without them)."""
-        T = qkv.shape[0]
-        H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
         if blk.q_norm is not None and self.cuda_head_norms:
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:
@@ -361,19 +351,21 @@ class LlamaModel(CachedNetwork):
             qkv[:, : H * D] = norm(qkv[:, : H * D].view(T, H, D), blk.q_norm).view(T, H * D)
             qkv[:, H * D: (H + Hkv) * D] = norm(qkv[:, H * D: (H + Hkv) * D].view(T, Hkv, D),
                                                 blk.k_norm).view(T, Hkv * D)
+        if rope is not None:
+            torch.view_as_complex(qkv.view(T, -1, D // 2, 2))[:, : H + Hkv].mul_(rope)
+        return qkv
 
     def _prefill_inputs(self, blk: Block, x: torch.Tensor, li: int, cache: KVCache, start: int, turns: torch.Tensor,
                         ops: StepKernels) -> torch.Tensor:
         """A CUDA prefill chunk's projections, its keys and values stored at start.. and its
         queries returned [T, H, D] in the cache's dtype, turned by `turns` (cuda_attention's
         `rope_pairs` table; `prefill_inputs`).  The projections enter as the product left them
-        (cuBLAS's bfloat16 for int4 matrices of many rows), made float32 first only where head
-        norms modify them."""
+        (cuBLAS's bfloat16 for int4 matrices of many rows); where head norms modify them, as
+        `_qkv` leaves them unturned (float32, normed)."""
         if blk.q_norm is None:
             qkv, _ = blk.wqkv.narrow(ops.norm(x, blk.attn_norm))
         else:
-            qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()
-            self._head_norms(blk, qkv)
+            qkv = self._qkv(blk, x, None, ops)
         return cuda_attention.prefill_inputs(qkv, cache.layer_kv[li], start, self.cfg.n_head, self.cfg.n_head_kv,
                                              self.cfg.head_dim, turns)
 

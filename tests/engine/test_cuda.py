@@ -26,8 +26,6 @@ def test_cuda_logits_match_cpu(tiny_gguf, arch, qtype):
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
 
 
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_eager_prefill_matches_cpu(tiny_gguf, arch):
     """Eager prefill chunks longer than the graphs' prefills, one from position 0 (flash
@@ -45,6 +43,7 @@ def test_cuda_eager_prefill_matches_cpu(tiny_gguf, arch):
     for got, want in zip(logits["cuda"], logits["cpu"]):
         assert (got - want).abs().max() <= 5e-2 * want.abs().max()
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_cuda_prefill_inputs_kernel_matches_the_torch_ops(tiny_gguf, arch, monkeypatch):

@@ -226,7 +226,8 @@ def test_rope_must_be_a_float32_table_of_the_head_width():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("source", [torch.float32, torch.bfloat16], ids=["float32-rows", "bfloat16-rows"])
+@pytest.mark.parametrize("source", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32-rows", "float16-rows", "bfloat16-rows"])
 @pytest.mark.parametrize("rotated", [None, 64, 48], ids=["unturned", "turned-whole", "turned-partly"])
 @pytest.mark.parametrize("shape", [(9, 3, 64), (32, 8, 64), (4, 4, 48)], ids=["9-3-64", "32-8-64", "4-4-48"])
 def test_prefill_inputs_are_the_models_torch_ops(device, dtype, source, rotated, shape):
