@@ -30,7 +30,12 @@ def test_cuda_logits_match_cpu(tiny_gguf, arch, qtype):
 def test_cuda_eager_prefill_matches_cpu(tiny_gguf, arch):
     """Eager prefill chunks longer than the graphs' prefills, one from position 0 (flash
     attention taking the grouped heads as they are) and one after it (masked, each kv head
-    repeated): their logits within the CUDA path's bound of the CPU float32 path's."""
+    repeated): their logits within the CUDA path's bound of the CPU float32 path's.
+
+    The bound holds for 99% of the rows, not all: this random model's feed-forward outputs reach
+    about 1e6, and a row or two of 700 cancel to about 1e3, where activations rounded to
+    bfloat16 (on the CPU's packed path too) leave 20% of the residual; on an H100 one such row's
+    logits moved by 1.8 times the logits' largest value, 99% of the rows' by under 1%."""
     path = tiny_gguf(arch, "Q4_K", n_ctx=1024)
     ids = torch.randint(0, 250, (700,), generator=torch.Generator().manual_seed(5)).tolist()
     logits = {}
@@ -41,8 +46,9 @@ def test_cuda_eager_prefill_matches_cpu(tiny_gguf, arch):
         logits[device] = [m.net.forward(torch.tensor(part, device=device), at, cache, logits="all").cpu()
                           for part, at in ((ids[:400], 0), (ids[400:], 400))]
     for got, want in zip(logits["cuda"], logits["cpu"]):
-        assert (got - want).abs().max() <= 5e-2 * want.abs().max()
-        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+        rows = (got - want).abs().amax(-1)
+        assert rows.quantile(0.99) <= 2e-2 * want.abs().max()
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.99
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
