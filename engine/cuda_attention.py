@@ -123,6 +123,9 @@ LATENT_SPLITS = (32, 256, 256)
 # shape 1.01-1.04x, after 512 and 2,048 positions; 128 for more pairs gained at 512 positions
 # but lost 1.4-2.2% at 2,048 on the 1B shape (docs/measurements.md, round 19).
 PIECES = (64, 64, 256)
+# The most programs a grouped-query step's attention launches (`Workspace`'s `max_programs`; read
+# when a graph's workspace is made), or None: pieces cover the whole context at any length.
+PIECE_PROGRAMS = None
 # Whether the graphs' decoding steps pass their rope table to `decode_attention` (read when a
 # graph is captured) instead of turning q and k with torch's ops first: on an H100 1.027-1.041x
 # a step, one row and 16, both dense shapes (tests/engine/step_timing.py --rope-in-attention).
@@ -155,17 +158,25 @@ def _padded(n: int) -> int:
 
 class Workspace:
     """Per-launch-shape scratch for the partial results (kept by a captured graph): `n_head`
-    outputs of `head_dim` values per row, with `n_head_kv` programs per row and piece."""
+    outputs of `head_dim` values per row, with `n_head_kv` programs per row and piece.
+
+    `max_programs` (grouped-query attention only) caps the programs a step launches: with at
+    most max_programs // (n_rows * n_head_kv) pieces per row (`stretch`), a row too long for
+    them splits its positions into that many pieces of whole `split`s instead, so rows at
+    short contexts keep short pieces and long ones run fewer, longer programs."""
 
     def __init__(self, n_rows: int, n_head: int, head_dim: int, n_ctx: int, n_head_kv: int,
                  device: torch.device, out_dtype: torch.dtype = torch.float32, max_part_bytes: int | None = None,
-                 splits: tuple[int, int, int] | None = None):
+                 splits: tuple[int, int, int] | None = None, max_programs: int | None = None):
         self.split = split_size(n_rows, n_head_kv, n_ctx, splits)
         self.dp = _padded(head_dim)
         if max_part_bytes is not None:
             while self.split < n_ctx and n_rows * n_head * -(-n_ctx // self.split) * self.dp * 4 > max_part_bytes:
                 self.split *= 2
         self.n_split = -(-n_ctx // self.split)
+        if max_programs is not None:
+            self.n_split = max(1, min(self.n_split, max_programs // (n_rows * n_head_kv)))
+        self.stretch = self.n_split * self.split < n_ctx
         self.part = torch.empty((n_rows, n_head, self.n_split, self.dp), dtype=torch.float32, device=device)
         self.stat = torch.empty((n_rows, n_head, self.n_split, 2), dtype=torch.float32, device=device)
         # The output projection's input dtype: bfloat16 where it rounds its input to that anyway.
@@ -236,6 +247,17 @@ if AVAILABLE:
         return k
 
     @triton.jit
+    def _piece_span(p_new, SPLIT: tl.constexpr, NSPLIT: tl.constexpr, STRETCH: tl.constexpr):
+        """Positions per piece for a row whose newest position is p_new: SPLIT, or where the
+        workspace's pieces do not cover its context (STRETCH), the fewest whole SPLITs that
+        cover the row's positions with NSPLIT pieces."""
+        if STRETCH:
+            span = ((p_new + SPLIT) // SPLIT + NSPLIT - 1) // NSPLIT * SPLIT
+        else:
+            span = SPLIT
+        return span
+
+    @triton.jit
     def _cache_block(k_base, v_base, n, hi, d, dm, D: tl.constexpr):
         """Keys and values [BLOCK, DP] at cache positions n (those before `hi`) of one head."""
         kv_mask = (n < hi)[:, None] & dm[None, :]
@@ -248,7 +270,7 @@ if AVAILABLE:
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
-                       ROPE: tl.constexpr, EARLY: tl.constexpr, DEPENDENT: tl.constexpr):
+                       ROPE: tl.constexpr, EARLY: tl.constexpr, DEPENDENT: tl.constexpr, STRETCH: tl.constexpr):
         """EARLY (rows that store their own keys): the piece's first block of the cache is
         read before the wait for the kernel before (which writes qkv, never the cache: the
         positions before a row's own were stored by earlier steps, and its own position is
@@ -270,8 +292,9 @@ if AVAILABLE:
         d = tl.arange(0, DP)
         gm = g < G
         dm = d < D
-        lo = s * SPLIT
-        hi = tl.minimum(lo + SPLIT, p_new + 1)
+        span = _piece_span(p_new, SPLIT, NSPLIT, STRETCH)
+        lo = s * span
+        hi = tl.minimum(lo + span, p_new + 1)
         if EARLY:
             k_next, v_next = _cache_block(k_base, v_base, lo + tl.arange(0, BLOCK), hi, d, dm, D)
         if DEPENDENT:
@@ -292,33 +315,34 @@ if AVAILABLE:
         v_new = tl.load(q_row + (H + HKV) * D + h * D + d, mask=dm, other=0.0).to(kv_ptr.dtype.element_ty)
         if STORE:  # the piece that holds the row's position stores its key and value
             p_vec = d * 0 + p_new  # (a vector: Triton's interpreter takes no scalar in a mask)
-            mine = dm & (p_vec >= lo) & (p_vec < lo + SPLIT)
+            mine = dm & (p_vec >= lo) & (p_vec < lo + span)
             tl.store(k_base + p_new * D + d, k_new, mask=mine)
             tl.store(v_base + p_new * D + d, v_new, mask=mine)
 
         m_i = tl.full([GP], float("-inf"), tl.float32)
         l_i = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, DP], tl.float32)
-        # A fixed trip count keeps the loop free of loaded bounds; blocks past the row's end
-        # are skipped whole.
-        for j in range(0, SPLIT, BLOCK):
-            if lo + j < hi:
-                n = lo + j + tl.arange(0, BLOCK)
-                nm = n < hi
-                is_new = (n == p_new)[:, None]
-                if EARLY:
-                    k, v = k_next, v_next
-                    k_next, v_next = _cache_block(k_base, v_base, n + BLOCK, hi, d, dm, D)
-                else:
-                    k, v = _cache_block(k_base, v_base, n, hi, d, dm, D)
-                k = tl.where(is_new, k_new[None, :], k)  # [BLOCK, DP]
-                if IEEE:
-                    sc = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK] float32
-                sc = tl.where(nm[None, :], sc, float("-inf"))
-                v = tl.where(is_new, v_new[None, :], v)
-                acc, m_i, l_i = _softmax_block(sc, v, acc, m_i, l_i, IEEE)
+        # A fixed trip count keeps the inner loop free of loaded bounds; blocks past the row's
+        # end are skipped whole.  A stretched piece runs it once per SPLIT of its span.
+        for c in range(0, span, SPLIT):
+            for j in range(0, SPLIT, BLOCK):
+                if lo + c + j < hi:
+                    n = lo + c + j + tl.arange(0, BLOCK)
+                    nm = n < hi
+                    is_new = (n == p_new)[:, None]
+                    if EARLY:
+                        k, v = k_next, v_next
+                        k_next, v_next = _cache_block(k_base, v_base, n + BLOCK, hi, d, dm, D)
+                    else:
+                        k, v = _cache_block(k_base, v_base, n, hi, d, dm, D)
+                    k = tl.where(is_new, k_new[None, :], k)  # [BLOCK, DP]
+                    if IEEE:
+                        sc = tl.dot(q, tl.trans(k), input_precision="ieee")
+                    else:
+                        sc = tl.dot(q, tl.trans(k))  # [GP, BLOCK] float32
+                    sc = tl.where(nm[None, :], sc, float("-inf"))
+                    v = tl.where(is_new, v_new[None, :], v)
+                    acc, m_i, l_i = _softmax_block(sc, v, acc, m_i, l_i, IEEE)
         _store_piece(part_ptr, stat_ptr, (b * H + h * G + g) * NSPLIT + s, acc, m_i, l_i, gm, d, DP)
 
     @triton.jit
@@ -341,12 +365,13 @@ if AVAILABLE:
     def _merge_pieces(part_ptr, stat_ptr, rows_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr,
                       NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr, DB: tl.constexpr,
-                      DEPENDENT: tl.constexpr):
+                      DEPENDENT: tl.constexpr, STRETCH: tl.constexpr):
         dependent_start(DEPENDENT)
         b = tl.program_id(0)
         hh = tl.program_id(1)
-        length = tl.load(rows_ptr + b * FIELDS + 1).to(tl.int32) + 1
-        n_used = (length + SPLIT - 1) // SPLIT
+        p_new = tl.load(rows_ptr + b * FIELDS + 1).to(tl.int32)
+        span = _piece_span(p_new, SPLIT, NSPLIT, STRETCH)
+        n_used = (p_new + span) // span
         s = tl.arange(0, NSP)
         sm = s < n_used
         d = tl.program_id(2) * DB + tl.arange(0, DB)  # this program's DB of the DP values
@@ -498,7 +523,7 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
         STORE=not store_first, ROPE=rope is not None, EARLY=EARLY_CACHE_READS and not store_first,
-        DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
+        DEPENDENT=dependent, STRETCH=work.stretch, launch_pdl=dependent, num_warps=4)
     _merge(work, rows, B, H, D)
     return work.out
 
@@ -541,7 +566,7 @@ def _merge(work: Workspace, rows: torch.Tensor, B: int, H: int, D: int) -> None:
     _merge_pieces[(B, H, work.dp // db)](
         work.part, work.stat, rows, work.out, H=H, D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, NSP=triton.next_power_of_2(work.n_split), FIELDS=ROW_FIELDS, DB=db,
-        DEPENDENT=dependent, launch_pdl=dependent, num_warps=4)
+        DEPENDENT=dependent, STRETCH=work.stretch, launch_pdl=dependent, num_warps=4)
 
 
 def latent_inputs(q: torch.Tensor, kv: torch.Tensor, turns: torch.Tensor, norm_weight: torch.Tensor, eps: float,

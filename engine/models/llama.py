@@ -503,7 +503,8 @@ class LlamaModel(CachedNetwork):
     def graph_workspace(self, n_rows: int, n_ctx: int, out_dtype: torch.dtype) -> cuda_attention.Workspace:
         """engine.cuda_graphs.GraphNetwork: the Triton decode attention's scratch."""
         cfg = self.cfg
-        return cuda_attention.Workspace(n_rows, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, self.device, out_dtype)
+        return cuda_attention.Workspace(n_rows, cfg.n_head, cfg.head_dim, n_ctx, cfg.n_head_kv, self.device, out_dtype,
+                                        max_programs=cuda_attention.PIECE_PROGRAMS)
 
     def graph_step(self, table: torch.Tensor, base: torch.Tensor, work: cuda_attention.Workspace,
                    kernels: StepKernels | None, shared: bool) -> torch.Tensor:

@@ -5,8 +5,10 @@ a product runs as one-row products before the tensor-core kernel takes it), sets
 the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
 SwiGLU, or the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode
 attention's piece lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
-attention's kernels, or by torch's ops before them) and `engine.cuda_attention.EARLY_CACHE_READS`
-(the attention's first cache reads before its wait); a script for the device, not a test.
+attention's kernels, or by torch's ops before them), `engine.cuda_attention.EARLY_CACHE_READS`
+(the attention's first cache reads before its wait) and `engine.cuda_attention.PIECE_PROGRAMS`
+(the most programs a step's attention launches, 0 for no cap); a script for the device, not a
+test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
@@ -72,6 +74,8 @@ KNOBS = (
          lambda v: f"rope {'in' if v else 'before'}"),
     Knob("early-cache-reads", cuda_attention, "EARLY_CACHE_READS", lambda v: v == "1",
          lambda v: f"cache reads {'early' if v else 'after the wait'}"),
+    Knob("piece-programs", cuda_attention, "PIECE_PROGRAMS", lambda v: int(v) or None,
+         lambda v: f"programs {v or 'any'}", write=lambda v: str(v or 0)),
 )
 
 
@@ -113,6 +117,7 @@ def main() -> None:
         ap.add_argument(f"--{knob.flag}", default=knob.default(),
                         help=f"{what} of {knob.name}, separated by '{knob.separator}' (default: as now)")
     ap.add_argument("--cached", type=int, default=128, help="positions each row holds before the timed steps")
+    ap.add_argument("--ctx", type=int, help="the model's context (default: --cached and the timed steps')")
     ap.add_argument("--repeats", type=int, default=5, help="alternated timings per value and row count")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
@@ -127,7 +132,7 @@ def main() -> None:
     held = {}
     for setting in settings:
         setting.apply()
-        model = engine.load_model(path, device=args.device, ctx=args.cached + 4 * STEPS)
+        model = engine.load_model(path, device=args.device, ctx=args.ctx or args.cached + 4 * STEPS)
         for n in rows:
             sessions, first = batch_sessions(model, n, args.cached, n_vocab)
             timed(sessions, first, device, args.cached)  # captures this bucket's graph under this setting

@@ -141,12 +141,14 @@ def rope_table(n_pos: int, head_dim: int, device: str, rotated: int) -> torch.Te
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotated", [None, 0, 64, 48],
                          ids=["turned-first", "turns-of-one", "turned-whole", "turned-partly"])
-def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype, rotated):
+@pytest.mark.parametrize("pieces", [None, 1], ids=["pieces-cover", "one-piece-a-row"])
+def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype, rotated, pieces):
     """Rows at consecutive positions of one cache, keys and values stored before any row
     attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does.
     With a rope table the kernels turn the queries and keys themselves (`rotated`: how many of a
     head's values turn; 0: none, the reference's table is all ones), as torch's complex product
-    does up to a last bit (the stored keys to one unit of the cache's precision)."""
+    does up to a last bit (the stored keys to one unit of the cache's precision).  `pieces`: a
+    workspace capped to that many pieces a row, each row's positions in one stretched piece."""
     if not usable(device, dtype):
         pytest.skip("no bfloat16 in Triton's interpreter")
     torch.manual_seed(1)
@@ -155,7 +157,9 @@ def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dev
     qkv = torch.randn(T, (H + 2 * Hkv) * D, device=device)
     rows = torch.tensor([[0, start + i, 0, cache.stride(0), cache.stride(1), cache.stride(2)] for i in range(T)],
                         device=device)
-    work = ca.Workspace(T, H, D, n_ctx, Hkv, torch.device(device))
+    work = ca.Workspace(T, H, D, n_ctx, Hkv, torch.device(device),
+                        max_programs=None if pieces is None else T * Hkv * pieces)
+    assert work.stretch == (pieces is not None)
     table = None if rotated is None else rope_table(n_ctx, D, device, rotated)
     turns = None if table is None else ca.rope_pairs(table)
     expect = cache.clone()
@@ -174,19 +178,22 @@ def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dev
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotated", [None, 64], ids=["turned-first", "turned-whole"])
-def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, monkeypatch):
+@pytest.mark.parametrize("pieces", [None, 2], ids=["pieces-cover", "two-pieces-a-row"])
+def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces, monkeypatch):
     """Decoding rows of pool slots and standalone caches, each storing its own key and value
     (a graph's decoding step): torch's reference at positions within a piece, at a piece's last
     and next positions, and a first token; the piece reads started before the kernel's wait
-    (`EARLY_CACHE_READS`) give the same bits as reads in the loop, outputs and caches."""
+    (`EARLY_CACHE_READS`) give the same bits as reads in the loop, outputs and caches.  With
+    `pieces`, the workspace launches two pieces a row: rows past 128 positions stretch theirs
+    (to 128 positions at 199, 192 at 290: the new position in the second piece, or the first)."""
     if not usable(device, dtype):
         pytest.skip("no bfloat16 in Triton's interpreter")
     torch.manual_seed(2)
     H, Hkv, D, n_layer, n_ctx = 9, 3, 64, 2, 300
-    pool = torch.randn(n_layer, 2, 3, Hkv, 320, D, device=device).to(dtype)
+    pool = torch.randn(n_layer, 2, 4, Hkv, 320, D, device=device).to(dtype)
     solo = torch.randn(n_layer, 2, Hkv, 200, D, device=device).to(dtype)
     fresh = [pool.clone(), solo.clone()]
-    pos = [5, 63, 64, 199, 0]
+    pos = [5, 63, 64, 199, 0, 290]
     qkv = torch.randn(len(pos), (H + 2 * Hkv) * D, device=device)
     table = None if rotated is None else rope_table(n_ctx, D, device, rotated)
     turns = None if table is None else ca.rope_pairs(table)
@@ -194,11 +201,14 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, monkey
     for early in (False, True):
         pool.copy_(fresh[0])
         solo.copy_(fresh[1])
-        caches = [pool[:, :, 2], pool[:, :, 1], solo, pool[:, :, 0], solo.new_zeros(n_layer, 2, Hkv, 1, D)]
+        caches = [pool[:, :, 2], pool[:, :, 1], solo, pool[:, :, 0], solo.new_zeros(n_layer, 2, Hkv, 1, D),
+                  pool[:, :, 3]]
         rows = torch.tensor([[0, p, (c.data_ptr() - solo.data_ptr()) // c.element_size(), c.stride(0), c.stride(1),
                               c.stride(2)] for c, p in zip(caches, pos)], device=device)
-        work = ca.Workspace(len(pos), H, D, n_ctx, Hkv, torch.device(device))
+        work = ca.Workspace(len(pos), H, D, n_ctx, Hkv, torch.device(device),
+                            max_programs=None if pieces is None else len(pos) * Hkv * pieces)
         assert work.split == 64  # pieces of 64 positions: 63 and 64 end one and begin the next
+        assert (work.n_split, work.stretch) == ((5, False) if pieces is None else (2, True))
         monkeypatch.setattr(ca, "EARLY_CACHE_READS", early)
         expect = [c.clone() for c in caches]
         outs = []
