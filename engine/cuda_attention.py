@@ -23,7 +23,9 @@ of sessions and lengths, so a decoding step that calls this can be captured once
 graph per batch size and replayed (engine.cuda_graphs).  Only the positions a row has are
 read: the sequence axis is split into `split`-sized pieces, one program per (row, kv head,
 piece) with an online softmax over it (pieces past a row's end do nothing), and a second
-kernel merges the pieces.  A group's query heads share one program, so each key is read once
+kernel merges the pieces.  A workspace with fewer pieces than its context needs (`Workspace`'s
+`max_programs`) stretches each longer row's pieces to cover its positions, read from the row
+table like everything else.  A group's query heads share one program, so each key is read once
 per kv head, and its products run on the tensor cores (the group padded to 16 rows).  As in
 eager decoding, queries and probabilities enter the products in the cache's dtype (float32
 caches: full float32 products) with float32 accumulation; the softmax is float32; the new key
