@@ -296,6 +296,8 @@ if AVAILABLE:
         dm = d < D
         span = _piece_span(p_new, SPLIT, NSPLIT, STRETCH)
         lo = s * span
+        if lo > p_new:  # a piece past the row's end, which the merge does not read
+            return
         hi = tl.minimum(lo + span, p_new + 1)
         if EARLY:
             k_next, v_next = _cache_block(k_base, v_base, lo + tl.arange(0, BLOCK), hi, d, dm, D)
