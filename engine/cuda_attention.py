@@ -399,6 +399,9 @@ if AVAILABLE:
         W: tl.constexpr = R + E  # a cached row: the latent, then the rotated key part
         row = rows_ptr + b * FIELDS
         p_new = tl.load(row + 1).to(tl.int32)
+        lo = s * SPLIT
+        if lo > p_new:  # a piece past the row's end, which the merge does not read
+            return
         base = kv_ptr + tl.load(row + 2) + layer * tl.load(row + 3)
         heads = hg * GH + tl.arange(0, GH)
         hm = heads < H
@@ -414,7 +417,6 @@ if AVAILABLE:
         q_rope = (q_rope * scale).to(dt)
         new_lat = tl.load(new_ptr + b * W + r, mask=rm, other=0.0).to(dt)
         new_rope = tl.load(new_ptr + b * W + R + e, mask=em, other=0.0).to(dt)
-        lo = s * SPLIT
         hi = tl.minimum(lo + SPLIT, p_new + 1)
         if STORE:
             # Stored by the first head group's program whose piece holds p_new.
