@@ -4,8 +4,9 @@ caches that store their own keys (with its early cache reads and without; whole 
 in tests/engine/test_cuda_graphs.py); the latent attention kernel on rows of pool
 slots and standalone caches at lengths that end in different pieces, head counts that fill the
 16-head programs and ones that do not, a prefill's rows of one cache stored first; its inputs'
-kernel (the latent's norm, the rotations) against deepseek2's torch ops; and the workspace's
-bound on its scratch.  The kernels run on a CUDA device (gpu-marked) or, where none
+kernel (the latent's norm, the rotations) against deepseek2's torch ops; the latent workspace's
+bound on its scratch and the grouped-query one's on its programs (whose stretched pieces the
+decode kernel's tests run).  The kernels run on a CUDA device (gpu-marked) or, where none
 is present, under Triton's interpreter (TRITON_INTERPRET=1, float32 and float16 caches: the
 interpreter has no bfloat16)."""
 from __future__ import annotations
@@ -100,6 +101,21 @@ def test_latent_workspace_bounds_its_scratch():
         assert work.n_split * work.split >= n_ctx and work.out.shape == (rows, heads * 512)
     short = ca.Workspace.latent(1, 16, 512, 4096, torch.device("cpu"))
     assert short.split == ca.split_size(1, 1, 4096, ca.LATENT_SPLITS)  # a small step keeps its short pieces
+
+
+def test_workspace_caps_its_programs():
+    """max_programs bounds rows x kv heads x pieces (at least one piece a row); a workspace whose
+    pieces no longer cover its context says so (`stretch`), one under the cap keeps them all."""
+    cpu = torch.device("cpu")
+    whole = ca.Workspace(16, 9, 64, 8192, 3, cpu)
+    assert (whole.split, whole.n_split, whole.stretch) == (64, 128, False)
+    capped = ca.Workspace(16, 9, 64, 8192, 3, cpu, max_programs=512)
+    assert (capped.split, capped.n_split, capped.stretch) == (64, 10, True)
+    assert 16 * 3 * capped.n_split <= 512 and capped.part.shape == (16, 9, 10, 64)
+    assert ca.Workspace(16, 9, 64, 8192, 3, cpu, max_programs=16 * 3 * 128).stretch is False
+    assert ca.Workspace(1, 9, 64, 300, 3, cpu, max_programs=10_000).n_split == 5
+    tiny = ca.Workspace(64, 32, 64, 4096, 8, cpu, max_programs=256)
+    assert (tiny.n_split, tiny.stretch) == (1, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
