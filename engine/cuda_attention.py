@@ -98,12 +98,14 @@ def dependent_launch(device: torch.device) -> bool:
 
 def dependent_launch_capable(device: torch.device) -> bool:
     """Whether `device` and this Triton can launch kernels as dependents (sm_90 on)."""
-    return device.type == "cuda" and _gdc_capable(device.index)
+    return _GDC and device.type == "cuda" and device_capability(device.index) >= (9, 0)
 
 
 @functools.cache
-def _gdc_capable(index: int | None) -> bool:  # asked at every launch: the host's time counts in eager prefill
-    return _GDC and torch.cuda.get_device_capability(index) >= (9, 0)
+def device_capability(index: int | None) -> tuple[int, int]:
+    """CUDA device `index`'s (major, minor) compute capability, asked of the driver once: it is
+    asked at every launch, and the host's time counts in eager prefill."""
+    return torch.cuda.get_device_capability(index)
 
 
 # Columns of the row table: token, position, K offset, layer stride, V offset, head stride.

@@ -51,7 +51,6 @@ It reads no files beyond the given records and knows nothing of tokens' text or 
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Callable, Protocol
 
 import numpy as np
@@ -89,12 +88,7 @@ def flash_takes(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool
     kernel would refuse them and the math path take them, far slower).  An H100's attention of
     2048 positions of the Llama-3.2-1B shape: 93 us grouped, 98 us repeated."""
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
-            and head_dim <= 256 and _capability(device.index) >= (8, 0))
-
-
-@functools.cache
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+            and head_dim <= 256 and cuda_attention.device_capability(device.index) >= (8, 0))
 
 
 class StepKernels(Protocol):
