@@ -74,6 +74,10 @@ KNOBS = (
          lambda v: f"rope {'in' if v else 'before'}"),
     Knob("early-cache-reads", cuda_attention, "EARLY_CACHE_READS", lambda v: v == "1",
          lambda v: f"cache reads {'early' if v else 'after the wait'}"),
+    Knob("short-bn", cuda_int4, "SHORT_INPUT_BN", int, lambda v: f"short bn {v}"),
+    Knob("short-split", cuda_int4, "SHORT_INPUT_SPLIT", int, lambda v: f"short split {v}"),
+    Knob("merge-in-pieces", cuda_attention, "MERGE_IN_PIECES", lambda v: v == "1",
+         lambda v: f"merge {'in pieces' if v else 'kernel'}"),
     Knob("piece-programs", cuda_attention, "PIECE_PROGRAMS", lambda v: int(v) or None,
          lambda v: f"programs {v or 'any'}", write=lambda v: str(v or 0)),
 )
