@@ -6,9 +6,11 @@ the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products 
 SwiGLU, or the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode
 attention's piece lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
 attention's kernels, or by torch's ops before them), `engine.cuda_attention.EARLY_CACHE_READS`
-(the attention's first cache reads before its wait) and `engine.cuda_attention.PIECE_PROGRAMS`
-(the most programs a step's attention launches, 0 for no cap); a script for the device, not a
-test.
+(the attention's first cache reads before its wait), `engine.cuda_int4.SHORT_INPUT_BN` and
+`SHORT_INPUT_SPLIT` (the tensor-core launch of matrices of fewer than 1,024 inputs),
+`engine.cuda_attention.MERGE_IN_PIECES` (the pieces merged by the last of them, or by a kernel
+after them) and `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's attention
+launches, 0 for no cap); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
