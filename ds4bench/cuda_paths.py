@@ -76,7 +76,8 @@ def model_file(models: str, name: str) -> str:
         shape = dict(SHAPES[name])
         vocab = vocab_gguf(os.path.join(models, f"vocab-{shape['n_vocab']}.gguf"), shape.pop("n_vocab"))
         t0 = time.perf_counter()
-        write_random_gguf(path, RandomModelSpec(**shape, n_ctx=4096, tokenizer_from=vocab, name=name, seed=1))
+        # The embedded model's training context, so that graphs may be timed at its full length.
+        write_random_gguf(path, RandomModelSpec(**shape, n_ctx=8192, tokenizer_from=vocab, name=name, seed=1))
         print(f"wrote {path} in {time.perf_counter() - t0:.1f} s", flush=True)
     return path
 

@@ -128,8 +128,14 @@ LATENT_SPLITS = (32, 256, 256)
 # but lost 1.4-2.2% at 2,048 on the 1B shape (docs/measurements.md, round 19).
 PIECES = (64, 64, 256)
 # The most programs a grouped-query step's attention launches (`Workspace`'s `max_programs`; read
-# when a graph's workspace is made), or None: pieces cover the whole context at any length.
-PIECE_PROGRAMS = None
+# when a graph's workspace is made), or None: pieces cover the whole context at any length.  A
+# graph's pieces cover its model's context, so at 16 rows of the 135M shape's 8,192 positions an
+# uncapped step launched 6,144 programs a layer, nearly all past their rows' ends.  512 against
+# none on an H100 (docs/measurements.md, round 23): 6 to 16 rows after 3,500 positions 1.05-1.09x
+# (135M shape) and 4 to 8 rows 1.05-1.08x (1B shape), 16 rows after 300 positions 1.02x; one
+# row unchanged (it has fewer pairs than the cap allows pieces), 3 rows after 3,500 0.99x; the
+# embedded model's 16 rows in `ds4-bench product` 1.07x.  256 lost at 3,500 positions (0.88-0.96x).
+PIECE_PROGRAMS = 512
 # Whether the graphs' decoding steps pass their rope table to `decode_attention` (read when a
 # graph is captured) instead of turning q and k with torch's ops first: on an H100 1.027-1.041x
 # a step, one row and 16, both dense shapes (tests/engine/step_timing.py --rope-in-attention).
