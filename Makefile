@@ -13,13 +13,14 @@ SPEED_THRESHOLD ?= 0.10
 PRODUCT_FLOOR ?= 0.90
 # ...and spend at most this fraction of the engine's time per token on work of their own.
 PRODUCT_OWN_MAX ?= 0.05
-# pytest runs in TEST_WORKERS processes (pytest-xdist), each taking a whole test file at a time
-# so that a file's module-scoped model or server is loaded once; much of a serial run waits on
+# pytest runs in TEST_WORKERS processes (pytest-xdist); an idle worker takes tests still queued
+# for the other (worksteal), so neither waits alone at the end on a long file, though a file's
+# module-scoped model or server may then load once in each.  Much of a serial run waits on
 # servers, subprocesses and sockets, so two fill 2 cores (docs/measurements.md, "The test suite").
 # `make test-slow` stays serial: its load and soak tests measure a machine to themselves.
 # TEST_WORKERS=0 runs the tests in one process.
 TEST_WORKERS ?= 2
-PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist worksteal
 # Streams of the batched product paths (engine, ds4-eval and ds4-server, 8 rows each; 0: left out).
 PRODUCT_STREAMS ?= 8
 
