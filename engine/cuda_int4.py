@@ -203,10 +203,9 @@ def launch_for(rows: int, n: int, k: int) -> Launch:
     if rows > MAX_BLOCK_M:
         return Launch(bn=128, unroll=4, waves=4)
     waves = (2 if rows > 32 else 4 if rows > 16 else 8) if n >= 4 * k else 8
-    if k < 1024:
-        return Launch(bn=SHORT_INPUT_BN, unroll=2, waves=waves, split_cap=False, max_split=SHORT_INPUT_SPLIT,
-                      transposed=True)
-    return Launch(bn=64, unroll=2, waves=waves, split_cap=False, max_split=8, transposed=True)
+    short = k < 1024
+    return Launch(bn=SHORT_INPUT_BN if short else 64, unroll=2, waves=waves, split_cap=False,
+                  max_split=SHORT_INPUT_SPLIT if short else 8, transposed=True)
 
 
 def scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
