@@ -111,7 +111,13 @@ def device_capability(index: int | None) -> tuple[int, int]:
 # Columns of the row table: token, position, K offset, layer stride, V offset, head stride.
 TOKEN, POS, K_OFFSET, LAYER_STRIDE, V_OFFSET, HEAD_STRIDE = range(6)
 ROW_FIELDS = 6
-BLOCK_N = 32  # positions per inner iteration
+# Positions per inner iteration of a grouped-query piece (at most its length): for one row, and
+# for more; read when a workspace is made, so a graph keeps those it was captured with.  64 for one
+# row against 32 on an H100 (docs/measurements.md, round 24), one loop trip a piece of 64 instead
+# of two: whole one-row steps 1.01-1.07x (135M shape, after 300 and 6,000 positions), 1.03-1.06x
+# (1B, after 300 and 3,000), the embedded model's in `ds4-bench product` 1.057x; at 3 to 16 rows
+# 64 ran 0.98-1.02x, and 2 or 8 warps a program were slower than 4 at every row count.
+BLOCKS = (64, 32)
 LATENT_HEADS = 16  # query heads per latent program (the tensor cores' smallest tile)
 # A latent program's launch shape: positions per inner iteration, warps, and `split_size`'s
 # piece lengths.  Swept on an H200 at DeepSeek-V2-Lite's widths (16 heads, latent 512, rope 64;
@@ -148,7 +154,9 @@ ROPE_IN_ATTENTION = True
 EARLY_CACHE_READS = True
 # Whether the last of a (row, kv head)'s pieces to finish merges its heads' pieces (counted by
 # an atomic per pair, read at launch, so at a capture) instead of a second kernel after the
-# pieces: the same arithmetic in the same order, so the same bits.
+# pieces: the same arithmetic in the same order, so the same bits.  Off: on an H100 it made one-row
+# steps 0.87-0.92x as fast (135M and 1B shapes) and steps of 6 to 16 rows 0.98-1.04x
+# (docs/measurements.md, round 24).
 MERGE_IN_PIECES = False
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
@@ -177,7 +185,8 @@ class Workspace:
     `max_programs` (grouped-query attention only) caps the programs a step launches: with at
     most max_programs // (n_rows * n_head_kv) pieces per row (`stretch`), a row too long for
     them splits its positions into that many pieces of whole `split`s instead, so rows at
-    short contexts keep short pieces and long ones run fewer, longer programs."""
+    short contexts keep short pieces and long ones run fewer, longer programs.  A piece reads
+    `block` positions an inner iteration (BLOCKS)."""
 
     def __init__(self, n_rows: int, n_head: int, head_dim: int, n_ctx: int, n_head_kv: int,
                  device: torch.device, out_dtype: torch.dtype = torch.float32, max_part_bytes: int | None = None,
@@ -191,6 +200,7 @@ class Workspace:
         if max_programs is not None:
             self.n_split = max(1, min(self.n_split, max_programs // (n_rows * n_head_kv)))
         self.stretch = self.n_split * self.split < n_ctx
+        self.block = min(BLOCKS[0] if n_rows == 1 else BLOCKS[1], self.split)
         self.part = torch.empty((n_rows, n_head, self.n_split, self.dp), dtype=torch.float32, device=device)
         self.stat = torch.empty((n_rows, n_head, self.n_split, 2), dtype=torch.float32, device=device)
         # The output projection's input dtype: bfloat16 where it rounds its input to that anyway.
@@ -565,7 +575,7 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
     _attend_pieces[(B, Hkv, work.n_split)](
         qkv, kv_base, rows, turns, work.part, work.stat, work.done, work.out, layer, D ** -0.5, qkv.stride(0),
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
-        NSPLIT=work.n_split, BLOCK=BLOCK_N, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
+        NSPLIT=work.n_split, BLOCK=work.block, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
         STORE=not store_first, ROPE=rope is not None, EARLY=EARLY_CACHE_READS and not store_first,
         DEPENDENT=dependent, STRETCH=work.stretch, MERGE=merge, NSP=triton.next_power_of_2(work.n_split),
         MDB=min(work.dp, MERGE_WIDTH), launch_pdl=dependent, num_warps=4)

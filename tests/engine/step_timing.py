@@ -9,8 +9,9 @@ attention's kernels, or by torch's ops before them), `engine.cuda_attention.EARL
 (the attention's first cache reads before its wait), `engine.cuda_int4.SHORT_INPUT_BN` and
 `SHORT_INPUT_SPLIT` (the tensor-core launch of matrices of fewer than 1,024 inputs),
 `engine.cuda_attention.MERGE_IN_PIECES` (the pieces merged by the last of them, or by a kernel
-after them) and `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's attention
-launches, 0 for no cap); a script for the device, not a test.
+after them), `engine.cuda_attention.BLOCKS` (the positions a piece's inner iteration reads, for
+one row and for more) and `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's
+attention launches, 0 for no cap); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
@@ -80,6 +81,7 @@ KNOBS = (
     Knob("short-split", cuda_int4, "SHORT_INPUT_SPLIT", int, lambda v: f"short split {v}"),
     Knob("merge-in-pieces", cuda_attention, "MERGE_IN_PIECES", lambda v: v == "1",
          lambda v: f"merge {'in pieces' if v else 'kernel'}"),
+    Knob("attention-blocks", cuda_attention, "BLOCKS", _ints, lambda v: f"blocks {v}", ";"),
     Knob("piece-programs", cuda_attention, "PIECE_PROGRAMS", lambda v: int(v) or None,
          lambda v: f"programs {v or 'any'}", write=lambda v: str(v or 0)),
 )

@@ -116,6 +116,9 @@ def test_workspace_caps_its_programs():
     assert ca.Workspace(1, 9, 64, 300, 3, cpu, max_programs=10_000).n_split == 5
     tiny = ca.Workspace(64, 32, 64, 4096, 8, cpu, max_programs=256)
     assert (tiny.n_split, tiny.stretch) == (1, True)
+    # one row reads its pieces BLOCKS[0] positions at a time, more rows BLOCKS[1], never past a piece
+    assert [ca.Workspace(n, 9, 64, 8192, 3, cpu, splits=(s, s, s)).block for n, s in ((1, 64), (2, 64), (1, 32))] \
+        == [min(ca.BLOCKS[0], 64), min(ca.BLOCKS[1], 64), min(ca.BLOCKS[0], 32)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -199,7 +202,8 @@ def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(dev
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotated", [None, 64], ids=["turned-first", "turned-whole"])
 @pytest.mark.parametrize("pieces", [None, 2], ids=["pieces-cover", "two-pieces-a-row"])
-def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces, monkeypatch):
+@pytest.mark.parametrize("block", [32, 64], ids=["blocks-of-32", "blocks-of-64"])
+def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces, block, monkeypatch):
     """Decoding rows of pool slots and standalone caches, each storing its own key and value
     (a graph's decoding step): torch's reference at positions within a piece, at a piece's last
     and next positions, and a first token; the piece reads started before the kernel's wait
@@ -207,7 +211,8 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces
     does each pair's last piece merging the pieces (`MERGE_IN_PIECES`), which leaves every
     pair's count at zero for the next launch.  With
     `pieces`, the workspace launches two pieces a row: rows past 128 positions stretch theirs
-    (to 128 positions at 199, 192 at 290: the new position in the second piece, or the first)."""
+    (to 128 positions at 199, 192 at 290: the new position in the second piece, or the first).
+    The pieces read `block` positions an inner iteration (BLOCKS)."""
     if not usable(device, dtype):
         pytest.skip("no bfloat16 in Triton's interpreter")
     torch.manual_seed(2)
@@ -220,6 +225,7 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces
     table = None if rotated is None else rope_table(n_ctx, D, device, rotated)
     turns = None if table is None else ca.rope_pairs(table)
     results = {}
+    monkeypatch.setattr(ca, "BLOCKS", (block, block))
     for early, merge in ((False, False), (True, False), (True, True)):
         pool.copy_(fresh[0])
         solo.copy_(fresh[1])
@@ -229,7 +235,7 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces
                               c.stride(2)] for c, p in zip(caches, pos)], device=device)
         work = ca.Workspace(len(pos), H, D, n_ctx, Hkv, torch.device(device),
                             max_programs=None if pieces is None else len(pos) * Hkv * pieces)
-        assert work.split == 64  # pieces of 64 positions: 63 and 64 end one and begin the next
+        assert (work.split, work.block) == (64, block)  # pieces of 64: 63 and 64 end one, begin the next
         assert (work.n_split, work.stretch) == ((5, False) if pieces is None else (2, True))
         monkeypatch.setattr(ca, "EARLY_CACHE_READS", early)
         monkeypatch.setattr(ca, "MERGE_IN_PIECES", merge)
