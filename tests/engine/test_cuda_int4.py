@@ -287,6 +287,57 @@ def test_a_paired_gate_up_matrix_answers_as_the_plain_one(device, monkeypatch):
     assert plain.for_swiglu() is plain
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [256, 576])
+def test_products_of_a_norm_are_the_norm_then_the_product(device, monkeypatch, k):
+    """With NORM_IN_PRODUCTS, `after_norm` and `swiglu_after_norm` under fused kernels compute
+    each row's RMSNorm in the one-row kernel's programs (the norm's kernel not called), bit for
+    bit as the norm's kernel and then the product, split or not; past `gemv_rows` rows, under
+    torch ops and with the switch off, the norm's own kernel (or torch's ops) and the product."""
+    from engine import cuda_elementwise
+    from engine.models.llama import TorchKernels
+    from engine.weights import Int4Linear
+    out_dtype = torch.bfloat16
+    if device == "cpu":  # as in the tests above
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
+        out_dtype = torch.float32
+    n, rows, eps = 64, 3, 1e-5
+    rng = np.random.default_rng(k)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    dev = torch.device(device)
+    plain = Int4Linear.on_cuda(cuda_int4.Int4Weight(q, scale, -8 * scale, dev), dev)
+    paired = plain.for_swiglu()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(dev) * 3
+    weight = (1 + torch.randn(k, generator=torch.Generator().manual_seed(1)) / 4).to(dev)
+    ops = cuda_elementwise.FusedStepKernels(eps, out_dtype)
+    normed = ops.norm(x, weight)
+    want, want_gated = plain(normed), paired.swiglu(normed, ops)
+    one_row = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # the 64 columns as 4 tiles, split
+    assert cuda_int4.split_k(k // 32, 4, 64 * cuda_int4.multiprocessors(dev)) > 1
+    split = plain.cuda_weight.gemv(normed, launch=one_row)
+
+    calls = []
+    real_norm = cuda_elementwise.rms_norm
+    monkeypatch.setattr(cuda_elementwise, "rms_norm", lambda *a: calls.append(a[0].shape[0]) or real_norm(*a))
+    assert torch.equal(plain.after_norm(x, weight, ops), want) and calls == [rows]  # the switch off
+    monkeypatch.setattr(cuda_int4, "NORM_IN_PRODUCTS", True)
+    calls.clear()
+    assert torch.equal(plain.after_norm(x, weight, ops), want)
+    assert torch.equal(paired.swiglu_after_norm(x, weight, ops), want_gated)
+    assert torch.equal(plain.cuda_weight.gemv(x, launch=one_row, norm=(weight, eps)), split)
+    assert torch.equal(plain.after_norm(x[:1], weight, ops), want[:1]) and calls == []
+    torch_ops = TorchKernels(torch.tensor(eps, device=dev), n // 2)
+    assert torch.equal(plain.after_norm(x, weight, torch_ops), plain(torch_ops.norm(x, weight)))
+    plain.cuda_weight.gemv_rows = paired.cuda_weight.gemv_rows = rows - 1  # the tensor-core kernel's rows
+    assert torch.equal(plain.after_norm(x, weight, ops), plain(normed))
+    assert torch.equal(paired.swiglu_after_norm(x, weight, ops), paired.swiglu(normed, ops))
+    assert calls == [rows, rows]
+    with pytest.raises(ValueError, match="at most"):
+        plain.cuda_weight(x, norm=(weight, eps))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or not cuda_int4.AVAILABLE
                     or not dependent_launch_capable(torch.device("cuda")),
