@@ -100,7 +100,7 @@ def gemv_rows_for(n: int, k: int) -> int:
 # product, rows of more than 1,024 values, its mean square may be summed in another order), one
 # kernel fewer a norm.  Off: on an H100 (docs/measurements.md, round 24) whole steps of the 135M
 # shape ran 1.039x at one row but 0.967x at 16, the 1B shape's 0.984x at one row and 0.997x at two
-# (its gate/up programs, two warps, hold the 2,048-value row for the factor: 251 registers).
+# (there each of the 704 programs of a layer's two products reads the whole 2,048-value row).
 NORM_IN_PRODUCTS = False
 
 # [gate; up] matrices of the SwiGLU families are held in gate/up pairs on CUDA, their products
@@ -636,6 +636,8 @@ class Int4Weight:
         launch for all.  With `norm` (weights float32 [K], eps): of x's rows' RMSNorms (x
         float32), which the product's programs compute as engine.cuda_elementwise.rms_norm
         does: one kernel fewer than the norm and then the product."""
+        if norm is not None and (x.dtype != torch.float32 or norm[0].shape != (self.k,)):
+            raise ValueError(f"a product of a norm takes float32 rows and {self.k} norm weights")
         rows = x.shape[0]
         cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
@@ -645,14 +647,13 @@ class Int4Weight:
         out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
         dependent = dependent_launch(x.device)
-        if norm is not None and (x.dtype != torch.float32 or norm[0].shape != (self.k,)):
-            raise ValueError(f"a product of a norm takes float32 rows and {self.k} norm weights")
         weights, eps = norm if norm is not None else (x, 0.0)  # an unread pointer without a norm
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
                                           n_groups // splits, TWO23_BITS, weights, eps, BN=cfg.bn, GB=cfg.gb,
                                           ADD=add and splits == 1, PREFETCH=cfg.prefetch, OPERAND=OPERAND,
                                           DEPENDENT=dependent, GATED=gated is not None and splits == 1,
-                                          NORM=norm is not None, KP=triton.next_power_of_2(self.k),
+                                          NORM=norm is not None,
+                                          KP=1 if norm is None else triton.next_power_of_2(self.k),
                                           launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 

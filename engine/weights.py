@@ -642,6 +642,10 @@ class PairedInt4Linear(Int4Linear):
             return super().swiglu(x, ops)
         return self._cuda.swiglu(x, ops.out_dtype)
 
+    def after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
+        norm = self._norm_in_product(x, weight, ops)
+        return self(ops.norm(x, weight)) if norm is None else _unpaired(self._cuda(x, norm=norm))
+
     def swiglu_after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
         norm = self._norm_in_product(x, weight, ops)
         if norm is None:

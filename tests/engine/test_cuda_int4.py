@@ -325,11 +325,13 @@ def test_products_of_a_norm_are_the_norm_then_the_product(device, monkeypatch, k
     monkeypatch.setattr(cuda_int4, "NORM_IN_PRODUCTS", True)
     calls.clear()
     assert torch.equal(plain.after_norm(x, weight, ops), want)
+    assert torch.equal(paired.after_norm(x, weight, ops), want)  # back in [gate; up] order
     assert torch.equal(paired.swiglu_after_norm(x, weight, ops), want_gated)
     assert torch.equal(plain.cuda_weight.gemv(x, launch=one_row, norm=(weight, eps)), split)
     assert torch.equal(plain.after_norm(x[:1], weight, ops), want[:1]) and calls == []
     torch_ops = TorchKernels(torch.tensor(eps, device=dev), n // 2)
     assert torch.equal(plain.after_norm(x, weight, torch_ops), plain(torch_ops.norm(x, weight)))
+    assert torch.equal(paired.after_norm(x, weight, torch_ops), plain(torch_ops.norm(x, weight)))
     plain.cuda_weight.gemv_rows = paired.cuda_weight.gemv_rows = rows - 1  # the tensor-core kernel's rows
     assert torch.equal(plain.after_norm(x, weight, ops), plain(normed))
     assert torch.equal(paired.swiglu_after_norm(x, weight, ops), paired.swiglu(normed, ops))
