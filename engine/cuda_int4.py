@@ -89,6 +89,15 @@ ADD_IN_KERNEL_ROWS = MAX_BLOCK_M  # `into` is added by the product's kernel up t
 GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 
 
+# Registers a thread of the one-row kernel may hold where it is launched for more rows than one
+# (ptxas's .maxnreg; read at launch, so at a graph's capture), or None: as many as it takes.  Those
+# launches are many programs (16 rows of the 135M shape's qkv product, 1,920 of 4 warps), which
+# run in waves of as many as the multiprocessors' registers hold: 80 registers a thread fit 6 a
+# multiprocessor, 64 fit 8 and 56 fit 9 (offline for sm_90, the 135M shape's launches keep every
+# value in registers at 56; at 48 they spill).  The same arithmetic, so the same bits.
+GEMV_MAX_REGISTERS: int | None = None
+
+
 def gemv_rows_for(n: int, k: int) -> int:
     """Most rows an n x k matrix multiplies as one-row products (at least 1)."""
     return max(1, GEMV_ROW_ELEMENTS // (n * k))
@@ -654,7 +663,8 @@ class Int4Weight:
                                           DEPENDENT=dependent, GATED=gated is not None and splits == 1,
                                           NORM=norm is not None,
                                           KP=1 if norm is None else triton.next_power_of_2(self.k),
-                                          launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
+                                          launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages,
+                                          maxnreg=GEMV_MAX_REGISTERS if rows > 1 else None)
         return _add_up(part, out, splits, add, gated is not None)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

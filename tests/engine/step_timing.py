@@ -1,19 +1,20 @@
-"""Times graph-replayed decoding steps of the dense shapes on CUDA under several settings,
-alternated in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k
-a product runs as one-row products before the tensor-core kernel takes it),
-`engine.cuda_int4.NORM_IN_PRODUCTS` (a layer's norms computed by the products after them, or by
-their own kernels), sets of
-`engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay
-the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the
-SwiGLU, or the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode
-attention's piece lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the
-attention's kernels, or by torch's ops before them), `engine.cuda_attention.EARLY_CACHE_READS`
-(the attention's first cache reads before its wait), `engine.cuda_int4.SHORT_INPUT_BN` and
-`SHORT_INPUT_SPLIT` (the tensor-core launch of matrices of fewer than 1,024 inputs),
-`engine.cuda_attention.MERGE_IN_PIECES` (the pieces merged by the last of them, or by a kernel
-after them), `engine.cuda_attention.BLOCKS` (the positions a piece's inner iteration reads, for
-one row and for more) and `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's
-attention launches, 0 for no cap); a script for the device, not a test.
+"""Times graph-replayed decoding steps of the dense shapes on CUDA under several settings, alternated
+in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k a product
+runs as one-row products before the tensor-core kernel takes it),
+`engine.cuda_int4.GEMV_MAX_REGISTERS` (the registers a thread of those products may hold, 0 for
+any), `engine.cuda_int4.NORM_IN_PRODUCTS` (a layer's norms computed by the products after them, or
+by their own kernels), sets of `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of
+their own; the others replay the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS`
+(gate/up products ending in the SwiGLU, or the SwiGLU kernel after them),
+`engine.cuda_attention.PIECES` (the decode attention's piece lengths),
+`engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the attention's kernels, or by
+torch's ops before them), `engine.cuda_attention.EARLY_CACHE_READS` (the attention's first cache
+reads before its wait), `engine.cuda_int4.SHORT_INPUT_BN` and `SHORT_INPUT_SPLIT` (the tensor-core
+launch of matrices of fewer than 1,024 inputs), `engine.cuda_attention.MERGE_IN_PIECES` (the
+pieces merged by the last of them, or by a kernel after them), `engine.cuda_attention.BLOCKS` (the
+positions a piece's inner iteration reads, for one row and for more) and
+`engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's attention launches, 0 for no
+cap); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
@@ -72,6 +73,8 @@ KNOBS = (
     Knob("gemv-mi", cuda_int4, "GEMV_ROW_ELEMENTS", lambda v: int(v) * 2 ** 20, lambda v: f"{v >> 20} Mi",
          write=lambda v: str(v >> 20)),
     Knob("buckets", cuda_graphs, "BUCKETS", _ints, lambda v: f"buckets {v}", ";"),
+    Knob("gemv-max-registers", cuda_int4, "GEMV_MAX_REGISTERS", lambda v: int(v) or None,
+         lambda v: f"{v or 'any'} registers", write=lambda v: str(v or 0)),
     Knob("norm-in-products", cuda_int4, "NORM_IN_PRODUCTS", lambda v: v == "1",
          lambda v: f"norm {'in products' if v else 'kernel'}"),
     Knob("swiglu-in-products", cuda_int4, "SWIGLU_IN_PRODUCTS", lambda v: v == "1",
