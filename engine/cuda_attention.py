@@ -152,12 +152,6 @@ ROPE_IN_ATTENTION = True
 # (16 rows) a step on the Llama-3.2-1B shape, 1.027x and 1.054x on the SmolLM2-135M shape
 # (docs/measurements.md, round 20).
 EARLY_CACHE_READS = True
-# Whether the last of a (row, kv head)'s pieces to finish merges its heads' pieces (counted by
-# an atomic per pair, read at launch, so at a capture) instead of a second kernel after the
-# pieces: the same arithmetic in the same order, so the same bits.  Off: on an H100 it made one-row
-# steps 0.87-0.92x as fast (135M and 1B shapes) and steps of 6 to 16 rows 0.98-1.04x
-# (docs/measurements.md, round 24).
-MERGE_IN_PIECES = False
 MERGE_WIDTH = 128  # output values per merging program
 LATENT_PART_BYTES = 64 << 20  # at most this much float32 scratch for a latent step's pieces
 
@@ -205,8 +199,6 @@ class Workspace:
         self.stat = torch.empty((n_rows, n_head, self.n_split, 2), dtype=torch.float32, device=device)
         # The output projection's input dtype: bfloat16 where it rounds its input to that anyway.
         self.out = torch.empty((n_rows, n_head * head_dim), dtype=out_dtype, device=device)
-        # Pieces finished per (row, kv head) with MERGE_IN_PIECES; the merging piece zeroes its own.
-        self.done = torch.zeros((n_rows, n_head_kv), dtype=torch.int32, device=device)
 
     @classmethod
     def latent(cls, n_rows: int, n_head: int, rank: int, n_ctx: int, device: torch.device) -> "Workspace":
@@ -292,19 +284,15 @@ if AVAILABLE:
         return k, v
 
     @triton.jit
-    def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, rope_ptr, part_ptr, stat_ptr, done_ptr, out_ptr, layer, scale,
-                       qkv_stride,
+    def _attend_pieces(qkv_ptr, kv_ptr, rows_ptr, rope_ptr, part_ptr, stat_ptr, layer, scale, qkv_stride,
                        H: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                        D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr, NSPLIT: tl.constexpr,
                        BLOCK: tl.constexpr, FIELDS: tl.constexpr, IEEE: tl.constexpr, STORE: tl.constexpr,
-                       ROPE: tl.constexpr, EARLY: tl.constexpr, DEPENDENT: tl.constexpr, STRETCH: tl.constexpr,
-                       MERGE: tl.constexpr, NSP: tl.constexpr, MDB: tl.constexpr):
+                       ROPE: tl.constexpr, EARLY: tl.constexpr, DEPENDENT: tl.constexpr, STRETCH: tl.constexpr):
         """EARLY (rows that store their own keys): the piece's first block of the cache is
         read before the wait for the kernel before (which writes qkv, never the cache: the
         positions before a row's own were stored by earlier steps, and its own position is
-        taken from qkv), and each block's successor before the block's arithmetic.  MERGE: the
-        pair's last piece to finish (`done_ptr`'s count) merges its G heads into out_ptr, as
-        `_merge_pieces` would (MDB values a pass), and zeroes the count for the next launch."""
+        taken from qkv), and each block's successor before the block's arithmetic."""
         if DEPENDENT:
             gdc_launch_dependents()
         b = tl.program_id(0)
@@ -376,16 +364,6 @@ if AVAILABLE:
                     v = tl.where(is_new, v_new[None, :], v)
                     acc, m_i, l_i = _softmax_block(sc, v, acc, m_i, l_i, IEEE)
         _store_piece(part_ptr, stat_ptr, (b * H + h * G + g) * NSPLIT + s, acc, m_i, l_i, gm, d, DP)
-        if MERGE:
-            n_used = (p_new + span) // span
-            tl.debug_barrier()  # every thread's part stored before the count says so
-            before = tl.atomic_add(done_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
-            if before == n_used - 1:  # the others' parts are stored: merge, then ready the count
-                for gg in tl.static_range(G):
-                    for chunk in tl.static_range(DP // MDB):
-                        _merge_head(part_ptr, stat_ptr, out_ptr, b, h * G + gg, n_used, chunk * MDB,
-                                    H, D, DP, NSPLIT, NSP, MDB, ".cg")
-                tl.store(done_ptr + b * HKV + h, 0)
 
     @triton.jit
     def _store_rows(qkv_ptr, kv_ptr, rows_ptr, rope_ptr, layer, qkv_stride, H: tl.constexpr, HKV: tl.constexpr,
@@ -404,25 +382,6 @@ if AVAILABLE:
         tl.store(k_base + tl.load(row + 4) + p_new * D + d, v_new, mask=dm)
 
     @triton.jit
-    def _merge_head(part_ptr, stat_ptr, out_ptr, b, hh, n_used, d0,
-                    H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, NSPLIT: tl.constexpr, NSP: tl.constexpr,
-                    DB: tl.constexpr, CACHE: tl.constexpr):
-        """Head hh of row b: its first n_used pieces' partial results merged into values d0 ..
-        d0 + DB of its output.  CACHE: the loads' cache modifier (".cg" where other programs wrote
-        the pieces during this kernel, so that they are read from L2)."""
-        d = d0 + tl.arange(0, DB)
-        s = tl.arange(0, NSP)
-        sm = s < n_used
-        where = (b * H + hh) * NSPLIT + s
-        m = tl.load(stat_ptr + where * 2, mask=sm, other=float("-inf"), cache_modifier=CACHE)
-        l = tl.load(stat_ptr + where * 2 + 1, mask=sm, other=0.0, cache_modifier=CACHE)
-        w = tl.exp(m - tl.max(m, axis=0))  # piece 0 always holds position 0: the max is finite
-        acc = tl.load(part_ptr + where[:, None] * DP + d[None, :], mask=sm[:, None], other=0.0, cache_modifier=CACHE)
-        num = tl.sum(w[:, None] * acc, axis=0)
-        den = tl.sum(w * l, axis=0)
-        tl.store(out_ptr + b * (H * D) + hh * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
-
-    @triton.jit
     def _merge_pieces(part_ptr, stat_ptr, rows_ptr, out_ptr,
                       H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, SPLIT: tl.constexpr,
                       NSPLIT: tl.constexpr, NSP: tl.constexpr, FIELDS: tl.constexpr, DB: tl.constexpr,
@@ -432,8 +391,18 @@ if AVAILABLE:
         hh = tl.program_id(1)
         p_new = tl.load(rows_ptr + b * FIELDS + 1).to(tl.int32)
         span = _piece_span(p_new, SPLIT, NSPLIT, STRETCH)
-        _merge_head(part_ptr, stat_ptr, out_ptr, b, hh, (p_new + span) // span, tl.program_id(2) * DB,
-                    H, D, DP, NSPLIT, NSP, DB, "")  # this program's DB of the DP values
+        n_used = (p_new + span) // span
+        s = tl.arange(0, NSP)
+        sm = s < n_used
+        d = tl.program_id(2) * DB + tl.arange(0, DB)  # this program's DB of the DP values
+        where = (b * H + hh) * NSPLIT + s
+        m = tl.load(stat_ptr + where * 2, mask=sm, other=float("-inf"))
+        l = tl.load(stat_ptr + where * 2 + 1, mask=sm, other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))  # piece 0 always holds position 0: the max is finite
+        acc = tl.load(part_ptr + where[:, None] * DP + d[None, :], mask=sm[:, None], other=0.0)
+        num = tl.sum(w[:, None] * acc, axis=0)
+        den = tl.sum(w * l, axis=0)
+        tl.store(out_ptr + b * (H * D) + hh * D + d, (num / den).to(out_ptr.dtype.element_ty), mask=d < D)
 
     @triton.jit
     def _attend_latent(ql_ptr, qr_ptr, new_ptr, kv_ptr, rows_ptr, part_ptr, stat_ptr, layer, scale, ql_row, ql_head,
@@ -571,16 +540,13 @@ def decode_attention(qkv: torch.Tensor, rows: torch.Tensor, layer: int, kv_base:
         _store_rows[(B, Hkv)](qkv, kv_base, rows, turns, layer, qkv.stride(0), H=H, HKV=Hkv, D=D, DP=work.dp,
                               FIELDS=ROW_FIELDS, ROPE=rope is not None, num_warps=1)
     dependent = dependent_launch(qkv.device)
-    merge = MERGE_IN_PIECES
     _attend_pieces[(B, Hkv, work.n_split)](
-        qkv, kv_base, rows, turns, work.part, work.stat, work.done, work.out, layer, D ** -0.5, qkv.stride(0),
+        qkv, kv_base, rows, turns, work.part, work.stat, layer, D ** -0.5, qkv.stride(0),
         H=H, HKV=Hkv, G=G, GP=max(triton.next_power_of_2(G), 16), D=D, DP=work.dp, SPLIT=work.split,
         NSPLIT=work.n_split, BLOCK=work.block, FIELDS=ROW_FIELDS, IEEE=kv_base.dtype == torch.float32,
         STORE=not store_first, ROPE=rope is not None, EARLY=EARLY_CACHE_READS and not store_first,
-        DEPENDENT=dependent, STRETCH=work.stretch, MERGE=merge, NSP=triton.next_power_of_2(work.n_split),
-        MDB=min(work.dp, MERGE_WIDTH), launch_pdl=dependent, num_warps=4)
-    if not merge:
-        _merge(work, rows, B, H, D)
+        DEPENDENT=dependent, STRETCH=work.stretch, launch_pdl=dependent, num_warps=4)
+    _merge(work, rows, B, H, D)
     return work.out
 
 

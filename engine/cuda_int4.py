@@ -204,13 +204,6 @@ def gemv_launch_for(n: int, k: int) -> GemvLaunch:
     return GemvLaunch(bn=8 if n * k < GEMM_MIN_ELEMENTS else 16, gb=32, warps=4, waves=1)
 
 
-# Launch of a decoding step's tensor-core product over fewer than 1,024 inputs (the 135M shape's
-# matrices): output columns per program and the most splits of its input axis (read when a
-# product is launched, so at a graph's capture).
-SHORT_INPUT_BN = 64
-SHORT_INPUT_SPLIT = 2
-
-
 def launch_for(rows: int, n: int, k: int) -> Launch:
     """The launch measured fastest for this kind of product (random int4 matrices of the
     SmolLM2-135M and Llama-3.2-1B shapes): prefill chunks (more than MAX_BLOCK_M rows) on an
@@ -223,9 +216,7 @@ def launch_for(rows: int, n: int, k: int) -> Launch:
     if rows > MAX_BLOCK_M:
         return Launch(bn=128, unroll=4, waves=4)
     waves = (2 if rows > 32 else 4 if rows > 16 else 8) if n >= 4 * k else 8
-    short = k < 1024
-    return Launch(bn=SHORT_INPUT_BN if short else 64, unroll=2, waves=waves, split_cap=False,
-                  max_split=SHORT_INPUT_SPLIT if short else 8, transposed=True)
+    return Launch(bn=64, unroll=2, waves=waves, split_cap=False, max_split=8 if k >= 1024 else 2, transposed=True)
 
 
 def scale_pairs(scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

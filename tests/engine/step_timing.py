@@ -9,9 +9,7 @@ their own; the others replay the next larger one's), `engine.cuda_int4.SWIGLU_IN
 `engine.cuda_attention.PIECES` (the decode attention's piece lengths),
 `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the attention's kernels, or by
 torch's ops before them), `engine.cuda_attention.EARLY_CACHE_READS` (the attention's first cache
-reads before its wait), `engine.cuda_int4.SHORT_INPUT_BN` and `SHORT_INPUT_SPLIT` (the tensor-core
-launch of matrices of fewer than 1,024 inputs), `engine.cuda_attention.MERGE_IN_PIECES` (the
-pieces merged by the last of them, or by a kernel after them), `engine.cuda_attention.BLOCKS` (the
+reads before its wait), `engine.cuda_attention.BLOCKS` (the
 positions a piece's inner iteration reads, for one row and for more) and
 `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's attention launches, 0 for no
 cap); a script for the device, not a test.
@@ -84,10 +82,6 @@ KNOBS = (
          lambda v: f"rope {'in' if v else 'before'}"),
     Knob("early-cache-reads", cuda_attention, "EARLY_CACHE_READS", lambda v: v == "1",
          lambda v: f"cache reads {'early' if v else 'after the wait'}"),
-    Knob("short-bn", cuda_int4, "SHORT_INPUT_BN", int, lambda v: f"short bn {v}"),
-    Knob("short-split", cuda_int4, "SHORT_INPUT_SPLIT", int, lambda v: f"short split {v}"),
-    Knob("merge-in-pieces", cuda_attention, "MERGE_IN_PIECES", lambda v: v == "1",
-         lambda v: f"merge {'in pieces' if v else 'kernel'}"),
     Knob("attention-blocks", cuda_attention, "BLOCKS", _ints, lambda v: f"blocks {v}", ";"),
     Knob("piece-programs", cuda_attention, "PIECE_PROGRAMS", lambda v: int(v) or None,
          lambda v: f"programs {v or 'any'}", write=lambda v: str(v or 0)),

@@ -161,19 +161,15 @@ def rope_table(n_pos: int, head_dim: int, device: str, rotated: int) -> torch.Te
 @pytest.mark.parametrize("rotated", [None, 0, 64, 48],
                          ids=["turned-first", "turns-of-one", "turned-whole", "turned-partly"])
 @pytest.mark.parametrize("pieces", [None, 1], ids=["pieces-cover", "one-piece-a-row"])
-@pytest.mark.parametrize("merge", [False, True], ids=["merge-kernel", "merge-in-pieces"])
-def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype, rotated, pieces, merge,
-                                                                             monkeypatch):
+def test_attention_rows_of_one_cache_with_store_first_are_its_causal_prefill(device, dtype, rotated, pieces):
     """Rows at consecutive positions of one cache, keys and values stored before any row
     attends: row i sees the cache's past and rows 0..i, as torch's row-by-row reference does.
     With a rope table the kernels turn the queries and keys themselves (`rotated`: how many of a
     head's values turn; 0: none, the reference's table is all ones), as torch's complex product
     does up to a last bit (the stored keys to one unit of the cache's precision).  `pieces`: a
-    workspace capped to that many pieces a row, each row's positions in one stretched piece.
-    `merge`: the pieces merged by a kernel after them, or by each pair's last piece."""
+    workspace capped to that many pieces a row, each row's positions in one stretched piece."""
     if not usable(device, dtype):
         pytest.skip("no bfloat16 in Triton's interpreter")
-    monkeypatch.setattr(ca, "MERGE_IN_PIECES", merge)
     torch.manual_seed(1)
     H, Hkv, D, n_ctx, n_layer, start, T = 9, 3, 64, 300, 2, 37, 50
     cache = torch.randn(n_layer, 2, Hkv, n_ctx, D, device=device).to(dtype)
@@ -207,9 +203,7 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces
     """Decoding rows of pool slots and standalone caches, each storing its own key and value
     (a graph's decoding step): torch's reference at positions within a piece, at a piece's last
     and next positions, and a first token; the piece reads started before the kernel's wait
-    (`EARLY_CACHE_READS`) give the same bits as reads in the loop, outputs and caches, and so
-    does each pair's last piece merging the pieces (`MERGE_IN_PIECES`), which leaves every
-    pair's count at zero for the next launch.  With
+    (`EARLY_CACHE_READS`) give the same bits as reads in the loop, outputs and caches.  With
     `pieces`, the workspace launches two pieces a row: rows past 128 positions stretch theirs
     (to 128 positions at 199, 192 at 290: the new position in the second piece, or the first).
     The pieces read `block` positions an inner iteration (BLOCKS)."""
@@ -226,7 +220,7 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces
     turns = None if table is None else ca.rope_pairs(table)
     results = {}
     monkeypatch.setattr(ca, "BLOCKS", (block, block))
-    for early, merge in ((False, False), (True, False), (True, True)):
+    for early in (False, True):
         pool.copy_(fresh[0])
         solo.copy_(fresh[1])
         caches = [pool[:, :, 2], pool[:, :, 1], solo, pool[:, :, 0], solo.new_zeros(n_layer, 2, Hkv, 1, D),
@@ -238,21 +232,17 @@ def test_attention_rows_that_store_their_own_keys(device, dtype, rotated, pieces
         assert (work.split, work.block) == (64, block)  # pieces of 64: 63 and 64 end one, begin the next
         assert (work.n_split, work.stretch) == ((5, False) if pieces is None else (2, True))
         monkeypatch.setattr(ca, "EARLY_CACHE_READS", early)
-        monkeypatch.setattr(ca, "MERGE_IN_PIECES", merge)
         expect = [c.clone() for c in caches]
         outs = []
         for layer in range(n_layer):
             outs.append(ca.decode_attention(qkv, rows, layer, solo, work, H, Hkv, D, rope=turns).clone())
             want = ca.reference_attention(qkv, [e[layer] for e in expect], pos, H, Hkv, D, table)
             torch.testing.assert_close(outs[-1], want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-            assert not work.done.any()
         for c, e in zip(caches, expect):
             torch.testing.assert_close(c, e, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-        results[early, merge] = outs, [c.clone() for c in caches]
-    first = results[False, False]
-    for other in list(results.values())[1:]:
-        for a, b in zip(first[0] + first[1], other[0] + other[1]):
-            assert torch.equal(a, b)
+        results[early] = outs, [c.clone() for c in caches]
+    for a, b in zip(results[False][0] + results[False][1], results[True][0] + results[True][1]):
+        assert torch.equal(a, b)
 
 
 def test_rope_must_be_a_float32_table_of_the_head_width():
