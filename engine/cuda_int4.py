@@ -89,13 +89,23 @@ ADD_IN_KERNEL_ROWS = MAX_BLOCK_M  # `into` is added by the product's kernel up t
 GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 
 
-# Registers a thread of the one-row kernel may hold where it is launched for more rows than one
-# (ptxas's .maxnreg; read at launch, so at a graph's capture), or None: as many as it takes.  Those
-# launches are many programs (16 rows of the 135M shape's qkv product, 1,920 of 4 warps), which
-# run in waves of as many as the multiprocessors' registers hold: 80 registers a thread fit 6 a
-# multiprocessor, 64 fit 8 and 56 fit 9 (offline for sm_90, the 135M shape's launches keep every
-# value in registers at 56; at 48 they spill).  The same arithmetic, so the same bits.
-GEMV_MAX_REGISTERS: int | None = None
+# Whether the one-row kernel makes each nibble a float32 without an addition: masked out of its
+# word (from bit 20 on, of the word shifted down 12 bits), its bits read as a float32 are the
+# subnormal q * 2**(s - 149), s its bit offset there, which meets x * 2**(149 - s - SUBNORMAL_SHIFT):
+# each exact product comes out as q * x * 2**-SUBNORMAL_SHIFT, and a group's sum, times
+# 2**SUBNORMAL_SHIFT, is the sum itself.  Every sum is the one with 2**23 OR-ed into each nibble
+# and taken off (`_scaled_nibble`: a float32 addition a weight more), scaled by a power of two, so
+# the bits are the same as long as no activation reaches 2**(SUBNORMAL_SHIFT - 21) in size and no
+# partial sum of a group is smaller than 2**(SUBNORMAL_SHIFT - 126) without being zero (it would be
+# subnormal itself): 2**43 and 2**-62.  Offline for sm_90, a loop step of the one-row kernels takes
+# 19-23% fewer instructions.
+SUBNORMAL_NIBBLES = True
+SUBNORMAL_SHIFT = 64
+
+
+def gemv_subnormal_shift() -> int:
+    """The one-row kernel's SUBNORMAL argument: SUBNORMAL_SHIFT, or 0 without subnormal nibbles."""
+    return SUBNORMAL_SHIFT if SUBNORMAL_NIBBLES else 0
 
 
 def gemv_rows_for(n: int, k: int) -> int:
@@ -367,7 +377,8 @@ if AVAILABLE:
     @triton.jit
     def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, two23, BN: tl.constexpr, GB: tl.constexpr,
                      OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False,
-                     NORM: tl.constexpr = False, nw_ptr=None, eps=0.0, KP: tl.constexpr = 1):
+                     NORM: tl.constexpr = False, nw_ptr=None, eps=0.0, KP: tl.constexpr = 1,
+                     SUBNORMAL: tl.constexpr = 0):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores, GB groups per loop step (the last step masked).
@@ -376,6 +387,9 @@ if AVAILABLE:
         thread loads a whole group (16 bytes) of each of its columns and the activations it
         needs (that group's 32) serve all of them: each activation is rounded, scaled and
         summed once per thread, not once per column.  `two23`: TWO23_BITS, passed at run time.
+        SUBNORMAL (a shift E > 0, or 0 for none): each nibble is the subnormal its bits make,
+        the activations and scales scaled to match (SUBNORMAL_NIBBLES): the same sums, one
+        addition a weight fewer.
         PREFETCH: each step loads the next step's words before it computes, so their reads
         are in flight during the arithmetic (the same sums).  WAIT (a kernel launched as a
         dependent): before it reads x it waits for the kernel before it, which writes x; with
@@ -406,29 +420,46 @@ if AVAILABLE:
                 w = _step_words(w_ptr, n, nm, word, wm, words_per_row)
             dot = tl.zeros([BN, WB], tl.float32)
             xsum = tl.zeros([WB], tl.float32)
-            # Byte b of a word holds inputs 8i+2b (high nibble) and 8i+2b+1 (low).  The nibble at bit s
-            # of its 16-bit half comes as q * 2**s and meets x * 2**-s: the same exact product.
-            for h in tl.static_range(2):
-                half = (w if h == 0 else w >> 16) | two23
-                for sb in tl.static_range(2):
-                    b = 2 * h + sb
-                    xh = tl.load(x_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
-                    xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
-                    if NORM:  # as the norm's kernel writes them, before the product rounds them
-                        xh = xh * inv * tl.load(nw_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
-                        xl = xl * inv * tl.load(nw_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
-                    xh = xh.to(OPERAND).to(tl.float32)
-                    xl = xl.to(OPERAND).to(tl.float32)
-                    xh_scaled = xh * (0.0625 if sb == 0 else 0.000244140625)  # 2**-4, 2**-12
-                    xl_scaled = xl * (1.0 if sb == 0 else 0.00390625)  # 2**0, 2**-8
-                    dot = tl.fma(_scaled_nibble(half, 8 * sb + 4), xh_scaled[None, :], dot)
-                    dot = tl.fma(_scaled_nibble(half, 8 * sb), xl_scaled[None, :], dot)
-                    xsum += xh + xl
+            # Byte b of a word holds inputs 8i+2b (high nibble) and 8i+2b+1 (low).
+            if SUBNORMAL:  # nibbles at bits 20 and up moved down 12, into the mantissa
+                shifted = w >> 12
+            else:
+                low_half = w | two23
+                high_half = (w >> 16) | two23
+            for b in tl.static_range(4):
+                xh = tl.load(x_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
+                xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
+                if NORM:  # as the norm's kernel writes them, before the product rounds them
+                    xh = xh * inv * tl.load(nw_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
+                    xl = xl * inv * tl.load(nw_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
+                xh = xh.to(OPERAND).to(tl.float32)
+                xl = xl.to(OPERAND).to(tl.float32)
+                if SUBNORMAL:
+                    # The nibble at bit s (of w, or of w >> 12 from bit 20 on) read as a float is
+                    # q * 2**(s - 149) and meets x * 2**(149 - s - E), E = SUBNORMAL: the exact
+                    # product q * x, times 2**-E.
+                    source = w if b < 2 else shifted  # its low nibble at bit 8b - 12(b // 2)
+                    qh = (source & (15 << (8 * b - 12 * (b // 2) + 4))).to(tl.float32, bitcast=True)
+                    ql = (source & (15 << (8 * b - 12 * (b // 2)))).to(tl.float32, bitcast=True)
+                    xh_scaled = xh * (2.0 ** (145 - SUBNORMAL - 8 * b + 12 * (b // 2)))
+                    xl_scaled = xl * (2.0 ** (149 - SUBNORMAL - 8 * b + 12 * (b // 2)))
+                else:
+                    # The nibble at bit s of its 16-bit half comes as q * 2**s and meets x * 2**-s.
+                    half = low_half if b < 2 else high_half
+                    qh = _scaled_nibble(half, 8 * (b % 2) + 4)
+                    ql = _scaled_nibble(half, 8 * (b % 2))
+                    xh_scaled = xh * (0.0625 if b % 2 == 0 else 0.000244140625)  # 2**-4, 2**-12
+                    xl_scaled = xl * (1.0 if b % 2 == 0 else 0.00390625)  # 2**0, 2**-8
+                dot = tl.fma(qh, xh_scaled[None, :], dot)
+                dot = tl.fma(ql, xl_scaled[None, :], dot)
+                xsum += xh + xl
             pair = sm_ptr + ((g0 + c + gi)[None, :] * N + n[:, None]) * 2  # [BN, GB]
             pm = nm[:, None] & gm[None, :]
             scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
             minimum = tl.load(pair + 1, mask=pm, other=0.0).to(tl.float32)
             group_dot = tl.sum(tl.reshape(dot, (BN, GB, 4)), axis=2)  # a group's four words together
+            if SUBNORMAL:  # back to the sums themselves, exactly
+                group_dot = group_dot * (2.0 ** SUBNORMAL)
             group_x = tl.sum(tl.reshape(xsum, (GB, 4)), axis=1)
             acc = add_group(acc, group_dot, scale, group_x[None, :], minimum)
         return tl.sum(acc, axis=1)
@@ -437,7 +468,7 @@ if AVAILABLE:
     def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23, nw_ptr, eps,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
                    OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, GATED: tl.constexpr = False,
-                   NORM: tl.constexpr = False, KP: tl.constexpr = 1):
+                   NORM: tl.constexpr = False, KP: tl.constexpr = 1, SUBNORMAL: tl.constexpr = 0):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
         CUDA cores (`gemv_columns`), each row's in the order it has alone; GATED as _int4_gemm's;
         NORM: of each row's RMSNorm (`gemv_columns`)."""
@@ -449,7 +480,7 @@ if AVAILABLE:
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
                          groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT, NORM, nw_ptr,
-                         eps, KP)
+                         eps, KP, SUBNORMAL)
         if GATED:
             store_gated(y[None, :], out_ptr + row * (N // 2), tl.program_id(0) * (BN // 2), N // 2,
                         tl.full((1, 1), 1, tl.int1))
@@ -655,7 +686,7 @@ class Int4Weight:
                                           NORM=norm is not None,
                                           KP=1 if norm is None else triton.next_power_of_2(self.k),
                                           launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages,
-                                          maxnreg=GEMV_MAX_REGISTERS if rows > 1 else None)
+                                          SUBNORMAL=gemv_subnormal_shift())
         return _add_up(part, out, splits, add, gated is not None)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

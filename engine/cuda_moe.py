@@ -80,7 +80,10 @@ from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
-    from engine.cuda_int4 import add_group, gemv_columns, group_product, group_weights
+    from engine.cuda_int4 import add_group, gemv_columns, gemv_subnormal_shift, group_product, group_weights
+
+    # The experts' one-row products make nibbles floats as the dense ones do, as set at import.
+    _SUBNORMAL = tl.constexpr(gemv_subnormal_shift())
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
 DOWN_SHAPES = ("rows", "pairs")
@@ -333,7 +336,8 @@ if AVAILABLE:
         (an index into FORMATS: int4, int8, bf16), K = G * n_groups."""
         if FMT == 0:
             y = gemv_columns(x_ptr, w_ptr + e * N * (K // 8), sm_ptr + e * n_groups * N * 2, n, nm, N, K,
-                             0, n_groups, 0x4B000000, BN, GB, OPERAND, PREFETCH)  # 2**23's bits, folded here
+                             0, n_groups, 0x4B000000, BN, GB, OPERAND, PREFETCH,  # 2**23's bits, folded here
+                             SUBNORMAL=_SUBNORMAL)
         elif FMT == 1:
             y = _int8_columns(x_ptr, w_ptr + e * N * K, sm_ptr + e * n_groups * N * 2, n, nm, N, K, n_groups, G,
                               BN, GB, OPERAND, PREFETCH)

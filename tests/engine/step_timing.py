@@ -1,8 +1,8 @@
 """Times graph-replayed decoding steps of the dense shapes on CUDA under several settings, alternated
 in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k a product
 runs as one-row products before the tensor-core kernel takes it),
-`engine.cuda_int4.GEMV_MAX_REGISTERS` (the registers a thread of those products may hold, 0 for
-any), `engine.cuda_int4.NORM_IN_PRODUCTS` (a layer's norms computed by the products after them, or
+`engine.cuda_int4.SUBNORMAL_NIBBLES` (the one-row products' nibbles made floats as subnormals, or
+with 2**23 added and taken off), `engine.cuda_int4.NORM_IN_PRODUCTS` (a layer's norms computed by the products after them, or
 by their own kernels), sets of `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of
 their own; the others replay the next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS`
 (gate/up products ending in the SwiGLU, or the SwiGLU kernel after them),
@@ -71,8 +71,8 @@ KNOBS = (
     Knob("gemv-mi", cuda_int4, "GEMV_ROW_ELEMENTS", lambda v: int(v) * 2 ** 20, lambda v: f"{v >> 20} Mi",
          write=lambda v: str(v >> 20)),
     Knob("buckets", cuda_graphs, "BUCKETS", _ints, lambda v: f"buckets {v}", ";"),
-    Knob("gemv-max-registers", cuda_int4, "GEMV_MAX_REGISTERS", lambda v: int(v) or None,
-         lambda v: f"{v or 'any'} registers", write=lambda v: str(v or 0)),
+    Knob("subnormal-nibbles", cuda_int4, "SUBNORMAL_NIBBLES", lambda v: v == "1",
+         lambda v: f"nibbles {'subnormal' if v else 'biased'}"),
     Knob("norm-in-products", cuda_int4, "NORM_IN_PRODUCTS", lambda v: v == "1",
          lambda v: f"norm {'in products' if v else 'kernel'}"),
     Knob("swiglu-in-products", cuda_int4, "SWIGLU_IN_PRODUCTS", lambda v: v == "1",

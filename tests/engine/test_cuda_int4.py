@@ -173,6 +173,49 @@ def test_one_row_products_prefetching_the_next_step(device, monkeypatch, n, k, g
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nibbles_made_subnormals_give_the_bits_of_nibbles_made_with_two_to_the_23(device, monkeypatch):
+    """SUBNORMAL_NIBBLES: each product q * x comes out as q * x * 2**-SUBNORMAL_SHIFT and a group's
+    sum is scaled back, so every sum is the same: the same bits as 2**23 OR-ed in and taken off,
+    for activations from 2**-58 to 2**42 in size (zeros among them), every nibble value at every
+    bit of a word, one row and several, split or not, added into an output and gated, and with
+    the norm computed in the product."""
+    from engine import cuda_elementwise
+    out_dtype = torch.bfloat16
+    if device == "cpu":  # as in the tests above
+        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
+        out_dtype = torch.float32
+    n, k, rows = 48, 1024, 3
+    rng = np.random.default_rng(5)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    q[0] = np.arange(k) % 16  # each value at each place of a word
+    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device(device))
+    mantissa = rng.choice([-1.0, 1.0], size=(rows, k)) * (1 + rng.random((rows, k)))
+    exponent = rng.integers(-58, 42, size=(rows, k))
+    x = torch.from_numpy(np.ldexp(mantissa, exponent) * (rng.random((rows, k)) > 0.05)).float()
+    x = x.to(torch.bfloat16).float().to(device)
+    assert 2.0 ** -62 < x[x != 0].abs().min() and x.abs().max() < 2.0 ** (cuda_int4.SUBNORMAL_SHIFT - 21)
+    split = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # 3 column tiles, the groups split
+    assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
+    into = torch.randn(rows, n, generator=torch.Generator().manual_seed(1)).to(device)
+    norm = ((torch.rand(k, generator=torch.Generator().manual_seed(2)) + 0.5).to(device), 1e-6)
+    paired = w.paired_halves()
+
+    def products():
+        return (w.gemv(x), w.gemv(x[:1]), w.gemv(x, launch=split), w.gemv(x, into=into.clone()),
+                w.gemv(x, norm=norm), paired.gemv(x, gated=out_dtype))
+
+    monkeypatch.setattr(cuda_int4, "SUBNORMAL_NIBBLES", False)
+    biased = products()
+    monkeypatch.setattr(cuda_int4, "SUBNORMAL_NIBBLES", True)
+    for got, want in zip(products(), biased, strict=True):
+        assert torch.equal(got, want)
+    exact = x.double().cpu() @ torch.from_numpy((q.astype(np.float64) - 8) * np.repeat(scale, 32, axis=1)).T
+    assert (biased[0].double().cpu() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,gemm_rows", [(1, cuda_int4.NEVER), (3, cuda_int4.NEVER), (70, cuda_int4.NEVER),
                                             (5, 4)])
 def test_a_product_added_to_the_residual_is_the_product_added_after(device, monkeypatch, rows, gemm_rows):
