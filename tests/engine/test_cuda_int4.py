@@ -23,6 +23,18 @@ DEVICES = [pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
                not (INTERPRETED and cuda_int4.AVAILABLE), reason="needs Triton's interpreter (TRITON_INTERPRET=1)"))]
 
 
+def _gated_dtype(device: str, monkeypatch) -> torch.dtype:
+    """The dtype gated products are written in, with the interpreter's stand-ins set on "cpu": it
+    has no libdevice (its functions return None) and no bfloat16, so tl.exp (numpy's there)
+    stands in for both sides of each comparison, float32 for the output and the operands."""
+    if device != "cpu":
+        return torch.bfloat16
+    from engine import cuda_elementwise
+    monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
+    monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
+    return torch.float32
+
+
 @pytest.mark.parametrize("n_groups", [1, 2, 18, 48, 64, 256, 257])
 @pytest.mark.parametrize("tiles", [1, 15, 48, 256, 2000])
 @pytest.mark.parametrize("max_split", [1, 4, 1 << 30])
@@ -179,12 +191,7 @@ def test_nibbles_made_subnormals_give_the_bits_of_nibbles_made_with_two_to_the_2
     for activations from 2**-58 to 2**42 in size (zeros among them), every nibble value at every
     bit of a word, one row and several, split or not, added into an output and gated, and with
     the norm computed in the product."""
-    from engine import cuda_elementwise
-    out_dtype = torch.bfloat16
-    if device == "cpu":  # as in the tests above
-        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
-        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
-        out_dtype = torch.float32
+    out_dtype = _gated_dtype(device, monkeypatch)
     n, k, rows = 48, 1024, 3
     rng = np.random.default_rng(5)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
@@ -252,13 +259,7 @@ def test_paired_products_end_in_the_swiglu_of_the_plain_product(device, monkeypa
     cuBLAS path (`gemm_rows` lowered to reach it with a small matrix); and the paired matrix's
     plain product is the plain one's columns in gate/up pairs."""
     from engine import cuda_elementwise
-    out_dtype = torch.bfloat16
-    if device == "cpu":
-        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
-        # The interpreter has no libdevice (its functions return None) and no bfloat16: tl.exp
-        # (numpy's there) stands in for both sides of each comparison, float32 for the output.
-        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
-        out_dtype = torch.float32
+    out_dtype = _gated_dtype(device, monkeypatch)
     n, k = 48, 640  # 24 outputs: a partial tile of pairs at 32 columns; 20 groups
     rng = np.random.default_rng(rows)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
@@ -303,11 +304,7 @@ def test_a_paired_gate_up_matrix_answers_as_the_plain_one(device, monkeypatch):
     from engine import cuda_elementwise
     from engine.models.llama import TorchKernels
     from engine.weights import Int4Linear, PairedInt4Linear
-    out_dtype = torch.bfloat16
-    if device == "cpu":  # as in the test above
-        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
-        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
-        out_dtype = torch.float32
+    out_dtype = _gated_dtype(device, monkeypatch)
     n, k, rows = 64, 256, 3
     rng = np.random.default_rng(5)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
@@ -340,11 +337,7 @@ def test_products_of_a_norm_are_the_norm_then_the_product(device, monkeypatch, k
     from engine import cuda_elementwise
     from engine.models.llama import TorchKernels
     from engine.weights import Int4Linear
-    out_dtype = torch.bfloat16
-    if device == "cpu":  # as in the tests above
-        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
-        monkeypatch.setattr(cuda_elementwise, "libdevice", SimpleNamespace(exp=lambda v: cuda_int4.tl.exp(v)))
-        out_dtype = torch.float32
+    out_dtype = _gated_dtype(device, monkeypatch)
     n, rows, eps = 64, 3, 1e-5
     rng = np.random.default_rng(k)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
