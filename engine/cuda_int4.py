@@ -102,6 +102,13 @@ GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 SUBNORMAL_NIBBLES = True
 SUBNORMAL_SHIFT = 64
 
+# Whether the tensor-core kernel is launched as a programmatic dependent where the one-row kernel
+# is (`cuda_attention.dependent_launch`): it lets the next kernel launch as it starts and waits for
+# the one before it first, so that its launch overlaps that kernel's end, as the one-row
+# products' and the elementwise kernels' do.  The same bits.  Off until measured
+# (tests/engine/step_timing.py --dependent-gemm 0,1).
+DEPENDENT_GEMM = False
+
 
 def gemv_subnormal_shift() -> int:
     """The one-row kernel's SUBNORMAL argument: SUBNORMAL_SHIFT, or 0 without subnormal nibbles."""
@@ -323,11 +330,14 @@ if AVAILABLE:
     @triton.jit(do_not_specialize=["M", "groups_per_split"])
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
-                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False):
+                   OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False,
+                   DEPENDENT: tl.constexpr = False):
         """A [BM, BN] tile of x @ W^T per program, over its split's groups; TRANSPOSED: the tile
         computed columns by rows (`group_product_t`, decoding steps) and written back as
         [rows, columns], the same sums.  GATED (one split, columns in gate/up pairs): the tile's
-        SwiGLU written instead, [BM, BN / 2] of a [M, N / 2] output (`store_gated`)."""
+        SwiGLU written instead, [BM, BN / 2] of a [M, N / 2] output (`store_gated`).  DEPENDENT:
+        launched as a programmatic dependent (`dependent_start`: it waits before it reads)."""
+        dependent_start(DEPENDENT)
         m = tl.program_id(0) * BM + tl.arange(0, BM)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         split = tl.program_id(2)
@@ -704,11 +714,12 @@ class Int4Weight:
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
         out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
+        dependent = dependent_launch(x.device) and DEPENDENT_GEMM
         _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
-                                               GATED=gated is not None and splits == 1,
-                                               num_warps=cfg.warps, num_stages=cfg.stages)
+                                               GATED=gated is not None and splits == 1, DEPENDENT=dependent,
+                                               launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 
     def weight(self) -> torch.Tensor:

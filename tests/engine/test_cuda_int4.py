@@ -380,17 +380,20 @@ def test_products_of_a_norm_are_the_norm_then_the_product(device, monkeypatch, k
 @pytest.mark.skipif(not torch.cuda.is_available() or not cuda_int4.AVAILABLE
                     or not dependent_launch_capable(torch.device("cuda")),
                     reason="needs a CUDA device of compute capability 9.0 or more and a Triton with dependent launches")
-@pytest.mark.parametrize("n,k", [(960, 576), (16384, 2048)])  # unsplit, split
-def test_one_row_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k):
-    """A product that starts while the kernel before it runs (its weights read, then a wait for
-    that kernel) sums as one launched after it: here after the norm that writes its input, the
-    two captured in a CUDA graph as decoding steps are."""
+@pytest.mark.parametrize("n,k,rows", [(960, 576, 1), (16384, 2048, 1),  # one row: unsplit, split
+                                      (3072, 576, 16), (16384, 2048, 64)])  # tensor-core tiles: split, unsplit
+def test_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k, rows):
+    """A product that starts while the kernel before it runs (the one-row kernel's weights read,
+    then a wait for that kernel) sums as one launched after it: here after the norm that writes
+    its input, the two captured in a CUDA graph as decoding steps are; one row and tiles of rows
+    on the tensor cores (DEPENDENT_GEMM), their split sums' kernel after them."""
     from engine import cuda_attention, cuda_elementwise
     rng = np.random.default_rng(n)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
     scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
     w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device("cuda"))
-    h = torch.randn(1, k, device="cuda")
+    assert (rows > w.gemv_rows) == (rows > 1)
+    h = torch.randn(rows, k, device="cuda")
     norm_weight = torch.rand(k, device="cuda") + 0.5
     out = {}
     for dependent in (False, True):
