@@ -398,6 +398,7 @@ def test_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k, r
     out = {}
     for dependent in (False, True):
         monkeypatch.setattr(cuda_attention, "DEPENDENT_LAUNCH", dependent)
+        monkeypatch.setattr(cuda_int4, "DEPENDENT_GEMM", dependent)
 
         def step():
             return w(cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32))
