@@ -21,25 +21,26 @@ instead keeps scales in bfloat16 and rounds every weight to bfloat16; with it, g
 of a random 135M-shape model agreed with the CPU float32 path at 98.05% of teacher-forced
 positions, against 100% (graph decoding and eager) with these kernels.
 
-One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles
-as int32 words, four to a group, in [columns, words] tiles with a group's words side by side,
-so each thread sums whole groups of several columns and rounds, scales and sums each of its
-activations once for all of them.  A nibble becomes a float without a conversion instruction
-(a quarter of the arithmetic rate on sm_90): OR-ed into the mantissa of 2**23 and 2**23 taken
-off, it comes as q * 2**s for its bit offset s in a 16-bit half word, and meets x * 2**-s, so
-the products stay exact.  Launched as a dependent (`cuda_attention.dependent_launch`, sm_90 on)
-it reads its first weights before it waits for the kernel that writes its input; it may compute
-its input's RMSNorm itself (`norm`, NORM_IN_PRODUCTS).  A few
-rows of a small matrix (`gemv_rows_for`: rows x n x k up to GEMV_ROW_ELEMENTS) run as that many
-one-row products in one launch, each row's sums in its order alone; more rows run on the
-tensor cores, one group per product, the nibbles made bfloat16 operands by the same bits
-(2**23 + q in float32, less 2**23) instead of an integer conversion.  Decoding steps of up to
-MAX_BLOCK_M rows compute `_int4_gemm`'s tiles transposed (TRANSPOSED: columns by rows): the
-nibbles are then the operand the tensor cores read from registers, and the activations' group
-sums come from the tensor cores as well, where the rows-by-columns tiles (prefill chunks) move
-the nibbles through shared memory and sum the activations across threads, a handful of
-barriers per group.  At 64 rows on an H100 that made the Llama-3.2-1B shape's products
-1.33-1.89x faster and its whole decoding steps 1.25x (docs/measurements.md round 14).
+One row (`_int4_gemv`, decoding one sequence) runs on the CUDA cores: it reads the nibbles as
+int32 words, four to a group, in [columns, words] tiles with a group's words side by side, so
+each thread sums whole groups of several columns and rounds, scales and sums each of its
+activations once for all of them.  A nibble becomes a float without a conversion instruction (a
+quarter of the arithmetic rate on sm_90): its masked bits, read as a float32, are the subnormal
+q * 2**(s - 149) for its bit offset s, which meets x * 2**(149 - s - 64), so each product is
+exact, times 2**-64, and a group's sum is scaled back (SUBNORMAL_NIBBLES; or, OR-ed into the
+mantissa of 2**23 and 2**23 taken off, q * 2**s meets x * 2**-s).  Launched as a dependent
+(`cuda_attention.dependent_launch`, sm_90 on) it reads its first weights before it waits for the
+kernel that writes its input; it may compute its input's RMSNorm itself (`norm`,
+NORM_IN_PRODUCTS).  A few rows of a small matrix (`gemv_rows_for`: rows x n x k up to
+GEMV_ROW_ELEMENTS) run as that many one-row products in one launch, each row's sums in its order
+alone; more rows run on the tensor cores, one group per product, the nibbles made bfloat16
+operands with 2**23 (2**23 + q in float32, less 2**23) instead of an integer conversion.
+Decoding steps of up to MAX_BLOCK_M rows compute `_int4_gemm`'s tiles transposed (TRANSPOSED:
+columns by rows): the nibbles are then the operand the tensor cores read from registers, and the
+activations' group sums come from the tensor cores as well, where the rows-by-columns tiles
+(prefill chunks) move the nibbles through shared memory and sum the activations across threads,
+a handful of barriers per group.  At 64 rows on an H100 that made the Llama-3.2-1B shape's
+products 1.33-1.89x faster and its whole decoding steps 1.25x (docs/measurements.md round 14).
 Measured per product (CUDA-graph timings, random matrices of the SmolLM2-135M and
 Llama-3.2-1B shapes): on an H100 at one row 1.9-3.4 us on the 135M shape's matrices and
 4.2-8.8 us on the 1B shape's (the kernel before round 13 of docs/measurements.md: 2.1-4.5 and
@@ -398,8 +399,8 @@ if AVAILABLE:
         needs (that group's 32) serve all of them: each activation is rounded, scaled and
         summed once per thread, not once per column.  `two23`: TWO23_BITS, passed at run time.
         SUBNORMAL (a shift E > 0, or 0 for none): each nibble is the subnormal its bits make,
-        the activations and scales scaled to match (SUBNORMAL_NIBBLES): the same sums, one
-        addition a weight fewer.
+        the activations scaled to match and each group's sum scaled back by 2**E
+        (SUBNORMAL_NIBBLES): the same sums, one addition a weight fewer.
         PREFETCH: each step loads the next step's words before it computes, so their reads
         are in flight during the arithmetic (the same sums).  WAIT (a kernel launched as a
         dependent): before it reads x it waits for the kernel before it, which writes x; with
