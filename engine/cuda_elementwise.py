@@ -44,12 +44,6 @@ if AVAILABLE:
     _OP_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
     @triton.jit
-    def rms_factor(x, n, eps):
-        """rsqrt(mean square + eps) of a row's n values x (a vector, zeros past n): the factor
-        of its RMSNorm, x * factor * weight (also engine.cuda_int4's products of a norm)."""
-        return tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-
-    @triton.jit
     def _rms_norm(x_ptr, w_ptr, out_ptr, n, x_stride, eps, BLOCK: tl.constexpr, DEPENDENT: tl.constexpr):
         dependent_start(DEPENDENT)
         r = tl.program_id(0)
@@ -57,7 +51,7 @@ if AVAILABLE:
         m = c < n
         x = tl.load(x_ptr + r * x_stride + c, mask=m, other=0.0)
         w = tl.load(w_ptr + c, mask=m, other=0.0)
-        inv = rms_factor(x, n, eps)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         tl.store(out_ptr + r * n + c, (x * inv * w).to(out_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -205,7 +199,6 @@ class FusedStepKernels:
     def __init__(self, eps: float, out_dtype: torch.dtype):
         self.eps = eps
         self.out_dtype = out_dtype
-        self.norm_eps = eps  # a product may compute the norm itself (engine.weights.StepOps)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, weight, self.eps, self.out_dtype)

@@ -30,8 +30,7 @@ q * 2**(s - 149) for its bit offset s, which meets x * 2**(149 - s - 64), so eac
 exact, times 2**-64, and a group's sum is scaled back (SUBNORMAL_NIBBLES; or, OR-ed into the
 mantissa of 2**23 and 2**23 taken off, q * 2**s meets x * 2**-s).  Launched as a dependent
 (`cuda_attention.dependent_launch`, sm_90 on) it reads its first weights before it waits for the
-kernel that writes its input; it may compute its input's RMSNorm itself (`norm`,
-NORM_IN_PRODUCTS).  A few rows of a small matrix (`gemv_rows_for`: rows x n x k up to
+kernel that writes its input.  A few rows of a small matrix (`gemv_rows_for`: rows x n x k up to
 GEMV_ROW_ELEMENTS) run as that many one-row products in one launch, each row's sums in its order
 alone; more rows run on the tensor cores, one group per product, the nibbles made bfloat16
 operands with 2**23 (2**23 + q in float32, less 2**23) instead of an integer conversion.
@@ -119,16 +118,6 @@ def gemv_subnormal_shift() -> int:
 def gemv_rows_for(n: int, k: int) -> int:
     """Most rows an n x k matrix multiplies as one-row products (at least 1)."""
     return max(1, GEMV_ROW_ELEMENTS // (n * k))
-
-# Whether a decoding step's products of a norm's output (a layer's qkv and gate/up matrices, up to
-# `gemv_rows` rows) compute the RMSNorm in their own programs (`gemv`'s `norm`, through
-# engine.weights' `after_norm`) instead of after the norm's kernel: the same arithmetic (on an H100
-# the same bits for rows of 256 and 576 values; where the norm's kernel runs other warps than the
-# product, rows of more than 1,024 values, its mean square may be summed in another order), one
-# kernel fewer a norm.  Off: on an H100 (docs/measurements.md, round 24) whole steps of the 135M
-# shape ran 1.039x at one row but 0.967x at 16, the 1B shape's 0.984x at one row and 0.997x at two
-# (there each of the 704 programs of a layer's two products reads the whole 2,048-value row).
-NORM_IN_PRODUCTS = False
 
 # [gate; up] matrices of the SwiGLU families are held in gate/up pairs on CUDA, their products
 # ending in the SwiGLU (`Int4Weight.paired_halves`, engine.weights.PairedInt4Linear), instead of
@@ -261,7 +250,7 @@ def _scratch(numel: int, device: torch.device) -> torch.Tensor:
 
 if AVAILABLE:
     from engine.cuda_attention import dependent_start
-    from engine.cuda_elementwise import rms_factor, silu_times
+    from engine.cuda_elementwise import silu_times
 
     @triton.jit
     def add_group(acc, dot, scale, xsum, minimum):
@@ -388,7 +377,6 @@ if AVAILABLE:
     @triton.jit
     def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, two23, BN: tl.constexpr, GB: tl.constexpr,
                      OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False,
-                     NORM: tl.constexpr = False, nw_ptr=None, eps=0.0, KP: tl.constexpr = 1,
                      SUBNORMAL: tl.constexpr = 0):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
@@ -404,10 +392,7 @@ if AVAILABLE:
         PREFETCH: each step loads the next step's words before it computes, so their reads
         are in flight during the arithmetic (the same sums).  WAIT (a kernel launched as a
         dependent): before it reads x it waits for the kernel before it, which writes x; with
-        PREFETCH, after it has asked for the first step's words.  NORM: x is a row before its
-        RMSNorm (weights at nw_ptr, K of them, KP a power of two at least K), which the program
-        computes as engine.cuda_elementwise's kernel does, the factor from the whole row first,
-        each activation then x * factor * weight."""
+        PREFETCH, after it has asked for the first step's words."""
         WB: tl.constexpr = 4 * GB
         wi = tl.arange(0, WB)  # word i of a step: group i // 4, its inputs 8 * (i % 4) ..
         gi = tl.arange(0, GB)
@@ -417,9 +402,6 @@ if AVAILABLE:
             w_next = _step_words(w_ptr, n, nm, g0 * 4 + wi, wi < 4 * n_groups, words_per_row)
         if WAIT:  # launched as a dependent: the kernel before writes x
             gdc_wait()
-        if NORM:  # the whole row for the factor, as the norm's kernel reads it (KP >= K values)
-            k = tl.arange(0, KP)
-            inv = rms_factor(tl.load(x_ptr + k, mask=k < K, other=0.0), K, eps)
         for c in range(0, n_groups, GB):
             wm = c * 4 + wi < 4 * n_groups
             gm = c + gi < n_groups
@@ -440,9 +422,6 @@ if AVAILABLE:
             for b in tl.static_range(4):
                 xh = tl.load(x_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
                 xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
-                if NORM:  # as the norm's kernel writes them, before the product rounds them
-                    xh = xh * inv * tl.load(nw_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
-                    xl = xl * inv * tl.load(nw_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
                 xh = xh.to(OPERAND).to(tl.float32)
                 xl = xl.to(OPERAND).to(tl.float32)
                 if SUBNORMAL:
@@ -476,13 +455,12 @@ if AVAILABLE:
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23, nw_ptr, eps,
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
                    OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, GATED: tl.constexpr = False,
-                   NORM: tl.constexpr = False, KP: tl.constexpr = 1, SUBNORMAL: tl.constexpr = 0):
+                   SUBNORMAL: tl.constexpr = 0):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
-        CUDA cores (`gemv_columns`), each row's in the order it has alone; GATED as _int4_gemm's;
-        NORM: of each row's RMSNorm (`gemv_columns`)."""
+        CUDA cores (`gemv_columns`), each row's in the order it has alone; GATED as _int4_gemm's."""
         if DEPENDENT:  # the next kernel may launch; gemv_columns waits for the one before
             gdc_launch_dependents()
         n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -490,8 +468,8 @@ if AVAILABLE:
         row = tl.program_id(2)
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
-                         groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT, NORM, nw_ptr,
-                         eps, KP, SUBNORMAL)
+                         groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT,
+                         SUBNORMAL=SUBNORMAL)
         if GATED:
             store_gated(y[None, :], out_ptr + row * (N // 2), tl.program_id(0) * (BN // 2), N // 2,
                         tl.full((1, 1), 1, tl.int1))
@@ -614,51 +592,34 @@ class Int4Weight:
         paired._hold(self.nibbles[order], self.pairs[:, order].contiguous(), paired=True)
         return paired
 
-    def swiglu(self, x: torch.Tensor, out_dtype: torch.dtype,
-               norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """x [M, K] -> silu(x @ G^T) * (x @ U^T) [M, N / 2] in `out_dtype`, for a matrix made by
         `paired_halves`: the product's last kernel computes it from the float32 sums (the
         cuBLAS path's bfloat16 products through engine.cuda_elementwise's kernel), by the
         formula of that kernel, so the same bits as the product and then that kernel, one
-        kernel and one [M, N] tensor fewer.  `norm`: of x's rows' RMSNorms (`gemv`), for at
-        most `gemv_rows` rows."""
+        kernel and one [M, N] tensor fewer."""
         if not self.paired:
             raise ValueError("swiglu needs a matrix made by paired_halves")
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
-        if norm is not None:
-            self._check_norm_rows(rows)
-            return self.gemv(x, gated=out_dtype, norm=norm)
         if rows >= self.gemm_rows:
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
             return cuda_elementwise.swiglu(y, out_dtype, torch.float32, paired=True)
         return self.gemv(x, gated=out_dtype) if rows <= self.gemv_rows else self.fused(x, gated=out_dtype)
 
-    def _check_norm_rows(self, rows: int) -> None:
-        if rows > self.gemv_rows:
-            raise ValueError(f"a product of a norm runs on the one-row kernel: at most {self.gemv_rows} rows, "
-                             f"not {rows}")
-
     @property
     def nbytes(self) -> int:
         return self.nibbles.nbytes + self.pairs.nbytes
 
-    def __call__(self, x: torch.Tensor, into: torch.Tensor | None = None, narrow: bool = False,
-                 norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, into: torch.Tensor | None = None, narrow: bool = False) -> torch.Tensor:
         """x [M, K] -> x @ W^T [M, N] float32; with `into` ([M, N] float32), into += x @ W^T
         (in the product's last kernel where `into` is contiguous) and `into` is returned.  With
         `narrow`, a product that cuBLAS rounded to bfloat16 comes back as it is: the same values
-        as float32 in half the bytes.  `norm`: of x's rows' RMSNorms (`gemv`), for at most
-        `gemv_rows` rows."""
+        as float32 in half the bytes."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]
-        if norm is not None:  # (a projection's input: never added into the residual)
-            if into is not None:
-                raise ValueError("a product of a norm is not added into an output")
-            self._check_norm_rows(rows)
-            return self.gemv(x, norm=norm)
         if rows >= self.gemm_rows:
             y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight())
             # into += y reads the bfloat16 product as it is: the same float32 sums as adding
@@ -671,15 +632,11 @@ class Int4Weight:
             return into
         return self.gemv(x, into=into) if rows <= self.gemv_rows else self.fused(x, into=into)
 
-    def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None, into: torch.Tensor | None = None,
-             gated: torch.dtype | None = None, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def gemv(self, x: torch.Tensor, launch: "GemvLaunch | None" = None,
+             into: torch.Tensor | None = None, gated: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] -> [M, N] float32 (each row of x contiguous), or added to `into`, or with
         `gated` its SwiGLU (`swiglu`): each row as the one-row kernel computes it alone, one
-        launch for all.  With `norm` (weights float32 [K], eps): of x's rows' RMSNorms (x
-        float32), which the product's programs compute as engine.cuda_elementwise.rms_norm
-        does: one kernel fewer than the norm and then the product."""
-        if norm is not None and (x.dtype != torch.float32 or norm[0].shape != (self.k,)):
-            raise ValueError(f"a product of a norm takes float32 rows and {self.k} norm weights")
+        launch for all."""
         rows = x.shape[0]
         cfg = launch or gemv_launch_for(self.n, self.k)
         n_groups = self.k // GROUP
@@ -689,14 +646,11 @@ class Int4Weight:
         out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
         dependent = dependent_launch(x.device)
-        weights, eps = norm if norm is not None else (x, 0.0)  # an unread pointer without a norm
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
-                                          n_groups // splits, TWO23_BITS, weights, eps, BN=cfg.bn, GB=cfg.gb,
-                                          ADD=add and splits == 1, PREFETCH=cfg.prefetch, OPERAND=OPERAND,
-                                          DEPENDENT=dependent, GATED=gated is not None and splits == 1,
-                                          NORM=norm is not None,
-                                          KP=1 if norm is None else triton.next_power_of_2(self.k),
-                                          launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages,
+                                          n_groups // splits, TWO23_BITS, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
+                                          PREFETCH=cfg.prefetch, OPERAND=OPERAND, DEPENDENT=dependent,
+                                          GATED=gated is not None and splits == 1, launch_pdl=dependent,
+                                          num_warps=cfg.warps, num_stages=cfg.stages,
                                           SUBNORMAL=gemv_subnormal_shift())
         return _add_up(part, out, splits, add, gated is not None)
 

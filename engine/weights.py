@@ -104,17 +104,12 @@ INT8_REPACKED = frozenset(INT8_GROUPS) | INT4_GROUPED
 K_QUANT_TILES = frozenset({QT.Q6_K, QT.Q3_K, QT.Q2_K})
 
 
-class StepOps(Protocol):
-    """What `Linear.swiglu` and `Linear.after_norm` ask of a forward pass's elementwise kernels
-    (engine.models.llama's StepKernels): the SwiGLU of a product and the RMSNorm of a row;
-    `out_dtype`, the dtype its fused CUDA kernels write for the next product (None: torch ops, in
-    the product's dtype), and `norm_eps`, the norm's epsilon where its fused kernel computes it
-    (None: torch ops, whose norm no product repeats)."""
+class SwiGLUKernels(Protocol):
+    """What `Linear.swiglu` asks of a forward pass's elementwise kernels (engine.models.llama's
+    StepKernels): the SwiGLU of a product, and `out_dtype`, the dtype its fused CUDA kernels
+    write for the next product (None: torch ops, in the product's dtype)."""
 
     out_dtype: torch.dtype | None
-    norm_eps: float | None
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
     def swiglu(self, gate_up: torch.Tensor, op_dtype: torch.dtype | None = None) -> torch.Tensor: ...
 
@@ -139,22 +134,11 @@ class Linear:
         their last step do so, saving a kernel and a tensor."""
         out += self(x)
 
-    def swiglu(self, x: torch.Tensor, ops: StepOps) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, ops: SwiGLUKernels) -> torch.Tensor:
         """silu(gate) * up for this [gate; up] matrix (gate's rows, then up's) times x: `ops`'
         SwiGLU of the product; a matrix whose products can end in it (`for_swiglu`) does so."""
         gate_up, values = self.narrow(x)
         return ops.swiglu(gate_up, values)
-
-    def after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
-        """self(ops.norm(x, weight)): the product of x's RMSNorm; an int4 matrix on CUDA whose
-        one-row kernel takes x's rows computes the norm in its own programs instead, the same
-        arithmetic (engine.cuda_int4.NORM_IN_PRODUCTS)."""
-        return self(ops.norm(x, weight))
-
-    def swiglu_after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
-        """self.swiglu(ops.norm(x, weight), ops), the norm in the products' programs as in
-        `after_norm` where they can."""
-        return self.swiglu(ops.norm(x, weight), ops)
 
     def for_swiglu(self) -> "Linear":
         """This [gate; up] matrix in the form whose `swiglu` is fastest: itself, or on CUDA an
@@ -581,20 +565,6 @@ class Int4Linear(Linear):
             return self
         return PairedInt4Linear.on_cuda(self._cuda.paired_halves(), self.device)
 
-    def _norm_in_product(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> tuple[torch.Tensor, float] | None:
-        """(weight, eps) where this product may compute x's norm itself: on CUDA, under fused
-        kernels that write what the product rounds to anyway (bfloat16, or float32 that it
-        rounds), for rows the one-row kernel takes; else None."""
-        if (self._cuda is None or self.bias is not None or not cuda_int4.NORM_IN_PRODUCTS or ops.norm_eps is None
-                or ops.out_dtype not in (torch.bfloat16, torch.float32) or x.dim() != 2
-                or x.dtype != torch.float32 or x.shape[0] > self._cuda.gemv_rows):
-            return None
-        return weight, ops.norm_eps
-
-    def after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
-        norm = self._norm_in_product(x, weight, ops)
-        return super().after_norm(x, weight, ops) if norm is None else self._cuda(x, norm=norm)
-
     def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
         if self._cuda is not None and self.bias is None:
             self._cuda(x, into=out)
@@ -637,20 +607,10 @@ class PairedInt4Linear(Int4Linear):
     def accumulate(self, out: torch.Tensor, x: torch.Tensor) -> None:
         out += self(x)
 
-    def swiglu(self, x: torch.Tensor, ops: StepOps) -> torch.Tensor:
+    def swiglu(self, x: torch.Tensor, ops: SwiGLUKernels) -> torch.Tensor:
         if ops.out_dtype is None:  # torch ops: they take the product in [gate; up] order
             return super().swiglu(x, ops)
         return self._cuda.swiglu(x, ops.out_dtype)
-
-    def after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
-        norm = self._norm_in_product(x, weight, ops)
-        return self(ops.norm(x, weight)) if norm is None else _unpaired(self._cuda(x, norm=norm))
-
-    def swiglu_after_norm(self, x: torch.Tensor, weight: torch.Tensor, ops: StepOps) -> torch.Tensor:
-        norm = self._norm_in_product(x, weight, ops)
-        if norm is None:
-            return super().swiglu_after_norm(x, weight, ops)
-        return self._cuda.swiglu(x, ops.out_dtype, norm=norm)
 
     def for_swiglu(self) -> Linear:
         return self

@@ -96,8 +96,7 @@ class StepKernels(Protocol):
     ones) and the SwiGLU.  `TorchKernels` is the model's own; engine.cuda_graphs passes fused
     kernels to `LlamaModel.decode_layers` instead."""
 
-    out_dtype: torch.dtype | None  # what fused CUDA kernels write (engine.weights.StepOps)
-    norm_eps: float | None  # the norms' epsilon where a product may compute them (engine.weights.StepOps)
+    out_dtype: torch.dtype | None  # what fused CUDA kernels write (engine.weights.SwiGLUKernels)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
 
@@ -115,7 +114,6 @@ class TorchKernels:
     and the SwiGLU's three, the same ops in prefill and decoding."""
 
     out_dtype = None  # torch ops: each result in its inputs' dtype
-    norm_eps = None  # torch ops: no product computes their norm
 
     def __init__(self, eps: torch.Tensor, n_ff: int, cpu: CpuKernels | None = None):
         self.eps = eps  # a device scalar: no host value enters the expression
@@ -339,7 +337,7 @@ class LlamaModel(CachedNetwork):
         `rope` (None: left unrotated, for an attention that turns them itself)."""
         T = x.shape[0]
         H, Hkv, D = self.cfg.n_head, self.cfg.n_head_kv, self.cfg.head_dim
-        qkv = blk.wqkv.after_norm(x, blk.attn_norm, ops).float()  # a fresh tensor: safe to modify
+        qkv = blk.wqkv(ops.norm(x, blk.attn_norm)).float()  # a fresh tensor: safe to modify
         if blk.q_norm is not None and self.cuda_head_norms:
             cuda_elementwise.head_norms_(qkv, blk.q_norm, blk.k_norm, H, Hkv, self.cfg.norm_eps)
         elif blk.q_norm is not None:
@@ -367,7 +365,7 @@ class LlamaModel(CachedNetwork):
 
     def feed_forward(self, blk: Block, x: torch.Tensor, ops: StepKernels) -> None:
         """x += the block's SwiGLU FFN of x (a family with another FFN overrides this)."""
-        blk.w_down.accumulate(x, blk.w_gate_up.swiglu_after_norm(x, blk.ffn_norm, ops))
+        blk.w_down.accumulate(x, blk.w_gate_up.swiglu(ops.norm(x, blk.ffn_norm), ops))
 
     @staticmethod
     def _attend_one(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:

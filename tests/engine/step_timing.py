@@ -3,8 +3,7 @@ in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x 
 as one-row products before the tensor-core kernel takes it), `engine.cuda_int4.SUBNORMAL_NIBBLES`
 (the one-row products' nibbles made floats as subnormals, or with 2**23 added and taken off),
 `engine.cuda_int4.DEPENDENT_GEMM` (the tensor-core products launched as programmatic dependents, or
-after the kernel before them), `engine.cuda_int4.NORM_IN_PRODUCTS` (a layer's norms computed by the
-products after them, or by their own kernels), sets of `engine.cuda_graphs.BUCKETS` (the batch sizes
+after the kernel before them), sets of `engine.cuda_graphs.BUCKETS` (the batch sizes
 that have graphs of their own; the others replay the next larger one's),
 `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the SwiGLU, or the SwiGLU kernel
 after them), `engine.cuda_attention.PIECES` (the decode attention's piece lengths),
@@ -75,8 +74,6 @@ KNOBS = (
          lambda v: f"nibbles {'subnormal' if v else 'biased'}"),
     Knob("dependent-gemm", cuda_int4, "DEPENDENT_GEMM", lambda v: v == "1",
          lambda v: f"gemm {'dependent' if v else 'after'}"),
-    Knob("norm-in-products", cuda_int4, "NORM_IN_PRODUCTS", lambda v: v == "1",
-         lambda v: f"norm {'in products' if v else 'kernel'}"),
     Knob("swiglu-in-products", cuda_int4, "SWIGLU_IN_PRODUCTS", lambda v: v == "1",
          lambda v: f"swiglu {'in' if v else 'after'}"),
     Knob("pieces", cuda_attention, "PIECES", _ints, lambda v: f"pieces {v}", ";"),

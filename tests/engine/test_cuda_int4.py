@@ -189,8 +189,7 @@ def test_nibbles_made_subnormals_give_the_bits_of_nibbles_made_with_two_to_the_2
     """SUBNORMAL_NIBBLES: each product q * x comes out as q * x * 2**-SUBNORMAL_SHIFT and a group's
     sum is scaled back, so every sum is the same: the same bits as 2**23 OR-ed in and taken off,
     for activations from 2**-58 to 2**42 in size (zeros among them), every nibble value at every
-    bit of a word, one row and several, split or not, added into an output and gated, and with
-    the norm computed in the product."""
+    bit of a word, one row and several, split or not, added into an output, and gated."""
     out_dtype = _gated_dtype(device, monkeypatch)
     n, k, rows = 48, 1024, 3
     rng = np.random.default_rng(5)
@@ -206,12 +205,11 @@ def test_nibbles_made_subnormals_give_the_bits_of_nibbles_made_with_two_to_the_2
     split = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # 3 column tiles, the groups split
     assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
     into = torch.randn(rows, n, generator=torch.Generator().manual_seed(1)).to(device)
-    norm = ((torch.rand(k, generator=torch.Generator().manual_seed(2)) + 0.5).to(device), 1e-6)
     paired = w.paired_halves()
 
     def products():
         return (w.gemv(x), w.gemv(x[:1]), w.gemv(x, launch=split), w.gemv(x, into=into.clone()),
-                w.gemv(x, norm=norm), paired.gemv(x, gated=out_dtype))
+                paired.gemv(x, gated=out_dtype))
 
     monkeypatch.setattr(cuda_int4, "SUBNORMAL_NIBBLES", False)
     biased = products()
@@ -325,55 +323,6 @@ def test_a_paired_gate_up_matrix_answers_as_the_plain_one(device, monkeypatch):
     assert torch.equal(paired.swiglu(x, fused_ops), plain.swiglu(x, fused_ops))
     monkeypatch.setattr(cuda_int4, "SWIGLU_IN_PRODUCTS", False)
     assert plain.for_swiglu() is plain
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("k", [256, 576])
-def test_products_of_a_norm_are_the_norm_then_the_product(device, monkeypatch, k):
-    """With NORM_IN_PRODUCTS, `after_norm` and `swiglu_after_norm` under fused kernels compute
-    each row's RMSNorm in the one-row kernel's programs (the norm's kernel not called), bit for
-    bit as the norm's kernel and then the product, split or not; past `gemv_rows` rows, under
-    torch ops and with the switch off, the norm's own kernel (or torch's ops) and the product."""
-    from engine import cuda_elementwise
-    from engine.models.llama import TorchKernels
-    from engine.weights import Int4Linear
-    out_dtype = _gated_dtype(device, monkeypatch)
-    n, rows, eps = 64, 3, 1e-5
-    rng = np.random.default_rng(k)
-    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
-    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
-    dev = torch.device(device)
-    plain = Int4Linear.on_cuda(cuda_int4.Int4Weight(q, scale, -8 * scale, dev), dev)
-    paired = plain.for_swiglu()
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(dev) * 3
-    weight = (1 + torch.randn(k, generator=torch.Generator().manual_seed(1)) / 4).to(dev)
-    ops = cuda_elementwise.FusedStepKernels(eps, out_dtype)
-    normed = ops.norm(x, weight)
-    want, want_gated = plain(normed), paired.swiglu(normed, ops)
-    one_row = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # the 64 columns as 4 tiles, split
-    assert cuda_int4.split_k(k // 32, 4, 64 * cuda_int4.multiprocessors(dev)) > 1
-    split = plain.cuda_weight.gemv(normed, launch=one_row)
-
-    calls = []
-    real_norm = cuda_elementwise.rms_norm
-    monkeypatch.setattr(cuda_elementwise, "rms_norm", lambda *a: calls.append(a[0].shape[0]) or real_norm(*a))
-    assert torch.equal(plain.after_norm(x, weight, ops), want) and calls == [rows]  # the switch off
-    monkeypatch.setattr(cuda_int4, "NORM_IN_PRODUCTS", True)
-    calls.clear()
-    assert torch.equal(plain.after_norm(x, weight, ops), want)
-    assert torch.equal(paired.after_norm(x, weight, ops), want)  # back in [gate; up] order
-    assert torch.equal(paired.swiglu_after_norm(x, weight, ops), want_gated)
-    assert torch.equal(plain.cuda_weight.gemv(x, launch=one_row, norm=(weight, eps)), split)
-    assert torch.equal(plain.after_norm(x[:1], weight, ops), want[:1]) and calls == []
-    torch_ops = TorchKernels(torch.tensor(eps, device=dev), n // 2)
-    assert torch.equal(plain.after_norm(x, weight, torch_ops), plain(torch_ops.norm(x, weight)))
-    assert torch.equal(paired.after_norm(x, weight, torch_ops), plain(torch_ops.norm(x, weight)))
-    plain.cuda_weight.gemv_rows = paired.cuda_weight.gemv_rows = rows - 1  # the tensor-core kernel's rows
-    assert torch.equal(plain.after_norm(x, weight, ops), plain(normed))
-    assert torch.equal(paired.swiglu_after_norm(x, weight, ops), paired.swiglu(normed, ops))
-    assert calls == [rows, rows]
-    with pytest.raises(ValueError, match="at most"):
-        plain.cuda_weight(x, norm=(weight, eps))
 
 
 @pytest.mark.gpu
