@@ -27,8 +27,7 @@ each thread sums whole groups of several columns and rounds, scales and sums eac
 activations once for all of them.  A nibble becomes a float without a conversion instruction (a
 quarter of the arithmetic rate on sm_90): its masked bits, read as a float32, are the subnormal
 q * 2**(s - 149) for its bit offset s, which meets x * 2**(149 - s - 64), so each product is
-exact, times 2**-64, and a group's sum is scaled back (SUBNORMAL_NIBBLES; or, OR-ed into the
-mantissa of 2**23 and 2**23 taken off, q * 2**s meets x * 2**-s).  Launched as a dependent
+exact, times 2**-64, and a group's sum is scaled back (SUBNORMAL_SHIFT).  Launched as a dependent
 (`cuda_attention.dependent_launch`, sm_90 on) it reads its first weights before it waits for the
 kernel that writes its input.  A few rows of a small matrix (`gemv_rows_for`: rows x n x k up to
 GEMV_ROW_ELEMENTS) run as that many one-row products in one launch, each row's sums in its order
@@ -89,17 +88,16 @@ ADD_IN_KERNEL_ROWS = MAX_BLOCK_M  # `into` is added by the product's kernel up t
 GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 
 
-# Whether the one-row kernel makes each nibble a float32 without an addition: masked out of its
-# word (from bit 20 on, of the word shifted down 12 bits), its bits read as a float32 are the
-# subnormal q * 2**(s - 149), s its bit offset there, which meets x * 2**(149 - s - SUBNORMAL_SHIFT):
-# each exact product comes out as q * x * 2**-SUBNORMAL_SHIFT, and a group's sum, times
-# 2**SUBNORMAL_SHIFT, is the sum itself.  Every sum is the one with 2**23 OR-ed into each nibble
-# and taken off (`_scaled_nibble`: a float32 addition a weight more), scaled by a power of two, so
-# the bits are the same as long as no activation reaches 2**(SUBNORMAL_SHIFT - 21) in size and no
-# partial sum of a group is smaller than 2**(SUBNORMAL_SHIFT - 126) without being zero (it would be
-# subnormal itself): 2**43 and 2**-62.  Offline for sm_90, a loop step of the one-row kernels takes
-# 19-23% fewer instructions.
-SUBNORMAL_NIBBLES = True
+# The one-row kernel makes each nibble a float32 without an addition: masked out of its word (from
+# bit 20 on, of the word shifted down 12 bits), its bits read as a float32 are the subnormal
+# q * 2**(s - 149), s its bit offset there, which meets x * 2**(149 - s - SUBNORMAL_SHIFT): each exact
+# product comes out as q * x * 2**-SUBNORMAL_SHIFT, and a group's sum, times 2**SUBNORMAL_SHIFT, is
+# the sum itself.  Every sum is then the one of q * 2**s (2**23 OR-ed into the nibble and taken off,
+# a float32 addition a weight more, as the tensor-core kernel still does) meeting x * 2**-s, scaled
+# by a power of two, so the same bits, as long as no activation reaches 2**(SUBNORMAL_SHIFT - 21) in
+# size and no partial sum of a group is smaller than 2**(SUBNORMAL_SHIFT - 126) without being zero
+# (it would be subnormal itself): 2**43 and 2**-62.  On an H100 (docs/measurements.md, round 25):
+# 18-21% fewer instructions a loop step offline, the 1B shape's one-row steps 1.07x faster.
 SUBNORMAL_SHIFT = 64
 
 # Whether the tensor-core kernel is launched as a programmatic dependent where the one-row kernel
@@ -108,11 +106,6 @@ SUBNORMAL_SHIFT = 64
 # products' and the elementwise kernels' do.  The same bits.  Off until measured
 # (tests/engine/step_timing.py --dependent-gemm 0,1).
 DEPENDENT_GEMM = False
-
-
-def gemv_subnormal_shift() -> int:
-    """The one-row kernel's SUBNORMAL argument: SUBNORMAL_SHIFT, or 0 without subnormal nibbles."""
-    return SUBNORMAL_SHIFT if SUBNORMAL_NIBBLES else 0
 
 
 def gemv_rows_for(n: int, k: int) -> int:
@@ -128,10 +121,6 @@ SWIGLU_IN_PRODUCTS = True
 GEMM_ROWS = 512
 GEMM_MIN_ELEMENTS = 4 * 2 ** 20
 NEVER = 1 << 62
-# The bits of float32 2**23, which the one-row kernels OR into nibbles to make floats of them.  They
-# are a kernel argument, not a constant: a constant is folded into each nibble's mask, and ptxas
-# then spends a register move per nibble on it (sm_90).
-TWO23_BITS = 0x4B000000
 MIN_GROUPS_PER_SPLIT = 4
 
 
@@ -252,6 +241,8 @@ if AVAILABLE:
     from engine.cuda_attention import dependent_start
     from engine.cuda_elementwise import silu_times
 
+    _SHIFT = tl.constexpr(SUBNORMAL_SHIFT)
+
     @triton.jit
     def add_group(acc, dot, scale, xsum, minimum):
         """acc + scale * dot, then + minimum * xsum: a group's scaled sums added to the output as
@@ -363,21 +354,13 @@ if AVAILABLE:
             tl.store(out, acc, mask=mask)
 
     @triton.jit
-    def _scaled_nibble(marked, s: tl.constexpr):
-        """q * 2**s as float32 for the 4-bit integer q at bits s .. s+3 (s <= 12) of int32 words
-        OR-ed with the bits of 2**23 (`marked`): 2**23 + q * 2**s kept by one mask, then 2**23
-        taken off (`_unbiased`)."""
-        return _unbiased(marked & (0x4B000000 | (15 << s)))
-
-    @triton.jit
     def _step_words(w_ptr, n, nm, word, wm, words_per_row):
         """[BN, GB * 4] int32: the nibble words `word` (masked by wm) of columns n (by nm)."""
         return tl.load(w_ptr + n[:, None] * words_per_row + word[None, :], mask=nm[:, None] & wm[None, :], other=0)
 
     @triton.jit
-    def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, two23, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False,
-                     SUBNORMAL: tl.constexpr = 0):
+    def gemv_columns(x_ptr, w_ptr, sm_ptr, n, nm, N, K, g0, n_groups, BN: tl.constexpr, GB: tl.constexpr,
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr, WAIT: tl.constexpr = False):
         """[BN] float32: one row x (K values) times columns `n` (masked by `nm`) of the int4
         matrix whose nibbles are the int32 words at w_ptr, over groups g0 .. g0 + n_groups, on
         the CUDA cores, GB groups per loop step (the last step masked).
@@ -385,10 +368,9 @@ if AVAILABLE:
         A step is one [BN, 4 * GB] tile of words, a group's four words side by side, so a
         thread loads a whole group (16 bytes) of each of its columns and the activations it
         needs (that group's 32) serve all of them: each activation is rounded, scaled and
-        summed once per thread, not once per column.  `two23`: TWO23_BITS, passed at run time.
-        SUBNORMAL (a shift E > 0, or 0 for none): each nibble is the subnormal its bits make,
-        the activations scaled to match and each group's sum scaled back by 2**E
-        (SUBNORMAL_NIBBLES): the same sums, one addition a weight fewer.
+        summed once per thread, not once per column.  Each nibble is the float32 subnormal its
+        bits make, the activations scaled to match and each group's sum scaled back
+        (SUBNORMAL_SHIFT).
         PREFETCH: each step loads the next step's words before it computes, so their reads
         are in flight during the arithmetic (the same sums).  WAIT (a kernel launched as a
         dependent): before it reads x it waits for the kernel before it, which writes x; with
@@ -414,32 +396,19 @@ if AVAILABLE:
             dot = tl.zeros([BN, WB], tl.float32)
             xsum = tl.zeros([WB], tl.float32)
             # Byte b of a word holds inputs 8i+2b (high nibble) and 8i+2b+1 (low).
-            if SUBNORMAL:  # nibbles at bits 20 and up moved down 12, into the mantissa
-                shifted = w >> 12
-            else:
-                low_half = w | two23
-                high_half = (w >> 16) | two23
+            shifted = w >> 12  # its nibbles at bits 20 and up moved into the mantissa
             for b in tl.static_range(4):
                 xh = tl.load(x_ptr + word * 8 + 2 * b, mask=wm, other=0.0)
                 xl = tl.load(x_ptr + word * 8 + 2 * b + 1, mask=wm, other=0.0)
                 xh = xh.to(OPERAND).to(tl.float32)
                 xl = xl.to(OPERAND).to(tl.float32)
-                if SUBNORMAL:
-                    # The nibble at bit s (of w, or of w >> 12 from bit 20 on) read as a float is
-                    # q * 2**(s - 149) and meets x * 2**(149 - s - E), E = SUBNORMAL: the exact
-                    # product q * x, times 2**-E.
-                    source = w if b < 2 else shifted  # its low nibble at bit 8b - 12(b // 2)
-                    qh = (source & (15 << (8 * b - 12 * (b // 2) + 4))).to(tl.float32, bitcast=True)
-                    ql = (source & (15 << (8 * b - 12 * (b // 2)))).to(tl.float32, bitcast=True)
-                    xh_scaled = xh * (2.0 ** (145 - SUBNORMAL - 8 * b + 12 * (b // 2)))
-                    xl_scaled = xl * (2.0 ** (149 - SUBNORMAL - 8 * b + 12 * (b // 2)))
-                else:
-                    # The nibble at bit s of its 16-bit half comes as q * 2**s and meets x * 2**-s.
-                    half = low_half if b < 2 else high_half
-                    qh = _scaled_nibble(half, 8 * (b % 2) + 4)
-                    ql = _scaled_nibble(half, 8 * (b % 2))
-                    xh_scaled = xh * (0.0625 if b % 2 == 0 else 0.000244140625)  # 2**-4, 2**-12
-                    xl_scaled = xl * (1.0 if b % 2 == 0 else 0.00390625)  # 2**0, 2**-8
+                # The nibble at bit s (of w, or of w >> 12 from bit 20 on) read as a float is
+                # q * 2**(s - 149) and meets x * 2**(149 - s - E): the exact product q * x, times 2**-E.
+                source = w if b < 2 else shifted  # its low nibble at bit 8b - 12(b // 2)
+                qh = (source & (15 << (8 * b - 12 * (b // 2) + 4))).to(tl.float32, bitcast=True)
+                ql = (source & (15 << (8 * b - 12 * (b // 2)))).to(tl.float32, bitcast=True)
+                xh_scaled = xh * (2.0 ** (145 - _SHIFT - 8 * b + 12 * (b // 2)))
+                xl_scaled = xl * (2.0 ** (149 - _SHIFT - 8 * b + 12 * (b // 2)))
                 dot = tl.fma(qh, xh_scaled[None, :], dot)
                 dot = tl.fma(ql, xl_scaled[None, :], dot)
                 xsum += xh + xl
@@ -448,17 +417,15 @@ if AVAILABLE:
             scale = tl.load(pair, mask=pm, other=0.0).to(tl.float32)
             minimum = tl.load(pair + 1, mask=pm, other=0.0).to(tl.float32)
             group_dot = tl.sum(tl.reshape(dot, (BN, GB, 4)), axis=2)  # a group's four words together
-            if SUBNORMAL:  # back to the sums themselves, exactly
-                group_dot = group_dot * (2.0 ** SUBNORMAL)
+            group_dot = group_dot * (2.0 ** _SHIFT)  # back to the sums themselves, exactly
             group_x = tl.sum(tl.reshape(xsum, (GB, 4)), axis=1)
             acc = add_group(acc, group_dot, scale, group_x[None, :], minimum)
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split, two23,
+    def _int4_gemv(x_ptr, w_ptr, sm_ptr, out_ptr, N, K, stride_x, groups_per_split,
                    BN: tl.constexpr, GB: tl.constexpr, ADD: tl.constexpr, PREFETCH: tl.constexpr,
-                   OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, GATED: tl.constexpr = False,
-                   SUBNORMAL: tl.constexpr = 0):
+                   OPERAND: tl.constexpr, DEPENDENT: tl.constexpr, GATED: tl.constexpr = False):
         """Rows one by one, a row per program along axis 2: the same sums as _int4_gemm on the
         CUDA cores (`gemv_columns`), each row's in the order it has alone; GATED as _int4_gemm's."""
         if DEPENDENT:  # the next kernel may launch; gemv_columns waits for the one before
@@ -468,8 +435,7 @@ if AVAILABLE:
         row = tl.program_id(2)
         nm = n < N
         y = gemv_columns(x_ptr + row * stride_x, w_ptr, sm_ptr, n, nm, N, K, split * groups_per_split,
-                         groups_per_split, two23, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT,
-                         SUBNORMAL=SUBNORMAL)
+                         groups_per_split, BN, GB, OPERAND, PREFETCH or DEPENDENT, DEPENDENT)
         if GATED:
             store_gated(y[None, :], out_ptr + row * (N // 2), tl.program_id(0) * (BN // 2), N // 2,
                         tl.full((1, 1), 1, tl.int1))
@@ -647,11 +613,10 @@ class Int4Weight:
         add = into is not None
         dependent = dependent_launch(x.device)
         _int4_gemv[(tiles, splits, rows)](x, self.words, self.pairs, part, self.n, self.k, x.stride(0),
-                                          n_groups // splits, TWO23_BITS, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
+                                          n_groups // splits, BN=cfg.bn, GB=cfg.gb, ADD=add and splits == 1,
                                           PREFETCH=cfg.prefetch, OPERAND=OPERAND, DEPENDENT=dependent,
                                           GATED=gated is not None and splits == 1, launch_pdl=dependent,
-                                          num_warps=cfg.warps, num_stages=cfg.stages,
-                                          SUBNORMAL=gemv_subnormal_shift())
+                                          num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 
     def fused(self, x: torch.Tensor, launch: "Launch | None" = None,

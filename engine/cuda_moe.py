@@ -80,10 +80,7 @@ from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
-    from engine.cuda_int4 import add_group, gemv_columns, gemv_subnormal_shift, group_product, group_weights
-
-    # The experts' one-row products make nibbles floats as the dense ones do, as set at import.
-    _SUBNORMAL = tl.constexpr(gemv_subnormal_shift())
+    from engine.cuda_int4 import add_group, gemv_columns, group_product, group_weights
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
 DOWN_SHAPES = ("rows", "pairs")
@@ -336,8 +333,7 @@ if AVAILABLE:
         (an index into FORMATS: int4, int8, bf16), K = G * n_groups."""
         if FMT == 0:
             y = gemv_columns(x_ptr, w_ptr + e * N * (K // 8), sm_ptr + e * n_groups * N * 2, n, nm, N, K,
-                             0, n_groups, 0x4B000000, BN, GB, OPERAND, PREFETCH,  # 2**23's bits, folded here
-                             SUBNORMAL=_SUBNORMAL)
+                             0, n_groups, BN, GB, OPERAND, PREFETCH)
         elif FMT == 1:
             y = _int8_columns(x_ptr, w_ptr + e * N * K, sm_ptr + e * n_groups * N * 2, n, nm, N, K, n_groups, G,
                               BN, GB, OPERAND, PREFETCH)

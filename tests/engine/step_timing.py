@@ -1,17 +1,15 @@
 """Times graph-replayed decoding steps of the dense shapes on CUDA under several settings, alternated
 in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k a product runs
-as one-row products before the tensor-core kernel takes it), `engine.cuda_int4.SUBNORMAL_NIBBLES`
-(the one-row products' nibbles made floats as subnormals, or with 2**23 added and taken off),
-`engine.cuda_int4.DEPENDENT_GEMM` (the tensor-core products launched as programmatic dependents, or
-after the kernel before them), sets of `engine.cuda_graphs.BUCKETS` (the batch sizes
-that have graphs of their own; the others replay the next larger one's),
-`engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the SwiGLU, or the SwiGLU kernel
-after them), `engine.cuda_attention.PIECES` (the decode attention's piece lengths),
-`engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the attention's kernels, or by torch's
-ops before them), `engine.cuda_attention.EARLY_CACHE_READS` (the attention's first cache reads
-before its wait), `engine.cuda_attention.BLOCKS` (the positions a piece's inner iteration reads, for
-one row and for more) and `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a step's
-attention launches, 0 for no cap); a script for the device, not a test.
+as one-row products before the tensor-core kernel takes it), `engine.cuda_int4.DEPENDENT_GEMM` (the
+tensor-core products launched as programmatic dependents, or after the kernel before them), sets of
+`engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay the
+next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the SwiGLU, or
+the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode attention's piece
+lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the attention's kernels, or
+by torch's ops before them), `engine.cuda_attention.EARLY_CACHE_READS` (the attention's first cache
+reads before its wait), `engine.cuda_attention.BLOCKS` (the positions a piece's inner iteration
+reads, for one row and for more) and `engine.cuda_attention.PIECE_PROGRAMS` (the most programs a
+step's attention launches, 0 for no cap); a script for the device, not a test.
 
 The shapes are `ds4bench/cuda_paths.py`'s random files (SmolLM2-135M, Llama-3.2-1B), written
 into `--models` on first use.  The model is loaded once per setting (each Int4Weight reads the
@@ -70,8 +68,6 @@ KNOBS = (
     Knob("gemv-mi", cuda_int4, "GEMV_ROW_ELEMENTS", lambda v: int(v) * 2 ** 20, lambda v: f"{v >> 20} Mi",
          write=lambda v: str(v >> 20)),
     Knob("buckets", cuda_graphs, "BUCKETS", _ints, lambda v: f"buckets {v}", ";"),
-    Knob("subnormal-nibbles", cuda_int4, "SUBNORMAL_NIBBLES", lambda v: v == "1",
-         lambda v: f"nibbles {'subnormal' if v else 'biased'}"),
     Knob("dependent-gemm", cuda_int4, "DEPENDENT_GEMM", lambda v: v == "1",
          lambda v: f"gemm {'dependent' if v else 'after'}"),
     Knob("swiglu-in-products", cuda_int4, "SWIGLU_IN_PRODUCTS", lambda v: v == "1",

@@ -185,39 +185,35 @@ def test_one_row_products_prefetching_the_next_step(device, monkeypatch, n, k, g
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_nibbles_made_subnormals_give_the_bits_of_nibbles_made_with_two_to_the_23(device, monkeypatch):
-    """SUBNORMAL_NIBBLES: each product q * x comes out as q * x * 2**-SUBNORMAL_SHIFT and a group's
-    sum is scaled back, so every sum is the same: the same bits as 2**23 OR-ed in and taken off,
-    for activations from 2**-58 to 2**42 in size (zeros among them), every nibble value at every
-    bit of a word, one row and several, split or not, added into an output, and gated."""
-    out_dtype = _gated_dtype(device, monkeypatch)
-    n, k, rows = 48, 1024, 3
+def test_one_row_products_hold_for_activations_of_every_size(device, monkeypatch):
+    """The one-row kernel reads nibbles as subnormals and scales activations by up to 2**85 and
+    sums back by 2**SUBNORMAL_SHIFT (cuda_int4.SUBNORMAL_SHIFT): each column against the float64
+    product, within float32's rounding of its terms' sizes, for a row of activations near
+    2**-58 (the scaled sums stay normal), one near 2**42 (the scaled activations stay finite)
+    and one of both and zeros; every nibble value at every bit of a word; each row as alone, split
+    or not, and added into an output as the product added after."""
+    _gated_dtype(device, monkeypatch)
+    n, k = 48, 1024
     rng = np.random.default_rng(5)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
     q[0] = np.arange(k) % 16  # each value at each place of a word
     scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
     w = cuda_int4.Int4Weight(q, scale, (-8 * scale).astype(np.float32), torch.device(device))
-    mantissa = rng.choice([-1.0, 1.0], size=(rows, k)) * (1 + rng.random((rows, k)))
-    exponent = rng.integers(-58, 42, size=(rows, k))
-    x = torch.from_numpy(np.ldexp(mantissa, exponent) * (rng.random((rows, k)) > 0.05)).float()
-    x = x.to(torch.bfloat16).float().to(device)
+    exponent = np.stack([rng.integers(-58, -50, size=k), rng.integers(30, 42, size=k), rng.integers(-58, 42, size=k)])
+    mantissa = rng.choice([-1.0, 1.0], size=(3, k)) * (1 + rng.random((3, k)))
+    mantissa[2] *= rng.random(k) > 0.05
+    x = torch.from_numpy(np.ldexp(mantissa, exponent)).to(torch.bfloat16).float().to(device)
     assert 2.0 ** -62 < x[x != 0].abs().min() and x.abs().max() < 2.0 ** (cuda_int4.SUBNORMAL_SHIFT - 21)
+    weights = torch.from_numpy((q.astype(np.float64) - 8) * np.repeat(scale, 32, axis=1))
+    exact, size = x.double().cpu() @ weights.T, x.double().cpu().abs() @ weights.abs().T
+    got = w.gemv(x)
+    assert ((got.double().cpu() - exact).abs() <= 1e-5 * size).all()
+    assert torch.equal(torch.cat([w.gemv(x[i:i + 1]) for i in range(3)]), got)
     split = cuda_int4.GemvLaunch(bn=16, gb=8, warps=2, waves=64)  # 3 column tiles, the groups split
     assert cuda_int4.split_k(k // 32, 3, 64 * cuda_int4.multiprocessors(x.device)) > 1
-    into = torch.randn(rows, n, generator=torch.Generator().manual_seed(1)).to(device)
-    paired = w.paired_halves()
-
-    def products():
-        return (w.gemv(x), w.gemv(x[:1]), w.gemv(x, launch=split), w.gemv(x, into=into.clone()),
-                paired.gemv(x, gated=out_dtype))
-
-    monkeypatch.setattr(cuda_int4, "SUBNORMAL_NIBBLES", False)
-    biased = products()
-    monkeypatch.setattr(cuda_int4, "SUBNORMAL_NIBBLES", True)
-    for got, want in zip(products(), biased, strict=True):
-        assert torch.equal(got, want)
-    exact = x.double().cpu() @ torch.from_numpy((q.astype(np.float64) - 8) * np.repeat(scale, 32, axis=1)).T
-    assert (biased[0].double().cpu() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    assert ((w.gemv(x, launch=split).double().cpu() - exact).abs() <= 1e-5 * size).all()
+    into = torch.randn(3, n, generator=torch.Generator().manual_seed(1)).to(device)
+    assert torch.equal(w.gemv(x, into=into.clone()), into + got)
 
 
 @pytest.mark.parametrize("device", DEVICES)
