@@ -73,13 +73,14 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from engine import device_blocks
-from engine.cuda_attention import AVAILABLE, tl, triton
+from engine.cuda_attention import AVAILABLE, dependent_launch, tl, triton
 from engine.cuda_int4 import GROUP, OPERAND, scale_pairs
 from engine.gguf_file import TensorRecord
 from engine.quants import INT4_GROUPED, INT8_GROUPED, INT8_GROUPS
 from engine.weights import to_float
 
 if AVAILABLE:
+    from engine.cuda_attention import dependent_start
     from engine.cuda_int4 import add_group, gemv_columns, group_product, group_weights
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
@@ -87,6 +88,12 @@ DOWN_SHAPES = ("rows", "pairs")
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
 ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
 CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is built
+# Whether the routing and expert kernels are launched as programmatic dependents where the
+# dense ones are (`cuda_attention.dependent_launch`): each lets the next kernel launch as it
+# starts, then waits for the one before it before reading anything, so a launch overlaps the
+# end of the kernel before it.  The same bits.  Off until measured (tests/engine/moe_timing.py
+# --dependent 0,1).
+DEPENDENT_EXPERTS = False
 
 
 @dataclass(frozen=True)
@@ -349,8 +356,9 @@ if AVAILABLE:
     @triton.jit
     def _gate_up_rows(x_ptr, ids_ptr, w_ptr, sm_ptr, act_ptr, F, K, n_groups, stride_x, TOPK: tl.constexpr,
                       FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
-                      OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
+                      OPERAND: tl.constexpr, PREFETCH: tl.constexpr, DEPENDENT: tl.constexpr):
         """One (row, slot) pair p and F-column tile: act[p] = silu(gate) * up of the pair's expert."""
+        dependent_start(DEPENDENT)
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < F
@@ -373,9 +381,10 @@ if AVAILABLE:
     @triton.jit
     def _down_rows(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, out_ptr, D, F, n_groups, TOPK: tl.constexpr,
                    ADD: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-                   GB: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
+                   GB: tl.constexpr, OPERAND: tl.constexpr, PREFETCH: tl.constexpr, DEPENDENT: tl.constexpr):
         """One row t and D-column tile: out[t] (+)= sum over its slots j, in order, of
         weight_j * down_j(act[t * TOPK + j])."""
+        dependent_start(DEPENDENT)
         t = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
@@ -391,9 +400,10 @@ if AVAILABLE:
     @triton.jit
     def _down_pairs(act_ptr, ids_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, D, F, n_groups, FMT: tl.constexpr,
                     G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr, OPERAND: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, DEPENDENT: tl.constexpr):
         """One (row, slot) pair p and D-column tile: part[p] = weight_p * down_p(act[p]); `_sum_slots`
         then adds a row's slots in order."""
+        dependent_start(DEPENDENT)
         p = tl.program_id(0)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nm = n < D
@@ -404,8 +414,9 @@ if AVAILABLE:
     @triton.jit
     def _matrix_rows(x_ptr, w_ptr, sm_ptr, out_ptr, E, N, K, n_groups, stride_xt, stride_xe, stride_ot, stride_oe,
                      FMT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, GB: tl.constexpr,
-                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr):
+                     OPERAND: tl.constexpr, PREFETCH: tl.constexpr, DEPENDENT: tl.constexpr):
         """One (row t, matrix e) pair and N-column tile: out[t, e] = matrix e times x[t, e]."""
+        dependent_start(DEPENDENT)
         p = tl.program_id(0)
         t = p // E
         e = p % E
@@ -417,11 +428,16 @@ if AVAILABLE:
 
     @triton.jit
     def _align(ids_ptr, sorted_ptr, owner_ptr, P, E, n_blocks, BM: tl.constexpr, EB: tl.constexpr,
-               PB: tl.constexpr, NB: tl.constexpr):
+               PB: tl.constexpr, NB: tl.constexpr, DEPENDENT: tl.constexpr):
         """One program: the pairs 0..P-1 (expert ids at ids_ptr) grouped by expert.  Expert e's
         pairs, in pair order, go to sorted[start_e ..], start_e the sum of the earlier experts'
-        counts each rounded up to BM (the slots between stay as the caller filled them: P, no
-        pair); owner[b] is the expert of block b, -1 past the last."""
+        counts each rounded up to BM (the slots between hold P: no pair); owner[b] is the expert
+        of block b, -1 past the last."""
+        dependent_start(DEPENDENT)
+        for c in range(0, n_blocks * BM, NB * BM):
+            i = c + tl.arange(0, NB * BM)
+            tl.store(sorted_ptr + i, tl.zeros([NB * BM], tl.int32) + P, mask=i < n_blocks * BM)
+        tl.debug_barrier()  # every slot holds P before the pairs overwrite theirs
         experts = tl.arange(0, EB)
         counts = tl.zeros([EB], tl.int32)
         for c in range(0, P, PB):
@@ -527,10 +543,12 @@ if AVAILABLE:
     @triton.jit
     def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
                         TOPK: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        UNROLL: tl.constexpr, OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr):
+                        UNROLL: tl.constexpr, OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr,
+                        DEPENDENT: tl.constexpr):
         """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up.  UNROLL
         groups (a divisor of n_groups) per loop step, in order, their loads in flight together;
         TRANSPOSED: the tiles computed columns by rows (`_block_product_t`)."""
+        dependent_start(DEPENDENT)
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
             return
@@ -566,9 +584,10 @@ if AVAILABLE:
     @triton.jit
     def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
                      FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr,
-                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr):
+                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, DEPENDENT: tl.constexpr):
         """One block and D-column tile: part[pair] = weight[pair] * down(act[pair]) (UNROLL and
         TRANSPOSED as `_gate_up_blocks`)."""
+        dependent_start(DEPENDENT)
         e = tl.load(owner_ptr + tl.program_id(0))
         if e < 0:
             return
@@ -596,8 +615,10 @@ if AVAILABLE:
         tl.store(part_ptr + tm * D + tn, acc * weight, mask=tmm & tnm)
 
     @triton.jit
-    def _sum_slots(part_ptr, out_ptr, D, TOPK: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_slots(part_ptr, out_ptr, D, TOPK: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr,
+                   DEPENDENT: tl.constexpr):
         """out[t] (+)= part[t * TOPK] + part[t * TOPK + 1] + ..., in slot order."""
+        dependent_start(DEPENDENT)
         t = tl.program_id(0)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         nm = n < D
@@ -612,10 +633,11 @@ if AVAILABLE:
 if AVAILABLE:
     @triton.jit
     def _route_softmax(scores_ptr, ids_ptr, wt_ptr, E, stride, K: tl.constexpr, EB: tl.constexpr,
-                       RENORMALISE: tl.constexpr):
+                       RENORMALISE: tl.constexpr, DEPENDENT: tl.constexpr):
         """One row: softmax over its E scores, the K most probable experts (of equal ones the lower
         index first, as torch's stable sort orders them), their probabilities, renormalised to
         sum to one if asked."""
+        dependent_start(DEPENDENT)
         t = tl.program_id(0)
         e = tl.arange(0, EB)
         x = tl.load(scores_ptr + t * stride + e, mask=e < E, other=-float("inf")).to(tl.float32)
@@ -650,7 +672,7 @@ def route_softmax(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torc
     ids = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     weights = torch.empty((T, k), dtype=torch.float32, device=scores.device)
     _route_softmax[(T,)](scores, ids, weights, E, scores.stride(0), K=k, EB=triton.next_power_of_2(E),
-                         RENORMALISE=renormalise, num_warps=4)
+                         RENORMALISE=renormalise, num_warps=4, **_dependent(scores.device))
     return ids, weights
 
 
@@ -672,12 +694,13 @@ if AVAILABLE:
     def _route_grouped(scores_ptr, bias_ptr, ids_ptr, wt_ptr, E, stride, group_size, min_sum, scale,
                        K: tl.constexpr, KP: tl.constexpr, EB: tl.constexpr, SIGMOID: tl.constexpr,
                        HAS_BIAS: tl.constexpr, NG: tl.constexpr, NG_USED: tl.constexpr,
-                       NORMALISE: tl.constexpr):
+                       NORMALISE: tl.constexpr, DEPENDENT: tl.constexpr):
         """One row, by engine.models.deepseek2.route's rule: probabilities (sigmoid or softmax),
         the bias added for the choice only, the choice limited to the NG_USED of NG groups whose
         two best biased scores sum highest (NG = 1: no groups), the K best (ties to the lower
         index), weighted by their probabilities, renormalised (the sum at least min_sum) if
         asked, times scale."""
+        dependent_start(DEPENDENT)
         t = tl.program_id(0)
         e = tl.arange(0, EB)
         real = e < E
@@ -732,7 +755,8 @@ def route_grouped(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor 
     _route_grouped[(T,)](scores, scores if bias is None else bias, ids, weights, E, scores.stride(0),
                          E // n_groups if grouped else E, min_sum, scale, K=k, KP=triton.next_power_of_2(k),
                          EB=triton.next_power_of_2(E), SIGMOID=gating == "sigmoid", HAS_BIAS=bias is not None,
-                         NG=ng, NG_USED=n_groups_used if grouped else 1, NORMALISE=normalise, num_warps=4)
+                         NG=ng, NG_USED=n_groups_used if grouped else 1, NORMALISE=normalise, num_warps=4,
+                         **_dependent(scores.device))
     return ids, weights
 
 
@@ -757,7 +781,7 @@ def matrix_products(x: torch.Tensor, stack: StackedWeight, out: torch.Tensor | N
         x, *stack.row_operands(), out, E, stack.n, K, stack.n_groups, x.stride(0), x.stride(1), out.stride(0),
         out.stride(1), FMT=stack.format_index, G=stack.group, BN=bn,
         GB=_groups_per_step(stack.n_groups, launch.gemv_gb), OPERAND=OPERAND, PREFETCH=launch.gemv_prefetch,
-        num_warps=launch.gemv_warps)
+        num_warps=launch.gemv_warps, **_dependent(x.device))
     return out
 
 
@@ -768,11 +792,11 @@ def group_by_expert(ids: torch.Tensor, n_expert: int, bm: int) -> tuple[torch.Te
     blocks past the last used one have owner -1.  One kernel, nothing read back."""
     P = ids.shape[0]
     n_blocks = max_blocks(P, n_expert, bm)
-    pairs = torch.full((n_blocks * bm,), P, dtype=torch.int32, device=ids.device)
+    pairs = torch.empty((n_blocks * bm,), dtype=torch.int32, device=ids.device)
     owner = torch.empty((n_blocks,), dtype=torch.int32, device=ids.device)
     eb = triton.next_power_of_2(n_expert)
     _align[(1,)](ids, pairs, owner, P, n_expert, n_blocks, BM=bm, EB=eb, PB=max(16, ALIGN_ELEMENTS // eb), NB=64,
-                 num_warps=8)
+                 num_warps=8, **_dependent(ids.device))
     return pairs, owner
 
 
@@ -789,6 +813,13 @@ def _groups_per_step(n_groups: int, most: int) -> int:
     """Groups per loop step of the indexed products: `most`, or fewer for short inputs (a
     power of two, so no step is mostly masked)."""
     return max(1, min(most, triton.next_power_of_2(n_groups)))
+
+
+def _dependent(device: torch.device) -> dict:
+    """The launch arguments of a kernel here: launched as a programmatic dependent or not
+    (DEPENDENT_EXPERTS)."""
+    dependent = DEPENDENT_EXPERTS and dependent_launch(device)
+    return dict(DEPENDENT=dependent, launch_pdl=dependent)
 
 
 class StackedExperts:
@@ -838,9 +869,9 @@ class StackedExperts:
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
             h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
             G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
-            PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
+            PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device))
         shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb),
-                     OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps)
+                     OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device))
         if cfg.gemv_down == "pairs":
             part = torch.empty((T * k, D), dtype=torch.float32, device=h.device)
             _down_pairs[(T * k, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), part, D, F,
@@ -855,7 +886,8 @@ class StackedExperts:
         """out (+)= each row's k slots of `part` [T * k, D], added in slot order."""
         T, D = out.shape
         block = min(1024, triton.next_power_of_2(D))
-        _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4)
+        _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4,
+                                               **_dependent(out.device))
 
     def _blocks(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
                 out: torch.Tensor, k: int, add: bool) -> None:
@@ -867,7 +899,7 @@ class StackedExperts:
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
         shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=bm <= cfg.gemm_transposed_bm,
-                     num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages)
+                     num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device))
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
             FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll), **shape)

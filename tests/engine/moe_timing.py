@@ -16,11 +16,16 @@ Then, for each width:
   with `--sweep`, the same for grids of launch shapes (engine.cuda_moe.MoeLaunch, `SWEEPS`),
   fastest first.
 
+With `--dependent 0,1` it instead compares `cuda_moe.DEPENDENT_EXPERTS` off and on: a model
+loaded per value (its graphs captured under it), the steps and the routed experts of every
+value timed in turn, `--repeats` times, and each value's medians printed against the first's.
+
 The bytes one token reads (attention, its routed experts, shared experts; the head left out)
 over the step time give the bandwidth a one-row step reaches.
 
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape qwen3-30b-a3b --layers 12
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape deepseek-v2-lite --rows 1,32 --sweep
+    PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --layers 12 --rows 1,32 --dependent 0,1
 """
 from __future__ import annotations
 
@@ -66,24 +71,70 @@ def token_bytes(m: engine.Model) -> int:
     return total
 
 
-def time_steps(m: engine.Model, rows: int, steps: int, repeats: int) -> float:
-    """Median seconds of one decoding step of `rows` pooled sessions."""
+def warm_sessions(m: engine.Model, rows: int) -> list:
+    """`rows` pooled sessions of 16 positions each, stepped (so their bucket's graph is captured)
+    and truncated back."""
     sessions = m.new_sessions(rows)
     for i, s in enumerate(sessions):
         s.sync([5 + (i * 7 + j) % 200 for j in range(16)])
     for _ in range(3):
         decode_batch(sessions, [9] * rows)
-    times = []
-    for r in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for step in range(steps):
-            decode_batch(sessions, [10 + (step + r) % 100] * rows)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / steps)
-        for s in sessions:  # keep the contexts short and equal across repeats
-            s.truncate(16)
-    return statistics.median(times)
+    for s in sessions:
+        s.truncate(16)
+    return sessions
+
+
+def step_seconds(sessions: list, steps: int, r: int = 0) -> float:
+    """Seconds of one decoding step of the sessions over `steps` steps; they are left at 16 positions."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for step in range(steps):
+        decode_batch(sessions, [10 + (step + r) % 100] * len(sessions))
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - t0) / steps
+    for s in sessions:  # keep the contexts short and equal across repeats
+        s.truncate(16)
+    return seconds
+
+
+def time_steps(m: engine.Model, rows: int, steps: int, repeats: int) -> float:
+    """Median seconds of one decoding step of `rows` pooled sessions."""
+    sessions = warm_sessions(m, rows)
+    return statistics.median(step_seconds(sessions, steps, r) for r in range(repeats))
+
+
+def stacked_layers(m: engine.Model) -> list[cuda_moe.StackedExperts]:
+    return [b.experts for b in m.net.blocks if isinstance(getattr(b, "experts", None), cuda_moe.StackedExperts)]
+
+
+def compare_dependent(path: str, values: list[bool], rows_list: list[int], steps: int, repeats: int) -> None:
+    """Whole steps and the routed experts alone with `cuda_moe.DEPENDENT_EXPERTS` at each value
+    (a model loaded per value, its graphs captured under it), the timings alternated; prints
+    each value's medians and their speed against the first value's."""
+    models = {}
+    for v in values:
+        cuda_moe.DEPENDENT_EXPERTS = v
+        models[v] = engine.load_model(path, device="cuda", ctx=512)
+    k = models[values[0]].config.n_expert_used
+    for rows in rows_list:
+        held = {}
+        for v in values:
+            cuda_moe.DEPENDENT_EXPERTS = v
+            held[v] = warm_sessions(models[v], rows)
+        step_s = {v: [] for v in values}
+        experts_s = {v: [] for v in values}
+        for r in range(repeats):
+            for v in values:
+                cuda_moe.DEPENDENT_EXPERTS = v
+                step_s[v].append(step_seconds(held[v], steps, r))
+                experts_s[v].append(time_experts(stacked_layers(models[v]), rows, k, cuda_moe.LAUNCH))
+        base_step, base_experts = statistics.median(step_s[values[0]]), statistics.median(experts_s[values[0]])
+        cells = []
+        for v in values:
+            step, experts = statistics.median(step_s[v]), statistics.median(experts_s[v])
+            cells.append(f"{'dependent' if v else 'after'}: step {step * 1e3:.3f} ms ({base_step / step:.3f}x), "
+                         f"experts {experts * 1e3:.3f} ms ({base_experts / experts:.3f}x)")
+        print(f"rows {rows:3d}: " + "; ".join(cells), flush=True)
 
 
 def time_experts(layers: list[cuda_moe.StackedExperts], rows: int, k: int, launch: cuda_moe.MoeLaunch,
@@ -150,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch shapes of the experts")
     ap.add_argument("--gguf", help="use (or keep) the GGUF at this path")
+    ap.add_argument("--dependent", help="values of cuda_moe.DEPENDENT_EXPERTS to compare, separated by ',' "
+                                        "(each a model of its own, timings alternated)")
     ap.add_argument("--per-expert", action="store_true",
                     help="also time the per-expert path (each expert its own Linear, routing read back)")
     args = ap.parse_args(argv)
@@ -160,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
         written = write_shape(path, args.shape, n_layer, args.qtype)
         size = os.path.getsize(path) / 2 ** 30
         print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if args.dependent:
+        compare_dependent(path, [v == "1" for v in args.dependent.split(",")], rows_list, args.steps, args.repeats)
+        return 0
     t0 = time.perf_counter()
     m = engine.load_model(path, device="cuda", ctx=512)
     print(f"loaded in {time.perf_counter() - t0:.0f} s; graphs: {getattr(m.net, 'decode_graphs', None) is not None}")
-    layers = [b.experts for b in m.net.blocks if isinstance(getattr(b, "experts", None), cuda_moe.StackedExperts)]
+    layers = stacked_layers(m)
     print(f"{len(layers)} stacked layers: gate/up {layers[0].gate_up.format}, down {layers[0].down.format}")
     per_token = token_bytes(m)
     k = m.config.n_expert_used
@@ -171,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.per_expert:
         qwen_moe.stacks_experts = lambda device, fmt: False  # this process only
         old = engine.load_model(path, device="cuda", ctx=512)
-    for rows in [int(r) for r in args.rows.split(",")]:
+    for rows in rows_list:
         if old is not None:
             before = time_steps(old, rows, args.steps, args.repeats)
             print(f"rows {rows:3d}: per-expert path {before * 1e3:7.3f} ms, {rows / before:8.1f} tok/s", flush=True)

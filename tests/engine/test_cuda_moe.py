@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants as gq
 
 from engine import cuda_int4, cuda_moe
+from engine.cuda_attention import dependent_launch_capable
 from engine.models import deepseek2, qwen_moe
 from engine.gguf_file import TensorRecord
 from engine.quants import unpack_int4_groups
@@ -176,6 +177,60 @@ def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
     assert np.abs(part - batch[half:]).max() <= 1e-6 * np.abs(batch).max()
     few = run(experts, h[:3], ids[:3], w[:3], device)
     np.testing.assert_array_equal(few[1:], run(experts, h[1:3], ids[1:3], w[1:3], device))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not cuda_moe.AVAILABLE
+                    or not dependent_launch_capable(torch.device("cuda")),
+                    reason="needs a CUDA device of compute capability 9.0 or more and a Triton with dependent launches")
+@pytest.mark.parametrize("rows", [3, cuda_moe.GEMV_MAX_ROWS + 32])  # the indexed products, the grouped GEMM
+@pytest.mark.parametrize("rule", ["softmax", "grouped"])
+def test_kernels_launched_as_dependents_give_the_same_bits(monkeypatch, rows, rule):
+    """Routing and experts that start while the kernel before them runs (DEPENDENT_EXPERTS) give
+    the bits of ones launched after it: a norm, the router's int4 product, the routing kernel,
+    the experts added into the residual and a stack's per-matrix products, one after another,
+    captured in a CUDA graph as decoding steps are, and run eagerly."""
+    from engine import cuda_elementwise
+    cuda = torch.device("cuda")
+    E, d, f, k = 16, 128, 192, 4
+    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT.Q4_K, seed=21), cuda)
+    stack = experts.down  # E matrices [d, f]
+    rng = np.random.default_rng(22)
+    scale = (rng.random((E, d // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
+    router = cuda_int4.Int4Weight(rng.integers(0, 16, size=(E, d), dtype=np.uint8), scale, -8 * scale, cuda)
+    h = torch.randn(rows, d, device=cuda)
+    norm_weight = torch.rand(d, device=cuda) + 0.5
+    per_matrix = torch.randn(rows, E, f, device=cuda)
+    residual = torch.randn(rows, d, device=cuda)
+    out = {}
+    for dependent in (False, True):
+        monkeypatch.setattr(cuda_moe, "DEPENDENT_EXPERTS", dependent)
+
+        def step():
+            x = cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32)
+            scores = router(x)
+            if rule == "softmax":
+                ids, weights = cuda_moe.route_softmax(scores, k, renormalise=True)
+            else:
+                ids, weights = cuda_moe.route_grouped(scores, k, "sigmoid", n_groups=4, n_groups_used=2,
+                                                      normalise=True, scale=2.5)
+            into = residual.clone()
+            experts(x, ids, weights, into=into)
+            return into, cuda_moe.matrix_products(per_matrix * into[:, None, :1], stack)
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        h.add_(1.0)  # the graph must read the inputs as they are at replay
+        graph.replay()
+        torch.cuda.synchronize()
+        out[dependent] = ([y.clone() for y in captured], step())
+        h.sub_(1.0)
+    for a, b in zip(out[False][0] + list(out[False][1]), out[True][0] + list(out[True][1])):
+        assert torch.equal(a, b)
+    for a, b in zip(out[True][0], out[True][1]):
+        assert torch.equal(a, b)
 
 
 # The few-row launch shapes (engine.cuda_moe.MoeLaunch): the down product a program per row or
@@ -332,9 +387,12 @@ def test_pairs_are_grouped_by_expert_in_whole_blocks(device, monkeypatch):
     ids = torch.from_numpy(rng.integers(0, E, P)).to(device)
     ids[:40] = 3  # one expert with several blocks
     monkeypatch.setattr(cuda_moe, "ALIGN_ELEMENTS", 64 * E)  # the pairs in five chunks
-    pairs, owner = cuda_moe.group_by_expert(ids, E, bm)
     n_blocks = cuda_moe.max_blocks(P, E, bm)
+    # freed memory of the output's size holding other numbers: every slot must be written
+    torch.full((n_blocks * bm,), 7, dtype=torch.int32, device=device)
+    pairs, owner = cuda_moe.group_by_expert(ids, E, bm)
     assert owner.shape == (n_blocks,) and pairs.shape == (n_blocks * bm,)
+    assert ((pairs >= 0) & (pairs <= P)).all().item() and (pairs == P).sum().item() == n_blocks * bm - P
     pairs, owner, ids = pairs.cpu().view(n_blocks, bm), owner.cpu(), ids.cpu()
     seen = []
     for b in range(n_blocks):
