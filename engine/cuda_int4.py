@@ -100,12 +100,15 @@ GEMV_ROW_ELEMENTS = 16 * 2 ** 20
 # 18-21% fewer instructions a loop step offline, the 1B shape's one-row steps 1.07x faster.
 SUBNORMAL_SHIFT = 64
 
-# Whether the tensor-core kernel is launched as a programmatic dependent where the one-row kernel
-# is (`cuda_attention.dependent_launch`): it lets the next kernel launch as it starts and waits for
-# the one before it first, so that its launch overlaps that kernel's end, as the one-row
-# products' and the elementwise kernels' do.  The same bits.  Off until measured
-# (tests/engine/step_timing.py --dependent-gemm 0,1).
-DEPENDENT_GEMM = False
+# The largest matrices (n x k weights) whose tensor-core products are launched as programmatic
+# dependents where the one-row kernel is (`cuda_attention.dependent_launch`; 0: none): such a
+# launch lets the next kernel launch as it starts and waits for the one before it first, so that
+# it overlaps that kernel's end, as the one-row products' and the elementwise kernels' launches
+# do.  The same bits.  It pays where the products are short: on an H100 the 135M shape's steps
+# (matrices up to 3072 x 576) ran 1.029x faster at 16 rows and 1.078x at 32, and the 1B shape's
+# (2048 x 2048 and up) 0.83x at 16 rows and 0.95x at 64 (tests/engine/step_timing.py
+# --dependent-gemm; docs/measurements.md, round 26).
+DEPENDENT_GEMM_ELEMENTS = 1 << 21
 
 
 def gemv_rows_for(n: int, k: int) -> int:
@@ -634,7 +637,7 @@ class Int4Weight:
         unroll = next(u for u in (cfg.unroll, 2, 1) if per % u == 0)
         out, part = _outputs(rows, self.n, splits, x.device, into, gated)
         add = into is not None
-        dependent = dependent_launch(x.device) and DEPENDENT_GEMM
+        dependent = dependent_launch(x.device) and self.n * self.k <= DEPENDENT_GEMM_ELEMENTS
         _int4_gemm[(tiles_m, tiles_n, splits)](x, self.nibbles, self.pairs, part, rows, self.n, self.k,
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,

@@ -88,12 +88,14 @@ DOWN_SHAPES = ("rows", "pairs")
 GEMV_MAX_ROWS = 8  # rows up to which the indexed one-row products run; more take the grouped GEMM
 ALIGN_ELEMENTS = 16384  # (pair, expert) comparisons `_align` makes at once: pairs per chunk x experts
 CHUNK_WEIGHTS = 1 << 26  # weights of a part unpacked at once while a stack is built
-# Whether the routing and expert kernels are launched as programmatic dependents where the
-# dense ones are (`cuda_attention.dependent_launch`): each lets the next kernel launch as it
-# starts, then waits for the one before it before reading anything, so a launch overlaps the
-# end of the kernel before it.  The same bits.  Off until measured (tests/engine/moe_timing.py
-# --dependent 0,1).
-DEPENDENT_EXPERTS = False
+# The most rows whose routing and expert kernels are launched as programmatic dependents where
+# the dense ones are (`cuda_attention.dependent_launch`; 0: none): each lets the next kernel launch
+# as it starts, then waits for the one before it before reading anything, so a launch overlaps
+# the end of the kernel before it.  The same bits.  On an H100 one row's steps ran 1.04x
+# (Qwen3-30B-A3B's shape) and 1.07x (DeepSeek-V2-Lite's) faster so, and 32 rows' 0.975x and
+# 0.99x (tests/engine/moe_timing.py --dependent; docs/measurements.md, round 26): the grouped
+# GEMM is left to launch after the kernel before it.
+DEPENDENT_EXPERT_ROWS = GEMV_MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -672,7 +674,7 @@ def route_softmax(scores: torch.Tensor, k: int, renormalise: bool) -> tuple[torc
     ids = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     weights = torch.empty((T, k), dtype=torch.float32, device=scores.device)
     _route_softmax[(T,)](scores, ids, weights, E, scores.stride(0), K=k, EB=triton.next_power_of_2(E),
-                         RENORMALISE=renormalise, num_warps=4, **_dependent(scores.device))
+                         RENORMALISE=renormalise, num_warps=4, **_dependent(scores.device, T))
     return ids, weights
 
 
@@ -756,7 +758,7 @@ def route_grouped(scores: torch.Tensor, k: int, gating: str, bias: torch.Tensor 
                          E // n_groups if grouped else E, min_sum, scale, K=k, KP=triton.next_power_of_2(k),
                          EB=triton.next_power_of_2(E), SIGMOID=gating == "sigmoid", HAS_BIAS=bias is not None,
                          NG=ng, NG_USED=n_groups_used if grouped else 1, NORMALISE=normalise, num_warps=4,
-                         **_dependent(scores.device))
+                         **_dependent(scores.device, T))
     return ids, weights
 
 
@@ -781,22 +783,25 @@ def matrix_products(x: torch.Tensor, stack: StackedWeight, out: torch.Tensor | N
         x, *stack.row_operands(), out, E, stack.n, K, stack.n_groups, x.stride(0), x.stride(1), out.stride(0),
         out.stride(1), FMT=stack.format_index, G=stack.group, BN=bn,
         GB=_groups_per_step(stack.n_groups, launch.gemv_gb), OPERAND=OPERAND, PREFETCH=launch.gemv_prefetch,
-        num_warps=launch.gemv_warps, **_dependent(x.device))
+        num_warps=launch.gemv_warps, **_dependent(x.device, T))
     return out
 
 
-def group_by_expert(ids: torch.Tensor, n_expert: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_by_expert(ids: torch.Tensor, n_expert: int, bm: int,
+                    dependent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The (row, slot) pairs 0..P-1 whose experts are `ids` [P] grouped by expert on the device,
     in blocks of `bm`: (pairs int32 [max_blocks * bm], owner int32 [max_blocks]); block b holds
     pairs[b * bm: (b + 1) * bm] of expert owner[b], in pair order, padded with P (no pair);
-    blocks past the last used one have owner -1.  One kernel, nothing read back."""
+    blocks past the last used one have owner -1.  One kernel (`dependent`: launched as a
+    programmatic dependent where the device can), nothing read back."""
+    dependent = dependent and dependent_launch(ids.device)
     P = ids.shape[0]
     n_blocks = max_blocks(P, n_expert, bm)
     pairs = torch.empty((n_blocks * bm,), dtype=torch.int32, device=ids.device)
     owner = torch.empty((n_blocks,), dtype=torch.int32, device=ids.device)
     eb = triton.next_power_of_2(n_expert)
     _align[(1,)](ids, pairs, owner, P, n_expert, n_blocks, BM=bm, EB=eb, PB=max(16, ALIGN_ELEMENTS // eb), NB=64,
-                 num_warps=8, **_dependent(ids.device))
+                 num_warps=8, DEPENDENT=dependent, launch_pdl=dependent)
     return pairs, owner
 
 
@@ -815,10 +820,10 @@ def _groups_per_step(n_groups: int, most: int) -> int:
     return max(1, min(most, triton.next_power_of_2(n_groups)))
 
 
-def _dependent(device: torch.device) -> dict:
-    """The launch arguments of a kernel here: launched as a programmatic dependent or not
-    (DEPENDENT_EXPERTS)."""
-    dependent = DEPENDENT_EXPERTS and dependent_launch(device)
+def _dependent(device: torch.device, rows: int) -> dict:
+    """The launch arguments of a kernel here for `rows` rows: launched as a programmatic
+    dependent or not (DEPENDENT_EXPERT_ROWS)."""
+    dependent = rows <= DEPENDENT_EXPERT_ROWS and dependent_launch(device)
     return dict(DEPENDENT=dependent, launch_pdl=dependent)
 
 
@@ -869,9 +874,9 @@ class StackedExperts:
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
             h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
             G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
-            PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device))
+            PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device, T))
         shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb),
-                     OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device))
+                     OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device, T))
         if cfg.gemv_down == "pairs":
             part = torch.empty((T * k, D), dtype=torch.float32, device=h.device)
             _down_pairs[(T * k, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), part, D, F,
@@ -887,7 +892,7 @@ class StackedExperts:
         T, D = out.shape
         block = min(1024, triton.next_power_of_2(D))
         _sum_slots[(T, triton.cdiv(D, block))](part, out, D, TOPK=k, ADD=add, BLOCK=block, num_warps=4,
-                                               **_dependent(out.device))
+                                               **_dependent(out.device, T))
 
     def _blocks(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, act: torch.Tensor,
                 out: torch.Tensor, k: int, add: bool) -> None:
@@ -895,11 +900,11 @@ class StackedExperts:
         T, F, D, E = h.shape[0], self.n_ff, self.n_embd, self.n_expert
         P = T * k
         bm = block_m(P, E)
-        pairs, owner = group_by_expert(ids, E, bm)
+        pairs, owner = group_by_expert(ids, E, bm, dependent=T <= DEPENDENT_EXPERT_ROWS)
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
         shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=bm <= cfg.gemm_transposed_bm,
-                     num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device))
+                     num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device, T))
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
             FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll), **shape)

@@ -16,7 +16,7 @@ Then, for each width:
   with `--sweep`, the same for grids of launch shapes (engine.cuda_moe.MoeLaunch, `SWEEPS`),
   fastest first.
 
-With `--dependent 0,1` it instead compares `cuda_moe.DEPENDENT_EXPERTS` off and on: a model
+With `--dependent 0,64` it instead compares values of `cuda_moe.DEPENDENT_EXPERT_ROWS`: a model
 loaded per value (its graphs captured under it), the steps and the routed experts of every
 value timed in turn, `--repeats` times, and each value's medians printed against the first's.
 
@@ -25,7 +25,7 @@ over the step time give the bandwidth a one-row step reaches.
 
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape qwen3-30b-a3b --layers 12
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape deepseek-v2-lite --rows 1,32 --sweep
-    PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --layers 12 --rows 1,32 --dependent 0,1
+    PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --layers 12 --rows 1,32 --dependent 0,64
 """
 from __future__ import annotations
 
@@ -107,32 +107,32 @@ def stacked_layers(m: engine.Model) -> list[cuda_moe.StackedExperts]:
     return [b.experts for b in m.net.blocks if isinstance(getattr(b, "experts", None), cuda_moe.StackedExperts)]
 
 
-def compare_dependent(path: str, values: list[bool], rows_list: list[int], steps: int, repeats: int) -> None:
-    """Whole steps and the routed experts alone with `cuda_moe.DEPENDENT_EXPERTS` at each value
+def compare_dependent(path: str, values: list[int], rows_list: list[int], steps: int, repeats: int) -> None:
+    """Whole steps and the routed experts alone with `cuda_moe.DEPENDENT_EXPERT_ROWS` at each value
     (a model loaded per value, its graphs captured under it), the timings alternated; prints
     each value's medians and their speed against the first value's."""
     models = {}
     for v in values:
-        cuda_moe.DEPENDENT_EXPERTS = v
+        cuda_moe.DEPENDENT_EXPERT_ROWS = v
         models[v] = engine.load_model(path, device="cuda", ctx=512)
     k = models[values[0]].config.n_expert_used
     for rows in rows_list:
         held = {}
         for v in values:
-            cuda_moe.DEPENDENT_EXPERTS = v
+            cuda_moe.DEPENDENT_EXPERT_ROWS = v
             held[v] = warm_sessions(models[v], rows)
         step_s = {v: [] for v in values}
         experts_s = {v: [] for v in values}
         for r in range(repeats):
             for v in values:
-                cuda_moe.DEPENDENT_EXPERTS = v
+                cuda_moe.DEPENDENT_EXPERT_ROWS = v
                 step_s[v].append(step_seconds(held[v], steps, r))
                 experts_s[v].append(time_experts(stacked_layers(models[v]), rows, k, cuda_moe.LAUNCH))
         base_step, base_experts = statistics.median(step_s[values[0]]), statistics.median(experts_s[values[0]])
         cells = []
         for v in values:
             step, experts = statistics.median(step_s[v]), statistics.median(experts_s[v])
-            cells.append(f"{'dependent' if v else 'after'}: step {step * 1e3:.3f} ms ({base_step / step:.3f}x), "
+            cells.append(f"dependent to {v} rows: step {step * 1e3:.3f} ms ({base_step / step:.3f}x), "
                          f"experts {experts * 1e3:.3f} ms ({base_experts / experts:.3f}x)")
         print(f"rows {rows:3d}: " + "; ".join(cells), flush=True)
 
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="time a grid of launch shapes of the experts")
     ap.add_argument("--gguf", help="use (or keep) the GGUF at this path")
-    ap.add_argument("--dependent", help="values of cuda_moe.DEPENDENT_EXPERTS to compare, separated by ',' "
+    ap.add_argument("--dependent", help="values of cuda_moe.DEPENDENT_EXPERT_ROWS to compare, separated by ',' "
                                         "(each a model of its own, timings alternated)")
     ap.add_argument("--per-expert", action="store_true",
                     help="also time the per-expert path (each expert its own Linear, routing read back)")
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
     rows_list = [int(r) for r in args.rows.split(",")]
     if args.dependent:
-        compare_dependent(path, [v == "1" for v in args.dependent.split(",")], rows_list, args.steps, args.repeats)
+        compare_dependent(path, [int(v) for v in args.dependent.split(",")], rows_list, args.steps, args.repeats)
         return 0
     t0 = time.perf_counter()
     m = engine.load_model(path, device="cuda", ctx=512)

@@ -331,7 +331,7 @@ def test_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k, r
     """A product that starts while the kernel before it runs (the one-row kernel's weights read,
     then a wait for that kernel) sums as one launched after it: here after the norm that writes
     its input, the two captured in a CUDA graph as decoding steps are; one row and tiles of rows
-    on the tensor cores (DEPENDENT_GEMM), their split sums' kernel after them."""
+    on the tensor cores (DEPENDENT_GEMM_ELEMENTS), their split sums' kernel after them."""
     from engine import cuda_attention, cuda_elementwise
     rng = np.random.default_rng(n)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
@@ -343,7 +343,7 @@ def test_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k, r
     out = {}
     for dependent in (False, True):
         monkeypatch.setattr(cuda_attention, "DEPENDENT_LAUNCH", dependent)
-        monkeypatch.setattr(cuda_int4, "DEPENDENT_GEMM", dependent)
+        monkeypatch.setattr(cuda_int4, "DEPENDENT_GEMM_ELEMENTS", n * k if dependent else 0)
 
         def step():
             return w(cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32))

@@ -186,14 +186,14 @@ def test_a_row_in_a_batch_equals_the_row_alone_within_the_bound(device):
 @pytest.mark.parametrize("rows", [3, cuda_moe.GEMV_MAX_ROWS + 32])  # the indexed products, the grouped GEMM
 @pytest.mark.parametrize("rule", ["softmax", "grouped"])
 def test_kernels_launched_as_dependents_give_the_same_bits(monkeypatch, rows, rule):
-    """Routing and experts that start while the kernel before them runs (DEPENDENT_EXPERTS) give
+    """Routing and experts that start while the kernel before them runs (DEPENDENT_EXPERT_ROWS) give
     the bits of ones launched after it: a norm, the router's int4 product, the routing kernel,
     the experts added into the residual and a stack's per-matrix products, one after another,
     captured in a CUDA graph as decoding steps are, and run eagerly."""
     from engine import cuda_elementwise
     cuda = torch.device("cuda")
     E, d, f, k = 16, 128, 192, 4
-    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT.Q4_K, seed=21), cuda)
+    experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT.Q4_0, seed=21), cuda)
     stack = experts.down  # E matrices [d, f]
     rng = np.random.default_rng(22)
     scale = (rng.random((E, d // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
@@ -204,7 +204,7 @@ def test_kernels_launched_as_dependents_give_the_same_bits(monkeypatch, rows, ru
     residual = torch.randn(rows, d, device=cuda)
     out = {}
     for dependent in (False, True):
-        monkeypatch.setattr(cuda_moe, "DEPENDENT_EXPERTS", dependent)
+        monkeypatch.setattr(cuda_moe, "DEPENDENT_EXPERT_ROWS", rows if dependent else 0)
 
         def step():
             x = cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32)
