@@ -333,6 +333,7 @@ def test_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k, r
     its input, the two captured in a CUDA graph as decoding steps are; one row and tiles of rows
     on the tensor cores (DEPENDENT_GEMM_ELEMENTS), their split sums' kernel after them."""
     from engine import cuda_attention, cuda_elementwise
+    from graph_replay import replayed_and_eager
     rng = np.random.default_rng(n)
     q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
     scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
@@ -346,16 +347,8 @@ def test_products_launched_as_dependents_give_the_same_bits(monkeypatch, n, k, r
         monkeypatch.setattr(cuda_int4, "DEPENDENT_GEMM_ELEMENTS", n * k if dependent else 0)
 
         def step():
-            return w(cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32))
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y = step()
-        h.add_(1.0)  # the graph must read the input as it is at replay
-        graph.replay()
-        torch.cuda.synchronize()
-        out[dependent] = (y.clone(), step())
-        h.sub_(1.0)
+            return (w(cuda_elementwise.rms_norm(h, norm_weight, 1e-5, torch.float32)),)
+        (replayed,), (eager,) = replayed_and_eager(step, h)
+        out[dependent] = replayed, eager
     assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
     assert torch.equal(out[True][0], out[True][1])

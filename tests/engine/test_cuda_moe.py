@@ -191,6 +191,7 @@ def test_kernels_launched_as_dependents_give_the_same_bits(monkeypatch, rows, ru
     the experts added into the residual and a stack's per-matrix products, one after another,
     captured in a CUDA graph as decoding steps are, and run eagerly."""
     from engine import cuda_elementwise
+    from graph_replay import replayed_and_eager
     cuda = torch.device("cuda")
     E, d, f, k = 16, 128, 192, 4
     experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT.Q4_0, seed=21), cuda)
@@ -217,19 +218,10 @@ def test_kernels_launched_as_dependents_give_the_same_bits(monkeypatch, rows, ru
             into = residual.clone()
             experts(x, ids, weights, into=into)
             return into, cuda_moe.matrix_products(per_matrix * into[:, None, :1], stack)
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = step()
-        h.add_(1.0)  # the graph must read the inputs as they are at replay
-        graph.replay()
-        torch.cuda.synchronize()
-        out[dependent] = ([y.clone() for y in captured], step())
-        h.sub_(1.0)
-    for a, b in zip(out[False][0] + list(out[False][1]), out[True][0] + list(out[True][1])):
+        out[dependent] = replayed_and_eager(step, h)
+    for a, b in zip(out[False][0] + out[False][1], out[True][0] + out[True][1]):
         assert torch.equal(a, b)
-    for a, b in zip(out[True][0], out[True][1]):
+    for a, b in zip(*out[True]):
         assert torch.equal(a, b)
 
 
