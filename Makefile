@@ -116,8 +116,8 @@ test: setup
 
 # The tests `make test` leaves out (marker `slow`): long end-to-end, load and soak runs (16 SDK
 # clients against a real ds4-server, lm-eval against it, ds4 waiting out the 10 s default render
-# limit of a hostile chat template), and long runs that a step of `make test` repeats (the 3K and
-# 7K frontier prompts: compare_frontier_logits; the speed gate and its product step: ci-speed).
+# limit of a hostile chat template), and long runs that a step of `make test` repeats (the 1K, 3K
+# and 7K frontier prompts: compare_frontier_logits; the speed gate and its product step: ci-speed).
 test-slow: setup
 	$(PY) -m pytest -q -m slow
 
