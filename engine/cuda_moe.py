@@ -871,12 +871,11 @@ class StackedExperts:
         cfg, gu, dn = self.launch, self.gate_up, self.down
         T, F, D = h.shape[0], self.n_ff, self.n_embd
         bn = cfg.gemv_bn
+        launch = dict(OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device, T))
         _gate_up_rows[(T * k, triton.cdiv(F, bn))](
             h, ids, *gu.row_operands(), act, F, gu.k, gu.n_groups, h.stride(0), TOPK=k, FMT=gu.format_index,
-            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), OPERAND=OPERAND,
-            PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device, T))
-        shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb),
-                     OPERAND=OPERAND, PREFETCH=cfg.gemv_prefetch, num_warps=cfg.gemv_warps, **_dependent(h.device, T))
+            G=gu.group, BN=bn, GB=_groups_per_step(gu.n_groups, cfg.gemv_gb), **launch)
+        shape = dict(FMT=dn.format_index, G=dn.group, BN=bn, GB=_groups_per_step(dn.n_groups, cfg.gemv_gb), **launch)
         if cfg.gemv_down == "pairs":
             part = torch.empty((T * k, D), dtype=torch.float32, device=h.device)
             _down_pairs[(T * k, triton.cdiv(D, bn))](act, ids, weights, *dn.row_operands(), part, D, F,

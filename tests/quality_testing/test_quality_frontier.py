@@ -1,8 +1,8 @@
 """The engine's logits against the stored transformers references, within the manifest's thresholds.
 
 Runs every manifest case on the CPU packed path through one session (as
-compare_frontier_logits does); the 1K, 3K and 7K prompts are marked slow, since `make test`
-runs compare_frontier_logits over every case. The thresholds are also shown to bite: a
+compare_frontier_logits does); the long-context prompts (1K, 3K and 7K tokens) are marked
+slow, since `make test` runs compare_frontier_logits over every case. The thresholds are also shown to bite: a
 perturbed engine vector fails them.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from quality_testing import metrics as mx
 from quality_testing import refset as rs
 
 CASES = rs.parse_manifest(rs.MANIFEST.read_text(encoding="utf-8"))
-PARAMS = [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.n_tokens > 1000 else []) for c in CASES]
+PARAMS = [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.kind == "long" else []) for c in CASES]
 
 
 @pytest.fixture(scope="module")
