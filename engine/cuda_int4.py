@@ -110,6 +110,11 @@ SUBNORMAL_SHIFT = 64
 # --dependent-gemm; docs/measurements.md, round 26).
 DEPENDENT_GEMM_ELEMENTS = 1 << 21
 
+# The tensor-core kernel's transposed tiles go a group a loop step, each group's scales and
+# minimums loaded one step before they are used (the nibbles and activations come through the
+# pipeline's asynchronous copies, the scales, two bytes a column, are too narrow for them).
+SCALES_AHEAD = False
+
 
 def gemv_rows_for(n: int, k: int) -> int:
     """Most rows an n x k matrix multiplies as one-row products (at least 1)."""
@@ -260,18 +265,28 @@ if AVAILABLE:
         return bits.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND: tl.constexpr):
-        """Group g of columns n: the nibbles as OPERAND values [BN, 32] in input order, and each
-        column's scale and minimum [BN] as float32."""
-        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
+    def group_scales(sm_ptr, n, nm, g, N):
+        """Group g's scale and minimum of columns n, [BN] float32 each."""
         pair = sm_ptr + (g * N + n) * 2
         scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
         minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+        return scale, minimum
+
+    @triton.jit
+    def group_nibbles(q_ptr, n, nm, g, K, OPERAND: tl.constexpr):
+        """Group g of columns n: the nibbles as OPERAND values [BN, 32] in input order."""
+        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
         # Byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order,
         # each OR-ed into the bits of 2**23 to be made a float.
         q32 = qb.to(tl.int32)
-        q = _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
-        return q, scale, minimum
+        return _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
+
+    @triton.jit
+    def group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND: tl.constexpr):
+        """Group g of columns n: the nibbles as OPERAND values [BN, 32] in input order, and each
+        column's scale and minimum [BN] as float32."""
+        scale, minimum = group_scales(sm_ptr, n, nm, g, N)
+        return group_nibbles(q_ptr, n, nm, g, K, OPERAND), scale, minimum
 
     @triton.jit
     def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND: tl.constexpr):
@@ -291,7 +306,14 @@ if AVAILABLE:
         memory as the loads' pipeline brings them.  The group's sums of the activations come
         from the tensor cores too (ones times x, exact products, float32 sums), laid out as acc
         already, where a sum across threads and a change of layout cost several barriers."""
-        q, scale, minimum = group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND)
+        scale, minimum = group_scales(sm_ptr, n, nm, g, N)
+        return scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g, K, stride_x, acc, scale, minimum, OPERAND)
+
+    @triton.jit
+    def scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g, K, stride_x, acc, scale, minimum,
+                               OPERAND: tl.constexpr):
+        """group_product_t with the group's scales and minimums given (loaded ahead)."""
+        q = group_nibbles(q_ptr, n, nm, g, K, OPERAND)
         x = tl.load(x_ptr + m[None, :] * stride_x + (g * 32 + tl.arange(0, 32))[:, None], mask=mm[None, :],
                     other=0.0).to(OPERAND)  # [32, BM]
         dot = tl.dot(q, x)
@@ -315,7 +337,7 @@ if AVAILABLE:
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
                    OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False,
-                   DEPENDENT: tl.constexpr = False):
+                   DEPENDENT: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False):
         """A [BM, BN] tile of x @ W^T per program, over its split's groups; TRANSPOSED: the tile
         computed columns by rows (`group_product_t`, decoding steps) and written back as
         [rows, columns], the same sums.  GATED (one split, columns in gate/up pairs): the tile's
@@ -332,7 +354,15 @@ if AVAILABLE:
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             acc = tl.zeros([BM, BN], tl.float32)
-        for c in range(0, groups_per_split // UNROLL):
+        if SCALES_AHEAD:  # transposed, a group a loop step, its scales loaded one step before
+            scale, minimum = group_scales(sm_ptr, n, nm, g0, N)
+            for c in range(0, groups_per_split):
+                ahead = g0 + tl.minimum(c + 1, groups_per_split - 1)
+                scale_next, minimum_next = group_scales(sm_ptr, n, nm, ahead, N)
+                acc = scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g0 + c, K, stride_x, acc, scale, minimum,
+                                             OPERAND)
+                scale, minimum = scale_next, minimum_next
+        for c in range(0, 0 if SCALES_AHEAD else groups_per_split // UNROLL):
             for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
                 g = g0 + c * UNROLL + u
                 if TRANSPOSED:
@@ -642,7 +672,7 @@ class Int4Weight:
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
                                                GATED=gated is not None and splits == 1, DEPENDENT=dependent,
-                                               launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
+                                               SCALES_AHEAD=SCALES_AHEAD and cfg.transposed, launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 
     def weight(self) -> torch.Tensor:

@@ -81,7 +81,7 @@ from engine.weights import to_float
 
 if AVAILABLE:
     from engine.cuda_attention import dependent_start
-    from engine.cuda_int4 import add_group, gemv_columns, group_product, group_weights
+    from engine.cuda_int4 import add_group, gemv_columns, group_nibbles, group_product, group_scales, group_weights
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
 DOWN_SHAPES = ("rows", "pairs")
@@ -126,6 +126,8 @@ class MoeLaunch:
     gemm_stages: int = 3
     gemm_unroll: int = 2
     gemm_transposed_bm: int = 64
+    gemm_scales_ahead: bool = False
+    gemm_narrow_act: bool = False
 
     def __post_init__(self):
         if self.gemv_down not in DOWN_SHAPES:
@@ -546,7 +548,7 @@ if AVAILABLE:
     def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
                         TOPK: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         UNROLL: tl.constexpr, OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr,
-                        DEPENDENT: tl.constexpr):
+                        DEPENDENT: tl.constexpr, SCALES_AHEAD: tl.constexpr = False):
         """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up.  UNROLL
         groups (a divisor of n_groups) per loop step, in order, their loads in flight together;
         TRANSPOSED: the tiles computed columns by rows (`_block_product_t`)."""
@@ -565,7 +567,24 @@ if AVAILABLE:
         else:
             gate = tl.zeros([BM, BN], tl.float32)
         up = tl.zeros_like(gate)
-        for c in range(0, n_groups // UNROLL):
+        if SCALES_AHEAD:
+            # int4, transposed: a group a loop step, its scales and minimums loaded one step
+            # before (the weights and activations come through the pipeline's copies).
+            q = w_ptr + e * (2 * F) * (K // 2)
+            sm = sm_ptr + e * n_groups * (2 * F) * 2
+            gs, gmin = group_scales(sm, n, nm, 0, 2 * F)
+            us, umin = group_scales(sm, n + F, nm, 0, 2 * F)
+            for g in range(0, n_groups):
+                ahead = tl.minimum(g + 1, n_groups - 1)
+                gs_next, gmin_next = group_scales(sm, n, nm, ahead, 2 * F)
+                us_next, umin_next = group_scales(sm, n + F, nm, ahead, 2 * F)
+                x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
+                gate = add_group(gate, tl.dot(group_nibbles(q, n, nm, g, K, OPERAND), x), gs[:, None], xsum,
+                                 gmin[:, None])
+                up = add_group(up, tl.dot(group_nibbles(q, n + F, nm, g, K, OPERAND), x), us[:, None], xsum,
+                               umin[:, None])
+                gs, gmin, us, umin = gs_next, gmin_next, us_next, umin_next
+        for c in range(0, 0 if SCALES_AHEAD else n_groups // UNROLL):
             for u in tl.static_range(UNROLL):
                 g = c * UNROLL + u
                 if TRANSPOSED:  # one load of the block's activations for both
@@ -586,7 +605,8 @@ if AVAILABLE:
     @triton.jit
     def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
                      FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr,
-                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, DEPENDENT: tl.constexpr):
+                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, DEPENDENT: tl.constexpr,
+                     SCALES_AHEAD: tl.constexpr = False):
         """One block and D-column tile: part[pair] = weight[pair] * down(act[pair]) (UNROLL and
         TRANSPOSED as `_gate_up_blocks`)."""
         dependent_start(DEPENDENT)
@@ -602,7 +622,17 @@ if AVAILABLE:
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             acc = tl.zeros([BM, BN], tl.float32)
-        for c in range(0, n_groups // UNROLL):
+        if SCALES_AHEAD:  # as _gate_up_blocks
+            q = w_ptr + e * D * (F // 2)
+            sm = sm_ptr + e * n_groups * D * 2
+            scale, minimum = group_scales(sm, n, nm, 0, D)
+            for g in range(0, n_groups):
+                scale_next, minimum_next = group_scales(sm, n, nm, tl.minimum(g + 1, n_groups - 1), D)
+                x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
+                acc = add_group(acc, tl.dot(group_nibbles(q, n, nm, g, F, OPERAND), x), scale[:, None], xsum,
+                                minimum[:, None])
+                scale, minimum = scale_next, minimum_next
+        for c in range(0, 0 if SCALES_AHEAD else n_groups // UNROLL):
             for u in tl.static_range(UNROLL):
                 g = c * UNROLL + u
                 if TRANSPOSED:
@@ -859,10 +889,15 @@ class StackedExperts:
             into += self(h, ids.view(T, k), weights.view(T, k))
             return into
         out = into if add else torch.empty((T, self.n_embd), dtype=torch.float32, device=h.device)
-        act = torch.empty((T * k, self.n_ff), dtype=torch.float32, device=h.device)
         if T <= GEMV_MAX_ROWS:
+            act = torch.empty((T * k, self.n_ff), dtype=torch.float32, device=h.device)
             self._rows(h, ids, weights, act, out, k, add)
         else:
+            # The grouped GEMM rounds the activations to the tensor cores' operand as it reads
+            # them: stored so (gemm_narrow_act), the down product reads half the bytes and
+            # they go to shared memory as they are, the same values.
+            narrow = self.launch.gemm_narrow_act and OPERAND == tl.bfloat16
+            act = torch.empty((T * k, self.n_ff), dtype=torch.bfloat16 if narrow else torch.float32, device=h.device)
             self._blocks(h, ids, weights, act, out, k, add)
         return out
 
@@ -902,13 +937,16 @@ class StackedExperts:
         pairs, owner = group_by_expert(ids, E, bm, dependent=T <= DEPENDENT_EXPERT_ROWS)
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
-        shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=bm <= cfg.gemm_transposed_bm,
+        transposed = bm <= cfg.gemm_transposed_bm
+        shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=transposed,
                      num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device, T))
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
-            FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll), **shape)
+            FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll),
+            SCALES_AHEAD=cfg.gemm_scales_ahead and transposed and gu.format_index == 0, **shape)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
-            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), **shape)
+            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll),
+            SCALES_AHEAD=cfg.gemm_scales_ahead and transposed and dn.format_index == 0, **shape)
         self._sum_slots(part, out, k, add)

@@ -16,9 +16,11 @@ Then, for each width:
   with `--sweep`, the same for grids of launch shapes (engine.cuda_moe.MoeLaunch, `SWEEPS`),
   fastest first.
 
-With `--dependent 0,64` it instead compares values of `cuda_moe.DEPENDENT_EXPERT_ROWS`: a model
-loaded per value (its graphs captured under it), the steps and the routed experts of every
-value timed in turn, `--repeats` times, and each value's medians printed against the first's.
+With `--dependent 0,64` it instead compares values of `cuda_moe.DEPENDENT_EXPERT_ROWS`, and with
+`--compare "gemm_unroll=2;gemm_unroll=1,gemm_stages=4"` launches (the default with the fields
+named): a model loaded per value (its graphs
+captured under it), the steps and the routed experts of every value timed in turn, `--repeats`
+times, and each value's medians printed against the first's.
 
 The bytes one token reads (attention, its routed experts, shared experts; the head left out)
 over the step time give the bandwidth a one-row step reaches.
@@ -26,6 +28,7 @@ over the step time give the bandwidth a one-row step reaches.
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape qwen3-30b-a3b --layers 12
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --shape deepseek-v2-lite --rows 1,32 --sweep
     PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --layers 12 --rows 1,32 --dependent 0,64
+    PYTHONPATH=$PWD:tests/engine python tests/engine/moe_timing.py --layers 12 --rows 32 --compare "gemm_unroll=2;gemm_unroll=1"
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -107,32 +111,61 @@ def stacked_layers(m: engine.Model) -> list[cuda_moe.StackedExperts]:
     return [b.experts for b in m.net.blocks if isinstance(getattr(b, "experts", None), cuda_moe.StackedExperts)]
 
 
-def compare_dependent(path: str, values: list[int], rows_list: list[int], steps: int, repeats: int) -> None:
-    """Whole steps and the routed experts alone with `cuda_moe.DEPENDENT_EXPERT_ROWS` at each value
-    (a model loaded per value, its graphs captured under it), the timings alternated; prints
-    each value's medians and their speed against the first value's."""
+class Variant(NamedTuple):
+    """A setting compared by `compare_variants`: its label, what it sets before its model loads
+    and before each of its timings (module settings read at launch), and its experts' launch."""
+
+    label: str
+    apply: Callable[[], None]
+    launch: cuda_moe.MoeLaunch
+
+
+def dependent_variants(values: list[int]) -> list[Variant]:
+    """`cuda_moe.DEPENDENT_EXPERT_ROWS` at each value."""
+    return [Variant(f"dependent to {v} rows", lambda v=v: setattr(cuda_moe, "DEPENDENT_EXPERT_ROWS", v),
+                    cuda_moe.LAUNCH) for v in values]
+
+
+def launch_variants(spec: str) -> list[Variant]:
+    """Launches separated by ';', each the default with the fields named (FIELD=INT, ',' between
+    fields; a bool field takes 0 and 1): "gemm_unroll=2;gemm_unroll=1,gemm_stages=4"."""
+    variants = []
+    for text in spec.split(";"):
+        fields = dict(item.split("=") for item in text.split(","))
+        values = {f: type(getattr(cuda_moe.LAUNCH, f))(int(v)) for f, v in fields.items()}
+        variants.append(Variant(text, lambda: None, dataclasses.replace(cuda_moe.LAUNCH, **values)))
+    return variants
+
+
+def compare_variants(path: str, variants: list[Variant], rows_list: list[int], steps: int, repeats: int) -> None:
+    """Whole steps and the routed experts alone under each variant (a model loaded per variant,
+    its graphs captured under it), the timings alternated; prints each variant's medians and
+    their speed against the first's."""
     models = {}
-    for v in values:
-        cuda_moe.DEPENDENT_EXPERT_ROWS = v
-        models[v] = engine.load_model(path, device="cuda", ctx=512)
-    k = models[values[0]].config.n_expert_used
+    for v in variants:
+        v.apply()
+        models[v.label] = engine.load_model(path, device="cuda", ctx=512)
+        for layer in stacked_layers(models[v.label]):
+            layer.launch = v.launch
+    k = models[variants[0].label].config.n_expert_used
     for rows in rows_list:
         held = {}
-        for v in values:
-            cuda_moe.DEPENDENT_EXPERT_ROWS = v
-            held[v] = warm_sessions(models[v], rows)
-        step_s = {v: [] for v in values}
-        experts_s = {v: [] for v in values}
+        for v in variants:
+            v.apply()
+            held[v.label] = warm_sessions(models[v.label], rows)
+        step_s = {v.label: [] for v in variants}
+        experts_s = {v.label: [] for v in variants}
         for r in range(repeats):
-            for v in values:
-                cuda_moe.DEPENDENT_EXPERT_ROWS = v
-                step_s[v].append(step_seconds(held[v], steps, r))
-                experts_s[v].append(time_experts(stacked_layers(models[v]), rows, k, cuda_moe.LAUNCH))
-        base_step, base_experts = statistics.median(step_s[values[0]]), statistics.median(experts_s[values[0]])
+            for v in variants:
+                v.apply()
+                step_s[v.label].append(step_seconds(held[v.label], steps, r))
+                experts_s[v.label].append(time_experts(stacked_layers(models[v.label]), rows, k, v.launch))
+        base = variants[0].label
+        base_step, base_experts = statistics.median(step_s[base]), statistics.median(experts_s[base])
         cells = []
-        for v in values:
-            step, experts = statistics.median(step_s[v]), statistics.median(experts_s[v])
-            cells.append(f"dependent to {v} rows: step {step * 1e3:.3f} ms ({base_step / step:.3f}x), "
+        for v in variants:
+            step, experts = statistics.median(step_s[v.label]), statistics.median(experts_s[v.label])
+            cells.append(f"{v.label}: step {step * 1e3:.3f} ms ({base_step / step:.3f}x), "
                          f"experts {experts * 1e3:.3f} ms ({base_experts / experts:.3f}x)")
         print(f"rows {rows:3d}: " + "; ".join(cells), flush=True)
 
@@ -203,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", help="use (or keep) the GGUF at this path")
     ap.add_argument("--dependent", help="values of cuda_moe.DEPENDENT_EXPERT_ROWS to compare, separated by ',' "
                                         "(each a model of its own, timings alternated)")
+    ap.add_argument("--compare", metavar="LAUNCHES",
+                    help="engine.cuda_moe.MoeLaunch settings to compare, ';' between them, each FIELD=INT[,...] "
+                         "(each a model of its own, timings alternated)")
     ap.add_argument("--per-expert", action="store_true",
                     help="also time the per-expert path (each expert its own Linear, routing read back)")
     args = ap.parse_args(argv)
@@ -214,8 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         size = os.path.getsize(path) / 2 ** 30
         print(f"wrote {path} ({size:.1f} GiB, {written}) in {time.perf_counter() - t0:.0f} s")
     rows_list = [int(r) for r in args.rows.split(",")]
-    if args.dependent:
-        compare_dependent(path, [int(v) for v in args.dependent.split(",")], rows_list, args.steps, args.repeats)
+    if args.dependent or args.compare:
+        variants = (dependent_variants([int(v) for v in args.dependent.split(",")]) if args.dependent
+                    else launch_variants(args.compare))
+        compare_variants(path, variants, rows_list, args.steps, args.repeats)
         return 0
     t0 = time.perf_counter()
     m = engine.load_model(path, device="cuda", ctx=512)
