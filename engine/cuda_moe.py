@@ -128,6 +128,7 @@ class MoeLaunch:
     gemm_transposed_bm: int = 64
     gemm_scales_ahead: bool = False
     gemm_narrow_act: bool = False
+    gemm_narrow_input: bool = False
 
     def __post_init__(self):
         if self.gemv_down not in DOWN_SHAPES:
@@ -893,9 +894,10 @@ class StackedExperts:
             act = torch.empty((T * k, self.n_ff), dtype=torch.float32, device=h.device)
             self._rows(h, ids, weights, act, out, k, add)
         else:
-            # The grouped GEMM rounds the activations to the tensor cores' operand as it reads
-            # them: stored so (gemm_narrow_act), the down product reads half the bytes and
-            # they go to shared memory as they are, the same values.
+            # The grouped GEMM rounds its inputs to the tensor cores' operand as it reads them:
+            # stored so (gemm_narrow_act; gemm_narrow_input for the gate/up product's), a
+            # product reads half the bytes and they go to shared memory as they are, the same
+            # values.
             narrow = self.launch.gemm_narrow_act and OPERAND == tl.bfloat16
             act = torch.empty((T * k, self.n_ff), dtype=torch.bfloat16 if narrow else torch.float32, device=h.device)
             self._blocks(h, ids, weights, act, out, k, add)
@@ -940,8 +942,9 @@ class StackedExperts:
         transposed = bm <= cfg.gemm_transposed_bm
         shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=transposed,
                      num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device, T))
+        x = h.to(torch.bfloat16) if cfg.gemm_narrow_input and OPERAND == tl.bfloat16 else h
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
-            h, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, h.stride(0), TOPK=k,
+            x, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, x.stride(0), TOPK=k,
             FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll),
             SCALES_AHEAD=cfg.gemm_scales_ahead and transposed and gu.format_index == 0, **shape)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
