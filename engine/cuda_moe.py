@@ -114,7 +114,11 @@ class MoeLaunch:
     per row and 8 warps, and 1.51 against 1.78 ms; at 32 rows, transposed 64-column tiles with
     3 stages 9.05 ms against 10.48 ms rows by columns with 128 columns and 4 stages, and 16.33
     against 19.44 ms (docs/measurements.md, round 15).  Loading ahead measured no faster there
-    (off)."""
+    (off).  Three switches of the grouped GEMM, each giving the same bits, not yet timed on a
+    GPU (off; round 27): `gemm_scales_ahead` (int4 stacks' transposed tiles go a group a loop
+    step, each group's scales loaded a step before use), `gemm_narrow_act` (the SwiGLU's
+    activations stored as the operand type) and `gemm_narrow_input` (the gate/up product's
+    input rounded to it before the product)."""
 
     gemv_bn: int = 16
     gemv_gb: int = 32
