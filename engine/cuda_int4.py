@@ -362,13 +362,14 @@ if AVAILABLE:
                 acc = scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g0 + c, K, stride_x, acc, scale, minimum,
                                              OPERAND)
                 scale, minimum = scale_next, minimum_next
-        for c in range(0, 0 if SCALES_AHEAD else groups_per_split // UNROLL):
-            for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
-                g = g0 + c * UNROLL + u
-                if TRANSPOSED:
-                    acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
-                else:
-                    acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+        else:
+            for c in range(0, groups_per_split // UNROLL):
+                for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
+                    g = g0 + c * UNROLL + u
+                    if TRANSPOSED:
+                        acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+                    else:
+                        acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
         if GATED:
             gated_rows = out_ptr + m[:, None] * (N // 2)
             if TRANSPOSED:
@@ -672,7 +673,8 @@ class Int4Weight:
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
                                                GATED=gated is not None and splits == 1, DEPENDENT=dependent,
-                                               SCALES_AHEAD=SCALES_AHEAD and cfg.transposed, launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
+                                               SCALES_AHEAD=SCALES_AHEAD and cfg.transposed, launch_pdl=dependent,
+                                               num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 
     def weight(self) -> torch.Tensor:

@@ -589,20 +589,21 @@ if AVAILABLE:
                 up = add_group(up, tl.dot(group_nibbles(q, n + F, nm, g, K, OPERAND), x), us[:, None], xsum,
                                umin[:, None])
                 gs, gmin, us, umin = gs_next, gmin_next, us_next, umin_next
-        for c in range(0, 0 if SCALES_AHEAD else n_groups // UNROLL):
-            for u in tl.static_range(UNROLL):
-                g = c * UNROLL + u
-                if TRANSPOSED:  # one load of the block's activations for both
-                    x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
-                    gate = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, 2 * F, K, n_groups, x, xsum, gate, FMT, G,
-                                            OPERAND)
-                    up = _block_product_t(w_ptr, sm_ptr, e, n + F, nm, g, 2 * F, K, n_groups, x, xsum, up, FMT, G,
-                                          OPERAND)
-                else:
-                    gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups,
-                                          stride_x, gate, FMT, G, OPERAND)
-                    up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups,
-                                        stride_x, up, FMT, G, OPERAND)
+        else:
+            for c in range(0, n_groups // UNROLL):
+                for u in tl.static_range(UNROLL):
+                    g = c * UNROLL + u
+                    if TRANSPOSED:  # one load of the block's activations for both
+                        x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
+                        gate = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, 2 * F, K, n_groups, x, xsum, gate, FMT, G,
+                                                OPERAND)
+                        up = _block_product_t(w_ptr, sm_ptr, e, n + F, nm, g, 2 * F, K, n_groups, x, xsum, up, FMT, G,
+                                              OPERAND)
+                    else:
+                        gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups,
+                                              stride_x, gate, FMT, G, OPERAND)
+                        up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups,
+                                            stride_x, up, FMT, G, OPERAND)
         tm, tn = _tile(pair, n, TRANSPOSED)
         tmm, tnm = _tile(pm, nm, TRANSPOSED)
         tl.store(act_ptr + tm * F + tn, _silu_times(gate, up), mask=tmm & tnm)
@@ -637,15 +638,17 @@ if AVAILABLE:
                 acc = add_group(acc, tl.dot(group_nibbles(q, n, nm, g, F, OPERAND), x), scale[:, None], xsum,
                                 minimum[:, None])
                 scale, minimum = scale_next, minimum_next
-        for c in range(0, 0 if SCALES_AHEAD else n_groups // UNROLL):
-            for u in tl.static_range(UNROLL):
-                g = c * UNROLL + u
-                if TRANSPOSED:
-                    x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
-                    acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G, OPERAND)
-                else:
-                    acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, acc, FMT,
-                                         G, OPERAND)
+        else:
+            for c in range(0, n_groups // UNROLL):
+                for u in tl.static_range(UNROLL):
+                    g = c * UNROLL + u
+                    if TRANSPOSED:
+                        x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
+                        acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G,
+                                               OPERAND)
+                    else:
+                        acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, acc, FMT,
+                                             G, OPERAND)
         tm, tn = _tile(pair, n, TRANSPOSED)
         tmm, tnm = _tile(pm, nm, TRANSPOSED)
         weight = tl.load(wt_ptr + tm, mask=tmm, other=0.0)
