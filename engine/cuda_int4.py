@@ -355,6 +355,7 @@ if AVAILABLE:
         else:
             acc = tl.zeros([BM, BN], tl.float32)
         if SCALES_AHEAD:  # transposed, a group a loop step, its scales loaded one step before
+            tl.static_assert(TRANSPOSED, "scales ahead: transposed tiles only")
             scale, minimum = group_scales(sm_ptr, n, nm, g0, N)
             for c in range(0, groups_per_split):
                 ahead = g0 + tl.minimum(c + 1, groups_per_split - 1)

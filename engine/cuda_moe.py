@@ -473,13 +473,18 @@ if AVAILABLE:
             tl.store(owner_ptr + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
 
     @triton.jit
+    def _int4_expert(w_ptr, sm_ptr, e, N, K, n_groups):
+        """Expert e's nibbles and scale pairs in an int4 stack of N x K matrices."""
+        return w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2
+
+    @triton.jit
     def _expert_group(w_ptr, sm_ptr, e, n, nm, g, N, K, n_groups, FMT: tl.constexpr, G: tl.constexpr,
                       OPERAND: tl.constexpr):
         """Group g of columns n of expert e: the weights as OPERAND values [BN, G] and each
         column's scale and minimum [BN] float32 (ones and zeros for a bfloat16 stack)."""
         if FMT == 0:
-            w, scale, minimum = group_weights(w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, n, nm, g, N,
-                                              K, OPERAND)
+            q, sm = _int4_expert(w_ptr, sm_ptr, e, N, K, n_groups)
+            w, scale, minimum = group_weights(q, sm, n, nm, g, N, K, OPERAND)
         else:
             kk = g * G + tl.arange(0, G)
             w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0).to(OPERAND)
@@ -575,8 +580,9 @@ if AVAILABLE:
         if SCALES_AHEAD:
             # int4, transposed: a group a loop step, its scales and minimums loaded one step
             # before (the weights and activations come through the pipeline's copies).
-            q = w_ptr + e * (2 * F) * (K // 2)
-            sm = sm_ptr + e * n_groups * (2 * F) * 2
+            tl.static_assert(FMT == 0, "scales ahead: int4 stacks only")
+            tl.static_assert(TRANSPOSED, "scales ahead: transposed tiles only")
+            q, sm = _int4_expert(w_ptr, sm_ptr, e, 2 * F, K, n_groups)
             gs, gmin = group_scales(sm, n, nm, 0, 2 * F)
             us, umin = group_scales(sm, n + F, nm, 0, 2 * F)
             for g in range(0, n_groups):
@@ -629,8 +635,9 @@ if AVAILABLE:
         else:
             acc = tl.zeros([BM, BN], tl.float32)
         if SCALES_AHEAD:  # as _gate_up_blocks
-            q = w_ptr + e * D * (F // 2)
-            sm = sm_ptr + e * n_groups * D * 2
+            tl.static_assert(FMT == 0, "scales ahead: int4 stacks only")
+            tl.static_assert(TRANSPOSED, "scales ahead: transposed tiles only")
+            q, sm = _int4_expert(w_ptr, sm_ptr, e, D, F, n_groups)
             scale, minimum = group_scales(sm, n, nm, 0, D)
             for g in range(0, n_groups):
                 scale_next, minimum_next = group_scales(sm, n, nm, tl.minimum(g + 1, n_groups - 1), D)
@@ -947,16 +954,17 @@ class StackedExperts:
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
         transposed = bm <= cfg.gemm_transposed_bm
+        ahead = cfg.gemm_scales_ahead and transposed  # int4 stacks only (format 0)
         shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=transposed,
                      num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device, T))
         x = h.to(torch.bfloat16) if cfg.gemm_narrow_input and OPERAND == tl.bfloat16 else h
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             x, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, x.stride(0), TOPK=k,
             FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll),
-            SCALES_AHEAD=cfg.gemm_scales_ahead and transposed and gu.format_index == 0, **shape)
+            SCALES_AHEAD=ahead and gu.format_index == 0, **shape)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
-            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll),
-            SCALES_AHEAD=cfg.gemm_scales_ahead and transposed and dn.format_index == 0, **shape)
+            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), SCALES_AHEAD=ahead and dn.format_index == 0,
+            **shape)
         self._sum_slots(part, out, k, add)

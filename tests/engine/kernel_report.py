@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import inspect
 import os
 import re
@@ -41,34 +42,30 @@ class KernelSpec:
     constexprs: dict[str, object] = field(default_factory=dict)
 
 
-def _moe(name: str):
-    return lambda: getattr(__import__("engine.cuda_moe", fromlist=[name]), name)
-
-
-def _int4(name: str):
-    return lambda: getattr(__import__("engine.cuda_int4", fromlist=[name]), name)
+def _kernel(module: str, name: str) -> Callable[[], object]:
+    return lambda: getattr(importlib.import_module(f"engine.{module}"), name)
 
 
 # 32 rows of Qwen3-30B-A3B's experts (top-8 of 128, 2048 x 768) and a 2048 x 2048 dense matrix.
 KERNELS = {
     "moe-gate-up": KernelSpec(
-        _moe("_gate_up_blocks"),
+        _kernel("cuda_moe", "_gate_up_blocks"),
         dict(x_ptr="fp32", sorted_ptr="i32", owner_ptr="i32", w_ptr="u8", sm_ptr="fp16", act_ptr="fp32"),
         dict(P=256, F=768, K=2048, n_groups=64, stride_x=2048),
         dict(TOPK=8, FMT=0, G=32, BM=16, BN=64, UNROLL=2, TRANSPOSED=True, DEPENDENT=False)),
     "moe-down": KernelSpec(
-        _moe("_down_blocks"),
+        _kernel("cuda_moe", "_down_blocks"),
         dict(act_ptr="fp32", sorted_ptr="i32", owner_ptr="i32", wt_ptr="fp32", w_ptr="u8", sm_ptr="fp16",
              part_ptr="fp32"),
         dict(P=256, D=2048, F=768, n_groups=24),
         dict(FMT=0, G=32, BM=16, BN=64, UNROLL=2, TRANSPOSED=True, DEPENDENT=False)),
     "int4-gemm": KernelSpec(
-        _int4("_int4_gemm"),
+        _kernel("cuda_int4", "_int4_gemm"),
         dict(x_ptr="fp32", q_ptr="u8", sm_ptr="fp16", out_ptr="fp32"),
         dict(M=16, N=2048, K=2048, stride_x=2048, groups_per_split=64),
         dict(BM=16, BN=64, UNROLL=2, ADD=False, TRANSPOSED=True)),
     "int4-gemv": KernelSpec(
-        _int4("_int4_gemv"),
+        _kernel("cuda_int4", "_int4_gemv"),
         dict(x_ptr="fp32", w_ptr="i32", sm_ptr="fp16", out_ptr="fp32"),
         dict(N=2048, K=2048, stride_x=2048, groups_per_split=64),
         dict(BN=16, GB=32, ADD=False, PREFETCH=False, DEPENDENT=False)),

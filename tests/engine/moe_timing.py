@@ -18,9 +18,9 @@ Then, for each width:
 
 With `--dependent 0,64` it instead compares values of `cuda_moe.DEPENDENT_EXPERT_ROWS`, and with
 `--compare "gemm_unroll=2;gemm_unroll=1,gemm_stages=4"` launches (the default with the fields
-named): a model loaded per value (its graphs
-captured under it), the steps and the routed experts of every value timed in turn, `--repeats`
-times, and each value's medians printed against the first's.
+named): a model loaded per value (its graphs captured under it), the steps and the routed
+experts of every value timed in turn, `--repeats` times, and each value's medians printed
+against the first's.
 
 The bytes one token reads (attention, its routed experts, shared experts; the head left out)
 over the step time give the bandwidth a one-row step reaches.
