@@ -12,7 +12,13 @@
 - `BatchScheduler` keeps `n_slots` sessions and a queue of `GenRequest`s.  Each `step()` runs
   at most one prefill chunk (round-robin over slots that are prefilling, so a long prompt
   never stalls decoding for more than one chunk) and then one batched decode step for every
-  slot that is generating.  `step(prefill=False)` runs no chunk, for a caller that runs a
+  slot that is generating.  A slot whose prompt has only its last token left to evaluate (as
+  the server's copy of a shared prompt leaves it, or a chunk that stopped one short) joins that
+  step as a row instead of running it as a chunk of its own, the one-token frontier step a
+  chunk would have run alone: slots filled together start in one step, not one a step, and
+  then finish together, where a ramp of steps of fewer rows (whose changing rows also drop the
+  step launched ahead, below) would lead and end the batch.  Its first token is chosen in the
+  step after.  `step(prefill=False)` runs no chunk, for a caller that runs a
   chunk of its own work in that step (the server scores prompts in slots that hold no
   request); `prefilling` says whether a chunk waits.  It is single-threaded: callers drive
   `step()` from the thread that owns the model (the server's worker, a benchmark loop).
@@ -289,8 +295,10 @@ class BatchScheduler:
 
     @property
     def prefilling(self) -> bool:
-        """Whether a slot's request is still prefilling (the next `step()` would run a chunk)."""
-        return any(s.request is not None and s.prefill is not None for s in self.slots)
+        """Whether a slot's request is still prefilling (the next `step()` would run a chunk);
+        one with only its prompt's last token left joins the decoding step instead."""
+        return any(s.request is not None and s.prefill is not None and s.prefill.last_token is None
+                   for s in self.slots)
 
     # --- what callers may see and do between steps ---
     @property
@@ -331,8 +339,8 @@ class BatchScheduler:
         for k in range(n):
             i = (self._next_prefill + k) % n
             slot = self.slots[i]
-            if slot.request is None or slot.prefill is None:
-                continue
+            if slot.request is None or slot.prefill is None or slot.prefill.last_token is not None:
+                continue  # nothing to prefill, or only the last token, which joins the decoding step
             if slot.request.cancel is not None and slot.request.cancel():
                 self._finish(slot, "cancelled")
                 return 0
@@ -353,14 +361,21 @@ class BatchScheduler:
         """Each generating slot's next token; the step that evaluates them is started before the
         tokens go to their requests (`on_token`, finishing), which runs while the GPU computes
         it (engine.batch.start_decode_batch), each request's events in the order they had.
+        Slots with only their prompt's last token left join the step as rows evaluating it.
         Returns the rows that step evaluates (0: no step)."""
-        rows, tokens, columns, taken = [], [], [], []
+        rows, tokens, columns, taken, joining = [], [], [], [], []
         for slot in self.slots:
             req = slot.request
-            if req is None or slot.prefill is not None:
+            if req is None or (slot.prefill is not None and slot.prefill.last_token is None):
                 continue
             if req.cancel is not None and req.cancel():
                 self._finish(slot, "cancelled")
+                continue
+            if slot.prefill is not None:
+                rows.append(slot.session)
+                tokens.append(slot.prefill.last_token)
+                columns.append(None)  # no logits yet to say which greedy id its sampler takes
+                joining.append(slot)
                 continue
             # The row where it lies: on CUDA a device row, copied to the host only if asked.
             logits = slot.session.raw_logits
@@ -388,6 +403,9 @@ class BatchScheduler:
         finally:  # even where a callback raised: the sessions hold the step they started
             if wait is not None:
                 wait()
+                for slot in joining:
+                    slot.prefill.joined()
+                    slot.prefill = None
         return len(rows)
 
     def _start(self, rows: list[Session], tokens: list[int], columns: list[int | None]) -> Callable[[], None]:

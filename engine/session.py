@@ -121,6 +121,20 @@ class Prefill:
     def done(self) -> bool:
         return self.evaluated >= self.total
 
+    @property
+    def last_token(self) -> int | None:
+        """The prompt's last token where it is all that is left to evaluate, else None.  A caller
+        that evaluates it itself, as a row of a batched decoding step (engine.batch), records
+        that with `joined()`: it is the one-token frontier step `step()` would run alone."""
+        return self.ids[-1] if self.total - self.evaluated == 1 else None
+
+    def joined(self) -> None:
+        """The last token was evaluated by the caller's step: its key, value and logits are the
+        session's (`Session.append_decoded`); the prefill is done."""
+        if self.last_token is None:
+            raise RuntimeError("joined() with more than the last token left to evaluate")
+        self.evaluated += 1
+
     def step(self, cancel: Callable[[], bool] | None = None) -> int:
         """Evaluate the next chunk; returns how many tokens it held.  Raises Cancelled mid-chunk."""
         start = self.reused + self.evaluated

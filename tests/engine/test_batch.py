@@ -153,6 +153,54 @@ def test_each_step_is_handed_to_the_observer(model):
     assert all(a.started + a.seconds <= b.started for a, b in zip(records, records[1:]))
 
 
+def test_slots_holding_all_but_the_last_token_start_in_one_step(model):
+    """As the server's copy of a shared prompt leaves them: the slots' last prompt tokens are
+    evaluated as the rows of one decoding step (no chunk of their own), every request's first
+    token is chosen in the step after, all finish in the same step, and the tokens are those of
+    decoding alone."""
+    ps = prompts(3)
+    expected = [alone(model, p, 6) for p in ps]
+    records = []
+    sched = BatchScheduler(model, 3, check_memory=False, observer=records.append)
+    for i, p in enumerate(ps):
+        sched.session(i).sync(p[:-1])
+    reqs = [GenRequest(p, GREEDY, 6, slot=i) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.submit(r)
+    sched.step()
+    assert (records[0].prefill_tokens, records[0].decoding) == (0, 3)
+    assert not sched.prefilling and all(r.output == [] for r in reqs)
+    assert all(len(sched.session(i).tokens) == len(p) for i, p in enumerate(ps))
+    sched.run()
+    assert [r.output for r in reqs] == expected
+    # Three rows in every step until the 7th chooses all the 6th tokens: no ramp at either end.
+    assert [r.decoding for r in records] == [3] * 6 + [0]
+
+
+def test_a_chunk_that_stops_one_short_leaves_the_last_token_to_the_step(model):
+    """A prompt one token longer than a chunk: its chunk runs, and its last token is a row of the
+    same step's decoding, beside a request already decoding; a cancelled one is never evaluated."""
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(0, 256, (model.prefill_chunk + 1,), generator=g).tolist()
+    short = prompts(1)[0]
+    expected = [alone(model, short, 5), alone(model, long, 4)]
+    records = []
+    sched = BatchScheduler(model, 3, check_memory=False, observer=records.append)
+    first = GenRequest(short, GREEDY, 5, slot=0)
+    sched.submit(first)
+    sched.step()  # its whole prompt as one chunk, then its first token
+    second = GenRequest(long, GREEDY, 4, slot=1)
+    sched.session(2).sync(short[:-1])
+    cancelled = GenRequest(short, GREEDY, 4, slot=2, cancel=lambda: True)
+    sched.submit(second)
+    sched.submit(cancelled)
+    sched.step()
+    assert (records[-1].prefill_tokens, records[-1].decoding) == (model.prefill_chunk, 2)
+    assert cancelled.finish == "cancelled" and len(sched.session(2).tokens) == len(short) - 1
+    sched.run()
+    assert [first.output, second.output] == expected
+
+
 def test_long_prefill_is_interleaved_with_decoding(model):
     sched = BatchScheduler(model, 2, check_memory=False)
     short = GenRequest([5, 6, 7], GREEDY, 40)
