@@ -110,11 +110,6 @@ SUBNORMAL_SHIFT = 64
 # --dependent-gemm; docs/measurements.md, round 26).
 DEPENDENT_GEMM_ELEMENTS = 1 << 21
 
-# The tensor-core kernel's transposed tiles go a group a loop step, each group's scales and
-# minimums loaded one step before they are used (the nibbles and activations come through the
-# pipeline's asynchronous copies, the scales, two bytes a column, are too narrow for them).
-SCALES_AHEAD = False
-
 
 def gemv_rows_for(n: int, k: int) -> int:
     """Most rows an n x k matrix multiplies as one-row products (at least 1)."""
@@ -306,14 +301,7 @@ if AVAILABLE:
         memory as the loads' pipeline brings them.  The group's sums of the activations come
         from the tensor cores too (ones times x, exact products, float32 sums), laid out as acc
         already, where a sum across threads and a change of layout cost several barriers."""
-        scale, minimum = group_scales(sm_ptr, n, nm, g, N)
-        return scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g, K, stride_x, acc, scale, minimum, OPERAND)
-
-    @triton.jit
-    def scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g, K, stride_x, acc, scale, minimum,
-                               OPERAND: tl.constexpr):
-        """group_product_t with the group's scales and minimums given (loaded ahead)."""
-        q = group_nibbles(q_ptr, n, nm, g, K, OPERAND)
+        q, scale, minimum = group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND)
         x = tl.load(x_ptr + m[None, :] * stride_x + (g * 32 + tl.arange(0, 32))[:, None], mask=mm[None, :],
                     other=0.0).to(OPERAND)  # [32, BM]
         dot = tl.dot(q, x)
@@ -337,7 +325,7 @@ if AVAILABLE:
     def _int4_gemm(x_ptr, q_ptr, sm_ptr, out_ptr, M, N, K, stride_x, groups_per_split,
                    BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr, ADD: tl.constexpr,
                    OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, GATED: tl.constexpr = False,
-                   DEPENDENT: tl.constexpr = False, SCALES_AHEAD: tl.constexpr = False):
+                   DEPENDENT: tl.constexpr = False):
         """A [BM, BN] tile of x @ W^T per program, over its split's groups; TRANSPOSED: the tile
         computed columns by rows (`group_product_t`, decoding steps) and written back as
         [rows, columns], the same sums.  GATED (one split, columns in gate/up pairs): the tile's
@@ -354,23 +342,13 @@ if AVAILABLE:
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             acc = tl.zeros([BM, BN], tl.float32)
-        if SCALES_AHEAD:  # transposed, a group a loop step, its scales loaded one step before
-            tl.static_assert(TRANSPOSED, "scales ahead: transposed tiles only")
-            scale, minimum = group_scales(sm_ptr, n, nm, g0, N)
-            for c in range(0, groups_per_split):
-                ahead = g0 + tl.minimum(c + 1, groups_per_split - 1)
-                scale_next, minimum_next = group_scales(sm_ptr, n, nm, ahead, N)
-                acc = scaled_group_product_t(x_ptr, q_ptr, m, n, mm, nm, g0 + c, K, stride_x, acc, scale, minimum,
-                                             OPERAND)
-                scale, minimum = scale_next, minimum_next
-        else:
-            for c in range(0, groups_per_split // UNROLL):
-                for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
-                    g = g0 + c * UNROLL + u
-                    if TRANSPOSED:
-                        acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
-                    else:
-                        acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+        for c in range(0, groups_per_split // UNROLL):
+            for u in tl.static_range(UNROLL):  # independent groups: their loads are in flight together
+                g = g0 + c * UNROLL + u
+                if TRANSPOSED:
+                    acc = group_product_t(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
+                else:
+                    acc = group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND)
         if GATED:
             gated_rows = out_ptr + m[:, None] * (N // 2)
             if TRANSPOSED:
@@ -674,7 +652,7 @@ class Int4Weight:
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
                                                GATED=gated is not None and splits == 1, DEPENDENT=dependent,
-                                               SCALES_AHEAD=SCALES_AHEAD and cfg.transposed, launch_pdl=dependent,
+                                               launch_pdl=dependent,
                                                num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 

@@ -81,7 +81,7 @@ from engine.weights import to_float
 
 if AVAILABLE:
     from engine.cuda_attention import dependent_start
-    from engine.cuda_int4 import add_group, gemv_columns, group_nibbles, group_product, group_scales, group_weights
+    from engine.cuda_int4 import add_group, gemv_columns, group_product, group_weights
 
 # The few-row down product's shapes of work (MoeLaunch.gemv_down).
 DOWN_SHAPES = ("rows", "pairs")
@@ -114,11 +114,11 @@ class MoeLaunch:
     per row and 8 warps, and 1.51 against 1.78 ms; at 32 rows, transposed 64-column tiles with
     3 stages 9.05 ms against 10.48 ms rows by columns with 128 columns and 4 stages, and 16.33
     against 19.44 ms (docs/measurements.md, round 15).  Loading ahead measured no faster there
-    (off).  Three switches of the grouped GEMM, each giving the same bits, not yet timed on a
-    GPU (off; round 27): `gemm_scales_ahead` (int4 stacks' transposed tiles go a group a loop
-    step, each group's scales loaded a step before use), `gemm_narrow_act` (the SwiGLU's
-    activations stored as the operand type) and `gemm_narrow_input` (the gate/up product's
-    input rounded to it before the product)."""
+    (off).  The grouped GEMM reads its inputs as the operand type it rounds them to, the same
+    bits (`gemm_narrow_act`: the SwiGLU's activations stored so; `gemm_narrow_input`: the
+    gate/up product's input rounded before the product): on an H100 both together made every
+    layer's routed experts 1.14-1.21x faster at 32 and 64 rows and whole steps 1.10-1.18x
+    (round 28)."""
 
     gemv_bn: int = 16
     gemv_gb: int = 32
@@ -130,9 +130,8 @@ class MoeLaunch:
     gemm_stages: int = 3
     gemm_unroll: int = 2
     gemm_transposed_bm: int = 64
-    gemm_scales_ahead: bool = False
-    gemm_narrow_act: bool = False
-    gemm_narrow_input: bool = False
+    gemm_narrow_act: bool = True
+    gemm_narrow_input: bool = True
 
     def __post_init__(self):
         if self.gemv_down not in DOWN_SHAPES:
@@ -558,7 +557,7 @@ if AVAILABLE:
     def _gate_up_blocks(x_ptr, sorted_ptr, owner_ptr, w_ptr, sm_ptr, act_ptr, P, F, K, n_groups, stride_x,
                         TOPK: tl.constexpr, FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                         UNROLL: tl.constexpr, OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr,
-                        DEPENDENT: tl.constexpr, SCALES_AHEAD: tl.constexpr = False):
+                        DEPENDENT: tl.constexpr):
         """One block of one expert's pairs and F-column tile: act[pair] = silu(gate) * up.  UNROLL
         groups (a divisor of n_groups) per loop step, in order, their loads in flight together;
         TRANSPOSED: the tiles computed columns by rows (`_block_product_t`)."""
@@ -577,39 +576,20 @@ if AVAILABLE:
         else:
             gate = tl.zeros([BM, BN], tl.float32)
         up = tl.zeros_like(gate)
-        if SCALES_AHEAD:
-            # int4, transposed: a group a loop step, its scales and minimums loaded one step
-            # before (the weights and activations come through the pipeline's copies).
-            tl.static_assert(FMT == 0, "scales ahead: int4 stacks only")
-            tl.static_assert(TRANSPOSED, "scales ahead: transposed tiles only")
-            q, sm = _int4_expert(w_ptr, sm_ptr, e, 2 * F, K, n_groups)
-            gs, gmin = group_scales(sm, n, nm, 0, 2 * F)
-            us, umin = group_scales(sm, n + F, nm, 0, 2 * F)
-            for g in range(0, n_groups):
-                ahead = tl.minimum(g + 1, n_groups - 1)
-                gs_next, gmin_next = group_scales(sm, n, nm, ahead, 2 * F)
-                us_next, umin_next = group_scales(sm, n + F, nm, ahead, 2 * F)
-                x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
-                gate = add_group(gate, tl.dot(group_nibbles(q, n, nm, g, K, OPERAND), x), gs[:, None], xsum,
-                                 gmin[:, None])
-                up = add_group(up, tl.dot(group_nibbles(q, n + F, nm, g, K, OPERAND), x), us[:, None], xsum,
-                               umin[:, None])
-                gs, gmin, us, umin = gs_next, gmin_next, us_next, umin_next
-        else:
-            for c in range(0, n_groups // UNROLL):
-                for u in tl.static_range(UNROLL):
-                    g = c * UNROLL + u
-                    if TRANSPOSED:  # one load of the block's activations for both
-                        x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
-                        gate = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, 2 * F, K, n_groups, x, xsum, gate, FMT, G,
-                                                OPERAND)
-                        up = _block_product_t(w_ptr, sm_ptr, e, n + F, nm, g, 2 * F, K, n_groups, x, xsum, up, FMT, G,
-                                              OPERAND)
-                    else:
-                        gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups,
-                                              stride_x, gate, FMT, G, OPERAND)
-                        up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups,
-                                            stride_x, up, FMT, G, OPERAND)
+        for c in range(0, n_groups // UNROLL):
+            for u in tl.static_range(UNROLL):
+                g = c * UNROLL + u
+                if TRANSPOSED:  # one load of the block's activations for both
+                    x, xsum = _group_inputs_t(x_ptr, rows, pm, g, stride_x, BN, FMT, G, OPERAND)
+                    gate = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, 2 * F, K, n_groups, x, xsum, gate, FMT, G,
+                                            OPERAND)
+                    up = _block_product_t(w_ptr, sm_ptr, e, n + F, nm, g, 2 * F, K, n_groups, x, xsum, up, FMT, G,
+                                          OPERAND)
+                else:
+                    gate = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n, pm, nm, g, 2 * F, K, n_groups,
+                                          stride_x, gate, FMT, G, OPERAND)
+                    up = _block_product(x_ptr, w_ptr, sm_ptr, e, rows, n + F, pm, nm, g, 2 * F, K, n_groups,
+                                        stride_x, up, FMT, G, OPERAND)
         tm, tn = _tile(pair, n, TRANSPOSED)
         tmm, tnm = _tile(pm, nm, TRANSPOSED)
         tl.store(act_ptr + tm * F + tn, _silu_times(gate, up), mask=tmm & tnm)
@@ -617,8 +597,7 @@ if AVAILABLE:
     @triton.jit
     def _down_blocks(act_ptr, sorted_ptr, owner_ptr, wt_ptr, w_ptr, sm_ptr, part_ptr, P, D, F, n_groups,
                      FMT: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, UNROLL: tl.constexpr,
-                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, DEPENDENT: tl.constexpr,
-                     SCALES_AHEAD: tl.constexpr = False):
+                     OPERAND: tl.constexpr, TRANSPOSED: tl.constexpr, DEPENDENT: tl.constexpr):
         """One block and D-column tile: part[pair] = weight[pair] * down(act[pair]) (UNROLL and
         TRANSPOSED as `_gate_up_blocks`)."""
         dependent_start(DEPENDENT)
@@ -634,28 +613,16 @@ if AVAILABLE:
             acc = tl.zeros([BN, BM], tl.float32)
         else:
             acc = tl.zeros([BM, BN], tl.float32)
-        if SCALES_AHEAD:  # as _gate_up_blocks
-            tl.static_assert(FMT == 0, "scales ahead: int4 stacks only")
-            tl.static_assert(TRANSPOSED, "scales ahead: transposed tiles only")
-            q, sm = _int4_expert(w_ptr, sm_ptr, e, D, F, n_groups)
-            scale, minimum = group_scales(sm, n, nm, 0, D)
-            for g in range(0, n_groups):
-                scale_next, minimum_next = group_scales(sm, n, nm, tl.minimum(g + 1, n_groups - 1), D)
-                x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
-                acc = add_group(acc, tl.dot(group_nibbles(q, n, nm, g, F, OPERAND), x), scale[:, None], xsum,
-                                minimum[:, None])
-                scale, minimum = scale_next, minimum_next
-        else:
-            for c in range(0, n_groups // UNROLL):
-                for u in tl.static_range(UNROLL):
-                    g = c * UNROLL + u
-                    if TRANSPOSED:
-                        x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
-                        acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G,
-                                               OPERAND)
-                    else:
-                        acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, acc, FMT,
-                                             G, OPERAND)
+        for c in range(0, n_groups // UNROLL):
+            for u in tl.static_range(UNROLL):
+                g = c * UNROLL + u
+                if TRANSPOSED:
+                    x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
+                    acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G,
+                                           OPERAND)
+                else:
+                    acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, acc, FMT,
+                                         G, OPERAND)
         tm, tn = _tile(pair, n, TRANSPOSED)
         tmm, tnm = _tile(pm, nm, TRANSPOSED)
         weight = tl.load(wt_ptr + tm, mask=tmm, other=0.0)
@@ -954,17 +921,14 @@ class StackedExperts:
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
         transposed = bm <= cfg.gemm_transposed_bm
-        ahead = cfg.gemm_scales_ahead and transposed  # int4 stacks only (format 0)
         shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=transposed,
                      num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device, T))
         x = h.to(torch.bfloat16) if cfg.gemm_narrow_input and OPERAND == tl.bfloat16 else h
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
             x, pairs, owner, *gu.block_operands(), act, P, F, gu.k, gu.n_groups, x.stride(0), TOPK=k,
-            FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll),
-            SCALES_AHEAD=ahead and gu.format_index == 0, **shape)
+            FMT=gu.format_index, G=gu.group, UNROLL=_unroll(gu.n_groups, cfg.gemm_unroll), **shape)
         part = torch.empty((P, D), dtype=torch.float32, device=h.device)
         _down_blocks[(n_blocks, triton.cdiv(D, bn))](
             act, pairs, owner, weights, *dn.block_operands(), part, P, D, F, dn.n_groups, FMT=dn.format_index,
-            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), SCALES_AHEAD=ahead and dn.format_index == 0,
-            **shape)
+            G=dn.group, UNROLL=_unroll(dn.n_groups, cfg.gemm_unroll), **shape)
         self._sum_slots(part, out, k, add)

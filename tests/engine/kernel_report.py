@@ -12,9 +12,9 @@ exactly the arguments the JIT would give them to, from the sizes in `KERNELS` or
 
 It needs Triton with its NVIDIA backend (ptxas and cuobjdump come in its wheel), not a GPU:
 
-    PYTHONPATH=$PWD python tests/engine/kernel_report.py moe-gate-up --set SCALES_AHEAD=1
+    PYTHONPATH=$PWD python tests/engine/kernel_report.py moe-gate-up --set UNROLL=1
     PYTHONPATH=$PWD python tests/engine/kernel_report.py int4-gemm --set BM=64 --warps 4 --stages 3
-    PYTHONPATH=$PWD python tests/engine/kernel_report.py moe-down --ptr act_ptr=bf16 --no-hints
+    PYTHONPATH=$PWD python tests/engine/kernel_report.py moe-down --ptr act_ptr=fp32 --no-hints
 """
 from __future__ import annotations
 
@@ -46,16 +46,17 @@ def _kernel(module: str, name: str) -> Callable[[], object]:
     return lambda: getattr(importlib.import_module(f"engine.{module}"), name)
 
 
-# 32 rows of Qwen3-30B-A3B's experts (top-8 of 128, 2048 x 768) and a 2048 x 2048 dense matrix.
+# 32 rows of Qwen3-30B-A3B's experts (top-8 of 128, 2048 x 768; their inputs in bfloat16, as
+# MoeLaunch's gemm_narrow_input and gemm_narrow_act pass them) and a 2048 x 2048 dense matrix.
 KERNELS = {
     "moe-gate-up": KernelSpec(
         _kernel("cuda_moe", "_gate_up_blocks"),
-        dict(x_ptr="fp32", sorted_ptr="i32", owner_ptr="i32", w_ptr="u8", sm_ptr="fp16", act_ptr="fp32"),
+        dict(x_ptr="bf16", sorted_ptr="i32", owner_ptr="i32", w_ptr="u8", sm_ptr="fp16", act_ptr="bf16"),
         dict(P=256, F=768, K=2048, n_groups=64, stride_x=2048),
         dict(TOPK=8, FMT=0, G=32, BM=16, BN=64, UNROLL=2, TRANSPOSED=True, DEPENDENT=False)),
     "moe-down": KernelSpec(
         _kernel("cuda_moe", "_down_blocks"),
-        dict(act_ptr="fp32", sorted_ptr="i32", owner_ptr="i32", wt_ptr="fp32", w_ptr="u8", sm_ptr="fp16",
+        dict(act_ptr="bf16", sorted_ptr="i32", owner_ptr="i32", wt_ptr="fp32", w_ptr="u8", sm_ptr="fp16",
              part_ptr="fp32"),
         dict(P=256, D=2048, F=768, n_groups=24),
         dict(FMT=0, G=32, BM=16, BN=64, UNROLL=2, TRANSPOSED=True, DEPENDENT=False)),

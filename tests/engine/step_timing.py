@@ -2,8 +2,7 @@
 in one process: values of `engine.cuda_int4.GEMV_ROW_ELEMENTS` (the most rows x n x k a product runs
 as one-row products before the tensor-core kernel takes it), `engine.cuda_int4.DEPENDENT_GEMM_ELEMENTS`
 (the largest matrices whose tensor-core products launch as programmatic dependents, 0 for none),
-`engine.cuda_int4.SCALES_AHEAD` (the tensor-core kernel's scales loaded a loop step ahead), sets of
-`engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay the
+sets of `engine.cuda_graphs.BUCKETS` (the batch sizes that have graphs of their own; the others replay the
 next larger one's), `engine.cuda_int4.SWIGLU_IN_PRODUCTS` (gate/up products ending in the SwiGLU, or
 the SwiGLU kernel after them), `engine.cuda_attention.PIECES` (the decode attention's piece
 lengths), `engine.cuda_attention.ROPE_IN_ATTENTION` (q and k turned by the attention's kernels, or
@@ -70,8 +69,6 @@ KNOBS = (
          write=lambda v: str(v >> 20)),
     Knob("buckets", cuda_graphs, "BUCKETS", _ints, lambda v: f"buckets {v}", ";"),
     Knob("dependent-gemm", cuda_int4, "DEPENDENT_GEMM_ELEMENTS", int, lambda v: f"gemm dependent to {v}"),
-    Knob("scales-ahead", cuda_int4, "SCALES_AHEAD", lambda v: v == "1",
-         lambda v: f"scales {'a step ahead' if v else 'in the step'}"),
     Knob("swiglu-in-products", cuda_int4, "SWIGLU_IN_PRODUCTS", lambda v: v == "1",
          lambda v: f"swiglu {'in' if v else 'after'}"),
     Knob("pieces", cuda_attention, "PIECES", _ints, lambda v: f"pieces {v}", ";"),

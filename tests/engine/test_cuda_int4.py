@@ -128,37 +128,6 @@ def test_all_kernels_match_the_float64_product(device, monkeypatch, rows):
         assert (got.double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows", [3, 40])
-def test_transposed_tiles_with_scales_ahead_give_the_same_bits(device, monkeypatch, rows):
-    """`SCALES_AHEAD`: the transposed tiles go a group a loop step, each group's scales and
-    minimums loaded the step before; the same sums in the same order as the unrolled loop, bit
-    for bit, split or not, added into an output or not, gated or not (on the GPU)."""
-    if device == "cpu":
-        monkeypatch.setattr(cuda_int4, "OPERAND", cuda_int4.tl.float32)
-    n, k = 48, 640  # 20 groups
-    rng = np.random.default_rng(rows + 1)
-    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
-    scale = (rng.random((n, k // 32)) * 0.02 + 1e-3).astype(np.float16).astype(np.float32)
-    minimum = (-rng.random((n, k // 32)) * 0.1).astype(np.float16).astype(np.float32)
-    w = cuda_int4.Int4Weight(q, scale, minimum, torch.device(device))
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).float().to(device)
-    into = torch.randn(rows, n, generator=torch.Generator().manual_seed(rows + 2)).to(device)
-    split = cuda_int4.Launch(bn=32, unroll=2, waves=64, split_cap=False, transposed=True)
-    whole = dataclasses.replace(split, max_split=1)
-    got = {}
-    for ahead in (False, True):
-        monkeypatch.setattr(cuda_int4, "SCALES_AHEAD", ahead)
-        got[ahead] = [w.fused(x, launch=split), w.fused(x, launch=whole), w.fused(x, launch=whole, into=into.clone())]
-        if device == "cuda":  # the SwiGLU's exp is libdevice's, which the interpreter lacks
-            got[ahead].append(w.fused(x, launch=whole, gated=torch.float32))
-    for plain, ahead in zip(got[False], got[True]):
-        assert torch.equal(plain, ahead)
-    weights = q.astype(np.float64) * np.repeat(scale, 32, axis=1) + np.repeat(minimum, 32, axis=1)
-    want = x.double().cpu() @ torch.from_numpy(weights).T
-    assert (got[True][1].double().cpu() - want).abs().max() <= 1e-5 * want.abs().max()
-
-
 def test_launches_cover_every_row_count_and_shape():
     for rows in (2, 16, 17, 64, 65, 2048):
         for n, k in ((960, 576), (576, 1536), (16384, 2048), (2048, 8192), (3072, 2048)):

@@ -273,27 +273,27 @@ def test_grouped_gemm_unrolled(device, unroll):
     assert np.abs(got - plain).max() <= 1e-6 * np.abs(plain).max()  # the same sums in the same order
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0"])  # int4 (groups of 32 both), int8: not taken
-def test_grouped_gemm_with_scales_ahead_or_narrow_activations_gives_the_same_bits(device, qtype):
-    """`MoeLaunch.gemm_scales_ahead` (the int4 transposed tiles go a group a loop step, each
-    group's scales loaded the step before), `gemm_narrow_act` (the SwiGLU's activations stored as
-    the operand type the down product rounds them to) and `gemm_narrow_input` (the input rounded
-    so before the gate/up product): the same sums in the same order as the unrolled loop over
-    float32 activations, bit for bit, the residual added too, and the float64 reference."""
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_K", "Q8_0"])  # int4 (groups of 32 both), int8
+def test_grouped_gemm_reading_narrow_inputs_gives_the_same_bits(device, qtype):
+    """`MoeLaunch.gemm_narrow_act` (the SwiGLU's activations stored as the operand type the down
+    product rounds them to) and `gemm_narrow_input` (the input rounded so before the gate/up
+    product), each and both: the same sums in the same order as over float32 inputs, bit for
+    bit, the residual added too, and the float64 reference."""
     E, d, f, k, rows = 8, 256, 256, 2, cuda_moe.GEMV_MAX_ROWS + 9
     experts = cuda_moe.StackedExperts.build(*expert_records(E, d, f, QT[qtype], seed=20), device)
     h = inputs(rows, d, device, seed=21)
     ids, w = routing(rows, E, k, seed=22)
     residual = np.random.default_rng(23).standard_normal((rows, d)).astype(np.float32)
+    switches = {"wide": (False, False), "act": (True, False), "input": (False, True), "both": (True, True)}
     got = {}
-    for switch in ("gemm_scales_ahead", "gemm_narrow_act", "gemm_narrow_input", None):
-        experts.launch = dataclasses.replace(cuda_moe.LAUNCH, **({switch: True} if switch else {}))
-        got[switch] = run(experts, h, ids, w, device), run(experts, h, ids, w, device, into=residual)
-    for switch in ("gemm_scales_ahead", "gemm_narrow_act", "gemm_narrow_input"):
-        np.testing.assert_array_equal(got[switch][0], got[None][0])
-        np.testing.assert_array_equal(got[switch][1], got[None][1])
+    for name, (act, inp) in switches.items():
+        experts.launch = dataclasses.replace(cuda_moe.LAUNCH, gemm_narrow_act=act, gemm_narrow_input=inp)
+        got[name] = run(experts, h, ids, w, device), run(experts, h, ids, w, device, into=residual)
+    for name in ("act", "input", "both"):
+        np.testing.assert_array_equal(got[name][0], got["wide"][0])
+        np.testing.assert_array_equal(got[name][1], got["wide"][1])
     want = reference(experts, h, ids, w, rounds=device.type == "cuda")
-    assert np.abs(got["gemm_scales_ahead"][0] - want).max() <= 2e-3 * np.abs(want).max()
+    assert np.abs(got["both"][0] - want).max() <= 2e-3 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q6_K", "F16"])  # int4, int8 (groups of 32, 16), bfloat16
