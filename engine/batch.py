@@ -193,6 +193,12 @@ class _Slot:
     sampler: Callable[[Any], int] | None = None
     last_used: float = 0.0
 
+    @property
+    def chunk_waits(self) -> bool:
+        """Whether its request's prompt needs a prefill chunk: more than its last token is left
+        (that one alone joins the decoding step)."""
+        return self.request is not None and self.prefill is not None and self.prefill.last_token is None
+
 
 @dataclass
 class _Launched:
@@ -297,8 +303,7 @@ class BatchScheduler:
     def prefilling(self) -> bool:
         """Whether a slot's request is still prefilling (the next `step()` would run a chunk);
         one with only its prompt's last token left joins the decoding step instead."""
-        return any(s.request is not None and s.prefill is not None and s.prefill.last_token is None
-                   for s in self.slots)
+        return any(s.chunk_waits for s in self.slots)
 
     # --- what callers may see and do between steps ---
     @property
@@ -339,8 +344,8 @@ class BatchScheduler:
         for k in range(n):
             i = (self._next_prefill + k) % n
             slot = self.slots[i]
-            if slot.request is None or slot.prefill is None or slot.prefill.last_token is not None:
-                continue  # nothing to prefill, or only the last token, which joins the decoding step
+            if not slot.chunk_waits:
+                continue
             if slot.request.cancel is not None and slot.request.cancel():
                 self._finish(slot, "cancelled")
                 return 0
@@ -366,7 +371,7 @@ class BatchScheduler:
         rows, tokens, columns, taken, joining = [], [], [], [], []
         for slot in self.slots:
             req = slot.request
-            if req is None or (slot.prefill is not None and slot.prefill.last_token is None):
+            if req is None or slot.chunk_waits:
                 continue
             if req.cancel is not None and req.cancel():
                 self._finish(slot, "cancelled")

@@ -260,28 +260,18 @@ if AVAILABLE:
         return bits.to(tl.float32, bitcast=True) - 8388608.0
 
     @triton.jit
-    def group_scales(sm_ptr, n, nm, g, N):
-        """Group g's scale and minimum of columns n, [BN] float32 each."""
-        pair = sm_ptr + (g * N + n) * 2
-        scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
-        minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
-        return scale, minimum
-
-    @triton.jit
-    def group_nibbles(q_ptr, n, nm, g, K, OPERAND: tl.constexpr):
-        """Group g of columns n: the nibbles as OPERAND values [BN, 32] in input order."""
-        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
-        # Byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order,
-        # each OR-ed into the bits of 2**23 to be made a float.
-        q32 = qb.to(tl.int32)
-        return _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
-
-    @triton.jit
     def group_weights(q_ptr, sm_ptr, n, nm, g, N, K, OPERAND: tl.constexpr):
         """Group g of columns n: the nibbles as OPERAND values [BN, 32] in input order, and each
         column's scale and minimum [BN] as float32."""
-        scale, minimum = group_scales(sm_ptr, n, nm, g, N)
-        return group_nibbles(q_ptr, n, nm, g, K, OPERAND), scale, minimum
+        qb = tl.load(q_ptr + n[:, None] * (K // 2) + (g * 16 + tl.arange(0, 16))[None, :], mask=nm[:, None], other=0)
+        pair = sm_ptr + (g * N + n) * 2
+        scale = tl.load(pair, mask=nm, other=0.0).to(tl.float32)
+        minimum = tl.load(pair + 1, mask=nm, other=0.0).to(tl.float32)
+        # Byte j holds inputs 2j (high nibble) and 2j + 1 (low): joined, they are the group in order,
+        # each OR-ed into the bits of 2**23 to be made a float.
+        q32 = qb.to(tl.int32)
+        q = _unbiased(tl.reshape(tl.join(q32 >> 4, q32 & 15), (qb.shape[0], 32)) | 0x4B000000).to(OPERAND)
+        return q, scale, minimum
 
     @triton.jit
     def group_product(x_ptr, q_ptr, sm_ptr, m, n, mm, nm, g, N, K, stride_x, acc, OPERAND: tl.constexpr):
@@ -652,8 +642,7 @@ class Int4Weight:
                                                x.stride(0), per, BM=bm, BN=cfg.bn, UNROLL=unroll,
                                                ADD=add and splits == 1, OPERAND=OPERAND, TRANSPOSED=cfg.transposed,
                                                GATED=gated is not None and splits == 1, DEPENDENT=dependent,
-                                               launch_pdl=dependent,
-                                               num_warps=cfg.warps, num_stages=cfg.stages)
+                                               launch_pdl=dependent, num_warps=cfg.warps, num_stages=cfg.stages)
         return _add_up(part, out, splits, add, gated is not None)
 
     def weight(self) -> torch.Tensor:

@@ -472,18 +472,13 @@ if AVAILABLE:
             tl.store(owner_ptr + b, tl.where(owner < E, owner, -1), mask=b < n_blocks)
 
     @triton.jit
-    def _int4_expert(w_ptr, sm_ptr, e, N, K, n_groups):
-        """Expert e's nibbles and scale pairs in an int4 stack of N x K matrices."""
-        return w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2
-
-    @triton.jit
     def _expert_group(w_ptr, sm_ptr, e, n, nm, g, N, K, n_groups, FMT: tl.constexpr, G: tl.constexpr,
                       OPERAND: tl.constexpr):
         """Group g of columns n of expert e: the weights as OPERAND values [BN, G] and each
         column's scale and minimum [BN] float32 (ones and zeros for a bfloat16 stack)."""
         if FMT == 0:
-            q, sm = _int4_expert(w_ptr, sm_ptr, e, N, K, n_groups)
-            w, scale, minimum = group_weights(q, sm, n, nm, g, N, K, OPERAND)
+            w, scale, minimum = group_weights(w_ptr + e * N * (K // 2), sm_ptr + e * n_groups * N * 2, n, nm, g, N,
+                                              K, OPERAND)
         else:
             kk = g * G + tl.arange(0, G)
             w = tl.load(w_ptr + e * N * K + n[:, None] * K + kk[None, :], mask=nm[:, None], other=0).to(OPERAND)
@@ -618,8 +613,7 @@ if AVAILABLE:
                 g = c * UNROLL + u
                 if TRANSPOSED:
                     x, xsum = _group_inputs_t(act_ptr, pair, pm, g, F, BN, FMT, G, OPERAND)
-                    acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G,
-                                           OPERAND)
+                    acc = _block_product_t(w_ptr, sm_ptr, e, n, nm, g, D, F, n_groups, x, xsum, acc, FMT, G, OPERAND)
                 else:
                     acc = _block_product(act_ptr, w_ptr, sm_ptr, e, pair, n, pm, nm, g, D, F, n_groups, F, acc, FMT,
                                          G, OPERAND)
@@ -920,8 +914,7 @@ class StackedExperts:
         pairs, owner = group_by_expert(ids, E, bm, dependent=T <= DEPENDENT_EXPERT_ROWS)
         n_blocks = owner.shape[0]
         bn = cfg.gemm_bn
-        transposed = bm <= cfg.gemm_transposed_bm
-        shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=transposed,
+        shape = dict(BM=bm, BN=bn, OPERAND=OPERAND, TRANSPOSED=bm <= cfg.gemm_transposed_bm,
                      num_warps=cfg.gemm_warps, num_stages=cfg.gemm_stages, **_dependent(h.device, T))
         x = h.to(torch.bfloat16) if cfg.gemm_narrow_input and OPERAND == tl.bfloat16 else h
         _gate_up_blocks[(n_blocks, triton.cdiv(F, bn))](
