@@ -90,12 +90,13 @@ ci-speed: setup
 			PRODUCT_STREAMS=0; \
 	else echo "gate-speed: no previous commit, skipped"; fi
 
-# Benchmarks (pytest-benchmark; measured, not asserted): the JSON-constraint mask step, reading a
-# 200 MB trace whose every block count is wrong, the
+# Benchmarks (pytest-benchmark; measured, not asserted): the JSON-constraint mask step, the server's
+# host work per generated token, reading a 200 MB trace whose every block count is wrong, the
 # ds4-eval --compare path, the CPU matmul kernels of every path by row count, plus the embedded model's
 # decoding speed with and without a schema.
 bench: setup
 	DS4_BENCH=1 $(PY) -m pytest -q -s --benchmark-enable --benchmark-only tests/server/test_constraints_bench.py \
+		tests/server/test_token_path_bench.py \
 		tests/ds4eval/verdict/test_eval_compare_bench.py tests/ds4eval/run/test_eval_merge_bench.py \
 		tests/ds4eval/run/test_eval_trace_bench.py \
 		tests/engine/test_cpu_kernels_bench.py

@@ -301,16 +301,27 @@ def joined_events(earlier: tuple[Any, ...], later: tuple[Any, ...]) -> tuple[Any
     return earlier + later
 
 
+def merged_deltas(deltas: Sequence[TextDelta]) -> TextDelta:
+    """One delta for consecutive ones: their texts and log-probs in order, their splitter events
+    with each seam joined (`joined_events`)."""
+    if len(deltas) == 1:
+        return deltas[0]
+    events: tuple[Any, ...] = ()
+    for d in deltas:
+        events = joined_events(events, d.events)
+    return TextDelta("".join(d.text for d in deltas), tuple(lp for d in deltas for lp in d.logprobs), events)
+
+
 class CoalescingSink:
     """Passes a job's events on to `sink`, merging text deltas that come too fast.
 
     A `TextDelta` within `interval` seconds (by `clock`) of the last event passed on is
-    held, and later deltas are appended to it (text, log-probs and splitter events in order,
-    adjacent text events joined: `joined_events`).
-    The held delta goes out with the next delta that comes `interval` or more after the last
-    event passed on, or just before any other event (`Finished`, `Failed`), so a held text
-    waits at most until the next token, and nothing is reordered or lost. Called on the
-    worker thread only.
+    held; the deltas held go out as one (`merged_deltas`) with the next delta that comes
+    `interval` or more after the last event passed on, or just before any other event
+    (`Finished`, `Failed`), so a held text waits at most until the next token, and nothing is
+    reordered or lost. The merging is done when the deltas go out, not as each one comes,
+    because a batched step hands every row's token to its sink. Called on the worker thread
+    only.
     """
 
     def __init__(self, sink: Callable[[Event], None], interval: float,
@@ -318,7 +329,7 @@ class CoalescingSink:
         self.sink = sink
         self.interval = interval
         self.clock = clock
-        self._held: TextDelta | None = None
+        self._held: list[TextDelta] = []
         self._last_sent = float("-inf")
 
     def __call__(self, event: Event) -> None:
@@ -326,23 +337,21 @@ class CoalescingSink:
             self._flush()
             self.sink(event)
             return
-        if self._held is not None:
-            held = self._held
-            event = TextDelta(held.text + event.text, held.logprobs + event.logprobs,
-                              joined_events(held.events, event.events))
         now = self.clock()
+        self._held.append(event)
         if now - self._last_sent < self.interval:
-            self._held = event
             return
-        self._held = None
         self._last_sent = now
-        self.sink(event)
+        self._pass_held()
 
     def _flush(self) -> None:
-        if self._held is not None:
-            held, self._held = self._held, None
+        if self._held:
             self._last_sent = self.clock()
-            self.sink(held)
+            self._pass_held()
+
+    def _pass_held(self) -> None:
+        held, self._held = self._held, []
+        self.sink(merged_deltas(held))
 
 
 class JobCancelled(Exception):

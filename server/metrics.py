@@ -11,7 +11,11 @@ How values arrive:
   `job_started`, `token` (each generated token) and `job_finished` on the worker thread, and
   the batched loop `batch_step` after each scheduler step. Each call updates a few
   prometheus_client children, whose own locks are held for a few microseconds; nothing here
-  waits on the engine or holds a lock across a forward pass.
+  waits on the engine or holds a lock across a forward pass. The two per-token quantities
+  (generated tokens, inter-token latency) are `WorkerCounter` and `WorkerHistogram` instead:
+  plain numbers that only the worker thread writes, read by the scrape, because a batched
+  step calls `token` once per row and prometheus_client's locked children cost more than
+  the rest of a token's host work.
 - HTTP: `HttpMetrics`, an ASGI middleware, counts every response by route template, method
   and status once the response is over (a stream when it ends).
 - Scrape time: `render(load, kv)` reads what is now (`server.jobs.ServingLoad`: running,
@@ -25,11 +29,14 @@ endpoint table's `/metrics` row does) nor time anything the ledger does not alre
 
 from __future__ import annotations
 
+import bisect
 import threading
+import time
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from server.jobs import JobStats, ServingLoad
 from server.kvstore import KVStoreStats
@@ -108,6 +115,53 @@ class _LoadCollector:
             yield self._gauge("ds4:kv_disk_entries", "Checkpoints in the disk KV cache.", kv.entries)
 
 
+class WorkerCounter:
+    """A counter that one thread increments without a lock (a collector of its registry): the
+    exposition of a prometheus_client `Counter` of one `model_name` child, `_created` included."""
+
+    def __init__(self, name: str, doc: str, model_name: str) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.value = 0
+        self.created = time.time()
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterable[Metric]:
+        c = CounterMetricFamily(self.name, self.doc, labels=["model_name"])
+        c.add_metric([self.model_name], float(self.value), created=self.created)
+        yield c
+
+
+class WorkerHistogram:
+    """A histogram that one thread observes into without a lock (a collector of its registry):
+    the exposition of a prometheus_client `Histogram` of one `model_name` child. A scrape reads
+    a copy of the bucket counts, so its buckets and count always agree; its sum may miss the
+    observation being made at that moment."""
+
+    def __init__(self, name: str, doc: str, model_name: str, buckets: Sequence[float]) -> None:
+        self.name, self.doc, self.model_name = name, doc, model_name
+        self.bounds = tuple(float(b) for b in buckets)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # the first bound >= value
+        self.sum += value
+
+    def collect(self) -> Iterable[Metric]:
+        counts, total = list(self.counts), self.sum
+        cumulative, buckets = 0, []
+        for bound, n in zip(self.bounds + (float("inf"),), counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), float(cumulative)))
+        h = HistogramMetricFamily(self.name, self.doc, labels=["model_name"])
+        h.add_metric([self.model_name], buckets, total)
+        h.add_sample(self.name + "_created", {"model_name": self.model_name}, self.created)
+        yield h
+
+
 class ServerMetrics:
     """The metrics of one app: a `JobObserver` for the loops, `http_response` for the
     middleware, `render` for the scrape."""
@@ -123,7 +177,8 @@ class ServerMetrics:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of started requests (cached ones included).")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
+        self.generation_tokens = WorkerCounter("vllm:generation_tokens", "Generated tokens.", model_name)
+        r.register(self.generation_tokens)
         self.prefix_queries = counter("vllm:prefix_cache_queries",
                                       "Prompt tokens looked up for reuse (all prompt tokens of started requests).")
         self.prefix_hits = counter("vllm:prefix_cache_hits",
@@ -133,8 +188,9 @@ class ServerMetrics:
         self.finished = {reason: success.labels(model_name, reason) for reason in FINISHED_REASONS}
         self.ttft = histogram("vllm:time_to_first_token_seconds",
                               "From a request's submission to its first generated token.", TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Between consecutive generated tokens of a request.",
-                             ITL_BUCKETS)
+        self.itl = WorkerHistogram("vllm:inter_token_latency_seconds",
+                                   "Between consecutive generated tokens of a request.", model_name, ITL_BUCKETS)
+        r.register(self.itl)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "From a request's submission to its end.",
                              REQUEST_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds",

@@ -205,6 +205,10 @@ class ToolCallParser:
 
     def _step_content(self, final: bool, out: list) -> bool:
         buf, s = self._buf, self.syntax
+        if "<" not in buf:  # no marker and no start of one (`_partial_tail`): the usual token of text
+            self._emit_content(buf, out)
+            self._buf = ""
+            return False
         m = self._content_re.search(buf)
         if not m:
             cut = len(buf) if final else len(buf) - _partial_tail(buf, self._content_markers, self._longest)

@@ -256,3 +256,36 @@ def test_disk_cache_counters_across_a_restart(tiny_model, tmp_path):
     assert v(warm, "ds4:kv_disk_restored_tokens_total") == cached
     assert v(warm, "ds4:kv_disk_restored_bytes_total") in files
     assert v(warm, "vllm:prefix_cache_hits_total") == cached
+
+
+def test_worker_metrics_expose_what_prometheus_clients_own_would():
+    """The per-token counter and histogram (written by the worker thread without locks) give the
+    same exposition as prometheus_client's `Counter` and `Histogram` fed the same values: names,
+    types, help, labels, every bucket's bound and count, the sum; `_created` aside (a time)."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from server.metrics import ITL_BUCKETS, WorkerCounter, WorkerHistogram
+
+    values = [0.0, 0.001, 0.0010001, 0.02, 0.3, 5.0, 7.5, 1e-9, 0.075, 0.075]
+    theirs, ours = CollectorRegistry(), CollectorRegistry()
+    counter = Counter("vllm:generation_tokens", "Generated tokens.", ["model_name"], registry=theirs).labels("m")
+    hist = Histogram("vllm:inter_token_latency_seconds", "Between tokens.", ["model_name"], buckets=ITL_BUCKETS,
+                     registry=theirs).labels("m")
+    our_counter = WorkerCounter("vllm:generation_tokens", "Generated tokens.", "m")
+    our_hist = WorkerHistogram("vllm:inter_token_latency_seconds", "Between tokens.", "m", ITL_BUCKETS)
+    ours.register(our_counter)
+    ours.register(our_hist)
+    for v in values:
+        counter.inc()
+        our_counter.inc()
+        hist.observe(v)
+        our_hist.observe(v)
+
+    def shown(registry: CollectorRegistry) -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines()
+                if "_created{" not in line]
+
+    assert shown(ours) == shown(theirs)
+    found = samples(generate_latest(ours).decode())
+    assert found[("vllm:inter_token_latency_seconds_bucket", frozenset({("model_name", "m"), ("le", "0.001")}))] == 3
+    assert ("vllm:inter_token_latency_seconds_created", frozenset({("model_name", "m")})) in found

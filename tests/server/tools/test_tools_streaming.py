@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from server.tools import (
     ContentDelta, ReasoningDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallParser, ToolCallStart,
-    parse_tool_output)
+    SYNTAXES, parse_tool_output)
 
 DSML_CALL = (
     "<｜DSML｜tool_calls>\n"
@@ -131,6 +131,25 @@ def test_partial_start_marker_is_held_back(syntax, marker):
         assert all("<" not in e.text for e in out if isinstance(e, ContentDelta))
     assert "".join(e.text for e in out if isinstance(e, ContentDelta)) == "Hi"
     assert p.in_structure
+
+
+@pytest.mark.parametrize("syntax", sorted(SYNTAXES))
+def test_every_marker_has_one_angle_bracket_and_it_comes_first(syntax):
+    """What the parser's shortcuts rest on: text without "<" holds no marker and no start of one,
+    so it goes out as it is (`_step_content`), and only the last "<" in reach can start a
+    marker (`_partial_tail`)."""
+    s = SYNTAXES[syntax]
+    for marker in (s.think_open, s.think_close, *s.call_starts):
+        assert marker.startswith("<") and marker.count("<") == 1, marker
+
+
+def test_text_without_markers_goes_out_token_by_token_with_structure_whitespace_held():
+    p = ToolCallParser("hermes")
+    assert p.feed("Hello") == [ContentDelta("Hello")]
+    assert p.feed(" world  ") == [ContentDelta(" world")]  # trailing space: maybe before a marker
+    assert p.feed("again\n") == [ContentDelta("  again")]
+    assert p.feed("<tool") == []
+    assert p.finish().content == "Hello world  again\n<tool"
 
 
 def test_in_structure_tracks_payload_hermes():
