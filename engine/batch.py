@@ -37,7 +37,8 @@
 - `BatchScheduler(observer=...)` hands each `step()`'s `StepRecord` to the observer: its wall
   time on the scheduler's thread, the rows it decoded, the tokens of the prefill chunk it ran,
   whether its decoding step was one launched ahead, and the CUDA graph captures it waited for
-  (ds4-eval's `--step-log`), so a batched run's time can be told apart step by step.
+  (ds4-eval's and ds4-server's `--step-log`, each line `StepRecord.fields`), so a batched run's
+  time can be told apart step by step.
 - `check_capacity(model, n_sessions, ctx)` refuses configurations whose memory need (weights
   + KV + working buffers, from the model's own accounting, with a 10% margin) exceeds what
   the device has available, with the figures in the message.
@@ -183,6 +184,14 @@ class StepRecord:
     prefill_tokens: int  # tokens of the prefill chunk it ran (0: none)
     adopted: bool  # its decoding step was the one launched ahead of it (run-ahead)
     capture_seconds: float  # CUDA graphs captured during it (engine.cuda_graphs), seconds
+
+    def fields(self, t0: float) -> dict[str, Any]:
+        """The record as a step log writes it (ds4-eval's and ds4-server's `--step-log`): `t`
+        (seconds from `t0`, the log's first step), `ms` (its wall time), `decoding`,
+        `prefill_tokens`, `adopted` and `capture_ms`."""
+        return {"t": round(self.started - t0, 6), "ms": round(self.seconds * 1e3, 4), "decoding": self.decoding,
+                "prefill_tokens": self.prefill_tokens, "adopted": self.adopted,
+                "capture_ms": round(self.capture_seconds * 1e3, 3)}
 
 
 @dataclass

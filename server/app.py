@@ -26,7 +26,9 @@ hardened parser).
 With `--kv-disk-dir` the app opens the disk KV cache (`server.kvstore.open_store`) for the
 worker; `/health` reports its statistics. With `--batched-session N` (N > 1) the worker keeps
 N resident sessions; the memory they need is checked when the app is created
-(`engine.batch.CapacityError`, with the figures).
+(`engine.batch.CapacityError`, with the figures). With `--step-log FILE` the app opens the
+batched loop's step log there (`server.steplog`; `StepLogError` where it cannot), which the
+worker closes when it stops.
 
 After a request with a body of 4 MiB or more, free heap memory is given back to the system
 (`server.heap.HeapTrim`).
@@ -65,6 +67,7 @@ from server.loglimit import RepeatLimiter
 from server.metrics import HttpMetrics, ServerMetrics
 from server.prepare import PrepareExecutor
 from server.prompting import ToolCalling
+from server.steplog import StepLogWriter
 from server.worker import InferenceWorker
 
 log = logging.getLogger("ds4.server")
@@ -106,10 +109,12 @@ def create_app(model: Any, config: ServerConfig | None = None, *,
     if kv is not None and kv_save_policy is not None:
         kv.save_policy = kv_save_policy
     metrics = ServerMetrics(model.name, config.batched_session)
+    step_log = StepLogWriter(config.step_log) if config.step_log is not None else None
     worker = InferenceWorker(model, engine, kv=kv, n_slots=config.batched_session, interleave=config.interleave,
                              clock=clock,
                              engine_thread=engine_thread, observer=metrics,
-                             stream_interval=config.stream_interval_ms / 1000, limits=config.work_limits)
+                             stream_interval=config.stream_interval_ms / 1000, limits=config.work_limits,
+                             step_log=step_log)
     calling = ToolCalling.for_model(model, config.tools)
     prepare = PrepareExecutor()
     repeats = RepeatLimiter()

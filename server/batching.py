@@ -72,7 +72,9 @@ in the same step; the evicted job goes back into a free slot that no newcomer ta
 can hold it out meanwhile). The jobs out of their slots hold at most `n_slots` contexts' worth of
 tokens together (their sessions are the memory this costs: at most as much as the slots').
 On the stop sentinel it cancels what runs, lets the scheduler wind down, and stores every
-slot's session (reason shutdown) before it returns.
+slot's session (reason shutdown) before it returns. With a step log (`--step-log`,
+`server.steplog`) the scheduler's record of each step is written with what the loop held then:
+its jobs, those waiting, those admitted since the step before, and those parked.
 
 It does not parse HTTP, render prompts, or decode rows itself (the engine's scheduler does).
 """
@@ -96,6 +98,7 @@ from server.jobs import (Failed, Job, JobLedger, PromptReady, TokenDecoder, deco
 from server.kvplan import Resident, Stage, plan_prefill, save_resident, user_boundary_tokens
 from server.kvstore import KVStore
 from server.scoring import PromptScored, iter_score_prompt
+from server.steplog import LoopState, StepLogWriter
 
 log = logging.getLogger("ds4.server.batching")
 
@@ -292,9 +295,11 @@ class BatchedLoop:
     """N resident sessions served by the worker's thread through `engine.batch.BatchScheduler`."""
 
     def __init__(self, model: Any, engine: Any, jobs: JobLedger, kv: KVStore | None, n_slots: int, *,
-                 clock: Callable[[], float] = time.monotonic, check_memory: bool = True) -> None:
+                 clock: Callable[[], float] = time.monotonic, check_memory: bool = True,
+                 step_log: StepLogWriter | None = None) -> None:
         """`engine` provides `SamplingParams` and `Sampler` (the `engine` package); `jobs` is the
-        ledger the worker fills. The scheduler is `engine.batch`'s: batching needs the real engine."""
+        ledger the worker fills. The scheduler is `engine.batch`'s: batching needs the real engine.
+        `step_log` gets a line for every scheduler step (`server.steplog`)."""
         from engine.batch import BatchScheduler
 
         self.model = model
@@ -302,7 +307,11 @@ class BatchedLoop:
         self.jobs = jobs
         self.kv = kv
         self.clock = clock
-        self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory)
+        self.step_log = step_log
+        self.scheduler = BatchScheduler(self.model, n_slots, check_memory=check_memory,
+                                        observer=self._log_step if step_log is not None else None)
+        self._admitted = 0
+        """Jobs that took a slot since the last step (for the step log)."""
         self.info = [_SlotInfo() for _ in range(n_slots)]
         self.routes: deque[tuple[int, Route]] = deque(maxlen=256)
         """(job id, decision) of recent routing decisions, newest last."""
@@ -398,6 +407,14 @@ class BatchedLoop:
         for run, share in zip(stepping, step_charges(seconds, advanced, self.decode_step_s)):
             self.jobs.charge(run.job, share)
 
+    def _log_step(self, record: Any) -> None:
+        """The scheduler's observer with a step log: the step's line, with what the loop held."""
+        runs = [s.running for s in self.info if s.running is not None]
+        state = LoopState(jobs=self.n_active, waiting=self.jobs.depth, admitted=self._admitted,
+                          parked=sum(1 for run in runs if run.parked))
+        self._admitted = 0
+        self.step_log.write(record, state)
+
     def _arrange_rows(self) -> None:
         """Park and resume jobs so that the next step serves those `decoding_rows` picks, whether
         they decode, prefill or score: a parked job's GenRequest ends (cancelled) at the step, its
@@ -485,6 +502,7 @@ class BatchedLoop:
                      decision.slot, decision.reused, decision.evicted, decision.reason)
             try:
                 self._start(job, decision.slot)
+                self._admitted += 1
             except Exception as e:
                 self._reset_slot(decision.slot)
                 if job.is_cancelled():  # e.g. cancelled while its checkpoint was being restored

@@ -26,6 +26,7 @@ from server.config import LOG_LEVELS, ServerConfig
 from server.heap import limit_arenas
 from server.kvstore import DEFAULT_BUDGET_MB, DEFAULT_MIN_FREE_MB, KVStoreConfig, claim_directory
 from server.prompting import model_syntax
+from server.steplog import StepLogError, check_step_log_path
 from server.tools import SYNTAXES, ToolsConfig
 
 
@@ -144,6 +145,9 @@ def banner(model: object, config: ServerConfig, port: int | None = None, warmed:
                    "to keep it, and a save that cannot keep it is skipped.")
 @click.option("--batched-session", type=int, default=1, show_default=True,
               help="Resident sessions decoded together in one batch; requests beyond them wait for a slot.")
+@click.option("--step-log", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="With --batched-session N: write a JSON line per step of the batched loop to FILE as the "
+                   "server runs (its time, rows, prefill tokens; the jobs admitted, waiting and parked).")
 @click.option("--interleave", type=int, default=ServerConfig.interleave, show_default=True,
               help="Without --batched-session: jobs of different requests in progress at once, each in a "
                    "session of its own, their tokens interleaved fairly; 1: one job at a time.")
@@ -213,6 +217,11 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
             kv_claim = claim_directory(config.kv.directory)
         except OSError as e:
             raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e.strerror or e}") from None
+    if config.step_log is not None:  # a bad path fails now, not after the model has loaded
+        try:
+            check_step_log_path(config.step_log)
+        except StepLogError as e:
+            raise click.ClickException(str(e)) from None
     # Every torch call of the server, from loading the model on, runs on this one thread.
     engine_thread = EngineThread("ds4-inference", threads=config.threads)
     model_path = os.path.abspath(config.model) if config.model else None
@@ -237,6 +246,8 @@ def _serve(config: ServerConfig, sock: socket.socket) -> None:
         app = create_app(model, config, engine_thread=engine_thread)
     except CapacityError as e:
         raise click.ClickException(f"--batched-session {config.batched_session}: {e}") from None
+    except StepLogError as e:
+        raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"--kv-disk-dir {config.kv.directory}: {e}") from None
     try:

@@ -65,6 +65,10 @@ class ServerConfig:
     batched_session: int = 1
     """Resident engine sessions decoded together (1: one job at a time; a request's choices and
     prompts take turns with other requests' jobs either way)."""
+    step_log: str | None = None
+    """--step-log FILE: with --batched-session N (N >= 2), a JSON line per step of the batched loop
+    written there as the server runs (server.steplog): its time, rows, prefill tokens, and the
+    jobs admitted, waiting and parked."""
     interleave: int = DEFAULT_MAX_LIVE
     """--interleave: jobs of different requests in progress at once in the serial loop (each in a
     session of its own, their tokens interleaved fairly, `server.serial`); 1: one job at a time."""
@@ -124,6 +128,8 @@ class ServerConfig:
         self.work_limits  # validates its fields
         if self.batched_session < 1:
             raise ValueError(f"batched_session must be at least 1, got {self.batched_session}")
+        if self.step_log is not None and self.batched_session < 2:
+            raise ValueError("--step-log records the batched loop's steps: it needs --batched-session N, N >= 2")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be at least 1, got {self.threads}")
         if self.header_timeout_sec <= 0 or self.body_timeout_sec <= 0:

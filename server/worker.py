@@ -34,6 +34,7 @@ from server.jobs import (NO_OBSERVER, CoalescingSink, Event, GenerationRequest, 
                          JobStats, OverLimit, ServingLoad, WorkLimits, default_engine, over_limit)
 from server.kvstore import KVStore
 from server.serial import DEFAULT_MAX_LIVE, SerialLoop
+from server.steplog import StepLogWriter
 
 log = logging.getLogger("ds4.server.worker")
 
@@ -51,14 +52,19 @@ class InferenceWorker:
                  history: int = 256, kv: KVStore | None = None, n_slots: int = 1, interleave: int = DEFAULT_MAX_LIVE,
                  clock: Callable[[], float] = time.monotonic, engine_thread: EngineThread | None = None,
                  observer: JobObserver = NO_OBSERVER, stream_interval: float = 0.0,
-                 limits: WorkLimits = WorkLimits()) -> None:
+                 limits: WorkLimits = WorkLimits(), step_log: StepLogWriter | None = None) -> None:
         """`engine` provides the engine's types (`SamplingParams`, `Sampler`, `Cancelled`; default:
         the `engine` package). `engine_thread` is the thread the model was loaded on (see
         `engine.threads`); the worker's loop runs there. Without one the worker starts its own
         and ends it in `stop()`. `observer` watches every job (`server.jobs.JobObserver`).
         `stream_interval` > 0 wraps each job's sink in a `server.jobs.CoalescingSink`. `limits`
         is the most work one request may ask for (`check`). `interleave` is how many jobs of
-        different requests the serial loop keeps in progress at once (`server.serial`)."""
+        different requests the serial loop keeps in progress at once (`server.serial`). `step_log`
+        gets a line per step of the batched loop (`server.steplog`; it needs `n_slots` > 1) and is
+        closed by `stop()`."""
+        if step_log is not None and n_slots < 2:
+            raise ValueError("a step log records the batched loop's steps: it needs n_slots >= 2")
+        self.step_log = step_log
         self.model = model
         self.limits = limits
         self.stream_interval = stream_interval
@@ -73,7 +79,7 @@ class InferenceWorker:
         if n_slots > 1:
             # Its KV pool is allocated by torch: on the engine thread, like all torch work.
             self.batched = self.engine_thread.call(BatchedLoop, model, self.engine, self.jobs, kv, n_slots,
-                                                   clock=clock)
+                                                   clock=clock, step_log=step_log)
             self.serving = self.batched
         else:
             self.serving = SerialLoop(model, self.engine, self.jobs, kv, max_live=interleave)
@@ -118,6 +124,8 @@ class InferenceWorker:
         except Exception:
             pass  # logged by _log_loop_failure when the loop ended
         self._loop = None
+        if self.step_log is not None:
+            self.step_log.close()
         if self._owns_thread:
             self.engine_thread.close(timeout=1.0)
 

@@ -5,17 +5,18 @@ Contract
   `BatchScheduler.step()`, handed over on the engine's thread, where appending to a list is all
   it does) and `write(path)` writes them as JSON lines, one a step (`step_line`), to a temporary
   file renamed over `path`.
-- `step_line(record, t0)`: one step as written: `t` (seconds from the log's first step), `ms`
-  (its wall time on the engine's thread), `decoding` (rows its decoding step evaluated),
-  `prefill_tokens` (tokens of the prefill chunk it ran), `adopted` (its decoding step was the
-  one launched ahead of it) and `capture_ms` (CUDA graphs captured during it).
+- `step_line(record, t0)`: one step as written (`StepRecord.fields`, the line ds4-server's
+  `--step-log` begins with too): `t` (seconds from the log's first step), `ms` (its wall time on
+  the engine's thread), `decoding` (rows its decoding step evaluated), `prefill_tokens` (tokens
+  of the prefill chunk it ran), `adopted` (its decoding step was the one launched ahead of it)
+  and `capture_ms` (CUDA graphs captured during it).
 - `summarize_steps(records) -> StepSummary | None`, pure: per number of decoding rows, the steps
   that ran no prefill chunk (the steady cost of a batch of that size: count, median and mean
   ms, seconds), then the steps with a chunk (count, tokens, seconds), the graph captures'
   seconds, the time between steps (the scheduler's loop outside `step()`: taking cases in,
   handing results out) and the span from the first step's start to the last one's end.
 - `render_steps(summary) -> str`: that summary as a few lines of text.
-It does not run cases, print, or import the engine: records are read by attribute.
+It does not run cases, print, or import the engine: records are read by attribute and `fields`.
 """
 from __future__ import annotations
 
@@ -52,9 +53,7 @@ class StepSummary:
 
 
 def step_line(record: Any, t0: float) -> dict:
-    return {"t": round(record.started - t0, 6), "ms": round(record.seconds * 1e3, 4), "decoding": record.decoding,
-            "prefill_tokens": record.prefill_tokens, "adopted": record.adopted,
-            "capture_ms": round(record.capture_seconds * 1e3, 3)}
+    return record.fields(t0)
 
 
 def summarize_steps(records: Sequence[Any]) -> StepSummary | None:

@@ -3,19 +3,19 @@ rules and a run through the CLI on a tiny random model."""
 from __future__ import annotations
 
 import json
-import types
 
 import pytest
 from click.testing import CliRunner
 
 from ds4eval.config import ConfigError, EvalConfig
 from ds4eval.run.steplog import StepLog, render_steps, step_line, summarize_steps
+from engine.batch import StepRecord
 from engine.synthetic import RandomModelSpec, write_random_gguf
 
 
 def step(started, ms, decoding=0, prefill=0, adopted=False, capture_ms=0.0):
-    return types.SimpleNamespace(started=started, seconds=ms / 1e3, decoding=decoding, prefill_tokens=prefill,
-                                 adopted=adopted, capture_seconds=capture_ms / 1e3)
+    return StepRecord(started=started, seconds=ms / 1e3, decoding=decoding, prefill_tokens=prefill,
+                      adopted=adopted, capture_seconds=capture_ms / 1e3)
 
 
 RUN = [step(10.000, 20.0, decoding=0, prefill=100, capture_ms=15.0),  # the first case's prompt
