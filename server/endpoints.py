@@ -109,12 +109,16 @@ def parse_raw(raw: bytes, schema: type[StrictModel]) -> Any:
     return validate_body(schema, obj)
 
 
-async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
+async def raw_body(served: Served, request: Request) -> bytes:
+    """The request's body, its headers checked first (type, encoding) and its size and time limited."""
     refused = body_headers_error(request.headers.get("content-type"), request.headers.get("content-encoding"))
     if refused is not None:
         raise refused
-    raw = await read_body(request, served.config.max_body_bytes, served.config.body_timeout_sec)
-    return await served.prepare.run(parse_raw, raw, schema)
+    return await read_body(request, served.config.max_body_bytes, served.config.body_timeout_sec)
+
+
+async def parse_body(served: Served, request: Request, schema: type[StrictModel]) -> Any:
+    return await served.prepare.run(parse_raw, await raw_body(served, request), schema)
 
 
 def tool_input_errors(make: Callable[..., Any]) -> Callable[..., Any]:
@@ -219,13 +223,18 @@ def inference(api: InferenceApi, name: str) -> RouteFactory:
     def make(served: Served) -> Callable[..., Awaitable[Any]]:
         config, worker = served.config, served.worker
         defaults = config.request_defaults
+        make_job = template_errors(tool_input_errors(api.make_job))
+
+        def prepared(raw: bytes) -> tuple[Any, Any]:
+            body = parse_raw(raw, api.schema)
+            return body, make_job(served.model, body, served.calling, defaults)
 
         async def route(request: Request) -> Response:
             if api.chat:
                 check_chat_enabled(served)
-            body = await parse_body(served, request, api.schema)
-            gen, ctx = await served.prepare.run(template_errors(tool_input_errors(api.make_job)), served.model, body,
-                                                served.calling, defaults)
+            # Parsed and made into jobs in one trip to the preparation threads, not two: a trip's
+            # hand-overs wait for the interpreter lock, which a busy batched loop holds most of the time.
+            body, (gen, ctx) = await served.prepare.run(prepared, await raw_body(served, request))
             if api.choices:
                 return await answer_choices(served, api, request, body, gen, ctx)
             check_work(worker, [gen], api.token_param)
