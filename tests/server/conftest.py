@@ -28,6 +28,19 @@ def tiny_model(tmp_path_factory):
     return load_model(path)
 
 
+@pytest.fixture(scope="module")
+def vocab_model(tmp_path_factory):
+    """A one-layer random GGUF with the embedded model's tokenizer (its 49,152-token vocabulary and
+    chat template) and 2,048 tokens of context: what per-token host work sees, without weights."""
+    from engine import load_model
+    from engine.model import default_model_path
+    from engine.synthetic import RandomModelSpec, write_random_gguf
+
+    path = write_random_gguf(tmp_path_factory.mktemp("gguf") / "vocab.gguf",
+                             RandomModelSpec(n_layer=1, n_ctx=2048, tokenizer_from=default_model_path()))
+    return load_model(path)
+
+
 @pytest.fixture
 def fake_model() -> FakeModel:
     return FakeModel()

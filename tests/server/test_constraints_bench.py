@@ -26,16 +26,6 @@ SCHEMA = {"type": "object", "properties": {
 DOCUMENT = '{"name": "Ada Lovelace", "age": 36, "city": "London", "tags": ["math", "engines", "poetry"], "ok": true}'
 
 
-@pytest.fixture(scope="module")
-def vocab_model(tmp_path_factory):
-    from engine import load_model
-    from engine.model import default_model_path
-    from engine.synthetic import RandomModelSpec, write_random_gguf
-    path = write_random_gguf(tmp_path_factory.mktemp("gguf") / "vocab.gguf",
-                             RandomModelSpec(n_layer=1, n_ctx=64, tokenizer_from=default_model_path()))
-    return load_model(path)
-
-
 def test_mask_step(benchmark, vocab_model):
     model = vocab_model
     tokens = model.tokenize(DOCUMENT)

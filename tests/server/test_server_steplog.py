@@ -12,7 +12,7 @@ from server.cli import main
 from server.config import ServerConfig
 from server.steplog import LoopState, StepLogError, StepLogWriter, check_step_log_path
 from server.worker import InferenceWorker
-from test_server_batching import chat, collect, req, tiny  # noqa: F401  (tiny: the model fixture)
+from test_server_batching import chat, collect, req
 
 KEYS = {"t", "ms", "decoding", "prefill_tokens", "adopted", "capture_ms", "jobs", "waiting", "admitted", "parked"}
 
@@ -42,7 +42,8 @@ def test_a_bad_path_fails_before_the_model_loads(tmp_path):
     assert result.output.strip().splitlines() == [f"Error: --step-log {missing}: no directory {missing.parent}"]
 
 
-def test_a_batched_worker_writes_a_line_per_step(tiny, tmp_path):
+def test_a_batched_worker_writes_a_line_per_step(tiny_model, tmp_path):
+    tiny = tiny_model
     path = tmp_path / "steps.jsonl"
     log = StepLogWriter(str(path))
     w = InferenceWorker(tiny, n_slots=3, step_log=log)

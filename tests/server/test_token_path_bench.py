@@ -1,17 +1,15 @@
 """Benchmark (pytest-benchmark) of the server's work per generated token; measured, not asserted
 beyond the text coming out whole. `make bench` runs it.
 
-`test_accept_per_token`: `TokenDecoder.accept` for each token of a ~250-token reply, as a chat
-completion request of the OpenAI API builds its job: the model's output splitter, the stop matcher,
-the `/metrics` observer and the coalescing event sink the server wraps every job's sink in, and the
-reply's `finish` once. This is
-the host work a batched server does per row of each step, beside the engine's own, so at 16 rows
-it is 16 times this a step. A random GGUF with the embedded tokenizer stands in for the model (no
-weights are loaded); the text is tokenized, not generated.
+`test_accept_per_token`: `TokenDecoder.accept` for each token of a 168-token reply, as a chat
+completion request of the OpenAI API builds its job: the model's output splitter, the stop
+matcher, the `/metrics` observer and the coalescing event sink the server wraps every job's sink
+in, and the reply's `finish` once. This is the host work a batched server does per row of each
+step, beside the engine's own, so at 16 rows it is 16 times this a step. A random GGUF with the
+embedded tokenizer stands in for the model (`vocab_model`, conftest.py: no weights are loaded);
+the text is tokenized, not generated.
 """
 from __future__ import annotations
-
-import pytest
 
 from server.api_openai import ChatCompletionRequest, chat_job
 from server.jobs import CoalescingSink, Job, TextDelta, TokenDecoder
@@ -28,16 +26,6 @@ REPLY = ("The water cycle moves water between the oceans, the air and the land. 
          "Over a year the cycle moves about five hundred thousand cubic kilometres of water, and it "
          "shapes the weather, the climate and the landscapes we live in. Ice caps and glaciers hold "
          "a large share of the fresh water for centuries before it melts and joins the flow again.")
-
-
-@pytest.fixture(scope="module")
-def vocab_model(tmp_path_factory):
-    from engine import load_model
-    from engine.model import default_model_path
-    from engine.synthetic import RandomModelSpec, write_random_gguf
-    path = write_random_gguf(tmp_path_factory.mktemp("gguf") / "vocab.gguf",
-                             RandomModelSpec(n_layer=1, n_ctx=2048, tokenizer_from=default_model_path()))
-    return load_model(path)
 
 
 def test_accept_per_token(benchmark, vocab_model):
